@@ -1,0 +1,306 @@
+"""The run configuration: one typed dataclass per section, documented field by field.
+
+Keys here are the user-facing names (YAML and dotted CLI overrides such as
+``policy.model_name=Qwen/Qwen3-8B``). Fields whose allowed values form a closed set declare
+them in ``metadata={"choices": (...)}`` so the loader can name them in errors; plugin-selecting
+fields (``policy.training_backend``, ``policy.rollout_engine``, ``algorithm.adv_estimator``,
+...) are validated against the plugin registry at assembly time instead, since plugins are
+open-ended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ClusterConfig",
+    "OptimConfig",
+    "PolicyTrainConfig",
+    "SamplingConfig",
+    "PolicyConfig",
+    "AlgorithmConfig",
+    "RewardConfig",
+    "DatasetConfig",
+    "RolloutQuantConfig",
+    "TrainingQuantConfig",
+    "RolloutCorrectionConfig",
+    "QuantizationConfig",
+    "R3Config",
+    "MoEConfig",
+    "CriticConfig",
+    "CheckpointingConfig",
+    "LoggerConfig",
+    "WeightSyncConfig",
+    "AsyncTrainingConfig",
+    "RayConfig",
+    "ControllerConfig",
+    "AssemblyConfig",
+    "TrainerConfig",
+    "EvalConfig",
+    "RunConfig",
+]
+
+
+def choices(*values: Any) -> dict[str, Any]:
+    """Field metadata naming the allowed values of a closed-set field."""
+    return {"choices": tuple(values)}
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    num_nodes: int = 1  # machines in the run
+    gpus_per_node: int = 0  # 0 = CPU run
+    device: str = field(default="auto", metadata=choices("auto", "cpu", "cuda"))  # auto: cuda if available
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
+    lr_schedule: str = field(default="constant", metadata=choices("constant", "linear", "cosine"))
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # floor of linear/cosine decay, as a fraction of lr
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyTrainConfig:
+    ppo_epochs: int = 1  # passes over each rollout batch
+    mini_batch_size: int = 0  # sequences per optimizer step; 0 = whole batch (one step per epoch)
+    micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
+    gradient_checkpointing: bool = False
+    mixed_precision: str = field(default="auto", metadata=choices("auto", "bf16", "fp32"))  # auto: bf16 on GPU
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingConfig:
+    n: int = 8  # responses per prompt (group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's EOS
+    ignore_eos: bool = False  # for benchmarks: always generate max_new_tokens
+    max_batch_size: int = 256  # concurrent sequences in the engine
+    gpu_memory_utilization: float = 0.5  # fraction of free GPU memory for the KV cache
+    cuda_graphs: bool = True  # decode with CUDA graphs on GPU
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyConfig:
+    model_name: str = "lumenrl:tiny-qwen3-arith"  # HF path/id, or a built-in "lumenrl:" demo model
+    tokenizer_name: str = ""  # empty: same as model_name
+    dtype: str = field(default="auto", metadata=choices("auto", "float32", "bfloat16", "float16"))
+    training_backend: str = "fsdp2"  # lumenrl.training_backends plugin name
+    rollout_engine: str = "native"  # lumenrl.rollout_engines plugin name
+    max_prompt_length: int = 64
+    trust_remote_code: bool = False
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: PolicyTrainConfig = field(default_factory=PolicyTrainConfig)
+    rollout: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    name: str = field(default="grpo", metadata=choices("grpo", "dapo", "ppo"))
+    adv_estimator: str = "grpo"  # lumenrl.advantage_estimators plugin name
+    norm_adv_by_std: bool = True  # false = Dr.GRPO
+    policy_loss: str = "ppo_clip"  # lumenrl.policy_losses plugin name
+    clip_ratio_low: float = 0.2  # eps_low
+    clip_ratio_high: float = 0.2  # eps_high (DAPO clip-higher: 0.28)
+    clip_ratio_c: float = 3.0  # dual-clip constant; <= 1 disables
+    loss_agg_mode: str = field(
+        default="token-mean",
+        metadata=choices("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    )
+    gamma: float = 1.0
+    lam: float = 1.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 1e-3
+    kl_loss_type: str = field(default="low_var_kl", metadata=choices("k1", "k2", "k3", "low_var_kl"))
+    use_kl_in_reward: bool = False
+    kl_reward_coef: float = 1e-3
+    entropy_coef: float = 0.0
+    # DAPO
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal
+    max_num_gen_batches: int = 4  # bound on extra generation batches to fill the train batch
+    overlong_buffer_len: int = 0  # L_buf; 0 disables overlong shaping
+    overlong_penalty_factor: float = 1.0
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    name: str = "math"  # lumenrl.rewards plugin name
+    function: str = ""  # "module:fn" user reward; overrides name when set
+    format_score: float = 0.0  # score for a well-formed but wrong answer
+
+
+@dataclass(kw_only=True, slots=True)
+class DatasetConfig:
+    name: str = "arithmetic"  # built-in generated task, or "jsonl" / "parquet"
+    path: str = ""  # local jsonl/parquet file for name=jsonl|parquet
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    prompt_template: str = "{prompt}"  # used when the tokenizer has no chat template
+    use_chat_template: bool = True
+    train_batch_size: int = 8  # prompts per step
+    num_examples: int = 2000  # size of a generated task
+    difficulty: int = 2  # generated tasks: digits per operand
+    shuffle: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutQuantConfig:
+    precision: str = field(default="bf16", metadata=choices("bf16", "fp16", "fp32", "fp8", "mxfp8", "mxfp4"))
+    scheme: str = ""  # lumenrl.quant_schemes plugin name; empty = derived from precision
+    skip_first_n_layers: int = 0
+    skip_last_n_layers: int = 0
+    kv_cache_dtype: str = field(default="auto", metadata=choices("auto", "fp8"))
+    kv_scale_recalibration: bool = True  # recompute KV scales after every weight sync
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingQuantConfig:
+    precision: str = field(default="bf16", metadata=choices("bf16", "fp32", "fp8", "mxfp8", "mxfp4"))
+    recipe: str = field(default="blockwise", metadata=choices("tensorwise", "rowwise", "blockwise"))
+    fp8_format: str = field(default="hybrid", metadata=choices("e4m3", "hybrid"))
+    weight_cache: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutCorrectionConfig:
+    enabled: bool = False
+    mode: str = "tis_token"  # lumenrl.rollout_corrections plugin name
+    clip: float = 2.0  # TIS cap C
+    mask_low: float = 0.5  # MIS band
+    mask_high: float = 2.0
+    extreme_tau: float = 2.0  # threshold for the extreme-token fraction metric
+
+
+@dataclass(kw_only=True, slots=True)
+class QuantizationConfig:
+    rollout: RolloutQuantConfig = field(default_factory=RolloutQuantConfig)
+    training: TrainingQuantConfig = field(default_factory=TrainingQuantConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class R3Config:
+    enabled: bool = False
+    mode: str = field(default="replay", metadata=choices("replay", "distribution"))
+    router: str = ""  # lumenrl.moe_routers plugin name; empty = by model type
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    r3: R3Config = field(default_factory=R3Config)
+    expert_parallel_size: int = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticConfig:
+    enabled: bool = False  # PPO turns it on
+    model_name: str = ""  # empty: same as policy.model_name
+    cliprange_value: float = 0.5
+    value_loss_coef: float = 0.5
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointingConfig:
+    enabled: bool = True
+    save_every: int = 0  # steps; 0 = only at the end
+    keep_last: int = 2
+    resume: bool = False  # continue from the latest checkpoint in trainer.output_dir
+    export_hf: bool = True  # save_pretrained the final policy
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggerConfig:
+    backends: list[str] = field(default_factory=lambda: ["jsonl", "console"])  # lumenrl.loggers names
+    progress_bar: bool = True
+    wandb_project: str = "lumenrl"
+    log_every: int = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    method: str = "inprocess"  # lumenrl.weight_syncs plugin name
+    bucket_size_mb: int = 512
+    snapshot_dir: str = ""  # filesystem sync: where snapshots are written
+
+
+@dataclass(kw_only=True, slots=True)
+class AsyncTrainingConfig:
+    enabled: bool = False
+    staleness_threshold: float = 0.0
+    trigger_parameter_sync_step: int = 1
+    require_batches: int = 1
+    partial_rollout: bool = False
+    queue_size: int = 0  # 0: derived from the staleness bound
+
+
+@dataclass(kw_only=True, slots=True)
+class RayConfig:
+    address: str = ""  # empty: start a local Ray; "auto": join a running cluster
+    colocate: bool = True
+    num_cpus_per_worker: float = 1.0
+
+
+@dataclass(kw_only=True, slots=True)
+class ControllerConfig:
+    name: str = "local"  # lumenrl.controllers plugin name
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+@dataclass(kw_only=True, slots=True)
+class AssemblyConfig:
+    strict_policy: bool = True
+    use_new_assembler: bool = True
+    allowed_training_backends: list[str] = field(default_factory=list)  # empty: all allowed
+    allowed_inference_backends: list[str] = field(default_factory=list)  # empty: all allowed
+    check_plugin_versions: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    name: str = "rl"  # lumenrl.trainers plugin name
+    output_dir: str = "runs/default"
+    project_name: str = "lumenrl"
+    experiment_name: str = "default"
+    test_freq: int = 0  # evaluate every N steps; 0 = never during training
+    total_epochs: int = 0  # 0 = bounded by num_training_steps only
+    warm_start_sft_steps: int = 0  # built-in demo: short SFT before RL (0 = none)
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    enabled: bool = True
+    num_examples: int = 64
+    temperature: float = 0.0  # greedy
+    every: int = 0  # steps; 0 = before and after training only
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    seed: int = 1
+    num_training_steps: int = 20
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    assembly: AssemblyConfig = field(default_factory=AssemblyConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
