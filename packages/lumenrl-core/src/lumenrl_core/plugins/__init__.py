@@ -1,0 +1,48 @@
+"""LumenRL's plugin registry: one entry-point group per plugin kind (``lumenrl.<kind>``).
+
+    from lumenrl_core.plugins import get_registry
+
+    registry = get_registry()
+    registry.names("rollout_engines")          # ['hf', 'native', ...] -- nothing imported
+    cls = registry.load("rollout_engines", "native")
+    registry.info("rollout_engines", "vllm")   # PluginInfo(available=False, reason="module 'vllm' ...")
+
+Plugins are selected by name from the run config and never auto-activated. See
+:mod:`lumenrl_core.plugins.registry` for the rules and :mod:`lumenrl_core.plugins.probes` for
+availability probes.
+"""
+
+from lumenrl_core.plugins.compat import core_requirement_problem, core_version
+from lumenrl_core.plugins.kinds import GROUP_PREFIX, KINDS, KNOWN_PROVIDERS, group_of, install_hint
+from lumenrl_core.plugins.probes import cuda_probe, first_reason, module_probe
+from lumenrl_core.plugins.registry import (
+    DuplicatePluginError,
+    PluginError,
+    PluginInfo,
+    PluginLoadError,
+    PluginRegistry,
+    UnknownPluginError,
+    get_registry,
+    set_registry,
+)
+
+__all__ = [
+    "KINDS",
+    "GROUP_PREFIX",
+    "KNOWN_PROVIDERS",
+    "group_of",
+    "install_hint",
+    "core_version",
+    "core_requirement_problem",
+    "module_probe",
+    "cuda_probe",
+    "first_reason",
+    "PluginError",
+    "UnknownPluginError",
+    "DuplicatePluginError",
+    "PluginLoadError",
+    "PluginInfo",
+    "PluginRegistry",
+    "get_registry",
+    "set_registry",
+]

@@ -1,0 +1,207 @@
+"""Plugin registry: discovery, duplicates, unknown names, lazy loading, version checks, probes."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from lumenrl_core.plugins import (
+    KINDS,
+    DuplicatePluginError,
+    PluginLoadError,
+    PluginRegistry,
+    UnknownPluginError,
+    core_requirement_problem,
+    core_version,
+    cuda_probe,
+    first_reason,
+    get_registry,
+    group_of,
+    module_probe,
+    set_registry,
+)
+
+
+class GoodEngine:
+    capabilities = frozenset({"fp8_weights", "logprobs"})
+
+    @classmethod
+    def probe(cls):
+        return None
+
+
+class NoGpuEngine:
+    capabilities = frozenset({"logprobs"})
+
+    @classmethod
+    def probe(cls):
+        return "no CUDA/ROCm GPU visible to torch"
+
+
+class CrashingProbe:
+    capabilities = frozenset()
+
+    @classmethod
+    def probe(cls):
+        raise RuntimeError("driver exploded")
+
+
+@pytest.fixture
+def reg() -> PluginRegistry:
+    return PluginRegistry(discover=False)
+
+
+def test_kinds_and_groups():
+    assert len(KINDS) == 14 and "rollout_engines" in KINDS
+    assert group_of("quant_schemes") == "lumenrl.quant_schemes"
+    with pytest.raises(ValueError, match=r"kind='rollout_engine'.*did you mean 'rollout_engines'"):
+        group_of("rollout_engine")
+
+
+def test_register_load_info(reg):
+    reg.register("rollout_engines", "good", GoodEngine, distribution="lumenrl-test", version="1.2.3")
+    assert reg.names("rollout_engines") == ["good"]
+    assert reg.load("rollout_engines", "good") is GoodEngine
+    info = reg.info("rollout_engines", "good")
+    assert info.available and info.reason is None
+    assert info.capabilities == {"fp8_weights", "logprobs"}
+    assert (info.kind, info.distribution, info.version) == ("rollout_engines", "lumenrl-test", "1.2.3")
+    assert info.target.endswith(":GoodEngine")
+
+
+def test_probe_reason_and_crash_make_unavailable(reg):
+    reg.register("rollout_engines", "nogpu", NoGpuEngine)
+    reg.register("rollout_engines", "crash", CrashingProbe)
+    assert reg.info("rollout_engines", "nogpu").reason == "no CUDA/ROCm GPU visible to torch"
+    crash = reg.info("rollout_engines", "crash")
+    assert not crash.available and "RuntimeError: driver exploded" in crash.reason
+    assert reg.load("rollout_engines", "nogpu") is NoGpuEngine  # loadable, just unavailable
+
+
+def test_probe_is_cached(reg):
+    calls = []
+
+    class Counting:
+        capabilities = frozenset()
+
+        @classmethod
+        def probe(cls):
+            calls.append(1)
+
+    reg.register("loggers", "count", Counting)
+    reg.info("loggers", "count")
+    reg.info("loggers", "count")
+    assert len(calls) == 1
+
+
+def test_duplicate_names_both_distributions(reg):
+    reg.register("rewards", "math", GoodEngine, distribution="pkg-a", version="0.1")
+    with pytest.raises(DuplicatePluginError, match=r"'math'.*pkg-a 0\.1.*pkg-b 0\.2"):
+        reg.register("rewards", "math", NoGpuEngine, distribution="pkg-b", version="0.2")
+    reg.register("rewards", "math", GoodEngine, distribution="pkg-a", version="0.1")  # same dist+target: tolerated
+    assert reg.load("rewards", "math") is GoodEngine
+
+
+def test_unknown_name_lists_available_closest_and_install(reg):
+    reg.register("rollout_engines", "native", GoodEngine)
+    reg.register("rollout_engines", "hf", GoodEngine)
+    with pytest.raises(UnknownPluginError) as err:
+        reg.load("rollout_engines", "vlm")
+    assert "available: hf, native" in str(err.value)
+    with pytest.raises(UnknownPluginError) as err:
+        reg.load("rollout_engines", "vllm")
+    msg = str(err.value)
+    assert "no rollout_engines plugin named 'vllm'" in msg and "pip install 'lumenrl-backends[vllm]'" in msg
+    with pytest.raises(UnknownPluginError, match="did you mean 'native'"):
+        reg.info("rollout_engines", "nativ")
+
+
+def test_lazy_loading_and_import_failure(reg):
+    calls = []
+
+    def loader():
+        calls.append(1)
+        raise ModuleNotFoundError("No module named 'lumenrl_backends.engines'")
+
+    reg.register_loader("rollout_engines", "later", loader, target="lumenrl_backends.engines.x:X")
+    assert reg.names("rollout_engines") == ["later"] and calls == []  # discovery never imports
+    info = reg.info("rollout_engines", "later")
+    assert not info.available
+    assert "cannot import lumenrl_backends.engines.x:X: ModuleNotFoundError" in info.reason
+    with pytest.raises(PluginLoadError, match="ModuleNotFoundError"):
+        reg.load("rollout_engines", "later")
+    assert calls == [1]  # import attempted once, cached
+
+
+def test_incompatible_core_requirement_blocks_import(reg):
+    calls = []
+    reg.register_loader("quant_schemes", "future", lambda: calls.append(1) or GoodEngine,
+                        distribution="lumenrl-future", version="9.0", requires=["lumenrl-core>=9.0,<9.1"])
+    info = reg.info("quant_schemes", "future")
+    assert not info.available and calls == []
+    assert f"lumenrl-future 9.0 requires lumenrl-core<9.1,>=9.0 but lumenrl-core {core_version()}" in info.reason
+    assert reg.load("quant_schemes", "future", check_versions=False) is GoodEngine  # opt out
+
+
+def test_core_requirement_problem_rules():
+    reqs = ["torch>=2.6", "lumenrl-core>=0.1,<0.2", 'lumenrl-core>=5; extra == "future"']
+    assert core_requirement_problem("lumenrl-x", "0.1", reqs, installed_core="0.1.3") is None
+    assert "requires lumenrl-core<0.2,>=0.1" in core_requirement_problem("lumenrl-x", "0.1", reqs, "0.2.0")
+    assert core_requirement_problem("lumenrl-quant", "0.1", ["torch>=2.6"], "7.0") is None
+    assert core_requirement_problem("lumenrl_core", "0.1", ["lumenrl-core>=9"], "0.1") is None
+
+
+def test_real_entry_points_are_discovered():
+    reg = PluginRegistry()
+    assert {"grpo", "drgrpo", "rloo", "gae"} <= set(reg.names("advantage_estimators"))
+    assert reg.distribution("advantage_estimators", "grpo")[0] == "lumenrl-core"
+    assert {"fsdp2", "megatron"} <= set(reg.names("training_backends"))
+    assert reg.distribution("weight_syncs", "filesystem")[0] == "lumenrl-async"
+    # every listed plugin yields an info (unimportable ones are reported, never raised)
+    infos = reg.infos()
+    assert all(i.available == (i.reason is None) for i in infos)
+
+
+def test_default_registry_can_be_replaced(reg):
+    old = set_registry(reg)
+    try:
+        assert get_registry() is reg
+    finally:
+        set_registry(old)
+
+
+def test_module_probe_real_api_missing_and_namesake(tmp_path, monkeypatch):
+    assert module_probe("json", ["dumps", "decoder.JSONDecoder"]) is None
+    assert module_probe("email", ["mime.text.MIMEText"]) is None  # submodule along the path
+    assert "not installed (pip install amd-aiter)" in module_probe("lumenrl_no_such_mod", install="amd-aiter")
+    assert "not installed" in module_probe("lumenrl_no_such_mod.engine", ["TransferEngine"])
+    # an unrelated package under the same import name (PyPI's `atom`, `lumen`): detected by API
+    pkg = tmp_path / "lumenrl_fake_atom"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def unrelated():\n    return 1\n")
+    (tmp_path / "lumenrl_broken_mod.py").write_text("raise RuntimeError('bad build')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("lumenrl_fake_atom", "lumenrl_broken_mod"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    reason = module_probe("lumenrl_fake_atom", ["LLMEngine", "unrelated"])
+    assert "lacks LLMEngine" in reason and "unrelated package with the same import name" in reason
+    assert "RuntimeError: bad build" in module_probe("lumenrl_broken_mod")
+
+
+def test_cuda_probe(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cuda_probe() == "no CUDA/ROCm GPU visible to torch"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "A100")
+    assert cuda_probe() is None
+    assert cuda_probe((8, 0)) is None
+    assert cuda_probe((9, 0)) == "GPU compute capability 8.0 < required 9.0 (A100)"
+
+
+def test_first_reason():
+    assert first_reason(lambda: None, lambda: "b", lambda: "c") == "b"
+    assert first_reason(lambda: None) is None
