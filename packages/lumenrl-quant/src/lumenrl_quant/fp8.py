@@ -1,0 +1,174 @@
+"""FP8 quantize / dequantize at tensor, row and block granularity.
+
+Design
+------
+Scale convention (the one every function in this package uses): **dequant scales**.
+
+    q = saturate(x / scale)  cast to FP8          x ≈ q * scale          scale = amax / fp8_max
+
+``amax`` is the largest magnitude in the scaled group; an all-zero group gets ``scale = 1``.
+With ``power_of_two_scale=True`` the scale is rounded *up* to a power of two (exactly, via
+``frexp``), so ``x / scale`` stays inside the FP8 range and scaling itself is lossless.
+
+Granularities and scale shapes, for ``x`` of shape ``(..., M, K)``:
+
+==============  ========================  ====================================================
+granularity     scale shape               use
+==============  ========================  ====================================================
+``tensorwise``  ``()``                    one scale for the whole tensor
+``rowwise``     ``(..., M, 1)``           per token (activations) or per output channel (weights)
+``block``       ``(..., ⌈M/bm⌉, ⌈K/bk⌉)``  ``block_size=(1, 128)`` activations (per-token group),
+                                           ``(128, 128)`` weights (DeepSeek-V3 ``weight_scale_inv``)
+==============  ========================  ====================================================
+
+Non-divisible shapes (block granularity): the tensor is zero-padded internally to whole blocks,
+the trailing partial block gets its own scale from its real elements, and ``q`` is returned
+with the *unpadded* shape ``(..., M, K)`` while ``scale`` has the ceil-divided shape above.
+:func:`dequantize_fp8` with the same ``block_size`` inverts this exactly.
+
+Every cast clamps to ``±fp8_max`` first: torch <= 2.11 turns E4M3 overflow into NaN while
+torch >= 2.12 saturates, and the results here must not depend on the version. Math is float32.
+Exact: the scale (and its power-of-two rounding). Approximate: the FP8 cast, round-to-nearest-even.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from lumenrl_quant.formats import fp8_max
+
+__all__ = [
+    "GRANULARITIES",
+    "Granularity",
+    "amax_to_scale",
+    "dequantize_fp8",
+    "expand_block_scale",
+    "quantize_fp8",
+    "round_scale_to_power_of_two",
+]
+
+Granularity = Literal["tensorwise", "rowwise", "block"]
+GRANULARITIES: tuple[str, ...] = ("tensorwise", "rowwise", "block")
+
+
+def round_scale_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:
+    """Round positive scales up to the next power of two, exactly (powers of two are kept)."""
+    mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+    pow2 = torch.ldexp(torch.ones_like(scale), exponent)
+    return torch.where(mantissa == 0.5, scale, pow2)
+
+
+def amax_to_scale(
+    amax: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *, power_of_two_scale: bool = False
+) -> torch.Tensor:
+    """Dequant scale ``amax / fp8_max`` in float32; groups with ``amax == 0`` get scale 1."""
+    amax = amax.float()
+    scale = torch.where(amax > 0, amax / fp8_max(dtype), torch.ones_like(amax))
+    return round_scale_to_power_of_two(scale) if power_of_two_scale else scale
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    limit = fp8_max(dtype)
+    return (x / scale).clamp_(-limit, limit).to(dtype)
+
+
+def _check_block_size(block_size: tuple[int, int] | None) -> tuple[int, int]:
+    if block_size is None:
+        return (1, 128)
+    if len(block_size) != 2 or any(int(b) < 1 for b in block_size):
+        raise ValueError(f"block_size={block_size!r} must be two positive ints, e.g. (1, 128) or (128, 128)")
+    return int(block_size[0]), int(block_size[1])
+
+
+def _pad_to_blocks(x: torch.Tensor, bm: int, bk: int) -> torch.Tensor:
+    m, k = x.shape[-2:]
+    pad_m, pad_k = (-m) % bm, (-k) % bk
+    return F.pad(x, (0, pad_k, 0, pad_m)) if pad_m or pad_k else x
+
+
+def _quantize_blocks(
+    x: torch.Tensor, dtype: torch.dtype, bm: int, bk: int, power_of_two_scale: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() < 2:
+        raise ValueError(f"granularity='block' needs x with >= 2 dims (..., M, K); got shape {tuple(x.shape)}")
+    m, k = x.shape[-2:]
+    xp = _pad_to_blocks(x.float(), bm, bk)
+    *lead, mp, kp = xp.shape
+    xb = xp.reshape(*lead, mp // bm, bm, kp // bk, bk)  # (..., Mb, bm, Kb, bk)
+    scale = amax_to_scale(xb.abs().amax(dim=(-3, -1)), dtype, power_of_two_scale=power_of_two_scale)
+    q = _cast(xb, scale[..., :, None, :, None], dtype).reshape(*lead, mp, kp)
+    if (mp, kp) != (m, k):
+        q = q[..., :m, :k].contiguous()
+    return q, scale
+
+
+def quantize_fp8(
+    x: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    granularity: Granularity = "tensorwise",
+    block_size: tuple[int, int] | None = None,
+    power_of_two_scale: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to FP8; returns ``(q, scale)`` with ``x ≈ q * scale`` (see module doc).
+
+    ``block_size`` applies to ``granularity="block"`` only (default ``(1, 128)``).
+    """
+    fp8_max(dtype)  # validates dtype
+    if granularity == "tensorwise":
+        xf = x.float()
+        scale = amax_to_scale(xf.abs().amax(), dtype, power_of_two_scale=power_of_two_scale)
+        return _cast(xf, scale, dtype), scale
+    if granularity == "rowwise":
+        if x.dim() < 1:
+            raise ValueError("granularity='rowwise' needs x with >= 1 dim")
+        xf = x.float()
+        amax = xf.abs().amax(dim=-1, keepdim=True)  # (..., M, 1)
+        scale = amax_to_scale(amax, dtype, power_of_two_scale=power_of_two_scale)
+        return _cast(xf, scale, dtype), scale
+    if granularity == "block":
+        bm, bk = _check_block_size(block_size)
+        return _quantize_blocks(x, dtype, bm, bk, power_of_two_scale)
+    raise ValueError(f"granularity={granularity!r} is not supported; allowed: {list(GRANULARITIES)}")
+
+
+def expand_block_scale(
+    scale: torch.Tensor, block_size: tuple[int, int], shape: torch.Size | tuple[int, ...]
+) -> torch.Tensor:
+    """Expand a ``(..., ⌈M/bm⌉, ⌈K/bk⌉)`` block scale to ``(..., M, K)`` (elementwise scale)."""
+    bm, bk = _check_block_size(block_size)
+    m, k = shape[-2:]
+    if scale.shape[-2:] != (-(-m // bm), -(-k // bk)):
+        raise ValueError(
+            f"scale shape {tuple(scale.shape)} does not match shape {tuple(shape)} with block_size "
+            f"{(bm, bk)}: expected trailing dims {(-(-m // bm), -(-k // bk))}"
+        )
+    full = scale.repeat_interleave(bm, dim=-2).repeat_interleave(bk, dim=-1)
+    return full[..., :m, :k]
+
+
+def dequantize_fp8(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    block_size: tuple[int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8`: ``q * scale`` in float32, cast to ``dtype``.
+
+    Tensorwise and rowwise scales broadcast; block scales need the ``block_size`` they were made with.
+    """
+    qf = q.float()
+    if block_size is not None:
+        return (qf * expand_block_scale(scale.float(), block_size, q.shape)).to(dtype)
+    try:
+        torch.broadcast_shapes(q.shape, scale.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"scale shape {tuple(scale.shape)} does not broadcast to q shape {tuple(q.shape)}; "
+            "pass block_size=(bm, bk) for block scales"
+        ) from None
+    return (qf * scale.float()).to(dtype)

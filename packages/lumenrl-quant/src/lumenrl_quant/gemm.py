@@ -1,0 +1,214 @@
+"""Scaled FP8 GEMM with one entry point that picks the fastest correct path.
+
+Design
+------
+``scaled_mm(a_q, a_scale, b_q, b_scale)`` computes ``out = (a_q * a_scale) @ (b_q * b_scale).T``
+with ``a`` the activation ``(M, K)`` and ``b`` the weight ``(N, K)`` (nn.Linear layout), both FP8,
+and dequant scales in the convention of :mod:`lumenrl_quant.fp8`. The scale layout is inferred
+from the scale shapes (or given by ``a_block_size`` / ``b_block_size``):
+
+=========================  ========================  ==============================
+mode                       a_scale                   b_scale
+=========================  ========================  ==============================
+tensorwise                 ``()`` / one element      ``()`` / one element
+rowwise                    ``(M, 1)``                ``(N, 1)``
+blockwise (DeepSeek-V3)    ``(M, ⌈K/128⌉)`` 1x128    ``(⌈N/128⌉, ⌈K/128⌉)`` 128x128
+other combinations         any of the above, mixed   -> always emulated
+=========================  ========================  ==============================
+
+Paths (:func:`gemm_path` names the one that would run):
+
+* ``scaled_mm_<mode>``: ``torch._scaled_mm`` where device and torch support the mode: CUDA
+  sm89+ and ROCm for tensorwise / rowwise, CUDA sm90 for blockwise (needs K % 128 == 0), CPU for
+  tensorwise. ``torch._scaled_mm`` wants mat2 column-major (we pass ``b.t()``), K and N multiples
+  of 16, float32 scales; rowwise output must be bfloat16 on CUDA. Blockwise 1x128 activation scales
+  go in "outer-dim-major" layout (stride ``(1, M)``), 128x128 weight scales as ``b_scale.t()``.
+* ``emulated``: dequantize both operands to float32, matmul in float32, add bias, cast. This is
+  the exact reference (float32 accumulation), used on CPU for non-tensorwise modes and for MX.
+
+If the fast path raises at runtime (an older torch that lacks a mode), the combination is
+remembered, a warning is emitted once, and the emulation runs instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from lumenrl_quant.formats import fp8_format
+from lumenrl_quant.fp8 import dequantize_fp8
+
+__all__ = ["GemmPath", "ScaleLayout", "emulated_scaled_mm", "gemm_path", "infer_scale_layout", "scaled_mm"]
+
+GemmPath = str  # "scaled_mm_tensorwise" | "scaled_mm_rowwise" | "scaled_mm_blockwise" | "emulated"
+
+_FAILED: set[tuple] = set()
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleLayout:
+    """How one operand's dequant scale maps onto it: ``kind`` in tensor / row / block."""
+
+    kind: str
+    block_size: tuple[int, int] | None = None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def infer_scale_layout(
+    shape: torch.Size | tuple[int, int],
+    scale: torch.Tensor,
+    *,
+    is_weight: bool,
+    block_size: tuple[int, int] | None = None,
+) -> ScaleLayout:
+    """Infer the layout of ``scale`` for a 2-D operand of ``shape`` (rows, K)."""
+    rows, k = shape
+    if block_size is not None:
+        return ScaleLayout(kind="block", block_size=(int(block_size[0]), int(block_size[1])))
+    if scale.numel() == 1:
+        return ScaleLayout(kind="tensor")
+    if scale.dim() == 2 and tuple(scale.shape) == (rows, 1):
+        return ScaleLayout(kind="row")
+    if scale.dim() == 2 and tuple(scale.shape) == (rows, _cdiv(k, 128)):
+        return ScaleLayout(kind="block", block_size=(1, 128))
+    if is_weight and scale.dim() == 2 and tuple(scale.shape) == (_cdiv(rows, 128), _cdiv(k, 128)):
+        return ScaleLayout(kind="block", block_size=(128, 128))
+    raise ValueError(
+        f"cannot infer the scale layout of scale shape {tuple(scale.shape)} for operand shape {tuple(shape)}; "
+        f"allowed: () tensorwise, ({rows}, 1) rowwise, ({rows}, {_cdiv(k, 128)}) 1x128 blocks"
+        + (f", ({_cdiv(rows, 128)}, {_cdiv(k, 128)}) 128x128 blocks" if is_weight else "")
+        + "; or pass the block size explicitly"
+    )
+
+
+def _mode(la: ScaleLayout, lb: ScaleLayout) -> str | None:
+    if la.kind == lb.kind == "tensor":
+        return "tensorwise"
+    if la.kind == lb.kind == "row":
+        return "rowwise"
+    if la.block_size == (1, 128) and lb.block_size == (128, 128):
+        return "blockwise"
+    return None
+
+
+def _device_supports(mode: str, device: torch.device, k: int, out_dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    if device.type == "cpu":
+        return mode == "tensorwise"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if getattr(torch.version, "hip", None) is not None:
+        return mode in ("tensorwise", "rowwise") and (mode != "rowwise" or out_dtype == torch.bfloat16)
+    cap = torch.cuda.get_device_capability(device)
+    if mode == "blockwise":
+        return cap[0] == 9 and k % 128 == 0 and out_dtype == torch.bfloat16
+    if mode == "rowwise":
+        return cap >= (8, 9) and out_dtype == torch.bfloat16
+    return cap >= (8, 9)
+
+
+def _layouts(a_q, a_scale, b_q, b_scale, a_block_size, b_block_size) -> tuple[ScaleLayout, ScaleLayout]:
+    la = infer_scale_layout(a_q.shape, a_scale, is_weight=False, block_size=a_block_size)
+    lb = infer_scale_layout(b_q.shape, b_scale, is_weight=True, block_size=b_block_size)
+    return la, lb
+
+
+def _check_operands(a_q: torch.Tensor, b_q: torch.Tensor) -> None:
+    if a_q.dim() != 2 or b_q.dim() != 2:
+        raise ValueError(f"a_q must be (M, K) and b_q (N, K); got {tuple(a_q.shape)} and {tuple(b_q.shape)}")
+    if a_q.shape[1] != b_q.shape[1]:
+        raise ValueError(f"K mismatch: a_q {tuple(a_q.shape)} vs b_q {tuple(b_q.shape)} (b is the (N, K) weight)")
+
+
+def gemm_path(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    a_block_size: tuple[int, int] | None = None,
+    b_block_size: tuple[int, int] | None = None,
+) -> GemmPath:
+    """Name of the path :func:`scaled_mm` would take for these operands."""
+    _check_operands(a_q, b_q)
+    la, lb = _layouts(a_q, a_scale, b_q, b_scale, a_block_size, b_block_size)
+    mode = _mode(la, lb)
+    if mode is None:
+        return "emulated"
+    k, n = a_q.shape[1], b_q.shape[0]
+    both_e5m2 = fp8_format(a_q.dtype).name.startswith("e5m2") and fp8_format(b_q.dtype).name.startswith("e5m2")
+    if k % 16 or n % 16 or both_e5m2:
+        return "emulated"
+    key = (a_q.device.type, mode, a_q.dtype, b_q.dtype, out_dtype)
+    if key in _FAILED or not _device_supports(mode, a_q.device, k, out_dtype):
+        return "emulated"
+    return f"scaled_mm_{mode}"
+
+
+def emulated_scaled_mm(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    a_block_size: tuple[int, int] | None = None,
+    b_block_size: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Exact reference: dequantize both operands, matmul in float32, add bias, cast."""
+    _check_operands(a_q, b_q)
+    la, lb = _layouts(a_q, a_scale, b_q, b_scale, a_block_size, b_block_size)
+    a = dequantize_fp8(a_q, a_scale, block_size=la.block_size)
+    b = dequantize_fp8(b_q, b_scale, block_size=lb.block_size)
+    out = a @ b.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def _torch_scaled_mm(mode: str, a_q, a_scale, b_q, b_scale, out_dtype) -> torch.Tensor:
+    sa, sb = a_scale.float(), b_scale.float()
+    if mode == "tensorwise":
+        sa, sb = sa.reshape(()), sb.reshape(())
+    elif mode == "rowwise":
+        sa, sb = sa.contiguous(), sb.reshape(1, -1).contiguous()  # (M, 1), (1, N)
+    else:  # blockwise: 1x128 scales outer-dim-major, 128x128 weight scales transposed view
+        sa, sb = sa.t().contiguous().t(), sb.contiguous().t()
+    return torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
+
+def scaled_mm(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    a_block_size: tuple[int, int] | None = None,
+    b_block_size: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """``(a_q * a_scale) @ (b_q * b_scale).T (+ bias)`` as ``out_dtype``, on the fastest correct path."""
+    path = gemm_path(
+        a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, a_block_size=a_block_size, b_block_size=b_block_size
+    )
+    if path.startswith("scaled_mm_"):
+        mode = path.removeprefix("scaled_mm_")
+        try:
+            out = _torch_scaled_mm(mode, a_q.contiguous(), a_scale, b_q.contiguous(), b_scale, out_dtype)
+            return out if bias is None else (out + bias.to(out_dtype))
+        except (RuntimeError, NotImplementedError) as err:
+            _FAILED.add((a_q.device.type, mode, a_q.dtype, b_q.dtype, out_dtype))
+            warnings.warn(f"torch._scaled_mm {mode} failed here ({err}); using the emulated GEMM", stacklevel=2)
+    return emulated_scaled_mm(
+        a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, bias=bias,
+        a_block_size=a_block_size, b_block_size=b_block_size,
+    )
