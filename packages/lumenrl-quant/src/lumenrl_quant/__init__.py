@@ -19,7 +19,13 @@ from lumenrl_quant.formats import (
     fp8_max,
     is_fnuz_device,
 )
-from lumenrl_quant.fp8 import amax_to_scale, dequantize_fp8, expand_block_scale, quantize_fp8
+from lumenrl_quant.fp8 import (
+    amax_to_scale,
+    dequantize_fp8,
+    expand_block_scale,
+    quantize_fp8,
+    quantize_fp8_with_scale,
+)
 from lumenrl_quant.gemm import emulated_scaled_mm, gemm_path, scaled_mm
 
 __all__ = [
@@ -41,5 +47,6 @@ __all__ = [
     "gemm_path",
     "is_fnuz_device",
     "quantize_fp8",
+    "quantize_fp8_with_scale",
     "scaled_mm",
 ]

@@ -47,6 +47,7 @@ __all__ = [
     "dequantize_fp8",
     "expand_block_scale",
     "quantize_fp8",
+    "quantize_fp8_with_scale",
     "round_scale_to_power_of_two",
 ]
 
@@ -133,6 +134,24 @@ def quantize_fp8(
         bm, bk = _check_block_size(block_size)
         return _quantize_blocks(x, dtype, bm, bk, power_of_two_scale)
     raise ValueError(f"granularity={granularity!r} is not supported; allowed: {list(GRANULARITIES)}")
+
+
+def quantize_fp8_with_scale(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    block_size: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Static scaling: quantize with a given dequant ``scale`` (e.g. calibrated), saturating.
+
+    Values beyond ``scale * fp8_max`` clamp to ``±fp8_max`` (never NaN). ``scale`` broadcasts
+    against ``x``, or is a block scale when ``block_size`` is given.
+    """
+    scale = scale.float()
+    if block_size is not None:
+        scale = expand_block_scale(scale, block_size, x.shape)
+    return _cast(x.float(), scale, dtype)
 
 
 def expand_block_scale(
