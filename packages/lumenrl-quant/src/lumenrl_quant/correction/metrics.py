@@ -1,0 +1,83 @@
+"""Rollout-correction metrics, computed over valid (masked-in) response tokens only.
+
+All keys are namespaced ``rollout_correction/`` and always present (a stable metric set):
+
+- ``is_ratio_mean`` / ``is_ratio_max``: token ratio ``exp(log_ratio_t)`` (log ratio clamped to
+  [-20, 20]) over valid tokens;
+- ``is_weight_mean``: mean IS weight over valid *kept* tokens (1.0 when there are no weights);
+- ``clipped_frac``: fraction of valid tokens whose weight was truncated (from ``clipped``);
+- ``masked_frac``: fraction of valid tokens rejected by ``keep_mask``;
+- ``kl_k1`` / ``kl_k3``: mean per-token k1 / k3 estimates of KL(rollout || train);
+- ``extreme_token_frac``: fraction of valid tokens with ``max(r, 1/r) > tau``.
+
+With no valid token every metric is 0.0 except ``is_weight_mean`` (1.0), never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lumenrl_quant.correction.functional import kl_estimate, rollout_log_ratio
+
+__all__ = ["METRIC_PREFIX", "rollout_correction_metrics"]
+
+METRIC_PREFIX = "rollout_correction/"
+
+
+def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> float:
+    count = int(valid.sum())
+    if count == 0:
+        return 0.0
+    values = values.detach().to(torch.float64)  # accumulate in float64
+    return float(torch.where(valid, values, torch.zeros_like(values)).sum() / count)
+
+
+def _masked_max(values: torch.Tensor, valid: torch.Tensor) -> float:
+    if not bool(valid.any()):
+        return 0.0
+    return float(values[valid].max())
+
+
+def _fraction(flags: torch.Tensor | None, valid: torch.Tensor) -> float:
+    if flags is None:
+        return 0.0
+    count = int(valid.sum())
+    return int((flags & valid).sum()) / count if count else 0.0
+
+
+def _weight_mean(is_weights: torch.Tensor | None, kept: torch.Tensor) -> float:
+    if is_weights is None or not bool(kept.any()):
+        return 1.0
+    return _masked_mean(is_weights, kept)
+
+
+def rollout_correction_metrics(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    is_weights: torch.Tensor | None = None,
+    keep_mask: torch.Tensor | None = None,
+    clipped: torch.Tensor | None = None,
+    extreme_tau: float = 2.0,
+) -> dict[str, float]:
+    """Metrics dict for one batch; ``clipped`` is a (B, T) bool of truncated weights, if any."""
+    if extreme_tau < 1.0:
+        raise ValueError(f"extreme_tau must be >= 1 (a ratio band max(r, 1/r) > tau); got {extreme_tau!r}")
+    log_ratio = rollout_log_ratio(old_log_probs, rollout_log_probs, mask)  # (B, T)
+    valid = mask != 0
+    kept = valid if keep_mask is None else valid & (keep_mask != 0)
+    ratio = torch.exp(log_ratio)
+    metrics = {
+        "is_ratio_mean": _masked_mean(ratio, valid),
+        "is_ratio_max": _masked_max(ratio, valid),
+        "is_weight_mean": _weight_mean(is_weights, kept),
+        "clipped_frac": _fraction(clipped, valid),
+        "masked_frac": _fraction(None if keep_mask is None else keep_mask == 0, valid),
+        "kl_k1": _masked_mean(kl_estimate(log_ratio, "k1"), valid),
+        "kl_k3": _masked_mean(kl_estimate(log_ratio, "k3"), valid),
+        "extreme_token_frac": _fraction(log_ratio.abs() > math.log(extreme_tau), valid),
+    }
+    return {METRIC_PREFIX + key: value for key, value in metrics.items()}
