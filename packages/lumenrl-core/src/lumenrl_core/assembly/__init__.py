@@ -1,0 +1,49 @@
+"""Strict assembly: turn a :class:`~lumenrl_core.config.schema.RunConfig` into a runnable trainer.
+
+    plan = plan_run(cfg)        # resolves + checks every plugin, raises AssemblyError with ALL problems
+    trainer = assemble(cfg)     # plan_run(cfg) then plan.trainer_cls.from_plan(plan)
+
+The rules (see docs/decisions/0001-contracts.md and :mod:`.requirements`): unknown or
+unloadable plugins, plugins unavailable here (probe reason), allow-lists, capabilities derived
+from the config (FP8/MX rollout, FP8 KV cache, R3, partial rollout, SDDD, FP8 training, expert
+parallelism), refused combinations (MX training, PPO without critic/GAE, GAE without critic,
+R3/EP on a dense model), the ``reward.function`` syntax, and plugin distribution versions.
+"""
+
+from lumenrl_core.assembly.model_kind import config_is_moe, is_moe_model
+from lumenrl_core.assembly.plan import (
+    AssemblyError,
+    AssemblyWarning,
+    RunPlan,
+    build_with_keywords,
+    load_reward_function,
+)
+from lumenrl_core.assembly.planner import assemble, plan_run
+from lumenrl_core.assembly.requirements import (
+    ROLLOUT_SCHEME_BY_PRECISION,
+    Need,
+    Violation,
+    check_reward_function,
+    config_violations,
+    required_capabilities,
+    rollout_scheme_name,
+)
+
+__all__ = [
+    "plan_run",
+    "assemble",
+    "RunPlan",
+    "AssemblyError",
+    "AssemblyWarning",
+    "Violation",
+    "Need",
+    "ROLLOUT_SCHEME_BY_PRECISION",
+    "rollout_scheme_name",
+    "required_capabilities",
+    "config_violations",
+    "check_reward_function",
+    "build_with_keywords",
+    "load_reward_function",
+    "config_is_moe",
+    "is_moe_model",
+]

@@ -1,0 +1,76 @@
+"""Is a model a Mixture-of-Experts? Decided from its ``config.json`` when one is on local disk
+(a checkpoint directory, or the Hugging Face cache), else from well-known names. Never loads
+weights and never touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MOE_MODEL_TYPES", "config_is_moe", "find_local_config", "is_moe_model"]
+
+MOE_MODEL_TYPES = frozenset({
+    "qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe",
+    "olmoe", "gpt_oss", "dbrx", "jamba", "granitemoe", "phimoe", "llama4", "minimax", "ernie4_5_moe",
+})
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# Hub ids of MoE families whose names do not say "moe": Qwen3-30B-A3B, DeepSeek-V3, gpt-oss, ...
+_MOE_NAME = re.compile(
+    r"moe|mixtral|-a\d+(\.\d+)?b\b|deepseek-(v2|v3|r1)|glm-4\.[56]|gpt-oss|dbrx|jamba|llama-4", re.IGNORECASE
+)
+
+
+def config_is_moe(config: dict[str, Any]) -> bool:
+    """Whether an HF ``config.json`` dict (or its ``text_config``) describes an MoE model."""
+    for section in (config, config.get("text_config") or {}):
+        if section.get("model_type") in MOE_MODEL_TYPES:
+            return True
+        for key in _EXPERT_COUNT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and value > 1:
+                return True
+    return False
+
+
+def _hf_cache_config(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - malformed ids raise validation errors
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def find_local_config(model_name: str) -> Path | None:
+    """The ``config.json`` for ``model_name`` if it exists locally (directory or HF cache)."""
+    path = Path(os.path.expanduser(model_name))
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json"
+    if path.is_file() and path.name == "config.json":
+        return path
+    if model_name.startswith("lumenrl:") or model_name.count("/") != 1:
+        return None
+    return _hf_cache_config(model_name)
+
+
+def is_moe_model(model_name: str) -> tuple[bool | None, str]:
+    """``(is_moe, how_decided)``; ``is_moe`` is ``None`` when it cannot be told without downloading."""
+    config_path = find_local_config(model_name)
+    if config_path is not None:
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            return None, f"cannot read {config_path}: {exc}"
+        return config_is_moe(config), f"from {config_path}"
+    if model_name.startswith("lumenrl:"):
+        return "moe" in model_name.lower(), "built-in model name"
+    if _MOE_NAME.search(model_name):
+        return True, "known MoE model family"
+    return None, "no local config.json and not a known MoE family"

@@ -1,0 +1,141 @@
+"""What a run config demands of its plugins: capabilities per role and config-level rules.
+
+Pure functions of the config (no registry, no imports of plugin code), so each rule is easy to
+test and to read. :mod:`lumenrl_core.assembly.planner` applies them to the resolved plugins.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from lumenrl_core.config.schema import RunConfig
+
+__all__ = [
+    "Violation",
+    "Need",
+    "ROLLOUT_SCHEME_BY_PRECISION",
+    "rollout_scheme_name",
+    "required_capabilities",
+    "config_violations",
+    "check_reward_function",
+]
+
+ROLLOUT_SCHEME_BY_PRECISION = {"fp8": "fp8_block", "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
+_ENGINE_CAP_BY_PRECISION = {"fp8": "fp8_weights", "mxfp8": "mx_weights", "mxfp4": "mx_weights"}
+_TRAINING_PRECISIONS = ("bf16", "fp32", "fp8")
+_REWARD_FN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken rule: the config key, its value, and what is wrong / allowed.
+
+    ``fatal`` violations (a plugin that cannot be resolved at all) fail assembly even when
+    ``assembly.strict_policy`` is false: there is nothing to build.
+    """
+
+    key: str
+    value: Any
+    problem: str
+    fatal: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value!r}: {self.problem}"
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """Role ``role`` must declare capability ``capability`` because ``because_key=because_value``."""
+
+    role: str
+    capability: str
+    because_key: str
+    because_value: Any
+
+
+def rollout_scheme_name(cfg: RunConfig) -> str | None:
+    """The ``lumenrl.quant_schemes`` name the rollout uses: the explicit scheme, else derived."""
+    rollout = cfg.quantization.rollout
+    return rollout.scheme or ROLLOUT_SCHEME_BY_PRECISION.get(rollout.precision)
+
+
+def required_capabilities(cfg: RunConfig) -> list[Need]:
+    """Capabilities the config requires of the rollout engine and the training backend."""
+    q = cfg.quantization
+    needs: list[Need] = []
+    if q.rollout.precision in _ENGINE_CAP_BY_PRECISION:
+        cap = _ENGINE_CAP_BY_PRECISION[q.rollout.precision]
+        needs.append(Need("rollout_engine", cap, "quantization.rollout.precision", q.rollout.precision))
+    if q.rollout.kv_cache_dtype == "fp8":
+        needs.append(Need("rollout_engine", "fp8_kv_cache", "quantization.rollout.kv_cache_dtype", "fp8"))
+    if cfg.moe.r3.enabled:
+        needs.append(Need("rollout_engine", "route_recording", "moe.r3.enabled", True))
+        needs.append(Need("training_backend", "route_replay", "moe.r3.enabled", True))
+    if cfg.async_training.partial_rollout:
+        needs.append(Need("rollout_engine", "interrupt_resume", "async_training.partial_rollout", True))
+    if cfg.trainer.name == "sddd":
+        needs.append(Need("rollout_engine", "hidden_state_capture", "trainer.name", "sddd"))
+    if q.training.precision == "fp8":
+        needs.append(Need("training_backend", "fp8_training", "quantization.training.precision", "fp8"))
+    if cfg.moe.expert_parallel_size > 1:
+        ep = cfg.moe.expert_parallel_size
+        needs.append(Need("training_backend", "expert_parallel", "moe.expert_parallel_size", ep))
+    return needs
+
+
+def _precision_violations(cfg: RunConfig) -> list[Violation]:
+    q = cfg.quantization
+    out = []
+    if q.training.precision not in _TRAINING_PRECISIONS:
+        out.append(Violation("quantization.training.precision", q.training.precision,
+                             f"not supported for training (rollout only); allowed: {', '.join(_TRAINING_PRECISIONS)}"))
+    if q.rollout.scheme and q.rollout.precision not in ROLLOUT_SCHEME_BY_PRECISION:
+        out.append(Violation("quantization.rollout.scheme", q.rollout.scheme,
+                             f"has no effect with quantization.rollout.precision={q.rollout.precision!r}; "
+                             f"set precision to one of {', '.join(ROLLOUT_SCHEME_BY_PRECISION)} or clear the scheme"))
+    return out
+
+
+def _algorithm_violations(cfg: RunConfig) -> list[Violation]:
+    algo, critic = cfg.algorithm, cfg.critic.enabled
+    out = []
+    if algo.name == "ppo":
+        if not critic:
+            out.append(Violation("critic.enabled", False, "algorithm.name='ppo' needs a critic; set critic.enabled=true"))
+        if algo.adv_estimator != "gae":
+            out.append(Violation("algorithm.adv_estimator", algo.adv_estimator,
+                                 "algorithm.name='ppo' uses value-based advantages; allowed: 'gae'"))
+    elif algo.adv_estimator == "gae" and not critic:
+        out.append(Violation("algorithm.adv_estimator", "gae",
+                             "GAE needs value estimates but critic.enabled=false; enable the critic or use "
+                             "a critic-free estimator (grpo, drgrpo, rloo)"))
+    return out
+
+
+def check_reward_function(spec: str) -> str | None:
+    """``None`` if ``spec`` is ``"module:function"`` naming an importable module, else the problem."""
+    if not _REWARD_FN.match(spec):
+        return "expected 'package.module:function' (dotted module path, a colon, a function name)"
+    module = spec.split(":", 1)[0]
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:
+        return f"module {module!r} cannot be found: {exc}"
+    return None if found is not None else f"module {module!r} cannot be found on sys.path"
+
+
+def config_violations(cfg: RunConfig) -> list[Violation]:
+    """Config-level rules that need no plugin: precisions, algorithm/critic, async, reward function."""
+    out = _precision_violations(cfg) + _algorithm_violations(cfg)
+    a = cfg.async_training
+    if a.partial_rollout and not a.enabled:
+        out.append(Violation("async_training.partial_rollout", True,
+                             "partial rollout only exists in async training; set async_training.enabled=true"))
+    if cfg.reward.function:
+        problem = check_reward_function(cfg.reward.function)
+        if problem:
+            out.append(Violation("reward.function", cfg.reward.function, problem))
+    return out

@@ -1,0 +1,375 @@
+"""Strict assembly: every rule, with test plugins registered programmatically."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from lumenrl_core.assembly import (
+    AssemblyError,
+    AssemblyWarning,
+    assemble,
+    build_with_keywords,
+    config_is_moe,
+    is_moe_model,
+    plan_run,
+)
+from lumenrl_core.config.schema import RunConfig
+from lumenrl_core.plugins import PluginRegistry
+
+ALL_ENGINE_CAPS = {"fp8_weights", "mx_weights", "fp8_kv_cache", "route_recording", "interrupt_resume",
+                   "hidden_state_capture", "logprobs"}
+
+
+def plugin(name: str, caps=(), reason: str | None = None, **attrs) -> type:
+    """A test plugin class with ``capabilities`` and a ``probe()`` returning ``reason``."""
+    body = {"capabilities": frozenset(caps), "probe": classmethod(lambda cls: reason), **attrs}
+    return type(name, (), body)
+
+
+class Trainer:
+    capabilities = frozenset()
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    @classmethod
+    def probe(cls):
+        return None
+
+    @classmethod
+    def from_plan(cls, plan):
+        return cls(plan)
+
+
+class Correction:
+    capabilities = frozenset()
+
+    def __init__(self, clip: float = 1.0):
+        self.clip = clip
+
+    @classmethod
+    def probe(cls):
+        return None
+
+
+@pytest.fixture
+def reg() -> PluginRegistry:
+    r = PluginRegistry(discover=False)
+    add = r.register
+    add("training_backends", "fsdp2", plugin("FSDP2"), distribution="lumenrl-backends", version="0.1.0")
+    add("training_backends", "megatron", plugin("Megatron", {"expert_parallel", "route_replay", "fp8_training"}))
+    add("rollout_engines", "native", plugin("Native", ALL_ENGINE_CAPS))
+    add("rollout_engines", "hf", plugin("HF", {"logprobs"}))
+    add("rollout_engines", "vllm", plugin("VLLM", ALL_ENGINE_CAPS, reason="module 'vllm' is not installed"))
+    for name in ("grpo", "gae"):
+        add("advantage_estimators", name, plugin(name.upper()))
+    add("policy_losses", "ppo_clip", plugin("PPOClip"))
+    add("rewards", "math", plugin("Math"))
+    add("controllers", "local", plugin("Local"))
+    add("trainers", "rl", Trainer)
+    add("trainers", "sddd", plugin("SDDDTrainer"))
+    add("weight_syncs", "inprocess", plugin("InProc"))
+    add("loggers", "jsonl", plugin("Jsonl"))
+    add("quant_schemes", "fp8_block", plugin("Fp8Block"))
+    add("quant_schemes", "mxfp4", plugin("MXFP4"))
+    add("rollout_corrections", "tis_token", Correction)
+    return r
+
+
+@pytest.fixture
+def cfg() -> RunConfig:
+    c = RunConfig()
+    c.logger.backends = ["jsonl"]
+    return c
+
+
+def problems(cfg, reg) -> list[str]:
+    with pytest.raises(AssemblyError) as err:
+        plan_run(cfg, registry=reg)
+    lines = str(err.value).splitlines()
+    assert len(lines) == len(err.value.violations) + 1  # header + one line per violation
+    return [str(v) for v in err.value.violations]
+
+
+def only(cfg, reg) -> str:
+    found = problems(cfg, reg)
+    assert len(found) == 1, found
+    return found[0]
+
+
+# ------------------------------------------------------------------ the happy path
+
+
+def test_default_config_plans_and_records_versions(cfg, reg):
+    plan = plan_run(cfg, registry=reg)
+    assert plan.training_backend_cls.__name__ == "FSDP2" and plan.rollout_engine_cls.__name__ == "Native"
+    assert plan.trainer_cls is Trainer and list(plan.logger_classes) == ["jsonl"]
+    assert plan.rollout_correction_cls is None and plan.rollout_quant_scheme_cls is None
+    assert plan.reward_cls.__name__ == "Math" and plan.moe_router_cls is None
+    assert plan.plugin_versions["training_backends/fsdp2"] == "lumenrl-backends 0.1.0"
+    assert plan.describe()["plugins"]["rollout_engine"] == "native"
+    assert plan.warnings == ()
+
+
+def test_assemble_builds_trainer_from_plan(cfg, reg):
+    trainer = assemble(cfg, registry=reg)
+    assert isinstance(trainer, Trainer) and trainer.plan.config is cfg
+
+
+# ------------------------------------------------------------------ plugin resolution
+
+
+def test_unknown_plugin_names_key_available_and_closest(cfg, reg):
+    cfg.policy.rollout_engine = "nativ"
+    msg = only(cfg, reg)
+    assert msg.startswith("policy.rollout_engine='nativ': no rollout_engines plugin named 'nativ'")
+    assert "available: hf, native, vllm" in msg and "did you mean 'native'" in msg
+
+
+def test_unknown_plugin_is_fatal_even_when_not_strict(cfg, reg):
+    cfg.assembly.strict_policy = False
+    cfg.logger.backends = ["jsonl", "wandb"]
+    msg = only(cfg, reg)
+    assert msg.startswith("logger.backends='wandb'") and "pip install 'lumenrl-backends[wandb]'" in msg
+
+
+def test_unavailable_plugin_strict_and_non_strict(cfg, reg):
+    cfg.policy.rollout_engine = "vllm"
+    assert only(cfg, reg) == ("policy.rollout_engine='vllm': rollout_engines plugin unavailable here: "
+                              "module 'vllm' is not installed")
+    cfg.assembly.strict_policy = False
+    with pytest.warns(AssemblyWarning, match="unavailable here"):
+        plan = plan_run(cfg, registry=reg)
+    assert plan.rollout_engine_cls.__name__ == "VLLM" and len(plan.warnings) == 1
+
+
+def test_plugin_module_that_fails_to_import(cfg, reg):
+    def broken():
+        raise ImportError("No module named 'lumenrl_backends.controllers'")
+
+    reg.register_loader("controllers", "ray", broken, target="lumenrl_backends.controllers.ray:RayController")
+    cfg.controller.name = "ray"
+    msg = only(cfg, reg)
+    assert msg.startswith("controller.name='ray': plugin cannot be loaded") and "ImportError" in msg
+
+
+def test_incompatible_plugin_distribution_version(cfg, reg):
+    reg.register("weight_syncs", "future", plugin("Future"), distribution="lumenrl-async", version="0.9.0",
+                 requires=["lumenrl-core>=0.9,<0.10"])
+    cfg.weight_sync.method = "future"
+    msg = only(cfg, reg)
+    assert msg.startswith("weight_sync.method='future'") and "incompatible version" in msg
+    assert "lumenrl-async 0.9.0 requires lumenrl-core<0.10,>=0.9" in msg
+    cfg.assembly.check_plugin_versions = False
+    assert plan_run(cfg, registry=reg).weight_sync_cls.__name__ == "Future"
+
+
+def test_allow_lists(cfg, reg):
+    cfg.assembly.allowed_training_backends = ["megatron"]
+    cfg.assembly.allowed_inference_backends = ["vllm", "hf"]
+    found = problems(cfg, reg)
+    assert found == [
+        "policy.training_backend='fsdp2': not in assembly.allowed_training_backends; allowed: megatron",
+        "policy.rollout_engine='native': not in assembly.allowed_inference_backends; allowed: vllm, hf",
+    ]
+    cfg.policy.training_backend, cfg.policy.rollout_engine = "megatron", "hf"
+    assert plan_run(cfg, registry=reg).training_backend_cls.__name__ == "Megatron"
+
+
+# ------------------------------------------------------------------ capabilities from config
+
+
+def test_fp8_rollout_needs_fp8_weights_and_fp8_block_scheme(cfg, reg):
+    cfg.quantization.rollout.precision = "fp8"
+    plan = plan_run(cfg, registry=reg)
+    assert plan.rollout_quant_scheme_cls.__name__ == "Fp8Block"
+    assert plan.required_capabilities["rollout_engine"] == {"fp8_weights"}
+    cfg.policy.rollout_engine = "hf"
+    assert only(cfg, reg) == ("policy.rollout_engine='hf': rollout engine lacks capability 'fp8_weights' "
+                              "required by quantization.rollout.precision='fp8'; choose a rollout engine "
+                              "that declares it")
+
+
+def test_mx_rollout_needs_mx_weights_and_scheme_override(cfg, reg):
+    cfg.quantization.rollout.precision = "mxfp4"
+    assert plan_run(cfg, registry=reg).rollout_quant_scheme_cls.__name__ == "MXFP4"
+    cfg.quantization.rollout.precision = "mxfp8"  # derived scheme 'mxfp8' is not registered here
+    msg = only(cfg, reg)
+    assert msg.startswith("quantization.rollout.precision='mxfp8': no quant_schemes plugin named 'mxfp8'")
+    cfg.quantization.rollout.precision, cfg.quantization.rollout.scheme = "fp8", "fp8_tensor"
+    assert only(cfg, reg).startswith("quantization.rollout.scheme='fp8_tensor': no quant_schemes plugin")
+    cfg.quantization.rollout.precision, cfg.quantization.rollout.scheme = "mxfp4", ""
+    cfg.policy.rollout_engine = "hf"
+    assert "lacks capability 'mx_weights'" in only(cfg, reg)
+
+
+def test_scheme_without_low_precision_is_refused(cfg, reg):
+    cfg.quantization.rollout.scheme = "fp8_block"
+    msg = only(cfg, reg)
+    assert msg.startswith("quantization.rollout.scheme='fp8_block': has no effect with quantization.rollout."
+                          "precision='bf16'")
+
+
+def test_fp8_kv_cache_needs_engine_capability(cfg, reg):
+    cfg.quantization.rollout.kv_cache_dtype = "fp8"
+    plan_run(cfg, registry=reg)
+    cfg.policy.rollout_engine = "hf"
+    assert "lacks capability 'fp8_kv_cache' required by quantization.rollout.kv_cache_dtype='fp8'" in only(cfg, reg)
+
+
+def test_r3_needs_recording_replay_and_moe_model(cfg, reg, tmp_path):
+    cfg.moe.r3.enabled = True
+    cfg.policy.rollout_engine = "hf"  # no route_recording; fsdp2 has no route_replay; tiny model is dense
+    found = problems(cfg, reg)
+    assert len(found) == 3
+    assert "policy.rollout_engine='hf': rollout engine lacks capability 'route_recording'" in found[0]
+    assert "policy.training_backend='fsdp2': training backend lacks capability 'route_replay'" in found[1]
+    assert found[2].startswith("moe.r3.enabled=True: needs an MoE model but policy.model_name=")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
+    cfg.policy.rollout_engine, cfg.policy.training_backend = "native", "megatron"
+    cfg.policy.model_name = str(tmp_path)
+    plan = plan_run(cfg, registry=reg)
+    assert plan.model_is_moe is True
+    assert plan.required_capabilities == {"rollout_engine": {"route_recording"}, "training_backend": {"route_replay"}}
+
+
+def test_r3_on_unknown_model_warns_instead_of_guessing(cfg, reg):
+    cfg.moe.r3.enabled, cfg.policy.training_backend = True, "megatron"
+    cfg.policy.model_name = "some-org/unknown-model-7b"
+    with pytest.warns(AssemblyWarning, match="cannot tell whether it is MoE"):
+        plan = plan_run(cfg, registry=reg)
+    assert plan.model_is_moe is None
+
+
+def test_partial_rollout_needs_interrupt_resume_and_async(cfg, reg):
+    cfg.async_training.partial_rollout = True
+    cfg.policy.rollout_engine = "hf"
+    found = problems(cfg, reg)
+    assert found[0].startswith("async_training.partial_rollout=True: partial rollout only exists in async")
+    assert "lacks capability 'interrupt_resume' required by async_training.partial_rollout=True" in found[1]
+    cfg.async_training.enabled, cfg.policy.rollout_engine = True, "native"
+    plan_run(cfg, registry=reg)
+
+
+def test_sddd_trainer_needs_hidden_state_capture(cfg, reg):
+    cfg.trainer.name, cfg.policy.rollout_engine = "sddd", "hf"
+    assert "lacks capability 'hidden_state_capture' required by trainer.name='sddd'" in only(cfg, reg)
+
+
+def test_training_precision_rules(cfg, reg):
+    cfg.quantization.training.precision = "fp8"
+    assert "lacks capability 'fp8_training'" in only(cfg, reg)
+    cfg.policy.training_backend = "megatron"
+    plan_run(cfg, registry=reg)
+    for precision in ("mxfp4", "mxfp8"):
+        cfg.quantization.training.precision = precision
+        assert only(cfg, reg) == (f"quantization.training.precision='{precision}': not supported for training "
+                                  "(rollout only); allowed: bf16, fp32, fp8")
+
+
+def test_expert_parallel_needs_backend_support(cfg, reg):
+    cfg.moe.expert_parallel_size = 4
+    cfg.policy.model_name = "lumenrl:tiny-qwen3-moe"
+    msg = only(cfg, reg)
+    assert msg.startswith("policy.training_backend='fsdp2'") and "'expert_parallel' required by moe.expert_parallel_size=4" in msg
+    cfg.policy.training_backend = "megatron"
+    assert plan_run(cfg, registry=reg).model_is_moe is True
+
+
+def test_ppo_needs_critic_and_gae(cfg, reg):
+    cfg.algorithm.name = "ppo"
+    assert problems(cfg, reg) == [
+        "critic.enabled=False: algorithm.name='ppo' needs a critic; set critic.enabled=true",
+        "algorithm.adv_estimator='grpo': algorithm.name='ppo' uses value-based advantages; allowed: 'gae'",
+    ]
+    cfg.critic.enabled, cfg.algorithm.adv_estimator = True, "gae"
+    assert plan_run(cfg, registry=reg).adv_estimator_cls.__name__ == "GAE"
+
+
+def test_gae_without_critic_is_refused(cfg, reg):
+    cfg.algorithm.adv_estimator = "gae"
+    assert only(cfg, reg).startswith("algorithm.adv_estimator='gae': GAE needs value estimates")
+
+
+def test_rollout_correction_mode_must_resolve(cfg, reg):
+    cfg.quantization.rollout_correction.enabled = True
+    cfg.quantization.rollout_correction.mode = "tis_tok"
+    msg = only(cfg, reg)
+    assert msg.startswith("quantization.rollout_correction.mode='tis_tok'") and "did you mean 'tis_token'" in msg
+    cfg.quantization.rollout_correction.mode = "tis_token"
+    cfg.quantization.rollout_correction.clip = 3.5
+    plan = plan_run(cfg, registry=reg)
+    assert plan.build_rollout_correction().clip == 3.5  # config field mapped to the keyword
+
+
+def test_reward_function_syntax_and_module(cfg, reg):
+    for bad, why in (("json.dumps", "expected 'package.module:function'"), ("json:", "expected"),
+                     ("no_such_pkg_xyz.mod:fn", "module 'no_such_pkg_xyz.mod' cannot be found")):
+        cfg.reward.function = bad
+        msg = only(cfg, reg)
+        assert msg.startswith(f"reward.function={bad!r}") and why in msg
+    cfg.reward.function = "json:dumps"
+    plan = plan_run(cfg, registry=reg)
+    assert plan.reward_cls is None and "reward" not in plan.plugin_names
+    assert plan.build_reward()([1]) == "[1]"
+
+
+def test_all_violations_reported_at_once(cfg, reg):
+    cfg.policy.rollout_engine = "hf"
+    cfg.policy.training_backend = "fsdp3"
+    cfg.algorithm.name = "ppo"
+    cfg.quantization.training.precision = "mxfp4"
+    cfg.quantization.rollout.precision = "fp8"
+    cfg.assembly.allowed_inference_backends = ["native"]
+    cfg.reward.function = "not a function"
+    found = problems(cfg, reg)
+    keys = [f.split("=", 1)[0] for f in found]
+    assert keys == ["quantization.training.precision", "critic.enabled", "algorithm.adv_estimator",
+                    "reward.function", "policy.training_backend", "policy.rollout_engine", "policy.rollout_engine"]
+    assert "not in assembly.allowed_inference_backends" in found[5] and "'fp8_weights'" in found[6]
+
+
+def test_non_strict_turns_policy_violations_into_warnings(cfg, reg):
+    cfg.assembly.strict_policy = False
+    cfg.quantization.rollout.precision = "fp8"
+    cfg.policy.rollout_engine = "hf"
+    cfg.algorithm.adv_estimator = "gae"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_run(cfg, registry=reg)
+    messages = [str(w.message) for w in caught if issubclass(w.category, AssemblyWarning)]
+    assert len(messages) == 2 and messages == list(plan.warnings)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def test_config_is_moe_and_names(tmp_path):
+    assert config_is_moe({"model_type": "mixtral"})
+    assert config_is_moe({"model_type": "x", "n_routed_experts": 64})
+    assert config_is_moe({"model_type": "llava", "text_config": {"num_local_experts": 8}})
+    assert not config_is_moe({"model_type": "qwen3", "num_experts": 1})
+    assert is_moe_model("Qwen/Qwen3-30B-A3B") == (True, "known MoE model family")
+    assert is_moe_model("deepseek-ai/DeepSeek-V3")[0] is True
+    assert is_moe_model("lumenrl:tiny-qwen3-arith") == (False, "built-in model name")
+    assert is_moe_model("meta-llama/Llama-3.1-8B-Instruct-nonexistent-zz")[0] is None
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    assert is_moe_model(str(tmp_path))[0] is False
+    (tmp_path / "config.json").write_text("{not json")
+    assert is_moe_model(str(tmp_path))[0] is None
+
+
+def test_build_with_keywords_passes_only_accepted():
+    class Loss:
+        def __init__(self, *, clip_ratio_low: float, loss_agg_mode: str = "token-mean"):
+            self.args = (clip_ratio_low, loss_agg_mode)
+
+    class Open:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    assert build_with_keywords(Loss, {"clip_ratio_low": 0.2, "gamma": 1.0}).args == (0.2, "token-mean")
+    assert build_with_keywords(Open, {"a": 1}).kwargs == {"a": 1}
