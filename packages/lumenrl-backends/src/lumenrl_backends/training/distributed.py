@@ -1,0 +1,99 @@
+"""Process-group helpers for the training backends.
+
+One process or torchrun ranks: when ``torch.distributed`` is not initialized yet, a backend
+initializes it from the torchrun environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/...) or,
+without one, as a 1-rank group on a free local port. gloo on CPU, nccl on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ensure_process_group",
+    "world_size",
+    "rank",
+    "all_reduce_sum",
+    "all_reduce_mean_dict",
+    "all_gather_rows",
+    "barrier",
+    "resolve_device",
+]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """Initialize ``torch.distributed`` (gloo on CPU, nccl on CUDA) unless already initialized."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend=backend, **kwargs)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(value: float | int, device: torch.device) -> float:
+    """Sum a Python scalar over all ranks (returned as float64-exact Python float)."""
+    if world_size() == 1:
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item())
+
+
+def all_reduce_mean_dict(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Mean of each metric over ranks (every rank must hold the same keys)."""
+    if world_size() == 1 or not metrics:
+        return dict(metrics)
+    keys = sorted(metrics)
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    t /= world_size()
+    return dict(zip(keys, t.tolist()))
+
+
+def all_gather_rows(local: torch.Tensor) -> torch.Tensor:
+    """Concatenate equally shaped per-rank tensors along dim 0, in rank order."""
+    if world_size() == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(world_size())]
+    dist.all_gather(parts, local.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+def resolve_device(requested: str = "auto") -> torch.device:
+    """``auto``/``cuda`` -> ``cuda:LOCAL_RANK`` when CUDA is present; otherwise CPU."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"cluster.device={requested!r} is not allowed; allowed: auto, cpu, cuda")
+    if requested == "cpu" or not torch.cuda.is_available():
+        if requested == "cuda":
+            raise RuntimeError("cluster.device='cuda' but torch.cuda.is_available() is False")
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)

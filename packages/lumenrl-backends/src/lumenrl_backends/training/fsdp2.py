@@ -1,0 +1,432 @@
+"""FSDP2 training backend: ``torch.distributed.fsdp.fully_shard`` on an HF causal LM.
+
+Sharding: ``fully_shard`` on every decoder layer, then on the root module (embeddings, final
+norm, LM head / value head). Master parameters stay float32; on CUDA with
+``train.mixed_precision`` ``auto``/``bf16`` a ``MixedPrecisionPolicy`` computes in bf16 and
+reduces gradients in fp32; on CPU everything is fp32. One process runs as a 1-rank group
+(gloo on CPU, nccl on CUDA); under torchrun every rank holds the full batch and takes its own
+contiguous slice (data parallel), global token counts are all-reduced.
+
+Loss scaling: ``loss_fn`` returns a loss already normalized so that the sum over micro-batches
+and ranks is the mini-batch loss. FSDP2 averages gradients over ranks, so the backend
+back-propagates ``loss * world_size`` and the reduced gradient is the gradient of that sum.
+
+Schedule units: the LR scheduler steps once per optimizer step. ``num_training_steps`` and
+``optim.warmup_steps`` are in *training steps* and multiplied by
+``optimizer_steps_per_training_step`` (``from_config`` derives it: ppo_epochs x mini-batches).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lumenrl_backends.training import checkpoint as ckpt
+from lumenrl_backends.training import distributed as dist_utils
+from lumenrl_backends.training.batching import (
+    dp_slice_bounds,
+    num_rows,
+    pad_rows,
+    position_ids_from_mask,
+    split_rows,
+    take_rows,
+)
+from lumenrl_backends.training.modeling import CriticModel, decoder_layers, response_logits, token_log_probs
+from lumenrl_backends.training.schedules import LRSchedule, build_lr_scheduler
+
+__all__ = ["FSDP2Backend", "optimizer_steps_per_training_step"]
+
+ROLES = ("actor", "ref", "critic")
+_MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+def _fully_shard_available() -> str | None:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as exc:
+        return f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (FSDP2): {exc}"
+    return None
+
+
+def optimizer_steps_per_training_step(cfg: Any) -> int:
+    """ppo_epochs x mini-batches per rollout batch (train_batch_size x rollout.n rows)."""
+    train = cfg.policy.train
+    rows = cfg.dataset.train_batch_size * cfg.policy.rollout.n
+    mini = train.mini_batch_size or rows
+    return train.ppo_epochs * math.ceil(rows / mini)
+
+
+def _mixed_precision(mode: str, device: torch.device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mode not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"policy.train.mixed_precision={mode!r} is not allowed; allowed: auto, bf16, fp32")
+    if device.type != "cuda" or mode == "fp32":
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _apply_fp8(model: nn.Module, fp8: Any) -> nn.Module:
+    if fp8 is None or fp8.precision in ("bf16", "fp32"):
+        return model
+    if fp8.precision != "fp8":
+        raise ValueError(
+            f"quantization.training.precision={fp8.precision!r} is not supported by the fsdp2 backend; "
+            "allowed: bf16, fp32, fp8"
+        )
+    try:
+        from lumenrl_quant import convert_to_fp8_training
+    except ImportError as exc:
+        raise RuntimeError(
+            "quantization.training.precision='fp8' needs lumenrl_quant.convert_to_fp8_training, "
+            f"which this lumenrl-quant does not provide ({exc})"
+        ) from exc
+    converted = convert_to_fp8_training(model, recipe=fp8.recipe, fp8_format=fp8.fp8_format)
+    return model if converted is None else converted
+
+
+def _shard(model: nn.Module, mp_policy) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _as_float(value: Any) -> float:
+    return float(value.detach().float().item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+class FSDP2Backend:
+    """Actor, reference or critic model sharded with FSDP2, with its optimizer and LR schedule."""
+
+    capabilities = frozenset({"logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint"})
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return _fully_shard_available()
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        role: str,
+        optim: Any | None,
+        train: Any,
+        num_training_steps: int,
+        device: torch.device,
+        value_head: bool = False,
+        fp8: Any | None = None,
+        optimizer_steps_per_training_step: int = 1,
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
+        if role != "ref" and optim is None:
+            raise ValueError(f"role={role!r} trains, so optim must be an OptimConfig, got None")
+        self.role, self.train_cfg, self.optim_cfg = role, train, optim
+        self.device = torch.device(device)
+        self.is_critic = value_head or role == "critic"
+        dist_utils.ensure_process_group(self.device)
+        if self.is_critic and not isinstance(model, CriticModel):
+            model = CriticModel(model)
+        self.hf_config = model.config
+        model = _apply_fp8(model, fp8)
+        if train.gradient_checkpointing and role != "ref":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.to(device=self.device, dtype=torch.float32)
+        self.model = _shard(model, _mixed_precision(train.mixed_precision, self.device))
+        self.optimizer = self.scheduler = self._sft_optimizer = None
+        if role != "ref":
+            self.optimizer = self._build_optimizer(optim.lr)
+            self.scheduler = build_lr_scheduler(
+                self.optimizer,
+                LRSchedule(
+                    name=optim.lr_schedule,
+                    num_training_steps=max(num_training_steps * optimizer_steps_per_training_step, 1),
+                    warmup_steps=optim.warmup_steps * optimizer_steps_per_training_step,
+                    min_lr_ratio=optim.min_lr_ratio,
+                ),
+            )
+
+    # ----------------------------------------------------------------- construction
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, role: str, model_path: str) -> FSDP2Backend:
+        """Load ``model_path`` (float32 master weights) and build the backend for ``role``."""
+        from transformers import AutoModelForCausalLM
+
+        device = dist_utils.resolve_device(cfg.cluster.device)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, trust_remote_code=cfg.policy.trust_remote_code
+        )
+        optim = {"actor": cfg.policy.optim, "critic": cfg.critic.optim, "ref": None}.get(role)
+        return cls(
+            model,
+            role=role,
+            optim=optim,
+            train=cfg.policy.train,
+            num_training_steps=cfg.num_training_steps,
+            device=device,
+            value_head=role == "critic",
+            fp8=cfg.quantization.training if role == "actor" else None,
+            optimizer_steps_per_training_step=optimizer_steps_per_training_step(cfg),
+        )
+
+    def _build_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        o = self.optim_cfg
+        return torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+
+    @property
+    def prefix(self) -> str:
+        return "critic" if self.is_critic else self.role
+
+    @property
+    def world_size(self) -> int:
+        return dist_utils.world_size()
+
+    # ----------------------------------------------------------------- forward
+
+    def _inputs(self, batch: Any) -> dict[str, torch.Tensor]:
+        tensors = batch.batch
+        missing = [k for k in ("input_ids", "attention_mask", "responses") if k not in tensors]
+        if missing:
+            raise KeyError(f"batch is missing {missing}; needs input_ids, attention_mask (B, P+T) and responses (B, T)")
+        out = {k: tensors[k].to(self.device) for k in _MODEL_INPUTS if k in tensors}
+        if "position_ids" not in out:
+            out["position_ids"] = position_ids_from_mask(out["attention_mask"])
+        return out
+
+    def _forward(self, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool):
+        """Actor/ref: (log_probs, entropy) (b, T); critic: (values, None) (b, T)."""
+        T = inputs["responses"].shape[1]
+        model_in = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        if self.is_critic:
+            values = self.model(**model_in)  # (b, P+T)
+            return values[:, -T - 1 : -1], None
+        logits = response_logits(self.model, **model_in, response_len=T)  # (b, T, V)
+        return token_log_probs(logits, inputs["responses"], temperature, with_entropy)
+
+    @torch.no_grad()
+    def _infer(self, batch: Any, temperature: float, with_entropy: bool):
+        """Each rank runs its slice of the (padded) batch; results are gathered in rank order."""
+        self.model.eval()
+        inputs, pad = pad_rows(self._inputs(batch), self.world_size)
+        lo, hi = dp_slice_bounds(inputs["input_ids"].shape[0], dist_utils.rank(), self.world_size)
+        micro = max(self.train_cfg.micro_batch_size, 1)
+        firsts, seconds = [], []
+        for s in range(lo, hi, micro):
+            first, second = self._forward({k: v[s : min(s + micro, hi)] for k, v in inputs.items()}, temperature, with_entropy)
+            firsts.append(first.float())
+            seconds.append(second.float() if second is not None else None)
+        total = inputs["input_ids"].shape[0]
+        first = dist_utils.all_gather_rows(torch.cat(firsts))[: total - pad]
+        if not with_entropy:
+            return first, None
+        return first, dist_utils.all_gather_rows(torch.cat(seconds))[: total - pad]
+
+    def compute_log_probs(
+        self, batch: Any, *, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, T) log-probs of ``responses`` (and entropies) under ``logits / temperature``."""
+        if self.is_critic:
+            raise RuntimeError("compute_log_probs called on a critic backend (role='critic'); use compute_values")
+        return self._infer(batch, temperature, with_entropy)
+
+    def compute_values(self, batch: Any) -> torch.Tensor:
+        """(B, T) values of the states before each response token (critic only)."""
+        if not self.is_critic:
+            raise RuntimeError(f"compute_values needs the critic backend; this one has role={self.role!r}")
+        return self._infer(batch, 1.0, False)[0]
+
+    # ----------------------------------------------------------------- training
+
+    def _check_trainable(self) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"the {self.role!r} backend has no optimizer; only actor/critic backends train")
+
+    def _mini_batches(self, batch: Any) -> list[Any]:
+        total = num_rows(batch)
+        mini = self.train_cfg.mini_batch_size or total
+        if total % mini or mini % self.world_size:
+            raise ValueError(
+                f"batch of {total} rows with policy.train.mini_batch_size={mini}: need rows divisible by "
+                f"mini_batch_size and mini_batch_size divisible by the {self.world_size} data-parallel ranks"
+            )
+        return split_rows(batch, mini)
+
+    def train_step(
+        self, batch: Any, loss_fn: Callable[[dict, Any], tuple[torch.Tensor, Mapping[str, Any]]]
+    ) -> dict[str, float]:
+        """ppo_epochs x mini-batches optimizer steps; returns averaged metrics."""
+        self._check_trainable()
+        self.model.train()
+        collected: dict[str, list[float]] = defaultdict(list)
+        for _ in range(self.train_cfg.ppo_epochs):
+            for mini in self._mini_batches(batch):
+                self._optimizer_step(mini, loss_fn, collected)
+        metrics = {k: sum(v) / len(v) for k, v in collected.items() if k != f"{self.prefix}/lr"}
+        metrics = dist_utils.all_reduce_mean_dict(metrics, self.device)
+        metrics[f"{self.prefix}/lr"] = collected[f"{self.prefix}/lr"][-1]
+        return metrics
+
+    def _micro_outputs(self, micro: Any) -> dict[str, torch.Tensor]:
+        inputs = self._inputs(micro)
+        temperature = float(micro.meta_info.get("temperature", 1.0))
+        first, second = self._forward(inputs, temperature, with_entropy=not self.is_critic)
+        return {"values": first} if self.is_critic else {"log_probs": first, "entropy": second}
+
+    def _optimizer_step(self, mini: Any, loss_fn: Callable, collected: dict[str, list[float]]) -> None:
+        rows = num_rows(mini)
+        lo, hi = dp_slice_bounds(rows, dist_utils.rank(), self.world_size)
+        local = take_rows(mini, lo, hi)
+        mask = local.batch.get("response_mask")
+        local_tokens = float(mask.sum()) if mask is not None else float(local.batch["responses"].numel())
+        local.meta_info.update(
+            mini_batch_tokens=dist_utils.all_reduce_sum(local_tokens, self.device),
+            mini_batch_seqs=rows,
+            dp_size=self.world_size,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        micros = split_rows(local, max(self.train_cfg.micro_batch_size, 1))
+        mini_loss = 0.0
+        for i, micro in enumerate(micros):
+            self.model.set_requires_gradient_sync(i == len(micros) - 1)
+            loss, micro_metrics = loss_fn(self._micro_outputs(micro), micro)
+            (loss * self.world_size).backward()
+            mini_loss += _as_float(loss)
+            for k, v in micro_metrics.items():
+                collected[k].append(_as_float(v))
+        collected[f"{self.prefix}/loss"].append(mini_loss)
+        self._clip_and_step(self.optimizer, self.scheduler, collected, self.prefix)
+
+    def _clip_and_step(self, optimizer, scheduler, collected: dict[str, list[float]], prefix: str) -> None:
+        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = _as_float(_full(torch.nn.utils.clip_grad_norm_(params, clip)))
+        collected[f"{prefix}/grad_norm"].append(grad_norm)
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        else:  # every rank sees the same (all-reduced) norm, so all skip together
+            collected[f"{prefix}/skipped_steps"].append(1.0)
+        collected[f"{prefix}/lr"].append(float(optimizer.param_groups[0]["lr"]))
+        if scheduler is not None:
+            scheduler.step()
+
+    # ----------------------------------------------------------------- SFT warm start
+
+    def sft_step(self, batch: Any, *, lr: float | None = None) -> dict[str, float]:
+        """One optimizer step of token-mean cross-entropy on ``labels`` (-100 ignored).
+
+        Uses its own AdamW (``lr``, default the policy lr; constant) so the RL optimizer state
+        and LR schedule are untouched by a warm start.
+        """
+        self._check_trainable()
+        if self.is_critic:
+            raise RuntimeError("sft_step needs an LM head; the critic backend has a value head instead")
+        if self._sft_optimizer is None:
+            self._sft_optimizer = self._build_optimizer(lr if lr is not None else self.optim_cfg.lr)
+        if lr is not None:
+            for group in self._sft_optimizer.param_groups:
+                group["lr"] = lr
+        self.model.train()
+        tensors = {k: batch.batch[k] for k in ("input_ids", "attention_mask", "labels")}
+        tensors, pad = pad_rows(tensors, self.world_size)
+        if pad:  # padded copies must not count
+            tensors["labels"][-pad:] = -100
+        lo, hi = dp_slice_bounds(tensors["input_ids"].shape[0], dist_utils.rank(), self.world_size)
+        local = {k: v[lo:hi].to(self.device) for k, v in tensors.items()}
+        n_tokens = dist_utils.all_reduce_sum(float((local["labels"][:, 1:] != -100).sum()), self.device)
+        collected: dict[str, list[float]] = defaultdict(list)
+        self._sft_optimizer.zero_grad(set_to_none=True)
+        micro = max(self.train_cfg.micro_batch_size, 1)
+        starts = list(range(0, hi - lo, micro))
+        total_loss = 0.0
+        for i, s in enumerate(starts):
+            self.model.set_requires_gradient_sync(i == len(starts) - 1)
+            loss = self._sft_loss({k: v[s : s + micro] for k, v in local.items()}) / max(n_tokens, 1.0)
+            (loss * self.world_size).backward()
+            total_loss += _as_float(loss)
+        self._clip_and_step(self._sft_optimizer, None, collected, "sft")
+        return {
+            "sft/loss": dist_utils.all_reduce_sum(total_loss, self.device),
+            "sft/grad_norm": collected["sft/grad_norm"][0],
+            "sft/lr": collected["sft/lr"][0],
+            "sft/tokens": n_tokens,
+        }
+
+    def _sft_loss(self, micro: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Summed next-token cross-entropy over the micro-batch's valid labels."""
+        position_ids = position_ids_from_mask(micro["attention_mask"])
+        out = self.model(
+            input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=position_ids, use_cache=False
+        )
+        logits = out.logits[:, :-1].float()  # (b, L-1, V)
+        labels = micro["labels"][:, 1:]  # (b, L-1)
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+
+    # ----------------------------------------------------------------- weights and export
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) tensors with HF names, one at a time. Collective under torchrun."""
+        for name, tensor in self.model.state_dict().items():
+            yield name, _full(tensor).detach()
+
+    def state_dict_for_export(self) -> dict[str, torch.Tensor]:
+        """The full state dict on CPU (rank 0; other ranks get ``{}``). Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_hf(self, path: str, tokenizer: Any = None) -> None:
+        """``save_pretrained`` of the full model into ``path`` (rank 0 writes). Collective.
+
+        A critic saves its backbone in HF format plus ``value_head.safetensors``.
+        """
+        state = self.state_dict_for_export()
+        if dist_utils.rank() == 0:
+            _write_hf(self.model, state, path, critic=self.is_critic)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        dist_utils.barrier()
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, path: str, *, extra: Mapping[str, Any] | None = None) -> None:
+        """Model, optimizer, scheduler and RNG states (+ caller JSON ``extra``), written atomically."""
+        ckpt.save_training_state(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, extra=extra)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restore what :meth:`save_checkpoint` wrote; returns its ``extra`` dict."""
+        return ckpt.load_training_state(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+
+
+def _write_hf(model: nn.Module, state: dict[str, torch.Tensor], path: str, *, critic: bool) -> None:
+    if not critic:
+        model.save_pretrained(path, state_dict=state)
+        return
+    from safetensors.torch import save_file
+
+    backbone = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
+    model.model.save_pretrained(path, state_dict=backbone)
+    head = {k: v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
+    save_file(head, f"{path}/value_head.safetensors")

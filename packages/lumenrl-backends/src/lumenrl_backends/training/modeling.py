@@ -1,0 +1,77 @@
+"""Model-side helpers for the training backends.
+
+- :class:`CriticModel`: a decoder backbone (the ``.model`` of an HF causal LM, so parameter
+  names stay ``model.layers.N...`` as in the HF checkpoint) plus a scalar ``value_head``
+  (``nn.Linear(hidden, 1)``) on the last hidden state. The LM head is dropped.
+- :func:`response_logits`: logits for the T response positions of a (B, P+T) sequence.
+- :func:`token_log_probs`: ``log_softmax(logits.float() / temperature)`` gathered at the
+  response tokens, plus the entropy of that same (processed) distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["CriticModel", "decoder_layers", "response_logits", "token_log_probs"]
+
+
+class CriticModel(nn.Module):
+    """``values = value_head(backbone(input_ids).last_hidden_state)``, shape (B, L)."""
+
+    def __init__(self, causal_lm: nn.Module) -> None:
+        super().__init__()
+        self.config = causal_lm.config
+        self.model = causal_lm.model  # the decoder stack without lm_head
+        self.value_head = nn.Linear(self.config.hidden_size, 1, bias=True)
+        with torch.no_grad():  # small init: initial values near 0 (returns are O(1) rewards)
+            self.value_head.weight.normal_(0.0, 1.0 / (self.config.hidden_size + 1))
+            self.value_head.bias.zero_()
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.model.gradient_checkpointing_enable(**kwargs)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        hidden = out.last_hidden_state  # (B, L, H)
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # (B, L)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder blocks of an HF model (``model.layers`` or ``model.model.layers``)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"model of type {type(model).__name__} has no .model.layers; cannot shard per layer")
+    return list(layers)
+
+
+def response_logits(model: nn.Module, input_ids, attention_mask, position_ids, response_len: int) -> torch.Tensor:
+    """Logits predicting the last ``response_len`` tokens: (B, T, V).
+
+    Position i of the sequence predicts token i+1, so the response tokens (the last T
+    positions) are predicted by positions [L-T-1, L-1). Only T+1 positions go through the LM
+    head (``logits_to_keep``).
+    """
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=response_len + 1,
+        use_cache=False,
+    )
+    return out.logits[:, :-1, :]  # (B, T, V)
+
+
+def token_log_probs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) log p(token) under ``softmax(logits / temperature)`` and optionally its entropy."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 for log-probs")
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
+    log_probs = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    entropy = None
+    if with_entropy:
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T)
+    return log_probs, entropy
