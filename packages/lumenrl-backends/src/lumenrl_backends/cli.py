@@ -142,7 +142,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _register_all(subparsers: Any) -> None:
-    for command, target in COMMANDS.items():
+    for target in COMMANDS.values():
         module_name, _, func_name = target.partition(":")
         try:
             module = importlib.import_module(module_name)
