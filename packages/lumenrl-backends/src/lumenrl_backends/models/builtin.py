@@ -1,0 +1,149 @@
+"""Model names: Hugging Face ids, local paths and built-in ``lumenrl:`` demo models.
+
+A built-in name (``lumenrl:tiny-qwen3-arith``, ``lumenrl:tiny-<family>``) is materialised once
+as an ordinary checkpoint: config from ``AutoConfig``, seeded random weights, the local char
+tokenizer, all written with ``save_pretrained`` under ``$LUMENRL_CACHE/<name>`` (default
+``~/.cache/lumenrl/models/<name>``). The directory is built under a temporary name and renamed
+into place, so a crashed or concurrent build never leaves a half-written model behind. After
+that it loads exactly like a user's checkpoint, always with ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from lumenrl_backends.models.tiny import FAMILIES, build_tiny_model
+
+__all__ = [
+    "BUILTIN_PREFIX",
+    "builtin_names",
+    "is_builtin",
+    "model_cache_dir",
+    "resolve_model_path",
+    "resolve_dtype",
+    "load_model_and_tokenizer",
+]
+
+BUILTIN_PREFIX = "lumenrl:"
+
+# The demo policy: Qwen3 architecture, ~0.8M parameters, char tokenizer.
+_ARITH_OVERRIDES: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.02,
+}
+
+
+def _builders() -> dict[str, Callable[[Path], Path]]:
+    builders: dict[str, Callable[[Path], Path]] = {
+        "tiny-qwen3-arith": lambda path: build_tiny_model("qwen3", path, seed=0, **_ARITH_OVERRIDES),
+    }
+    for family in FAMILIES:
+        builders[f"tiny-{family}"] = lambda path, family=family: build_tiny_model(family, path, seed=0)
+    return builders
+
+
+def builtin_names() -> list[str]:
+    """All built-in model names, with the ``lumenrl:`` prefix."""
+    return [BUILTIN_PREFIX + name for name in _builders()]
+
+
+def is_builtin(name: str) -> bool:
+    return str(name).startswith(BUILTIN_PREFIX)
+
+
+def model_cache_dir() -> Path:
+    """``$LUMENRL_CACHE`` or ``~/.cache/lumenrl/models``."""
+    root = os.environ.get("LUMENRL_CACHE") or os.path.join("~", ".cache", "lumenrl", "models")
+    return Path(root).expanduser()
+
+
+def _materialise(short_name: str) -> Path:
+    builders = _builders()
+    if short_name not in builders:
+        raise ValueError(
+            f"model_name={BUILTIN_PREFIX + short_name!r} is not a built-in model; "
+            f"built-ins are {', '.join(builtin_names())}"
+        )
+    target = model_cache_dir() / short_name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{short_name}.", dir=target.parent))
+    try:
+        builders[short_name](staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name: str) -> str:
+    """A local directory for a built-in ``lumenrl:`` name; any other name is returned unchanged."""
+    if not is_builtin(name):
+        return name
+    return str(_materialise(name[len(BUILTIN_PREFIX) :]))
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """``auto`` -> bfloat16 on CUDA, float32 elsewhere; names -> torch dtypes."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model_and_tokenizer(
+    name_or_path: str,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    tokenizer_name: str = "",
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer; built-ins never touch the network.
+
+    The model is returned in eval mode on ``device``; the tokenizer pads on the left.
+    """
+    path = resolve_model_path(name_or_path)
+    tok_path = resolve_model_path(tokenizer_name) if tokenizer_name else path
+    local_only = is_builtin(name_or_path) or Path(path).is_dir()
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=resolve_dtype(dtype, device),
+        local_files_only=local_only,
+        trust_remote_code=trust_remote_code,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(
+        tok_path,
+        local_files_only=is_builtin(tokenizer_name or name_or_path) or Path(tok_path).is_dir(),
+        trust_remote_code=trust_remote_code,
+    )
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device).eval(), tokenizer
