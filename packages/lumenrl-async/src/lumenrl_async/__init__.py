@@ -1,5 +1,14 @@
 """Fully asynchronous RL training for LumenRL: staleness control, partial rollout, weight sync."""
 
 from lumenrl_async.__about__ import __version__
+from lumenrl_async.staleness import StalenessConfig, StalenessController
+from lumenrl_async.weight_sync import FilesystemWeightSync, InProcessWeightSync, SnapshotError
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "InProcessWeightSync",
+    "FilesystemWeightSync",
+    "SnapshotError",
+    "StalenessConfig",
+    "StalenessController",
+]

@@ -1,0 +1,203 @@
+"""Weight synchronizers: the trainer publishes ``(named_tensors, version)``, rollout reads the latest.
+
+- :class:`InProcessWeightSync` keeps detached copies in memory (trainer and engine in one process).
+- :class:`FilesystemWeightSync` writes a safetensors snapshot plus a JSON manifest (version,
+  sha256, size) per version under a directory that readers on other processes or nodes can see.
+  Every file is written to a temporary name in the same directory, fsync'ed and renamed into
+  place (``os.replace`` is atomic on POSIX), and ``LATEST.json`` is switched only after the
+  snapshot and its manifest are complete, so a reader never sees a partial snapshot; readers
+  verify the checksum anyway. The last ``keep_last`` snapshots are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+__all__ = ["InProcessWeightSync", "FilesystemWeightSync", "SnapshotError", "LATEST"]
+
+LATEST = "LATEST.json"
+_CHUNK = 1 << 20
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot on disk is missing or does not match its manifest."""
+
+
+def _check_version(version: int, last: int | None) -> None:
+    if not isinstance(version, int) or version < 0:
+        raise ValueError(f"version={version!r}: expected a non-negative int")
+    if last is not None and version <= last:
+        raise ValueError(f"version={version} must be greater than the last published version {last}")
+
+
+def _cpu_copies(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors owning their memory (tied weights become separate copies)."""
+    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors.items()}
+
+
+class InProcessWeightSync:
+    """Latest weights in memory; ``publish`` copies, so later in-place optimizer steps do not leak."""
+
+    capabilities = frozenset({"in_process", "versioned"})
+
+    def __init__(self, *, copy: bool = True) -> None:
+        self.copy = copy
+        self._lock = threading.Lock()
+        self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return None
+
+    @classmethod
+    def from_config(cls, run_config: Any) -> InProcessWeightSync:
+        return cls()
+
+    def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        tensors = _cpu_copies(named_tensors) if self.copy else dict(named_tensors)
+        with self._lock:
+            _check_version(version, self.latest_version())
+            self._latest = (version, tensors)
+
+    def latest_version(self) -> int | None:
+        return None if self._latest is None else self._latest[0]
+
+    def latest(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        with self._lock:
+            return None if self._latest is None else (self._latest[0], dict(self._latest[1]))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class FilesystemWeightSync:
+    """Versioned safetensors snapshots in ``root`` (a shared filesystem for multi-node runs).
+
+    Layout: ``v00000007.safetensors``, ``v00000007.json`` (manifest) and ``LATEST.json`` (a copy of
+    the newest manifest). Manifest: ``{"version", "file", "sha256", "bytes", "num_tensors", "created"}``.
+    """
+
+    capabilities = frozenset({"cross_process", "cross_node", "versioned", "checksum"})
+
+    def __init__(self, root: str | os.PathLike[str], *, keep_last: int = 2, verify: bool = True) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last}: expected >= 1 (the latest snapshot must stay)")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep_last = keep_last
+        self.verify = verify
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return None
+
+    @classmethod
+    def from_config(cls, run_config: Any) -> FilesystemWeightSync:
+        root = run_config.weight_sync.snapshot_dir or os.path.join(run_config.trainer.output_dir, "weight_sync")
+        return cls(root)
+
+    # ------------------------------------------------------------------ writer
+    def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        _check_version(version, self.latest_version())
+        stem = f"v{version:08d}"
+        data = self.root / f"{stem}.safetensors"
+        fd, tmp_name = tempfile.mkstemp(dir=self.root, prefix=f".{stem}.", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            save_file(_cpu_copies(named_tensors), str(tmp), metadata={"version": str(version)})
+            _fsync(tmp)
+            manifest = {"version": version, "file": data.name, "sha256": _sha256(tmp),
+                        "bytes": tmp.stat().st_size, "num_tensors": len(named_tensors), "created": time.time()}
+            os.replace(tmp, data)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        text = json.dumps(manifest, indent=1)
+        _atomic_write_text(self.root / f"{stem}.json", text)
+        _atomic_write_text(self.root / LATEST, text)  # the switch: readers now see this version
+        self._prune()
+
+    def _prune(self) -> None:
+        versions = self.versions()
+        for old in versions[: max(0, len(versions) - self.keep_last)]:
+            for suffix in (".safetensors", ".json"):
+                (self.root / f"v{old:08d}{suffix}").unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ reader
+    def versions(self) -> list[int]:
+        """Versions whose manifest is on disk, oldest first."""
+        found = []
+        for path in self.root.glob("v*.json"):
+            try:
+                found.append(int(path.stem[1:]))
+            except ValueError:
+                continue
+        return sorted(found)
+
+    def manifest(self) -> dict[str, Any] | None:
+        """The newest complete manifest, or ``None`` before the first publish."""
+        try:
+            return json.loads((self.root / LATEST).read_text())
+        except FileNotFoundError:
+            return None
+
+    def latest_version(self) -> int | None:
+        manifest = self.manifest()
+        return None if manifest is None else int(manifest["version"])
+
+    def load(self, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Tensors of the snapshot ``manifest`` describes, checksum-verified when ``verify``."""
+        path = self.root / manifest["file"]
+        if not path.exists():
+            raise SnapshotError(f"snapshot {path} of version {manifest['version']} is gone (pruned?)")
+        if self.verify and _sha256(path) != manifest["sha256"]:
+            raise SnapshotError(f"snapshot {path}: sha256 does not match its manifest")
+        return load_file(str(path))
+
+    def latest(self, *, retries: int = 3) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """``(version, tensors)`` of the newest snapshot; retries if a writer pruned it meanwhile."""
+        for attempt in range(retries + 1):
+            manifest = self.manifest()
+            if manifest is None:
+                return None
+            try:
+                return int(manifest["version"]), self.load(manifest)
+            except SnapshotError:
+                if attempt == retries or self.latest_version() == manifest["version"]:
+                    raise
+        return None

@@ -1,0 +1,139 @@
+"""Weight synchronizers: in-process copies, atomic versioned filesystem snapshots."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+import lumenrl_async.weight_sync as ws
+from lumenrl_async import FilesystemWeightSync, InProcessWeightSync, SnapshotError
+from lumenrl_core.config.schema import RunConfig
+from lumenrl_core.protocols import WeightSync
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(16, 8, generator=g),
+        "layers.0.mlp.weight": torch.randn(8, 8, generator=g).to(torch.bfloat16),
+        "step": torch.tensor([seed], dtype=torch.int64),
+    }
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_inprocess_copies_and_versions():
+    sync = InProcessWeightSync()
+    assert isinstance(sync, WeightSync) and sync.latest() is None
+    w = weights(1)
+    sync.publish(w, 1)
+    w["embed.weight"].add_(1.0)  # an optimizer step after publishing must not leak
+    version, got = sync.latest()
+    assert version == 1 and not torch.equal(got["embed.weight"], w["embed.weight"])
+    assert_same(got, {**weights(1)})
+    with pytest.raises(ValueError, match="version=1 must be greater than the last published version 1"):
+        sync.publish(w, 1)
+    assert isinstance(InProcessWeightSync.from_config(RunConfig()), InProcessWeightSync)
+    assert InProcessWeightSync.probe() is None and "in_process" in InProcessWeightSync.capabilities
+
+
+def test_filesystem_roundtrip_manifest_and_checksum(tmp_path):
+    sync = FilesystemWeightSync(tmp_path)
+    assert isinstance(sync, WeightSync) and sync.latest() is None
+    sync.publish(weights(3), 3)
+    version, got = sync.latest()
+    assert version == 3
+    assert_same(got, weights(3))
+    manifest = json.loads((tmp_path / "LATEST.json").read_text())
+    assert manifest == json.loads((tmp_path / "v00000003.json").read_text())
+    assert manifest["file"] == "v00000003.safetensors" and manifest["num_tensors"] == 3
+    assert manifest["sha256"] == ws._sha256(tmp_path / manifest["file"])
+    assert not list(tmp_path.glob(".*"))  # no temporary files left behind
+
+
+def test_filesystem_keeps_last_n_and_rejects_old_versions(tmp_path):
+    sync = FilesystemWeightSync(tmp_path, keep_last=2)
+    for v in (1, 2, 5):
+        sync.publish(weights(v), v)
+    assert sync.versions() == [2, 5]
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["v00000002.safetensors", "v00000005.safetensors"]
+    with pytest.raises(ValueError, match="greater than the last published version 5"):
+        sync.publish(weights(4), 4)
+    with pytest.raises(ValueError, match="keep_last=0"):
+        FilesystemWeightSync(tmp_path, keep_last=0)
+
+
+def test_filesystem_detects_corruption(tmp_path):
+    sync = FilesystemWeightSync(tmp_path)
+    sync.publish(weights(1), 1)
+    path = tmp_path / "v00000001.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotError, match="sha256 does not match"):
+        sync.latest()
+
+
+def test_failed_write_leaves_previous_snapshot_visible(tmp_path, monkeypatch):
+    sync = FilesystemWeightSync(tmp_path)
+    sync.publish(weights(1), 1)
+
+    def crash_midway(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ws, "save_file", crash_midway)
+    with pytest.raises(OSError, match="disk full"):
+        sync.publish(weights(2), 2)
+    version, got = sync.latest()
+    assert version == 1 and not list(tmp_path.glob(".*"))
+    assert_same(got, weights(1))
+
+
+def test_tied_weights_are_saved(tmp_path):
+    shared = torch.randn(4, 4)
+    sync = FilesystemWeightSync(tmp_path)
+    sync.publish({"embed.weight": shared, "lm_head.weight": shared}, 0)
+    _, got = sync.latest()
+    assert torch.equal(got["embed.weight"], shared) and torch.equal(got["lm_head.weight"], shared)
+
+
+def test_concurrent_reader_never_sees_partial_snapshot(tmp_path):
+    writer, reader = FilesystemWeightSync(tmp_path, keep_last=2), FilesystemWeightSync(tmp_path)
+    seen, errors, done = [], [], threading.Event()
+
+    def read_loop():
+        while not done.is_set():
+            try:
+                got = reader.latest()
+            except SnapshotError as exc:  # pruned between reading LATEST and the file, retries exhausted
+                errors.append(exc)
+                continue
+            if got is not None:
+                version, tensors = got
+                assert int(tensors["step"].item()) == version  # tensors belong to the announced version
+                seen.append(version)
+
+    thread = threading.Thread(target=read_loop)
+    thread.start()
+    for v in range(1, 16):
+        writer.publish({**weights(v), "big": torch.full((256, 256), float(v))}, v)
+    done.set()
+    thread.join(timeout=30)
+    assert seen and seen == sorted(seen) and not errors
+
+
+def test_from_config_uses_snapshot_dir(tmp_path):
+    cfg = RunConfig()
+    cfg.weight_sync.snapshot_dir = str(tmp_path / "snap")
+    assert FilesystemWeightSync.from_config(cfg).root == tmp_path / "snap"
+    cfg.weight_sync.snapshot_dir, cfg.trainer.output_dir = "", str(tmp_path / "run")
+    assert FilesystemWeightSync.from_config(cfg).root == tmp_path / "run" / "weight_sync"
