@@ -1,0 +1,216 @@
+"""Load a :class:`RunConfig`: schema defaults <- YAML file (with ``defaults:`` bases) <- dotted overrides.
+
+Every layer is deep-merged into plain data first (mappings merge key by key, any other value
+replaces), remembering which file or override set each key; then the whole tree is built into
+dataclasses once, so every problem (unknown key, wrong type, bad choice, out-of-range value) is
+reported as a one-line :class:`ConfigError` that names the key and where it was set, before
+anything heavy is imported or loaded.
+
+A YAML file may start with ``defaults: [base.yaml, ...]`` (paths relative to that file): the bases
+are loaded first, in order, and the file's own keys override them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lumenrl_core.config.errors import ConfigError
+from lumenrl_core.config.schema import RunConfig
+from lumenrl_core.config.typed import Builder, fields_of, join_key, section_type, suggest_key, unwrap_optional
+
+__all__ = [
+    "load_config",
+    "config_from_dict",
+    "validate_config",
+    "config_to_dict",
+    "dump_config",
+    "parse_override",
+]
+
+DEFAULTS_KEY = "defaults"
+
+Layer = tuple[dict[str, Any], str]  # (data, where it came from)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()) -> RunConfig:
+    """The run config from a YAML file (None: schema defaults) plus ``key=value`` overrides, validated."""
+    layers = _read_layers(Path(path), ()) if path is not None else []
+    layers += [_override_layer(text) for text in overrides]
+    return _build(layers)
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "dict") -> RunConfig:
+    """A validated RunConfig from nested plain data (same rules as a YAML file, no ``defaults:``)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(None, data, problem="the config must be a mapping", source=source)
+    return _build([(dict(data), source)])
+
+
+def validate_config(cfg: RunConfig) -> RunConfig:
+    """Re-check a programmatically built RunConfig; returns a validated (coerced) copy."""
+    return config_from_dict(config_to_dict(cfg), source="RunConfig object")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain data (dicts, lists, scalars) of a config dataclass."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Any) -> str:
+    """The config as YAML text that ``load_config`` reads back to an equal config."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"a.b=VALUE"`` -> ``("a.b", value)``: VALUE parsed as YAML, kept verbatim for str fields."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    source = f"override {text!r}"
+    if not sep or not key:
+        raise ConfigError(
+            None, problem=f"override {text!r} must look like KEY=VALUE", allowed="e.g. policy.optim.lr=1e-6"
+        )
+    field_type = _type_at(key, text, source)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            key, raw, problem=f"value is not valid YAML ({_yaml_problem(exc)})", source=source
+        ) from None
+    base, optional = unwrap_optional(field_type)
+    if base is str and not isinstance(value, str) and not (value is None and optional and raw.strip()):
+        value = raw.strip()  # "0123", "2024", "" stay the text the user typed
+    return key, value
+
+
+# ------------------------------------------------------------------ internals
+def _build(layers: list[Layer]) -> RunConfig:
+    data = config_to_dict(RunConfig())
+    sources: dict[str, str] = {}
+    for layer, source in layers:
+        _merge(data, layer, "", source, sources)
+    return Builder(RunConfig, sources).build(RunConfig, data)
+
+
+def _merge(
+    base: dict[Any, Any], layer: Mapping[Any, Any], prefix: str, source: str, sources: dict[str, str]
+) -> None:
+    for name, value in layer.items():
+        key = join_key(prefix, str(name))
+        if isinstance(base.get(name), dict) and (value is None or isinstance(value, Mapping)):
+            sources.setdefault(key, source)  # an empty section ("policy:") changes nothing
+            _merge(base[name], value or {}, key, source, sources)
+            continue
+        for stale in [k for k in sources if k.startswith(key + ".")]:
+            del sources[stale]
+        base[name] = copy.deepcopy(value)
+        sources[key] = source
+
+
+def _override_layer(text: str) -> Layer:
+    key, value = parse_override(text)
+    nested: Any = value
+    for part in reversed(key.split(".")):
+        nested = {part: nested}
+    return nested, f"override {text!r}"
+
+
+def _type_at(key: str, text: str, source: str) -> Any:
+    """The declared type of dotted ``key``; unknown keys raise with the closest valid key."""
+    cls: type | None = RunConfig
+    tp: Any = RunConfig
+    for i, part in enumerate(key.split(".")):
+        if cls is None:
+            parent = ".".join(key.split(".")[:i])
+            raise ConfigError(
+                key, text.partition("=")[2], problem=f"{parent!r} is a value, not a section", source=source
+            )
+        specs = fields_of(cls)
+        if part not in specs:
+            raise ConfigError(
+                key,
+                text.partition("=")[2],
+                problem="unknown key",
+                suggestion=suggest_key(RunConfig, key),
+                allowed=f"keys of {'the top level' if i == 0 else repr('.'.join(key.split('.')[:i]))}: "
+                + ", ".join(specs),
+                source=source,
+            )
+        tp = specs[part].type
+        cls = section_type(tp)
+    return tp
+
+
+def _read_layers(path: Path, chain: tuple[Path, ...]) -> list[Layer]:
+    """The layers of one YAML file: its ``defaults`` bases (recursively, in order), then itself."""
+    resolved = path.resolve()
+    if resolved in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, resolved))
+        raise ConfigError(
+            DEFAULTS_KEY, str(path), problem=f"circular defaults ({cycle})", source=f"file {chain[-1]}"
+        )
+    data = _read_yaml(path)
+    bases = data.pop(DEFAULTS_KEY, [])
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(
+            DEFAULTS_KEY,
+            bases,
+            problem="must be a list of YAML paths",
+            allowed="[base.yaml, ...]",
+            source=f"file {path}",
+        )
+    layers: list[Layer] = []
+    for base in bases:
+        base_path = path.parent / base
+        if not base_path.is_file():
+            raise ConfigError(
+                DEFAULTS_KEY,
+                base,
+                problem=f"file not found: {base_path}",
+                allowed="paths relative to this file",
+                source=f"file {path}",
+            )
+        layers += _read_layers(base_path, (*chain, resolved))
+    layers.append((data, f"file {path}"))
+    return layers
+
+
+def _read_yaml(path: Path) -> dict[Any, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            None, problem=f"cannot read config file {str(path)!r}: {exc.strerror or exc}"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            None, problem=f"invalid YAML ({_yaml_problem(exc)})", source=f"file {path}"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            None,
+            data,
+            problem="the top level must be a mapping of keys",
+            allowed="seed: 1, policy: {...}, ...",
+            source=f"file {path}",
+        )
+    return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem

@@ -1,0 +1,192 @@
+"""Value rules checked at config load: numeric ranges per field and a few cross-field checks.
+
+Ranges come from two places: the table below for the fields of ``schema.py``, and field
+metadata for fields added later: ``field(default=1, metadata={"ge": 1})`` (keys ``ge``, ``gt``,
+``le``, ``lt``). A range on a ``list[...]`` field applies to every element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lumenrl_core.config import schema as s
+from lumenrl_core.config.errors import ConfigError
+
+__all__ = ["Range", "field_range", "check_range", "cross_check"]
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """Closed/open numeric bounds; None = unbounded."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def contains(self, value: float) -> bool:
+        return not (
+            (self.ge is not None and value < self.ge)
+            or (self.gt is not None and value <= self.gt)
+            or (self.le is not None and value > self.le)
+            or (self.lt is not None and value >= self.lt)
+        )
+
+    def describe(self, kind: str) -> str:
+        low = (
+            f"[{_num(self.ge)}"
+            if self.ge is not None
+            else f"({_num(self.gt)}"
+            if self.gt is not None
+            else None
+        )
+        high = (
+            f"{_num(self.le)}]"
+            if self.le is not None
+            else f"{_num(self.lt)})"
+            if self.lt is not None
+            else None
+        )
+        if low and high:
+            return f"{kind} in {low}, {high}"
+        if low:
+            return f"{kind} {'>=' if self.ge is not None else '>'} {low[1:]}"
+        if high:
+            return f"{kind} {'<=' if self.le is not None else '<'} {high[:-1]}"
+        return kind
+
+
+def _num(x: float | None) -> str:
+    return str(int(x)) if x is not None and float(x).is_integer() else str(x)
+
+
+POSITIVE = Range(ge=1)  # sizes and counts
+NON_NEGATIVE = Range(ge=0)
+STRICTLY_POSITIVE = Range(gt=0)
+UNIT = Range(ge=0, le=1)  # probabilities, fractions
+HALF_OPEN_UNIT = Range(gt=0, le=1)
+
+RULES: dict[type, dict[str, Range]] = {
+    s.RunConfig: {"seed": NON_NEGATIVE, "num_training_steps": NON_NEGATIVE},
+    s.ClusterConfig: {"num_nodes": POSITIVE, "gpus_per_node": NON_NEGATIVE},
+    s.OptimConfig: {
+        "lr": NON_NEGATIVE,
+        "weight_decay": NON_NEGATIVE,
+        "betas": Range(ge=0, lt=1),
+        "eps": STRICTLY_POSITIVE,
+        "warmup_steps": NON_NEGATIVE,
+        "min_lr_ratio": UNIT,
+    },
+    s.PolicyTrainConfig: {
+        "ppo_epochs": POSITIVE,
+        "mini_batch_size": NON_NEGATIVE,
+        "micro_batch_size": POSITIVE,
+    },
+    s.SamplingConfig: {
+        "n": POSITIVE,
+        "temperature": NON_NEGATIVE,
+        "top_p": HALF_OPEN_UNIT,
+        "top_k": Range(ge=-1),
+        "max_new_tokens": POSITIVE,
+        "stop_token_ids": NON_NEGATIVE,
+        "max_batch_size": POSITIVE,
+        "gpu_memory_utilization": HALF_OPEN_UNIT,
+    },
+    s.PolicyConfig: {"max_prompt_length": POSITIVE},
+    s.AlgorithmConfig: {
+        "clip_ratio_low": UNIT,
+        "clip_ratio_high": NON_NEGATIVE,
+        "gamma": UNIT,
+        "lam": UNIT,
+        "kl_loss_coef": NON_NEGATIVE,
+        "kl_reward_coef": NON_NEGATIVE,
+        "max_num_gen_batches": POSITIVE,
+        "overlong_buffer_len": NON_NEGATIVE,
+        "overlong_penalty_factor": NON_NEGATIVE,
+    },
+    s.DatasetConfig: {"train_batch_size": POSITIVE, "num_examples": POSITIVE, "difficulty": POSITIVE},
+    s.RolloutQuantConfig: {"skip_first_n_layers": NON_NEGATIVE, "skip_last_n_layers": NON_NEGATIVE},
+    s.RolloutCorrectionConfig: {
+        "clip": STRICTLY_POSITIVE,
+        "mask_low": NON_NEGATIVE,
+        "mask_high": STRICTLY_POSITIVE,
+        "extreme_tau": Range(ge=1),
+    },
+    s.MoEConfig: {"expert_parallel_size": POSITIVE},
+    s.CriticConfig: {"cliprange_value": NON_NEGATIVE, "value_loss_coef": NON_NEGATIVE},
+    s.CheckpointingConfig: {"save_every": NON_NEGATIVE, "keep_last": NON_NEGATIVE},
+    s.LoggerConfig: {"log_every": POSITIVE},
+    s.WeightSyncConfig: {"bucket_size_mb": POSITIVE},
+    s.AsyncTrainingConfig: {
+        "staleness_threshold": NON_NEGATIVE,
+        "trigger_parameter_sync_step": POSITIVE,
+        "require_batches": POSITIVE,
+        "queue_size": NON_NEGATIVE,
+    },
+    s.RayConfig: {"num_cpus_per_worker": NON_NEGATIVE},
+    s.TrainerConfig: {
+        "test_freq": NON_NEGATIVE,
+        "total_epochs": NON_NEGATIVE,
+        "warm_start_sft_steps": NON_NEGATIVE,
+    },
+    s.EvalConfig: {"num_examples": NON_NEGATIVE, "temperature": NON_NEGATIVE, "every": NON_NEGATIVE},
+}
+
+
+def field_range(cls: type, name: str, metadata: Mapping[str, Any]) -> Range | None:
+    """The range of field ``name`` of dataclass ``cls``: field metadata first, then the table."""
+    bounds = {k: metadata[k] for k in ("ge", "gt", "le", "lt") if k in metadata}
+    if bounds:
+        return Range(**bounds)
+    return RULES.get(cls, {}).get(name)
+
+
+def check_range(rng: Range | None, value: Any, key: str, source: str | None) -> None:
+    """Raise ConfigError if a number (or any number in a list) lies outside ``rng``."""
+    if rng is None:
+        return
+    items = value if isinstance(value, list) else [value]
+    for i, item in enumerate(items):
+        if isinstance(item, (int, float)) and not isinstance(item, bool) and not rng.contains(item):
+            where = f"{key}[{i}]" if isinstance(value, list) else key
+            kind = "int" if isinstance(item, int) else "float"
+            raise ConfigError(where, item, problem="out of range", allowed=rng.describe(kind), source=source)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _check_betas(cfg: s.OptimConfig, key: str, source: Callable[[str], str | None]) -> None:
+    if len(cfg.betas) != 2:
+        k = _join(key, "betas")
+        raise ConfigError(
+            k, cfg.betas, problem="needs exactly 2 values", allowed="[beta1, beta2]", source=source(k)
+        )
+
+
+def _check_mask_band(cfg: s.RolloutCorrectionConfig, key: str, source: Callable[[str], str | None]) -> None:
+    if cfg.mask_low >= cfg.mask_high:
+        k = _join(key, "mask_high")
+        raise ConfigError(
+            k,
+            cfg.mask_high,
+            problem="MIS band is empty",
+            allowed=f"a float > mask_low ({cfg.mask_low})",
+            source=source(k),
+        )
+
+
+CROSS_CHECKS: dict[type, Callable[[Any, str, Callable[[str], str | None]], None]] = {
+    s.OptimConfig: _check_betas,
+    s.RolloutCorrectionConfig: _check_mask_band,
+}
+
+
+def cross_check(obj: Any, key: str, source: Callable[[str], str | None]) -> None:
+    """Run the cross-field check registered for ``type(obj)``, if any (``key``: the section's dotted key)."""
+    check = CROSS_CHECKS.get(type(obj))
+    if check is not None:
+        check(obj, key, source)
