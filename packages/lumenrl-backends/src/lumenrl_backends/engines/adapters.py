@@ -1,0 +1,219 @@
+"""Adapters for external inference libraries: vLLM, SGLang and AMD's ATOM.
+
+UNTESTED HERE: none of these libraries is installed in LumenRL's CI (they need GPUs and their own
+torch builds). Each adapter is deliberately small: ``probe()`` says why it cannot run
+(library missing, a namesake package, API not found), and ``generate`` translates to the
+library's public offline API and returns the same rollout layout as ``native``. Known gaps:
+
+* log-probs: vLLM returns ``processed_logprobs`` (after temperature, AND after top-k/top-p
+  masking, which differs from LumenRL's convention only when top-k/top-p are active); SGLang
+  returns its own per-token log-probs; ATOM's offline API returns none, so its
+  ``rollout_log_probs`` are NaN and it lacks the ``logprobs`` capability.
+* interrupt/resume is not offered (no ``interrupt_resume`` capability); the methods raise.
+* weight updates use each library's public hook (vLLM ``LLM.apply_model`` +
+  ``load_weights``, SGLang ``Engine.update_weights_from_tensor``); ATOM has none.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from lumenrl_backends.engines.requests import LENGTH, STOP, Request, build_rollout_batch, requests_from_batch
+from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling
+
+__all__ = ["VLLMEngine", "SGLangEngine", "AtomEngine", "probe_module"]
+
+
+def probe_module(module: str, attributes: tuple[str, ...], install: str) -> str | None:
+    """None if ``module`` imports and has every attribute, else a one-line reason."""
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed ({install})"
+    try:
+        imported = importlib.import_module(module)
+    except Exception as exc:  # a broken install must not crash plugin listing
+        return f"{module} is installed but fails to import: {type(exc).__name__}: {exc}"
+    missing = [name for name in attributes if not hasattr(imported, name)]
+    if missing:
+        return f"the installed {module!r} package lacks {', '.join(missing)}: not the expected library ({install})"
+    return None
+
+
+def _finish(request: Request, tokens: list[int], log_probs: list[float], reason: str | None) -> None:
+    request.response, request.log_probs = list(tokens), list(log_probs)
+    request.finish_reason = STOP if reason in ("stop", "eos", "abort_stop") else LENGTH
+
+
+def _rollout(batch: Any, params: SamplingParams, outputs: list[tuple[list[int], list[float], str | None]],
+             tokenizer: Any, pad_id: int, version: int) -> Any:
+    requests, prompts, prompt_mask = requests_from_batch(batch, params)
+    for request, (tokens, log_probs, reason) in zip(requests, outputs):
+        _finish(request, tokens, log_probs, reason)
+    meta = {"interrupted": False, "weight_version": version, "temperature": float(params.temperature)}
+    return build_rollout_batch(requests, prompts, prompt_mask, width=params.max_new_tokens,
+                               pad_id=pad_id, tokenizer=tokenizer, meta_info=meta)
+
+
+def _prompt_ids(batch: Any) -> list[list[int]]:
+    ids, mask = batch.batch["input_ids"].cpu(), batch.batch["attention_mask"].cpu()
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+
+
+class _NoInterrupt:
+    def interrupt(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support interrupt/resume; use rollout_engine=native")
+
+    def resume(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support interrupt/resume; use rollout_engine=native")
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class VLLMEngine(_NoInterrupt):
+    """vLLM offline ``LLM`` (untested here)."""
+
+    capabilities = frozenset({"logprobs", "weight_update"})
+
+    def __init__(self, model_path: str, **llm_kwargs: Any) -> None:
+        import vllm
+
+        self.llm = vllm.LLM(model=model_path, logprobs_mode="processed_logprobs", **llm_kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.weight_version = 0
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return probe_module("vllm", ("LLM", "SamplingParams"), "pip install lumenrl-backends[vllm]")
+
+    @classmethod
+    def from_config(cls, run_config: Any, model: Any = None, tokenizer: Any = None) -> VLLMEngine:
+        from lumenrl_backends.models import resolve_model_path
+
+        policy = run_config.policy
+        return cls(resolve_model_path(policy.model_name), gpu_memory_utilization=policy.rollout.gpu_memory_utilization,
+                   max_model_len=policy.max_prompt_length + policy.rollout.max_new_tokens)
+
+    def generate(self, batch: Any, sampling: Any = None) -> Any:
+        import vllm
+
+        params = coerce_sampling(sampling)
+        outputs = []
+        for index, ids in enumerate(_prompt_ids(batch)):
+            sp = vllm.SamplingParams(
+                temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                max_tokens=params.max_new_tokens, stop_token_ids=params.stop_token_ids,
+                ignore_eos=params.ignore_eos, logprobs=0,
+                seed=None if params.seed is None else params.seed + index,
+            )
+            result = self.llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0].outputs[0]
+            log_probs = [step[token].logprob for step, token in zip(result.logprobs or [], result.token_ids)]
+            outputs.append((list(result.token_ids), log_probs, result.finish_reason))
+        pad = self.tokenizer.pad_token_id or 0
+        return _rollout(batch, params, outputs, self.tokenizer, pad, self.weight_version)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                       version: int) -> None:
+        weights = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        self.llm.apply_model(lambda model: model.load_weights(weights))
+        self.weight_version = int(version)
+
+
+class SGLangEngine(_NoInterrupt):
+    """SGLang offline ``Engine`` (untested here)."""
+
+    capabilities = frozenset({"logprobs", "weight_update"})
+
+    def __init__(self, model_path: str, **engine_kwargs: Any) -> None:
+        import sglang
+
+        self.engine = sglang.Engine(model_path=model_path, **engine_kwargs)
+        self.tokenizer = _load_tokenizer(model_path)
+        self.weight_version = 0
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return probe_module("sglang", ("Engine",), "pip install lumenrl-backends[sglang]")
+
+    @classmethod
+    def from_config(cls, run_config: Any, model: Any = None, tokenizer: Any = None) -> SGLangEngine:
+        from lumenrl_backends.models import resolve_model_path
+
+        policy = run_config.policy
+        return cls(resolve_model_path(policy.model_name), mem_fraction_static=policy.rollout.gpu_memory_utilization)
+
+    def generate(self, batch: Any, sampling: Any = None) -> Any:
+        params = coerce_sampling(sampling)
+        sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+              "max_new_tokens": params.max_new_tokens, "stop_token_ids": params.stop_token_ids,
+              "ignore_eos": params.ignore_eos}
+        results = self.engine.generate(input_ids=_prompt_ids(batch), sampling_params=sp, return_logprob=True)
+        outputs = []
+        for result in results:
+            info = result["meta_info"]
+            steps = info.get("output_token_logprobs") or []
+            tokens = [int(step[1]) for step in steps] or list(result.get("output_ids", []))
+            log_probs = [float(step[0]) for step in steps] or [math.nan] * len(tokens)
+            reason = (info.get("finish_reason") or {}).get("type")
+            outputs.append((tokens, log_probs, reason))
+        pad = self.tokenizer.pad_token_id or 0
+        return _rollout(batch, params, outputs, self.tokenizer, pad, self.weight_version)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                       version: int) -> None:
+        weights = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        self.engine.update_weights_from_tensor(weights)
+        self.weight_version = int(version)
+
+
+class AtomEngine(_NoInterrupt):
+    """AMD ATOM (ROCm/ATOM, built on AITER) ``LLMEngine`` (untested here).
+
+    PyPI's ``atom`` is an unrelated namesake, so the probe checks for ATOM's own API
+    (``atom.LLMEngine``, ``atom.SamplingParams`` and the ``atom.model_engine`` package), never
+    the import name alone.
+    """
+
+    capabilities = frozenset()
+
+    def __init__(self, model_path: str, **engine_kwargs: Any) -> None:
+        import atom
+
+        self.llm = atom.LLMEngine(model_path, **engine_kwargs)
+        self.tokenizer = self.llm.tokenizer
+        self.weight_version = 0
+
+    @classmethod
+    def probe(cls) -> str | None:
+        reason = probe_module("atom", ("LLMEngine", "SamplingParams"), "install ROCm/ATOM from source on a ROCm machine")
+        if reason is None and importlib.util.find_spec("atom.model_engine") is None:
+            return "the installed 'atom' package has no atom.model_engine: not AMD's ATOM"
+        return reason
+
+    @classmethod
+    def from_config(cls, run_config: Any, model: Any = None, tokenizer: Any = None) -> AtomEngine:
+        from lumenrl_backends.models import resolve_model_path
+
+        return cls(resolve_model_path(run_config.policy.model_name))
+
+    def generate(self, batch: Any, sampling: Any = None) -> Any:
+        import atom
+
+        params = coerce_sampling(sampling)
+        sp = atom.SamplingParams(temperature=params.temperature, max_tokens=params.max_new_tokens,
+                                 ignore_eos=params.ignore_eos)
+        results = self.llm.generate(_prompt_ids(batch), sp)
+        outputs = [(list(r["token_ids"]), [math.nan] * len(r["token_ids"]), r.get("finish_reason")) for r in results]
+        pad = self.tokenizer.pad_token_id or 0
+        return _rollout(batch, params, outputs, self.tokenizer, pad, self.weight_version)
+
+    def update_weights(self, named_tensors: Any, version: int) -> None:
+        raise NotImplementedError("ATOM exposes no public weight-update API; use rollout_engine=native for RL")

@@ -1,0 +1,150 @@
+"""Slot-based preallocated KV cache for the native engine, plus its attention masks.
+
+Layout: per layer, ``keys`` (S, H_kv, L, D_k) and ``values`` (S, H_kv, L, D_v) with S = engine
+slots (max concurrent sequences) and L = max sequence length in cache columns. Tensors are
+allocated once, on the first write (so any attention variant fits: GQA, MLA latents of
+DeepSeek-V3 with D_k != D_v), and then only written in place: no per-step allocation, stable
+data pointers (what CUDA graphs need).
+
+Each sequence owns one slot (a row). Its tokens occupy columns 0..n-1 of that row, left-padded
+prompts included (pad columns are marked invalid in ``valid`` (S, L) bool). Every row has its
+own write column and its own RoPE position, so rows admitted at different times (continuous
+batching) decode together in one fixed-shape step.
+
+The model sees this object as a ``transformers.Cache``: attention layers call
+``cache.update(k, v, layer_idx)``. What that call does depends on the *view* the engine sets
+before each forward:
+
+* prefill view (fresh sequences in arbitrary slots): the new K/V are written to their slots and
+  returned as-is, since a fresh prompt attends only to itself (no gather of the cache);
+* decode view (rows ``0..b-1``, one new token each): the token is written at each row's own
+  column and the layer gets the first ``kv_len`` columns of rows ``0..b-1`` (a view, no copy).
+
+Masks are explicit 4D tensors (bool for SDPA, additive float for eager) built from ``valid``,
+so transformers never needs a sequence length from the cache. A query always sees itself, so no
+row is fully masked (pad rows would otherwise produce NaN in SDPA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+__all__ = ["CacheView", "SlotKVCache", "prefill_mask", "decode_mask", "to_attention_mask"]
+
+
+@dataclass(kw_only=True, slots=True)
+class CacheView:
+    """Where the next forward writes and what it reads."""
+
+    rows: torch.Tensor  # (b,) int64 slot index of each batch row
+    columns: torch.Tensor  # (b, q) int64 cache column of each new token
+    decode: bool  # True: read back rows 0..b-1 (rows must be arange(b)); False: fresh prefill
+    kv_len: int  # decode: number of cache columns visible to attention
+
+
+class _SlotLayer(CacheLayerMixin):
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: SlotKVCache) -> None:
+        super().__init__()
+        self._owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        slots, length = self._owner.max_slots, self._owner.max_len
+        heads = key_states.shape[1]
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.keys = key_states.new_zeros((slots, heads, length, key_states.shape[-1]))
+        self.values = value_states.new_zeros((slots, value_states.shape[1], length, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        view = self._owner.view
+        if view is None:
+            raise RuntimeError("SlotKVCache.update called without a view; the engine sets one per forward")
+        rows = view.rows[:, None]  # (b, 1)
+        self.keys[rows, :, view.columns] = key_states.transpose(1, 2).to(self.keys.dtype)  # (b, q, H, D)
+        self.values[rows, :, view.columns] = value_states.transpose(1, 2).to(self.values.dtype)
+        if not view.decode:
+            return key_states, value_states
+        batch = view.rows.shape[0]
+        return self.keys[:batch, :, : view.kv_len], self.values[:batch, :, : view.kv_len]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        view = self._owner.view
+        kv_len = view.kv_len if view is not None and view.decode else query_length
+        return kv_len, 0
+
+    def get_seq_length(self) -> int:
+        return 0  # positions are always passed explicitly; there is no single length
+
+    def get_max_length(self) -> int:
+        return self._owner.max_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+
+
+class SlotKVCache(Cache):
+    """``max_slots`` x ``max_len`` KV cache with per-slot validity (see module docstring)."""
+
+    def __init__(self, *, num_layers: int, max_slots: int, max_len: int, device: torch.device) -> None:
+        self.max_slots, self.max_len = max_slots, max_len
+        self.view: CacheView | None = None
+        self.valid = torch.zeros((max_slots, max_len), dtype=torch.bool, device=device)  # (S, L)
+        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+
+    def set_view(self, view: CacheView | None) -> None:
+        self.view = view
+
+    def clear_slots(self, rows: torch.Tensor) -> None:
+        self.valid[rows] = False
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values))
+
+
+def _window_ok(q_col: torch.Tensor, k_col: torch.Tensor, window: int | None) -> torch.Tensor | bool:
+    if window is None:
+        return True
+    return (q_col - k_col) < window
+
+
+def prefill_mask(token_mask: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(b, P) 0/1 mask of left-padded inputs -> (b, 1, P, P) bool: causal, real keys, self always."""
+    length = token_mask.shape[1]
+    cols = torch.arange(length, device=token_mask.device)
+    q_col, k_col = cols[:, None], cols[None, :]
+    causal = (k_col <= q_col) & _window_ok(q_col, k_col, window)  # (P, P)
+    allowed = causal[None] & token_mask.bool()[:, None, :]  # (b, P, P)
+    allowed = allowed | torch.eye(length, dtype=torch.bool, device=token_mask.device)[None]
+    return allowed[:, None]
+
+
+def decode_mask(valid: torch.Tensor, write_cols: torch.Tensor, kv_len: int, window: int | None = None) -> torch.Tensor:
+    """valid (b, L) bool, write_cols (b,) -> (b, 1, 1, kv_len) bool; the written column is visible."""
+    cols = torch.arange(kv_len, device=valid.device)[None, :]
+    allowed = valid[:, :kv_len] | (cols == write_cols[:, None])
+    allowed = allowed & (cols <= write_cols[:, None]) & _window_ok(write_cols[:, None], cols, window)
+    return allowed[:, None, None, :]
+
+
+def to_attention_mask(allowed: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """Bool 'may attend' mask -> the 4D mask format the attention implementation expects."""
+    if attn_implementation == "eager":
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min
+        )
+    if attn_implementation != "sdpa":
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} is not supported by the native engine; use sdpa or eager"
+        )
+    return allowed

@@ -1,0 +1,298 @@
+"""``native``: the embedded rollout engine, running the same HF modules the trainer uses.
+
+Design (what the GPU-speed work builds on without a rewrite):
+
+* a :class:`~lumenrl_backends.engines.kv_cache.SlotKVCache` allocated once: S slots x L
+  columns, written in place, one slot per sequence, per-row write column and RoPE position;
+* continuous batching: requests wait in a queue, get the lowest free slot, are prefilled in one
+  left-padded batch, then join the shared decode step; a finished sequence frees its slot for the
+  next queued request at once;
+* a fixed-shape decode step per batch bucket (powers of two up to ``max_batch_size``) over slots
+  ``0..b-1``: every input (tokens, positions, columns, mask) lives in preallocated tensors, so a
+  CUDA graph per bucket can be captured around :meth:`NativeEngine._decode_forward` later;
+* sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with
+  counter-based per-request noise, which makes interrupted sequences resume bit-identically;
+* log-probs: ``log_softmax(logits.float() / temperature)`` of each sampled token, the
+  contracts' convention, so they match the trainer's forward on the same weights.
+
+Interrupt/resume: :meth:`interrupt` (thread-safe) makes a running :meth:`generate` return at the
+next step with ``meta_info["interrupted"] = True`` and unfinished rows marked "interrupted";
+:meth:`resume` re-enables generation, and passing that partial batch to :meth:`generate` again
+continues those rows (prompt + partial response are prefilled under the *current* weights, so a
+sequence may span a weight update; earlier log-probs are kept as generated).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lumenrl_backends.engines.kv_cache import (
+    CacheView,
+    SlotKVCache,
+    decode_mask,
+    prefill_mask,
+    to_attention_mask,
+)
+from lumenrl_backends.engines.requests import (
+    LENGTH,
+    STOP,
+    Request,
+    build_rollout_batch,
+    left_pad,
+    requests_from_batch,
+    stop_ids_for,
+)
+from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling, sample_tokens
+from lumenrl_backends.engines.slots import SlotState, batch_buckets
+from lumenrl_backends.engines.weights import copy_weights_
+
+__all__ = ["NativeEngine", "eos_token_ids", "sliding_window_of", "resolve_device"]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def eos_token_ids(model: nn.Module, tokenizer: Any) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation config (may be a list)."""
+    ids: set[int] = set()
+    for source in (getattr(tokenizer, "eos_token_id", None),
+                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(int(i) for i in source)
+    return sorted(ids)
+
+
+def sliding_window_of(config: Any) -> tuple[int | None, bool]:
+    """(window, mixed): the attention window if any layer uses one, and whether layers mix types."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kinds = set(layer_types)
+        return (window if "sliding_attention" in kinds else None), len(kinds) > 1
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return window, False
+    return None, False
+
+
+class NativeEngine:
+    """Embedded rollout engine over an HF causal LM (see module docstring)."""
+
+    capabilities = frozenset({"logprobs", "interrupt_resume", "weight_update", "continuous_batching"})
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 64,
+        max_seq_len: int = 512,
+        kv_block: int = 32,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len={max_seq_len} must be >= 2 (one prompt token + one new token)")
+        self.device = resolve_device(device)
+        self.model = model.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.max_batch_size, self.max_seq_len, self.kv_block = max_batch_size, max_seq_len, kv_block
+        self.weight_version = 0
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.window, self._mixed_layers = sliding_window_of(model.config)
+        self._attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache = SlotKVCache(
+            num_layers=model.config.num_hidden_layers, max_slots=max_batch_size, max_len=max_seq_len, device=self.device
+        )
+        self.slots = SlotState.allocate(max_batch_size, self.device)
+        self.buckets = batch_buckets(max_batch_size)
+        self._interrupt = threading.Event()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def probe(cls) -> str | None:
+        return None
+
+    @classmethod
+    def from_config(cls, run_config: Any, model: nn.Module | None = None, tokenizer: Any = None) -> NativeEngine:
+        """Build from a RunConfig: model/tokenizer from ``policy`` unless given, sizes from ``policy.rollout``."""
+        from lumenrl_backends.models import load_model_and_tokenizer
+
+        policy, rollout = run_config.policy, run_config.policy.rollout
+        device = resolve_device(run_config.cluster.device)
+        if model is None or tokenizer is None:
+            loaded_model, loaded_tokenizer = load_model_and_tokenizer(
+                policy.model_name, dtype=policy.dtype, device=device,
+                tokenizer_name=policy.tokenizer_name, trust_remote_code=policy.trust_remote_code,
+            )
+            model, tokenizer = model or loaded_model, tokenizer or loaded_tokenizer
+        return cls(model, tokenizer, device=device, max_batch_size=rollout.max_batch_size,
+                   max_seq_len=policy.max_prompt_length + rollout.max_new_tokens)
+
+    # ------------------------------------------------------------------ control
+    def interrupt(self) -> None:
+        """Stop in-flight generation at the next step (thread-safe); stays stopped until resume()."""
+        self._interrupt.set()
+
+    def resume(self) -> None:
+        """Allow generation again; pass an interrupted batch to generate() to continue it."""
+        self._interrupt.clear()
+
+    @property
+    def interrupted(self) -> bool:
+        return self._interrupt.is_set()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                       version: int) -> int:
+        """Copy weights into the engine model in place (no reallocation); returns tensors copied."""
+        count = copy_weights_(self.model, named_tensors)
+        self.weight_version = int(version)
+        return count
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()  # not inference_mode: the returned tensors feed the trainer's autograd
+    def generate(self, batch: Any, sampling: Any = None) -> Any:
+        """Generate for every row of ``batch``; returns the rollout DataProto (contracts layout)."""
+        params = coerce_sampling(sampling)
+        requests, prompts, prompt_mask = requests_from_batch(batch, params)
+        stops = stop_ids_for(params, self.eos_token_ids)
+        start, before = time.perf_counter(), sum(len(r.response) for r in requests)
+        self._run([r for r in requests if not r.done], params, stops)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(r.response) for r in requests) - before
+        meta = {
+            "interrupted": any(r.finish_reason is None for r in requests),
+            "weight_version": self.weight_version,
+            "temperature": float(params.temperature),
+            "perf": {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)},
+        }
+        return build_rollout_batch(requests, prompts, prompt_mask, width=params.max_new_tokens,
+                                   pad_id=self.pad_token_id, tokenizer=self.tokenizer, meta_info=meta)
+
+    def _run(self, requests: list[Request], params: SamplingParams, stops: frozenset[int]) -> None:
+        queue: deque[Request] = deque(requests)
+        active: dict[int, Request] = {}
+        try:
+            while (queue or active) and not self._interrupt.is_set():
+                if queue and self.slots.free:
+                    admitted = [queue.popleft() for _ in range(min(len(queue), len(self.slots.free)))]
+                    self._prefill(admitted, params, active, stops)
+                if active and not self._interrupt.is_set():
+                    self._decode(active, params, stops)
+        finally:
+            self.slots.release_all()
+
+    def _finish_if_done(self, request: Request, slot: int, params: SamplingParams,
+                        stops: frozenset[int], active: dict[int, Request]) -> None:
+        if request.response[-1] in stops:
+            request.finish_reason = STOP
+        elif len(request.response) >= params.max_new_tokens or int(self.slots.columns[slot]) >= self.max_seq_len:
+            request.finish_reason = LENGTH
+        if request.done:
+            del active[slot]
+            self.slots.release(slot)
+
+    def _record(self, slot_ids: list[int], tokens: torch.Tensor, log_probs: torch.Tensor, params: SamplingParams,
+                stops: frozenset[int], active: dict[int, Request]) -> None:
+        for slot, token, log_prob in zip(slot_ids, tokens.tolist(), log_probs.tolist()):
+            request = active[slot]
+            request.response.append(token)
+            request.log_probs.append(log_prob)
+            self._finish_if_done(request, slot, params, stops, active)
+
+    def _sample(self, logits: torch.Tensor, rows: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.slots
+        return sample_tokens(
+            logits, temperature=s.temperature[rows], top_k=s.top_k[rows], top_p=s.top_p[rows],
+            seeds=s.seeds[rows], counters=s.counters[rows],
+            restrict=params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0),
+        )
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill(self, admitted: list[Request], params: SamplingParams, active: dict[int, Request],
+                 stops: frozenset[int]) -> None:
+        contexts = [r.context for r in admitted]
+        width = max(len(c) for c in contexts)
+        if width >= self.max_seq_len:
+            raise ValueError(
+                f"a prompt (+ partial response) has {width} tokens; max_seq_len={self.max_seq_len} leaves no room to generate"
+            )
+        ids, mask = left_pad(contexts, self.pad_token_id, self.device)  # (n, W)
+        slot_ids = self.slots.take(len(admitted))
+        rows = torch.tensor(slot_ids, dtype=torch.int64, device=self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (n, W)
+        self.cache.clear_slots(rows)
+        self.cache.valid[rows, :width] = mask.bool()
+        columns = torch.arange(width, device=self.device).expand(len(admitted), width)
+        self.cache.set_view(CacheView(rows=rows, columns=columns, decode=False, kv_len=width))
+        allowed = prefill_mask(mask, self.window)
+        logits = self._forward(ids, positions, allowed, prefill_mask(mask, None))[:, -1]  # (n, V)
+        self.slots.admit(rows, [r.seed for r in admitted], params)
+        self.slots.counters[rows] = torch.tensor([len(r.response) for r in admitted], device=self.device)
+        tokens, log_probs = self._sample(logits, rows, params)
+        s = self.slots
+        s.tokens[rows], s.columns[rows], s.positions[rows] = tokens, width, positions[:, -1] + 1
+        s.counters[rows] += 1
+        active.update(zip(slot_ids, admitted))
+        self._record(slot_ids, tokens, log_probs, params, stops, active)
+
+    # ------------------------------------------------------------------ decode
+    def _bucket(self, rows_needed: int) -> int:
+        return next(b for b in self.buckets if b >= rows_needed)
+
+    def _decode(self, active: dict[int, Request], params: SamplingParams, stops: frozenset[int]) -> None:
+        batch = self._bucket(max(active) + 1)
+        s = self.slots
+        kv_len = min(self.max_seq_len, -(-(int(s.columns[:batch].max()) + 1) // self.kv_block) * self.kv_block)
+        logits = self._decode_forward(batch, kv_len)  # (b, V)
+        rows = torch.arange(batch, device=self.device)
+        tokens, log_probs = self._sample(logits, rows, params)
+        live = s.occupied[:batch]
+        s.tokens[:batch] = torch.where(live, tokens, s.tokens[:batch])
+        step = live.to(torch.int64)
+        s.columns[:batch] += step
+        s.positions[:batch] += step
+        s.counters[:batch] += step
+        slot_ids = sorted(active)
+        index = torch.tensor(slot_ids, device=self.device)
+        self._record(slot_ids, tokens[index], log_probs[index], params, stops, active)
+
+    def _decode_forward(self, batch: int, kv_len: int) -> torch.Tensor:
+        """One fixed-shape decode step over slots 0..batch-1 (the CUDA-graph boundary)."""
+        s = self.slots
+        rows = torch.arange(batch, device=self.device)
+        columns = s.columns[:batch]
+        self.cache.valid[rows, columns] = True
+        self.cache.set_view(CacheView(rows=rows, columns=columns[:, None], decode=True, kv_len=kv_len))
+        valid = self.cache.valid[:batch]
+        allowed = decode_mask(valid, columns, kv_len, self.window)
+        full = decode_mask(valid, columns, kv_len, None)
+        return self._forward(s.tokens[:batch, None], s.positions[:batch, None], allowed, full)[:, -1]
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+                 allowed_full: torch.Tensor) -> torch.Tensor:
+        dtype = next(self.model.parameters()).dtype
+        mask: Any = to_attention_mask(allowed, self._attn, dtype)
+        if self._mixed_layers:
+            mask = {"sliding_attention": mask, "full_attention": to_attention_mask(allowed_full, self._attn, dtype)}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kwarg: self.cache})
+        self.cache.set_view(None)
+        return out.logits

@@ -1,0 +1,141 @@
+"""Per-sequence rollout state, read from an input DataProto and written back as the rollout batch.
+
+Shared by every engine so they all emit the same layout (docs/decisions/0001-contracts.md):
+``prompts`` (B, P) left-padded, ``responses``/``response_mask``/``rollout_log_probs`` (B, T)
+right-padded with T = ``max_new_tokens``, ``input_ids``/``attention_mask``/``position_ids``
+(B, P + T), non-tensor ``response_text``, ``finish_reason`` ("stop", "length", "interrupted")
+and ``seed``.
+
+A batch returned with ``meta_info["interrupted"] = True`` is itself a valid input: rows whose
+``finish_reason`` is "interrupted" continue from their partial response (keeping its tokens and
+log-probs), finished rows pass through unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from lumenrl_backends.engines.sampling import SamplingParams
+
+__all__ = ["Request", "requests_from_batch", "build_rollout_batch", "left_pad", "stop_ids_for"]
+
+STOP, LENGTH, INTERRUPTED = "stop", "length", "interrupted"
+
+
+@dataclass(kw_only=True, slots=True)
+class Request:
+    index: int  # row in the caller's batch
+    prompt: list[int]  # prompt ids without padding
+    seed: int
+    response: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # None while running; "interrupted" when cut short
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason in (STOP, LENGTH)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.response
+
+
+def stop_ids_for(params: SamplingParams, eos_token_ids: list[int]) -> frozenset[int]:
+    stops = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stops.update(eos_token_ids)
+    return frozenset(stops)
+
+
+def _row_seeds(batch: Any, params: SamplingParams, rows: int) -> list[int]:
+    if "seed" in batch.non_tensor_batch:
+        return [int(s) for s in batch.non_tensor_batch["seed"]]
+    if params.seed is not None:
+        return [params.seed + i for i in range(rows)]
+    base = int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
+    return [base + i for i in range(rows)]
+
+
+def _unpad(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+
+
+def requests_from_batch(batch: Any, params: SamplingParams) -> tuple[list[Request], torch.Tensor, torch.Tensor]:
+    """Requests plus the (B, P) left-padded prompt ids and mask to echo back in the output."""
+    rows = len(batch)
+    seeds = _row_seeds(batch, params, rows)
+    if batch.meta_info.get("interrupted") and "responses" in batch.batch:
+        prompts = batch.batch["prompts"]
+        prompt_mask = batch.batch["attention_mask"][:, : prompts.shape[1]]
+        responses = _unpad(batch.batch["responses"], batch.batch["response_mask"])
+        log_probs = _unpad(batch.batch["rollout_log_probs"], batch.batch["response_mask"])
+        reasons = batch.non_tensor_batch["finish_reason"]
+    else:
+        prompts, prompt_mask = batch.batch["input_ids"], batch.batch["attention_mask"]
+        responses, log_probs, reasons = [[] for _ in range(rows)], [[] for _ in range(rows)], [None] * rows
+    requests = [
+        Request(index=i, prompt=p, seed=seeds[i], response=list(r), log_probs=list(lp),
+                finish_reason=reason if reason in (STOP, LENGTH) else None)
+        for i, (p, r, lp, reason) in enumerate(zip(_unpad(prompts, prompt_mask), responses, log_probs, reasons))
+    ]
+    if any(not r.prompt for r in requests):
+        raise ValueError("generate: every row needs at least one prompt token (attention_mask row is all zero)")
+    return requests, prompts, prompt_mask
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad lists of ids -> ids (n, L) int64 and mask (n, L) int64."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(sequences), width), dtype=torch.int64)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.int64)
+            mask[i, width - len(seq) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def build_rollout_batch(
+    requests: list[Request],
+    prompts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    width: int,
+    pad_id: int,
+    tokenizer: Any,
+    meta_info: dict[str, Any],
+) -> Any:
+    """Assemble the rollout DataProto (layout in the module docstring)."""
+    from lumenrl_core.data_proto import DataProto
+
+    rows, width = len(requests), max([width] + [len(r.response) for r in requests])
+    responses = torch.full((rows, width), pad_id, dtype=torch.int64)
+    response_mask = torch.zeros((rows, width), dtype=torch.int64)
+    log_probs = torch.zeros((rows, width), dtype=torch.float32)
+    for r in requests:
+        n = len(r.response)
+        responses[r.index, :n] = torch.tensor(r.response, dtype=torch.int64)
+        response_mask[r.index, :n] = 1
+        log_probs[r.index, :n] = torch.tensor(r.log_probs, dtype=torch.float32)
+    prompts, prompt_mask = prompts.cpu().to(torch.int64), prompt_mask.cpu().to(torch.int64)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "rollout_log_probs": log_probs,
+    }
+    texts = tokenizer.batch_decode([r.response for r in requests], skip_special_tokens=True)
+    non_tensors = {
+        "response_text": np.array(texts, dtype=object),
+        "finish_reason": np.array([r.finish_reason or INTERRUPTED for r in requests], dtype=object),
+        "seed": np.array([r.seed for r in requests], dtype=np.int64),
+    }
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)

@@ -1,0 +1,78 @@
+"""Device-side per-slot decode state of the native engine, in fixed-size tensors.
+
+One entry per engine slot (S = max_batch_size). A decode step reads the first ``b`` entries
+(``b`` = a batch bucket covering every occupied slot) and advances occupied ones in place, so the
+step has a fixed shape per bucket. Free slots are handed out lowest-first, which keeps occupied
+slots packed at the front and the bucket small.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from lumenrl_backends.engines.sampling import SamplingParams
+
+__all__ = ["SlotState", "batch_buckets"]
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """Powers of two below ``max_batch_size``, then ``max_batch_size`` itself."""
+    buckets, size = [], 1
+    while size < max_batch_size:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_batch_size]
+
+
+@dataclass(kw_only=True, slots=True)
+class SlotState:
+    tokens: torch.Tensor  # (S,) int64 next input token
+    columns: torch.Tensor  # (S,) int64 cache column the next token is written to
+    positions: torch.Tensor  # (S,) int64 RoPE position of the next token
+    counters: torch.Tensor  # (S,) int64 response index of the token being sampled (noise counter)
+    seeds: torch.Tensor  # (S,) int64
+    temperature: torch.Tensor  # (S,) float32
+    top_k: torch.Tensor  # (S,) int64
+    top_p: torch.Tensor  # (S,) float32
+    occupied: torch.Tensor  # (S,) bool
+    free: list[int]  # min-heap of free slot ids
+
+    @classmethod
+    def allocate(cls, slots: int, device: torch.device) -> SlotState:
+        def zeros(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(slots, dtype=dtype, device=device)
+
+        return cls(
+            tokens=zeros(torch.int64), columns=zeros(torch.int64), positions=zeros(torch.int64),
+            counters=zeros(torch.int64), seeds=zeros(torch.int64), temperature=zeros(torch.float32),
+            top_k=zeros(torch.int64), top_p=zeros(torch.float32), occupied=zeros(torch.bool),
+            free=list(range(slots)),
+        )
+
+    def take(self, count: int) -> list[int]:
+        return [heapq.heappop(self.free) for _ in range(count)]
+
+    def release(self, slot: int) -> None:
+        self.occupied[slot] = False
+        self.columns[slot] = 0
+        self.positions[slot] = 0
+        heapq.heappush(self.free, slot)
+
+    def release_all(self) -> None:
+        for slot in self.occupied.nonzero().flatten().tolist():
+            self.release(slot)
+
+    def admit(self, slots: torch.Tensor, seeds: list[int], params: SamplingParams) -> None:
+        device = self.seeds.device
+        self.seeds[slots] = torch.tensor(seeds, dtype=torch.int64, device=device)
+        self.temperature[slots] = float(params.temperature)
+        self.top_k[slots] = int(params.top_k)
+        self.top_p[slots] = float(params.top_p)
+        self.occupied[slots] = True
+
+    def highest_occupied(self) -> int:
+        occupied = self.occupied.nonzero()
+        return int(occupied.max().item()) if occupied.numel() else -1
