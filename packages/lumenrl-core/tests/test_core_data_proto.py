@@ -290,3 +290,21 @@ def test_load_refuses_foreign_files(tmp_path):
     save_file({}, str(tmp_path / "future.st"), metadata={"lumenrl.data_proto": header})
     with pytest.raises(ValueError, match="format version 99"):
         DataProto.load(tmp_path / "future.st")
+
+
+def test_concat_skips_blank_accumulator():
+    acc = DataProto(meta_info={"step": 1})
+    dp = make(3)
+    out = DataProto.concat([acc, dp, make(2, seed=5)])
+    assert len(out) == 5 and rows_of(out)[:3] == rows_of(dp)
+    assert out.meta_info == {"step": 1, "temperature": 1.0}
+    assert len(DataProto.concat([DataProto(), DataProto()])) == 0
+
+
+def test_pickle_and_deepcopy_keep_everything():
+    import copy
+    import pickle
+
+    dp = make(3)
+    for clone in (pickle.loads(pickle.dumps(dp)), copy.deepcopy(dp)):
+        assert rows_of(clone) == rows_of(dp) and clone.meta_info == dp.meta_info and len(clone) == 3

@@ -169,7 +169,9 @@ class DataProto:
     def concat(parts: Iterable[DataProto]) -> DataProto:
         """Stack the rows of several DataProtos with the same keys, dtypes and trailing shapes.
 
-        ``meta_info`` is the first part's, plus keys that only later parts have.
+        Blank parts (``DataProto()``: no entries, no rows) are skipped, so ``concat([acc, new])``
+        works from an empty accumulator. ``meta_info`` is the first part's, plus keys that only
+        later parts have.
         """
         parts = list(parts)
         if not parts:
@@ -177,14 +179,19 @@ class DataProto:
         for i, part in enumerate(parts):
             if not isinstance(part, DataProto):
                 raise TypeError(f"DataProto.concat: part {i} is a {type(part).__name__}, expected DataProto")
-            _check_same_keys(parts[0], part, i)
+        meta: dict[str, Any] = {}
+        for part in reversed(parts):
+            meta.update(part.meta_info)
+        kept = [(i, p) for i, p in enumerate(parts) if p.batch or p.non_tensor_batch or len(p)] or [
+            (0, parts[0])
+        ]
+        for i, part in kept:
+            _check_same_keys(kept[0], (i, part))
+        parts = [p for _, p in kept]
         batch = {k: _cat_tensors(k, [p.batch[k] for p in parts]) for k in parts[0].batch}
         arrays = {
             k: _cat_arrays(k, [p.non_tensor_batch[k] for p in parts]) for k in parts[0].non_tensor_batch
         }
-        meta: dict[str, Any] = {}
-        for part in reversed(parts):
-            meta.update(part.meta_info)
         return DataProto(batch, arrays, meta, batch_size=sum(len(p) for p in parts))
 
     def union(self, other: DataProto) -> DataProto:
@@ -415,15 +422,17 @@ def _pick(entries: Mapping[str, Any], keys: Iterable[str] | None, kind: str) -> 
     return {k: entries[k] for k in keys}
 
 
-def _check_same_keys(first: DataProto, part: DataProto, index: int) -> None:
+def _check_same_keys(first: tuple[int, DataProto], part: tuple[int, DataProto]) -> None:
+    (ref_index, ref_part), (index, got_part) = first, part
     for kind, ref, got in (
-        ("tensor", first.batch, part.batch),
-        ("non-tensor", first.non_tensor_batch, part.non_tensor_batch),
+        ("tensor", ref_part.batch, got_part.batch),
+        ("non-tensor", ref_part.non_tensor_batch, got_part.non_tensor_batch),
     ):
         if set(ref) != set(got):
             missing, extra = sorted(set(ref) - set(got)), sorted(set(got) - set(ref))
             raise ValueError(
-                f"DataProto.concat: part {index} {kind} keys differ from part 0: missing {missing}, extra {extra}"
+                f"DataProto.concat: part {index} {kind} keys differ from part {ref_index}: "
+                f"missing {missing}, extra {extra}"
             )
 
 

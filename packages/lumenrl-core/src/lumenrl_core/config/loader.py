@@ -39,10 +39,18 @@ DEFAULTS_KEY = "defaults"
 Layer = tuple[dict[str, Any], str]  # (data, where it came from)
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()) -> RunConfig:
-    """The run config from a YAML file (None: schema defaults) plus ``key=value`` overrides, validated."""
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: Iterable[str] | None = ()
+) -> RunConfig:
+    """The run config from a YAML file (None: schema defaults) plus ``key=value`` overrides, validated.
+
+    Later overrides win over earlier ones; overrides win over the file, the file over its
+    ``defaults:`` bases, and those over the schema defaults.
+    """
+    if isinstance(overrides, str):
+        overrides = [overrides]
     layers = _read_layers(Path(path), ()) if path is not None else []
-    layers += [_override_layer(text) for text in overrides]
+    layers += [_override_layer(text) for text in overrides or ()]
     return _build(layers)
 
 
