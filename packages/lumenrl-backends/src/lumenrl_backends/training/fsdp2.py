@@ -36,7 +36,13 @@ from lumenrl_backends.training.batching import (
     split_rows,
     take_rows,
 )
-from lumenrl_backends.training.modeling import CriticModel, decoder_layers, response_logits, token_log_probs
+from lumenrl_backends.training.modeling import (
+    CriticModel,
+    decoder_layers,
+    enable_activation_checkpointing,
+    response_logits,
+    token_log_probs,
+)
 from lumenrl_backends.training.schedules import LRSchedule, build_lr_scheduler
 
 __all__ = ["FSDP2Backend", "optimizer_steps_per_training_step"]
@@ -143,7 +149,7 @@ class FSDP2Backend:
         self.hf_config = model.config
         model = _apply_fp8(model, fp8)
         if train.gradient_checkpointing and role != "ref":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
         self.model = _shard(model, _mixed_precision(train.mixed_precision, self.device))
         self.optimizer = self.scheduler = self._sft_optimizer = None
@@ -208,7 +214,9 @@ class FSDP2Backend:
         tensors = batch.batch
         missing = [k for k in ("input_ids", "attention_mask", "responses") if k not in tensors]
         if missing:
-            raise KeyError(f"batch is missing {missing}; needs input_ids, attention_mask (B, P+T) and responses (B, T)")
+            raise KeyError(
+                f"batch is missing {missing}; needs input_ids, attention_mask (B, P+T) and responses (B, T)"
+            )
         out = {k: tensors[k].to(self.device) for k in _MODEL_INPUTS if k in tensors}
         if "position_ids" not in out:
             out["position_ids"] = position_ids_from_mask(out["attention_mask"])
@@ -233,7 +241,9 @@ class FSDP2Backend:
         micro = max(self.train_cfg.micro_batch_size, 1)
         firsts, seconds = [], []
         for s in range(lo, hi, micro):
-            first, second = self._forward({k: v[s : min(s + micro, hi)] for k, v in inputs.items()}, temperature, with_entropy)
+            first, second = self._forward(
+                {k: v[s : min(s + micro, hi)] for k, v in inputs.items()}, temperature, with_entropy
+            )
             firsts.append(first.float())
             seconds.append(second.float() if second is not None else None)
         total = inputs["input_ids"].shape[0]
@@ -247,7 +257,9 @@ class FSDP2Backend:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, T) log-probs of ``responses`` (and entropies) under ``logits / temperature``."""
         if self.is_critic:
-            raise RuntimeError("compute_log_probs called on a critic backend (role='critic'); use compute_values")
+            raise RuntimeError(
+                "compute_log_probs called on a critic backend (role='critic'); use compute_values"
+            )
         return self._infer(batch, temperature, with_entropy)
 
     def compute_values(self, batch: Any) -> torch.Tensor:
@@ -260,7 +272,9 @@ class FSDP2Backend:
 
     def _check_trainable(self) -> None:
         if self.optimizer is None:
-            raise RuntimeError(f"the {self.role!r} backend has no optimizer; only actor/critic backends train")
+            raise RuntimeError(
+                f"the {self.role!r} backend has no optimizer; only actor/critic backends train"
+            )
 
     def _mini_batches(self, batch: Any) -> list[Any]:
         total = num_rows(batch)
@@ -282,9 +296,15 @@ class FSDP2Backend:
         for _ in range(self.train_cfg.ppo_epochs):
             for mini in self._mini_batches(batch):
                 self._optimizer_step(mini, loss_fn, collected)
-        metrics = {k: sum(v) / len(v) for k, v in collected.items() if k != f"{self.prefix}/lr"}
-        metrics = dist_utils.all_reduce_mean_dict(metrics, self.device)
-        metrics[f"{self.prefix}/lr"] = collected[f"{self.prefix}/lr"][-1]
+        lr = collected.pop(f"{self.prefix}/lr")[-1]
+        local_loss = collected.pop(f"{self.prefix}/loss")  # this rank's share of each mini-batch loss
+        metrics = dist_utils.all_reduce_mean_dict(
+            {k: sum(v) / len(v) for k, v in collected.items()}, self.device
+        )
+        metrics[f"{self.prefix}/loss"] = dist_utils.all_reduce_sum(
+            sum(local_loss) / len(local_loss), self.device
+        )
+        metrics[f"{self.prefix}/lr"] = lr
         return metrics
 
     def _micro_outputs(self, micro: Any) -> dict[str, torch.Tensor]:
@@ -376,7 +396,10 @@ class FSDP2Backend:
         """Summed next-token cross-entropy over the micro-batch's valid labels."""
         position_ids = position_ids_from_mask(micro["attention_mask"])
         out = self.model(
-            input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=position_ids, use_cache=False
+            input_ids=micro["input_ids"],
+            attention_mask=micro["attention_mask"],
+            position_ids=position_ids,
+            use_cache=False,
         )
         logits = out.logits[:, :-1].float()  # (b, L-1, V)
         labels = micro["labels"][:, 1:]  # (b, L-1)
@@ -395,7 +418,9 @@ class FSDP2Backend:
         """The full state dict on CPU (rank 0; other ranks get ``{}``). Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def save_hf(self, path: str, tokenizer: Any = None) -> None:
         """``save_pretrained`` of the full model into ``path`` (rank 0 writes). Collective.
@@ -413,11 +438,15 @@ class FSDP2Backend:
 
     def save_checkpoint(self, path: str, *, extra: Mapping[str, Any] | None = None) -> None:
         """Model, optimizer, scheduler and RNG states (+ caller JSON ``extra``), written atomically."""
-        ckpt.save_training_state(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, extra=extra)
+        ckpt.save_training_state(
+            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, extra=extra
+        )
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore what :meth:`save_checkpoint` wrote; returns its ``extra`` dict."""
-        return ckpt.load_training_state(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        return ckpt.load_training_state(
+            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+        )
 
 
 def _write_hf(model: nn.Module, state: dict[str, torch.Tensor], path: str, *, critic: bool) -> None:

@@ -13,7 +13,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["CriticModel", "decoder_layers", "response_logits", "token_log_probs"]
+__all__ = [
+    "CriticModel",
+    "decoder_layers",
+    "enable_activation_checkpointing",
+    "response_logits",
+    "token_log_probs",
+]
 
 
 class CriticModel(nn.Module):
@@ -28,13 +34,24 @@ class CriticModel(nn.Module):
             self.value_head.weight.normal_(0.0, 1.0 / (self.config.hidden_size + 1))
             self.value_head.bias.zero_()
 
-    def gradient_checkpointing_enable(self, **kwargs) -> None:
-        self.model.gradient_checkpointing_enable(**kwargs)
+    def activation_checkpointing_enable(self) -> None:
+        enable_activation_checkpointing(self.model)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         hidden = out.last_hidden_state  # (B, L, H)
-        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # (B, L)
+        head = self.value_head
+        return (hidden.to(head.weight.dtype) @ head.weight[0] + head.bias[0]).float()  # (B, L), not a view
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """HF activation (gradient) checkpointing, non-reentrant, under either transformers API name."""
+    if isinstance(model, CriticModel):
+        model.activation_checkpointing_enable()
+    elif hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -46,7 +63,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def response_logits(model: nn.Module, input_ids, attention_mask, position_ids, response_len: int) -> torch.Tensor:
+def response_logits(
+    model: nn.Module, input_ids, attention_mask, position_ids, response_len: int
+) -> torch.Tensor:
     """Logits predicting the last ``response_len`` tokens: (B, T, V).
 
     Position i of the sequence predicts token i+1, so the response tokens (the last T

@@ -41,7 +41,9 @@ class LRSchedule:
 
     def __post_init__(self) -> None:
         if self.name not in SCHEDULES:
-            raise ValueError(f"lr_schedule={self.name!r} is not a known schedule; allowed: {', '.join(SCHEDULES)}")
+            raise ValueError(
+                f"lr_schedule={self.name!r} is not a known schedule; allowed: {', '.join(SCHEDULES)}"
+            )
         if self.num_training_steps < 1:
             raise ValueError(f"num_training_steps={self.num_training_steps} must be >= 1")
         if self.warmup_steps < 0:
