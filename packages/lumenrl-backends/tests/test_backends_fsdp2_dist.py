@@ -13,11 +13,11 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
-from lumenrl_core.data_proto import DataProto
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
+from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
+from lumenrl_core.data_proto import DataProto
 
 P, T, V, ROWS, STEPS = 4, 5, 80, 8, 3
 
