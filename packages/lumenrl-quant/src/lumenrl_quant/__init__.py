@@ -27,6 +27,24 @@ from lumenrl_quant.fp8 import (
     quantize_fp8_with_scale,
 )
 from lumenrl_quant.gemm import emulated_scaled_mm, gemm_path, scaled_mm
+from lumenrl_quant.kv_cache import (
+    KVScales,
+    all_reduce_max_,
+    calibrate_kv_scales,
+    dequantize_kv,
+    percentile_amax,
+    quantize_kv,
+)
+from lumenrl_quant.linear import LINEAR_SCHEMES, QuantizedLinear
+from lumenrl_quant.model import (
+    QuantizationReport,
+    ReloadReport,
+    find_decoder_layers,
+    quantize_model,
+    reload_quantized_weights_,
+)
+from lumenrl_quant.mx import MXTensor, dequantize_mx, pack_fp4, quantize_mx, unpack_fp4
+from lumenrl_quant.schemes import MXFP4, MXFP8, QUANT_SCHEMES, Fp8Block, Fp8Row, Fp8Tensor, get_quant_scheme
 
 __all__ = [
     "E4M3",
@@ -36,17 +54,42 @@ __all__ = [
     "FP8Dtypes",
     "FP8Format",
     "FP8_FORMATS",
+    "Fp8Block",
+    "Fp8Row",
+    "Fp8Tensor",
+    "KVScales",
+    "LINEAR_SCHEMES",
+    "MXFP4",
+    "MXFP8",
+    "MXTensor",
+    "QUANT_SCHEMES",
+    "QuantizationReport",
+    "QuantizedLinear",
+    "ReloadReport",
     "__version__",
+    "all_reduce_max_",
     "amax_to_scale",
+    "calibrate_kv_scales",
     "dequantize_fp8",
+    "dequantize_kv",
+    "dequantize_mx",
     "emulated_scaled_mm",
     "expand_block_scale",
+    "find_decoder_layers",
     "fp8_dtypes_for",
     "fp8_format",
     "fp8_max",
     "gemm_path",
+    "get_quant_scheme",
     "is_fnuz_device",
+    "pack_fp4",
+    "percentile_amax",
     "quantize_fp8",
     "quantize_fp8_with_scale",
+    "quantize_kv",
+    "quantize_model",
+    "quantize_mx",
+    "reload_quantized_weights_",
     "scaled_mm",
+    "unpack_fp4",
 ]

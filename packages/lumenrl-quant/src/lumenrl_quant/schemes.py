@@ -1,0 +1,136 @@
+"""Rollout quantization schemes as plugins (entry-point group ``lumenrl.quant_schemes``).
+
+Each scheme is a small keyword-constructed config class (``Fp8Block(skip_first_n_layers=1)``)
+that quantizes a model for rollout and requantizes it on weight sync. Class attributes the
+LumenRL registry reads: ``name``, ``capabilities`` (``fp8_weights`` or ``mx_weights``, plus what
+else the scheme does) and ``probe()``: ``None`` everywhere, because every scheme has an exact
+emulation path on any device. Whether a *fast* path exists on a device is a separate question,
+answered by :meth:`fast_path` (e.g. ``"scaled_mm_blockwise"`` on H100/H200, ``"emulated"`` on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from lumenrl_quant.fp8 import quantize_fp8
+from lumenrl_quant.gemm import gemm_path
+from lumenrl_quant.linear import QuantizedLinear
+from lumenrl_quant.model import QuantizationReport, ReloadReport, quantize_model, reload_quantized_weights_
+
+__all__ = ["QUANT_SCHEMES", "Fp8Block", "Fp8Row", "Fp8Tensor", "MXFP4", "MXFP8", "get_quant_scheme"]
+
+_FP8_PROBE_LAYOUTS = {
+    "fp8_block": ("block", (1, 128), "block", (128, 128)),
+    "fp8_row": ("rowwise", None, "rowwise", None),
+    "fp8_tensor": ("tensorwise", None, "tensorwise", None),
+}
+
+
+def _fp8_fast_path(name: str, device: torch.device) -> str:
+    a_gran, a_block, b_gran, b_block = _FP8_PROBE_LAYOUTS[name]
+    a_q, a_s = quantize_fp8(torch.ones(16, 128, device=device), granularity=a_gran, block_size=a_block)
+    b_q, b_s = quantize_fp8(torch.ones(128, 128, device=device), granularity=b_gran, block_size=b_block)
+    return gemm_path(a_q, a_s, b_q, b_s, out_dtype=torch.bfloat16, a_block_size=a_block, b_block_size=b_block)
+
+
+@dataclass(kw_only=True, slots=True)
+class _RolloutScheme:
+    """Shared fields of every scheme.
+
+    skip_first_n_layers / skip_last_n_layers: decoder layers kept in high precision at each end.
+    skip_modules: module names (dotted component or full name) never quantized.
+    fp8_dtype: FP8 element dtype override (default: E4M3, fnuz on MI300).
+    """
+
+    name: ClassVar[str] = ""
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    skip_first_n_layers: int = 0
+    skip_last_n_layers: int = 0
+    skip_modules: tuple[str, ...] = ("lm_head",)
+    fp8_dtype: torch.dtype | None = None
+
+    @classmethod
+    def probe(cls) -> str | None:
+        """Always runnable: the emulation path works on every device torch supports."""
+        return None
+
+    @classmethod
+    def fast_path(cls, device: torch.device | str | None = None) -> str:
+        """The GEMM path this scheme gets on ``device`` (``"emulated"`` when there is no fast one)."""
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        return _fp8_fast_path(cls.name, device) if cls.name in _FP8_PROBE_LAYOUTS else "emulated"
+
+    @classmethod
+    def has_fast_path(cls, device: torch.device | str | None = None) -> bool:
+        return cls.fast_path(device) != "emulated"
+
+    def quantize_linear(self, linear: nn.Linear) -> QuantizedLinear:
+        return QuantizedLinear.from_linear(linear, self.name, fp8_dtype=self.fp8_dtype)
+
+    def quantize_model(self, model: nn.Module) -> QuantizationReport:
+        """Swap the model's decoder linears in place (see :func:`lumenrl_quant.quantize_model`)."""
+        return quantize_model(
+            model, self.name, skip_first_n_layers=self.skip_first_n_layers,
+            skip_last_n_layers=self.skip_last_n_layers, skip_modules=self.skip_modules, fp8_dtype=self.fp8_dtype,
+        )
+
+    def reload_weights_(
+        self, model: nn.Module, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> ReloadReport:
+        """Requantize synced high-precision weights in place."""
+        return reload_quantized_weights_(model, named_tensors)
+
+
+@dataclass(kw_only=True, slots=True)
+class Fp8Block(_RolloutScheme):
+    """W8A8 FP8, 128x128 weight blocks and dynamic 1x128 activation groups (DeepSeek-V3 style)."""
+
+    name: ClassVar[str] = "fp8_block"
+    capabilities: ClassVar[frozenset[str]] = frozenset({"fp8_weights", "fp8_activations", "inplace_reload"})
+
+
+@dataclass(kw_only=True, slots=True)
+class Fp8Row(_RolloutScheme):
+    """W8A8 FP8, per-output-channel weight scales and dynamic per-token activation scales."""
+
+    name: ClassVar[str] = "fp8_row"
+    capabilities: ClassVar[frozenset[str]] = frozenset({"fp8_weights", "fp8_activations", "inplace_reload"})
+
+
+@dataclass(kw_only=True, slots=True)
+class Fp8Tensor(_RolloutScheme):
+    """W8A8 FP8, one weight scale and one dynamic activation scale per call."""
+
+    name: ClassVar[str] = "fp8_tensor"
+    capabilities: ClassVar[frozenset[str]] = frozenset({"fp8_weights", "fp8_activations", "inplace_reload"})
+
+
+@dataclass(kw_only=True, slots=True)
+class MXFP8(_RolloutScheme):
+    """OCP MXFP8 (E4M3 elements, 32-element E8M0 scales) for weights and activations; emulated matmul."""
+
+    name: ClassVar[str] = "mxfp8"
+    capabilities: ClassVar[frozenset[str]] = frozenset({"mx_weights", "mx_activations", "inplace_reload"})
+
+
+@dataclass(kw_only=True, slots=True)
+class MXFP4(_RolloutScheme):
+    """OCP MXFP4 (E2M1 elements packed two per byte) weight-only; emulated matmul."""
+
+    name: ClassVar[str] = "mxfp4"
+    capabilities: ClassVar[frozenset[str]] = frozenset({"mx_weights", "weight_only", "inplace_reload"})
+
+
+QUANT_SCHEMES: dict[str, type[_RolloutScheme]] = {c.name: c for c in (Fp8Block, Fp8Row, Fp8Tensor, MXFP8, MXFP4)}
+
+
+def get_quant_scheme(name: str, **kwargs: object) -> _RolloutScheme:
+    """Build a scheme by name with keyword config, e.g. ``get_quant_scheme("fp8_block", skip_last_n_layers=1)``."""
+    if name not in QUANT_SCHEMES:
+        raise ValueError(f"quant scheme {name!r} is unknown; allowed: {sorted(QUANT_SCHEMES)}")
+    return QUANT_SCHEMES[name](**kwargs)
