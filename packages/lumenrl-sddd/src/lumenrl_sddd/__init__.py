@@ -1,5 +1,17 @@
 """Speculative-decoding draft distillation (SDDD) for LumenRL."""
 
 from lumenrl_sddd.__about__ import __version__
+from lumenrl_sddd.transfer import (
+    InProcessTransferEngine,
+    MooncakeTransferEngine,
+    SharedMemoryTransferEngine,
+    namespace_of,
+)
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "InProcessTransferEngine",
+    "SharedMemoryTransferEngine",
+    "MooncakeTransferEngine",
+    "namespace_of",
+]
