@@ -12,7 +12,12 @@ import torch
 
 from lumenrl_core.config.schema import RunConfig
 from lumenrl_core.protocols import TransferEngine
-from lumenrl_sddd import InProcessTransferEngine, MooncakeTransferEngine, SharedMemoryTransferEngine, namespace_of
+from lumenrl_sddd import (
+    InProcessTransferEngine,
+    MooncakeTransferEngine,
+    SharedMemoryTransferEngine,
+    namespace_of,
+)
 
 
 def hidden_states(seed: int) -> dict[str, torch.Tensor]:
