@@ -89,13 +89,14 @@ def ppo_clip_loss(
     loss = agg_loss(
         loss_mat, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len
     )
-    metrics = {
-        "actor/pg_loss": loss.detach().item(),
-        "actor/clip_frac": stats["clip_frac"].item(),
-        "actor/ppo_kl": stats["ppo_kl"].item(),
-        "actor/pg_clipfrac_lower": stats["clipfrac_lower"].item(),
-    }
-    return loss, metrics
+    names = ("actor/pg_loss", "actor/clip_frac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+    values = torch.stack(
+        [
+            t.detach().float().to(loss.device)
+            for t in (loss, *(stats[k] for k in ("clip_frac", "ppo_kl", "clipfrac_lower")))
+        ]
+    ).tolist()  # one device sync for all four
+    return loss, dict(zip(names, values, strict=True))
 
 
 class PPOClipLoss:
