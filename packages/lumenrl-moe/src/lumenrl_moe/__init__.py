@@ -1,5 +1,23 @@
-"""MoE rollout routing replay (R3) for LumenRL."""
+"""MoE rollout routing replay (R3) for LumenRL: route arrays, router math, routing metrics."""
 
 from lumenrl_moe.__about__ import __version__
+from lumenrl_moe.metrics import (
+    extreme_token_fraction,
+    extreme_token_fraction_from_log_probs,
+    route_flip_fraction,
+    train_infer_kl,
+)
+from lumenrl_moe.routers import SigmoidGroupTopKRouter, SoftmaxTopKRouter
+from lumenrl_moe.routes import pad_routes, validate_routes
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "validate_routes",
+    "pad_routes",
+    "route_flip_fraction",
+    "extreme_token_fraction",
+    "extreme_token_fraction_from_log_probs",
+    "train_infer_kl",
+    "SoftmaxTopKRouter",
+    "SigmoidGroupTopKRouter",
+]

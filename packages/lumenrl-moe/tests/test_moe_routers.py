@@ -1,0 +1,115 @@
+"""Router math for R3 record/replay against float64 loop references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lumenrl_core.plugins import PluginRegistry
+from lumenrl_moe import SigmoidGroupTopKRouter, SoftmaxTopKRouter, validate_routes
+
+
+def ref_softmax_topk(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, list[set[int]]]:
+    probs = torch.softmax(logits.double(), dim=-1)
+    weights, sets = [], []
+    for row in probs:
+        order = sorted(range(row.numel()), key=lambda e: -float(row[e]))[:k]
+        w = row[order]
+        weights.append(w / w.sum() if norm else w)
+        sets.append(set(order))
+    return torch.stack(weights), sets
+
+
+def ref_sigmoid_group(logits, bias, k, n_group, topk_group, scale, norm):
+    scores = torch.sigmoid(logits.double())
+    out_w, out_sets = [], []
+    per_group = logits.shape[-1] // n_group
+    for s in scores:
+        choice = s + bias.double()
+        group_score = [sorted(choice[g * per_group:(g + 1) * per_group].tolist(), reverse=True)[:2] for g in range(n_group)]
+        groups = sorted(range(n_group), key=lambda g: -sum(group_score[g]))[:topk_group]
+        allowed = [e for g in groups for e in range(g * per_group, (g + 1) * per_group)]
+        chosen = sorted(allowed, key=lambda e: -float(choice[e]))[:k]
+        w = s[chosen]
+        w = w / w.sum() if norm else w
+        out_w.append(w * scale)
+        out_sets.append(chosen)
+    return out_w, out_sets
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_softmax_select_matches_reference(norm):
+    gen = torch.Generator().manual_seed(10)
+    logits = torch.randn(32, 8, generator=gen)
+    router = SoftmaxTopKRouter(top_k=2, norm_topk_prob=norm)
+    weights, indices = router.select(logits)
+    ref_w, ref_sets = ref_softmax_topk(logits, 2, norm)
+    assert [set(r.tolist()) for r in indices] == ref_sets
+    torch.testing.assert_close(weights.double(), ref_w, rtol=1e-6, atol=1e-7)
+    validate_routes(indices.view(32, 1, 2), num_experts=8)
+    torch.testing.assert_close(router.replay(logits, indices), weights)  # replay of own routes = select
+
+
+def test_softmax_replay_forces_recorded_experts_and_is_differentiable():
+    gen = torch.Generator().manual_seed(11)
+    logits_infer = torch.randn(16, 8, generator=gen)
+    logits_train = (logits_infer + 0.5 * torch.randn(16, 8, generator=gen)).requires_grad_(True)
+    router = SoftmaxTopKRouter(top_k=2)
+    _, recorded = router.select(logits_infer)
+    weights = router.replay(logits_train, recorded)
+    probs = torch.softmax(logits_train.detach().double(), -1)
+    ref = probs.gather(-1, recorded)
+    torch.testing.assert_close(weights.detach().double(), ref / ref.sum(-1, keepdim=True), rtol=1e-6, atol=1e-7)
+    (weights[:, 0] * torch.arange(16.0)).sum().backward()
+    assert logits_train.grad is not None and logits_train.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"indices.shape=\(16, 3\)"):
+        router.replay(logits_train, torch.zeros(16, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_sigmoid_group_select_matches_reference(norm):
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(24, 16, generator=gen)
+    bias = 0.1 * torch.randn(16, generator=gen)
+    router = SigmoidGroupTopKRouter(top_k=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                    norm_topk_prob=norm, e_score_correction_bias=bias)
+    weights, indices = router.select(logits)
+    ref_w, ref_sets = ref_sigmoid_group(logits, bias, 3, 4, 2, 2.5, norm)
+    for row, (w, idx) in enumerate(zip(weights, indices)):
+        order = {int(e): i for i, e in enumerate(idx)}
+        assert set(order) == set(ref_sets[row])
+        ref_by_expert = {e: float(ref_w[row][i]) for i, e in enumerate(ref_sets[row])}
+        for e, i in order.items():
+            assert float(w[i]) == pytest.approx(ref_by_expert[e], rel=1e-6)
+    # every chosen expert lies in one of the 2 best groups: at most 2 distinct groups per row
+    assert int((indices // 4).sort(-1).values.diff(dim=-1).ne(0).sum(-1).max()) <= 1
+    torch.testing.assert_close(router.replay(logits, indices), weights)
+
+
+def test_sigmoid_replay_gradients_and_config():
+    gen = torch.Generator().manual_seed(13)
+    logits = torch.randn(8, 8, generator=gen, requires_grad=True)
+    router = SigmoidGroupTopKRouter.from_model_config(
+        {"model_type": "deepseek_v3", "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+         "routed_scaling_factor": 2.0, "norm_topk_prob": True})
+    assert (router.top_k, router.n_group, router.topk_group, router.routed_scaling_factor) == (2, 2, 1, 2.0)
+    _, idx = router.select(logits.detach())
+    weights = router.replay(logits, idx)
+    torch.testing.assert_close(weights.sum(-1), torch.full((8,), 2.0))
+    weights[:, 0].sum().backward()
+    assert logits.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="topk_group=3"):
+        SigmoidGroupTopKRouter(top_k=2, n_group=2, topk_group=3)
+
+
+def test_router_config_and_registration():
+    assert SoftmaxTopKRouter.from_model_config({"model_type": "mixtral", "num_experts_per_tok": 2,
+                                                "norm_topk_prob": False}).norm_topk_prob is True
+    qwen = SoftmaxTopKRouter.from_model_config({"model_type": "qwen3_moe", "num_experts_per_tok": 8,
+                                                "norm_topk_prob": False})
+    assert (qwen.top_k, qwen.norm_topk_prob) == (8, False)
+    registry = PluginRegistry()
+    assert registry.load("moe_routers", "qwen3_moe") is SoftmaxTopKRouter
+    assert registry.load("moe_routers", "deepseek_v3") is SigmoidGroupTopKRouter
+    info = registry.info("moe_routers", "glm4_moe")
+    assert info.available and info.distribution == "lumenrl-moe" and "route_replay" in info.capabilities
