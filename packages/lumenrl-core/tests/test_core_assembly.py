@@ -347,7 +347,8 @@ def test_non_strict_turns_policy_violations_into_warnings(cfg, reg):
 # ------------------------------------------------------------------ helpers
 
 
-def test_config_is_moe_and_names(tmp_path):
+def test_config_is_moe_and_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("LUMENRL_CACHE", str(tmp_path / "cache"))
     assert config_is_moe({"model_type": "mixtral"})
     assert config_is_moe({"model_type": "x", "n_routed_experts": 64})
     assert config_is_moe({"model_type": "llava", "text_config": {"num_local_experts": 8}})
@@ -355,11 +356,16 @@ def test_config_is_moe_and_names(tmp_path):
     assert is_moe_model("Qwen/Qwen3-30B-A3B") == (True, "known MoE model family")
     assert is_moe_model("deepseek-ai/DeepSeek-V3")[0] is True
     assert is_moe_model("lumenrl:tiny-qwen3-arith") == (False, "built-in model name")
+    assert is_moe_model("lumenrl:tiny-mixtral")[0] is True and is_moe_model("lumenrl:tiny-deepseek_v3")[0] is True
     assert is_moe_model("meta-llama/Llama-3.1-8B-Instruct-nonexistent-zz")[0] is None
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     assert is_moe_model(str(tmp_path))[0] is False
     (tmp_path / "config.json").write_text("{not json")
     assert is_moe_model(str(tmp_path))[0] is None
+    built = tmp_path / "cache" / "tiny-custom"  # a materialised built-in: its config.json decides
+    built.mkdir(parents=True)
+    (built / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4}))
+    assert is_moe_model("lumenrl:tiny-custom")[0] is True
 
 
 def test_build_with_keywords_passes_only_accepted():

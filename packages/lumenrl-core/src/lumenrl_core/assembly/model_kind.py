@@ -48,14 +48,23 @@ def _hf_cache_config(repo_id: str) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
+def _builtin_cache_config(model_name: str) -> Path | None:
+    """A built-in ``lumenrl:<name>`` already materialised under ``$LUMENRL_CACHE/<name>``."""
+    root = os.environ.get("LUMENRL_CACHE") or os.path.join("~", ".cache", "lumenrl", "models")
+    path = Path(root).expanduser() / model_name.removeprefix("lumenrl:") / "config.json"
+    return path if path.is_file() else None
+
+
 def find_local_config(model_name: str) -> Path | None:
-    """The ``config.json`` for ``model_name`` if it exists locally (directory or HF cache)."""
+    """The ``config.json`` for ``model_name`` if it exists locally (directory, built-in cache, HF cache)."""
+    if model_name.startswith("lumenrl:"):
+        return _builtin_cache_config(model_name)
     path = Path(os.path.expanduser(model_name))
     if path.is_dir() and (path / "config.json").is_file():
         return path / "config.json"
     if path.is_file() and path.name == "config.json":
         return path
-    if model_name.startswith("lumenrl:") or model_name.count("/") != 1:
+    if model_name.count("/") != 1:
         return None
     return _hf_cache_config(model_name)
 
@@ -69,8 +78,9 @@ def is_moe_model(model_name: str) -> tuple[bool | None, str]:
         except (OSError, ValueError) as exc:
             return None, f"cannot read {config_path}: {exc}"
         return config_is_moe(config), f"from {config_path}"
-    if model_name.startswith("lumenrl:"):
-        return "moe" in model_name.lower(), "built-in model name"
+    if model_name.startswith("lumenrl:"):  # built-ins are tiny-<family>[-task]: the family says it
+        short = model_name.removeprefix("lumenrl:").lower()
+        return "moe" in short or any(t in short for t in MOE_MODEL_TYPES), "built-in model name"
     if _MOE_NAME.search(model_name):
         return True, "known MoE model family"
     return None, "no local config.json and not a known MoE family"
