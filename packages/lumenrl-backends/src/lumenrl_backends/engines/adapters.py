@@ -32,7 +32,11 @@ __all__ = ["VLLMEngine", "SGLangEngine", "AtomEngine", "probe_module"]
 
 def probe_module(module: str, attributes: tuple[str, ...], install: str) -> str | None:
     """None if ``module`` imports and has every attribute, else a one-line reason."""
-    if importlib.util.find_spec(module) is None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):  # e.g. sys.modules[module] is None
+        spec = None
+    if spec is None:
         return f"{module} is not installed ({install})"
     try:
         imported = importlib.import_module(module)
@@ -49,14 +53,27 @@ def _finish(request: Request, tokens: list[int], log_probs: list[float], reason:
     request.finish_reason = STOP if reason in ("stop", "eos", "abort_stop") else LENGTH
 
 
-def _rollout(batch: Any, params: SamplingParams, outputs: list[tuple[list[int], list[float], str | None]],
-             tokenizer: Any, pad_id: int, version: int) -> Any:
+def _rollout(
+    batch: Any,
+    params: SamplingParams,
+    outputs: list[tuple[list[int], list[float], str | None]],
+    tokenizer: Any,
+    pad_id: int,
+    version: int,
+) -> Any:
     requests, prompts, prompt_mask = requests_from_batch(batch, params)
     for request, (tokens, log_probs, reason) in zip(requests, outputs):
         _finish(request, tokens, log_probs, reason)
     meta = {"interrupted": False, "weight_version": version, "temperature": float(params.temperature)}
-    return build_rollout_batch(requests, prompts, prompt_mask, width=params.max_new_tokens,
-                               pad_id=pad_id, tokenizer=tokenizer, meta_info=meta)
+    return build_rollout_batch(
+        requests,
+        prompts,
+        prompt_mask,
+        width=params.max_new_tokens,
+        pad_id=pad_id,
+        tokenizer=tokenizer,
+        meta_info=meta,
+    )
 
 
 def _prompt_ids(batch: Any) -> list[list[int]]:
@@ -66,10 +83,14 @@ def _prompt_ids(batch: Any) -> list[list[int]]:
 
 class _NoInterrupt:
     def interrupt(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support interrupt/resume; use rollout_engine=native")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support interrupt/resume; use rollout_engine=native"
+        )
 
     def resume(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support interrupt/resume; use rollout_engine=native")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support interrupt/resume; use rollout_engine=native"
+        )
 
 
 def _load_tokenizer(path: str) -> Any:
@@ -99,8 +120,11 @@ class VLLMEngine(_NoInterrupt):
         from lumenrl_backends.models import resolve_model_path
 
         policy = run_config.policy
-        return cls(resolve_model_path(policy.model_name), gpu_memory_utilization=policy.rollout.gpu_memory_utilization,
-                   max_model_len=policy.max_prompt_length + policy.rollout.max_new_tokens)
+        return cls(
+            resolve_model_path(policy.model_name),
+            gpu_memory_utilization=policy.rollout.gpu_memory_utilization,
+            max_model_len=policy.max_prompt_length + policy.rollout.max_new_tokens,
+        )
 
     def generate(self, batch: Any, sampling: Any = None) -> Any:
         import vllm
@@ -109,9 +133,13 @@ class VLLMEngine(_NoInterrupt):
         outputs = []
         for index, ids in enumerate(_prompt_ids(batch)):
             sp = vllm.SamplingParams(
-                temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                max_tokens=params.max_new_tokens, stop_token_ids=params.stop_token_ids,
-                ignore_eos=params.ignore_eos, logprobs=0,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=params.stop_token_ids,
+                ignore_eos=params.ignore_eos,
+                logprobs=0,
                 seed=None if params.seed is None else params.seed + index,
             )
             result = self.llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0].outputs[0]
@@ -120,8 +148,9 @@ class VLLMEngine(_NoInterrupt):
         pad = self.tokenizer.pad_token_id or 0
         return _rollout(batch, params, outputs, self.tokenizer, pad, self.weight_version)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-                       version: int) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
+    ) -> None:
         weights = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         self.llm.apply_model(lambda model: model.load_weights(weights))
         self.weight_version = int(version)
@@ -148,13 +177,20 @@ class SGLangEngine(_NoInterrupt):
         from lumenrl_backends.models import resolve_model_path
 
         policy = run_config.policy
-        return cls(resolve_model_path(policy.model_name), mem_fraction_static=policy.rollout.gpu_memory_utilization)
+        return cls(
+            resolve_model_path(policy.model_name), mem_fraction_static=policy.rollout.gpu_memory_utilization
+        )
 
     def generate(self, batch: Any, sampling: Any = None) -> Any:
         params = coerce_sampling(sampling)
-        sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-              "max_new_tokens": params.max_new_tokens, "stop_token_ids": params.stop_token_ids,
-              "ignore_eos": params.ignore_eos}
+        sp = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "max_new_tokens": params.max_new_tokens,
+            "stop_token_ids": params.stop_token_ids,
+            "ignore_eos": params.ignore_eos,
+        }
         results = self.engine.generate(input_ids=_prompt_ids(batch), sampling_params=sp, return_logprob=True)
         outputs = []
         for result in results:
@@ -167,8 +203,9 @@ class SGLangEngine(_NoInterrupt):
         pad = self.tokenizer.pad_token_id or 0
         return _rollout(batch, params, outputs, self.tokenizer, pad, self.weight_version)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-                       version: int) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
+    ) -> None:
         weights = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         self.engine.update_weights_from_tensor(weights)
         self.weight_version = int(version)
@@ -193,7 +230,9 @@ class AtomEngine(_NoInterrupt):
 
     @classmethod
     def probe(cls) -> str | None:
-        reason = probe_module("atom", ("LLMEngine", "SamplingParams"), "install ROCm/ATOM from source on a ROCm machine")
+        reason = probe_module(
+            "atom", ("LLMEngine", "SamplingParams"), "install ROCm/ATOM from source on a ROCm machine"
+        )
         if reason is None and importlib.util.find_spec("atom.model_engine") is None:
             return "the installed 'atom' package has no atom.model_engine: not AMD's ATOM"
         return reason
@@ -208,12 +247,17 @@ class AtomEngine(_NoInterrupt):
         import atom
 
         params = coerce_sampling(sampling)
-        sp = atom.SamplingParams(temperature=params.temperature, max_tokens=params.max_new_tokens,
-                                 ignore_eos=params.ignore_eos)
+        sp = atom.SamplingParams(
+            temperature=params.temperature, max_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos
+        )
         results = self.llm.generate(_prompt_ids(batch), sp)
-        outputs = [(list(r["token_ids"]), [math.nan] * len(r["token_ids"]), r.get("finish_reason")) for r in results]
+        outputs = [
+            (list(r["token_ids"]), [math.nan] * len(r["token_ids"]), r.get("finish_reason")) for r in results
+        ]
         pad = self.tokenizer.pad_token_id or 0
         return _rollout(batch, params, outputs, self.tokenizer, pad, self.weight_version)
 
     def update_weights(self, named_tensors: Any, version: int) -> None:
-        raise NotImplementedError("ATOM exposes no public weight-update API; use rollout_engine=native for RL")
+        raise NotImplementedError(
+            "ATOM exposes no public weight-update API; use rollout_engine=native for RL"
+        )

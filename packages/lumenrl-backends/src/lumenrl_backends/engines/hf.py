@@ -41,7 +41,9 @@ class _StopOnEvent(StoppingCriteria):
         self.event = event
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+        return torch.full(
+            (input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device
+        )
 
 
 class HFEngine:
@@ -49,15 +51,24 @@ class HFEngine:
 
     capabilities = frozenset({"logprobs", "interrupt_resume", "weight_update"})
 
-    def __init__(self, model: nn.Module, tokenizer: Any, *, device: str | torch.device = "cpu",
-                 max_batch_size: int = 64, max_seq_len: int = 512) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 64,
+        max_seq_len: int = 512,
+    ) -> None:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.weight_version = 0
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        )
         self._interrupt = threading.Event()
 
     @classmethod
@@ -72,12 +83,20 @@ class HFEngine:
         device = resolve_device(run_config.cluster.device)
         if model is None or tokenizer is None:
             loaded_model, loaded_tokenizer = load_model_and_tokenizer(
-                policy.model_name, dtype=policy.dtype, device=device,
-                tokenizer_name=policy.tokenizer_name, trust_remote_code=policy.trust_remote_code,
+                policy.model_name,
+                dtype=policy.dtype,
+                device=device,
+                tokenizer_name=policy.tokenizer_name,
+                trust_remote_code=policy.trust_remote_code,
             )
             model, tokenizer = model or loaded_model, tokenizer or loaded_tokenizer
-        return cls(model, tokenizer, device=device, max_batch_size=rollout.max_batch_size,
-                   max_seq_len=policy.max_prompt_length + rollout.max_new_tokens)
+        return cls(
+            model,
+            tokenizer,
+            device=device,
+            max_batch_size=rollout.max_batch_size,
+            max_seq_len=policy.max_prompt_length + rollout.max_new_tokens,
+        )
 
     def interrupt(self) -> None:
         self._interrupt.set()
@@ -85,8 +104,9 @@ class HFEngine:
     def resume(self) -> None:
         self._interrupt.clear()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-                       version: int) -> int:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
+    ) -> int:
         count = copy_weights_(self.model, named_tensors)
         self.weight_version = int(version)
         return count
@@ -110,18 +130,31 @@ class HFEngine:
             "temperature": float(params.temperature),
             "perf": {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)},
         }
-        return build_rollout_batch(requests, prompts, prompt_mask, width=params.max_new_tokens,
-                                   pad_id=self.pad_token_id, tokenizer=self.tokenizer, meta_info=meta)
+        return build_rollout_batch(
+            requests,
+            prompts,
+            prompt_mask,
+            width=params.max_new_tokens,
+            pad_id=self.pad_token_id,
+            tokenizer=self.tokenizer,
+            meta_info=meta,
+        )
 
-    def _generation_config(self, params: SamplingParams, stops: frozenset[int], max_new: int) -> GenerationConfig:
+    def _generation_config(
+        self, params: SamplingParams, stops: frozenset[int], max_new: int
+    ) -> GenerationConfig:
         sample = params.temperature > 0
         return GenerationConfig(
-            max_new_tokens=max_new, do_sample=sample, num_beams=1,
+            max_new_tokens=max_new,
+            do_sample=sample,
+            num_beams=1,
             temperature=params.temperature if sample else None,
             top_k=params.top_k if sample and params.top_k > 0 else None,
             top_p=params.top_p if sample and params.top_p < 1.0 else None,
-            eos_token_id=sorted(stops), pad_token_id=self.pad_token_id,
-            output_logits=True, return_dict_in_generate=True,
+            eos_token_id=sorted(stops),
+            pad_token_id=self.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
 
     def _generate_chunk(self, chunk: list[Request], params: SamplingParams, stops: frozenset[int]) -> None:
@@ -129,13 +162,19 @@ class HFEngine:
         budgets = [params.max_new_tokens - len(r.response) for r in chunk]
         max_new = min(max(budgets), self.max_seq_len - ids.shape[1])
         if max_new < 1:
-            raise ValueError(f"prompts of {ids.shape[1]} tokens leave no room under max_seq_len={self.max_seq_len}")
+            raise ValueError(
+                f"prompts of {ids.shape[1]} tokens leave no room under max_seq_len={self.max_seq_len}"
+            )
         config = self._generation_config(params, stops, max_new)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
-                                      stopping_criteria=StoppingCriteriaList([_StopOnEvent(self._interrupt)]))
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=config,
+                stopping_criteria=StoppingCriteriaList([_StopOnEvent(self._interrupt)]),
+            )
         new = out.sequences[:, ids.shape[1] :]  # (n, t)
         temp = params.temperature if params.temperature > 0 else 1.0
         logits = torch.stack(out.logits, dim=1)[:, : new.shape[1]].float() / temp  # (n, t, V)
@@ -143,8 +182,15 @@ class HFEngine:
         for request, tokens, lps, budget in zip(chunk, new.tolist(), log_probs.tolist(), budgets):
             self._absorb(request, tokens, lps, budget, stops, ids.shape[1])
 
-    def _absorb(self, request: Request, tokens: list[int], log_probs: list[float], budget: int,
-                stops: frozenset[int], width: int) -> None:
+    def _absorb(
+        self,
+        request: Request,
+        tokens: list[int],
+        log_probs: list[float],
+        budget: int,
+        stops: frozenset[int],
+        width: int,
+    ) -> None:
         for token, log_prob in zip(tokens[:budget], log_probs[:budget]):
             request.response.append(token)
             request.log_probs.append(log_prob)

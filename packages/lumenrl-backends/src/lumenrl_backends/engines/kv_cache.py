@@ -108,8 +108,12 @@ class SlotKVCache(Cache):
         self.valid[rows] = False
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers if layer.is_initialized
-                   for t in (layer.keys, layer.values))
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            if layer.is_initialized
+            for t in (layer.keys, layer.values)
+        )
 
 
 def _window_ok(q_col: torch.Tensor, k_col: torch.Tensor, window: int | None) -> torch.Tensor | bool:
@@ -129,7 +133,9 @@ def prefill_mask(token_mask: torch.Tensor, window: int | None = None) -> torch.T
     return allowed[:, None]
 
 
-def decode_mask(valid: torch.Tensor, write_cols: torch.Tensor, kv_len: int, window: int | None = None) -> torch.Tensor:
+def decode_mask(
+    valid: torch.Tensor, write_cols: torch.Tensor, kv_len: int, window: int | None = None
+) -> torch.Tensor:
     """valid (b, L) bool, write_cols (b,) -> (b, 1, 1, kv_len) bool; the written column is visible."""
     cols = torch.arange(kv_len, device=valid.device)[None, :]
     allowed = valid[:, :kv_len] | (cols == write_cols[:, None])

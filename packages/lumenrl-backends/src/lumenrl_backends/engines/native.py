@@ -66,8 +66,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def eos_token_ids(model: nn.Module, tokenizer: Any) -> list[int]:
     """EOS ids from the tokenizer and the model's generation config (may be a list)."""
     ids: set[int] = set()
-    for source in (getattr(tokenizer, "eos_token_id", None),
-                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+    for source in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
         if isinstance(source, int):
             ids.add(source)
         elif source is not None:
@@ -112,12 +114,19 @@ class NativeEngine:
         self.max_batch_size, self.max_seq_len, self.kv_block = max_batch_size, max_seq_len, kv_block
         self.weight_version = 0
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        )
         self.window, self._mixed_layers = sliding_window_of(model.config)
         self._attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_kwarg = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
         self.cache = SlotKVCache(
-            num_layers=model.config.num_hidden_layers, max_slots=max_batch_size, max_len=max_seq_len, device=self.device
+            num_layers=model.config.num_hidden_layers,
+            max_slots=max_batch_size,
+            max_len=max_seq_len,
+            device=self.device,
         )
         self.slots = SlotState.allocate(max_batch_size, self.device)
         self.buckets = batch_buckets(max_batch_size)
@@ -129,7 +138,9 @@ class NativeEngine:
         return None
 
     @classmethod
-    def from_config(cls, run_config: Any, model: nn.Module | None = None, tokenizer: Any = None) -> NativeEngine:
+    def from_config(
+        cls, run_config: Any, model: nn.Module | None = None, tokenizer: Any = None
+    ) -> NativeEngine:
         """Build from a RunConfig: model/tokenizer from ``policy`` unless given, sizes from ``policy.rollout``."""
         from lumenrl_backends.models import load_model_and_tokenizer
 
@@ -137,12 +148,20 @@ class NativeEngine:
         device = resolve_device(run_config.cluster.device)
         if model is None or tokenizer is None:
             loaded_model, loaded_tokenizer = load_model_and_tokenizer(
-                policy.model_name, dtype=policy.dtype, device=device,
-                tokenizer_name=policy.tokenizer_name, trust_remote_code=policy.trust_remote_code,
+                policy.model_name,
+                dtype=policy.dtype,
+                device=device,
+                tokenizer_name=policy.tokenizer_name,
+                trust_remote_code=policy.trust_remote_code,
             )
             model, tokenizer = model or loaded_model, tokenizer or loaded_tokenizer
-        return cls(model, tokenizer, device=device, max_batch_size=rollout.max_batch_size,
-                   max_seq_len=policy.max_prompt_length + rollout.max_new_tokens)
+        return cls(
+            model,
+            tokenizer,
+            device=device,
+            max_batch_size=rollout.max_batch_size,
+            max_seq_len=policy.max_prompt_length + rollout.max_new_tokens,
+        )
 
     # ------------------------------------------------------------------ control
     def interrupt(self) -> None:
@@ -157,8 +176,9 @@ class NativeEngine:
     def interrupted(self) -> bool:
         return self._interrupt.is_set()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-                       version: int) -> int:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
+    ) -> int:
         """Copy weights into the engine model in place (no reallocation); returns tensors copied."""
         count = copy_weights_(self.model, named_tensors)
         self.weight_version = int(version)
@@ -183,8 +203,15 @@ class NativeEngine:
             "temperature": float(params.temperature),
             "perf": {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)},
         }
-        return build_rollout_batch(requests, prompts, prompt_mask, width=params.max_new_tokens,
-                                   pad_id=self.pad_token_id, tokenizer=self.tokenizer, meta_info=meta)
+        return build_rollout_batch(
+            requests,
+            prompts,
+            prompt_mask,
+            width=params.max_new_tokens,
+            pad_id=self.pad_token_id,
+            tokenizer=self.tokenizer,
+            meta_info=meta,
+        )
 
     def _run(self, requests: list[Request], params: SamplingParams, stops: frozenset[int]) -> None:
         queue: deque[Request] = deque(requests)
@@ -199,35 +226,62 @@ class NativeEngine:
         finally:
             self.slots.release_all()
 
-    def _finish_if_done(self, request: Request, slot: int, params: SamplingParams,
-                        stops: frozenset[int], active: dict[int, Request]) -> None:
+    def _finish_if_done(
+        self,
+        request: Request,
+        slot: int,
+        params: SamplingParams,
+        stops: frozenset[int],
+        active: dict[int, Request],
+    ) -> None:
         if request.response[-1] in stops:
             request.finish_reason = STOP
-        elif len(request.response) >= params.max_new_tokens or int(self.slots.columns[slot]) >= self.max_seq_len:
+        elif (
+            len(request.response) >= params.max_new_tokens
+            or int(self.slots.columns[slot]) >= self.max_seq_len
+        ):
             request.finish_reason = LENGTH
         if request.done:
             del active[slot]
             self.slots.release(slot)
 
-    def _record(self, slot_ids: list[int], tokens: torch.Tensor, log_probs: torch.Tensor, params: SamplingParams,
-                stops: frozenset[int], active: dict[int, Request]) -> None:
+    def _record(
+        self,
+        slot_ids: list[int],
+        tokens: torch.Tensor,
+        log_probs: torch.Tensor,
+        params: SamplingParams,
+        stops: frozenset[int],
+        active: dict[int, Request],
+    ) -> None:
         for slot, token, log_prob in zip(slot_ids, tokens.tolist(), log_probs.tolist()):
             request = active[slot]
             request.response.append(token)
             request.log_probs.append(log_prob)
             self._finish_if_done(request, slot, params, stops, active)
 
-    def _sample(self, logits: torch.Tensor, rows: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, logits: torch.Tensor, rows: torch.Tensor, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.slots
         return sample_tokens(
-            logits, temperature=s.temperature[rows], top_k=s.top_k[rows], top_p=s.top_p[rows],
-            seeds=s.seeds[rows], counters=s.counters[rows],
+            logits,
+            temperature=s.temperature[rows],
+            top_k=s.top_k[rows],
+            top_p=s.top_p[rows],
+            seeds=s.seeds[rows],
+            counters=s.counters[rows],
             restrict=params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0),
         )
 
     # ------------------------------------------------------------------ prefill
-    def _prefill(self, admitted: list[Request], params: SamplingParams, active: dict[int, Request],
-                 stops: frozenset[int]) -> None:
+    def _prefill(
+        self,
+        admitted: list[Request],
+        params: SamplingParams,
+        active: dict[int, Request],
+        stops: frozenset[int],
+    ) -> None:
         contexts = [r.context for r in admitted]
         width = max(len(c) for c in contexts)
         if width >= self.max_seq_len:
@@ -260,7 +314,9 @@ class NativeEngine:
     def _decode(self, active: dict[int, Request], params: SamplingParams, stops: frozenset[int]) -> None:
         batch = self._bucket(max(active) + 1)
         s = self.slots
-        kv_len = min(self.max_seq_len, -(-(int(s.columns[:batch].max()) + 1) // self.kv_block) * self.kv_block)
+        kv_len = min(
+            self.max_seq_len, -(-(int(s.columns[:batch].max()) + 1) // self.kv_block) * self.kv_block
+        )
         logits = self._decode_forward(batch, kv_len)  # (b, V)
         rows = torch.arange(batch, device=self.device)
         tokens, log_probs = self._sample(logits, rows, params)
@@ -286,13 +342,23 @@ class NativeEngine:
         full = decode_mask(valid, columns, kv_len, None)
         return self._forward(s.tokens[:batch, None], s.positions[:batch, None], allowed, full)[:, -1]
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
-                 allowed_full: torch.Tensor) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, allowed_full: torch.Tensor
+    ) -> torch.Tensor:
         dtype = next(self.model.parameters()).dtype
         mask: Any = to_attention_mask(allowed, self._attn, dtype)
         if self._mixed_layers:
-            mask = {"sliding_attention": mask, "full_attention": to_attention_mask(allowed_full, self._attn, dtype)}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kwarg: self.cache})
+            mask = {
+                "sliding_attention": mask,
+                "full_attention": to_attention_mask(allowed_full, self._attn, dtype),
+            }
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: self.cache},
+        )
         self.cache.set_view(None)
         return out.logits

@@ -64,7 +64,9 @@ def _unpad(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
 
 
-def requests_from_batch(batch: Any, params: SamplingParams) -> tuple[list[Request], torch.Tensor, torch.Tensor]:
+def requests_from_batch(
+    batch: Any, params: SamplingParams
+) -> tuple[list[Request], torch.Tensor, torch.Tensor]:
     """Requests plus the (B, P) left-padded prompt ids and mask to echo back in the output."""
     rows = len(batch)
     seeds = _row_seeds(batch, params, rows)
@@ -78,16 +80,28 @@ def requests_from_batch(batch: Any, params: SamplingParams) -> tuple[list[Reques
         prompts, prompt_mask = batch.batch["input_ids"], batch.batch["attention_mask"]
         responses, log_probs, reasons = [[] for _ in range(rows)], [[] for _ in range(rows)], [None] * rows
     requests = [
-        Request(index=i, prompt=p, seed=seeds[i], response=list(r), log_probs=list(lp),
-                finish_reason=reason if reason in (STOP, LENGTH) else None)
-        for i, (p, r, lp, reason) in enumerate(zip(_unpad(prompts, prompt_mask), responses, log_probs, reasons))
+        Request(
+            index=i,
+            prompt=p,
+            seed=seeds[i],
+            response=list(r),
+            log_probs=list(lp),
+            finish_reason=reason if reason in (STOP, LENGTH) else None,
+        )
+        for i, (p, r, lp, reason) in enumerate(
+            zip(_unpad(prompts, prompt_mask), responses, log_probs, reasons)
+        )
     ]
     if any(not r.prompt for r in requests):
-        raise ValueError("generate: every row needs at least one prompt token (attention_mask row is all zero)")
+        raise ValueError(
+            "generate: every row needs at least one prompt token (attention_mask row is all zero)"
+        )
     return requests, prompts, prompt_mask
 
 
-def left_pad(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    sequences: list[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad lists of ids -> ids (n, L) int64 and mask (n, L) int64."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.int64)

@@ -46,9 +46,15 @@ class SlotState:
             return torch.zeros(slots, dtype=dtype, device=device)
 
         return cls(
-            tokens=zeros(torch.int64), columns=zeros(torch.int64), positions=zeros(torch.int64),
-            counters=zeros(torch.int64), seeds=zeros(torch.int64), temperature=zeros(torch.float32),
-            top_k=zeros(torch.int64), top_p=zeros(torch.float32), occupied=zeros(torch.bool),
+            tokens=zeros(torch.int64),
+            columns=zeros(torch.int64),
+            positions=zeros(torch.int64),
+            counters=zeros(torch.int64),
+            seeds=zeros(torch.int64),
+            temperature=zeros(torch.float32),
+            top_k=zeros(torch.int64),
+            top_p=zeros(torch.float32),
+            occupied=zeros(torch.bool),
             free=list(range(slots)),
         )
 

@@ -41,7 +41,9 @@ def _unknown(name: str, targets: Mapping[str, torch.Tensor]) -> KeyError:
 
 
 @torch.no_grad()
-def copy_weights_(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> int:
+def copy_weights_(
+    model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+) -> int:
     """Copy ``named_tensors`` into ``model`` in place; returns the number of tensors copied.
 
     Shapes must match exactly; dtype and device are converted on the fly.
