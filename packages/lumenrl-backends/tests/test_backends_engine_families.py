@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lumenrl_core.data_proto import DataProto
 
 from lumenrl_backends.engines import NativeEngine
 from lumenrl_backends.engines.hf import HFEngine
 from lumenrl_backends.models import FAMILIES, build_tiny_model, load_model_and_tokenizer
+from lumenrl_core.data_proto import DataProto
 
 torch.set_num_threads(1)
 
