@@ -205,3 +205,50 @@ def test_cuda_probe(monkeypatch):
 def test_first_reason():
     assert first_reason(lambda: None, lambda: "b", lambda: "c") == "b"
     assert first_reason(lambda: None) is None
+
+
+class FakeDist:
+    def __init__(self, name: str, version: str, requires: list[str]):
+        self.metadata = {"Name": name}
+        self.version = version
+        self.requires = requires
+
+
+class FakeEntryPoint:
+    def __init__(self, name: str, value: str, dist: FakeDist, obj=None):
+        self.name, self.value, self.dist, self._obj = name, value, dist, obj
+
+    def load(self):
+        if self._obj is None:
+            raise ModuleNotFoundError(f"No module named {self.value.split(':')[0]!r}")
+        return self._obj
+
+
+def fake_entry_points(monkeypatch, by_group):
+    import lumenrl_core.plugins.registry as registry_module
+
+    monkeypatch.setattr(registry_module.metadata, "entry_points", lambda group: by_group.get(group, []))
+
+
+def test_discovery_from_metadata_with_versions_and_duplicates(monkeypatch):
+    ok = FakeDist("lumenrl-x", "0.1.0", ["torch>=2.6", f"lumenrl-core=={core_version()}"])
+    future = FakeDist("lumenrl-y", "2.0.0", ["lumenrl-core>=2.0,<2.1"])
+    fake_entry_points(monkeypatch, {"lumenrl.rollout_engines": [
+        FakeEntryPoint("good", "lumenrl_x.engines:Good", ok, GoodEngine),
+        FakeEntryPoint("future", "lumenrl_y.engines:Future", future, GoodEngine),
+        FakeEntryPoint("later", "lumenrl_x.later:Later", ok),
+    ], "lumenrl.rewards": [
+        FakeEntryPoint("math", "lumenrl_x.rewards:Math", ok, GoodEngine),
+        FakeEntryPoint("math", "lumenrl_y.rewards:Math", future, GoodEngine),
+    ]})
+    reg = PluginRegistry()
+    assert reg.names("rollout_engines") == ["future", "good", "later"]
+    assert reg.info("rollout_engines", "good").available
+    assert reg.info("rollout_engines", "good").distribution == "lumenrl-x"
+    future_info = reg.info("rollout_engines", "future")
+    assert not future_info.available and "lumenrl-y 2.0.0 requires lumenrl-core<2.1,>=2.0" in future_info.reason
+    later = reg.info("rollout_engines", "later")
+    assert later.reason == "cannot import lumenrl_x.later:Later: ModuleNotFoundError: No module named 'lumenrl_x.later'"
+    for _ in range(2):  # raised on every use, not only the first
+        with pytest.raises(DuplicatePluginError, match=r"lumenrl-x 0\.1\.0 \(lumenrl_x.rewards:Math\).*lumenrl-y 2\.0\.0"):
+            reg.names("rewards")

@@ -115,9 +115,12 @@ class PluginRegistry:
         with self._lock:
             if kind not in self._entries:
                 self._entries[kind] = {}
-                if self._discover:
-                    for ep in metadata.entry_points(group=group_of(kind)):
+                try:
+                    for ep in metadata.entry_points(group=group_of(kind)) if self._discover else ():
                         self._add(self._entry_from_ep(kind, ep))
+                except BaseException:
+                    del self._entries[kind]  # a duplicate keeps raising on every use, not just the first
+                    raise
             return self._entries[kind]
 
     @staticmethod
