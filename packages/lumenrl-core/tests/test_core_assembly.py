@@ -14,6 +14,7 @@ from lumenrl_core.assembly import (
     build_with_keywords,
     config_is_moe,
     is_moe_model,
+    model_type_of,
     plan_run,
 )
 from lumenrl_core.config.schema import RunConfig
@@ -76,6 +77,7 @@ def reg() -> PluginRegistry:
     add("quant_schemes", "fp8_block", plugin("Fp8Block"))
     add("quant_schemes", "mxfp4", plugin("MXFP4"))
     add("rollout_corrections", "tis_token", Correction)
+    add("moe_routers", "qwen3_moe", plugin("SoftmaxTopK", {"route_recording", "route_replay"}))
     return r
 
 
@@ -236,6 +238,19 @@ def test_r3_needs_recording_replay_and_moe_model(cfg, reg, tmp_path):
     assert plan.required_capabilities == {"rollout_engine": {"route_recording"}, "training_backend": {"route_replay"}}
 
 
+def test_r3_router_by_model_type_or_by_name(cfg, reg, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 8}))
+    cfg.moe.r3.enabled, cfg.policy.training_backend, cfg.policy.model_name = True, "megatron", str(tmp_path)
+    plan = plan_run(cfg, registry=reg)
+    assert plan.moe_router_cls.__name__ == "SoftmaxTopK" and plan.plugin_names["moe_router"] == "qwen3_moe"
+    assert plan.plugin_versions["moe_routers/qwen3_moe"] == "test 0.0.0"
+    cfg.moe.r3.router = "qwen3_mo"
+    assert only(cfg, reg).startswith("moe.r3.router='qwen3_mo': no moe_routers plugin named 'qwen3_mo'")
+    cfg.moe.r3.router, cfg.policy.model_name = "", "lumenrl:tiny-mixtral"  # family from the built-in name
+    with pytest.warns(AssemblyWarning, match="no lumenrl.moe_routers plugin for model_type='mixtral'"):
+        assert plan_run(cfg, registry=reg).moe_router_cls is None
+
+
 def test_r3_on_unknown_model_warns_instead_of_guessing(cfg, reg):
     cfg.moe.r3.enabled, cfg.policy.training_backend = True, "megatron"
     cfg.policy.model_name = "some-org/unknown-model-7b"
@@ -366,6 +381,8 @@ def test_config_is_moe_and_names(tmp_path, monkeypatch):
     built.mkdir(parents=True)
     (built / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4}))
     assert is_moe_model("lumenrl:tiny-custom")[0] is True
+    assert model_type_of("lumenrl:tiny-custom") == "qwen3_moe"  # from the cached config.json
+    assert model_type_of("lumenrl:tiny-glm4_moe") == "glm4_moe" and model_type_of("org/unknown") is None
 
 
 def test_build_with_keywords_passes_only_accepted():

@@ -10,7 +10,7 @@ parallelism), refused combinations (MX training, PPO without critic/GAE, GAE wit
 R3/EP on a dense model), the ``reward.function`` syntax, and plugin distribution versions.
 """
 
-from lumenrl_core.assembly.model_kind import config_is_moe, is_moe_model
+from lumenrl_core.assembly.model_kind import config_is_moe, is_moe_model, model_type_of
 from lumenrl_core.assembly.plan import (
     AssemblyError,
     AssemblyWarning,
@@ -46,4 +46,5 @@ __all__ = [
     "load_reward_function",
     "config_is_moe",
     "is_moe_model",
+    "model_type_of",
 ]

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MOE_MODEL_TYPES", "config_is_moe", "find_local_config", "is_moe_model"]
+__all__ = ["MOE_MODEL_TYPES", "config_is_moe", "find_local_config", "is_moe_model", "model_type_of"]
 
 MOE_MODEL_TYPES = frozenset({
     "qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe",
@@ -84,3 +84,19 @@ def is_moe_model(model_name: str) -> tuple[bool | None, str]:
     if _MOE_NAME.search(model_name):
         return True, "known MoE model family"
     return None, "no local config.json and not a known MoE family"
+
+
+def model_type_of(model_name: str) -> str | None:
+    """HF ``model_type`` of ``model_name`` from a local ``config.json``, else from a built-in's family name."""
+    config_path = find_local_config(model_name)
+    if config_path is not None:
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError):
+            return None
+        return (config.get("text_config") or {}).get("model_type") or config.get("model_type")
+    if model_name.startswith("lumenrl:"):
+        short = model_name.removeprefix("lumenrl:").lower()
+        found = [t for t in MOE_MODEL_TYPES if t in short]
+        return max(found, key=len) if found else None
+    return None

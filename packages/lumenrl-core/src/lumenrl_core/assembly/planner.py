@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from lumenrl_core.assembly.model_kind import is_moe_model
+from lumenrl_core.assembly.model_kind import is_moe_model, model_type_of
 from lumenrl_core.assembly.plan import AssemblyError, AssemblyWarning, RunPlan
 from lumenrl_core.assembly.requirements import (
     ROLLOUT_SCHEME_BY_PRECISION,
@@ -116,6 +116,20 @@ class _Planner:
                 f"{need.because_key}={need.because_value!r}; choose a {role_word} that declares it"))
         return {role: frozenset(caps) for role, caps in required.items()}
 
+    def resolve_router_by_model_type(self) -> None:
+        """``moe.r3.router`` empty: use the router registered under the model's ``model_type``, if any."""
+        cfg = self.cfg
+        if not cfg.moe.r3.enabled or cfg.moe.r3.router:
+            return
+        model_type = model_type_of(cfg.policy.model_name)
+        if model_type is None:
+            return  # unknown model: check_model says so
+        if ("moe_routers", model_type) in self.registry:
+            self.resolve("moe_router", "moe_routers", "moe.r3.router", model_type)
+        else:
+            self.notes.append(f"moe.r3.router='': no lumenrl.moe_routers plugin for model_type={model_type!r}; "
+                              "route replay relies on the training backend's own router handling")
+
     def check_model(self) -> bool | None:
         cfg = self.cfg
         if not (cfg.moe.r3.enabled or cfg.moe.expert_parallel_size > 1):
@@ -163,6 +177,7 @@ def plan_run(cfg: RunConfig, *, registry: PluginRegistry | None = None) -> RunPl
     p.violations.extend(config_violations(cfg))
     for role, kind, key, name in _roles(cfg):
         p.resolve(role, kind, key, name)
+    p.resolve_router_by_model_type()
     required = p.check_capabilities()
     is_moe = p.check_model()
     return _finish(p, required, is_moe)
