@@ -72,12 +72,25 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def dump_config(cfg: Any) -> str:
-    """The config as YAML text that ``load_config`` reads back to an equal config."""
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False, allow_unicode=True)
+    """The config as YAML text that ``load_config`` reads back to an equal config.
+
+    Non-ASCII text is written as is when PyYAML reads it back unchanged, escaped otherwise
+    (PyYAML folds some characters, such as U+0085, inside plain-quoted scalars).
+    """
+    data = config_to_dict(cfg)
+    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    if yaml.safe_load(text) != data:
+        text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+    return text
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``"a.b=VALUE"`` -> ``("a.b", value)``: VALUE parsed as YAML, kept verbatim for str fields."""
+    """``"a.b=VALUE"`` -> ``("a.b", value)``.
+
+    VALUE is parsed as YAML (``[1, 2]``, ``{k: v}``, ``true``, ``1e-6``), except for str fields,
+    which take the text as typed (``0123``, ``run #3`` stay strings) unless it is quoted
+    (``'a b'``); ``null`` sets an optional field to None.
+    """
     key, sep, raw = text.partition("=")
     key = key.strip()
     source = f"override {text!r}"
@@ -85,17 +98,22 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(
             None, problem=f"override {text!r} must look like KEY=VALUE", allowed="e.g. policy.optim.lr=1e-6"
         )
-    field_type = _type_at(key, text, source)
+    base, optional = unwrap_optional(_type_at(key, text, source))
+    stripped = raw.strip()
+    if optional and stripped in ("null", "~"):
+        return key, None
+    if base is str and not _is_quoted(stripped):
+        return key, stripped
     try:
-        value = yaml.safe_load(raw)
+        return key, yaml.safe_load(raw)
     except yaml.YAMLError as exc:
         raise ConfigError(
             key, raw, problem=f"value is not valid YAML ({_yaml_problem(exc)})", source=source
         ) from None
-    base, optional = unwrap_optional(field_type)
-    if base is str and not isinstance(value, str) and not (value is None and optional and raw.strip()):
-        value = raw.strip()  # "0123", "2024", "" stay the text the user typed
-    return key, value
+
+
+def _is_quoted(text: str) -> bool:
+    return len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
 
 
 # ------------------------------------------------------------------ internals
