@@ -167,3 +167,18 @@ def test_ray_probe_matches_importability():
         assert "ray is not installed" in RayController.probe()
     else:
         assert RayController.probe() is None
+
+
+class MetaRank(FakeRank):
+    def meta(self, batch: DataProto) -> dict:
+        return {"split": batch.meta_info.get("dispatch_dp_size", 0), "step": batch.meta_info["step"]}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_split_chunks_are_marked_as_shards_without_touching_the_caller(world):
+    g = WorkerGroup([MetaRank(r) for r in range(world)], controller=LocalController())
+    batch = proto(6)
+    metrics = g.call("meta", batch, dispatch="dp_compute_metric")
+    assert metrics == {"split": float(world if world > 1 else 0), "step": 1.0}
+    assert g.call("meta", batch, dispatch="one_to_all") == [{"split": 0, "step": 1}] * world
+    assert "dispatch_dp_size" not in batch.meta_info

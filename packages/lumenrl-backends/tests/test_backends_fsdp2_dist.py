@@ -1,7 +1,8 @@
 """FSDP2 with 2 gloo ranks (spawned CPU processes) against the same run on 1 rank.
 
-Each rank holds the full batch and trains on its half of every mini-batch; the loss
-trajectory, gathered log-probs, and the checkpoint (reloaded on 1 rank) must match the 1-rank run.
+Each rank either holds the full batch and trains on its half of every mini-batch (torchrun
+path) or receives its pre-split chunk (controller dispatch path); the loss trajectory, the
+log-probs and the checkpoint (reloaded on 1 rank) must match the 1-rank run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
 from lumenrl_core.data_proto import DataProto
 
-P, T, V, ROWS, STEPS = 4, 5, 80, 8, 3
+P, T, V, ROWS, MINI, STEPS = 4, 5, 80, 8, 4, 3
 
 
 def make_batch() -> DataProto:
@@ -49,18 +50,44 @@ def build(model_path: str) -> FSDP2Backend:
         AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
         role="actor",
         optim=OptimConfig(lr=5e-3, lr_schedule="cosine", warmup_steps=1),
-        train=PolicyTrainConfig(mini_batch_size=4, micro_batch_size=1),
+        train=PolicyTrainConfig(mini_batch_size=MINI, micro_batch_size=2),
         num_training_steps=STEPS,
         device=torch.device("cpu"),
     )
 
 
+def my_shard(batch: DataProto, world: int = 2) -> DataProto:
+    """What controller dispatch (dp_compute_proto) hands this rank: its chunk, marked as a shard.
+
+    Pre-sharded, global mini-batch k is the union of every rank's k-th local slice; on 1 rank the
+    same batch reordered that way gives the same mini-batches.
+    """
+    if torch.distributed.get_world_size() == 1:
+        local = MINI // world
+        order = [
+            c * (ROWS // world) + k * local + j
+            for k in range(ROWS // MINI)
+            for c in range(world)
+            for j in range(local)
+        ]
+        return batch[order]
+    chunk = batch.chunk(world)[torch.distributed.get_rank()]
+    chunk.meta_info["dispatch_dp_size"] = world
+    return chunk
+
+
 def run(backend: FSDP2Backend, ckpt_dir: str) -> dict:
+    """3 steps: whole batch (backend slices), pre-sharded (controller path), whole batch again."""
     batch = make_batch()
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     log_probs, _ = backend.compute_log_probs(batch[:5])  # 5 rows: padded to 6 over 2 ranks, unpadded
-    losses = [backend.train_step(batch, loss_fn)["actor/loss"] for _ in range(STEPS)]
+    shard = batch.chunk(world)[rank]
+    if world > 1:
+        shard.meta_info["dispatch_dp_size"] = world
+    shard_log_probs, _ = backend.compute_log_probs(shard)  # pre-sharded: this rank's rows, not gathered
+    losses = [backend.train_step(b, loss_fn)["actor/loss"] for b in (batch, my_shard(batch), batch)]
     backend.save_checkpoint(ckpt_dir)
-    return {"losses": losses, "log_probs": log_probs.tolist()}
+    return {"losses": losses, "log_probs": log_probs.tolist(), "shard_log_probs": shard_log_probs.tolist()}
 
 
 def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> None:
@@ -68,9 +95,8 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> 
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
     result = run(build(model_path), os.path.join(out_dir, "ckpt2"))
-    if rank == 0:
-        with open(os.path.join(out_dir, "two_ranks.json"), "w") as fh:
-            json.dump(result, fh)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
     torch.distributed.destroy_process_group()
 
 
@@ -101,13 +127,16 @@ def model_path(tmp_path_factory) -> str:
 
 def test_two_gloo_ranks_match_one_rank(model_path, tmp_path):
     mp.spawn(_worker, args=(2, _free_port(), model_path, str(tmp_path)), nprocs=2, join=True)
-    two = json.loads((tmp_path / "two_ranks.json").read_text())
+    two, two_r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
 
     single = build(model_path)
     one = run(single, str(tmp_path / "ckpt1"))
     assert one["losses"][-1] < one["losses"][0]  # the trajectory actually moves
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-5)
+    assert two_r1["losses"] == two["losses"]  # metrics are all-reduced: every rank reports the same
     assert torch.allclose(torch.tensor(two["log_probs"]), torch.tensor(one["log_probs"]), atol=1e-5)
+    shards = torch.tensor(two["shard_log_probs"] + two_r1["shard_log_probs"])  # each rank kept its own rows
+    assert torch.allclose(shards, torch.tensor(one["shard_log_probs"]), atol=1e-5)
 
     # the 2-rank (sharded) checkpoint reloads on 1 rank: same weights as the 1-rank run
     reloaded = build(model_path)

@@ -23,6 +23,10 @@ all_to_all                   as dp_compute (per-rank lists in)           the lis
 rank_zero                    rank 0 only                                 rank 0's output
 ===========================  ==========================================  ======================================
 
+Chunks of a DataProto split over W > 1 ranks carry ``meta_info["dispatch_dp_size"] = W`` so a
+data-parallel training backend knows the batch is already its shard (under torchrun, where
+each process's group has one worker, the backend slices the full batch itself).
+
 ``broadcast`` is a legacy alias of ``one_to_all``. ``direct_rollout_method`` (a rollout worker
 called outside the controller, as in verl's colocated vLLM path) is refused here.
 ``dp_compute`` and ``all_to_all`` coincide when every rank is a data-parallel rank (the local
@@ -39,6 +43,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "DISPATCH_DP_SIZE_KEY",
     "DISPATCH_MODES",
     "DEFAULT_DISPATCH",
     "RankCall",
@@ -68,6 +73,9 @@ _REFUSED = {
     ),
 }
 _ATTR = "__lumenrl_dispatch__"
+# stamped on each rank's chunk when a DataProto is split over W > 1 ranks: the receiving backend
+# then treats the batch as its own shard instead of slicing it again (see training.fsdp2)
+DISPATCH_DP_SIZE_KEY = "dispatch_dp_size"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +140,11 @@ def _split_protos(args: Sequence[Any], kwargs: dict[str, Any], world: int) -> tu
         if not _is_proto(value):
             return [value] * world
         padded, pad = value.pad_to_divisor(world)
-        return padded.chunk(world)
+        chunks = padded.chunk(world)
+        if world > 1:
+            for chunk in chunks:  # each chunk owns a shallow copy of meta_info
+                chunk.meta_info[DISPATCH_DP_SIZE_KEY] = world
+        return chunks
 
     arg_parts = [parts(a) for a in args]
     kw_parts = {k: parts(v) for k, v in kwargs.items()}

@@ -5,7 +5,9 @@ norm, LM head / value head). Master parameters stay float32; on CUDA with
 ``train.mixed_precision`` ``auto``/``bf16`` a ``MixedPrecisionPolicy`` computes in bf16 and
 reduces gradients in fp32; on CPU everything is fp32. One process runs as a 1-rank group
 (gloo on CPU, nccl on CUDA); under torchrun every rank holds the full batch and takes its own
-contiguous slice (data parallel), global token counts are all-reduced.
+contiguous slice (data parallel), global token counts are all-reduced. A batch that a
+controller already split (``dp_compute_proto`` stamps ``meta_info["dispatch_dp_size"]`` = W on
+each rank's chunk) is used as this rank's part as it is: no slicing, no gathering.
 
 Loss scaling: ``loss_fn`` returns a loss already normalized so that the sum over micro-batches
 and ranks is the mini-batch loss. FSDP2 averages gradients over ranks, so the backend
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lumenrl_backends.controllers.dispatch import DISPATCH_DP_SIZE_KEY
 from lumenrl_backends.training import checkpoint as ckpt
 from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training.batching import (
@@ -232,12 +235,29 @@ class FSDP2Backend:
         logits = response_logits(self.model, **model_in, response_len=T)  # (b, T, V)
         return token_log_probs(logits, inputs["responses"], temperature, with_entropy)
 
+    def _presharded(self, batch: Any) -> bool:
+        """True when a controller already split the batch over the DP ranks (``dp_compute_proto``)."""
+        split = int(batch.meta_info.get(DISPATCH_DP_SIZE_KEY, 1))
+        if split == 1 or self.world_size == 1:
+            return False
+        if split != self.world_size:
+            raise ValueError(
+                f"batch was dispatched over {split} ranks (meta_info[{DISPATCH_DP_SIZE_KEY!r}]) but this "
+                f"backend has {self.world_size} data-parallel ranks; they must match"
+            )
+        return True
+
     @torch.no_grad()
     def _infer(self, batch: Any, temperature: float, with_entropy: bool):
-        """Each rank runs its slice of the (padded) batch; results are gathered in rank order."""
+        """Each rank runs its slice of the (padded) batch; results are gathered in rank order.
+
+        A pre-sharded batch (controller dispatch) is this rank's part: computed, not gathered.
+        """
         self.model.eval()
-        inputs, pad = pad_rows(self._inputs(batch), self.world_size)
-        lo, hi = dp_slice_bounds(inputs["input_ids"].shape[0], dist_utils.rank(), self.world_size)
+        presharded = self._presharded(batch)
+        inputs, pad = pad_rows(self._inputs(batch), 1 if presharded else self.world_size)
+        total = inputs["input_ids"].shape[0]
+        lo, hi = (0, total) if presharded else dp_slice_bounds(total, dist_utils.rank(), self.world_size)
         micro = max(self.train_cfg.micro_batch_size, 1)
         firsts, seconds = [], []
         for s in range(lo, hi, micro):
@@ -246,11 +266,11 @@ class FSDP2Backend:
             )
             firsts.append(first.float())
             seconds.append(second.float() if second is not None else None)
-        total = inputs["input_ids"].shape[0]
-        first = dist_utils.all_gather_rows(torch.cat(firsts))[: total - pad]
+        gather = (lambda t: t) if presharded else dist_utils.all_gather_rows
+        first = gather(torch.cat(firsts))[: total - pad]
         if not with_entropy:
             return first, None
-        return first, dist_utils.all_gather_rows(torch.cat(seconds))[: total - pad]
+        return first, gather(torch.cat(seconds))[: total - pad]
 
     def compute_log_probs(
         self, batch: Any, *, temperature: float = 1.0, with_entropy: bool = False
@@ -276,15 +296,23 @@ class FSDP2Backend:
                 f"the {self.role!r} backend has no optimizer; only actor/critic backends train"
             )
 
-    def _mini_batches(self, batch: Any) -> list[Any]:
-        total = num_rows(batch)
+    def _mini_batches(self, batch: Any) -> tuple[list[Any], int]:
+        """This rank's rows of every mini-batch, and the global mini-batch size in rows."""
+        world, presharded = self.world_size, self._presharded(batch)
+        total = num_rows(batch) * (world if presharded else 1)
         mini = self.train_cfg.mini_batch_size or total
-        if total % mini or mini % self.world_size:
+        if total % mini or mini % world:
             raise ValueError(
                 f"batch of {total} rows with policy.train.mini_batch_size={mini}: need rows divisible by "
-                f"mini_batch_size and mini_batch_size divisible by the {self.world_size} data-parallel ranks"
+                f"mini_batch_size and mini_batch_size divisible by the {world} data-parallel ranks"
             )
-        return split_rows(batch, mini)
+        local = mini // world
+        if presharded:  # rank r holds rows [r*B/W, (r+1)*B/W): its slices of the mini-batches, in order
+            return split_rows(batch, local), mini
+        rank = dist_utils.rank()
+        return [
+            take_rows(batch, s + rank * local, s + (rank + 1) * local) for s in range(0, total, mini)
+        ], mini
 
     def train_step(
         self, batch: Any, loss_fn: Callable[[dict, Any], tuple[torch.Tensor, Mapping[str, Any]]]
@@ -293,9 +321,10 @@ class FSDP2Backend:
         self._check_trainable()
         self.model.train()
         collected: dict[str, list[float]] = defaultdict(list)
+        minis, mini_rows = self._mini_batches(batch)
         for _ in range(self.train_cfg.ppo_epochs):
-            for mini in self._mini_batches(batch):
-                self._optimizer_step(mini, loss_fn, collected)
+            for local in minis:
+                self._optimizer_step(local, mini_rows, loss_fn, collected)
         lr = collected.pop(f"{self.prefix}/lr")[-1]
         local_loss = collected.pop(f"{self.prefix}/loss")  # this rank's share of each mini-batch loss
         metrics = dist_utils.all_reduce_mean_dict(
@@ -313,15 +342,16 @@ class FSDP2Backend:
         first, second = self._forward(inputs, temperature, with_entropy=not self.is_critic)
         return {"values": first} if self.is_critic else {"log_probs": first, "entropy": second}
 
-    def _optimizer_step(self, mini: Any, loss_fn: Callable, collected: dict[str, list[float]]) -> None:
-        rows = num_rows(mini)
-        lo, hi = dp_slice_bounds(rows, dist_utils.rank(), self.world_size)
-        local = take_rows(mini, lo, hi)
+    def _optimizer_step(
+        self, local: Any, mini_rows: int, loss_fn: Callable, collected: dict[str, list[float]]
+    ) -> None:
+        """One optimizer step on this rank's rows ``local`` of a ``mini_rows``-row mini-batch."""
+        local.meta_info = dict(local.meta_info)  # per-step counts must not leak into the caller's dict
         mask = local.batch.get("response_mask")
         local_tokens = float(mask.sum()) if mask is not None else float(local.batch["responses"].numel())
         local.meta_info.update(
             mini_batch_tokens=dist_utils.all_reduce_sum(local_tokens, self.device),
-            mini_batch_seqs=rows,
+            mini_batch_seqs=mini_rows,
             dp_size=self.world_size,
         )
         self.optimizer.zero_grad(set_to_none=True)
