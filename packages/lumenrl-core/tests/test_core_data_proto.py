@@ -308,3 +308,11 @@ def test_pickle_and_deepcopy_keep_everything():
     dp = make(3)
     for clone in (pickle.loads(pickle.dumps(dp)), copy.deepcopy(dp)):
         assert rows_of(clone) == rows_of(dp) and clone.meta_info == dp.meta_info and len(clone) == 3
+
+
+def test_save_of_a_row_slice_writes_only_those_rows(tmp_path):
+    dp = make(6)
+    part = dp[2:4]  # tensor views into the full batch's storage
+    part.save(tmp_path / "part.st")
+    back = DataProto.load(tmp_path / "part.st")
+    assert rows_of(back) == rows_of(dp)[2:4]
