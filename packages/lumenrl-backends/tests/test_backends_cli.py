@@ -137,3 +137,31 @@ def test_config_error_is_one_line_exit_2_subprocess():
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert result.stderr.startswith("lumenrl config: error:") and "policy.modle_name" in result.stderr
+
+
+@needs_loader
+def test_config_check_resolves_real_plugins(capsys):
+    assert cli.main(["config", "check", "policy.rollout_engine=hf"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:2] == ["training_backend", "fsdp2"] and "(lumenrl-backends" in out[0]
+    assert out[1].split()[:2] == ["rollout_engine", "hf"]
+    assert out[-1].startswith("ok: assembly policy strict, 0 warning(s)")
+
+
+@needs_loader
+def test_config_check_reports_all_violations_exit_2(capsys):
+    code = cli.main(["config", "check", "policy.rollout_engine=nope", "quantization.training.precision=mxfp4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith("lumenrl config: error: run config rejected by assembly (2 problem(s)):")
+    assert "  - quantization.training.precision='mxfp4': not supported for training" in err
+    assert "  - policy.rollout_engine='nope': no rollout_engines plugin named 'nope'" in err
+
+
+@needs_loader
+def test_config_check_lenient_prints_warnings(capsys):
+    args = ["config", "check", "assembly.strict_policy=false", "quantization.training.precision=mxfp4"]
+    assert cli.main(args) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("warning: quantization.training.precision='mxfp4'")
+    assert captured.out.splitlines()[-1] == "ok: assembly policy lenient, 1 warning(s)"

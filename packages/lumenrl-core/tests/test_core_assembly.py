@@ -112,6 +112,8 @@ def test_default_config_plans_and_records_versions(cfg, reg):
     assert plan.rollout_correction_cls is None and plan.rollout_quant_scheme_cls is None
     assert plan.reward_cls.__name__ == "Math" and plan.moe_router_cls is None
     assert plan.plugin_versions["training_backends/fsdp2"] == "lumenrl-backends 0.1.0"
+    assert plan.version_of("training_backend") == "lumenrl-backends 0.1.0"
+    assert plan.plugin_kinds["logger:jsonl"] == "loggers"
     assert plan.describe()["plugins"]["rollout_engine"] == "native"
     assert plan.warnings == ()
 

@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,11 +111,13 @@ def run_plugins(args: argparse.Namespace) -> int:
 
 def register_config(subparsers: Any) -> None:
     p = subparsers.add_parser("config", help="inspect run configs")
-    sub = p.add_subparsers(dest="config_command", required=True, metavar="{show}")
+    sub = p.add_subparsers(dest="config_command", required=True, metavar="{show,check}")
     show = sub.add_parser("show", help="print the fully resolved config (YAML) after overrides")
-    show.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
-    show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.rollout_engine=hf")
-    show.set_defaults(func=run_config_show)
+    check = sub.add_parser("check", help="resolve every plugin and apply the assembly policy (no model is loaded)")
+    for parser, func in ((show, run_config_show), (check, run_config_check)):
+        parser.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
+        parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.rollout_engine=hf")
+        parser.set_defaults(func=func)
 
 
 def run_config_show(args: argparse.Namespace) -> int:
@@ -123,6 +126,24 @@ def run_config_show(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     text = dump_config(cfg)
     print(text, end="" if text.endswith("\n") else "\n")
+    return 0
+
+
+def run_config_check(args: argparse.Namespace) -> int:
+    from lumenrl_core.assembly import plan_run
+    from lumenrl_core.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tolerated violations are printed below, once each
+        plan = plan_run(cfg)
+    width = max(len(role) for role in plan.plugin_names)
+    for role, name in plan.plugin_names.items():
+        print(f"{role.ljust(width)}  {name}  ({plan.version_of(role)})")
+    for line in plan.warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    print(f"ok: assembly policy {'strict' if cfg.assembly.strict_policy else 'lenient'}, "
+          f"{len(plan.warnings)} warning(s)")
     return 0
 
 

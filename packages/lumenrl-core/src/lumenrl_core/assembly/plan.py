@@ -73,10 +73,15 @@ class RunPlan:
     weight_sync_cls: type
     moe_router_cls: type | None = None
     plugin_names: dict[str, str] = field(default_factory=dict)  # role -> plugin name
+    plugin_kinds: dict[str, str] = field(default_factory=dict)  # role -> plugin kind
     plugin_versions: dict[str, str] = field(default_factory=dict)  # "kind/name" -> "distribution version"
     required_capabilities: dict[str, frozenset[str]] = field(default_factory=dict)  # role -> caps
     model_is_moe: bool | None = None
     warnings: tuple[str, ...] = ()
+
+    def version_of(self, role: str) -> str:
+        """``"distribution version"`` of the plugin filling ``role`` (e.g. ``"rollout_engine"``)."""
+        return self.plugin_versions[f"{self.plugin_kinds[role]}/{self.plugin_names[role]}"]
 
     def build_adv_estimator(self) -> Any:
         a = self.config.algorithm

@@ -76,10 +76,11 @@ class _Planner:
     caps: dict[str, frozenset[str]] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
 
     def resolve(self, role: str, kind: str, key: str, name: str) -> None:
-        self.names[role], self.keys[role] = name, key
+        self.names[role], self.keys[role], self.kinds[role] = name, key, kind
         self._check_allow_list(role, key, name)
         if (kind, name) not in self.registry:
             self.violations.append(Violation(key, name, self.registry.unknown_message(kind, name), fatal=True))
@@ -163,7 +164,7 @@ def _finish(p: _Planner, required: dict[str, frozenset[str]], is_moe: bool | Non
         reward_cls=c.get("reward"), controller_cls=c["controller"], trainer_cls=c["trainer"],
         logger_classes={r.split(":", 1)[1]: cls for r, cls in c.items() if r.startswith("logger:")},
         weight_sync_cls=c["weight_sync"], moe_router_cls=c.get("moe_router"),
-        plugin_names=dict(p.names), plugin_versions=dict(p.versions),
+        plugin_names=dict(p.names), plugin_kinds=dict(p.kinds), plugin_versions=dict(p.versions),
         required_capabilities=required, model_is_moe=is_moe, warnings=tuple(tolerated + p.notes),
     )
 
