@@ -250,3 +250,32 @@ def test_bad_arguments_are_named(tiny_path):
             device=CPU,
             fp8=TrainingQuantConfig(precision="mxfp4"),
         )
+
+
+def test_fp8_training_converts_linears_and_still_learns(tiny_path):
+    fp8 = TrainingQuantConfig(precision="fp8", recipe="tensorwise", fp8_format="hybrid")
+    make = lambda: FSDP2Backend(  # noqa: E731
+        load(tiny_path),
+        role="actor",
+        optim=OptimConfig(lr=1e-2),
+        train=PolicyTrainConfig(micro_batch_size=4),
+        num_training_steps=10,
+        device=CPU,
+        fp8=fp8,
+    )
+    try:
+        from lumenrl_quant.training import convert_to_fp8_training  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="convert_to_fp8_training"):
+            make()
+        return
+    be = make()
+    assert len(be.fp8_report.converted) == 14 and "lm_head" in be.fp8_report.skipped  # 7 linears x 2 layers
+    batch = make_batch(4)
+    lp, _ = be.compute_log_probs(batch)
+    ref_lp, _ = reference_log_probs(load(tiny_path), batch, 1.0)
+    valid = batch.batch["attention_mask"][:, P:].bool()
+    err = (lp.double() - ref_lp)[valid]
+    assert err.abs().mean() < 0.02 * ref_lp[valid].abs().mean()  # FP8 GEMMs: close, not exact
+    losses = [be.train_step(batch, nll_loss)["actor/loss"] for _ in range(5)]
+    assert losses[-1] < losses[0] - 0.3, losses

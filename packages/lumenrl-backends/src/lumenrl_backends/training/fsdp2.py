@@ -80,23 +80,44 @@ def _mixed_precision(mode: str, device: torch.device):
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _apply_fp8(model: nn.Module, fp8: Any) -> nn.Module:
+_HIGH_PRECISION_HEADS = ("lm_head", "value_head")  # kept out of FP8: log-probs/values stay accurate
+
+
+def _fp8_api():
+    """``(convert_to_fp8_training, attach_weight_cache_invalidation)`` from lumenrl-quant, lazily."""
+    try:
+        from lumenrl_quant.training import attach_weight_cache_invalidation, convert_to_fp8_training
+    except ImportError as exc:
+        raise RuntimeError(
+            "quantization.training.precision='fp8' needs lumenrl_quant.convert_to_fp8_training, "
+            f"which the installed lumenrl-quant does not provide ({exc}); use precision 'bf16' or upgrade it"
+        ) from exc
+    return convert_to_fp8_training, attach_weight_cache_invalidation
+
+
+def _apply_fp8(model: nn.Module, fp8: Any) -> Any | None:
+    """Swap eligible linears (not the heads) for FP8 training linears; returns the quant report."""
     if fp8 is None or fp8.precision in ("bf16", "fp32"):
-        return model
+        return None
     if fp8.precision != "fp8":
         raise ValueError(
             f"quantization.training.precision={fp8.precision!r} is not supported by the fsdp2 backend; "
             "allowed: bf16, fp32, fp8"
         )
-    try:
-        from lumenrl_quant import convert_to_fp8_training
-    except ImportError as exc:
-        raise RuntimeError(
-            "quantization.training.precision='fp8' needs lumenrl_quant.convert_to_fp8_training, "
-            f"which this lumenrl-quant does not provide ({exc})"
-        ) from exc
-    converted = convert_to_fp8_training(model, recipe=fp8.recipe, fp8_format=fp8.fp8_format)
-    return model if converted is None else converted
+    convert, _ = _fp8_api()
+    report = convert(
+        model,
+        recipe=fp8.recipe,
+        fp8_format=fp8.fp8_format,
+        weight_cache=fp8.weight_cache,
+        module_filter=lambda fqn, _module: fqn.rpartition(".")[2] not in _HIGH_PRECISION_HEADS,
+    )
+    if not report.converted:
+        raise ValueError(
+            f"quantization.training.precision='fp8' (recipe={fp8.recipe!r}) converted no layer of "
+            f"{type(model).__name__}: {report}"
+        )
+    return report
 
 
 def _shard(model: nn.Module, mp_policy) -> nn.Module:
@@ -150,7 +171,7 @@ class FSDP2Backend:
         if self.is_critic and not isinstance(model, CriticModel):
             model = CriticModel(model)
         self.hf_config = model.config
-        model = _apply_fp8(model, fp8)
+        self.fp8_report = _apply_fp8(model, fp8)
         if train.gradient_checkpointing and role != "ref":
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
@@ -194,7 +215,7 @@ class FSDP2Backend:
 
     def _build_optimizer(self, lr: float) -> torch.optim.Optimizer:
         o = self.optim_cfg
-        return torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=lr,
             betas=tuple(o.betas),
@@ -202,6 +223,9 @@ class FSDP2Backend:
             weight_decay=o.weight_decay,
             fused=self.device.type == "cuda",
         )
+        if self.fp8_report is not None and self.fp8_report.config.weight_cache:
+            _fp8_api()[1](optimizer, self.model)  # cached FP8 weights go stale at every step
+        return optimizer
 
     @property
     def prefix(self) -> str:
