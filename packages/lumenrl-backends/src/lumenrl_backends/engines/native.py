@@ -238,7 +238,7 @@ class NativeEngine:
             request.finish_reason = STOP
         elif (
             len(request.response) >= params.max_new_tokens
-            or int(self.slots.columns[slot]) >= self.max_seq_len
+            or self.slots.host_columns[slot] >= self.max_seq_len
         ):
             request.finish_reason = LENGTH
         if request.done:
@@ -304,6 +304,8 @@ class NativeEngine:
         s = self.slots
         s.tokens[rows], s.columns[rows], s.positions[rows] = tokens, width, positions[:, -1] + 1
         s.counters[rows] += 1
+        for slot in slot_ids:
+            s.host_columns[slot] = width
         active.update(zip(slot_ids, admitted))
         self._record(slot_ids, tokens, log_probs, params, stops, active)
 
@@ -314,9 +316,8 @@ class NativeEngine:
     def _decode(self, active: dict[int, Request], params: SamplingParams, stops: frozenset[int]) -> None:
         batch = self._bucket(max(active) + 1)
         s = self.slots
-        kv_len = min(
-            self.max_seq_len, -(-(int(s.columns[:batch].max()) + 1) // self.kv_block) * self.kv_block
-        )
+        longest = max(s.host_columns[slot] for slot in active) + 1  # host mirror: no device sync
+        kv_len = min(self.max_seq_len, -(-longest // self.kv_block) * self.kv_block)
         logits = self._decode_forward(batch, kv_len)  # (b, V)
         rows = torch.arange(batch, device=self.device)
         tokens, log_probs = self._sample(logits, rows, params)
@@ -327,6 +328,8 @@ class NativeEngine:
         s.positions[:batch] += step
         s.counters[:batch] += step
         slot_ids = sorted(active)
+        for slot in slot_ids:
+            s.host_columns[slot] += 1
         index = torch.tensor(slot_ids, device=self.device)
         self._record(slot_ids, tokens[index], log_probs[index], params, stops, active)
 

@@ -39,6 +39,7 @@ class SlotState:
     top_p: torch.Tensor  # (S,) float32
     occupied: torch.Tensor  # (S,) bool
     free: list[int]  # min-heap of free slot ids
+    host_columns: list[int]  # host mirror of ``columns`` (no device sync to read lengths)
 
     @classmethod
     def allocate(cls, slots: int, device: torch.device) -> SlotState:
@@ -55,7 +56,7 @@ class SlotState:
             top_k=zeros(torch.int64),
             top_p=zeros(torch.float32),
             occupied=zeros(torch.bool),
-            free=list(range(slots)),
+            free=list(range(slots)), host_columns=[0] * slots,
         )
 
     def take(self, count: int) -> list[int]:
@@ -65,6 +66,7 @@ class SlotState:
         self.occupied[slot] = False
         self.columns[slot] = 0
         self.positions[slot] = 0
+        self.host_columns[slot] = 0
         heapq.heappush(self.free, slot)
 
     def release_all(self) -> None:
@@ -78,7 +80,3 @@ class SlotState:
         self.top_k[slots] = int(params.top_k)
         self.top_p[slots] = float(params.top_p)
         self.occupied[slots] = True
-
-    def highest_occupied(self) -> int:
-        occupied = self.occupied.nonzero()
-        return int(occupied.max().item()) if occupied.numel() else -1
