@@ -107,11 +107,16 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(loaded):
     assert not torch.equal(first.batch["responses"], other.batch["responses"])
     # a request's draws depend on its own seed only, not on its neighbours or its slot
     single = prompt_batch(tokenizer, PROMPTS[2:3])
-    single.non_tensor_batch["seed"] = first.non_tensor_batch["seed"][2:3]
+    single.non_tensor_batch["sampling_seed"] = first.non_tensor_batch["seed"][2:3]
     alone = engine.generate(single, params)
     width = single.batch["input_ids"].shape[1]
     assert torch.equal(alone.batch["responses"][0], first.batch["responses"][2])
     assert torch.equal(alone.batch["input_ids"][0, width:], first.batch["responses"][2])
+    # a stale "seed" column on a fresh (e.g. repeated) batch is ignored, so group rows differ
+    repeated = prompt_batch(tokenizer, PROMPTS[:1] * 4)
+    repeated.non_tensor_batch["seed"] = [7, 7, 7, 7]
+    group = engine.generate(repeated, params)
+    assert len({tuple(r) for r in group.batch["responses"].tolist()}) == 4
 
 
 def test_seed_none_follows_torch_manual_seed(loaded):

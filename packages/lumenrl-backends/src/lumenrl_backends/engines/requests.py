@@ -4,7 +4,8 @@ Shared by every engine so they all emit the same layout (docs/decisions/0001-con
 ``prompts`` (B, P) left-padded, ``responses``/``response_mask``/``rollout_log_probs`` (B, T)
 right-padded with T = ``max_new_tokens``, ``input_ids``/``attention_mask``/``position_ids``
 (B, P + T), non-tensor ``response_text``, ``finish_reason`` ("stop", "length", "interrupted")
-and ``seed``.
+and ``seed`` (the per-request sampling seed used; an input column ``sampling_seed`` sets it
+explicitly, otherwise row i gets ``sampling.seed + i``).
 
 A batch returned with ``meta_info["interrupted"] = True`` is itself a valid input: rows whose
 ``finish_reason`` is "interrupted" continue from their partial response (keeping its tokens and
@@ -51,9 +52,14 @@ def stop_ids_for(params: SamplingParams, eos_token_ids: list[int]) -> frozenset[
     return frozenset(stops)
 
 
-def _row_seeds(batch: Any, params: SamplingParams, rows: int) -> list[int]:
-    if "seed" in batch.non_tensor_batch:
+def _row_seeds(batch: Any, params: SamplingParams, rows: int, continuing: bool) -> list[int]:
+    """Continuation: the seeds the batch was generated with. Fresh rows: an explicit per-request
+    ``sampling_seed`` column, else ``sampling.seed + row``, else a base drawn from torch's RNG.
+    (A stale ``seed`` column on a fresh batch is ignored: repeated rows would share it.)"""
+    if continuing:
         return [int(s) for s in batch.non_tensor_batch["seed"]]
+    if "sampling_seed" in batch.non_tensor_batch:
+        return [int(s) for s in batch.non_tensor_batch["sampling_seed"]]
     if params.seed is not None:
         return [params.seed + i for i in range(rows)]
     base = int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
@@ -69,8 +75,9 @@ def requests_from_batch(
 ) -> tuple[list[Request], torch.Tensor, torch.Tensor]:
     """Requests plus the (B, P) left-padded prompt ids and mask to echo back in the output."""
     rows = len(batch)
-    seeds = _row_seeds(batch, params, rows)
-    if batch.meta_info.get("interrupted") and "responses" in batch.batch:
+    continuing = bool(batch.meta_info.get("interrupted")) and "responses" in batch.batch
+    seeds = _row_seeds(batch, params, rows, continuing)
+    if continuing:
         prompts = batch.batch["prompts"]
         prompt_mask = batch.batch["attention_mask"][:, : prompts.shape[1]]
         responses = _unpad(batch.batch["responses"], batch.batch["response_mask"])
