@@ -10,15 +10,17 @@ that it loads exactly like a user's checkpoint, always with ``local_files_only=T
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from lumenrl_backends.models.tiny import FAMILIES, build_tiny_model
 
@@ -72,6 +74,19 @@ def model_cache_dir() -> Path:
     return Path(root).expanduser()
 
 
+@contextlib.contextmanager
+def _quiet_progress(quiet: bool = True) -> Iterator[None]:
+    """Hide transformers' per-shard progress bars (noise for local tiny checkpoints)."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if quiet and was_enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet and was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _materialise(short_name: str) -> Path:
     builders = _builders()
     if short_name not in builders:
@@ -85,7 +100,8 @@ def _materialise(short_name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{short_name}.", dir=target.parent))
     try:
-        builders[short_name](staging)
+        with _quiet_progress():
+            builders[short_name](staging)
         try:
             os.rename(staging, target)
         except OSError:
@@ -132,12 +148,13 @@ def load_model_and_tokenizer(
     path = resolve_model_path(name_or_path)
     tok_path = resolve_model_path(tokenizer_name) if tokenizer_name else path
     local_only = is_builtin(name_or_path) or Path(path).is_dir()
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=resolve_dtype(dtype, device),
-        local_files_only=local_only,
-        trust_remote_code=trust_remote_code,
-    )
+    with _quiet_progress(local_only):
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=resolve_dtype(dtype, device),
+            local_files_only=local_only,
+            trust_remote_code=trust_remote_code,
+        )
     tokenizer = AutoTokenizer.from_pretrained(
         tok_path,
         local_files_only=is_builtin(tokenizer_name or name_or_path) or Path(tok_path).is_dir(),
