@@ -335,3 +335,20 @@ def test_from_config(model_dir):
     out = engine.generate(prompt_batch(engine.tokenizer), config.policy.rollout)
     assert out.batch["responses"].shape == (len(PROMPTS), 8)
     assert NativeEngine.probe() is None and "interrupt_resume" in NativeEngine.capabilities
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_generation_matches_training_forward(model_dir):
+    model, tokenizer = load_model_and_tokenizer(str(model_dir), dtype="bfloat16", device="cuda")
+    engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64)
+    out = engine.generate(prompt_batch(tokenizer), {"temperature": 1.0, "max_new_tokens": 16, "seed": 3})
+    assert out.batch["rollout_log_probs"].dtype == torch.float32
+    with torch.no_grad():
+        logits = model(input_ids=out.batch["input_ids"].cuda(), attention_mask=out.batch["attention_mask"].cuda()).logits
+    width = out.batch["prompts"].shape[1]
+    reference = torch.log_softmax(logits[:, width - 1 : -1].float(), -1).gather(
+        2, out.batch["responses"].cuda()[..., None]
+    ).squeeze(-1).cpu()
+    mask = out.batch["response_mask"].bool()
+    assert (reference - out.batch["rollout_log_probs"])[mask].abs().mean() < 2e-2  # bf16 kernels differ

@@ -60,6 +60,8 @@ def copy_weights_(
             raise ValueError(
                 f"update_weights: {key!r} has shape {tuple(tensor.shape)}, the engine model expects {tuple(target.shape)}"
             )
+        if hasattr(tensor, "full_tensor"):  # a DTensor shard from FSDP2: gather it
+            tensor = tensor.full_tensor()
         target.copy_(tensor.detach())
         count += 1
     return count
