@@ -290,11 +290,12 @@ class FSDP2Backend:
             )
             firsts.append(first.float())
             seconds.append(second.float() if second is not None else None)
+        out_device = batch.batch["input_ids"].device  # results live where the caller's batch lives
         gather = (lambda t: t) if presharded else dist_utils.all_gather_rows
-        first = gather(torch.cat(firsts))[: total - pad]
+        first = gather(torch.cat(firsts))[: total - pad].to(out_device)
         if not with_entropy:
             return first, None
-        return first, gather(torch.cat(seconds))[: total - pad]
+        return first, gather(torch.cat(seconds))[: total - pad].to(out_device)
 
     def compute_log_probs(
         self, batch: Any, *, temperature: float = 1.0, with_entropy: bool = False
@@ -371,6 +372,7 @@ class FSDP2Backend:
     ) -> None:
         """One optimizer step on this rank's rows ``local`` of a ``mini_rows``-row mini-batch."""
         local.meta_info = dict(local.meta_info)  # per-step counts must not leak into the caller's dict
+        local = local.to(self.device)  # loss_fn mixes outputs with batch tensors (advantages, masks)
         mask = local.batch.get("response_mask")
         local_tokens = float(mask.sum()) if mask is not None else float(local.batch["responses"].numel())
         local.meta_info.update(
