@@ -135,6 +135,10 @@ def test_micro_batching_gives_the_same_gradients_as_one_batch(tiny_path):
 def test_gradient_checkpointing_does_not_change_gradients(tiny_path):
     batch = make_batch(4)
     plain, ckpt = backend(tiny_path, clip=0.0), backend(tiny_path, clip=0.0, gradient_checkpointing=True)
+    assert all(layer.gradient_checkpointing for layer in ckpt.model.model.layers)
+    assert not any(layer.gradient_checkpointing for layer in plain.model.model.layers)
+    critic = backend(tiny_path, role="critic", gradient_checkpointing=True)
+    assert all(layer.gradient_checkpointing for layer in critic.model.model.layers)
     plain.train_step(batch, nll_loss)
     ckpt.train_step(batch, nll_loss)
     for a, b in zip(plain.model.parameters(), ckpt.model.parameters()):
