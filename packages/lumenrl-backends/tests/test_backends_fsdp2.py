@@ -283,3 +283,18 @@ def test_fp8_training_converts_linears_and_still_learns(tiny_path):
     assert err.abs().mean() < 0.02 * ref_lp[valid].abs().mean()  # FP8 GEMMs: close, not exact
     losses = [be.train_step(batch, nll_loss)["actor/loss"] for _ in range(5)]
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 1.7])
+def test_token_log_probs_and_entropy_match_float64_on_large_logits(temperature):
+    from lumenrl_backends.training.modeling import token_log_probs
+
+    g = torch.Generator().manual_seed(11)
+    logits = 30 * torch.randn(3, 7, 50, generator=g)  # large: tests the logsumexp path
+    tokens = torch.randint(0, 50, (3, 7), generator=g)
+    lp, ent = token_log_probs(logits, tokens, temperature, with_entropy=True)
+    ref = torch.log_softmax(logits.double() / temperature, -1)
+    assert (lp.double() - ref.gather(-1, tokens[..., None])[..., 0]).abs().max() < 1e-4
+    assert (ent.double() - (-(ref.exp() * ref).sum(-1))).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="temperature=0"):
+        token_log_probs(logits, tokens, 0, with_entropy=False)

@@ -5,7 +5,8 @@
   (``nn.Linear(hidden, 1)``) on the last hidden state. The LM head is dropped.
 - :func:`response_logits`: logits for the T response positions of a (B, P+T) sequence.
 - :func:`token_log_probs`: ``log_softmax(logits.float() / temperature)`` gathered at the
-  response tokens, plus the entropy of that same (processed) distribution.
+  response tokens (as ``z_tok - logsumexp(z)``, without a (B, T, V) log-prob tensor), plus the
+  entropy of that same processed distribution, ``logsumexp(z) - sum_v softmax(z)_v z_v``.
 """
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ def token_log_probs(
     """(B, T) log p(token) under ``softmax(logits / temperature)`` and optionally its entropy."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 for log-probs")
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V)
-    log_probs = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    scaled = logits.float() / temperature  # (B, T, V)
+    lse = torch.logsumexp(scaled, dim=-1)  # (B, T)
+    log_probs = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse  # (B, T)
     entropy = None
-    if with_entropy:
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, T)
+    if with_entropy:  # H = lse - sum_v p_v * z_v, with p = softmax(z): one (B, T, V) temporary
+        entropy = lse - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
     return log_probs, entropy
