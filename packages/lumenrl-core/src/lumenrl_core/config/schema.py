@@ -274,6 +274,9 @@ class TrainerConfig:
     test_freq: int = 0  # evaluate every N steps; 0 = never during training
     total_epochs: int = 0  # 0 = bounded by num_training_steps only
     warm_start_sft_steps: int = 0  # built-in demo: short SFT before RL (0 = none)
+    warm_start_sft_lr: float = field(default=3e-3, metadata={"gt": 0})  # constant lr of the warm-start SFT
+    warm_start_sft_batch_size: int = field(default=64, metadata={"ge": 1})  # examples per SFT step
+    cpu_threads: int = field(default=0, metadata={"ge": 0})  # torch intra-op threads when on CPU; 0 = torch default
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,145 @@
+"""Warm start for the embedded demo: a short supervised fine-tune before RL, cached on disk.
+
+A freshly initialised tiny model never produces a correct answer, so RL would have no reward
+signal. ``trainer.warm_start_sft_steps`` > 0 first fine-tunes the policy on the task's reference
+answers (prompt rendered exactly as the RL dataloader renders it, target = answer + EOS, loss on
+the target tokens only) with the training backend's ``sft_step``, to a partial accuracy that RL
+then raises. The result is an ordinary HF checkpoint under
+``$LUMENRL_CACHE/warmstart/<model>-<key>``, where ``key`` hashes every setting that affects it
+(base model config, dataset, prompt rendering, steps, lr, batch size, package version): a
+repeated run or test reuses it instead of training again. Written to a temporary directory
+and renamed into place, so a concurrent or crashed build never leaves a partial checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lumenrl_backends.__about__ import __version__
+from lumenrl_backends.models import model_cache_dir
+from lumenrl_backends.trainers.data import TASK_SEED, make_loader, split_records
+from lumenrl_core.data_proto import DataProto
+
+__all__ = ["warm_start_key", "warm_start_dir", "sft_batch", "target_text", "warm_start"]
+
+_SFT_SEED = 0  # data order of the warm start: fixed, so every run seed shares one cached model
+
+
+def target_text(record: dict[str, Any]) -> str:
+    """What the SFT teaches for ``record``: a reference solution if the task has one, else the answer."""
+    extra = record.get("extra") or {}
+    if "solution" in extra:
+        return str(extra["solution"])
+    return str(record["ground_truth"])
+
+
+def warm_start_key(cfg: Any, base_path: str) -> str:
+    """Hash of everything that determines the warm-started weights."""
+    config_file = Path(base_path) / "config.json"
+    ds, t = cfg.dataset, cfg.trainer
+    material = {
+        "base": config_file.read_text() if config_file.is_file() else base_path,
+        "dataset": [
+            ds.name,
+            ds.path,
+            ds.difficulty,
+            ds.num_examples,
+            ds.prompt_template,
+            ds.use_chat_template,
+        ],
+        "max_prompt_length": cfg.policy.max_prompt_length,
+        "sft": [
+            t.warm_start_sft_steps,
+            t.warm_start_sft_lr,
+            t.warm_start_sft_batch_size,
+            TASK_SEED,
+            _SFT_SEED,
+        ],
+        "micro_batch_size": cfg.policy.train.micro_batch_size,
+        "version": __version__,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def warm_start_dir(cfg: Any, base_path: str) -> Path:
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.policy.model_name)
+    return model_cache_dir() / "warmstart" / f"{slug}-{warm_start_key(cfg, base_path)}"
+
+
+def sft_batch(prompts: DataProto, records: list[dict[str, Any]], tokenizer: Any) -> DataProto:
+    """Left-padded prompt ++ right-padded (target + EOS); ``labels`` = -100 except on the target."""
+    eos = tokenizer.eos_token_id
+    targets = [list(tokenizer.encode(target_text(r), add_special_tokens=False)) + [eos] for r in records]
+    width = max(len(t) for t in targets)
+    rows, prompt_width = len(targets), prompts.batch["input_ids"].shape[1]
+    response = torch.full((rows, width), tokenizer.pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((rows, width), dtype=torch.long)
+    for i, ids in enumerate(targets):
+        response[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        response_mask[i, : len(ids)] = 1
+    input_ids = torch.cat([prompts.batch["input_ids"], response], dim=1)  # (B, P+T)
+    attention_mask = torch.cat([prompts.batch["attention_mask"], response_mask], dim=1)
+    labels = torch.full_like(input_ids, -100)
+    labels[:, prompt_width:] = torch.where(response_mask.bool(), response, torch.full_like(response, -100))
+    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels})
+
+
+def _train(cfg: Any, base_path: str, backend_cls: type, out: Path, log: Callable[[str], None]) -> None:
+    from transformers import AutoTokenizer
+
+    t = cfg.trainer
+    tokenizer = AutoTokenizer.from_pretrained(base_path, local_files_only=Path(base_path).is_dir())
+    records, _ = split_records(cfg)
+    loader = make_loader(
+        cfg, records, tokenizer, batch_size=t.warm_start_sft_batch_size, seed=_SFT_SEED, shuffle=True
+    )
+    sft_cfg = copy.deepcopy(cfg)
+    sft_cfg.quantization.training.precision = "bf16"  # plain fine-tune: no FP8 training recipe here
+    backend = backend_cls.from_config(sft_cfg, role="actor", model_path=base_path)
+    start, every = time.perf_counter(), max(t.warm_start_sft_steps // 5, 1)
+    for step in range(1, t.warm_start_sft_steps + 1):
+        prompts = loader.next_batch()
+        batch = sft_batch(
+            prompts, [loader.records[int(i)] for i in prompts.non_tensor_batch["index"]], tokenizer
+        )
+        metrics = backend.sft_step(batch, lr=t.warm_start_sft_lr)
+        if step % every == 0 or step == t.warm_start_sft_steps:
+            log(
+                f"warm-start SFT step {step}/{t.warm_start_sft_steps}: loss {metrics['sft/loss']:.4f} "
+                f"({time.perf_counter() - start:.0f}s)"
+            )
+    backend.save_hf(str(out), tokenizer=tokenizer)
+
+
+def warm_start(cfg: Any, base_path: str, backend_cls: type, log: Callable[[str], None] = print) -> str:
+    """Path of the warm-started policy for ``cfg`` (trained now unless cached)."""
+    target = warm_start_dir(cfg, base_path)
+    if (target / "config.json").is_file():
+        log(f"warm start: reusing cached SFT checkpoint {target}")
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        log(
+            f"warm start: {cfg.trainer.warm_start_sft_steps} SFT steps on {cfg.dataset.name} (cached at {target})"
+        )
+        _train(cfg, base_path, backend_cls, staging, log)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(target)

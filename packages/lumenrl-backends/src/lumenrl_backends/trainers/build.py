@@ -1,0 +1,197 @@
+"""Building a run's parts from a :class:`~lumenrl_core.assembly.RunPlan`.
+
+Plugins that read the run config are built with ``Cls.from_config``; pure-math plugins with the
+plan's ``build_*`` helpers. Roles: ``actor`` (always), ``ref`` (a frozen copy of the initial
+policy, only when a KL term is used), ``critic`` (``critic.enabled``), the rollout engine (its
+own copy of the policy, synced after every update), the reward scorer, the train loader and the
+greedy evaluator. Loggers are built after a resume point is known (see ``make_loggers``).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from lumenrl_backends.models import load_model_and_tokenizer, resolve_model_path
+from lumenrl_backends.trainers.data import EVAL_TASK_SEED, make_loader, split_records
+from lumenrl_backends.trainers.evaluation import Evaluator
+from lumenrl_backends.trainers.outputs import write_run_record
+from lumenrl_backends.trainers.scoring import Scorer
+
+__all__ = ["TrainerParts", "build_parts", "seed_everything", "needs_reference"]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def needs_reference(cfg: Any) -> bool:
+    return bool(cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+class _NullBar:
+    def update(self, n: int = 1) -> None: ...
+
+    def set_postfix(self, **kwargs: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(kw_only=True)
+class TrainerParts:
+    """Everything the loop drives, built once per run."""
+
+    config: Any
+    tokenizer: Any
+    actor: Any
+    engine: Any
+    scorer: Scorer
+    estimator: Any
+    policy_loss: Any
+    train_loader: Any
+    sampling: dict[str, Any]
+    ref: Any | None = None
+    critic: Any | None = None
+    correction: Any | None = None
+    evaluator: Evaluator | None = None
+    logger_classes: dict[str, type] = field(default_factory=dict)
+    loggers: list[Any] = field(default_factory=list)
+
+    def make_loggers(self, resume_step: int | None) -> None:
+        """Instantiate ``logger.backends``; a resumed jsonl log drops records after ``resume_step``."""
+        self.loggers = []
+        for name, cls in self.logger_classes.items():
+            if name == "jsonl":
+                self.loggers.append(cls.from_config(self.config, resume_step=resume_step))
+            else:
+                self.loggers.append(cls.from_config(self.config))
+
+    def announce(self, message: str) -> None:
+        from tqdm import tqdm
+
+        tqdm.write(message, file=sys.stdout)
+
+    def progress(self, *, initial: int, total: int) -> Any:
+        if not self.config.logger.progress_bar:
+            return _NullBar()
+        from tqdm import tqdm
+
+        return tqdm(initial=initial, total=total, desc="rl", unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
+def _policy_path(plan: Any, log: Callable[[str], None]) -> str:
+    cfg = plan.config
+    base = resolve_model_path(cfg.policy.model_name)
+    if cfg.trainer.warm_start_sft_steps <= 0:
+        return base
+    from lumenrl_backends.sft import warm_start
+
+    return warm_start(cfg, base, plan.training_backend_cls, log=log)
+
+
+def _backends(plan: Any, model_path: str) -> dict[str, Any]:
+    cfg, cls = plan.config, plan.training_backend_cls
+    out = {"actor": cls.from_config(cfg, role="actor", model_path=model_path)}
+    out["ref"] = cls.from_config(cfg, role="ref", model_path=model_path) if needs_reference(cfg) else None
+    critic_path = resolve_model_path(cfg.critic.model_name) if cfg.critic.model_name else model_path
+    out["critic"] = (
+        cls.from_config(cfg, role="critic", model_path=critic_path) if cfg.critic.enabled else None
+    )
+    return out
+
+
+def _engine(plan: Any, model_path: str) -> tuple[Any, Any]:
+    cfg = plan.config
+    model, tokenizer = load_model_and_tokenizer(
+        model_path,
+        dtype=cfg.policy.dtype,
+        device=_device(cfg),
+        tokenizer_name=cfg.policy.tokenizer_name,
+        trust_remote_code=cfg.policy.trust_remote_code,
+    )
+    return plan.rollout_engine_cls.from_config(cfg, model=model, tokenizer=tokenizer), tokenizer
+
+
+def _device(cfg: Any) -> str:
+    if cfg.cluster.device != "auto":
+        return cfg.cluster.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sampling(cfg: Any) -> dict[str, Any]:
+    r = cfg.policy.rollout
+    return {
+        "temperature": r.temperature,
+        "top_p": r.top_p,
+        "top_k": r.top_k,
+        "max_new_tokens": r.max_new_tokens,
+        "stop_token_ids": list(r.stop_token_ids),
+        "ignore_eos": r.ignore_eos,
+    }
+
+
+def _evaluator(cfg: Any, records: list[dict[str, Any]], tokenizer: Any, scorer: Scorer) -> Evaluator | None:
+    if not cfg.eval.enabled or not records:
+        return None
+    loader = make_loader(cfg, records, tokenizer, batch_size=len(records), seed=EVAL_TASK_SEED, shuffle=False)
+    return Evaluator(
+        prompts=loader.next_batch(),
+        scorer=scorer,
+        temperature=cfg.eval.temperature,
+        max_new_tokens=cfg.policy.rollout.max_new_tokens,
+        seed=EVAL_TASK_SEED,
+    )
+
+
+def build_parts(plan: Any, log: Callable[[str], None] = print) -> TrainerParts:
+    """Load models and data for ``plan`` (seeded by ``plan.config.seed``)."""
+    cfg = plan.config
+    if _device(cfg) == "cpu" and cfg.trainer.cpu_threads > 0:
+        torch.set_num_threads(cfg.trainer.cpu_threads)  # tiny CPU models: threads mostly add sync overhead
+    seed_everything(cfg.seed)
+    write_run_record(cfg.trainer.output_dir, cfg, plan.describe())
+    model_path = _policy_path(plan, log)
+    seed_everything(cfg.seed)
+    backends = _backends(plan, model_path)
+    engine, tokenizer = _engine(plan, model_path)
+    train_records, eval_records = split_records(cfg)
+    r = cfg.policy.rollout
+    scorer = Scorer(
+        reward_fn=plan.build_reward(),
+        tokenizer=tokenizer,
+        max_response_length=r.max_new_tokens,
+        overlong_buffer_len=cfg.algorithm.overlong_buffer_len,
+        overlong_penalty_factor=cfg.algorithm.overlong_penalty_factor,
+    )
+    correction = plan.build_rollout_correction() if cfg.quantization.rollout_correction.enabled else None
+    return TrainerParts(
+        config=cfg,
+        tokenizer=tokenizer,
+        actor=backends["actor"],
+        ref=backends["ref"],
+        critic=backends["critic"],
+        engine=engine,
+        scorer=scorer,
+        estimator=plan.build_adv_estimator(),
+        policy_loss=plan.build_policy_loss(),
+        correction=correction,
+        train_loader=make_loader(
+            cfg,
+            train_records,
+            tokenizer,
+            batch_size=cfg.dataset.train_batch_size,
+            seed=cfg.seed,
+            shuffle=cfg.dataset.shuffle,
+        ),
+        evaluator=_evaluator(cfg, eval_records, tokenizer, scorer),
+        sampling=_sampling(cfg),
+        logger_classes=dict(plan.logger_classes),
+    )

@@ -1,0 +1,265 @@
+"""``RLTrainer``: the synchronous RL loop (GRPO, DAPO, PPO) over the plugin seams.
+
+One step (see docs: DESIGN.md "Data flow of one synchronous RL step")::
+
+    prompts -> repeat n (uid per prompt) -> engine.generate -> reward (+ overlong shaping,
+    dynamic-sampling refill) -> actor old_log_probs, ref_log_probs, critic values -> KL in
+    reward -> advantages -> rollout correction -> critic update -> actor update -> weight sync
+    -> metrics -> checkpoint
+
+Everything it calls arrives through :func:`lumenrl_core.assembly.assemble`; building the parts
+lives in :mod:`.build`, each phase in its own module. Seeded end to end: model init, data order
+and the engine's sampling seeds derive from ``seed``, so a resumed run reproduces an
+uninterrupted one step for step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lumenrl_backends.trainers.build import TrainerParts, build_parts
+from lumenrl_backends.trainers.checkpoint import CheckpointManager
+from lumenrl_backends.trainers.metrics import PhaseTimer, batch_metrics, throughput_metrics, train_tokens
+from lumenrl_backends.trainers.outputs import write_summary
+from lumenrl_backends.trainers.rollout import collect_rollouts
+from lumenrl_backends.trainers.sync import sync_weights
+from lumenrl_backends.trainers.update import (
+    actor_loss_fn,
+    apply_kl_in_reward,
+    apply_rollout_correction,
+    compute_advantages,
+    critic_loss_fn,
+)
+from lumenrl_core.data_proto import DataProto
+
+__all__ = ["RLTrainer"]
+
+
+class RLTrainer:
+    """The ``rl`` trainer plugin: ``RLTrainer.from_plan(plan).fit()``."""
+
+    capabilities: frozenset[str] = frozenset({"grpo", "dapo", "ppo", "checkpoint", "resume"})
+
+    def __init__(self, parts: TrainerParts) -> None:
+        self.parts = parts
+        self.config = parts.config
+        self.step = 0
+        self.history: dict[str, list[float]] = {}
+        self.eval_before: dict[str, float] = {}
+        self.eval_after: dict[str, float] = {}
+        self.checkpoints = CheckpointManager(
+            root=Path(self.config.trainer.output_dir) / "checkpoints",
+            keep_last=self.config.checkpointing.keep_last,
+        )
+        self.actor_loss = actor_loss_fn(parts.policy_loss, self.config.algorithm)
+        self.critic_loss = critic_loss_fn(self.config.critic, self.config.algorithm.loss_agg_mode)
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return None
+
+    @classmethod
+    def from_plan(cls, plan: Any) -> RLTrainer:
+        """Build every component the plan resolved (models load here, never in ``plan_run``)."""
+        return cls(build_parts(plan))
+
+    # ------------------------------------------------------------------ one step
+
+    def _score_and_generate(self, step: int):
+        cfg, p = self.config, self.parts
+        return collect_rollouts(
+            next_prompts=p.train_loader.next_batch,
+            engine=p.engine,
+            score=p.scorer,
+            sampling=p.sampling,
+            n=cfg.policy.rollout.n,
+            run_seed=cfg.seed,
+            step=step,
+            target_groups=cfg.dataset.train_batch_size,
+            dynamic_sampling=cfg.algorithm.dynamic_sampling,
+            max_num_gen_batches=cfg.algorithm.max_num_gen_batches,
+        )
+
+    def _compute_log_probs(self, batch: DataProto, timer: PhaseTimer) -> None:
+        p, temperature = self.parts, float(self.parts.sampling["temperature"]) or 1.0
+        batch.meta_info["temperature"] = temperature
+        with timer("old_log_prob"):
+            batch["old_log_probs"], _ = p.actor.compute_log_probs(batch, temperature=temperature)
+        if p.ref is not None:
+            with timer("ref"):
+                batch["ref_log_probs"], _ = p.ref.compute_log_probs(batch, temperature=temperature)
+        if p.critic is not None:
+            with timer("values"):
+                batch["values"] = p.critic.compute_values(batch)
+
+    def _update(self, batch: DataProto, timer: PhaseTimer) -> dict[str, float]:
+        p, metrics = self.parts, {}
+        metrics.update(apply_kl_in_reward(batch, self.config.algorithm))
+        metrics.update(compute_advantages(batch, p.estimator))
+        metrics.update(apply_rollout_correction(batch, p.correction))
+        if p.critic is not None:
+            with timer("update_critic"):
+                metrics.update(p.critic.train_step(batch, self.critic_loss))
+        with timer("update_actor"):
+            metrics.update(p.actor.train_step(batch, self.actor_loss))
+        return metrics
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Run RL step ``step`` (1-based) and return its metrics."""
+        timer, cfg = PhaseTimer(), self.config
+        rollout = self._score_and_generate(step)
+        timer.add("generate", rollout.generate_s)
+        batch = _trim_to_mini_batches(rollout.batch, cfg)
+        metrics = dict(rollout.metrics)
+        if len(batch):
+            metrics.update(batch_metrics(batch, cfg.policy.rollout.max_new_tokens))
+            self._compute_log_probs(batch, timer)
+            metrics.update(self._update(batch, timer))
+            with timer("sync"):
+                metrics.update(sync_weights(self.parts.actor, self.parts.engine, step))
+        else:
+            metrics["batch/skipped"] = 1.0
+        metrics.setdefault("actor/kl", math.nan)  # no reference model: KL not measured
+        metrics.update(timer.metrics())
+        metrics.update(
+            throughput_metrics(
+                generated_tokens=rollout.generated_tokens,
+                generate_s=rollout.generate_s,
+                train_tokens=train_tokens(batch, cfg.policy.train.ppo_epochs) if len(batch) else 0,
+                train_s=timer.seconds.get("update_actor", 0.0),
+                step_s=timer.elapsed(),
+            )
+        )
+        return metrics
+
+    # ------------------------------------------------------------------ the run
+
+    def _resume(self) -> None:
+        latest = self.checkpoints.latest() if self.config.checkpointing.resume else None
+        if latest is None:
+            return
+        trainer_state, loader_state = CheckpointManager.load(latest, backends=self._backends())
+        self.parts.train_loader.load_state_dict(loader_state)
+        self.step = int(trainer_state["step"])
+        self.eval_before = dict(trainer_state.get("eval_before", {}))
+        self.history = {k: list(v) for k, v in trainer_state.get("history", {}).items()}
+        sync_weights(self.parts.actor, self.parts.engine, self.step)
+
+    def _backends(self) -> dict[str, Any]:
+        roles = {"actor": self.parts.actor}
+        if self.parts.critic is not None:
+            roles["critic"] = self.parts.critic
+        return roles
+
+    def _save(self, step: int) -> None:
+        self.checkpoints.save(
+            step,
+            backends=self._backends(),
+            dataloader_state=self.parts.train_loader.state_dict(),
+            trainer_state={"eval_before": self.eval_before, "history": self.history},
+        )
+
+    def _evaluate(self) -> dict[str, float]:
+        return self.parts.evaluator(self.parts.engine) if self.parts.evaluator is not None else {}
+
+    def _should_eval(self, step: int) -> bool:
+        every = self.config.eval.every or self.config.trainer.test_freq
+        last = step == self.config.num_training_steps
+        return self.parts.evaluator is not None and (last or (every > 0 and step % every == 0))
+
+    def _record(self, metrics: Mapping[str, float], step: int) -> None:
+        for key in ("reward/mean", "eval/accuracy"):
+            if key in metrics:
+                self.history.setdefault(key, []).append(float(metrics[key]))
+        for logger in self.parts.loggers:
+            logger.log(metrics, step)
+
+    def fit(self) -> dict[str, Any]:
+        """Train ``num_training_steps`` steps (resuming when configured); return the summary."""
+        cfg = self.config
+        self._resume()
+        self.parts.make_loggers(resume_step=self.step if self.config.checkpointing.resume else None)
+        if self.step == 0 and self.parts.evaluator is not None:
+            self.eval_before = self._evaluate()
+            self.parts.announce(f"eval before training: {_fmt_eval(self.eval_before)}")
+        bar = self.parts.progress(initial=self.step, total=cfg.num_training_steps)
+        try:
+            for step in range(self.step + 1, cfg.num_training_steps + 1):
+                metrics = self.train_step(step)
+                if self._should_eval(step):
+                    self.eval_after = self._evaluate()
+                    metrics.update(self.eval_after)
+                self._record(metrics, step)
+                self.step = step
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics.get('reward/mean', math.nan):.3f}")
+                if _due(cfg.checkpointing, step, cfg.num_training_steps):
+                    self._save(step)
+        finally:
+            bar.close()
+            for logger in self.parts.loggers:
+                logger.close()
+        return self._finish()
+
+    def _finish(self) -> dict[str, Any]:
+        cfg, out = self.config, Path(self.config.trainer.output_dir)
+        if cfg.checkpointing.export_hf:
+            self.parts.actor.save_hf(str(out / "final"), tokenizer=self.parts.tokenizer)
+        rewards = self.history.get("reward/mean", [])
+        summary = {
+            "steps": self.step,
+            "reward_first": rewards[0] if rewards else None,
+            "reward_last": rewards[-1] if rewards else None,
+            "reward_first_k_mean": _mean(rewards[:3]),
+            "reward_last_k_mean": _mean(rewards[-3:]),
+            "eval_before": self.eval_before,
+            "eval_after": self.eval_after,
+            "output_dir": str(out),
+        }
+        write_summary(out, summary)
+        self.parts.announce(_fmt_summary(summary))
+        return summary
+
+
+def _trim_to_mini_batches(batch: DataProto, cfg: Any) -> DataProto:
+    """Cut a (dynamic-sampling) batch to a whole number of mini-batches of whole groups."""
+    mini = cfg.policy.train.mini_batch_size
+    if not mini or len(batch) % mini == 0:
+        return batch
+    unit = math.lcm(mini, cfg.policy.rollout.n)
+    return batch[: len(batch) - len(batch) % unit]
+
+
+def _due(ckpt: Any, step: int, last: int) -> bool:
+    if not ckpt.enabled:
+        return False
+    return step == last or (ckpt.save_every > 0 and step % ckpt.save_every == 0)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _fmt_eval(metrics: Mapping[str, float]) -> str:
+    if not metrics:
+        return "-"
+    return f"accuracy {metrics.get('eval/accuracy', math.nan):.3f}, mean reward {metrics.get('eval/reward_mean', math.nan):.3f}"
+
+
+def _fmt_summary(summary: Mapping[str, Any]) -> str:
+    def num(x: Any) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    lines = [
+        f"train reward (mean of first/last 3 steps): {num(summary['reward_first_k_mean'])} -> "
+        f"{num(summary['reward_last_k_mean'])}"
+    ]
+    before = summary["eval_before"].get("eval/accuracy")
+    after = summary["eval_after"].get("eval/accuracy")
+    if before is not None and after is not None:
+        lines.append(f"greedy eval accuracy: {before:.3f} -> {after:.3f} ({after - before:+.3f})")
+    lines.append(f"outputs: {summary['output_dir']}")
+    return "\n".join(lines)

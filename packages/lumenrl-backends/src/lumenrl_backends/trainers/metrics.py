@@ -1,0 +1,80 @@
+"""Per-step metrics: batch statistics, phase timings and throughput.
+
+Names follow the run-output contract: ``response_length/mean``, ``perf/step_s``,
+``perf/rollout_tokens_per_s`` (generated tokens / generation wall time),
+``perf/train_tokens_per_s`` (prompt + response tokens through the actor update / update wall
+time, all PPO epochs), ``timing/<phase>_s`` for every phase of the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from lumenrl_core.data_proto import DataProto
+
+__all__ = ["PhaseTimer", "batch_metrics", "throughput_metrics", "train_tokens"]
+
+
+class PhaseTimer:
+    """Accumulates wall time per named phase: ``with timer("generate"): ...``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing/{phase}_s": s for phase, s in self.seconds.items()}
+
+
+def batch_metrics(batch: DataProto, max_new_tokens: int) -> dict[str, float]:
+    """Response/prompt lengths of the train batch and the share of responses cut at the limit."""
+    response_len = batch.batch["response_mask"].float().sum(dim=-1)  # (B,)
+    prompt_len = batch.batch["attention_mask"].float().sum(dim=-1) - response_len
+    metrics = {
+        "response_length/mean": response_len.mean().item(),
+        "response_length/max": response_len.max().item(),
+        "response_length/min": response_len.min().item(),
+        "response_length/clip_ratio": (response_len >= max_new_tokens).float().mean().item(),
+        "prompt_length/mean": prompt_len.mean().item(),
+        "batch/rows": float(len(batch)),
+        "batch/groups": float(len(set(batch.non_tensor_batch["uid"].tolist()))),
+    }
+    if "finish_reason" in batch.non_tensor_batch:
+        reasons = np.asarray(batch.non_tensor_batch["finish_reason"])
+        metrics["response_length/stop_frac"] = float(np.mean(reasons == "stop"))
+    return metrics
+
+
+def throughput_metrics(
+    *, generated_tokens: int, generate_s: float, train_tokens: int, train_s: float, step_s: float
+) -> dict[str, float]:
+    return {
+        "perf/step_s": step_s,
+        "perf/rollout_tokens_per_s": generated_tokens / max(generate_s, 1e-9),
+        "perf/train_tokens_per_s": train_tokens / max(train_s, 1e-9),
+        "perf/generated_tokens": float(generated_tokens),
+    }
+
+
+def train_tokens(batch: DataProto, epochs: int) -> int:
+    """Prompt + response tokens the update processes (all PPO epochs)."""
+    return int(torch.as_tensor(batch.batch["attention_mask"]).sum().item()) * max(epochs, 1)
