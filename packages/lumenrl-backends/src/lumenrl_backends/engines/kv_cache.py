@@ -20,6 +20,11 @@ before each forward:
 * decode view (rows ``0..b-1``, one new token each): the token is written at each row's own
   column and the layer gets the first ``kv_len`` columns of rows ``0..b-1`` (a view, no copy).
 
+With an FP8 ``kv_dtype`` the cache stores FP8 K/V with static per-layer scales (calibrated
+from a prefill, recalibrated after weight updates: :class:`~lumenrl_backends.engines.quant.FP8KVCodec`)
+and attention reads the dequantized values, prefill included, so every token sees the same
+precision.
+
 Masks are explicit 4D tensors (bool for SDPA, additive float for eager) built from ``valid``,
 so transformers never needs a sequence length from the cache. A query always sees itself, so no
 row is fully masked (pad rows would otherwise produce NaN in SDPA).
@@ -31,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from lumenrl_backends.engines.quant import FP8KVCodec
 
 __all__ = ["CacheView", "SlotKVCache", "prefill_mask", "decode_mask", "to_attention_mask"]
 
@@ -52,14 +59,26 @@ class _SlotLayer(CacheLayerMixin):
     def __init__(self, owner: SlotKVCache) -> None:
         super().__init__()
         self._owner = owner
+        self.codec = FP8KVCodec(owner.kv_dtype) if owner.kv_dtype is not None else None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         slots, length = self._owner.max_slots, self._owner.max_len
-        heads = key_states.shape[1]
-        self.device, self.dtype = key_states.device, key_states.dtype
-        self.keys = key_states.new_zeros((slots, heads, length, key_states.shape[-1]))
-        self.values = value_states.new_zeros((slots, value_states.shape[1], length, value_states.shape[-1]))
+        self.device, self.dtype = key_states.device, key_states.dtype  # dtype: what attention computes in
+        storage = self._owner.kv_dtype or key_states.dtype
+        self.keys = torch.zeros(
+            (slots, key_states.shape[1], length, key_states.shape[-1]), dtype=storage, device=self.device
+        )
+        self.values = torch.zeros(
+            (slots, value_states.shape[1], length, value_states.shape[-1]), dtype=storage, device=self.device
+        )
         self.is_initialized = True
+
+    def _encode(self, key_states: torch.Tensor, value_states: torch.Tensor, decode: bool):
+        if self.codec is None:
+            return key_states, value_states
+        if self.codec.scales is None or (self._owner.recalibrate and not decode):
+            self.codec.calibrate(key_states, value_states)
+        return self.codec.encode(key_states, value_states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -67,13 +86,16 @@ class _SlotLayer(CacheLayerMixin):
         view = self._owner.view
         if view is None:
             raise RuntimeError("SlotKVCache.update called without a view; the engine sets one per forward")
+        stored_k, stored_v = self._encode(key_states, value_states, view.decode)
         rows = view.rows[:, None]  # (b, 1)
-        self.keys[rows, :, view.columns] = key_states.transpose(1, 2).to(self.keys.dtype)  # (b, q, H, D)
-        self.values[rows, :, view.columns] = value_states.transpose(1, 2).to(self.values.dtype)
-        if not view.decode:
-            return key_states, value_states
-        batch = view.rows.shape[0]
-        return self.keys[:batch, :, : view.kv_len], self.values[:batch, :, : view.kv_len]
+        self.keys[rows, :, view.columns] = stored_k.transpose(1, 2).to(self.keys.dtype)  # (b, q, H, D)
+        self.values[rows, :, view.columns] = stored_v.transpose(1, 2).to(self.values.dtype)
+        if view.decode:
+            batch = view.rows.shape[0]
+            stored_k, stored_v = self.keys[:batch, :, : view.kv_len], self.values[:batch, :, : view.kv_len]
+        if self.codec is not None:  # attention sees exactly what the cache holds
+            return self.codec.decode(stored_k, stored_v, self.dtype)
+        return stored_k, stored_v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         view = self._owner.view
@@ -95,8 +117,18 @@ class _SlotLayer(CacheLayerMixin):
 class SlotKVCache(Cache):
     """``max_slots`` x ``max_len`` KV cache with per-slot validity (see module docstring)."""
 
-    def __init__(self, *, num_layers: int, max_slots: int, max_len: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        max_slots: int,
+        max_len: int,
+        device: torch.device,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
         self.max_slots, self.max_len = max_slots, max_len
+        self.kv_dtype = kv_dtype  # None: the model's dtype; an FP8 dtype: quantized with per-layer scales
+        self.recalibrate = False  # FP8: recompute scales during the next prefill
         self.view: CacheView | None = None
         self.valid = torch.zeros((max_slots, max_len), dtype=torch.bool, device=device)  # (S, L)
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])

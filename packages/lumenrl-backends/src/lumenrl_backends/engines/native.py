@@ -15,6 +15,11 @@ Design (what the GPU-speed work builds on without a rewrite):
 * log-probs: ``log_softmax(logits.float() / temperature)`` of each sampled token, the
   contracts' convention, so they match the trainer's forward on the same weights.
 
+Low precision (lumenrl-quant, :mod:`~lumenrl_backends.engines.quant`): ``quant_scheme`` swaps
+the decoder linears for FP8/MX ``QuantizedLinear`` (requantized in place on every weight
+update) and ``kv_cache_dtype="fp8"`` stores the KV cache in FP8 with per-layer scales that are
+recalibrated at the first prefill after each update.
+
 Interrupt/resume: :meth:`interrupt` (thread-safe) makes a running :meth:`generate` return at the
 next step with ``meta_info["interrupted"] = True`` and unfinished rows marked "interrupted";
 :meth:`resume` re-enables generation, and passing that partial batch to :meth:`generate` again
@@ -41,6 +46,8 @@ from lumenrl_backends.engines.kv_cache import (
     prefill_mask,
     to_attention_mask,
 )
+from lumenrl_backends.engines.quant import kv_cache_dtype as resolve_kv_dtype
+from lumenrl_backends.engines.quant import quantize_rollout_model, rollout_scheme
 from lumenrl_backends.engines.requests import (
     LENGTH,
     STOP,
@@ -92,7 +99,17 @@ def sliding_window_of(config: Any) -> tuple[int | None, bool]:
 class NativeEngine:
     """Embedded rollout engine over an HF causal LM (see module docstring)."""
 
-    capabilities = frozenset({"logprobs", "interrupt_resume", "weight_update", "continuous_batching"})
+    capabilities = frozenset(
+        {
+            "logprobs",
+            "interrupt_resume",
+            "weight_update",
+            "continuous_batching",
+            "fp8_weights",
+            "mx_weights",
+            "fp8_kv_cache",
+        }
+    )
 
     def __init__(
         self,
@@ -103,6 +120,8 @@ class NativeEngine:
         max_batch_size: int = 64,
         max_seq_len: int = 512,
         kv_block: int = 32,
+        quant_scheme: Any = None,
+        kv_cache_dtype: str | torch.dtype | None = "auto",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
@@ -110,6 +129,7 @@ class NativeEngine:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 2 (one prompt token + one new token)")
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
+        self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
         self.tokenizer = tokenizer
         self.max_batch_size, self.max_seq_len, self.kv_block = max_batch_size, max_seq_len, kv_block
         self.weight_version = 0
@@ -127,6 +147,7 @@ class NativeEngine:
             max_slots=max_batch_size,
             max_len=max_seq_len,
             device=self.device,
+            kv_dtype=resolve_kv_dtype(kv_cache_dtype, self.device),
         )
         self.slots = SlotState.allocate(max_batch_size, self.device)
         self.buckets = batch_buckets(max_batch_size)
@@ -155,12 +176,15 @@ class NativeEngine:
                 trust_remote_code=policy.trust_remote_code,
             )
             model, tokenizer = model or loaded_model, tokenizer or loaded_tokenizer
+        rollout_quant = run_config.quantization.rollout
         return cls(
             model,
             tokenizer,
             device=device,
             max_batch_size=rollout.max_batch_size,
             max_seq_len=policy.max_prompt_length + rollout.max_new_tokens,
+            quant_scheme=rollout_scheme(rollout_quant),
+            kv_cache_dtype=rollout_quant.kv_cache_dtype,
         )
 
     # ------------------------------------------------------------------ control
@@ -180,8 +204,9 @@ class NativeEngine:
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
     ) -> int:
         """Copy weights into the engine model in place (no reallocation); returns tensors copied."""
-        count = copy_weights_(self.model, named_tensors)
+        count = copy_weights_(self.model, named_tensors)  # requantizes quantized linears in place
         self.weight_version = int(version)
+        self.cache.recalibrate = self.cache.kv_dtype is not None  # FP8 KV scales follow the new policy
         return count
 
     # ------------------------------------------------------------------ generation
@@ -298,6 +323,7 @@ class NativeEngine:
         self.cache.set_view(CacheView(rows=rows, columns=columns, decode=False, kv_len=width))
         allowed = prefill_mask(mask, self.window)
         logits = self._forward(ids, positions, allowed, prefill_mask(mask, None))[:, -1]  # (n, V)
+        self.cache.recalibrate = False
         self.slots.admit(rows, [r.seed for r in admitted], params)
         self.slots.counters[rows] = torch.tensor([len(r.response) for r in admitted], device=self.device)
         tokens, log_probs = self._sample(logits, rows, params)

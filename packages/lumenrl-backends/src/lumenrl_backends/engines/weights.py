@@ -3,7 +3,9 @@
 Every incoming tensor is copied into the existing parameter or buffer storage (``copy_`` under
 ``no_grad``), so data pointers never change: CUDA graphs captured on those addresses stay valid
 and no memory is reallocated. Tied parameters (``lm_head.weight`` sharing ``embed_tokens``) are
-found under every name they are reachable by, so a trainer may send either name.
+found under every name they are reachable by, so a trainer may send either name. The
+``weight`` of a quantized layer (any module with ``reload_``, e.g. lumenrl-quant's
+``QuantizedLinear``) is requantized in place from the incoming high-precision tensor.
 """
 
 from __future__ import annotations
@@ -50,9 +52,17 @@ def copy_weights_(
     """
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     targets = named_targets(model)
+    modules = {normalise_name(n): m for n, m in model.named_modules(remove_duplicate=False)}
     count = 0
     for name, tensor in items:
         key = normalise_name(name)
+        if hasattr(tensor, "full_tensor"):  # a DTensor shard from FSDP2: gather it
+            tensor = tensor.full_tensor()
+        owner, _, leaf = key.rpartition(".")
+        if leaf == "weight" and hasattr(modules.get(owner), "reload_"):
+            modules[owner].reload_(tensor.detach())  # requantize in place
+            count += 1
+            continue
         if key not in targets:
             raise _unknown(key, targets)
         target = targets[key]
@@ -60,8 +70,6 @@ def copy_weights_(
             raise ValueError(
                 f"update_weights: {key!r} has shape {tuple(tensor.shape)}, the engine model expects {tuple(target.shape)}"
             )
-        if hasattr(tensor, "full_tensor"):  # a DTensor shard from FSDP2: gather it
-            tensor = tensor.full_tensor()
         target.copy_(tensor.detach())
         count += 1
     return count

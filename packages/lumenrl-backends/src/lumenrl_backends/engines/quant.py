@@ -1,0 +1,86 @@
+"""Low-precision rollout for the native engine, through lumenrl-quant.
+
+* Weights: ``quantization.rollout.precision`` fp8 / mxfp8 / mxfp4 picks a lumenrl-quant scheme
+  (``quantization.rollout.scheme`` overrides; default ``fp8_block``, ``mxfp8``, ``mxfp4``), whose
+  ``quantize_model`` swaps the decoder linears for ``QuantizedLinear`` in place (embeddings,
+  ``lm_head``, norms and MoE routers stay high precision). Weight sync requantizes in place
+  (see :mod:`~lumenrl_backends.engines.weights`).
+* KV cache: ``kv_cache_dtype="fp8"`` stores K/V as FP8 E4M3 with one static scale per layer and
+  tensor (K, V), computed as ``percentile_99.9(|x|) * 1.05 / fp8_max`` from the first prefill
+  after construction and after every weight update (the policy moves every step, so scales are
+  recalibrated per sync). Attention runs on dequantized values (an emulation: fast FP8
+  attention kernels are GPU work).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["PRECISION_SCHEMES", "rollout_scheme", "quantize_rollout_model", "kv_cache_dtype", "FP8KVCodec"]
+
+PRECISION_SCHEMES = {"fp8": "fp8_block", "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
+
+
+def rollout_scheme(rollout_quant: Any) -> Any | None:
+    """A lumenrl-quant scheme object for ``quantization.rollout``, or None for bf16/fp16/fp32."""
+    precision = getattr(rollout_quant, "precision", "bf16")
+    if precision not in PRECISION_SCHEMES:
+        return None
+    from lumenrl_quant import get_quant_scheme
+
+    name = getattr(rollout_quant, "scheme", "") or PRECISION_SCHEMES[precision]
+    return get_quant_scheme(
+        name,
+        skip_first_n_layers=int(getattr(rollout_quant, "skip_first_n_layers", 0)),
+        skip_last_n_layers=int(getattr(rollout_quant, "skip_last_n_layers", 0)),
+    )
+
+
+def quantize_rollout_model(model: nn.Module, scheme: Any) -> Any:
+    """Quantize ``model`` in place with a scheme object or name; returns lumenrl-quant's report."""
+    if isinstance(scheme, str):
+        from lumenrl_quant import get_quant_scheme
+
+        scheme = get_quant_scheme(scheme)
+    return scheme.quantize_model(model)
+
+
+def kv_cache_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype | None:
+    """``auto``/None -> None (model dtype); ``fp8`` -> the device's FP8 E4M3 dtype."""
+    if name in (None, "auto"):
+        return None
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "fp8":
+        from lumenrl_quant import fp8_dtypes_for
+
+        return fp8_dtypes_for(device).e4m3
+    raise ValueError(f"kv_cache_dtype={name!r} is not supported; choose auto or fp8")
+
+
+class FP8KVCodec:
+    """Per-layer static K/V scales: calibrate, quantize on write, dequantize on read."""
+
+    def __init__(self, dtype: torch.dtype, percentile: float = 99.9, margin: float = 1.05) -> None:
+        self.dtype, self.percentile, self.margin = dtype, percentile, margin
+        self.scales: Any = None
+
+    def calibrate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        from lumenrl_quant import calibrate_kv_scales
+
+        self.scales = calibrate_kv_scales(
+            keys, values, percentile=self.percentile, margin=self.margin, dtype=self.dtype
+        )
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from lumenrl_quant import quantize_kv
+
+        return quantize_kv(keys, values, self.scales)
+
+    def decode(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        from lumenrl_quant import dequantize_kv
+
+        return dequantize_kv(keys, values, self.scales, dtype=dtype)
