@@ -6,6 +6,24 @@ correction. See the package README for examples.
 """
 
 from lumenrl_quant.__about__ import __version__
+from lumenrl_quant.correction import (
+    MISGeometric,
+    MISSequence,
+    MISToken,
+    SeqMIS,
+    TISSequence,
+    TISToken,
+    apply_is_weights,
+    kl_rejection_mask,
+    mis_geometric_mask,
+    mis_sequence_mask,
+    mis_token_mask,
+    rollout_correction_metrics,
+    rollout_log_ratio,
+    seq_mis,
+    tis_sequence_weights,
+    tis_token_weights,
+)
 from lumenrl_quant.formats import (
     E4M3,
     E4M3FNUZ,
@@ -45,8 +63,41 @@ from lumenrl_quant.model import (
 )
 from lumenrl_quant.mx import MXTensor, dequantize_mx, pack_fp4, quantize_mx, unpack_fp4
 from lumenrl_quant.schemes import MXFP4, MXFP8, QUANT_SCHEMES, Fp8Block, Fp8Row, Fp8Tensor, get_quant_scheme
+from lumenrl_quant.training import (
+    Fp8ConversionReport,
+    Fp8TrainingConfig,
+    Fp8TrainingLinear,
+    attach_weight_cache_invalidation,
+    convert_to_fp8_training,
+    invalidate_fp8_weight_caches,
+)
 
 __all__ = [
+    # FP8 training (lumenrl_quant.training)
+    "Fp8ConversionReport",
+    "Fp8TrainingConfig",
+    "Fp8TrainingLinear",
+    "attach_weight_cache_invalidation",
+    "convert_to_fp8_training",
+    "invalidate_fp8_weight_caches",
+    # rollout correction (lumenrl_quant.correction)
+    "MISGeometric",
+    "MISSequence",
+    "MISToken",
+    "SeqMIS",
+    "TISSequence",
+    "TISToken",
+    "apply_is_weights",
+    "kl_rejection_mask",
+    "mis_geometric_mask",
+    "mis_sequence_mask",
+    "mis_token_mask",
+    "rollout_correction_metrics",
+    "rollout_log_ratio",
+    "seq_mis",
+    "tis_sequence_weights",
+    "tis_token_weights",
+    # formats, quantization, GEMM, rollout linears, KV cache
     "E4M3",
     "E4M3FNUZ",
     "E5M2",

@@ -78,7 +78,11 @@ class _RolloutCorrectionBase:
         weights, keep, clipped = self._correct(old_log_probs, rollout_log_probs, mask)
         if self.reject_kl is not None:
             kl_keep = kl_rejection_mask(
-                old_log_probs, rollout_log_probs, mask, estimator=self.reject_kl, threshold=self.reject_kl_threshold
+                old_log_probs,
+                rollout_log_probs,
+                mask,
+                estimator=self.reject_kl,
+                threshold=self.reject_kl_threshold,
             )
             keep = keep * kl_keep
         if weights is not None:
@@ -98,7 +102,9 @@ class _RolloutCorrectionBase:
         raise NotImplementedError
 
 
-def _sequence_exceeds(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+def _sequence_exceeds(
+    old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cap: float
+) -> torch.Tensor:
     log_ratio = rollout_log_ratio(old, rollout, mask)
     seq = log_ratio.sum(dim=-1, keepdim=True) > math.log(cap)  # (B, 1)
     return seq & (mask != 0)
