@@ -119,7 +119,7 @@ class NativeEngine:
         device: str | torch.device = "cpu",
         max_batch_size: int = 64,
         max_seq_len: int = 512,
-        kv_block: int = 32,
+        kv_block: int | None = None,
         quant_scheme: Any = None,
         kv_cache_dtype: str | torch.dtype | None = "auto",
     ) -> None:
@@ -131,7 +131,10 @@ class NativeEngine:
         self.model = model.to(self.device).eval()
         self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
         self.tokenizer = tokenizer
-        self.max_batch_size, self.max_seq_len, self.kv_block = max_batch_size, max_seq_len, kv_block
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        # decode attends to a multiple of kv_block cache columns: few distinct shapes on GPU (graphs),
+        # exact lengths on CPU (no wasted attention)
+        self.kv_block = kv_block or (64 if self.device.type == "cuda" else 1)
         self.weight_version = 0
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.pad_token_id = (
