@@ -82,17 +82,20 @@ def _dgrad_weight(weight: torch.Tensor, recipe: Recipe, cache: Fp8WeightCache | 
 def _mm(a: QuantizedOperand, b: QuantizedOperand, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
     # CPU: torch._scaled_mm's CPU kernel is ~1000x slower than the exact emulation at training
     # shapes (measured, torch 2.13: 1.3 s vs 1 ms for 128x256x256), so CPU always emulates.
-    gemm = emulated_scaled_mm if a.q.device.type == "cpu" else scaled_mm
-    return gemm(
+    # GPU: cuBLAS rowwise / blockwise FP8 GEMMs write bf16, so the GEMM outputs bf16 and is cast.
+    on_cpu = a.q.device.type == "cpu"
+    gemm = emulated_scaled_mm if on_cpu else scaled_mm
+    out = gemm(
         a.q,
         a.scale,
         b.q,
         b.scale,
-        out_dtype=out_dtype,
+        out_dtype=out_dtype if on_cpu else torch.bfloat16,
         bias=bias,
         a_block_size=a.block_size,
         b_block_size=b.block_size,
     )
+    return out.to(out_dtype)
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -106,7 +109,7 @@ def _wgrad(grad: torch.Tensor, x: torch.Tensor, recipe: Recipe, weight_dtype: to
     x_t = _pad_rows(x, multiple).t().contiguous()  # (K, Mp)
     g = recipe.quantize(grad_t, role="a", dtype=recipe.grad_dtype)
     xq = recipe.quantize(x_t, role="b", dtype=recipe.forward_dtype)
-    return _mm(g, xq, x.dtype).to(weight_dtype)  # (N, K)
+    return _mm(g, xq, weight_dtype)  # (N, K)
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
