@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
+import statistics
 from importlib.metadata import entry_points
 
-import numpy as np
 import pytest
 import torch
 
@@ -55,21 +55,21 @@ def make_batch(seed: int, batch: int = 6, length: int = 12, spread: float = 0.5,
 
 def ref_rows(old, rollout, mask):
     """Per row: the list of clamped float64 log ratios of its valid tokens (and their positions)."""
-    o, r, m = (np.asarray(t.double()) for t in (old, rollout, mask))
+    o, r, m = (t.double().tolist() for t in (old, rollout, mask))
     rows = []
-    for b in range(o.shape[0]):
-        cols = [t for t in range(o.shape[1]) if m[b, t] != 0]
-        rows.append((cols, [min(max(o[b, t] - r[b, t], -20.0), 20.0) for t in cols]))
+    for b in range(len(o)):
+        cols = [t for t in range(len(o[b])) if m[b][t] != 0]
+        rows.append((cols, [min(max(o[b][t] - r[b][t], -20.0), 20.0) for t in cols]))
     return rows
 
 
 def ref_fill(shape, rows, per_row):
-    """Write per_row(cols, lrs) -> list of per-token values into a zero (B, T) array."""
-    out = np.zeros(shape)
+    """Write per_row(lrs) -> list of per-token values into a zero (B, T) float64 tensor."""
+    out = [[0.0] * shape[1] for _ in range(shape[0])]
     for b, (cols, lrs) in enumerate(rows):
         for t, value in zip(cols, per_row(lrs)):
-            out[b, t] = value
-    return out
+            out[b][t] = value
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def seq_lr(lrs):
@@ -89,8 +89,8 @@ def ref_kl(lr, k):
     return {"k1": d, "k2": d * d / 2, "k3": math.exp(-d) + d - 1}[k]
 
 
-def assert_close(actual: torch.Tensor, expected: np.ndarray, rtol=1e-12, atol=1e-12):
-    np.testing.assert_allclose(actual.double().numpy(), expected, rtol=rtol, atol=atol)
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol=1e-12, atol=1e-12):
+    torch.testing.assert_close(actual.double(), expected, rtol=rtol, atol=atol)
 
 
 # ---------------------------------------------------------------- functions vs reference
@@ -141,7 +141,7 @@ def test_kl_rejection_matches_reference(seed, estimator):
     old, rollout, mask = make_batch(seed, spread=0.4)
     rows = ref_rows(old, rollout, mask)
     seq_kl = [sum(ref_kl(x, estimator) for x in lrs) / max(len(lrs), 1) for _, lrs in rows]
-    threshold = float(np.median(seq_kl))
+    threshold = statistics.median(seq_kl)
     expected = ref_fill(
         old.shape, rows, lambda lrs: [1.0 if geo_kl(lrs, estimator) <= threshold else 0.0] * len(lrs)
     )
