@@ -201,4 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m lumenrl_backends.cli` (and torchrun -m): run the imported module's main so that
+    # CLIError raised by subcommands is the class this main catches (not __main__.CLIError).
+    from lumenrl_backends.cli import main as _main
+
+    sys.exit(_main())
