@@ -322,16 +322,19 @@ def test_rollout_correction_mode_must_resolve(cfg, reg):
     assert plan.build_rollout_correction().clip == 3.5  # config field mapped to the keyword
 
 
-def test_reward_function_syntax_and_module(cfg, reg):
+def test_reward_function_syntax_and_module(cfg, reg, tmp_path, monkeypatch):
     for bad, why in (("json.dumps", "expected 'package.module:function'"), ("json:", "expected"),
                      ("no_such_pkg_xyz.mod:fn", "module 'no_such_pkg_xyz.mod' cannot be found")):
         cfg.reward.function = bad
         msg = only(cfg, reg)
         assert msg.startswith(f"reward.function={bad!r}") and why in msg
-    cfg.reward.function = "json:dumps"
+    (tmp_path / "asm_user_reward.py").write_text(
+        "def length_reward(prompts, responses, extra):\n    return [float(len(r)) for r in responses]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg.reward.function = "asm_user_reward:length_reward"
     plan = plan_run(cfg, registry=reg)
     assert plan.reward_cls is None and "reward" not in plan.plugin_names
-    assert plan.build_reward()([1]) == "[1]"
+    assert plan.build_reward()(["p", "q"], ["ab", "abc"], [{}, {}]) == [2.0, 3.0]
 
 
 def test_all_violations_reported_at_once(cfg, reg):

@@ -16,7 +16,6 @@ from lumenrl_core.assembly.plan import (
     AssemblyWarning,
     RunPlan,
     build_with_keywords,
-    load_reward_function,
 )
 from lumenrl_core.assembly.planner import assemble, plan_run
 from lumenrl_core.assembly.requirements import (
@@ -43,7 +42,6 @@ __all__ = [
     "config_violations",
     "check_reward_function",
     "build_with_keywords",
-    "load_reward_function",
     "config_is_moe",
     "is_moe_model",
     "model_type_of",

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from lumenrl_core.assembly.requirements import Violation
 from lumenrl_core.config.schema import RunConfig
+from lumenrl_core.rewards import load_reward_function
 
-__all__ = ["AssemblyError", "AssemblyWarning", "RunPlan", "build_with_keywords", "load_reward_function"]
+__all__ = ["AssemblyError", "AssemblyWarning", "RunPlan", "build_with_keywords"]
 
 
 class AssemblyError(ValueError):
@@ -37,17 +37,6 @@ def build_with_keywords(cls: Any, candidates: Mapping[str, Any]) -> Any:
         return cls(**candidates)
     accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return cls(**{k: v for k, v in candidates.items() if k in accepted})
-
-
-def load_reward_function(spec: str) -> Callable[..., Any]:
-    """Import the user reward ``"package.module:function"`` (attribute path may be dotted)."""
-    module_name, _, attr_path = spec.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr_path.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"reward.function={spec!r} is not callable ({type(obj).__name__})")
-    return obj
 
 
 @dataclass(kw_only=True, slots=True)
@@ -92,7 +81,8 @@ class RunPlan:
         a = self.config.algorithm
         return build_with_keywords(self.policy_loss_cls, {
             "clip_ratio_low": a.clip_ratio_low, "clip_ratio_high": a.clip_ratio_high,
-            "clip_ratio_c": a.clip_ratio_c, "loss_agg_mode": a.loss_agg_mode})
+            "clip_ratio_c": a.clip_ratio_c, "loss_agg_mode": a.loss_agg_mode,
+            "max_len": self.config.policy.rollout.max_new_tokens})
 
     def build_rollout_correction(self) -> Any | None:
         if self.rollout_correction_cls is None:
