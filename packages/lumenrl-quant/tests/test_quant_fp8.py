@@ -23,6 +23,7 @@ from lumenrl_quant import (
     scaled_mm,
 )
 from lumenrl_quant.fp8 import round_scale_to_power_of_two
+from lumenrl_quant.gemm import _torch_scaled_mm
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 GRANULARITIES = [("tensorwise", None), ("rowwise", None), ("block", (1, 128)), ("block", (128, 128))]
@@ -175,15 +176,18 @@ def test_scaled_mm_equals_exact_emulation(mode):
                                rtol=1e-5, atol=1e-4)
 
 
-def test_gemm_path_on_cpu():
-    _, _, aq, sa, bq, sb = _operands("tensorwise", m=8, n=32, k=128)
-    assert gemm_path(aq, sa, bq, sb) == "scaled_mm_tensorwise"
-    assert scaled_mm(aq, sa, bq, sb).dtype == torch.bfloat16
-    for mode in ("rowwise", "blockwise"):
+def test_gemm_path_on_cpu_is_the_emulation():
+    for mode in ("tensorwise", "rowwise", "blockwise"):
         _, _, aq, sa, bq, sb = _operands(mode, m=8, n=32, k=128)
         assert gemm_path(aq, sa, bq, sb) == "emulated"
-    _, _, aq, sa, bq, sb = _operands("tensorwise", m=8, n=24, k=128)  # N not a multiple of 16
-    assert gemm_path(aq, sa, bq, sb) == "emulated"
+    assert scaled_mm(aq, sa, bq, sb).dtype == torch.bfloat16
+
+
+def test_torch_scaled_mm_cpu_tensorwise_agrees_with_emulation():
+    _, _, aq, sa, bq, sb = _operands("tensorwise", m=4, n=16, k=64)
+    fast = _torch_scaled_mm("tensorwise", aq, sa, bq, sb, torch.float32)
+    torch.testing.assert_close(fast, emulated_scaled_mm(aq, sa, bq, sb, out_dtype=torch.float32),
+                               rtol=1e-5, atol=1e-4)
 
 
 def test_scaled_mm_mixed_layouts_and_hybrid_dtypes_emulate():

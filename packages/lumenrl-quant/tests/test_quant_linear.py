@@ -97,3 +97,13 @@ def test_dequantized_weight_matches_reference():
 def test_unknown_scheme_lists_allowed():
     with pytest.raises(ValueError, match="fp8_block"):
         QuantizedLinear.from_linear(nn.Linear(32, 32), "int4")
+
+
+@pytest.mark.parametrize("scheme", LINEAR_SCHEMES)
+def test_bf16_activations_with_fp32_bias(scheme):
+    lin = fresh_linear(256, 64)
+    q = QuantizedLinear.from_linear(lin, scheme)
+    x = torch.randn(3, 256)
+    y = q(x.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+    assert sqnr(reference(lin, x), y.float()) >= BARS[scheme] - 3.0  # bf16 input rounding costs a little

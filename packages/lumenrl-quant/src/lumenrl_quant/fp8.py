@@ -113,12 +113,65 @@ def quantize_fp8(
     granularity: Granularity = "tensorwise",
     block_size: tuple[int, int] | None = None,
     power_of_two_scale: bool = False,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` to FP8; returns ``(q, scale)`` with ``x ≈ q * scale`` (see module doc).
 
     ``block_size`` applies to ``granularity="block"`` only (default ``(1, 128)``).
+    ``backend``: ``"auto"`` (fused Triton kernel on GPU when available and the shape divides,
+    else torch), ``"torch"``, or ``"triton"`` (raises if the Triton kernel cannot run).
     """
     fp8_max(dtype)  # validates dtype
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend={backend!r} is not supported; allowed: ['auto', 'torch', 'triton']")
+    if backend != "torch" and not power_of_two_scale:
+        out = _try_triton(x, dtype, granularity, block_size, strict=backend == "triton")
+        if out is not None:
+            return out
+    return _quantize_fp8_torch(x, dtype, granularity, block_size, power_of_two_scale)
+
+
+def _try_triton(
+    x: torch.Tensor, dtype: torch.dtype, granularity: str, block_size: tuple[int, int] | None, *, strict: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    from lumenrl_quant import triton_kernels as tk
+
+    usable = tk.triton_available(x.device) and x.dim() >= 1 and x.numel() > 0
+    if not usable:
+        if strict:
+            raise RuntimeError(f"backend='triton' needs triton and a GPU tensor; got device={x.device}")
+        return None
+    k = x.shape[-1]
+    try:
+        if granularity == "tensorwise":
+            return tk.fp8_quantize_tensorwise(x, dtype)
+        x2 = x.reshape(-1, k)
+        if granularity == "rowwise":
+            q, s = tk.fp8_quantize_groups(x2, k, dtype)
+            return q.reshape(x.shape), s.reshape(*x.shape[:-1], 1)
+        bm, bk = _check_block_size(block_size) if granularity == "block" else (0, 0)
+        if (bm, bk) == (1, 128) and k % 128 == 0:
+            q, s = tk.fp8_quantize_groups(x2, 128, dtype)
+            return q.reshape(x.shape), s.reshape(*x.shape[:-1], k // 128)
+        if (bm, bk) == (128, 128) and k % 128 == 0 and x.dim() == 2:
+            return tk.fp8_quantize_blocks(x, 128, dtype)
+    except (RuntimeError, ValueError):
+        if strict:
+            raise
+        return None
+    if strict:
+        raise ValueError(f"no Triton kernel for granularity={granularity!r}, block_size={block_size}, "
+                         f"shape {tuple(x.shape)}")
+    return None
+
+
+def _quantize_fp8_torch(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    block_size: tuple[int, int] | None,
+    power_of_two_scale: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     if granularity == "tensorwise":
         xf = x.float()
         scale = amax_to_scale(xf.abs().amax(), dtype, power_of_two_scale=power_of_two_scale)

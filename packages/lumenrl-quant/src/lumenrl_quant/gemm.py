@@ -19,12 +19,16 @@ other combinations         any of the above, mixed   -> always emulated
 Paths (:func:`gemm_path` names the one that would run):
 
 * ``scaled_mm_<mode>``: ``torch._scaled_mm`` where device and torch support the mode: CUDA
-  sm89+ and ROCm for tensorwise / rowwise, CUDA sm90 for blockwise (needs K % 128 == 0), CPU for
-  tensorwise. ``torch._scaled_mm`` wants mat2 column-major (we pass ``b.t()``), K and N multiples
+  sm89+ and ROCm for tensorwise / rowwise, CUDA sm90 for blockwise (needs K % 128 == 0). Not on
+  CPU: torch 2.13's CPU tensorwise ``_scaled_mm`` is correct but measured ~500-1000x slower than
+  the emulation (16x256x256: 245 ms vs 0.55 ms), so CPU always emulates. ``torch._scaled_mm`` wants mat2 column-major (we pass ``b.t()``), K and N multiples
   of 16, float32 scales; rowwise output must be bfloat16 on CUDA. Blockwise 1x128 activation scales
   go in "outer-dim-major" layout (stride ``(1, M)``), 128x128 weight scales as ``b_scale.t()``.
+* ``triton_blockwise``: the optional Triton kernel (:mod:`lumenrl_quant.triton_kernels`) for
+  blockwise on CUDA sm89+, used for ``M <= TRITON_BLOCKWISE_MAX_M`` (decode shapes, where the
+  benchmark shows it beats cuBLAS) and wherever cuBLAS has no blockwise mode (sm89, older torch).
 * ``emulated``: dequantize both operands to float32, matmul in float32, add bias, cast. This is
-  the exact reference (float32 accumulation), used on CPU for non-tensorwise modes and for MX.
+  the exact reference (float32 accumulation), used on CPU and wherever no fast path exists.
 
 If the fast path raises at runtime (an older torch that lacks a mode), the combination is
 remembered, a warning is emitted once, and the emulation runs instead.
@@ -42,7 +46,11 @@ from lumenrl_quant.fp8 import dequantize_fp8
 
 __all__ = ["GemmPath", "ScaleLayout", "emulated_scaled_mm", "gemm_path", "infer_scale_layout", "scaled_mm"]
 
-GemmPath = str  # "scaled_mm_tensorwise" | "scaled_mm_rowwise" | "scaled_mm_blockwise" | "emulated"
+GemmPath = str  # "scaled_mm_tensorwise" | "scaled_mm_rowwise" | "scaled_mm_blockwise" | "triton_blockwise" | "emulated"
+
+# Blockwise GEMMs with at most this many rows use the Triton kernel instead of cuBLAS (decode
+# shapes); set from benchmarks/quant results on H200 (0 = never while cuBLAS blockwise works).
+TRITON_BLOCKWISE_MAX_M = 0
 
 _FAILED: set[tuple] = set()
 
@@ -99,8 +107,8 @@ def _mode(la: ScaleLayout, lb: ScaleLayout) -> str | None:
 def _device_supports(mode: str, device: torch.device, k: int, out_dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_scaled_mm"):
         return False
-    if device.type == "cpu":
-        return mode == "tensorwise"
+    if device.type == "cpu":  # CPU tensorwise exists but is ~1000x slower than the emulation
+        return False
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     if getattr(torch.version, "hip", None) is not None:
@@ -147,9 +155,19 @@ def gemm_path(
     if k % 16 or n % 16 or both_e5m2:
         return "emulated"
     key = (a_q.device.type, mode, a_q.dtype, b_q.dtype, out_dtype)
-    if key in _FAILED or not _device_supports(mode, a_q.device, k, out_dtype):
-        return "emulated"
-    return f"scaled_mm_{mode}"
+    cublas_ok = key not in _FAILED and _device_supports(mode, a_q.device, k, out_dtype)
+    prefer_triton = not cublas_ok or a_q.shape[0] <= TRITON_BLOCKWISE_MAX_M
+    if mode == "blockwise" and prefer_triton and _triton_blockwise_ok(a_q, b_q, k):
+        return "triton_blockwise"
+    return f"scaled_mm_{mode}" if cublas_ok else "emulated"
+
+
+def _triton_blockwise_ok(a_q: torch.Tensor, b_q: torch.Tensor, k: int) -> bool:
+    if a_q.device.type != "cuda" or k % 128 or getattr(torch.version, "hip", None) is not None:
+        return False
+    from lumenrl_quant import triton_kernels as tk
+
+    return tk.triton_available(a_q.device) and torch.cuda.get_device_capability(a_q.device) >= (8, 9)
 
 
 def emulated_scaled_mm(
@@ -200,6 +218,11 @@ def scaled_mm(
     path = gemm_path(
         a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, a_block_size=a_block_size, b_block_size=b_block_size
     )
+    if path == "triton_blockwise":
+        from lumenrl_quant import triton_kernels as tk
+
+        out = tk.fp8_blockwise_gemm(a_q, a_scale, b_q, b_scale, out_dtype=out_dtype)
+        return out if bias is None else (out + bias.to(out_dtype))
     if path.startswith("scaled_mm_"):
         mode = path.removeprefix("scaled_mm_")
         try:

@@ -126,7 +126,8 @@ class QuantizedLinear(nn.Module):
         else:
             if self.scheme == "mxfp8":
                 x2 = quantize_mx(x2, "e4m3").dequantize(x.dtype)
-            out = F.linear(x2, self.dequantized_weight(x.dtype), self.bias)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            out = F.linear(x2, self.dequantized_weight(x.dtype), bias)
         return out.reshape(*lead, self.out_features)
 
     def _fp8_forward(self, x2: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ that quantizes a model for rollout and requantizes it on weight sync. Class attr
 LumenRL registry reads: ``name``, ``capabilities`` (``fp8_weights`` or ``mx_weights``, plus what
 else the scheme does) and ``probe()``: ``None`` everywhere, because every scheme has an exact
 emulation path on any device. Whether a *fast* path exists on a device is a separate question,
-answered by :meth:`fast_path` (e.g. ``"scaled_mm_blockwise"`` on H100/H200, ``"emulated"`` on CPU).
+answered by :meth:`fast_path` (e.g. ``"scaled_mm_blockwise"`` on H100/H200, ``"emulated"`` on CPU
+and for the MX schemes on GPUs without MX tensor cores).
 """
 
 from __future__ import annotations

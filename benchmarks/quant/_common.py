@@ -1,0 +1,130 @@
+"""Shared helpers for the lumenrl-quant benchmarks: timing, environment, tables, JSON output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def environment() -> dict:
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": "cpu",
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(device=props.name, sm=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
+                   cuda=torch.version.cuda, memory_gib=round(props.total_memory / 2**30, 1))
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[], object], *, warmup: int = 5, iters: int = 30) -> float:
+    """Median milliseconds per call (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    if torch.cuda.is_available():
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_rotating_ms(fns: list[Callable[[], object]], *, warmup: int = 3, iters: int = 30) -> float:
+    """Median ms of one call when cycling over ``fns`` (distinct operands: working set beyond L2)."""
+    for f in fns[:warmup]:
+        f()
+    sync()
+    n = len(fns)
+    per_round = []
+    rounds = max(1, iters // n)
+    for _ in range(max(3, rounds)):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for f in fns:
+                f()
+            end.record()
+            end.synchronize()
+            per_round.append(start.elapsed_time(end) / n)
+        else:
+            t0 = time.perf_counter()
+            for f in fns:
+                f()
+            per_round.append((time.perf_counter() - t0) * 1e3 / n)
+    per_round.sort()
+    return per_round[len(per_round) // 2]
+
+
+def copies_for(bytes_per_copy: int, working_set: int = 256 * 2**20, cap: int = 64) -> int:
+    """How many operand copies make the working set exceed the L2 (60 MB on H200) several times."""
+    return max(1, min(cap, math.ceil(working_set / max(1, bytes_per_copy))))
+
+
+def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    ref, approx = ref.double().cpu(), approx.double().cpu()
+    err = (ref - approx).norm().item()
+    return float("inf") if err == 0 else 20 * math.log10(ref.norm().item() / err)
+
+
+def table(title: str, rows: list[dict], cols: list[str]) -> str:
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+        return str(v)
+
+    widths = {c: max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) if rows else len(c) for c in cols}
+    lines = [f"### {title}", "", "| " + " | ".join(c.ljust(widths[c]) for c in cols) + " |",
+             "| " + " | ".join("-" * widths[c] for c in cols) + " |"]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")).ljust(widths[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(name: str, payload: dict) -> Path:
+    """Write ``benchmarks/results/<name>.json`` (and a copy under ``$OUT`` when set)."""
+    payload = {"environment": environment(), **payload}
+    paths = [RESULTS_DIR / f"{name}.json"]
+    if os.environ.get("OUT"):
+        paths.append(Path(os.environ["OUT"]) / f"{name}.json")
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(payload, indent=1, default=str))
+    return paths[0]

@@ -1,0 +1,93 @@
+"""FP8 GEMM vs BF16: decode shapes (M = 1..256) and training shapes (M = N = K = 4096, 8192).
+
+Operands are pre-quantized (GEMM time only). Decode shapes cycle over enough weight copies that
+the working set exceeds the L2, so the weight read comes from HBM as in a real decode step.
+Paths: bf16 ``torch.mm``; ``torch._scaled_mm`` tensorwise / rowwise / blockwise (1x128 x 128x128);
+the Triton blockwise kernel. Speedup = bf16 time / path time.
+
+    python benchmarks/quant/bench_gemm.py [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import copies_for, device, table, time_ms, time_rotating_ms, write_json  # noqa: E402
+
+from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
+from lumenrl_quant.gemm import _torch_scaled_mm  # noqa: E402
+
+LAYOUTS = {  # mode -> (a granularity, a block, b granularity, b block)
+    "tensorwise": ("tensorwise", None, "tensorwise", None),
+    "rowwise": ("rowwise", None, "rowwise", None),
+    "blockwise": ("block", (1, 128), "block", (128, 128)),
+}
+
+
+def _paths(has_triton: bool) -> list[str]:
+    return ["bf16", "tensorwise", "rowwise", "blockwise"] + (["triton_blockwise"] if has_triton else [])
+
+
+def _make_call(path: str, a: torch.Tensor, w: torch.Tensor):
+    if path == "bf16":
+        return lambda: torch.mm(a, w.t())
+    mode = "blockwise" if path == "triton_blockwise" else path
+    ga, ba, gb, bb = LAYOUTS[mode]
+    a_q, sa = quantize_fp8(a, granularity=ga, block_size=ba)
+    w_q, sw = quantize_fp8(w, granularity=gb, block_size=bb)
+    if path == "triton_blockwise":
+        from lumenrl_quant.triton_kernels import fp8_blockwise_gemm
+
+        return lambda: fp8_blockwise_gemm(a_q, sa, w_q, sw, out_dtype=torch.bfloat16)
+    return lambda: _torch_scaled_mm(mode, a_q, sa, w_q, sw, torch.bfloat16)
+
+
+def _bench_shape(m: int, n: int, k: int, paths: list[str], dev: torch.device, rotate: bool) -> list[dict]:
+    rows, base = [], None
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    for path in paths:
+        try:
+            per_copy = n * k * (2 if path == "bf16" else 1)
+            copies = copies_for(per_copy) if rotate else 1
+            ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            calls = [_make_call(path, a, w) for w in ws]
+            del ws
+            ms = time_rotating_ms(calls) if rotate else time_ms(calls[0], iters=20)
+            base = ms if path == "bf16" else base
+            tflops = 2 * m * n * k / ms / 1e9
+            row = {"M": m, "N": n, "K": k, "path": path, "us": ms * 1e3, "TFLOP/s": tflops,
+                   "weight_GB/s": per_copy / ms / 1e6, "speedup_vs_bf16": (base / ms) if base else None}
+        except Exception as err:
+            row = {"M": m, "N": n, "K": k, "path": path, "error": repr(err)[:200]}
+        rows.append(row)
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+    return rows
+
+
+def run(smoke: bool = False) -> dict:
+    dev = device()
+    has_triton = dev.type == "cuda"
+    paths = _paths(has_triton) if dev.type == "cuda" else ["bf16", "tensorwise"]  # CPU: smoke only
+    decode_ms = [1, 16] if smoke else [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    decode_nk = [(64, 128)] if smoke else [(4096, 4096), (14336, 4096), (4096, 14336)]
+    train = [128] if smoke else [4096, 8192]
+    rotate = dev.type == "cuda"
+    decode = [r for n, k in decode_nk for m in decode_ms for r in _bench_shape(m, n, k, paths, dev, rotate)]
+    training = [r for s in train for r in _bench_shape(s, s, s, paths, dev, rotate=False)]
+    cols = ["M", "N", "K", "path", "us", "TFLOP/s", "weight_GB/s", "speedup_vs_bf16"]
+    print(table("decode-shaped GEMM (weights cycled beyond L2)", decode, cols))
+    print(table("training-shaped GEMM", training, cols))
+    payload = {"decode": decode, "training": training}
+    write_json("quant_gemm" + ("_smoke" if smoke else ""), payload)
+    return payload
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    run(parser.parse_args().smoke)

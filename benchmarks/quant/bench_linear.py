@@ -1,0 +1,80 @@
+"""QuantizedLinear forward (dynamic activation quantization included) vs a BF16 nn.Linear.
+
+Decode M = 1..256 cycle over enough layers that the weights come from HBM; training-sized M
+(4096, 8192) run one layer. The MX schemes have no tensor-core path on Hopper: their forward
+dequantizes the weight (emulation), so they are expected to be slower than BF16 here.
+
+    python benchmarks/quant/bench_linear.py [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import copies_for, device, table, time_ms, time_rotating_ms, write_json  # noqa: E402
+
+from lumenrl_quant.linear import LINEAR_SCHEMES, QuantizedLinear  # noqa: E402
+
+_WEIGHT_BYTES = {"bf16": 2.0, "fp8_block": 1.0, "fp8_row": 1.0, "fp8_tensor": 1.0, "mxfp8": 1.0, "mxfp4": 0.5}
+
+
+def _layers(scheme: str, n: int, k: int, copies: int, dev: torch.device) -> list[nn.Module]:
+    out = []
+    for _ in range(copies):
+        lin = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.normal_(0.0, 0.02)
+        out.append(lin if scheme == "bf16" else QuantizedLinear.from_linear(lin, scheme))
+    return out
+
+
+def _bench(m: int, n: int, k: int, schemes: list[str], dev: torch.device, rotate: bool) -> list[dict]:
+    rows, base = [], None
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    for scheme in schemes:
+        try:
+            wbytes = int(n * k * _WEIGHT_BYTES[scheme])
+            copies = copies_for(wbytes) if rotate else 1
+            layers = _layers(scheme, n, k, copies, dev)
+            with torch.no_grad():
+                calls = [lambda layer=layer: layer(x) for layer in layers]
+                ms = time_rotating_ms(calls) if rotate else time_ms(calls[0], iters=10)
+            base = ms if scheme == "bf16" else base
+            path = getattr(layers[0], "scheme", "bf16")
+            rows.append({"M": m, "N": n, "K": k, "scheme": path, "us": ms * 1e3,
+                         "TFLOP/s": 2 * m * n * k / ms / 1e9, "speedup_vs_bf16": base / ms if base else None})
+            del layers, calls
+        except Exception as err:
+            rows.append({"M": m, "N": n, "K": k, "scheme": scheme, "error": repr(err)[:200]})
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def run(smoke: bool = False) -> dict:
+    dev = device()
+    schemes = ["bf16", *LINEAR_SCHEMES]
+    rotate = dev.type == "cuda"
+    decode_ms = [1, 16] if smoke else [1, 8, 32, 128, 256]
+    nk = [(64, 128)] if smoke else [(4096, 4096), (14336, 4096)]
+    big = [(128, 128, 128)] if smoke else [(4096, 4096, 4096), (8192, 8192, 8192)]
+    decode = [r for n, k in nk for m in decode_ms for r in _bench(m, n, k, schemes, dev, rotate)]
+    training = [r for m, n, k in big for r in _bench(m, n, k, schemes, dev, rotate=False)]
+    cols = ["M", "N", "K", "scheme", "us", "TFLOP/s", "speedup_vs_bf16"]
+    print(table("QuantizedLinear forward, decode shapes (layers cycled beyond L2)", decode, cols))
+    print(table("QuantizedLinear forward, training-sized shapes", training, cols))
+    payload = {"decode": decode, "training": training}
+    write_json("quant_linear" + ("_smoke" if smoke else ""), payload)
+    return payload
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    run(parser.parse_args().smoke)

@@ -1,0 +1,253 @@
+"""Optional Triton kernels for FP8 quantization and a decode-shaped blockwise FP8 GEMM.
+
+Design
+------
+Imported lazily and only when ``triton`` is installed (``pip install lumenrl-quant[triton]``);
+nothing else in the package needs it, and every kernel has a plain-torch twin that is the
+reference (:mod:`lumenrl_quant.fp8`, :mod:`lumenrl_quant.gemm`).
+
+* ``fp8_quantize_groups(x, group)``: one pass per (row block, group) along the last dim; the
+  group amax, the dequant scale ``amax / fp8_max`` (1 for all-zero groups) and the saturating
+  cast all happen in registers. ``group=128`` gives 1x128 activation scales ``(M, K/128)``,
+  ``group=K`` rowwise ``(M, 1)``. Division is IEEE round-to-nearest (``div_rn``) and the cast
+  rounds to nearest even, so results are bit-identical to the torch path (checked on GPU by
+  ``benchmarks/quant``); NaN inputs are not propagated into scales as torch does.
+* ``fp8_quantize_blocks(w, 128)``: 128x128 weight blocks, scales ``(N/128, K/128)``.
+* ``fp8_quantize_tensorwise(x)``: an amax pass (atomic max on the float bits, valid because
+  magnitudes are non-negative) and a cast pass.
+* ``fp8_blockwise_gemm(a_q, a_scale, b_q, b_scale)``: ``out = (a*sa) @ (b*sb).T`` with 1x128
+  activation and 128x128 weight scales, fp32 accumulation, one ``tl.dot`` per 128-wide K block
+  scaled by ``sa[:, None] * sb[None, :]``; tiles sized for small (decode) M.
+
+Shapes must divide exactly (K by the group / 128); callers fall back to torch otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # optional dependency
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+
+__all__ = [
+    "fp8_blockwise_gemm",
+    "fp8_quantize_blocks",
+    "fp8_quantize_groups",
+    "fp8_quantize_tensorwise",
+    "triton_available",
+]
+
+
+def triton_available(device: torch.device | str | None = None) -> bool:
+    """True when Triton is importable and ``device`` is a CUDA/ROCm GPU."""
+    if triton is None or not torch.cuda.is_available():
+        return False
+    return device is None or torch.device(device).type == "cuda"
+
+
+def _tl_fp8(dtype: torch.dtype):
+    table = {
+        torch.float8_e4m3fn: tl.float8e4nv,
+        torch.float8_e5m2: tl.float8e5,
+        torch.float8_e4m3fnuz: tl.float8e4b8,
+        torch.float8_e5m2fnuz: tl.float8e5b16,
+    }
+    if dtype not in table:
+        raise ValueError(f"dtype={dtype} is not an FP8 dtype Triton can store; allowed: {list(table)}")
+    return table[dtype]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _group_quant_kernel(
+        x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr,
+        FP8_MAX: tl.constexpr, OUT: tl.constexpr, REDUCE_ROWS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_g = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        k0 = pid_g * GROUP
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for kk in range(0, GROUP, BLOCK_K):
+            cols = k0 + kk + tl.arange(0, BLOCK_K)
+            mask = rmask[:, None] & (cols[None, :] < K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        if REDUCE_ROWS:  # one scale for the whole BLOCK_M x group tile
+            amax_s = tl.max(amax, axis=0)
+            scale_s = tl.where(amax_s > 0, tl.math.div_rn(amax_s, FP8_MAX), 1.0)
+            tl.store(s_ptr + pid_m * stride_sm + pid_g, scale_s)
+            scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale_s
+        else:
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+            tl.store(s_ptr + rows * stride_sm + pid_g, scale, mask=rmask)
+        for kk in range(0, GROUP, BLOCK_K):
+            cols = k0 + kk + tl.arange(0, BLOCK_K)
+            mask = rmask[:, None] & (cols[None, :] < K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = tl.math.div_rn(x, scale[:, None])
+            q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+            tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(OUT), mask=mask)
+
+    @triton.jit
+    def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        a = tl.max(tl.abs(x), axis=0)
+        tl.atomic_max(amax_ptr, a.to(tl.int32, bitcast=True))  # non-negative floats order like ints
+
+    @triton.jit
+    def _scale_cast_kernel(x_ptr, q_ptr, s_ptr, n, FP8_MAX: tl.constexpr, OUT: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        scale = tl.load(s_ptr)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + offs, q.to(OUT), mask=mask)
+
+    @triton.jit
+    def _block_gemm_kernel(
+        a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K: tl.constexpr,
+        stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mmask = offs_m < M
+        nmask = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            ks = kb * BLOCK_K + offs_k
+            kmask = ks < K
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + ks[None, :], mask=mmask[:, None] & kmask[None, :],
+                        other=0.0)
+            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + ks[None, :], mask=nmask[:, None] & kmask[None, :],
+                        other=0.0)
+            sa = tl.load(sa_ptr + offs_m * stride_sam + kb, mask=mmask, other=0.0)
+            sb = tl.load(sb_ptr + (offs_n // 128) * stride_sbn + kb, mask=nmask, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+        c = acc.to(c_ptr.dtype.element_ty)
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c, mask=mmask[:, None] & nmask[None, :])
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def _require(x: torch.Tensor) -> None:
+    if triton is None:
+        raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"Triton kernels need a GPU tensor; got device={x.device}")
+
+
+def fp8_quantize_groups(
+    x: torch.Tensor, group: int, dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` (M, K) with one scale per ``group`` contiguous elements of a row."""
+    _require(x)
+    m, k = x.shape
+    if k % group:
+        raise ValueError(f"K={k} must be a multiple of group={group}")
+    x = x.contiguous()
+    q = torch.empty((m, k), dtype=dtype, device=x.device)
+    s = torch.empty((m, k // group), dtype=torch.float32, device=x.device)
+    block_k = min(group, 128 if group <= 128 else 1024)
+    block_m = 32 if group <= 128 else 4
+    grid = (triton.cdiv(m, block_m), k // group)
+    _group_quant_kernel[grid](
+        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), group,
+        FP8_MAX=_fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=False, BLOCK_M=block_m, BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return q, s
+
+
+def fp8_quantize_blocks(
+    w: torch.Tensor, block: int = 128, dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``w`` (N, K) in ``block x block`` tiles; scales ``(ceil(N/block), K/block)``."""
+    _require(w)
+    n, k = w.shape
+    if k % block:
+        raise ValueError(f"K={k} must be a multiple of block={block}")
+    w = w.contiguous()
+    q = torch.empty((n, k), dtype=dtype, device=w.device)
+    s = torch.empty((triton.cdiv(n, block), k // block), dtype=torch.float32, device=w.device)
+    grid = (triton.cdiv(n, block), k // block)
+    _group_quant_kernel[grid](
+        w, q, s, n, k, w.stride(0), q.stride(0), s.stride(0), block,
+        FP8_MAX=_fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=True, BLOCK_M=block, BLOCK_K=32,
+        num_warps=8,
+    )
+    return q, s
+
+
+def fp8_quantize_tensorwise(
+    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensorwise FP8: amax pass + cast pass; scale shape ``()``."""
+    _require(x)
+    flat = x.contiguous().reshape(-1)
+    n = flat.numel()
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
+    block = 4096
+    _amax_kernel[(triton.cdiv(n, block),)](flat, amax_bits, n, BLOCK=block, num_warps=8)
+    amax = amax_bits.view(torch.float32)
+    scale = torch.where(amax > 0, amax / _fp8_max(dtype), torch.ones_like(amax))
+    q = torch.empty(x.shape, dtype=dtype, device=x.device)
+    _scale_cast_kernel[(triton.cdiv(n, block),)](
+        flat, q.reshape(-1), scale, n, FP8_MAX=_fp8_max(dtype), OUT=_tl_fp8(dtype), BLOCK=block, num_warps=8
+    )
+    return q, scale
+
+
+def _gemm_tiles(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a problem of M rows and N columns."""
+    if m <= 16:
+        return 16, (32 if n <= 8192 else 64), 4, 4
+    if m <= 32:
+        return 32, 64, 4, 4
+    if m <= 64:
+        return 64, 64, 4, 4
+    return 128, 128, 8, 3
+
+
+def fp8_blockwise_gemm(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    tiles: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``(a_q * a_scale) @ (b_q * b_scale).T`` for 1x128 ``a_scale (M, K/128)`` and 128x128
+    ``b_scale (N/128, K/128)``; ``tiles`` overrides ``(BLOCK_M, BLOCK_N, warps, stages)``."""
+    _require(a_q)
+    (m, k), n = a_q.shape, b_q.shape[0]
+    if b_q.shape[1] != k or k % 128:
+        raise ValueError(f"need a (M, K), b (N, K) with K % 128 == 0; got {tuple(a_q.shape)}, {tuple(b_q.shape)}")
+    a_q, b_q = a_q.contiguous(), b_q.contiguous()
+    sa, sb = a_scale.float().contiguous(), b_scale.float().contiguous()
+    c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
+    bm, bn, warps, stages = tiles or _gemm_tiles(m, n)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    _block_gemm_kernel[grid](
+        a_q, b_q, c, sa, sb, m, n, k, a_q.stride(0), b_q.stride(0), c.stride(0), sa.stride(0), sb.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=warps, num_stages=stages,
+    )
+    return c
