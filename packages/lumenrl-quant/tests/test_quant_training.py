@@ -74,6 +74,18 @@ def test_forward_and_grads_meet_sqnr_bars(recipe, fmt, seed):
     assert sqnr_db(y, yf) < 60.0  # the GEMM really ran in FP8
 
 
+def test_fnuz_formats_can_be_forced_and_meet_the_bars():
+    torch.manual_seed(8)
+    ref = nn.Linear(256, 128, dtype=torch.float64)
+    x = torch.randn(64, 256, dtype=torch.float64)
+    model = nn.Sequential(nn.Linear(256, 128))
+    model[0].load_state_dict({key: v.float() for key, v in ref.state_dict().items()})
+    convert_to_fp8_training(model, recipe="rowwise", fp8_format="hybrid", fnuz=True)
+    recipe = model[0]._recipe()
+    assert (recipe.forward_dtype, recipe.grad_dtype) == (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+    assert sqnr_db(ref(x).detach(), model(x.float()).detach()) >= 18.0
+
+
 def _dq(t: torch.Tensor, dtype: torch.dtype, granularity: str, block=None) -> torch.Tensor:
     q, s = quantize_fp8(t, dtype=dtype, granularity=granularity, block_size=block)
     return dequantize_fp8(q, s, block_size=block)

@@ -14,7 +14,7 @@ across micro-batches and dropped (a) by :func:`~lumenrl_quant.training.attach_we
 after every ``optimizer.step()``, or by :func:`~lumenrl_quant.training.invalidate_fp8_weight_caches`,
 and (b) automatically when the weight's storage or autograd version counter changed (in-place
 updates), so a stale FP8 copy is never served. Updates through ``weight.data`` bypass the version
-counter: those need (a).
+counter: those need (a). The cache costs 1 byte per weight element (2 when dgrad needs ``W^T``).
 """
 
 from __future__ import annotations
