@@ -8,8 +8,15 @@ Design (what the GPU-speed work builds on without a rewrite):
   left-padded batch, then join the shared decode step; a finished sequence frees its slot for the
   next queued request at once;
 * a fixed-shape decode step per batch bucket (powers of two up to ``max_batch_size``) over slots
-  ``0..b-1``: every input (tokens, positions, columns, mask) lives in preallocated tensors, so a
-  CUDA graph per bucket can be captured around :meth:`NativeEngine._decode_forward` later;
+  ``0..b-1``: every input (tokens, positions, columns, mask) lives in preallocated tensors, and on
+  CUDA the whole step (forward, sampling, state advance) is captured once per
+  (bucket, kv_len, sampling mode) and replayed (:mod:`~lumenrl_backends.engines.graphs`);
+  ``compile="full"`` additionally runs the decode forward through ``torch.compile`` (fused
+  elementwise kernels; KV length then fixed at ``max_seq_len`` so there is one compile per bucket);
+* decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
+  (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache;
+* prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
+  memory); ``gpu_memory_utilization`` sizes the number of KV slots from free device memory;
 * sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with
   counter-based per-request noise, which makes interrupted sequences resume bit-identically;
 * log-probs: ``log_softmax(logits.float() / temperature)`` of each sampled token, the
@@ -39,6 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lumenrl_backends.engines.attention import engine_attention
+from lumenrl_backends.engines.graphs import DecodeGraphs, kv_bytes_per_token, slots_for_budget
 from lumenrl_backends.engines.kv_cache import (
     CacheView,
     SlotKVCache,
@@ -122,7 +131,15 @@ class NativeEngine:
         kv_block: int | None = None,
         quant_scheme: Any = None,
         kv_cache_dtype: str | torch.dtype | None = "auto",
+        cuda_graphs: bool = True,
+        compile: str = "none",
+        prefill_chunk_tokens: int = 16384,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
+        if compile not in ("none", "full"):
+            raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         if max_seq_len < 2:
@@ -131,7 +148,18 @@ class NativeEngine:
         self.model = model.to(self.device).eval()
         self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
         self.tokenizer = tokenizer
+        kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.device)
+        if gpu_memory_utilization is not None and self.device.type == "cuda":
+            element = torch.empty((), dtype=kv_dtype or next(self.model.parameters()).dtype).element_size()
+            max_batch_size = slots_for_budget(
+                free_bytes=torch.cuda.mem_get_info(self.device)[0],
+                utilization=gpu_memory_utilization,
+                max_seq_len=max_seq_len,
+                bytes_per_token=kv_bytes_per_token(model.config, element),
+                max_slots=max_batch_size,
+            )
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.prefill_chunk_tokens, self.compile_mode = prefill_chunk_tokens, compile
         # decode attends to a multiple of kv_block cache columns: few distinct shapes on GPU (graphs),
         # exact lengths on CPU (no wasted attention)
         self.kv_block = kv_block or (64 if self.device.type == "cuda" else 1)
@@ -150,11 +178,16 @@ class NativeEngine:
             max_slots=max_batch_size,
             max_len=max_seq_len,
             device=self.device,
-            kv_dtype=resolve_kv_dtype(kv_cache_dtype, self.device),
+            kv_dtype=kv_dtype,
         )
         self.slots = SlotState.allocate(max_batch_size, self.device)
         self.buckets = batch_buckets(max_batch_size)
         self._interrupt = threading.Event()
+        self._rows = torch.arange(max_batch_size, device=self.device)
+        self._model_forward = self.model.forward
+        if compile == "full":
+            self._model_forward = torch.compile(self.model.forward, dynamic=False)
+        self.graphs = DecodeGraphs(self._decode_step, enabled=cuda_graphs and self.device.type == "cuda")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -188,6 +221,8 @@ class NativeEngine:
             max_seq_len=policy.max_prompt_length + rollout.max_new_tokens,
             quant_scheme=rollout_scheme(rollout_quant),
             kv_cache_dtype=rollout_quant.kv_cache_dtype,
+            cuda_graphs=bool(getattr(rollout, "cuda_graphs", True)),
+            gpu_memory_utilization=getattr(rollout, "gpu_memory_utilization", None),
         )
 
     # ------------------------------------------------------------------ control
@@ -220,6 +255,7 @@ class NativeEngine:
         requests, prompts, prompt_mask = requests_from_batch(batch, params)
         stops = stop_ids_for(params, self.eos_token_ids)
         start, before = time.perf_counter(), sum(len(r.response) for r in requests)
+        self._prefill_seconds = 0.0
         self._run([r for r in requests if not r.done], params, stops)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -229,7 +265,13 @@ class NativeEngine:
             "interrupted": any(r.finish_reason is None for r in requests),
             "weight_version": self.weight_version,
             "temperature": float(params.temperature),
-            "perf": {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)},
+            "perf": {
+                "tokens": tokens,
+                "seconds": seconds,
+                "tokens_per_s": tokens / max(seconds, 1e-9),
+                "prefill_seconds": self._prefill_seconds,
+                "cuda_graphs": self.graphs.enabled and self.graphs.error is None,
+            },
         }
         return build_rollout_batch(
             requests,
@@ -248,7 +290,10 @@ class NativeEngine:
             while (queue or active) and not self._interrupt.is_set():
                 if queue and self.slots.free:
                     admitted = [queue.popleft() for _ in range(min(len(queue), len(self.slots.free)))]
-                    self._prefill(admitted, params, active, stops)
+                    tick = time.perf_counter()
+                    for chunk in self._prefill_chunks(admitted):
+                        self._prefill(chunk, params, active, stops)
+                    self._prefill_seconds += time.perf_counter() - tick
                 if active and not self._interrupt.is_set():
                     self._decode(active, params, stops)
         finally:
@@ -288,9 +333,13 @@ class NativeEngine:
             request.log_probs.append(log_prob)
             self._finish_if_done(request, slot, params, stops, active)
 
-    def _sample(
-        self, logits: torch.Tensor, rows: torch.Tensor, params: SamplingParams
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _sampling_mode(params: SamplingParams) -> str:
+        if params.temperature <= 0:
+            return "greedy"
+        return "restrict" if params.top_k > 0 or params.top_p < 1.0 else "plain"
+
+    def _sample(self, logits: torch.Tensor, rows: torch.Tensor | slice, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.slots
         return sample_tokens(
             logits,
@@ -299,8 +348,23 @@ class NativeEngine:
             top_p=s.top_p[rows],
             seeds=s.seeds[rows],
             counters=s.counters[rows],
-            restrict=params.temperature > 0 and (params.top_k > 0 or params.top_p < 1.0),
+            restrict=mode == "restrict",
+            greedy_only=mode == "greedy",
         )
+
+    def _prefill_chunks(self, admitted: list[Request]) -> list[list[Request]]:
+        """Consecutive groups whose left-padded size (rows x longest context) fits the token budget."""
+        chunks: list[list[Request]] = []
+        current: list[Request] = []
+        width = 0
+        for request in admitted:
+            grown = max(width, len(request.context))
+            if current and grown * (len(current) + 1) > self.prefill_chunk_tokens:
+                chunks.append(current)
+                current, grown = [], len(request.context)
+            current.append(request)
+            width = grown
+        return chunks + ([current] if current else [])
 
     # ------------------------------------------------------------------ prefill
     def _prefill(
@@ -329,7 +393,7 @@ class NativeEngine:
         self.cache.recalibrate = False
         self.slots.admit(rows, [r.seed for r in admitted], params)
         self.slots.counters[rows] = torch.tensor([len(r.response) for r in admitted], device=self.device)
-        tokens, log_probs = self._sample(logits, rows, params)
+        tokens, log_probs = self._sample(logits, rows, self._sampling_mode(params))
         s = self.slots
         s.tokens[rows], s.columns[rows], s.positions[rows] = tokens, width, positions[:, -1] + 1
         s.counters[rows] += 1
@@ -347,35 +411,63 @@ class NativeEngine:
         s = self.slots
         longest = max(s.host_columns[slot] for slot in active) + 1  # host mirror: no device sync
         kv_len = min(self.max_seq_len, -(-longest // self.kv_block) * self.kv_block)
+        if self.compile_mode == "full":
+            kv_len = self.max_seq_len  # one compiled shape per bucket
+        tokens, log_probs = self.graphs(batch, kv_len, self._sampling_mode(params))
+        host = torch.stack([tokens.to(torch.float64), log_probs.to(torch.float64)]).tolist()  # one sync
+        slot_ids = sorted(active)
+        for slot in slot_ids:
+            s.host_columns[slot] += 1
+        self._record_host(slot_ids, host[0], host[1], params, stops, active)
+
+    def _record_host(
+        self,
+        slot_ids: list[int],
+        tokens: list[float],
+        log_probs: list[float],
+        params: SamplingParams,
+        stops: frozenset[int],
+        active: dict[int, Request],
+    ) -> None:
+        for slot in slot_ids:
+            request = active[slot]
+            request.response.append(int(tokens[slot]))
+            request.log_probs.append(log_probs[slot])
+            self._finish_if_done(request, slot, params, stops, active)
+
+    def _decode_step(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward + sampling + state advance over slots 0..batch-1 (what one CUDA graph holds)."""
+        s = self.slots
         logits = self._decode_forward(batch, kv_len)  # (b, V)
-        rows = torch.arange(batch, device=self.device)
-        tokens, log_probs = self._sample(logits, rows, params)
+        tokens, log_probs = self._sample(logits, slice(0, batch), mode)
         live = s.occupied[:batch]
-        s.tokens[:batch] = torch.where(live, tokens, s.tokens[:batch])
+        s.tokens[:batch].copy_(torch.where(live, tokens, s.tokens[:batch]))
         step = live.to(torch.int64)
         s.columns[:batch] += step
         s.positions[:batch] += step
         s.counters[:batch] += step
-        slot_ids = sorted(active)
-        for slot in slot_ids:
-            s.host_columns[slot] += 1
-        index = torch.tensor(slot_ids, device=self.device)
-        self._record(slot_ids, tokens[index], log_probs[index], params, stops, active)
+        return tokens, log_probs
 
     def _decode_forward(self, batch: int, kv_len: int) -> torch.Tensor:
-        """One fixed-shape decode step over slots 0..batch-1 (the CUDA-graph boundary)."""
+        """One fixed-shape decode forward over slots 0..batch-1; no host sync, no host->device copy."""
         s = self.slots
-        rows = torch.arange(batch, device=self.device)
+        rows = self._rows[:batch]
         columns = s.columns[:batch]
-        self.cache.valid[rows, columns] = True
+        self.cache.valid[:batch].scatter_(1, columns[:, None], True)
         self.cache.set_view(CacheView(rows=rows, columns=columns[:, None], decode=True, kv_len=kv_len))
         valid = self.cache.valid[:batch]
         allowed = decode_mask(valid, columns, kv_len, self.window)
         full = decode_mask(valid, columns, kv_len, None)
-        return self._forward(s.tokens[:batch, None], s.positions[:batch, None], allowed, full)[:, -1]
+        ids, positions = s.tokens[:batch, None], s.positions[:batch, None]
+        return self._forward(ids, positions, allowed, full, forward=self._model_forward)[:, -1]
 
     def _forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, allowed_full: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        allowed: torch.Tensor,
+        allowed_full: torch.Tensor,
+        forward: Any = None,
     ) -> torch.Tensor:
         dtype = next(self.model.parameters()).dtype
         mask: Any = to_attention_mask(allowed, self._attn, dtype)
@@ -384,13 +476,14 @@ class NativeEngine:
                 "sliding_attention": mask,
                 "full_attention": to_attention_mask(allowed_full, self._attn, dtype),
             }
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kwarg: self.cache},
-        )
+        with engine_attention():
+            out = (forward or self.model)(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kwarg: self.cache},
+            )
         self.cache.set_view(None)
         return out.logits

@@ -71,9 +71,13 @@ class FP8KVCodec:
     def calibrate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         from lumenrl_quant import calibrate_kv_scales
 
-        self.scales = calibrate_kv_scales(
-            keys, values, percentile=self.percentile, margin=self.margin, dtype=self.dtype
-        )
+        fresh = calibrate_kv_scales(keys, values, percentile=self.percentile, margin=self.margin, dtype=self.dtype)
+        if self.scales is None:
+            self.scales = fresh
+            return
+        with torch.no_grad():  # in place: CUDA graphs captured on these scale tensors stay valid
+            self.scales.k_scale.copy_(fresh.k_scale)
+            self.scales.v_scale.copy_(fresh.v_scale)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from lumenrl_quant import quantize_kv

@@ -111,18 +111,23 @@ def sample_tokens(
     seeds: torch.Tensor,
     counters: torch.Tensor,
     restrict: bool = True,
+    greedy_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. logits (B, V); per-row params (B,). Returns tokens (B,) int64 and
     their float32 log-probs (B,) under ``log_softmax(logits / temperature)``.
 
-    ``restrict=False`` skips the top-k/top-p sort when no row uses them.
+    ``restrict=False`` skips the top-k/top-p sort when no row uses them; ``greedy_only=True``
+    (every row has temperature 0) skips the noise, which is then unused.
     """
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
     scaled = logits.float() / temp[:, None]  # (B, V)
-    log_probs = torch.log_softmax(scaled, dim=-1)
-    candidates = restrict_support(scaled, top_k, top_p) if restrict else scaled
-    gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, scaled.shape[-1])))
-    drawn = (candidates + gumbel).argmax(dim=-1)
-    tokens = torch.where(greedy, scaled.argmax(dim=-1), drawn)
-    return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1)
+    log_norm = torch.logsumexp(scaled, dim=-1)  # (B,): log_softmax without a (B, V) output
+    if greedy_only:
+        tokens = scaled.argmax(dim=-1)
+    else:
+        candidates = restrict_support(scaled, top_k, top_p) if restrict else scaled
+        gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, scaled.shape[-1])))
+        drawn = (candidates + gumbel).argmax(dim=-1)
+        tokens = torch.where(greedy, scaled.argmax(dim=-1), drawn)
+    return tokens, scaled.gather(1, tokens[:, None]).squeeze(1) - log_norm

@@ -1,0 +1,77 @@
+"""Decode attention for the native engine: grouped-query attention without ``repeat_kv``.
+
+transformers' ``sdpa`` path expands K/V to every query head (``repeat_kv``) whenever an explicit
+mask is given on CUDA, because SDPA's fused GQA mode needs ``attn_mask=None``. In decode that
+copy reads the whole cache, writes it ``n_rep`` times larger and reads it again: for Qwen3-8B
+(32 query / 8 KV heads) five passes over the cache instead of one.
+
+For one query token per sequence all ``n_rep`` query heads of a group share K, V and the mask,
+so the query can be *packed*: ``(B, H, 1, D) -> (B, H_kv, n_rep, D)`` and attention runs once
+per KV head with ``n_rep`` query rows (one pass over the cache; the mask ``(B, 1, 1, L)``
+broadcasts). The result is the same function: every query row still attends to its own keys.
+
+:func:`packed_decode_attention` keeps the signature of transformers' attention functions and
+falls back to the original ``sdpa`` function for everything else (prefill, no GQA, no mask).
+:func:`engine_attention` installs it as ``sdpa`` only around the engine's own forwards (inside
+a CUDA-graph capture the lookup happens once, at capture), so a trainer sharing the process
+keeps transformers' function; since the math is identical, a leak would change nothing either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["packed_decode_attention", "engine_attention"]
+
+_LOCK = threading.Lock()
+
+
+def _original_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def packed_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """query (B, H, 1, D), key/value (B, H_kv, L, D), mask (B, 1, 1, L) -> (B, 1, H, D_v)."""
+    batch, heads, q_len, _ = query.shape
+    kv_heads = key.shape[1]
+    mask_ok = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+    if q_len != 1 or kv_heads == heads or not mask_ok or kwargs.get("softcap") is not None or dropout:
+        return _original_sdpa()(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    packed = query.reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])  # (B, H_kv, G, D)
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def engine_attention() -> Iterator[None]:
+    """Route ``sdpa`` to :func:`packed_decode_attention` for the duration of the block."""
+    from transformers.modeling_utils import AttentionInterface
+
+    mapping = AttentionInterface._global_mapping
+    with _LOCK:
+        previous = mapping.get("sdpa")
+        mapping["sdpa"] = packed_decode_attention
+    try:
+        yield
+    finally:
+        with _LOCK:
+            mapping["sdpa"] = previous if previous is not None else _original_sdpa()

@@ -1,0 +1,107 @@
+"""CUDA graphs for the native engine's decode step, and KV-cache sizing from a memory budget.
+
+Decode graphs
+-------------
+One graph per key ``(batch bucket, kv_len, sampling mode)``. The step function reads and writes
+only preallocated tensors (slot state, the slot KV cache, the validity map), so a captured graph
+replays with fresh values at the same addresses. The first call for a key runs the step eagerly
+on a side stream (the real step: its result is returned; lazy initialisation such as cuBLAS
+workspaces or ``torch.compile`` happens here, outside capture), then the step is *captured*
+(recorded, not executed), so state advances exactly once per call. Later calls replay.
+
+All graphs share one memory pool (graphs are replayed one at a time, and each step's outputs
+are copied to the host before the next replay). Weight updates copy into existing storage and
+FP8 KV scales are updated in place, so graphs stay valid across weight syncs. If capture fails
+(an op that syncs with the host, say), the error is kept in :attr:`DecodeGraphs.error` and the
+engine keeps decoding eagerly: a slower but correct fallback.
+
+Memory budget
+-------------
+:func:`kv_bytes_per_token` reads the per-token K/V size from an HF config (GQA and DeepSeek MLA
+layouts); :func:`slots_for_budget` turns ``gpu_memory_utilization`` x free device memory into the
+number of KV slots of ``max_seq_len`` columns.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+__all__ = ["DecodeGraphs", "kv_bytes_per_token", "slots_for_budget"]
+
+
+class DecodeGraphs:
+    """Lazily captured CUDA graphs of ``step(*key)``; eager when disabled or after a failed capture."""
+
+    def __init__(self, step: Callable[..., tuple[torch.Tensor, ...]], *, enabled: bool) -> None:
+        self.step = step
+        self.enabled = enabled
+        self.graphs: dict[Hashable, tuple[Any, tuple[torch.Tensor, ...]]] = {}
+        self.error: str | None = None
+        self._pool: Any = None
+
+    def __call__(self, *key: Hashable) -> tuple[torch.Tensor, ...]:
+        if not self.enabled or self.error is not None:
+            return self.step(*key)
+        entry = self.graphs.get(key)
+        if entry is not None:
+            graph, outputs = entry
+            graph.replay()
+            return outputs
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            result = self.step(*key)  # the real step, eagerly
+        torch.cuda.current_stream().wait_stream(side)
+        self._capture(key)
+        return result
+
+    def _capture(self, key: tuple[Hashable, ...]) -> None:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = self.step(*key)
+        except Exception as err:  # noqa: BLE001 - any capture failure falls back to eager decode
+            self.error = f"{type(err).__name__}: {err}"
+            warnings.warn(f"native engine: CUDA graph capture failed ({self.error}); decoding eagerly", stacklevel=3)
+            torch.cuda.synchronize()
+            return
+        self.graphs[key] = (graph, outputs)
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+
+def kv_bytes_per_token(config: Any, element_size: int) -> int:
+    """Bytes of K + V one token occupies across all layers (GQA/MHA, or DeepSeek MLA's full K/V)."""
+    layers = int(config.num_hidden_layers)
+    heads = int(config.num_attention_heads)
+    if getattr(config, "qk_rope_head_dim", None) is not None and getattr(config, "v_head_dim", None):
+        k_dim = heads * (int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim))
+        v_dim = heads * int(config.v_head_dim)
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        k_dim = v_dim = int(kv_heads) * int(head_dim)
+    return layers * (k_dim + v_dim) * element_size
+
+
+def slots_for_budget(
+    *, free_bytes: int, utilization: float, max_seq_len: int, bytes_per_token: int, max_slots: int
+) -> int:
+    """KV slots of ``max_seq_len`` columns that fit in ``utilization * free_bytes`` (capped by ``max_slots``)."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization={utilization} must be in (0, 1]")
+    per_slot = max_seq_len * bytes_per_token
+    slots = int(free_bytes * utilization) // per_slot
+    if slots < 1:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} of {free_bytes / 2**30:.2f} GiB free leaves no room for one "
+            f"KV slot of max_seq_len={max_seq_len} ({per_slot / 2**20:.1f} MiB); raise it or shorten sequences"
+        )
+    return min(slots, max_slots)
