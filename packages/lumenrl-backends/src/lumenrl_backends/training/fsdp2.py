@@ -13,6 +13,13 @@ Loss scaling: ``loss_fn`` returns a loss already normalized so that the sum over
 and ranks is the mini-batch loss. FSDP2 averages gradients over ranks, so the backend
 back-propagates ``loss * world_size`` and the reduced gradient is the gradient of that sum.
 
+Padding-free forwards (``packing``, default ``auto``): every micro-batch runs either packed
+(valid tokens bin-packed into fewer rows, position ids restarting per sequence, block-diagonal
+attention) or with the all-padding columns trimmed, whichever feeds fewer token slots to the
+model (:mod:`~lumenrl_backends.training.packing`); ``none`` keeps the padded grid. Results equal
+the padded forward up to fp rounding (tested). ``compile_layers`` compiles each decoder layer
+(``nn.Module.compile``, names unchanged; ``True`` = inductor, or a torch.compile backend name).
+
 Schedule units: the LR scheduler steps once per optimizer step. ``num_training_steps`` and
 ``optim.warmup_steps`` are in *training steps* and multiplied by
 ``optimizer_steps_per_training_step`` (``from_config`` derives it: ppo_epochs x mini-batches).
@@ -26,6 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lumenrl_backends.controllers.dispatch import DISPATCH_DP_SIZE_KEY
@@ -45,6 +53,13 @@ from lumenrl_backends.training.modeling import (
     enable_activation_checkpointing,
     response_logits,
     token_log_probs,
+)
+from lumenrl_backends.training.packing import (
+    PackPlan,
+    TrimPlan,
+    pack_input_ids,
+    plan_micro_batch,
+    unpack_tokens,
 )
 from lumenrl_backends.training.schedules import LRSchedule, build_lr_scheduler
 
@@ -130,6 +145,24 @@ def _shard(model: nn.Module, mp_policy) -> nn.Module:
     return model
 
 
+def _compile_layers(model: nn.Module, backend: bool | str) -> None:
+    """``nn.Module.compile`` on every decoder layer (in place: parameter names do not change).
+
+    Identical layers share one compiled graph; the recompile limit is raised so that per-layer
+    guards never push a layer back to eager. FSDP2's hooks stay eager (dynamo skips them).
+    """
+    import torch._dynamo
+
+    layers = decoder_layers(model)
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 2 * len(layers) + 8))
+    kwargs = {} if backend is True else {"backend": backend}
+    for layer in layers:
+        layer.compile(dynamic=False, **kwargs)
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -159,6 +192,8 @@ class FSDP2Backend:
         value_head: bool = False,
         fp8: Any | None = None,
         optimizer_steps_per_training_step: int = 1,
+        packing: str | None = None,
+        compile_layers: bool | str = False,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -176,6 +211,11 @@ class FSDP2Backend:
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
         self.model = _shard(model, _mixed_precision(train.mixed_precision, self.device))
+        self.packing = packing if packing is not None else getattr(train, "packing", "auto")
+        plan_micro_batch(torch.ones(1, 2), 1, mode=self.packing)  # validates the mode early
+        self._pack_align = 64 if self.device.type == "cuda" else 8
+        if compile_layers:
+            _compile_layers(self.model, compile_layers)
         self.optimizer = self.scheduler = self._sft_optimizer = None
         if role != "ref":
             self.optimizer = self._build_optimizer(optim.lr)
@@ -250,7 +290,31 @@ class FSDP2Backend:
         return out
 
     def _forward(self, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool):
-        """Actor/ref: (log_probs, entropy) (b, T); critic: (values, None) (b, T)."""
+        """Actor/ref: (log_probs, entropy) (b, T); critic: (values, None) (b, T).
+
+        Runs packed, trimmed or padded (see the module docstring); positions whose response
+        token is padding hold 0 in the packed/trimmed layouts.
+        """
+        T = inputs["responses"].shape[1]
+        plan = plan_micro_batch(
+            inputs["attention_mask"],
+            T,
+            position_ids=inputs.get("position_ids"),
+            mode=self.packing,
+            align=self._pack_align,
+        )
+        if isinstance(plan, PackPlan):
+            return self._forward_packed(plan.to(self.device), inputs, temperature, with_entropy)
+        if isinstance(plan, TrimPlan):
+            cols = slice(plan.lo, plan.hi)
+            sliced = {k: inputs[k][:, cols] for k in ("input_ids", "attention_mask", "position_ids")}
+            sliced["responses"] = inputs["responses"][:, : plan.resp_len]
+            first, second = self._forward_padded(sliced, temperature, with_entropy)
+            pad = (0, T - plan.resp_len)
+            return F.pad(first, pad), (F.pad(second, pad) if second is not None else None)
+        return self._forward_padded(inputs, temperature, with_entropy)
+
+    def _forward_padded(self, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool):
         T = inputs["responses"].shape[1]
         model_in = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids")}
         if self.is_critic:
@@ -258,6 +322,22 @@ class FSDP2Backend:
             return values[:, -T - 1 : -1], None
         logits = response_logits(self.model, **model_in, response_len=T)  # (b, T, V)
         return token_log_probs(logits, inputs["responses"], temperature, with_entropy)
+
+    def _forward_packed(self, plan: PackPlan, inputs: Mapping[str, torch.Tensor], temperature, with_entropy):
+        """One forward over R packed rows; per-token results scattered back to (b, T)."""
+        shape = tuple(inputs["responses"].shape)
+        ids = pack_input_ids(plan, inputs["input_ids"])  # (R, C)
+        if self.is_critic:  # no attention mask: segments come from the restarting position ids
+            values = self.model(input_ids=ids, attention_mask=None, position_ids=plan.position_ids)
+            return unpack_tokens(plan, values[plan.pred_row, plan.pred_col], shape), None
+        out = self.model(
+            input_ids=ids, position_ids=plan.position_ids, logits_to_keep=plan.keep, use_cache=False
+        )
+        logits = out.logits[plan.pred_row, plan.pred_k]  # (N, V): only the predicting positions
+        tokens = inputs["responses"][plan.out_row, plan.out_col]  # (N,)
+        log_probs, entropy = token_log_probs(logits[None], tokens[None], temperature, with_entropy)
+        first = unpack_tokens(plan, log_probs[0], shape)
+        return first, (unpack_tokens(plan, entropy[0], shape) if entropy is not None else None)
 
     def _presharded(self, batch: Any) -> bool:
         """True when a controller already split the batch over the DP ranks (``dp_compute_proto``)."""

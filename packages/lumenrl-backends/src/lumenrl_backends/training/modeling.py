@@ -39,7 +39,9 @@ class CriticModel(nn.Module):
         enable_activation_checkpointing(self.model)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
         hidden = out.last_hidden_state  # (B, L, H)
         head = self.value_head
         return (hidden.to(head.weight.dtype) @ head.weight[0] + head.bias[0]).float()  # (B, L), not a view
