@@ -151,6 +151,7 @@ def _pad_dim1(t: torch.Tensor, left: int, right: int, value: float) -> torch.Ten
 
 def _align(batch: DataProto, prompt_width: int, response_width: int, pad_token_id: int) -> DataProto:
     """Left-pad the prompt part and right-pad the response part to the given widths."""
+    batch = batch[:]  # a new DataProto: the caller's batch stays as it was
     P, T = batch.batch["prompts"].shape[1], batch.batch["responses"].shape[1]
     d_p, d_t = prompt_width - P, response_width - T
     for key, t in list(batch.batch.items()):

@@ -1,0 +1,198 @@
+"""RL trainer phases on synthetic batches: grouping, dynamic sampling, scoring, loss glue."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from lumenrl_backends.trainers.rollout import (
+    collect_rollouts,
+    concat_rounds,
+    expand_groups,
+    keep_first_groups,
+    sampling_seed,
+)
+from lumenrl_backends.trainers.scoring import Scorer, scores_on_last_token
+from lumenrl_backends.trainers.update import actor_loss_fn, apply_rollout_correction
+from lumenrl_core.algorithms import PPOClipLoss
+from lumenrl_core.config import AlgorithmConfig
+from lumenrl_core.data_proto import DataProto
+
+
+def _prompts(n: int, width: int = 3) -> DataProto:
+    ids = torch.arange(n * width).reshape(n, width) + 10
+    return DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+        {"ground_truth": [str(i) for i in range(n)], "raw_prompt": [f"p{i}" for i in range(n)]},
+    )
+
+
+class _ScriptedEngine:
+    """Responds with one token per row: the row's ground truth digit if 'correct' else 0.
+
+    ``plan`` maps a prompt's ground truth to per-sample correctness within its group.
+    """
+
+    def __init__(self, width: int) -> None:
+        self.width, self.calls = width, []
+
+    def generate(self, batch: DataProto, sampling: dict) -> DataProto:
+        self.calls.append(dict(sampling))
+        B, P = batch.batch["input_ids"].shape
+        T = self.width
+        responses = torch.zeros(B, T, dtype=torch.long)
+        truth = batch.non_tensor_batch["ground_truth"]
+        for i in range(B):  # prompts with even ground truth: all correct; odd: alternate
+            good = int(truth[i]) % 2 == 0 or i % 2 == 0
+            responses[i, 0] = 1 if good else 2
+        mask = torch.zeros(B, T, dtype=torch.long)
+        mask[:, 0] = 1
+        return DataProto.from_dict({
+            "prompts": batch.batch["input_ids"], "responses": responses, "response_mask": mask,
+            "input_ids": torch.cat([batch.batch["input_ids"], responses], 1),
+            "attention_mask": torch.cat([batch.batch["attention_mask"], mask], 1),
+            "rollout_log_probs": torch.zeros(B, T),
+        })
+
+
+def _score(batch: DataProto) -> dict[str, float]:
+    raw = (batch.batch["responses"][:, 0] == 1).float()
+    batch["token_level_scores"] = scores_on_last_token(raw.tolist(), batch.batch["response_mask"])
+    return {"reward/mean": raw.mean().item()}
+
+
+def test_expand_groups_interleaves_rows_with_one_uid_per_prompt():
+    out = expand_groups(_prompts(3), 4, group_tag="s1r0")
+    assert list(out.non_tensor_batch["uid"]) == [f"s1r0-{i}" for i in range(3) for _ in range(4)]
+    assert list(out.non_tensor_batch["ground_truth"]) == [str(i) for i in range(3) for _ in range(4)]
+    with pytest.raises(ValueError, match="policy.rollout.n"):
+        expand_groups(_prompts(1), 0, group_tag="x")
+
+
+def test_sampling_seeds_differ_per_step_and_round_and_repeat():
+    seeds = {sampling_seed(1, s, r) for s in range(50) for r in range(4)}
+    assert len(seeds) == 200 and sampling_seed(1, 3, 1) == sampling_seed(1, 3, 1)
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_refills():
+    loader_calls = iter(range(100))
+
+    def next_prompts() -> DataProto:
+        k = next(loader_calls)
+        p = _prompts(4)
+        p["ground_truth"] = np.array([str(4 * k + i) for i in range(4)], dtype=object)
+        return p
+
+    engine = _ScriptedEngine(width=2)
+    result = collect_rollouts(
+        next_prompts=next_prompts, engine=engine, score=_score, sampling={"temperature": 1.0, "n": 2},
+        n=2, run_seed=7, step=3, target_groups=4, dynamic_sampling=True, max_num_gen_batches=5,
+    )
+    # each round has 2 odd (mixed) groups out of 4: two rounds fill 4 groups
+    assert len(engine.calls) == 2 and result.metrics["dapo/kept_groups"] == 4.0
+    assert len(result.batch) == 8 and all(int(g) % 2 == 1 for g in result.batch.non_tensor_batch["ground_truth"])
+    assert engine.calls[0]["seed"] != engine.calls[1]["seed"] and "n" not in engine.calls[0]
+    assert result.metrics["reward/mean"] == pytest.approx(0.75)  # first round, before filtering
+    assert result.generated_tokens == 16
+
+
+def test_dynamic_sampling_stops_at_the_generation_bound():
+    engine = _ScriptedEngine(width=2)
+    result = collect_rollouts(
+        next_prompts=lambda: _prompts(4), engine=engine, score=_score, sampling={}, n=2, run_seed=0, step=1,
+        target_groups=8, dynamic_sampling=True, max_num_gen_batches=3,
+    )
+    assert len(engine.calls) == 3 and result.metrics["dapo/gen_batches"] == 3.0
+    assert len(set(result.batch.non_tensor_batch["uid"])) == 6  # 2 mixed groups per round, not full
+
+
+def test_concat_rounds_pads_prompt_left_and_response_right():
+    a = _ScriptedEngine(width=2).generate(_prompts(2, width=3), {})
+    b = _ScriptedEngine(width=4).generate(_prompts(2, width=5), {})
+    out = concat_rounds([a, b], pad_token_id=0)
+    assert out.batch["prompts"].shape == (4, 5) and out.batch["responses"].shape == (4, 4)
+    assert out.batch["input_ids"].shape == (4, 9)
+    assert torch.equal(out.batch["attention_mask"][0], torch.tensor([0, 0, 1, 1, 1, 1, 0, 0, 0]))
+    assert torch.equal(out.batch["input_ids"][0, 2:6], a.batch["input_ids"][0, :4])
+
+
+def test_keep_first_groups_cuts_at_group_boundaries():
+    batch = expand_groups(_prompts(3), 2, group_tag="g")
+    assert list(keep_first_groups(batch, 2).non_tensor_batch["uid"]) == ["g-0", "g-0", "g-1", "g-1"]
+
+
+def test_scorer_places_reward_on_last_token_and_shapes_overlong():
+    tok = SimpleNamespace(batch_decode=lambda rows, skip_special_tokens: ["".join(map(str, r)) for r in rows])
+    batch = DataProto.from_dict(
+        {"responses": torch.tensor([[7, 0, 0, 0], [7, 7, 7, 7]]), "response_mask": torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])},
+        {"raw_prompt": ["a", "b"], "extra": [{"ground_truth": "7"}, {"ground_truth": "7777"}]},
+    )
+    seen = {}
+
+    def reward(prompts, responses, extra):
+        seen.update(prompts=prompts, responses=responses, extra=extra)
+        return [1.0 if r == e["ground_truth"] else 0.0 for r, e in zip(responses, extra)]
+
+    scorer = Scorer(reward_fn=reward, tokenizer=tok, max_response_length=4, overlong_buffer_len=2)
+    metrics = scorer(batch)
+    assert seen["responses"] == ["7", "7777"] and seen["extra"][1] == {"ground_truth": "7777"}
+    # row 1: length 4 > 4 - 2 -> penalty -(4 - 2) / 2 * 1 = -1 added on its last token
+    assert torch.equal(batch.batch["token_level_scores"], torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 0.0]]))
+    assert metrics["reward/mean"] == 1.0 and metrics["dapo/overlong_frac"] == 0.5
+
+
+def _reference_actor_loss(lp, old, adv, ref, ent, mask, eps_lo, eps_hi, kl_coef, ent_coef):
+    """float64 token-mean PPO-clip (+dual clip c=3) + kl_coef * k3 - ent_coef * entropy."""
+    lp, old, adv, ref, ent, m = (t.double() for t in (lp, old, adv, ref, ent, mask))
+    ratio = torch.exp(lp - old)
+    clip = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps_lo, 1 + eps_hi))
+    pg = torch.where(adv < 0, torch.minimum(clip, -adv * 3.0), clip)
+    d = lp - ref
+    k3 = torch.exp(-d) + d - 1
+    n = m.sum()
+    return (pg * m).sum() / n + kl_coef * (k3 * m).sum() / n - ent_coef * (ent * m).sum() / n
+
+
+def test_actor_loss_summed_over_micro_batches_equals_the_mini_batch_loss():
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 5
+    lp = -torch.rand(B, T, generator=g) * 2
+    old = lp + 0.3 * torch.randn(B, T, generator=g)
+    ref = lp + 0.2 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, T, generator=g)
+    ent = torch.rand(B, T, generator=g)
+    mask = (torch.rand(B, T, generator=g) > 0.3).long()
+    mask[:, 0] = 1
+    algo = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, clip_ratio_high=0.28)
+    loss_fn = actor_loss_fn(PPOClipLoss(clip_ratio_low=0.2, clip_ratio_high=0.28), algo)
+    total = torch.zeros(())
+    for rows in (slice(0, 2), slice(2, 6)):
+        micro = SimpleNamespace(
+            batch={"old_log_probs": old[rows], "advantages": adv[rows], "ref_log_probs": ref[rows],
+                   "response_mask": mask[rows]},
+            meta_info={"mini_batch_tokens": float(mask.sum()), "mini_batch_seqs": B},
+        )
+        loss, metrics = loss_fn({"log_probs": lp[rows], "entropy": ent[rows]}, micro)
+        total = total + loss
+        assert {"actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac"} <= set(metrics)
+    expected = _reference_actor_loss(lp, old, adv, ref, ent, mask, 0.2, 0.28, 0.1, 0.01)
+    assert abs(total.double().item() - expected.item()) < 1e-6 * max(1.0, abs(expected.item()))
+
+
+def test_rollout_correction_weights_and_narrows_the_response_mask():
+    def correction(old, rollout, mask):
+        keep = ((old - rollout).abs() < 0.5).long() * mask
+        return torch.exp(old - rollout).clamp(max=2.0), keep, {"rollout_correction/masked_frac": 0.5}
+
+    batch = DataProto.from_dict({
+        "old_log_probs": torch.tensor([[-1.0, -1.0]]), "rollout_log_probs": torch.tensor([[-1.1, -2.0]]),
+        "response_mask": torch.tensor([[1, 1]]),
+    })
+    metrics = apply_rollout_correction(batch, correction)
+    assert torch.equal(batch.batch["response_mask"], torch.tensor([[1, 0]]))
+    assert torch.allclose(batch.batch["is_weights"], torch.tensor([[np.exp(0.1), 2.0]], dtype=torch.float32))
+    assert metrics == {"rollout_correction/masked_frac": 0.5}
+    assert apply_rollout_correction(batch, None) == {}
