@@ -94,6 +94,41 @@ def time_rotating_ms(fns: list[Callable[[], object]], *, warmup: int = 3, iters:
     return per_round[len(per_round) // 2]
 
 
+def time_graph_ms(fns: list[Callable[[], object]], *, iters: int = 20) -> tuple[float, str]:
+    """Median ms per call of ``fns`` captured in one CUDA graph and replayed (no launch/host overhead,
+    as in a CUDA-graph decode step). Falls back to :func:`time_rotating_ms` when capture fails."""
+    if not torch.cuda.is_available():
+        return time_rotating_ms(fns), "eager"
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (Triton compiles, cuBLAS workspaces) off the capture
+            for f in fns:
+                f()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for f in fns:
+                f()
+    except Exception:  # capture not possible for this path: report eager timing instead
+        torch.cuda.synchronize()
+        return time_rotating_ms(fns), "eager(capture failed)"
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(fns))
+    times.sort()
+    del graph
+    return times[len(times) // 2], "cuda_graph"
+
+
 def copies_for(bytes_per_copy: int, working_set: int = 256 * 2**20, cap: int = 64) -> int:
     """How many operand copies make the working set exceed the L2 (60 MB on H200) several times."""
     return max(1, min(cap, math.ceil(working_set / max(1, bytes_per_copy))))

@@ -56,9 +56,11 @@ def quantize_rows(x_cpu: torch.Tensor, dev: torch.device) -> list[dict]:
         rows.append({"check": "fp8 quantize block_128x128", "gpu_path": backend,
                      "q_identical": _same(got[0], w_ref[0]), "scale_identical": _same(got[1], w_ref[1])})
     for elem in ("e4m3", "e5m2", "e2m1"):
-        ref, got = quantize_mx(x_cpu, elem), quantize_mx(x_cpu.to(dev), elem)
-        rows.append({"check": f"mx quantize {elem}", "gpu_path": "torch",
-                     "q_identical": _same(got.data, ref.data), "scale_identical": _same(got.scale, ref.scale)})
+        ref = quantize_mx(x_cpu, elem)
+        for backend in backends:
+            got = quantize_mx(x_cpu.to(dev), elem, backend=backend)
+            rows.append({"check": f"mx quantize {elem}", "gpu_path": backend,
+                         "q_identical": _same(got.data, ref.data), "scale_identical": _same(got.scale, ref.scale)})
     return rows
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import copies_for, device, table, time_ms, time_rotating_ms, write_json  # noqa: E402
+from _common import copies_for, device, table, time_graph_ms, time_ms, time_rotating_ms, write_json  # noqa: E402
 
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
 from lumenrl_quant.gemm import _torch_scaled_mm  # noqa: E402
@@ -57,16 +57,35 @@ def _bench_shape(m: int, n: int, k: int, paths: list[str], dev: torch.device, ro
             ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             calls = [_make_call(path, a, w) for w in ws]
             del ws
-            ms = time_rotating_ms(calls) if rotate else time_ms(calls[0], iters=20)
+            if rotate:  # decode: one CUDA graph over all copies (as an engine's decode step)
+                eager = time_rotating_ms(calls)
+                ms, timing = time_graph_ms(calls)
+            else:
+                eager = ms = time_ms(calls[0], iters=20)
+                timing = "eager"
             base = ms if path == "bf16" else base
             tflops = 2 * m * n * k / ms / 1e9
-            row = {"M": m, "N": n, "K": k, "path": path, "us": ms * 1e3, "TFLOP/s": tflops,
-                   "weight_GB/s": per_copy / ms / 1e6, "speedup_vs_bf16": (base / ms) if base else None}
+            row = {"M": m, "N": n, "K": k, "path": path, "us": ms * 1e3, "us_eager": eager * 1e3, "timing": timing,
+                   "TFLOP/s": tflops, "weight_GB/s": per_copy / ms / 1e6, "speedup_vs_bf16": (base / ms) if base else None}
         except Exception as err:
             row = {"M": m, "N": n, "K": k, "path": path, "error": repr(err)[:200]}
         rows.append(row)
         torch.cuda.empty_cache() if dev.type == "cuda" else None
     return rows
+
+
+def triton_advice(rows: list[dict]) -> dict[str, list[int]]:
+    """Per (N, K): the M values where the Triton blockwise GEMM is faster than cuBLAS blockwise
+    (M where cuBLAS has no kernel count as Triton wins)."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["N"], r["K"], r["M"]), {})[r["path"]] = r.get("us")
+    out: dict[str, list[int]] = {}
+    for (n, k, m), t in sorted(by.items()):
+        tri, cub = t.get("triton_blockwise"), t.get("blockwise")
+        if tri is not None and (cub is None or tri < cub):
+            out.setdefault(f"{n}x{k}", []).append(m)
+    return out
 
 
 def run(smoke: bool = False) -> dict:
@@ -79,10 +98,12 @@ def run(smoke: bool = False) -> dict:
     rotate = dev.type == "cuda"
     decode = [r for n, k in decode_nk for m in decode_ms for r in _bench_shape(m, n, k, paths, dev, rotate)]
     training = [r for s in train for r in _bench_shape(s, s, s, paths, dev, rotate=False)]
-    cols = ["M", "N", "K", "path", "us", "TFLOP/s", "weight_GB/s", "speedup_vs_bf16"]
-    print(table("decode-shaped GEMM (weights cycled beyond L2)", decode, cols))
+    cols = ["M", "N", "K", "path", "us", "us_eager", "TFLOP/s", "weight_GB/s", "speedup_vs_bf16"]
+    print(table("decode-shaped GEMM (weights cycled beyond L2; us = CUDA-graph replay)", decode, cols))
     print(table("training-shaped GEMM", training, cols))
-    payload = {"decode": decode, "training": training}
+    advice = triton_advice(decode)
+    print("Triton blockwise beats cuBLAS blockwise at M:", advice)
+    payload = {"decode": decode, "training": training, "triton_beats_cublas_at": advice}
     write_json("quant_gemm" + ("_smoke" if smoke else ""), payload)
     return payload
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import copies_for, device, table, time_ms, time_rotating_ms, write_json  # noqa: E402
+from _common import copies_for, device, table, time_graph_ms, time_ms, time_rotating_ms, write_json  # noqa: E402
 
 from lumenrl_quant.linear import LINEAR_SCHEMES, QuantizedLinear  # noqa: E402
 
@@ -44,11 +44,17 @@ def _bench(m: int, n: int, k: int, schemes: list[str], dev: torch.device, rotate
             layers = _layers(scheme, n, k, copies, dev)
             with torch.no_grad():
                 calls = [lambda layer=layer: layer(x) for layer in layers]
-                ms = time_rotating_ms(calls) if rotate else time_ms(calls[0], iters=10)
+                if rotate:
+                    eager = time_rotating_ms(calls)
+                    ms, timing = time_graph_ms(calls)
+                else:
+                    eager = ms = time_ms(calls[0], iters=10)
+                    timing = "eager"
             base = ms if scheme == "bf16" else base
             path = getattr(layers[0], "scheme", "bf16")
-            rows.append({"M": m, "N": n, "K": k, "scheme": path, "us": ms * 1e3,
-                         "TFLOP/s": 2 * m * n * k / ms / 1e9, "speedup_vs_bf16": base / ms if base else None})
+            rows.append({"M": m, "N": n, "K": k, "scheme": path, "us": ms * 1e3, "us_eager": eager * 1e3,
+                         "timing": timing, "TFLOP/s": 2 * m * n * k / ms / 1e9,
+                         "speedup_vs_bf16": base / ms if base else None})
             del layers, calls
         except Exception as err:
             rows.append({"M": m, "N": n, "K": k, "scheme": scheme, "error": repr(err)[:200]})
@@ -66,8 +72,9 @@ def run(smoke: bool = False) -> dict:
     big = [(128, 128, 128)] if smoke else [(4096, 4096, 4096), (8192, 8192, 8192)]
     decode = [r for n, k in nk for m in decode_ms for r in _bench(m, n, k, schemes, dev, rotate)]
     training = [r for m, n, k in big for r in _bench(m, n, k, schemes, dev, rotate=False)]
-    cols = ["M", "N", "K", "scheme", "us", "TFLOP/s", "speedup_vs_bf16"]
-    print(table("QuantizedLinear forward, decode shapes (layers cycled beyond L2)", decode, cols))
+    cols = ["M", "N", "K", "scheme", "us", "us_eager", "timing", "TFLOP/s", "speedup_vs_bf16"]
+    print(table("QuantizedLinear forward, decode shapes (layers cycled beyond L2; us = CUDA-graph replay)",
+                decode, cols))
     print(table("QuantizedLinear forward, training-sized shapes", training, cols))
     payload = {"decode": decode, "training": training}
     write_json("quant_linear" + ("_smoke" if smoke else ""), payload)

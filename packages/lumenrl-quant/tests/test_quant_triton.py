@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from lumenrl_quant import dequantize_fp8, emulated_scaled_mm, gemm_path, quantize_fp8, scaled_mm
+from lumenrl_quant import dequantize_fp8, emulated_scaled_mm, gemm_path, quantize_fp8, quantize_mx, scaled_mm
 from lumenrl_quant import triton_kernels as tk
 
 pytestmark = [
@@ -47,8 +47,12 @@ def test_triton_blockwise_gemm_matches_emulation(m):
     bq, sb = quantize_fp8(b, granularity="block", block_size=(128, 128))
     out = tk.fp8_blockwise_gemm(aq, sa, bq, sb, out_dtype=torch.float32)
     ref = emulated_scaled_mm(aq, sa, bq, sb, out_dtype=torch.float32)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # Hopper FP8 tensor cores accumulate each 128-long K block with reduced precision (~1e-3
+    # relative), so agreement is bounded by SQNR rather than elementwise closeness (cuBLAS: ~55 dB)
+    assert sqnr(ref, out) >= 45.0
     assert sqnr(a.double() @ b.double().t(), out) >= 28.0
+    if m < 4:
+        assert gemm_path(aq, sa, bq, sb) == "triton_blockwise"
 
 
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise", "blockwise"])
@@ -63,3 +67,22 @@ def test_gpu_scaled_mm_agrees_with_emulation(mode):
     assert path != "emulated", path
     out = scaled_mm(aq, sa, bq, sb, out_dtype=torch.bfloat16)
     assert sqnr(emulated_scaled_mm(aq, sa, bq, sb, out_dtype=torch.float32), out.float()) >= 40.0
+
+
+@pytest.mark.parametrize("elem_format", ["e4m3", "e5m2", "e2m1"])
+def test_triton_mx_quantize_bit_identical_to_torch(elem_format):
+    x = torch.randn(96, 512, device="cuda") * 4
+    x[0, :32] = 0
+    t = quantize_mx(x, elem_format, backend="triton")
+    r = quantize_mx(x, elem_format, backend="torch")
+    assert torch.equal(t.scale, r.scale)
+    assert torch.equal(t.data.view(torch.uint8), r.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("granularity,block_size", CASES)
+def test_gpu_torch_quantize_matches_cpu_bit_for_bit(granularity, block_size):
+    x = torch.randn(256, 512) * 2
+    cpu = quantize_fp8(x, granularity=granularity, block_size=block_size, backend="torch")
+    gpu = quantize_fp8(x.cuda(), granularity=granularity, block_size=block_size, backend="torch")
+    assert torch.equal(gpu[1].cpu(), cpu[1])
+    assert torch.equal(gpu[0].cpu().view(torch.uint8), cpu[0].view(torch.uint8))

@@ -67,7 +67,9 @@ def amax_to_scale(
 ) -> torch.Tensor:
     """Dequant scale ``amax / fp8_max`` in float32; groups with ``amax == 0`` get scale 1."""
     amax = amax.float()
-    scale = torch.where(amax > 0, amax / fp8_max(dtype), torch.ones_like(amax))
+    # divide by a tensor, not a Python scalar: CUDA turns `t / scalar` into `t * (1 / scalar)`,
+    # which is not correctly rounded and would make GPU scales differ from CPU scales by an ulp
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, fp8_max(dtype)), torch.ones_like(amax))
     return round_scale_to_power_of_two(scale) if power_of_two_scale else scale
 
 

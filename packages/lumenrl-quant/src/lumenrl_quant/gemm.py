@@ -51,6 +51,9 @@ GemmPath = str  # "scaled_mm_tensorwise" | "scaled_mm_rowwise" | "scaled_mm_bloc
 # Blockwise GEMMs with at most this many rows use the Triton kernel instead of cuBLAS (decode
 # shapes); set from benchmarks/quant results on H200 (0 = never while cuBLAS blockwise works).
 TRITON_BLOCKWISE_MAX_M = 0
+# cuBLASLt (H200, torch 2.11 / CUDA 13.0) has no blockwise heuristic for M < 4: it raises
+# CUBLAS_STATUS_NOT_SUPPORTED at M = 1 and 2 (measured), so those go to Triton (or emulation).
+CUBLAS_BLOCKWISE_MIN_M = 4
 
 _FAILED: set[tuple] = set()
 
@@ -154,12 +157,21 @@ def gemm_path(
     both_e5m2 = fp8_format(a_q.dtype).name.startswith("e5m2") and fp8_format(b_q.dtype).name.startswith("e5m2")
     if k % 16 or n % 16 or both_e5m2:
         return "emulated"
-    key = (a_q.device.type, mode, a_q.dtype, b_q.dtype, out_dtype)
+    m = a_q.shape[0]
+    key = _failure_key(a_q, b_q, mode, out_dtype)
     cublas_ok = key not in _FAILED and _device_supports(mode, a_q.device, k, out_dtype)
-    prefer_triton = not cublas_ok or a_q.shape[0] <= TRITON_BLOCKWISE_MAX_M
+    if mode == "blockwise" and m < CUBLAS_BLOCKWISE_MIN_M:
+        cublas_ok = False
+    prefer_triton = not cublas_ok or m <= TRITON_BLOCKWISE_MAX_M
     if mode == "blockwise" and prefer_triton and _triton_blockwise_ok(a_q, b_q, k):
         return "triton_blockwise"
     return f"scaled_mm_{mode}" if cublas_ok else "emulated"
+
+
+def _failure_key(a_q: torch.Tensor, b_q: torch.Tensor, mode: str, out_dtype: torch.dtype) -> tuple:
+    m = a_q.shape[0]
+    m_class = m if m < 16 else "large"  # a failure at one decode M must not disable every M
+    return (a_q.device.type, mode, a_q.dtype, b_q.dtype, out_dtype, m_class)
 
 
 def _triton_blockwise_ok(a_q: torch.Tensor, b_q: torch.Tensor, k: int) -> bool:
@@ -229,7 +241,7 @@ def scaled_mm(
             out = _torch_scaled_mm(mode, a_q.contiguous(), a_scale, b_q.contiguous(), b_scale, out_dtype)
             return out if bias is None else (out + bias.to(out_dtype))
         except (RuntimeError, NotImplementedError) as err:
-            _FAILED.add((a_q.device.type, mode, a_q.dtype, b_q.dtype, out_dtype))
+            _FAILED.add(_failure_key(a_q, b_q, mode, out_dtype))
             warnings.warn(f"torch._scaled_mm {mode} failed here ({err}); using the emulated GEMM", stacklevel=2)
     return emulated_scaled_mm(
         a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, bias=bias,

@@ -79,6 +79,17 @@ _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIES_UP = (0.75, 1.75, 3.5)  # ties whose even neighbour is the upper code
 
 
+_TABLES: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
+
+
+def _table(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A cached constant tensor (no host-to-device copy per call: CUDA-graph capturable)."""
+    key = (values, device)
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return _TABLES[key]
+
+
 def _elem_format(elem_format: str) -> MXElemFormat:
     if elem_format not in MX_ELEM_FORMATS:
         raise ValueError(f"elem_format={elem_format!r} is not an MX element format; allowed: {sorted(MX_ELEM_FORMATS)}")
@@ -102,7 +113,7 @@ class MXTensor:
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     """Round float values (already saturated to ±6) to E2M1 4-bit codes (uint8), RNE."""
     a = v.abs().float()
-    bounds = torch.tensor(_E2M1_BOUNDS, device=v.device)
+    bounds = _table(_E2M1_BOUNDS, v.device)
     code = torch.bucketize(a, bounds, right=False)  # ties go to the lower code
     ties_up = torch.zeros_like(a, dtype=torch.bool)
     for t in _E2M1_TIES_UP:
@@ -114,7 +125,7 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 4-bit codes (uint8, one per element) to float32 values."""
-    table = torch.tensor(_E2M1_VALUES + tuple(-x for x in _E2M1_VALUES), device=codes.device)
+    table = _table(_E2M1_VALUES + tuple(-x for x in _E2M1_VALUES), codes.device)
     return table[codes.long() & 0xF]
 
 
@@ -160,12 +171,28 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return xp.reshape(*x.shape[:-1], -1, MX_BLOCK_SIZE)  # (..., Kb, 32)
 
 
-def quantize_mx(x: torch.Tensor, elem_format: str = "e4m3") -> MXTensor:
-    """Quantize ``x`` (..., K) to MX with 32-element blocks along the last dim (see module doc)."""
+def quantize_mx(x: torch.Tensor, elem_format: str = "e4m3", *, backend: str = "auto") -> MXTensor:
+    """Quantize ``x`` (..., K) to MX with 32-element blocks along the last dim (see module doc).
+
+    ``backend``: ``"auto"`` (one-pass Triton kernel on GPU when available and K % 32 == 0, else
+    torch), ``"torch"`` or ``"triton"``; both give identical bytes.
+    """
     fmt = _elem_format(elem_format)
     if x.dim() < 1:
         raise ValueError("quantize_mx needs x with >= 1 dim (..., K)")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend={backend!r} is not supported; allowed: ['auto', 'torch', 'triton']")
     k = x.shape[-1]
+    if backend != "torch":
+        from lumenrl_quant import triton_kernels as tk
+
+        if tk.triton_available(x.device) and k % MX_BLOCK_SIZE == 0 and x.numel() > 0:
+            data, scale = tk.mx_quantize(x.reshape(-1, k), elem_format)
+            return MXTensor(data=data.reshape(*x.shape[:-1], -1), scale=scale.reshape(*x.shape[:-1], -1),
+                            elem_format=elem_format, shape=x.shape)
+        if backend == "triton":
+            raise RuntimeError(f"backend='triton' needs triton, a GPU tensor and K % 32 == 0; got device="
+                               f"{x.device}, K={k}")
     xb = _blocks(x)
     scale = mx_shared_exponent(xb.abs().amax(dim=-1), elem_format)  # (..., Kb) uint8
     exp = (scale.to(torch.int32) - E8M0_BIAS).clamp_(-127, 127)

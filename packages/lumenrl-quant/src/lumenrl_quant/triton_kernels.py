@@ -14,7 +14,11 @@ reference (:mod:`lumenrl_quant.fp8`, :mod:`lumenrl_quant.gemm`).
   ``benchmarks/quant``); NaN inputs are not propagated into scales as torch does.
 * ``fp8_quantize_blocks(w, 128)``: 128x128 weight blocks, scales ``(N/128, K/128)``.
 * ``fp8_quantize_tensorwise(x)``: an amax pass (atomic max on the float bits, valid because
-  magnitudes are non-negative) and a cast pass.
+  magnitudes are non-negative) and a cast pass that derives the scale itself (no host round trip,
+  CUDA-graph capturable).
+* ``mx_quantize(x, elem_format)``: OCP MX (E4M3 / E5M2 / E2M1 packed) in one pass; the E8M0
+  exponent is read off the amax's float exponent field, scaling is an exact power-of-two
+  multiply, E2M1 rounding counts thresholds (ties to even), bit-identical to :mod:`lumenrl_quant.mx`.
 * ``fp8_blockwise_gemm(a_q, a_scale, b_q, b_scale)``: ``out = (a*sa) @ (b*sb).T`` with 1x128
   activation and 128x128 weight scales, fp32 accumulation, one ``tl.dot`` per 128-wide K block
   scaled by ``sa[:, None] * sb[None, :]``; tiles sized for small (decode) M.
@@ -40,6 +44,7 @@ __all__ = [
     "fp8_quantize_blocks",
     "fp8_quantize_groups",
     "fp8_quantize_tensorwise",
+    "mx_quantize",
     "triton_available",
 ]
 
@@ -71,18 +76,26 @@ if triton is not None:
         FP8_MAX: tl.constexpr, OUT: tl.constexpr, REDUCE_ROWS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
+        # BLOCK_K >= GROUP: the whole group tile stays in registers (one read of x);
+        # otherwise two passes over the group (amax, then cast), the second mostly from L2.
         pid_m = tl.program_id(0)
         pid_g = tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
         k0 = pid_g * GROUP
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for kk in range(0, GROUP, BLOCK_K):
-            cols = k0 + kk + tl.arange(0, BLOCK_K)
-            mask = rmask[:, None] & (cols[None, :] < K)
+        if BLOCK_K >= GROUP:
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = rmask[:, None] & (cols[None, :] < k0 + GROUP) & (cols[None, :] < K)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        if REDUCE_ROWS:  # one scale for the whole BLOCK_M x group tile
+            amax = tl.max(tl.abs(x), axis=1)
+        else:
+            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for kk in range(0, GROUP, BLOCK_K):
+                cols = k0 + kk + tl.arange(0, BLOCK_K)
+                mask = rmask[:, None] & (cols[None, :] < K)
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        if REDUCE_ROWS:  # one scale for the whole BLOCK_M x GROUP tile
             amax_s = tl.max(amax, axis=0)
             scale_s = tl.where(amax_s > 0, tl.math.div_rn(amax_s, FP8_MAX), 1.0)
             tl.store(s_ptr + pid_m * stride_sm + pid_g, scale_s)
@@ -90,13 +103,16 @@ if triton is not None:
         else:
             scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
             tl.store(s_ptr + rows * stride_sm + pid_g, scale, mask=rmask)
-        for kk in range(0, GROUP, BLOCK_K):
-            cols = k0 + kk + tl.arange(0, BLOCK_K)
-            mask = rmask[:, None] & (cols[None, :] < K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            q = tl.math.div_rn(x, scale[:, None])
-            q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+        if BLOCK_K >= GROUP:
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
             tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(OUT), mask=mask)
+        else:
+            for kk in range(0, GROUP, BLOCK_K):
+                cols = k0 + kk + tl.arange(0, BLOCK_K)
+                mask = rmask[:, None] & (cols[None, :] < K)
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+                tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(OUT), mask=mask)
 
     @triton.jit
     def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
@@ -106,14 +122,61 @@ if triton is not None:
         tl.atomic_max(amax_ptr, a.to(tl.int32, bitcast=True))  # non-negative floats order like ints
 
     @triton.jit
-    def _scale_cast_kernel(x_ptr, q_ptr, s_ptr, n, FP8_MAX: tl.constexpr, OUT: tl.constexpr,
+    def _scale_cast_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, n, FP8_MAX: tl.constexpr, OUT: tl.constexpr,
                            BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        scale = tl.load(s_ptr)
+        amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+        if pid == 0:
+            tl.store(s_ptr, scale)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + offs, q.to(OUT), mask=mask)
+
+    @triton.jit
+    def _mx_quant_kernel(
+        x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+        EMAX: tl.constexpr, ELEM_MAX: tl.constexpr, FP4: tl.constexpr, OUT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # OCP MX, 32-element blocks: shared_exp = floor(log2(amax)) - EMAX read off the float's
+        # exponent field (zero and subnormal amax give the clamped -127, as frexp does)
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xb = tl.reshape(x, (BLOCK_M, BLOCK_K // 32, 32))
+        amax = tl.max(tl.abs(xb), axis=2)  # (BLOCK_M, BLOCK_K // 32)
+        exp_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        shared = tl.minimum(tl.maximum(exp_field - 127 - EMAX, -127), 127)
+        finite = exp_field != 255
+        byte = tl.where(finite, shared + 127, 255)
+        used = tl.where(finite, shared, 127)  # the torch path scales NaN blocks by 2**-127 too
+        inv_exp = 127 - used  # 2**-used as float bits; 2**-127 is the subnormal 1 << 22
+        inv = tl.where(inv_exp > 0, inv_exp << 23, 1 << 22).to(tl.float32, bitcast=True)
+        v = xb * inv[:, :, None]
+        v = tl.minimum(tl.maximum(v, -ELEM_MAX), ELEM_MAX)
+        v = tl.reshape(v, (BLOCK_M, BLOCK_K))
+        srows = rows[:, None]
+        scols = pid_k * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)[None, :]
+        tl.store(s_ptr + srows * stride_sm + scols, byte.to(tl.uint8),
+                 mask=(srows < M) & (scols < tl.cdiv(K, 32)))
+        if FP4:
+            a = tl.abs(v)
+            code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+                    + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+                    + (a > 5.0).to(tl.int32))
+            code = code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
+            lo, hi = tl.split(tl.reshape(code, (BLOCK_M, BLOCK_K // 2, 2)))
+            packed = (lo | (hi << 4)).to(tl.uint8)
+            pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :]
+            tl.store(q_ptr + srows * stride_qm + pcols, packed, mask=(srows < M) & (pcols < (K + 1) // 2))
+        else:
+            tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], v.to(OUT), mask=mask)
 
     @triton.jit
     def _block_gemm_kernel(
@@ -154,6 +217,10 @@ def _require(x: torch.Tensor) -> None:
         raise ValueError(f"Triton kernels need a GPU tensor; got device={x.device}")
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def fp8_quantize_groups(
     x: torch.Tensor, group: int, dtype: torch.dtype = torch.float8_e4m3fn
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,13 +232,17 @@ def fp8_quantize_groups(
     x = x.contiguous()
     q = torch.empty((m, k), dtype=dtype, device=x.device)
     s = torch.empty((m, k // group), dtype=torch.float32, device=x.device)
-    block_k = min(group, 128 if group <= 128 else 1024)
-    block_m = 32 if group <= 128 else 4
+    if group <= 128:  # activation groups: many rows per program, one register-resident pass
+        block_m, block_k, warps = 64, _next_pow2(group), 4
+    elif group <= 16384:  # rowwise: one row per program, held in registers
+        block_m, block_k, warps = 1, _next_pow2(group), (4 if group <= 2048 else 8 if group <= 8192 else 16)
+    else:
+        block_m, block_k, warps = 1, 4096, 8
     grid = (triton.cdiv(m, block_m), k // group)
     _group_quant_kernel[grid](
         x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), group,
         FP8_MAX=_fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=False, BLOCK_M=block_m, BLOCK_K=block_k,
-        num_warps=4,
+        num_warps=warps,
     )
     return q, s
 
@@ -190,8 +261,8 @@ def fp8_quantize_blocks(
     grid = (triton.cdiv(n, block), k // block)
     _group_quant_kernel[grid](
         w, q, s, n, k, w.stride(0), q.stride(0), s.stride(0), block,
-        FP8_MAX=_fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=True, BLOCK_M=block, BLOCK_K=32,
-        num_warps=8,
+        FP8_MAX=_fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=True, BLOCK_M=block,
+        BLOCK_K=_next_pow2(block), num_warps=8,
     )
     return q, s
 
@@ -199,20 +270,46 @@ def fp8_quantize_blocks(
 def fp8_quantize_tensorwise(
     x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tensorwise FP8: amax pass + cast pass; scale shape ``()``."""
+    """Tensorwise FP8: an amax pass and a cast pass (the cast kernel derives the scale); scale ``()``."""
     _require(x)
     flat = x.contiguous().reshape(-1)
     n = flat.numel()
     amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-    block = 4096
-    _amax_kernel[(triton.cdiv(n, block),)](flat, amax_bits, n, BLOCK=block, num_warps=8)
-    amax = amax_bits.view(torch.float32)
-    scale = torch.where(amax > 0, amax / _fp8_max(dtype), torch.ones_like(amax))
+    _amax_kernel[(triton.cdiv(n, 16384),)](flat, amax_bits, n, BLOCK=16384, num_warps=8)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
     q = torch.empty(x.shape, dtype=dtype, device=x.device)
-    _scale_cast_kernel[(triton.cdiv(n, block),)](
-        flat, q.reshape(-1), scale, n, FP8_MAX=_fp8_max(dtype), OUT=_tl_fp8(dtype), BLOCK=block, num_warps=8
+    _scale_cast_kernel[(triton.cdiv(n, 4096),)](
+        flat, q.reshape(-1), amax_bits, scale, n, FP8_MAX=_fp8_max(dtype), OUT=_tl_fp8(dtype), BLOCK=4096,
+        num_warps=8,
     )
     return q, scale
+
+
+_MX_PARAMS = {"e4m3": (8, 448.0), "e5m2": (15, 57344.0), "e2m1": (2, 6.0)}
+
+
+def mx_quantize(x: torch.Tensor, elem_format: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """MX-quantize ``x`` (M, K) with K % 32 == 0: ``(data, scale_bytes)`` as :func:`lumenrl_quant.mx.quantize_mx`
+    stores them (fp8 elements, or E2M1 codes packed two per byte, low nibble first)."""
+    _require(x)
+    if elem_format not in _MX_PARAMS:
+        raise ValueError(f"elem_format={elem_format!r}; allowed: {sorted(_MX_PARAMS)}")
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"K={k} must be a multiple of 32")
+    emax, elem_max = _MX_PARAMS[elem_format]
+    fp4 = elem_format == "e2m1"
+    x = x.contiguous()
+    out_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(elem_format, torch.uint8)
+    q = torch.empty((m, k // 2 if fp4 else k), dtype=out_dtype, device=x.device)
+    s = torch.empty((m, k // 32), dtype=torch.uint8, device=x.device)
+    block_k = min(256, _next_pow2(k))
+    grid = (triton.cdiv(m, 16), triton.cdiv(k, block_k))
+    _mx_quant_kernel[grid](
+        x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), EMAX=emax, ELEM_MAX=elem_max, FP4=fp4,
+        OUT=tl.uint8 if fp4 else _tl_fp8(out_dtype), BLOCK_M=16, BLOCK_K=block_k, num_warps=4,
+    )
+    return q, s
 
 
 def _gemm_tiles(m: int, n: int) -> tuple[int, int, int, int]:
