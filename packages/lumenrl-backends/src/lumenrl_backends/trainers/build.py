@@ -151,9 +151,17 @@ def _evaluator(cfg: Any, records: list[dict[str, Any]], tokenizer: Any, scorer: 
     )
 
 
+def _quiet_transformers() -> None:
+    """No per-load "Loading weights" bars: the run has its own progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def build_parts(plan: Any, log: Callable[[str], None] = print) -> TrainerParts:
     """Load models and data for ``plan`` (seeded by ``plan.config.seed``)."""
     cfg = plan.config
+    _quiet_transformers()
     if _device(cfg) == "cpu" and cfg.trainer.cpu_threads > 0:
         torch.set_num_threads(cfg.trainer.cpu_threads)  # tiny CPU models: threads mostly add sync overhead
     seed_everything(cfg.seed)

@@ -118,8 +118,7 @@ class RLTrainer:
             metrics.update(batch_metrics(batch, cfg.policy.rollout.max_new_tokens))
             self._compute_log_probs(batch, timer)
             metrics.update(self._update(batch, timer))
-            with timer("sync"):
-                metrics.update(sync_weights(self.parts.actor, self.parts.engine, step))
+            metrics.update(self._sync(step))
         else:
             metrics["batch/skipped"] = 1.0
         metrics.setdefault("actor/kl", math.nan)  # no reference model: KL not measured
@@ -146,7 +145,12 @@ class RLTrainer:
         self.step = int(trainer_state["step"])
         self.eval_before = dict(trainer_state.get("eval_before", {}))
         self.history = {k: list(v) for k, v in trainer_state.get("history", {}).items()}
-        sync_weights(self.parts.actor, self.parts.engine, self.step)
+        self._sync(self.step)
+
+    def _sync(self, version: int) -> dict[str, float]:
+        return sync_weights(
+            self.parts.actor, self.parts.engine, version, bucket_size_mb=self.config.weight_sync.bucket_size_mb
+        )
 
     def _backends(self) -> dict[str, Any]:
         roles = {"actor": self.parts.actor}
