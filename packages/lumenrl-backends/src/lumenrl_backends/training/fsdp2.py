@@ -136,9 +136,17 @@ def _apply_fp8(model: nn.Module, fp8: Any) -> Any | None:
 
 
 def _shard(model: nn.Module, mp_policy) -> nn.Module:
+    """``fully_shard`` per decoder layer, then the root.
+
+    On one rank nothing is saved by freeing the unsharded (bf16) parameters after forward, and
+    the backward would have to gather (cast-copy) them again: keep them (``reshard_after_forward``
+    only with several ranks).
+    """
     from torch.distributed.fsdp import fully_shard
 
-    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    kwargs: dict = {"reshard_after_forward": dist_utils.world_size() > 1}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)

@@ -1,0 +1,272 @@
+"""Training speed of the FSDP2 backend on one GPU: tokens/s and MFU, BF16 vs FP8, packing.
+
+Every variant runs ``FSDP2Backend.train_step`` (the real RL path: fp32 master weights, bf16
+mixed precision, fused AdamW, grad clipping, log-probs + entropy of the response tokens and a
+policy-gradient loss) on random-initialized Qwen3 shapes:
+
+* ``1.7b``: Qwen3-1.7B (hidden 2048, intermediate 6144, 28 layers, 16/8 heads, head_dim 128,
+  vocab 151936, tied embeddings), 8 x 1024 tokens per step (1 prompt + 1023 response tokens per
+  row, so the LM head runs on every position, as in a plain LM step). MFU = 6 * params * tokens
+  / step time / 989e12 (the issue's convention; params = unique parameters, 1.72e9).
+  Variants: eager, ``compile_layers`` (torch.compile per decoder layer), activation
+  checkpointing, FP8 training (lumenrl-quant, all decoder linears; LM head stays bf16).
+* ``1.7b-ragged``: the same model on an RL-shaped batch (random prompt 16..256 and response
+  32..768 tokens in a 8 x 1024 grid): packing ``auto`` vs ``none``; tokens/s counts valid tokens.
+* ``8b-layers``: Qwen3-8B linear shapes (hidden 4096, intermediate 12288, 32/8 heads) with 4
+  decoder layers and a 4096-token vocabulary (so the decoder linears dominate), BF16 vs FP8
+  (tensorwise and blockwise recipes), measured side by side in this run.
+
+    python benchmarks/gpu/bench_train.py [--steps 5] [--variants a,b] [--smoke]
+
+Writes ``train.json`` (to $LUMENRL_BENCH_OUT or benchmarks/results) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import signal
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command_line, environment, print_table, write_json  # noqa: E402
+
+from lumenrl_backends.training.fsdp2 import FSDP2Backend  # noqa: E402
+from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, TrainingQuantConfig  # noqa: E402
+from lumenrl_core.data_proto import DataProto  # noqa: E402
+
+PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16 datasheet
+ROWS, SEQ = 8, 1024
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied
+    "1.7b": (2048, 6144, 28, 16, 8, 151936, True),
+    "8b-layers": (4096, 12288, 4, 32, 8, 4096, False),
+    "smoke": (128, 256, 2, 4, 2, 512, True),
+}
+
+# name: (shape, batch kind, backend kwargs, fp8 recipe or None, activation checkpointing)
+VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
+    "1.7b/bf16": ("1.7b", "full", {}, None, False),
+    "1.7b/bf16+ac": ("1.7b", "full", {}, None, True),
+    "1.7b/fp8-tensorwise": ("1.7b", "full", {}, "tensorwise", False),
+    "1.7b-ragged/packed": ("1.7b", "ragged", {"packing": "auto"}, None, False),
+    "1.7b-ragged/padded": ("1.7b", "ragged", {"packing": "none"}, None, False),
+    "8b-layers/bf16": ("8b-layers", "full", {}, None, False),
+    "8b-layers/fp8-tensorwise": ("8b-layers", "full", {}, "tensorwise", False),
+    "8b-layers/fp8-blockwise": ("8b-layers", "full", {}, "blockwise", False),
+    # torch.compile variants last: their first step compiles (time reported as first_step_s)
+    "1.7b/bf16+compile": ("1.7b", "full", {"compile_layers": True}, None, False),
+    "8b-layers/bf16+compile": ("8b-layers", "full", {"compile_layers": True}, None, False),
+    "8b-layers/fp8-tensorwise+compile": ("8b-layers", "full", {"compile_layers": True}, "tensorwise", False),
+}
+
+
+def build_model(shape: str, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hidden, inter, layers, heads, kv, vocab, tied = SHAPES[shape]
+    cfg = AutoConfig.for_model(
+        "qwen3", hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=128 if shape != "smoke" else 32,
+        vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=40960,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    with device:
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def make_batch(kind: str, vocab: int, rows: int, seq: int, device: torch.device) -> DataProto:
+    """``full``: 1 prompt + (seq-1) response tokens per row; ``ragged``: RL-like random lengths."""
+    g = torch.Generator().manual_seed(1)
+    prompt = seq // 4 if kind == "ragged" else 1
+    resp = seq - prompt
+    ids = torch.randint(0, vocab, (rows, seq), generator=g)
+    attn = torch.ones(rows, seq, dtype=torch.long)
+    if kind == "ragged":
+        for i in range(rows):
+            p = int(torch.randint(prompt // 16, prompt + 1, (1,), generator=g))
+            r = int(torch.randint(resp // 24, resp + 1, (1,), generator=g))
+            attn[i] = 0
+            attn[i, prompt - p : prompt + r] = 1
+    tensors = {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "responses": ids[:, prompt:],
+        "response_mask": attn[:, prompt:].float(),
+        "advantages": torch.randn(rows, resp, generator=g),
+    }
+    return DataProto.from_dict(tensors={k: v.to(device) for k, v in tensors.items()})
+
+
+def pg_loss(outputs: dict, micro: Any):
+    mask = micro.batch["response_mask"]
+    loss = -(micro.batch["advantages"] * outputs["log_probs"] * mask).sum() / micro.meta_info["mini_batch_tokens"]
+    return loss, {"actor/entropy": (outputs["entropy"].detach() * mask).sum() / mask.sum()}
+
+
+def profile_step(name: str, backend: FSDP2Backend, batch: DataProto) -> None:
+    """One profiled step: top kernels by device time to <out>/profile_<variant>.txt (and stdout)."""
+    from _common import OUT_DIR
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        backend.train_step(batch, pg_loss)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / f"profile_{name.replace('/', '_').replace('+', '_')}.txt").write_text(table)
+    print("\n".join(table.splitlines()[:22]), flush=True)
+
+
+def run_variant(
+    name: str, steps: int, warmup: int, device: torch.device, rows: int, seq: int, profile: bool = False
+) -> dict[str, Any]:
+    shape, kind, kwargs, recipe, ac = VARIANTS[name]
+    model = build_model(shape, device)
+    params = sum(p.numel() for p in model.parameters())  # unique (tied counted once)
+    vocab = model.config.vocab_size
+    fp8 = TrainingQuantConfig(precision="fp8", recipe=recipe) if recipe else None
+    backend = FSDP2Backend(
+        model, role="actor", optim=OptimConfig(lr=1e-6, grad_clip=1.0),
+        train=PolicyTrainConfig(micro_batch_size=rows, gradient_checkpointing=ac),
+        num_training_steps=100, device=device, fp8=fp8, **kwargs,
+    )
+    batch = make_batch(kind, vocab, rows, seq, device)
+    tokens = int(batch.batch["attention_mask"].sum())
+    times: list[float] = []
+    first = 0.0
+    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+    for i in range(warmup + steps):
+        sync(device)
+        t0 = time.perf_counter()
+        metrics = backend.train_step(batch, pg_loss)
+        sync(device)
+        dt = time.perf_counter() - t0
+        if i == 0:
+            first = dt
+        if i >= warmup:
+            times.append(dt)
+    step = statistics.median(times)
+    if profile and device.type == "cuda":
+        profile_step(name, backend, batch)
+    out = {
+        "variant": name, "shape": shape, "params": params, "tokens": tokens, "step_s": step,
+        "step_s_min": min(times), "step_s_max": max(times), "first_step_s": first,
+        "tokens_per_s": tokens / step, "tflops_6n": 6 * params * tokens / step / 1e12,
+        "mfu": 6 * params * tokens / step / PEAK_FLOPS, "loss": metrics["actor/loss"],
+        "grad_norm": metrics["actor/grad_norm"], "fp8_layers": len(backend.fp8_report.converted) if fp8 else 0,
+    }
+    if device.type == "cuda":
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del backend, model, batch
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_tflops(n: int = 8192, iters: int = 10) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * n**3 * iters / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    by = {r["variant"]: r for r in results if "step_s" in r}
+    summary: dict[str, Any] = {}
+    cmd = command_line()
+    best_17 = max((r for k, r in by.items() if k.startswith("1.7b/bf16")), key=lambda r: r["mfu"], default=None)
+    if best_17:
+        summary["train_mfu_1p7b"] = {"value": round(best_17["mfu"], 4), "variant": best_17["variant"],
+                                     "tokens_per_s": round(best_17["tokens_per_s"]), "command": cmd}
+    ratios = {}
+    for mode in ("", "+compile"):
+        base = by.get(f"8b-layers/bf16{mode}")
+        for recipe in ("tensorwise", "blockwise"):
+            fp8 = by.get(f"8b-layers/fp8-{recipe}{mode}")
+            if base and fp8:
+                ratios[f"{recipe}{mode}"] = base["step_s"] / fp8["step_s"]
+    if ratios:
+        best = max(ratios, key=ratios.get)
+        summary["fp8_train_speedup_8b"] = {"value": round(ratios[best], 3), "recipe": best,
+                                           "all": {k: round(v, 3) for k, v in ratios.items()}, "command": cmd}
+    return summary
+
+
+def _on_alarm(signum, frame):
+    raise TimeoutError("variant exceeded --variant-timeout-s")
+
+
+def main() -> None:
+    signal.signal(signal.SIGALRM, _on_alarm)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--budget-s", type=float, default=420.0, help="skip remaining variants after this")
+    ap.add_argument("--variant-timeout-s", type=int, default=120, help="abort one variant after this")
+    ap.add_argument("--profile", default="1.7b/bf16", help="variants to profile one step of")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run of the code paths")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    rows, seq = (ROWS, SEQ) if not args.smoke else (2, 64)
+    if args.smoke:
+        for name, (_, kind, kwargs, recipe, ac) in list(VARIANTS.items()):
+            kwargs = {k: ("eager" if k == "compile_layers" else v) for k, v in kwargs.items()}
+            VARIANTS[name] = ("smoke", kind, kwargs, recipe, ac)
+    env = environment()
+    if device.type == "cuda":
+        env["bf16_matmul_tflops_8192"] = round(matmul_tflops(), 1)
+    results: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    for name in args.variants.split(","):
+        if time.perf_counter() - start > args.budget_s:
+            results.append({"variant": name, "skipped": "time budget"})
+            continue
+        signal.alarm(args.variant_timeout_s)
+        try:
+            r = run_variant(name, args.steps, args.warmup, device, rows, seq, name in args.profile.split(","))
+        except Exception as exc:  # report and go on: one broken variant must not lose the others
+            traceback.print_exc()
+            r = {"variant": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            gc.collect()
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+        finally:
+            signal.alarm(0)
+        results.append(r)
+        print(f"[{time.perf_counter() - start:6.1f}s] {r}", flush=True)
+    payload = {"environment": env, "command": command_line(), "rows": rows, "seq": seq,
+               "results": results, "summary": summarize(results)}
+    path = write_json("train_smoke.json" if args.smoke else "train.json", payload)
+    print(f"wrote {path}")
+    print_table(
+        [{**r, "err": (r.get("error") or r.get("skipped") or "")[:40]} for r in results],
+        ["variant", "tokens_per_s", "mfu", "step_s", "first_step_s", "peak_mem_gib", "err"],
+    )
+    for k, v in payload["summary"].items():
+        print(k, v)
+
+
+if __name__ == "__main__":
+    main()
