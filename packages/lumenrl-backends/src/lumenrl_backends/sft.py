@@ -29,6 +29,7 @@ import torch
 from lumenrl_backends.__about__ import __version__
 from lumenrl_backends.models import model_cache_dir
 from lumenrl_backends.trainers.data import TASK_SEED, make_loader, split_records
+from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_core.data_proto import DataProto
 
 __all__ = ["warm_start_key", "warm_start_dir", "sft_batch", "target_text", "warm_start"]
@@ -128,18 +129,38 @@ def warm_start(cfg: Any, base_path: str, backend_cls: type, log: Callable[[str],
     if (target / "config.json").is_file():
         log(f"warm start: reusing cached SFT checkpoint {target}")
         return str(target)
+    if dist_utils.world_size() > 1:
+        return _warm_start_ranks(cfg, base_path, backend_cls, target, log)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        log(
-            f"warm start: {cfg.trainer.warm_start_sft_steps} SFT steps on {cfg.dataset.name} (cached at {target})"
-        )
+        steps = cfg.trainer.warm_start_sft_steps
+        log(f"warm start: {steps} SFT steps on {cfg.dataset.name} (cached at {target})")
         _train(cfg, base_path, backend_cls, staging, log)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # lost a race only if the winner finished
-                raise
+        _publish(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    return str(target)
+
+
+def _publish(staging: Path, target: Path) -> None:
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "config.json").is_file():  # lost a race only if the winner finished
+            raise
+
+
+def _warm_start_ranks(cfg: Any, base_path: str, backend_cls: type, target: Path, log: Callable[[str], None]) -> str:
+    """Under torchrun: all ranks train (the SFT step is collective); rank 0 writes and publishes."""
+    staging = target.parent / f".{target.name}.staging"
+    if dist_utils.rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist_utils.barrier()
+    _train(cfg, base_path, backend_cls, staging, log)  # save_hf: rank 0 writes, then a barrier
+    if dist_utils.rank() == 0:
+        _publish(staging, target)
+        shutil.rmtree(staging, ignore_errors=True)
+    dist_utils.barrier()
     return str(target)

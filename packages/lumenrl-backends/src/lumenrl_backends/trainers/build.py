@@ -23,6 +23,7 @@ from lumenrl_backends.trainers.data import EVAL_TASK_SEED, make_loader, split_re
 from lumenrl_backends.trainers.evaluation import Evaluator
 from lumenrl_backends.trainers.outputs import write_run_record
 from lumenrl_backends.trainers.scoring import Scorer
+from lumenrl_backends.training import distributed as dist_utils
 
 __all__ = ["TrainerParts", "build_parts", "seed_everything", "needs_reference"]
 
@@ -64,10 +65,13 @@ class TrainerParts:
     evaluator: Evaluator | None = None
     logger_classes: dict[str, type] = field(default_factory=dict)
     loggers: list[Any] = field(default_factory=list)
+    is_main: bool = True  # rank 0: the only rank that logs, prints and writes run files
 
     def make_loggers(self, resume_step: int | None) -> None:
         """Instantiate ``logger.backends``; a resumed jsonl log drops records after ``resume_step``."""
         self.loggers = []
+        if not self.is_main:
+            return
         for name, cls in self.logger_classes.items():
             if name == "jsonl":
                 self.loggers.append(cls.from_config(self.config, resume_step=resume_step))
@@ -75,12 +79,14 @@ class TrainerParts:
                 self.loggers.append(cls.from_config(self.config))
 
     def announce(self, message: str) -> None:
+        if not self.is_main:
+            return
         from tqdm import tqdm
 
         tqdm.write(message, file=sys.stdout)
 
     def progress(self, *, initial: int, total: int) -> Any:
-        if not self.config.logger.progress_bar:
+        if not (self.config.logger.progress_bar and self.is_main):
             return _NullBar()
         from tqdm import tqdm
 
@@ -151,6 +157,10 @@ def _evaluator(cfg: Any, records: list[dict[str, Any]], tokenizer: Any, scorer: 
     )
 
 
+def _silent(message: str) -> None:
+    return None
+
+
 def _quiet_transformers() -> None:
     """No per-load "Loading weights" bars: the run has its own progress bar."""
     from transformers.utils import logging as hf_logging
@@ -164,9 +174,12 @@ def build_parts(plan: Any, log: Callable[[str], None] = print) -> TrainerParts:
     _quiet_transformers()
     if _device(cfg) == "cpu" and cfg.trainer.cpu_threads > 0:
         torch.set_num_threads(cfg.trainer.cpu_threads)  # tiny CPU models: threads mostly add sync overhead
+    dist_utils.ensure_process_group(torch.device(_device(cfg)))  # torchrun ranks, or a 1-rank group
+    is_main = dist_utils.rank() == 0
     seed_everything(cfg.seed)
-    write_run_record(cfg.trainer.output_dir, cfg, plan.describe())
-    model_path = _policy_path(plan, log)
+    if is_main:
+        write_run_record(cfg.trainer.output_dir, cfg, plan.describe())
+    model_path = _policy_path(plan, log if is_main else _silent)
     seed_everything(cfg.seed)
     backends = _backends(plan, model_path)
     engine, tokenizer = _engine(plan, model_path)
@@ -202,4 +215,5 @@ def build_parts(plan: Any, log: Callable[[str], None] = print) -> TrainerParts:
         evaluator=_evaluator(cfg, eval_records, tokenizer, scorer),
         sampling=_sampling(cfg),
         logger_classes=dict(plan.logger_classes),
+        is_main=is_main,
     )

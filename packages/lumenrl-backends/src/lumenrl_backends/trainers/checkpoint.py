@@ -11,7 +11,8 @@ Layout under ``trainer.output_dir/checkpoints``::
 
 A checkpoint is first written to ``.tmp-step_000004`` and then renamed into place; ``rename``
 is atomic on POSIX, so a directory named ``step_*`` is always complete and a crash mid-write
-leaves only a ``.tmp-`` directory that the next save removes.
+leaves only a ``.tmp-`` directory that the next save removes. Under torchrun every rank writes
+its part of the backend checkpoints; rank 0 writes the rest and renames (barriers between).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from lumenrl_backends.training import distributed as dist_utils
 
 __all__ = ["CheckpointManager", "capture_rng", "restore_rng"]
 
@@ -90,16 +93,22 @@ class CheckpointManager:
         """Write checkpoint ``step``: each backend under its role name, then rename into place."""
         final = self.root / f"step_{step:06d}"
         tmp = self.root / f".tmp-{final.name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for role, backend in backends.items():
+        main = dist_utils.rank() == 0
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist_utils.barrier()
+        for role, backend in backends.items():  # collective under torchrun: every rank writes its part
             backend.save_checkpoint(str(tmp / role))
-        (tmp / "dataloader.json").write_text(json.dumps(dataloader_state))
-        torch.save(capture_rng(), tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        self._prune()
+        dist_utils.barrier()
+        if main:
+            (tmp / "dataloader.json").write_text(json.dumps(dataloader_state))
+            torch.save(capture_rng(), tmp / "rng.pt")
+            (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}))
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            self._prune()
+        dist_utils.barrier()
         return final
 
     def _prune(self) -> None:

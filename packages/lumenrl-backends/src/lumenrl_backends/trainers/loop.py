@@ -24,7 +24,7 @@ from lumenrl_backends.trainers.build import TrainerParts, build_parts
 from lumenrl_backends.trainers.checkpoint import CheckpointManager
 from lumenrl_backends.trainers.metrics import PhaseTimer, batch_metrics, throughput_metrics, train_tokens
 from lumenrl_backends.trainers.outputs import write_summary
-from lumenrl_backends.trainers.rollout import collect_rollouts
+from lumenrl_backends.trainers.rollout import broadcast_from_rank0, collect_rollouts
 from lumenrl_backends.trainers.sync import sync_weights
 from lumenrl_backends.trainers.update import (
     actor_loss_fn,
@@ -112,7 +112,7 @@ class RLTrainer:
         timer, cfg = PhaseTimer(), self.config
         rollout = self._score_and_generate(step)
         timer.add("generate", rollout.generate_s)
-        batch = _trim_to_mini_batches(rollout.batch, cfg)
+        batch = _trim_to_mini_batches(broadcast_from_rank0(rollout.batch), cfg)
         metrics = dict(rollout.metrics)
         if len(batch):
             metrics.update(batch_metrics(batch, cfg.policy.rollout.max_new_tokens))
@@ -223,7 +223,8 @@ class RLTrainer:
             "eval_after": self.eval_after,
             "output_dir": str(out),
         }
-        write_summary(out, summary)
+        if self.parts.is_main:
+            write_summary(out, summary)
         self.parts.announce(_fmt_summary(summary))
         return summary
 
