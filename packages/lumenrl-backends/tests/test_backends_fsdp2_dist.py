@@ -125,7 +125,10 @@ def model_path(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_two_gloo_ranks_match_one_rank(model_path, tmp_path):
+def test_two_gloo_ranks_match_one_rank(model_path, tmp_path, request, monkeypatch):
+    # Spawned ranks unpickle _worker by this module's importlib-mode name ("packages.<dist>.tests...."),
+    # which resolves only with the repo root on sys.path; spawn hands the parent's sys.path to children.
+    monkeypatch.syspath_prepend(str(request.config.rootpath))
     mp.spawn(_worker, args=(2, _free_port(), model_path, str(tmp_path)), nprocs=2, join=True)
     two, two_r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
 
