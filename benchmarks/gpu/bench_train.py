@@ -229,7 +229,7 @@ def main() -> None:
     ap.add_argument("--profile", default="1.7b/bf16", help="variants to profile one step of")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run of the code paths")
     args = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device = torch.device("cuda:0" if torch.cuda.is_available() and not args.smoke else "cpu")
     rows, seq = (ROWS, SEQ) if not args.smoke else (2, 64)
     if args.smoke:
         for name, (_, kind, kwargs, recipe, ac) in list(VARIANTS.items()):

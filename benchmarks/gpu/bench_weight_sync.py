@@ -153,7 +153,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device = torch.device("cuda:0" if torch.cuda.is_available() and not args.smoke else "cpu")
     shapes = ["smoke"] if args.smoke else args.shapes.split(",")
     fs_shapes = {"smoke"} if args.smoke else set(args.fs_shapes.split(","))
     env = environment()

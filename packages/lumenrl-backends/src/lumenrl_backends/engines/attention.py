@@ -9,6 +9,8 @@ For one query token per sequence all ``n_rep`` query heads of a group share K, V
 so the query can be *packed*: ``(B, H, 1, D) -> (B, H_kv, n_rep, D)`` and attention runs once
 per KV head with ``n_rep`` query rows (one pass over the cache; the mask ``(B, 1, 1, L)``
 broadcasts). The result is the same function: every query row still attends to its own keys.
+On CUDA (with Triton) the packed attention runs in the split-KV kernel of
+:mod:`~lumenrl_backends.engines.triton_attention`; elsewhere through SDPA.
 
 :func:`packed_decode_attention` keeps the signature of transformers' attention functions and
 falls back to the original ``sdpa`` function for everything else (prefill, no GQA, no mask).
@@ -26,6 +28,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from lumenrl_backends.engines import triton_attention
 
 __all__ = ["packed_decode_attention", "engine_attention"]
 
@@ -57,7 +61,11 @@ def packed_decode_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     packed = query.reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])  # (B, H_kv, G, D)
-    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    if query.is_cuda and triton_attention.supports(query, key, attention_mask):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = triton_attention.gqa_decode_attention(packed, key, value, attention_mask[:, 0, 0, :], scale)
+    else:
+        out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 

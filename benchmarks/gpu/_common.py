@@ -1,0 +1,183 @@
+"""Shared helpers for the rollout/GRPO GPU benchmarks: environment, random Qwen3 shapes, roofline, output.
+
+Models are random-initialised from ``AutoConfig.for_model("qwen3", ...)`` with the real dims of
+Qwen3-0.6B / 1.7B / 8B (no download). The tokenizer is a stub (ids only, empty texts): speed and
+log-prob numbers do not depend on text.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+OUT_DIR = Path(os.environ.get("LUMENRL_BENCH_OUT") or RESULTS_DIR)  # the device tool's $OUT on the GPU machine
+
+__all__ = [
+    "RESULTS_DIR", "SHAPES", "StubTokenizer", "environment", "qwen3_config", "random_model", "prompt_batch",
+    "copy_bandwidth_gbs", "decode_roofline", "write_json", "merge_summary", "print_table", "command_line",
+]
+
+# hidden, intermediate, layers, heads, kv heads, head_dim, tied embeddings
+SHAPES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
+    "0.6b": (1024, 3072, 28, 16, 8, 128, True),
+    "1.7b": (2048, 6144, 28, 16, 8, 128, True),
+    "8b": (4096, 12288, 36, 32, 8, 128, False),
+}
+VOCAB = 151936
+
+
+class StubTokenizer:
+    """What the engines need from a tokenizer when the model is random: ids, pad/eos, empty texts."""
+
+    pad_token_id = 0
+    eos_token_id = 151645
+    padding_side = "left"
+
+    def batch_decode(self, sequences: Any, skip_special_tokens: bool = True) -> list[str]:
+        return ["" for _ in sequences]
+
+
+def command_line() -> str:
+    return "python " + " ".join(sys.argv)
+
+
+def environment() -> dict[str, Any]:
+    import transformers
+
+    env: dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": "cpu",
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(device=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda,
+                   memory_gib=round(props.total_memory / 2**30, 1))
+    return env
+
+
+def qwen3_config(shape: str) -> Any:
+    from transformers import AutoConfig
+
+    hidden, inter, layers, heads, kv, head_dim, tied = SHAPES[shape]
+    return AutoConfig.for_model(
+        "qwen3", hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, vocab_size=VOCAB,
+        tie_word_embeddings=tied, max_position_embeddings=40960, rope_theta=1_000_000.0,
+        attn_implementation="sdpa", pad_token_id=0, eos_token_id=StubTokenizer.eos_token_id,
+    )
+
+
+def random_model(shape: str, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Any:
+    """Random-init causal LM of ``shape`` directly on ``device`` (bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(qwen3_config(shape), dtype=dtype)
+    model.generation_config.eos_token_id = None  # fixed lengths: never stop early
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def prompt_batch(batch: int, prompt_len: int, *, seed: int = 0, device: str = "cpu") -> Any:
+    """DataProto with ``input_ids``/``attention_mask`` of random non-special ids (full-length prompts)."""
+    from lumenrl_core.data_proto import DataProto
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, 150000, (batch, prompt_len), generator=gen)
+    mask = torch.ones_like(ids)
+    return DataProto.from_dict(tensors={"input_ids": ids.to(device), "attention_mask": mask.to(device)})
+
+
+def copy_bandwidth_gbs(size_bytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), median of ``iters`` copies."""
+    src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times.sort()
+    return 2 * size_bytes / times[len(times) // 2] / 1e9
+
+
+def decode_roofline(model: Any, *, batch: int, prompt_len: int, new_tokens: int, bandwidth_gbs: float,
+                    weight_bytes: int | None = None, kv_element: int = 2) -> dict[str, float]:
+    """Bytes one decode step must read (weights except the input embedding + the KV of every row at
+    its mean context length over the run) and the tokens/s that bandwidth allows."""
+    from lumenrl_backends.engines.graphs import kv_bytes_per_token
+
+    if weight_bytes is None:
+        embed = model.get_input_embeddings().weight
+        tied = model.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        total += sum(b.numel() * b.element_size() for b in model.buffers() if b.dim() >= 2)
+        weight_bytes = total - (0 if tied else embed.numel() * embed.element_size())
+    mean_context = prompt_len + (new_tokens - 1) / 2  # decode steps see prompt+1 .. prompt+new-1 tokens
+    kv = batch * mean_context * kv_bytes_per_token(model.config, kv_element)
+    step_s = (weight_bytes + kv) / (bandwidth_gbs * 1e9)
+    return {"weight_gb": weight_bytes / 1e9, "kv_gb_mean": kv / 1e9, "step_ms": step_s * 1e3,
+            "tokens_per_s": batch / step_s}
+
+
+def timed(fn: Any) -> tuple[Any, float]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    path = OUT_DIR / name
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
+    return path
+
+
+def merge_summary(entries: dict[str, dict[str, Any]], path: Path | None = None) -> Path:
+    """Merge ``{key: {"value": ..., "command": ...}}`` into gpu_summary.json (other keys kept)."""
+    path = path or RESULTS_DIR / "gpu_summary.json"
+    current = json.loads(path.read_text()) if path.exists() else {}
+    current.update(entries)
+    path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":  # python benchmarks/gpu/_common.py merge results/a.json ...: headline keys -> gpu_summary
+    if len(sys.argv) > 2 and sys.argv[1] == "merge":
+        for name in sys.argv[2:]:
+            summary = json.loads(Path(name).read_text()).get("summary", {})
+            print(name, "->", merge_summary(summary), sorted(summary))

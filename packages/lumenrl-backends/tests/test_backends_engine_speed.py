@@ -1,0 +1,221 @@
+"""Native engine speed paths: packed GQA decode attention, Triton split-KV kernel (interpreter on
+CPU), CUDA-graph decode (GPU) and its eager fallback, prefill chunking, KV memory budget, FP8 KV
+scales updated in place."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lumenrl_backends.engines import NativeEngine
+from lumenrl_backends.engines.attention import engine_attention, packed_decode_attention
+from lumenrl_backends.engines.graphs import DecodeGraphs, kv_bytes_per_token, slots_for_budget
+from lumenrl_backends.engines.quant import FP8KVCodec
+from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_core.data_proto import DataProto
+
+torch.set_num_threads(1)
+
+PROMPTS = ["12+34=", "7*8=", "(1+2)*3 = what is it", "9", "abc def, ghi?", "100-1="]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3speed"), seed=0, initializer_range=0.2)
+
+
+@pytest.fixture()
+def loaded(model_dir):
+    return load_model_and_tokenizer(str(model_dir), dtype="float32")
+
+
+def prompt_batch(tokenizer, prompts=PROMPTS) -> DataProto:
+    enc = tokenizer(list(prompts), padding=True, return_tensors="pt")
+    return DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+
+
+def reference_attention(q, k, v, allowed, scale):
+    """float64 grouped attention: q (B, H, 1, D), k/v (B, Hkv, L, D), allowed (B, L) -> (B, 1, H, D)."""
+    rep = q.shape[1] // k.shape[1]
+    k64, v64 = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = (q.double() @ k64.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    return (scores.softmax(-1) @ v64).transpose(1, 2)
+
+
+class _Module(torch.nn.Module):
+    num_key_value_groups = 4
+    is_causal = True
+
+
+def random_decode_inputs(batch=3, heads=8, kv_heads=2, dim=32, length=70):
+    q = torch.randn(batch, heads, 1, dim)
+    cache_k, cache_v = torch.randn(batch + 2, kv_heads, length + 30, dim), torch.randn(batch + 2, kv_heads, length + 30, dim)
+    k, v = cache_k[:batch, :, :length], cache_v[:batch, :, :length]  # strided prefix views, like the slot cache
+    allowed = torch.rand(batch, length) > 0.4
+    allowed[:, -1] = True
+    return q, k, v, allowed
+
+
+def test_packed_decode_attention_matches_float64_reference():
+    torch.manual_seed(0)
+    q, k, v, allowed = random_decode_inputs()
+    scale = q.shape[-1] ** -0.5
+    out, _ = packed_decode_attention(_Module(), q, k, v, allowed[:, None, None, :], scaling=scale)
+    ref = reference_attention(q, k, v, allowed, scale)
+    assert out.shape == (3, 1, 8, 32)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_packed_attention_falls_back_to_sdpa_for_prefill():
+    torch.manual_seed(1)
+    q = torch.randn(2, 8, 5, 16)
+    k, v = torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+    mask = torch.tril(torch.ones(5, 5, dtype=torch.bool))[None, None].expand(2, 1, 5, 5)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out, _ = packed_decode_attention(_Module(), q, k, v, mask, scaling=0.25)
+    ref, _ = sdpa_attention_forward(_Module(), q, k, v, mask, scaling=0.25)
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
+def test_engine_attention_restores_sdpa():
+    from transformers.modeling_utils import AttentionInterface
+
+    before = AttentionInterface._global_mapping["sdpa"]
+    with engine_attention():
+        assert AttentionInterface._global_mapping["sdpa"] is packed_decode_attention
+    assert AttentionInterface._global_mapping["sdpa"] is before
+
+
+_INTERPRETED_CHECK = """
+import torch
+from lumenrl_backends.engines import triton_attention
+from test_backends_engine_speed import random_decode_inputs, reference_attention
+torch.manual_seed(2)
+q, k, v, allowed = random_decode_inputs(dim=64, length=150)
+allowed[1, :] = False
+allowed[1, 149] = True  # a row with a single visible key
+out = triton_attention._run(q.reshape(3, 2, 4, 64), k, v, allowed, 0.125, splits={splits})
+ref = reference_attention(q, k, v, allowed, 0.125)
+assert torch.isfinite(out).all()
+print(float((out.reshape(3, 1, 8, 64).double() - ref).norm() / ref.norm()))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_split_kv_kernel_matches_float64_reference(splits):
+    # TRITON_INTERPRET is read when triton is imported: run the kernel in a fresh interpreter process
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED_CHECK.format(splits=splits)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+def test_decode_graphs_disabled_calls_step_each_time():
+    calls = []
+
+    def step(batch, kv_len, mode):
+        calls.append((batch, kv_len, mode))
+        return (torch.full((batch,), kv_len),)
+
+    graphs = DecodeGraphs(step, enabled=False)
+    assert graphs(2, 64, "greedy")[0].tolist() == [64, 64]
+    graphs(2, 64, "greedy")
+    assert calls == [(2, 64, "greedy")] * 2 and graphs.graphs == {}
+
+
+def test_kv_budget_sizing():
+    class Cfg:
+        num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, hidden_size = 36, 32, 8, 128, 4096
+
+    per_token = kv_bytes_per_token(Cfg, 2)
+    assert per_token == 36 * 2 * 8 * 128 * 2  # 147456 bytes: Qwen3-8B bf16
+    free = 10 * 2**30
+    slots = slots_for_budget(free_bytes=free, utilization=0.5, max_seq_len=512, bytes_per_token=per_token, max_slots=1000)
+    assert slots == (free // 2) // (512 * per_token) == 71
+    assert slots_for_budget(free_bytes=free, utilization=0.5, max_seq_len=512, bytes_per_token=per_token, max_slots=8) == 8
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        slots_for_budget(free_bytes=2**20, utilization=0.5, max_seq_len=512, bytes_per_token=per_token, max_slots=8)
+    with pytest.raises(ValueError, match="must be in"):
+        slots_for_budget(free_bytes=free, utilization=1.5, max_seq_len=512, bytes_per_token=per_token, max_slots=8)
+
+
+def test_kv_bytes_per_token_mla():
+    class Mla:
+        num_hidden_layers, num_attention_heads = 2, 4
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim = 16, 8, 16
+
+    assert kv_bytes_per_token(Mla, 2) == 2 * (4 * 24 + 4 * 16) * 2
+
+
+def test_prefill_chunks_bound_padded_tokens_and_keep_outputs(loaded):
+    model, tokenizer = loaded
+    batch = prompt_batch(tokenizer, PROMPTS * 2)
+    params = {"temperature": 1.0, "max_new_tokens": 6, "seed": 5}
+    whole = NativeEngine(model, tokenizer, max_batch_size=16, max_seq_len=64).generate(batch, params)
+    engine = NativeEngine(model, tokenizer, max_batch_size=16, max_seq_len=64, prefill_chunk_tokens=20)
+    requests = [type("R", (), {"context": [0] * n})() for n in (5, 5, 9, 3, 12, 12)]
+    chunks = engine._prefill_chunks(requests)
+    assert sum(len(c) for c in chunks) == 6
+    assert all(len(c) == 1 or len(c) * max(len(r.context) for r in c) <= 20 for c in chunks)
+    chunked = engine.generate(batch, params)
+    assert torch.equal(whole.batch["responses"], chunked.batch["responses"])
+    assert torch.allclose(whole.batch["rollout_log_probs"], chunked.batch["rollout_log_probs"], atol=1e-4)
+
+
+def test_engine_rejects_bad_speed_options(loaded):
+    model, tokenizer = loaded
+    with pytest.raises(ValueError, match="compile='fast'"):
+        NativeEngine(model, tokenizer, compile="fast")
+    with pytest.raises(ValueError, match="prefill_chunk_tokens=0"):
+        NativeEngine(model, tokenizer, prefill_chunk_tokens=0)
+
+
+def test_fp8_kv_recalibration_keeps_scale_storage():
+    codec = FP8KVCodec(torch.float8_e4m3fn)
+    k, v = torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    codec.calibrate(k, v)
+    k_scale, v_scale = codec.scales.k_scale, codec.scales.v_scale
+    pointer, before = k_scale.data_ptr(), k_scale.clone()
+    codec.calibrate(k * 3.0, v * 0.5)
+    assert codec.scales.k_scale is k_scale and codec.scales.v_scale is v_scale
+    assert k_scale.data_ptr() == pointer
+    assert torch.allclose(k_scale, before * 3.0, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_decode_equals_eager(model_dir):
+    model, tokenizer = load_model_and_tokenizer(str(model_dir), dtype="bfloat16", device="cuda")
+    batch = prompt_batch(tokenizer)
+    outs = []
+    for graphs in (True, False):
+        engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, cuda_graphs=graphs)
+        outs.append(engine.generate(batch, {"temperature": 1.0, "max_new_tokens": 16, "seed": 3}))
+        assert not graphs or (engine.graphs.error is None and engine.graphs.graphs)
+    assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
+    assert torch.equal(outs[0].batch["rollout_log_probs"], outs[1].batch["rollout_log_probs"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_cuda_triton_decode_attention_matches_reference():
+    os.environ.pop("TRITON_INTERPRET", None)
+    from lumenrl_backends.engines import triton_attention
+
+    torch.manual_seed(3)
+    q, k, v, allowed = (t.cuda() for t in random_decode_inputs(batch=5, dim=128, length=300))
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out = triton_attention.gqa_decode_attention(q.reshape(5, 2, 4, 128), k, v, allowed, 128**-0.5)
+    ref = reference_attention(q, k, v, allowed, 128**-0.5)
+    assert float((out.reshape(5, 1, 8, 128).double() - ref).norm() / ref.norm()) < 1e-2
