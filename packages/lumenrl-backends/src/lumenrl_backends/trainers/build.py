@@ -1,8 +1,9 @@
 """Building a run's parts from a :class:`~lumenrl_core.assembly.RunPlan`.
 
 Plugins that read the run config are built with ``Cls.from_config``; pure-math plugins with the
-plan's ``build_*`` helpers. Roles: ``actor`` (always), ``ref`` (a frozen copy of the initial
-policy, only when a KL term is used), ``critic`` (``critic.enabled``), the rollout engine (its
+plan's ``build_*`` helpers. Roles, each a worker group on the plan's controller (``local``: in
+this process): ``actor`` (always), ``ref`` (a frozen copy of the initial policy, only when a KL
+term is used), ``critic`` (``critic.enabled``); then the rollout engine (its
 own copy of the policy, synced after every update), the reward scorer, the train loader and the
 greedy evaluator. Loggers are built after a resume point is known (see ``make_loggers``).
 """
@@ -18,12 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from lumenrl_backends.controllers.worker_group import WorkerGroup
 from lumenrl_backends.models import load_model_and_tokenizer, resolve_model_path
 from lumenrl_backends.trainers.data import EVAL_TASK_SEED, make_loader, split_records
 from lumenrl_backends.trainers.evaluation import Evaluator
 from lumenrl_backends.trainers.outputs import write_run_record
 from lumenrl_backends.trainers.scoring import Scorer
 from lumenrl_backends.training import distributed as dist_utils
+from lumenrl_backends.workers import ActorWorker, CriticWorker, RefWorker
 
 __all__ = ["TrainerParts", "build_parts", "seed_everything", "needs_reference"]
 
@@ -48,7 +51,8 @@ class _NullBar:
 
 @dataclass(kw_only=True)
 class TrainerParts:
-    """Everything the loop drives, built once per run."""
+    """Everything the loop drives, built once per run. ``actor`` / ``ref`` / ``critic`` are
+    worker groups (``group.call(method, batch)`` goes through the run's controller)."""
 
     config: Any
     tokenizer: Any
@@ -103,15 +107,21 @@ def _policy_path(plan: Any, log: Callable[[str], None]) -> str:
     return warm_start(cfg, base, plan.training_backend_cls, log=log)
 
 
-def _backends(plan: Any, model_path: str) -> dict[str, Any]:
+def _worker_groups(plan: Any, model_path: str) -> dict[str, WorkerGroup | None]:
+    """One rank-local worker per role, driven through the plan's controller."""
     cfg, cls = plan.config, plan.training_backend_cls
-    out = {"actor": cls.from_config(cfg, role="actor", model_path=model_path)}
-    out["ref"] = cls.from_config(cfg, role="ref", model_path=model_path) if needs_reference(cfg) else None
+    controller = plan.controller_cls.from_config(cfg)
+
+    def group(worker_cls: type, path: str) -> WorkerGroup:
+        worker = worker_cls.from_config(cfg, model_path=path, backend_cls=cls)
+        return WorkerGroup([worker], name=worker_cls.role, controller=controller)
+
     critic_path = resolve_model_path(cfg.critic.model_name) if cfg.critic.model_name else model_path
-    out["critic"] = (
-        cls.from_config(cfg, role="critic", model_path=critic_path) if cfg.critic.enabled else None
-    )
-    return out
+    return {
+        "actor": group(ActorWorker, model_path),
+        "ref": group(RefWorker, model_path) if needs_reference(cfg) else None,
+        "critic": group(CriticWorker, critic_path) if cfg.critic.enabled else None,
+    }
 
 
 def _engine(plan: Any, model_path: str) -> tuple[Any, Any]:
@@ -181,7 +191,7 @@ def build_parts(plan: Any, log: Callable[[str], None] = print) -> TrainerParts:
         write_run_record(cfg.trainer.output_dir, cfg, plan.describe())
     model_path = _policy_path(plan, log if is_main else _silent)
     seed_everything(cfg.seed)
-    backends = _backends(plan, model_path)
+    groups = _worker_groups(plan, model_path)
     engine, tokenizer = _engine(plan, model_path)
     train_records, eval_records = split_records(cfg)
     r = cfg.policy.rollout
@@ -196,9 +206,9 @@ def build_parts(plan: Any, log: Callable[[str], None] = print) -> TrainerParts:
     return TrainerParts(
         config=cfg,
         tokenizer=tokenizer,
-        actor=backends["actor"],
-        ref=backends["ref"],
-        critic=backends["critic"],
+        actor=groups["actor"],
+        ref=groups["ref"],
+        critic=groups["critic"],
         engine=engine,
         scorer=scorer,
         estimator=plan.build_adv_estimator(),

@@ -84,16 +84,16 @@ class RLTrainer:
         )
 
     def _compute_log_probs(self, batch: DataProto, timer: PhaseTimer) -> None:
-        p, temperature = self.parts, float(self.parts.sampling["temperature"]) or 1.0
-        batch.meta_info["temperature"] = temperature
+        p = self.parts
+        batch.meta_info["temperature"] = float(p.sampling["temperature"]) or 1.0  # the workers read it
         with timer("old_log_prob"):
-            batch["old_log_probs"], _ = p.actor.compute_log_probs(batch, temperature=temperature)
+            batch.union(p.actor.call("compute_log_prob", batch))
         if p.ref is not None:
             with timer("ref"):
-                batch["ref_log_probs"], _ = p.ref.compute_log_probs(batch, temperature=temperature)
+                batch.union(p.ref.call("compute_ref_log_prob", batch))
         if p.critic is not None:
             with timer("values"):
-                batch["values"] = p.critic.compute_values(batch)
+                batch.union(p.critic.call("compute_values", batch))
 
     def _update(self, batch: DataProto, timer: PhaseTimer) -> dict[str, float]:
         p, metrics = self.parts, {}
@@ -102,9 +102,9 @@ class RLTrainer:
         metrics.update(apply_rollout_correction(batch, p.correction))
         if p.critic is not None:
             with timer("update_critic"):
-                metrics.update(p.critic.train_step(batch, self.critic_loss))
+                metrics.update(p.critic.call("update_critic", batch, self.critic_loss))
         with timer("update_actor"):
-            metrics.update(p.actor.train_step(batch, self.actor_loss))
+            metrics.update(p.actor.call("update_actor", batch, self.actor_loss))
         return metrics
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -148,14 +148,15 @@ class RLTrainer:
         self._sync(self.step)
 
     def _sync(self, version: int) -> dict[str, float]:
+        actor_backend = self.parts.actor[0].backend  # colocated: this process's actor worker
         return sync_weights(
-            self.parts.actor, self.parts.engine, version, bucket_size_mb=self.config.weight_sync.bucket_size_mb
+            actor_backend, self.parts.engine, version, bucket_size_mb=self.config.weight_sync.bucket_size_mb
         )
 
     def _backends(self) -> dict[str, Any]:
-        roles = {"actor": self.parts.actor}
+        roles = {"actor": _GroupCheckpoint(self.parts.actor)}
         if self.parts.critic is not None:
-            roles["critic"] = self.parts.critic
+            roles["critic"] = _GroupCheckpoint(self.parts.critic)
         return roles
 
     def _save(self, step: int) -> None:
@@ -211,7 +212,7 @@ class RLTrainer:
     def _finish(self) -> dict[str, Any]:
         cfg, out = self.config, Path(self.config.trainer.output_dir)
         if cfg.checkpointing.export_hf:
-            self.parts.actor.save_hf(str(out / "final"), tokenizer=self.parts.tokenizer)
+            self.parts.actor.call("save_hf", str(out / "final"), tokenizer=self.parts.tokenizer)
         rewards = self.history.get("reward/mean", [])
         summary = {
             "steps": self.step,
@@ -227,6 +228,19 @@ class RLTrainer:
             write_summary(out, summary)
         self.parts.announce(_fmt_summary(summary))
         return summary
+
+
+class _GroupCheckpoint:
+    """A worker group seen as one checkpointable backend (the call runs on every rank)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def save_checkpoint(self, path: str) -> None:
+        self.group.call("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.group.call("load_checkpoint", path)
 
 
 def _trim_to_mini_batches(batch: DataProto, cfg: Any) -> DataProto:
