@@ -205,3 +205,23 @@ def test_scaled_mm_rejects_bad_operands():
         scaled_mm(aq, torch.tensor(1.0), bq, torch.tensor(1.0))
     with pytest.raises(ValueError, match="scale layout"):
         scaled_mm(aq, torch.ones(3, 3), aq.view(4, 64), torch.tensor(1.0))
+
+
+def test_blockwise_dispatch_policy(monkeypatch):
+    """Path choice as on an H200 with Triton (device checks stubbed): Triton for M < 4 and small
+    decode shapes, cuBLAS otherwise, emulation when neither exists."""
+    from lumenrl_quant import gemm
+
+    monkeypatch.setattr(gemm, "_device_supports", lambda mode, device, k, out_dtype: True)
+    monkeypatch.setattr(gemm, "_triton_blockwise_ok", lambda a_q, b_q, k: True)
+
+    def path(m, k):
+        _, _, aq, sa, bq, sb = _operands("blockwise", m=m, n=128, k=k)
+        return gemm_path(aq, sa, bq, sb)
+
+    assert path(1, 256) == path(3, 256) == "triton_blockwise"  # cuBLASLt has no kernel for M < 4
+    assert path(16, 256) == "triton_blockwise"
+    assert path(32, 256) == "scaled_mm_blockwise"
+    assert path(8, 16384) == "scaled_mm_blockwise"  # large K: cuBLAS measured faster
+    monkeypatch.setattr(gemm, "_triton_blockwise_ok", lambda a_q, b_q, k: False)
+    assert path(1, 256) == "emulated" and path(8, 256) == "scaled_mm_blockwise"

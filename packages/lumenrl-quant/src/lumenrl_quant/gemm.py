@@ -25,8 +25,9 @@ Paths (:func:`gemm_path` names the one that would run):
   of 16, float32 scales; rowwise output must be bfloat16 on CUDA. Blockwise 1x128 activation scales
   go in "outer-dim-major" layout (stride ``(1, M)``), 128x128 weight scales as ``b_scale.t()``.
 * ``triton_blockwise``: the optional Triton kernel (:mod:`lumenrl_quant.triton_kernels`) for
-  blockwise on CUDA sm89+, used for ``M <= TRITON_BLOCKWISE_MAX_M`` (decode shapes, where the
-  benchmark shows it beats cuBLAS) and wherever cuBLAS has no blockwise mode (sm89, older torch).
+  blockwise on CUDA sm89+, used for decode shapes where the H200 benchmark shows it beats cuBLAS
+  (``M <= TRITON_BLOCKWISE_MAX_M`` and ``K <= TRITON_BLOCKWISE_MAX_K``), for M < 4 (cuBLASLt has no
+  blockwise kernel there) and wherever cuBLAS has no blockwise mode at all (sm89, older torch).
 * ``emulated``: dequantize both operands to float32, matmul in float32, add bias, cast. This is
   the exact reference (float32 accumulation), used on CPU and wherever no fast path exists.
 
@@ -48,9 +49,12 @@ __all__ = ["GemmPath", "ScaleLayout", "emulated_scaled_mm", "gemm_path", "infer_
 
 GemmPath = str  # "scaled_mm_tensorwise" | "scaled_mm_rowwise" | "scaled_mm_blockwise" | "triton_blockwise" | "emulated"
 
-# Blockwise GEMMs with at most this many rows use the Triton kernel instead of cuBLAS (decode
-# shapes); set from benchmarks/quant results on H200 (0 = never while cuBLAS blockwise works).
-TRITON_BLOCKWISE_MAX_M = 0
+# Blockwise GEMMs with M <= TRITON_BLOCKWISE_MAX_M and K <= TRITON_BLOCKWISE_MAX_K use the Triton
+# kernel instead of cuBLAS. Measured on H200 (benchmarks/RESULTS.md, CUDA-graph replay): Triton
+# 12.3-13.0 us vs cuBLAS 16.1-16.6 us at 4096x4096 and 20.6-21.1 vs 22.6-23.1 us at N=14336, K=4096
+# for M = 4..16; cuBLAS wins at K = 14336 (29 vs 39 us) and for M >= 32.
+TRITON_BLOCKWISE_MAX_M = 16
+TRITON_BLOCKWISE_MAX_K = 8192
 # cuBLASLt (H200, torch 2.11 / CUDA 13.0) has no blockwise heuristic for M < 4: it raises
 # CUBLAS_STATUS_NOT_SUPPORTED at M = 1 and 2 (measured), so those go to Triton (or emulation).
 CUBLAS_BLOCKWISE_MIN_M = 4
@@ -162,7 +166,7 @@ def gemm_path(
     cublas_ok = key not in _FAILED and _device_supports(mode, a_q.device, k, out_dtype)
     if mode == "blockwise" and m < CUBLAS_BLOCKWISE_MIN_M:
         cublas_ok = False
-    prefer_triton = not cublas_ok or m <= TRITON_BLOCKWISE_MAX_M
+    prefer_triton = not cublas_ok or (m <= TRITON_BLOCKWISE_MAX_M and k <= TRITON_BLOCKWISE_MAX_K)
     if mode == "blockwise" and prefer_triton and _triton_blockwise_ok(a_q, b_q, k):
         return "triton_blockwise"
     return f"scaled_mm_{mode}" if cublas_ok else "emulated"
@@ -241,6 +245,8 @@ def scaled_mm(
             out = _torch_scaled_mm(mode, a_q.contiguous(), a_scale, b_q.contiguous(), b_scale, out_dtype)
             return out if bias is None else (out + bias.to(out_dtype))
         except (RuntimeError, NotImplementedError) as err:
+            if a_q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise  # never bake a silent fallback into a CUDA graph
             _FAILED.add(_failure_key(a_q, b_q, mode, out_dtype))
             warnings.warn(f"torch._scaled_mm {mode} failed here ({err}); using the emulated GEMM", stacklevel=2)
     return emulated_scaled_mm(
