@@ -28,6 +28,7 @@ __all__ = [
 
 # hidden, intermediate, layers, heads, kv heads, head_dim, tied embeddings
 SHAPES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
+    "tiny": (64, 128, 2, 4, 2, 16, True),  # CPU smoke runs of the scripts
     "0.6b": (1024, 3072, 28, 16, 8, 128, True),
     "1.7b": (2048, 6144, 28, 16, 8, 128, True),
     "8b": (4096, 12288, 36, 32, 8, 128, False),

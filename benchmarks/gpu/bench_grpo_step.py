@@ -1,0 +1,112 @@
+"""One full GRPO step with LumenRL's own components vs TRL's GRPOTrainer (recorded baseline).
+
+LumenRL side: the ``rl`` trainer built from ``configs/grpo_dense_bf16.yaml`` exactly as
+``lumenrl train`` builds it (plugin registry, ``native`` engine with CUDA graphs, FSDP2 actor on
+one GPU in bf16 mixed precision), on a random-init Qwen3-0.6B-shaped model saved to a temporary
+directory, 16 prompts x 8 generations x 256 new tokens (EOS ignored), no reference model (TRL's
+default ``beta=0``), one optimizer step per rollout batch. A step is rollout + reward + actor
+log-probs + advantages + update + weight sync (``RLTrainer.train_step``). Step 1 warms up
+(graph capture, kernels); the table reports the median of the timed steps and the phases.
+
+TRL side: the issue's recorded baseline, TRL 1.16 GRPOTrainer (``use_vllm=False``) on the same
+H200, same shapes (0.6B, 16 x 8 x 256): 8.2 s per step, measured with torch 2.11 and
+transformers 5.17 (the versions on the device machine). TRL is not run here (see RESULTS.md).
+
+    python benchmarks/gpu/bench_grpo_step.py --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TRL_BASELINE_S = 8.2  # issue 5: TRL 1.16 GRPOTrainer, no vLLM, 0.6B shape, 16 x 8 x 256, this H200
+
+
+def save_random_model(shape: str, path: Path, device: str) -> None:
+    from transformers import AutoTokenizer
+
+    from lumenrl_backends.models.builtin import resolve_model_path
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    C.random_model(shape, device=device, dtype=dtype).save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("lumenrl:tiny-qwen3-arith"))
+    tokenizer.save_pretrained(path)
+
+
+def build_trainer(model_dir: Path, out_dir: Path, args):
+    from lumenrl_core.assembly import plan_run
+    from lumenrl_core.config import load_config
+
+    overrides = [
+        f"policy.model_name={model_dir}", "trainer.warm_start_sft_steps=0", f"trainer.output_dir={out_dir}",
+        "trainer.cpu_threads=0", "eval.enabled=false", "logger.backends=[jsonl]",
+        f"policy.rollout.n={args.generations}", f"dataset.train_batch_size={args.prompts}",
+        f"policy.rollout.max_new_tokens={args.new}", "policy.rollout.ignore_eos=true",
+        f"policy.rollout.max_batch_size={args.prompts * args.generations}",
+        "algorithm.use_kl_loss=false", "policy.train.mini_batch_size=0",
+        f"policy.train.micro_batch_size={args.micro_batch}", f"num_training_steps={args.steps + 1}",
+        "policy.dtype=bfloat16" if args.device == "cuda" else "policy.dtype=float32",
+    ] + args.override
+    config = load_config(str(ROOT / "configs" / "grpo_dense_bf16.yaml"), overrides)
+    plan = plan_run(config)
+    return plan.trainer_cls.from_plan(plan), overrides
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="0.6b")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--override", action="append", default=[], help="extra config overrides (key=value)")
+    ap.add_argument("--out", default="grpo_step.json")
+    args = ap.parse_args()
+    result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, out_dir = Path(tmp) / "model", Path(tmp) / "run"
+        save_random_model(args.shape, model_dir, args.device)
+        trainer, overrides = build_trainer(model_dir, out_dir, args)
+        result["overrides"] = overrides
+        steps = []
+        for step in range(1, args.steps + 2):
+            start = time.perf_counter()
+            metrics = trainer.train_step(step)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            phases = {k.removeprefix("timing/").removesuffix("_s"): v for k, v in metrics.items() if k.startswith("timing/")}
+            steps.append({"step": step, "seconds": seconds, **phases,
+                          "generated_tokens": metrics.get("perf/generated_tokens", metrics.get("throughput/generated_tokens"))})
+            print(f"step {step}: {seconds:.2f} s  phases {', '.join(f'{k} {v:.2f}' for k, v in phases.items())}")
+            sys.stdout.flush()
+    timed = steps[1:]
+    median = statistics.median(s["seconds"] for s in timed)
+    result.update(steps=steps, median_step_s=median, trl_baseline_s=TRL_BASELINE_S,
+                  trl_source="recorded baseline from issue 5 (TRL 1.16, no vLLM, same H200 and shapes); not rerun",
+                  speedup_vs_trl=TRL_BASELINE_S / median)
+    result["summary"] = {"grpo_step_speedup_vs_trl": {
+        "value": TRL_BASELINE_S / median, "lumenrl_step_s": median, "trl_step_s": TRL_BASELINE_S,
+        "trl_source": result["trl_source"], "command": result["command"]}}
+    C.write_json(args.out, result)
+    rows = [{"system": "lumenrl (native + fsdp2)", "step_s": median, **{k: v for k, v in timed[-1].items() if k not in ("step", "seconds")}},
+            {"system": "trl GRPOTrainer (recorded)", "step_s": TRL_BASELINE_S}]
+    C.print_table(rows, ["system", "step_s", *[k for k in timed[-1] if k not in ("step", "seconds", "generated_tokens")]])
+    print(f"speedup vs TRL: {TRL_BASELINE_S / median:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
