@@ -61,6 +61,14 @@ class RLTrainer:
     def probe(cls) -> str | None:
         return None
 
+    @property
+    def total_steps(self) -> int:
+        """``num_training_steps``, capped at ``trainer.total_epochs`` passes over the data when set."""
+        steps, epochs = self.config.num_training_steps, self.config.trainer.total_epochs
+        if epochs > 0:
+            steps = min(steps, epochs * len(self.parts.train_loader))
+        return steps
+
     @classmethod
     def from_plan(cls, plan: Any) -> RLTrainer:
         """Build every component the plan resolved (models load here, never in ``plan_run``)."""
@@ -172,7 +180,7 @@ class RLTrainer:
 
     def _should_eval(self, step: int) -> bool:
         every = self.config.eval.every or self.config.trainer.test_freq
-        last = step == self.config.num_training_steps
+        last = step == self.total_steps
         return self.parts.evaluator is not None and (last or (every > 0 and step % every == 0))
 
     def _record(self, metrics: Mapping[str, float], step: int) -> None:
@@ -183,16 +191,16 @@ class RLTrainer:
             logger.log(metrics, step)
 
     def fit(self) -> dict[str, Any]:
-        """Train ``num_training_steps`` steps (resuming when configured); return the summary."""
+        """Train ``total_steps`` steps (resuming when configured); return the summary."""
         cfg = self.config
         self._resume()
         self.parts.make_loggers(resume_step=self.step if self.config.checkpointing.resume else None)
         if self.step == 0 and self.parts.evaluator is not None:
             self.eval_before = self._evaluate()
             self.parts.announce(f"eval before training: {_fmt_eval(self.eval_before)}")
-        bar = self.parts.progress(initial=self.step, total=cfg.num_training_steps)
+        bar = self.parts.progress(initial=self.step, total=self.total_steps)
         try:
-            for step in range(self.step + 1, cfg.num_training_steps + 1):
+            for step in range(self.step + 1, self.total_steps + 1):
                 metrics = self.train_step(step)
                 if self._should_eval(step):
                     self.eval_after = self._evaluate()
@@ -201,7 +209,7 @@ class RLTrainer:
                 self.step = step
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', math.nan):.3f}")
-                if _due(cfg.checkpointing, step, cfg.num_training_steps):
+                if _due(cfg.checkpointing, step, self.total_steps):
                     self._save(step)
         finally:
             bar.close()
