@@ -18,7 +18,8 @@ Padding-free forwards (``packing``, default ``auto``): every micro-batch runs ei
 attention) or with the all-padding columns trimmed, whichever feeds fewer token slots to the
 model (:mod:`~lumenrl_backends.training.packing`); ``none`` keeps the padded grid. Results equal
 the padded forward up to fp rounding (tested). ``compile_layers`` compiles each decoder layer
-(``nn.Module.compile``, names unchanged; ``True`` = inductor, or a torch.compile backend name).
+(``nn.Module.compile``, names unchanged; ``True`` = inductor, or a torch.compile backend name),
+and the fused log-prob/entropy kernels with the same backend.
 
 Schedule units: the LR scheduler steps once per optimizer step. ``num_training_steps`` and
 ``optim.warmup_steps`` are in *training steps* and multiplied by
@@ -49,6 +50,7 @@ from lumenrl_backends.training.batching import (
 )
 from lumenrl_backends.training.modeling import (
     CriticModel,
+    compile_decoder_layers,
     decoder_layers,
     enable_activation_checkpointing,
     response_logits,
@@ -153,24 +155,6 @@ def _shard(model: nn.Module, mp_policy) -> nn.Module:
     return model
 
 
-def _compile_layers(model: nn.Module, backend: bool | str) -> None:
-    """``nn.Module.compile`` on every decoder layer (in place: parameter names do not change).
-
-    Identical layers share one compiled graph; the recompile limit is raised so that per-layer
-    guards never push a layer back to eager. FSDP2's hooks stay eager (dynamo skips them).
-    """
-    import torch._dynamo
-
-    layers = decoder_layers(model)
-    config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(config, name):
-            setattr(config, name, max(getattr(config, name), 2 * len(layers) + 8))
-    kwargs = {} if backend is True else {"backend": backend}
-    for layer in layers:
-        layer.compile(dynamic=False, **kwargs)
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -222,8 +206,10 @@ class FSDP2Backend:
         self.packing = packing if packing is not None else getattr(train, "packing", "auto")
         plan_micro_batch(torch.ones(1, 2), 1, mode=self.packing)  # validates the mode early
         self._pack_align = 64 if self.device.type == "cuda" else 8
+        self._logprob_backend = None  # torch.compile backend of the fused log-prob kernels
         if compile_layers:
-            _compile_layers(self.model, compile_layers)
+            compile_decoder_layers(self.model, compile_layers)
+            self._logprob_backend = "inductor" if compile_layers is True else str(compile_layers)
         self.optimizer = self.scheduler = self._sft_optimizer = None
         if role != "ref":
             self.optimizer = self._build_optimizer(optim.lr)
@@ -329,7 +315,9 @@ class FSDP2Backend:
             values = self.model(**model_in)  # (b, P+T)
             return values[:, -T - 1 : -1], None
         logits = response_logits(self.model, **model_in, response_len=T)  # (b, T, V)
-        return token_log_probs(logits, inputs["responses"], temperature, with_entropy)
+        return token_log_probs(
+            logits, inputs["responses"], temperature, with_entropy, compile_backend=self._logprob_backend
+        )
 
     def _forward_packed(self, plan: PackPlan, inputs: Mapping[str, torch.Tensor], temperature, with_entropy):
         """One forward over R packed rows; per-token results scattered back to (b, T)."""
@@ -343,7 +331,9 @@ class FSDP2Backend:
         )
         logits = out.logits[plan.pred_row, plan.pred_k]  # (N, V): only the predicting positions
         tokens = inputs["responses"][plan.out_row, plan.out_col]  # (N,)
-        log_probs, entropy = token_log_probs(logits[None], tokens[None], temperature, with_entropy)
+        log_probs, entropy = token_log_probs(
+            logits[None], tokens[None], temperature, with_entropy, compile_backend=self._logprob_backend
+        )
         first = unpack_tokens(plan, log_probs[0], shape)
         return first, (unpack_tokens(plan, entropy[0], shape) if entropy is not None else None)
 

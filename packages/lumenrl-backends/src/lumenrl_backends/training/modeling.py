@@ -6,7 +6,8 @@
 - :func:`response_logits`: logits for the T response positions of a (B, P+T) sequence.
 - :func:`token_log_probs`: ``log_softmax(logits.float() / temperature)`` gathered at the
   response tokens (as ``z_tok - logsumexp(z)``, without a (B, T, V) log-prob tensor), plus the
-  entropy of that same processed distribution, ``logsumexp(z) - sum_v softmax(z)_v z_v``.
+  entropy of that same processed distribution, ``logsumexp(z) - sum_v softmax(z)_v z_v``
+  (compiled: the fused autograd function of :mod:`~lumenrl_backends.training.logprobs`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lumenrl_backends.training.logprobs import fused_token_log_probs
+
 __all__ = [
     "CriticModel",
+    "compile_decoder_layers",
     "decoder_layers",
     "enable_activation_checkpointing",
     "response_logits",
@@ -57,6 +61,24 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def compile_decoder_layers(model: nn.Module, backend: bool | str) -> None:
+    """``nn.Module.compile`` on every decoder layer (in place: parameter names do not change).
+
+    Identical layers share one compiled graph; the recompile limit is raised so that per-layer
+    guards never push a layer back to eager. FSDP2's hooks stay eager (dynamo skips them).
+    """
+    import torch._dynamo
+
+    layers = decoder_layers(model)
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 2 * len(layers) + 8))
+    kwargs = {} if backend is True else {"backend": backend}
+    for layer in layers:
+        layer.compile(dynamic=False, **kwargs)
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated decoder blocks of an HF model (``model.layers`` or ``model.model.layers``)."""
     inner = getattr(model, "model", model)
@@ -86,9 +108,22 @@ def response_logits(
 
 
 def token_log_probs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    *,
+    compile_backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, T) log p(token) under ``softmax(logits / temperature)`` and optionally its entropy."""
+    """(B, T) log p(token) under ``softmax(logits / temperature)`` and optionally its entropy.
+
+    ``compile_backend`` (e.g. ``"inductor"``): the fused forward/backward of
+    :mod:`~lumenrl_backends.training.logprobs` as torch.compile'd kernels (no (B, T, V) float32
+    tensor kept for autograd). None: the plain autograd formula below (measured faster in eager
+    mode than the eager fused chunks on H200: 23.2k vs 21.3k tokens/s at 1.7B).
+    """
+    if compile_backend is not None:
+        return fused_token_log_probs(logits, tokens, temperature, with_entropy, compile_backend=compile_backend)
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 for log-probs")
     scaled = logits.float() / temperature  # (B, T, V)
