@@ -185,7 +185,7 @@ class FSDP2Backend:
         fp8: Any | None = None,
         optimizer_steps_per_training_step: int = 1,
         packing: str | None = None,
-        compile_layers: bool | str = False,
+        compile_layers: bool | str | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -207,6 +207,8 @@ class FSDP2Backend:
         plan_micro_batch(torch.ones(1, 2), 1, mode=self.packing)  # validates the mode early
         self._pack_align = 64 if self.device.type == "cuda" else 8
         self._logprob_backend = None  # torch.compile backend of the fused log-prob kernels
+        if compile_layers is None:  # config field when the schema has one (policy.train.compile_layers)
+            compile_layers = getattr(train, "compile_layers", False)
         if compile_layers:
             compile_decoder_layers(self.model, compile_layers)
             self._logprob_backend = "inductor" if compile_layers is True else str(compile_layers)
