@@ -73,6 +73,10 @@ class PolicyTrainConfig:
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
     gradient_checkpointing: bool = False
     mixed_precision: str = field(default="auto", metadata=choices("auto", "bf16", "fp32"))  # auto: bf16 on GPU
+    # padding-free forwards: auto = pack real tokens into fewer rows or trim all-pad columns, whichever is
+    # cheaper; trim = only drop all-pad columns; none = the padded grid
+    packing: str = field(default="auto", metadata=choices("auto", "trim", "none"))
+    compile_layers: bool = False  # torch.compile each decoder layer (GPU speed; parameter names unchanged)
 
 
 @dataclass(kw_only=True, slots=True)
