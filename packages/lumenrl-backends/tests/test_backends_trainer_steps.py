@@ -196,3 +196,21 @@ def test_rollout_correction_weights_and_narrows_the_response_mask():
     assert torch.allclose(batch.batch["is_weights"], torch.tensor([[np.exp(0.1), 2.0]], dtype=torch.float32))
     assert metrics == {"rollout_correction/masked_frac": 0.5}
     assert apply_rollout_correction(batch, None) == {}
+
+
+def test_warm_start_applies_to_builtin_demo_models_only(tmp_path):
+    from lumenrl_core.config import load_config
+
+    from lumenrl_backends.trainers.build import _policy_path
+
+    cfg = load_config(None, [f"policy.model_name={tmp_path}", "trainer.warm_start_sft_steps=5"])
+    logged: list[str] = []
+
+    class _NeverBuilt:
+        @classmethod
+        def from_config(cls, *args, **kwargs):
+            raise AssertionError("a real checkpoint must not be fine-tuned by the demo warm start")
+
+    plan = SimpleNamespace(config=cfg, training_backend_cls=_NeverBuilt)
+    assert _policy_path(plan, logged.append) == str(tmp_path)
+    assert "skipped" in logged[0]

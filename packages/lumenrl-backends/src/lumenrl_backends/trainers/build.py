@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from lumenrl_backends.controllers.worker_group import WorkerGroup
-from lumenrl_backends.models import load_model_and_tokenizer, resolve_model_path
+from lumenrl_backends.models import is_builtin, load_model_and_tokenizer, resolve_model_path
 from lumenrl_backends.trainers.data import EVAL_TASK_SEED, make_loader, split_records
 from lumenrl_backends.trainers.evaluation import Evaluator
 from lumenrl_backends.trainers.outputs import write_run_record
@@ -101,6 +101,10 @@ def _policy_path(plan: Any, log: Callable[[str], None]) -> str:
     cfg = plan.config
     base = resolve_model_path(cfg.policy.model_name)
     if cfg.trainer.warm_start_sft_steps <= 0:
+        return base
+    if not is_builtin(cfg.policy.model_name):  # a real checkpoint already answers: RL starts from it
+        log(f"warm start: skipped for {cfg.policy.model_name!r} (trainer.warm_start_sft_steps applies to "
+            "built-in lumenrl: demo models)")
         return base
     from lumenrl_backends.sft import warm_start
 
