@@ -199,9 +199,8 @@ def test_rollout_correction_weights_and_narrows_the_response_mask():
 
 
 def test_warm_start_applies_to_builtin_demo_models_only(tmp_path):
-    from lumenrl_core.config import load_config
-
     from lumenrl_backends.trainers.build import _policy_path
+    from lumenrl_core.config import load_config
 
     cfg = load_config(None, [f"policy.model_name={tmp_path}", "trainer.warm_start_sft_steps=5"])
     logged: list[str] = []
