@@ -43,13 +43,15 @@ def _draw_panel(ax: Any, records: Sequence[dict[str, Any]], title: str, keys: Se
         steps, values = series(records, key)
         if not steps:
             continue
-        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
+        dashed = key.startswith("eval/") and key != "eval/accuracy"
+        marker = "o" if len(steps) < 30 or key.startswith("eval/") else None
+        ax.plot(steps, values, marker=marker, markersize=3, linestyle="--" if dashed else "-", label=key)
         if key == "reward/mean":
             _, std = series(records, "reward/std")
             if len(std) == len(values):
                 low = [v - s for v, s in zip(values, std)]
                 high = [v + s for v, s in zip(values, std)]
-                ax.fill_between(steps, low, high, alpha=0.2)
+                ax.fill_between(steps, low, high, alpha=0.12, label="reward/std band")
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

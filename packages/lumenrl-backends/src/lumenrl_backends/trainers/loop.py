@@ -198,6 +198,8 @@ class RLTrainer:
         if self.step == 0 and self.parts.evaluator is not None:
             self.eval_before = self._evaluate()
             self.parts.announce(f"eval before training: {_fmt_eval(self.eval_before)}")
+            for logger in self.parts.loggers:  # step 0: the starting point of the eval curves
+                logger.log(self.eval_before, 0)
         bar = self.parts.progress(initial=self.step, total=self.total_steps)
         try:
             for step in range(self.step + 1, self.total_steps + 1):
