@@ -140,10 +140,9 @@ def _engine(plan: Any, model_path: str) -> tuple[Any, Any]:
     return plan.rollout_engine_cls.from_config(cfg, model=model, tokenizer=tokenizer), tokenizer
 
 
-def _device(cfg: Any) -> str:
-    if cfg.cluster.device != "auto":
-        return cfg.cluster.device
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def _device(cfg: Any) -> torch.device:
+    """``cluster.device`` resolved for this rank (``cuda:LOCAL_RANK`` under torchrun)."""
+    return dist_utils.resolve_device(cfg.cluster.device)
 
 
 def _sampling(cfg: Any) -> dict[str, Any]:
@@ -186,9 +185,9 @@ def build_parts(plan: Any, log: Callable[[str], None] = print) -> TrainerParts:
     """Load models and data for ``plan`` (seeded by ``plan.config.seed``)."""
     cfg = plan.config
     _quiet_transformers()
-    if _device(cfg) == "cpu" and cfg.trainer.cpu_threads > 0:
+    if _device(cfg).type == "cpu" and cfg.trainer.cpu_threads > 0:
         torch.set_num_threads(cfg.trainer.cpu_threads)  # tiny CPU models: threads mostly add sync overhead
-    dist_utils.ensure_process_group(torch.device(_device(cfg)))  # torchrun ranks, or a 1-rank group
+    dist_utils.ensure_process_group(_device(cfg))  # torchrun ranks, or a 1-rank group
     is_main = dist_utils.rank() == 0
     seed_everything(cfg.seed)
     if is_main:

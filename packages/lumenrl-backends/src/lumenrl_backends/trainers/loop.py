@@ -194,7 +194,7 @@ class RLTrainer:
         """Train ``total_steps`` steps (resuming when configured); return the summary."""
         cfg = self.config
         self._resume()
-        self.parts.make_loggers(resume_step=self.step if self.config.checkpointing.resume else None)
+        self.parts.make_loggers(resume_step=self.step if self.step > 0 else None)  # > 0: resumed
         if self.step == 0 and self.parts.evaluator is not None:
             self.eval_before = self._evaluate()
             self.parts.announce(f"eval before training: {_fmt_eval(self.eval_before)}")
