@@ -3,13 +3,15 @@
 # entry points from the dev venv's dist-info copied into .benchmeta/). Results land in $OUT.
 set -u
 export PYTHONPATH=".benchmeta:$(ls -d packages/*/src | tr '\n' ':')" LUMENRL_BENCH_OUT="${OUT:-benchmarks/results}" PYTHONUNBUFFERED=1
-export TORCH_LOGS="" TRANSFORMERS_VERBOSITY=error
+export TRANSFORMERS_VERBOSITY=error
 run() { echo "== $*"; timeout "$@" 2>&1 | grep -v -i "warn" ; }
 case "${1:-all}" in
   tests) run 120 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_speed.py packages/lumenrl-backends/tests/test_backends_engine_native.py -k "cuda" ;;
   decode) run 200 python3 benchmarks/gpu/bench_decode.py --models 1.7b,8b --batches 16,64,256 --modes graph --hf dynamic --hf-batches 64 --out decode.json
-          run 150 python3 benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes full --hf '' --out decode_full.json ;;
+          "$0" decode-full ;;
+  decode-full) run 200 python3 benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes full --hf dynamic --out decode_full.json ;;
   fp8) run 150 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16,fp8,fp8+kv --out fp8_rollout.json ;;
   grpo) run 150 python3 benchmarks/gpu/bench_grpo_step.py --steps 3 --out grpo_step.json ;;
   all) for part in tests decode fp8 grpo; do "$0" "$part"; done ;;
+  call3) for part in grpo decode-full; do "$0" "$part"; done ;;
 esac

@@ -154,23 +154,20 @@ def _run(
     return out
 
 
-_OP = None
-
-
-def _op():
-    """The custom op ``lumenrl::gqa_decode_attention``, registered on first use (once per process)."""
-    global _OP
-    if _OP is None:
-        op = torch.library.custom_op("lumenrl::gqa_decode_attention", mutates_args=())(_op_impl)
-        op.register_fake(lambda query, key, value, allowed, scale: torch.empty_like(query))
-        _OP = op
-    return _OP
-
-
 def _op_impl(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float
 ) -> torch.Tensor:
     return _run(query, key, value, allowed, scale)
+
+
+# registered at import (a registration inside a torch.compile'd region would break the graph);
+# only where Triton exists, and once per process (a second import of this file reuses it)
+_OP = None
+if triton is not None:
+    _OP = getattr(torch.ops.lumenrl, "gqa_decode_attention", None)
+    if _OP is None:
+        _OP = torch.library.custom_op("lumenrl::gqa_decode_attention", mutates_args=())(_op_impl)
+        _OP.register_fake(lambda query, key, value, allowed, scale: torch.empty_like(query))
 
 
 def gqa_decode_attention(
@@ -180,4 +177,4 @@ def gqa_decode_attention(
     -> (B, H_kv, G, D) in the query dtype."""
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
-    return _op()(query.contiguous(), key, value, allowed, float(scale))
+    return _OP(query.contiguous(), key, value, allowed, float(scale))
