@@ -37,6 +37,8 @@ def test_metrics_jsonl_has_the_specified_keys_every_step(full_run):
         assert set(record) >= REQUIRED_KEYS, REQUIRED_KEYS - set(record)
         assert all(isinstance(record[k], (int, float)) and math.isfinite(record[k]) for k in REQUIRED_KEYS)
         assert record["perf/rollout_tokens_per_s"] > 0 and record["perf/train_tokens_per_s"] > 0
+        # the native engine and the FSDP2 forward agree on the same (synced) fp32 weights
+        assert record["rollout/logprob_abs_diff_mean"] < 1e-4
 
 
 def test_run_directory_records_config_plugins_checkpoints_and_final_model(full_run):

@@ -33,6 +33,7 @@ from lumenrl_backends.trainers.update import (
     compute_advantages,
     critic_loss_fn,
 )
+from lumenrl_core.algorithms import masked_mean
 from lumenrl_core.data_proto import DataProto
 
 __all__ = ["RLTrainer"]
@@ -125,6 +126,7 @@ class RLTrainer:
         if len(batch):
             metrics.update(batch_metrics(batch, cfg.policy.rollout.max_new_tokens))
             self._compute_log_probs(batch, timer)
+            metrics.update(_mismatch_metrics(batch))
             metrics.update(self._update(batch, timer))
             metrics.update(self._sync(step))
         else:
@@ -238,6 +240,18 @@ class RLTrainer:
             write_summary(out, summary)
         self.parts.announce(_fmt_summary(summary))
         return summary
+
+
+def _mismatch_metrics(batch: DataProto) -> dict[str, float]:
+    """How far the engine's log-probs are from the trainer's on the same weights (mean |delta|)."""
+    if "rollout_log_probs" not in batch.batch:
+        return {}
+    mask = batch.batch["response_mask"]
+    delta = (batch.batch["old_log_probs"].float() - batch.batch["rollout_log_probs"].float()).abs()
+    return {
+        "rollout/logprob_abs_diff_mean": masked_mean(delta, mask).item(),
+        "rollout/logprob_abs_diff_max": (delta * mask).max().item() if mask.any() else 0.0,
+    }
 
 
 class _GroupCheckpoint:
