@@ -113,12 +113,46 @@ print(float((out.reshape(3, 1, 8, 64).double() - ref).norm() / ref.norm()))
 @pytest.mark.parametrize("splits", [1, 3])
 def test_triton_split_kv_kernel_matches_float64_reference(splits):
     # TRITON_INTERPRET is read when triton is imported: run the kernel in a fresh interpreter process
+    done = _interpreted(_INTERPRETED_CHECK.format(splits=splits))
+    assert float(done.strip().splitlines()[-1]) < 1e-5
+
+
+def _interpreted(code: str) -> str:
+    """Run ``code`` in a fresh process with Triton's CPU interpreter on; returns its stdout."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED_CHECK.format(splits=splits)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-5
+    return done.stdout
+
+
+_INTERPRETED_SAMPLER = """
+import torch
+from lumenrl_backends.engines import triton_sampling
+from lumenrl_backends.engines.sampling import sample_tokens
+torch.manual_seed(4)
+batch, vocab = 6, 5000
+logits = torch.randn(batch, vocab) * 3
+temperature = torch.tensor([0.0, 1.0, 0.7, 1.0, 1.3, 0.0])
+seeds = torch.tensor([1, 2**40 + 7, 3, 4, 2**62, 5])
+counters = torch.tensor([0, 5, 9, 100, 3, 1])
+greedy_only = {greedy_only}
+if greedy_only:
+    temperature = torch.zeros(batch)
+tokens, log_probs = triton_sampling.fused_sample(logits, temperature=temperature, seeds=seeds, counters=counters,
+                                                 greedy_only=greedy_only, block_v=1024)
+ref_tokens, ref_log_probs = sample_tokens(logits, temperature=temperature, top_k=torch.zeros_like(seeds),
+                                          top_p=torch.ones(batch), seeds=seeds, counters=counters, restrict=False)
+assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
+print(float((log_probs - ref_log_probs).abs().max()))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
+@pytest.mark.parametrize("greedy_only", [False, True])
+def test_triton_fused_sampler_matches_torch_sampler(greedy_only):
+    done = _interpreted(_INTERPRETED_SAMPLER.format(greedy_only=greedy_only))
+    assert float(done.strip().splitlines()[-1]) < 1e-5
 
 
 def test_decode_graphs_disabled_calls_step_each_time():
@@ -205,6 +239,20 @@ def test_cuda_graph_decode_equals_eager(model_dir):
         assert not graphs or (engine.graphs.error is None and engine.graphs.graphs)
     assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
     assert torch.equal(outs[0].batch["rollout_log_probs"], outs[1].batch["rollout_log_probs"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_cuda_fused_sampling_engine_equals_torch_sampler(model_dir):
+    model, tokenizer = load_model_and_tokenizer(str(model_dir), dtype="bfloat16", device="cuda")
+    batch = prompt_batch(tokenizer)
+    outs = []
+    for fused in (True, False):
+        engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, fused_sampling=fused)
+        outs.append(engine.generate(batch, {"temperature": 1.0, "max_new_tokens": 16, "seed": 9}))
+        assert engine._fused_ok is fused
+    assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
+    assert torch.allclose(outs[0].batch["rollout_log_probs"], outs[1].batch["rollout_log_probs"], atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,9 @@ Design (what the GPU-speed work builds on without a rewrite):
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
   memory); ``gpu_memory_utilization`` sizes the number of KV slots from free device memory;
 * sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with
-  counter-based per-request noise, which makes interrupted sequences resume bit-identically;
+  counter-based per-request noise, which makes interrupted sequences resume bit-identically; on
+  CUDA one Triton pass over the logits (:mod:`~lumenrl_backends.engines.triton_sampling`) for
+  greedy and plain sampling, enabled after a self-check against the torch sampler;
 * log-probs: ``log_softmax(logits.float() / temperature)`` of each sampled token, the
   contracts' convention, so they match the trainer's forward on the same weights.
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -68,6 +71,7 @@ from lumenrl_backends.engines.requests import (
 )
 from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling, sample_tokens
 from lumenrl_backends.engines.slots import SlotState, batch_buckets
+from lumenrl_backends.engines.triton_sampling import fused_sample, fused_sampler_agrees
 from lumenrl_backends.engines.weights import copy_weights_
 
 __all__ = ["NativeEngine", "eos_token_ids", "sliding_window_of", "resolve_device"]
@@ -135,6 +139,7 @@ class NativeEngine:
         compile: str = "none",
         prefill_chunk_tokens: int = 16384,
         gpu_memory_utilization: float | None = None,
+        fused_sampling: bool = True,
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
@@ -188,6 +193,8 @@ class NativeEngine:
         if compile == "full":
             self._model_forward = torch.compile(self.model.forward, dynamic=False)
         self.graphs = DecodeGraphs(self._decode_step, enabled=cuda_graphs and self.device.type == "cuda")
+        # Triton one-pass sampler on CUDA, after a self-check against the torch sampler (None: not checked yet)
+        self._fused_ok: bool | None = None if fused_sampling and self.device.type == "cuda" else False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -341,6 +348,20 @@ class NativeEngine:
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor | slice, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.slots
+        if mode != "restrict" and self._fused_sampling_ok():
+            try:
+                return fused_sample(
+                    logits,
+                    temperature=s.temperature[rows],
+                    seeds=s.seeds[rows],
+                    counters=s.counters[rows],
+                    greedy_only=mode == "greedy",
+                )
+            except Exception as err:  # noqa: BLE001 - a kernel that fails to build: keep the torch sampler
+                if torch.cuda.is_current_stream_capturing():
+                    raise
+                warnings.warn(f"native engine: fused sampler failed ({err}); using the torch sampler", stacklevel=2)
+                self._fused_ok = False
         return sample_tokens(
             logits,
             temperature=s.temperature[rows],
@@ -351,6 +372,14 @@ class NativeEngine:
             restrict=mode == "restrict",
             greedy_only=mode == "greedy",
         )
+
+    def _fused_sampling_ok(self) -> bool:
+        """Decided once, eagerly (the first sample of a run is a prefill's, never inside a capture)."""
+        if self._fused_ok is None:
+            if torch.cuda.is_current_stream_capturing():
+                return False
+            self._fused_ok = fused_sampler_agrees(self.device)
+        return self._fused_ok
 
     def _prefill_chunks(self, admitted: list[Request]) -> list[list[Request]]:
         """Consecutive groups whose left-padded size (rows x longest context) fits the token budget."""
