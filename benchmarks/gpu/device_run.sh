@@ -12,6 +12,10 @@ case "${1:-all}" in
   decode-full) run 200 python3 benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes full --hf dynamic --out decode_full.json ;;
   fp8) run 150 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16,fp8,fp8+kv --out fp8_rollout.json ;;
   grpo) run 150 python3 benchmarks/gpu/bench_grpo_step.py --steps 3 --out grpo_step.json ;;
+  # TRL side (carry .whl: trl 1.16.0, datasets 5.2.0, dill 0.4.0, multiprocess 0.70.18 wheels, ~1.8 MB)
+  trl) python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+       PYTHONPATH="$PYTHONPATH:/tmp/site" run 200 python3 benchmarks/gpu/bench_grpo_trl.py --steps 3 --out grpo_trl.json ;;
   all) for part in tests decode fp8 grpo; do "$0" "$part"; done ;;
   call3) for part in grpo decode-full; do "$0" "$part"; done ;;
+  grpo-vs-trl) for part in trl grpo; do "$0" "$part"; done ;;   # carry .benchmeta and .whl
 esac
