@@ -283,8 +283,12 @@ def test_compile_full_traces_decode_in_one_graph(loaded, monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": "eager"}))
     torch._dynamo.reset()
     counters.clear()
-    compiled = NativeEngine(model, tokenizer, max_batch_size=4, max_seq_len=32, compile="full").generate(batch, params)
+    engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=32, compile="full")
+    compiled = engine.generate(batch, params)
     assert sum(counters["graph_break"].values()) == 0
     assert counters["stats"]["unique_graphs"] == 1
     assert torch.equal(eager.batch["responses"], compiled.batch["responses"])
     assert torch.allclose(eager.batch["rollout_log_probs"], compiled.batch["rollout_log_probs"], atol=1e-5)
+    for rows in (6, 2):  # buckets 8 and 2: one more compile (symbolic batch), then reuse
+        engine.generate(prompt_batch(tokenizer, PROMPTS[:rows]), params)
+    assert counters["stats"]["unique_graphs"] == 2

@@ -12,7 +12,8 @@ Design (what the GPU-speed work builds on without a rewrite):
   CUDA the whole step (forward, sampling, state advance) is captured once per
   (bucket, kv_len, sampling mode) and replayed (:mod:`~lumenrl_backends.engines.graphs`);
   ``compile="full"`` additionally runs the decode forward through ``torch.compile`` (fused
-  elementwise kernels; KV length then fixed at ``max_seq_len`` so there is one compile per bucket);
+  elementwise kernels; KV length then fixed at ``max_seq_len``; at most two compiles: the first
+  bucket static, then one with a symbolic batch for all other buckets);
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
   (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
@@ -191,7 +192,9 @@ class NativeEngine:
         self._rows = torch.arange(max_batch_size, device=self.device)
         self._model_forward = self.model.forward
         if compile == "full":
-            self._model_forward = torch.compile(self.model.forward, dynamic=False)
+            # automatic dynamic shapes: the first bucket compiles static, a second bucket recompiles once
+            # with a symbolic batch that every later bucket reuses (measured configs use the static one)
+            self._model_forward = torch.compile(self.model.forward)
         self.graphs = DecodeGraphs(self._decode_step, enabled=cuda_graphs and self.device.type == "cuda")
         # Triton one-pass sampler on CUDA, after a self-check against the torch sampler (None: not checked yet)
         self._fused_ok: bool | None = None if fused_sampling and self.device.type == "cuda" else False
