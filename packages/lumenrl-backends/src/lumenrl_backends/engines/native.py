@@ -232,6 +232,7 @@ class NativeEngine:
             quant_scheme=rollout_scheme(rollout_quant),
             kv_cache_dtype=rollout_quant.kv_cache_dtype,
             cuda_graphs=bool(getattr(rollout, "cuda_graphs", True)),
+            compile=str(getattr(rollout, "compile", "none")),  # no schema field yet: "none" unless added
             gpu_memory_utilization=getattr(rollout, "gpu_memory_utilization", None),
         )
 
