@@ -12,6 +12,12 @@ broadcasts). The result is the same function: every query row still attends to i
 On CUDA (with Triton) the packed attention runs in the split-KV kernel of
 :mod:`~lumenrl_backends.engines.triton_attention`; elsewhere through SDPA.
 
+FP8 KV cache: in decode the slot cache returns its FP8 storage as is (no dequantized copy of the
+cache per layer and step) and records the layer's scales on itself (``current_scales``); this
+function reads them through the cache passed to :func:`engine_attention`, and either hands the
+FP8 tensors and scales to the kernel or dequantizes them here (CPU, per-head scales, other shapes)
+with lumenrl-quant's ``dequantize_kv``, the same math as the cache's own decode.
+
 :func:`packed_decode_attention` keeps the signature of transformers' attention functions and
 falls back to the original ``sdpa`` function for everything else (prefill, no GQA, no mask).
 :func:`engine_attention` installs it as ``sdpa`` only around the engine's own forwards (inside
@@ -34,6 +40,7 @@ from lumenrl_backends.engines import triton_attention
 __all__ = ["packed_decode_attention", "engine_attention"]
 
 _LOCK = threading.Lock()
+_ACTIVE_CACHE: list = [None]  # the engine cache of the forward in progress (FP8 decode reads its scales)
 
 
 def _original_sdpa():
@@ -55,6 +62,16 @@ def packed_decode_attention(
     """query (B, H, 1, D), key/value (B, H_kv, L, D), mask (B, 1, 1, L) -> (B, 1, H, D_v)."""
     batch, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
+    kv_scales = None
+    if key.dtype in triton_attention.FP8_DTYPES:  # the engine's FP8 cache, as stored (decode only)
+        kv_scales = _ACTIVE_CACHE[0].current_scales
+        kernel_scales = kv_scales.k_scale.numel() == 1 and kv_scales.v_scale.numel() == 1
+        if not (query.is_cuda and kernel_scales and q_len == 1 and kv_heads < heads
+                and triton_attention.supports(query, key, attention_mask)):
+            from lumenrl_quant import dequantize_kv
+
+            key, value = dequantize_kv(key, value, kv_scales, dtype=query.dtype)
+            kv_scales = None
     mask_ok = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
     if q_len != 1 or kv_heads == heads or not mask_ok or kwargs.get("softcap") is not None or dropout:
         return _original_sdpa()(
@@ -63,23 +80,30 @@ def packed_decode_attention(
     packed = query.reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])  # (B, H_kv, G, D)
     if query.is_cuda and triton_attention.supports(query, key, attention_mask):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = triton_attention.gqa_decode_attention(packed, key, value, attention_mask[:, 0, 0, :], scale)
+        out = triton_attention.gqa_decode_attention(
+            packed, key, value, attention_mask[:, 0, 0, :], scale,
+            k_scale=None if kv_scales is None else kv_scales.k_scale,
+            v_scale=None if kv_scales is None else kv_scales.v_scale,
+        )
     else:
         out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
-def engine_attention() -> Iterator[None]:
-    """Route ``sdpa`` to :func:`packed_decode_attention` for the duration of the block."""
+def engine_attention(cache: Any = None) -> Iterator[None]:
+    """Route ``sdpa`` to :func:`packed_decode_attention` for the duration of the block; ``cache`` is
+    the engine's slot cache (its ``current_scales`` dequantize an FP8 cache read as stored)."""
     from transformers.modeling_utils import AttentionInterface
 
     mapping = AttentionInterface._global_mapping
     with _LOCK:
         previous = mapping.get("sdpa")
         mapping["sdpa"] = packed_decode_attention
+        _ACTIVE_CACHE[0] = cache
     try:
         yield
     finally:
         with _LOCK:
             mapping["sdpa"] = previous if previous is not None else _original_sdpa()
+            _ACTIVE_CACHE[0] = None

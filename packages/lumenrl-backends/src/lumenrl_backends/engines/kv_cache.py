@@ -23,7 +23,9 @@ before each forward:
 With an FP8 ``kv_dtype`` the cache stores FP8 K/V with static per-layer scales (calibrated
 from a prefill, recalibrated after weight updates: :class:`~lumenrl_backends.engines.quant.FP8KVCodec`)
 and attention reads the dequantized values, prefill included, so every token sees the same
-precision.
+precision. With ``raw_fp8_decode`` (set by the engine for its ``sdpa`` path) decode returns the
+FP8 storage itself and leaves the layer's scales in ``current_scales``; the engine's attention
+(:mod:`~lumenrl_backends.engines.attention`) dequantizes in its kernel or just before SDPA.
 
 Masks are explicit 4D tensors (bool for SDPA, additive float for eager) built from ``valid``,
 so transformers never needs a sequence length from the cache. A query always sees itself, so no
@@ -93,6 +95,9 @@ class _SlotLayer(CacheLayerMixin):
         if view.decode:
             batch = view.rows.shape[0]
             stored_k, stored_v = self.keys[:batch, :, : view.kv_len], self.values[:batch, :, : view.kv_len]
+            if self.codec is not None and self._owner.raw_fp8_decode:  # the engine's attention dequantizes
+                self._owner.current_scales = self.codec.scales
+                return stored_k, stored_v
         if self.codec is not None:  # attention sees exactly what the cache holds
             return self.codec.decode(stored_k, stored_v, self.dtype)
         return stored_k, stored_v
@@ -129,6 +134,8 @@ class SlotKVCache(Cache):
         self.max_slots, self.max_len = max_slots, max_len
         self.kv_dtype = kv_dtype  # None: the model's dtype; an FP8 dtype: quantized with per-layer scales
         self.recalibrate = False  # FP8: recompute scales during the next prefill
+        self.raw_fp8_decode = False  # FP8 decode returns stored tensors; the engine's attention dequantizes
+        self.current_scales = None  # FP8 scales of the layer whose K/V were returned last
         self.view: CacheView | None = None
         self.valid = torch.zeros((max_slots, max_len), dtype=torch.bool, device=device)  # (S, L)
         super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])

@@ -72,6 +72,7 @@ from lumenrl_backends.engines.requests import (
 )
 from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling, sample_tokens
 from lumenrl_backends.engines.slots import SlotState, batch_buckets
+from lumenrl_backends.engines.triton_attention import kernel_agrees
 from lumenrl_backends.engines.triton_sampling import fused_sample, fused_sampler_agrees
 from lumenrl_backends.engines.weights import copy_weights_
 
@@ -185,6 +186,11 @@ class NativeEngine:
             max_len=max_seq_len,
             device=self.device,
             kv_dtype=kv_dtype,
+        )
+        # the engine's attention reads an FP8 cache as stored: in the Triton kernel (checked once here
+        # on CUDA) or dequantized just before SDPA (CPU); a failed check keeps the dequantized cache
+        self.cache.raw_fp8_decode = self._attn == "sdpa" and (
+            kv_dtype is None or self.device.type != "cuda" or kernel_agrees(self.device, kv_dtype)
         )
         self.slots = SlotState.allocate(max_batch_size, self.device)
         self.buckets = batch_buckets(max_batch_size)
@@ -509,7 +515,7 @@ class NativeEngine:
                 "sliding_attention": mask,
                 "full_attention": to_attention_mask(allowed_full, self._attn, dtype),
             }
-        with engine_attention():
+        with engine_attention(self.cache):
             out = (forward or self.model)(
                 input_ids=ids,
                 attention_mask=mask,

@@ -15,7 +15,8 @@ the multiprocessors about twice. Masked-out columns get ``-inf`` scores; a row w
 all masked in a split contributes nothing (``lse = -inf``). The engine always leaves the written
 column visible, so every row has at least one key.
 
-Exposed as the custom op ``lumenrl::gqa_decode_attention`` (opaque to ``torch.compile``, safe
+An FP8 cache is read as stored: one-element K/V dequant scales are folded into the scores and
+the output, so no dequantized copy of the cache is made. Exposed as the custom op ``lumenrl::gqa_decode_attention`` (opaque to ``torch.compile``, safe
 inside CUDA-graph capture: no host sync, buffers from the caching allocator). Works in Triton's
 interpreter on CPU too (``TRITON_INTERPRET=1``), which the CPU tests use.
 """
@@ -26,7 +27,12 @@ import math
 
 import torch
 
-__all__ = ["available", "gqa_decode_attention", "supports"]
+__all__ = ["FP8_DTYPES", "available", "gqa_decode_attention", "kernel_agrees", "supports"]
+
+FP8_DTYPES = frozenset(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
 
 try:
     import triton
@@ -48,7 +54,7 @@ def supports(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) 
         and key.shape[-1] == d
         and d in (32, 64, 128, 256)
         and query.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and key.dtype == query.dtype
+        and (key.dtype == query.dtype or key.dtype in FP8_DTYPES)
         and mask is not None
         and mask.dtype == torch.bool
         and mask.dim() == 4
@@ -62,16 +68,19 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, M, PART, LSE, scale,
+        Q, K, V, M, PART, LSE, K_SCALE, V_SCALE, scale,
         s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_mb,
         s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls,
         kv_len,
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_g, offs_d, offs_n = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
         g_ok = offs_g < G
         q = tl.load(Q + b * s_qb + h * s_qh + offs_g[:, None] * s_qg + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+        if HAS_SCALE:  # FP8 cache: dequant scales folded into the scores and the output
+            scale = scale * tl.load(K_SCALE)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -82,7 +91,7 @@ if triton is not None:
             in_range = cols < end
             allowed = tl.load(M + b * s_mb + cols, mask=in_range, other=0) != 0
             k = tl.load(K + b * s_kb + h * s_kh + cols[:, None] * s_kl + offs_d[None, :], mask=in_range[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
             qk = tl.where((allowed & in_range)[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -90,10 +99,12 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + b * s_vb + h * s_vh + cols[:, None] * s_vl + offs_d[None, :], mask=in_range[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)).to(tl.float32)
             m_i = m_new
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
+        if HAS_SCALE:
+            out = out * tl.load(V_SCALE)
         lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(PART + b * s_ob + h * s_oh + s * s_os + offs_g[:, None] * s_og + offs_d[None, :], out, mask=g_ok[:, None])
         tl.store(LSE + b * s_lb + h * s_lh + s * s_ls + offs_g, lse, mask=g_ok)
@@ -128,7 +139,7 @@ def _splits(batch: int, kv_heads: int, kv_len: int, block_n: int) -> int:
 
 def _run(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
-    splits: int | None = None,
+    splits: int | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     batch, kv_heads, groups, dim = query.shape
     kv_len = key.shape[2]
@@ -139,14 +150,16 @@ def _run(
     lse = torch.empty((batch, kv_heads, splits, groups), dtype=torch.float32, device=query.device)
     out = torch.empty((batch, kv_heads, groups, dim), dtype=query.dtype, device=query.device)
     mask = allowed
+    has_scale = k_scale is not None
     _split_kernel[(batch, kv_heads, splits)](
-        query, key, value, mask, partial, lse, scale,
+        query, key, value, mask, partial, lse, k_scale if has_scale else lse, v_scale if has_scale else lse, scale,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0),
         *partial.stride()[:4], *lse.stride()[:3],
         kv_len,
         CHUNK=chunk, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
+        HAS_SCALE=has_scale,
     )
     _merge_kernel[(batch, kv_heads, groups)](
         partial, lse, out, *partial.stride()[:4], *lse.stride()[:3], *out.stride()[:3], SPLITS=splits, G=groups, D=dim,
@@ -155,9 +168,10 @@ def _run(
 
 
 def _op_impl(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _run(query, key, value, allowed, scale)
+    return _run(query, key, value, allowed, scale, k_scale=k_scale, v_scale=v_scale)
 
 
 # registered at import (a registration inside a torch.compile'd region would break the graph);
@@ -167,14 +181,52 @@ if triton is not None:
     _OP = getattr(torch.ops.lumenrl, "gqa_decode_attention", None)
     if _OP is None:
         _OP = torch.library.custom_op("lumenrl::gqa_decode_attention", mutates_args=())(_op_impl)
-        _OP.register_fake(lambda query, key, value, allowed, scale: torch.empty_like(query))
+        _OP.register_fake(lambda query, key, value, allowed, scale, k_scale=None, v_scale=None: torch.empty_like(query))
 
 
 def gqa_decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query (B, H_kv, G, D), key/value (B, H_kv, L, D) with unit last stride, allowed (B, L) bool
-    -> (B, H_kv, G, D) in the query dtype."""
+    -> (B, H_kv, G, D) in the query dtype. FP8 key/value take one-element dequant scales
+    ``k_scale``/``v_scale`` (``x = q * scale``), applied in-kernel (no dequantized copy)."""
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
-    return _OP(query.contiguous(), key, value, allowed, float(scale))
+    if k_scale is not None:
+        k_scale, v_scale = k_scale.reshape(1).float(), v_scale.reshape(1).float()
+    return _OP(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale)
+
+
+def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Run the kernel once on fresh random inputs with a ``cache_dtype`` cache (scaled when FP8)
+    and compare with float32 attention over the same values; an error or a relative error above
+    2e-2 -> False with a warning (the engine then dequantizes before SDPA instead)."""
+    import warnings
+
+    if not available() or device.type != "cuda":
+        return False
+    try:
+        gen = torch.Generator(device=device).manual_seed(99)
+        q = torch.randn((3, 2, 4, 128), generator=gen, device=device).to(dtype)
+        k, v = (torch.randn((3, 2, 200, 128), generator=gen, device=device) for _ in range(2))
+        allowed = torch.rand((3, 200), generator=gen, device=device) > 0.3
+        allowed[:, -1] = True
+        scales = None
+        if cache_dtype in FP8_DTYPES:
+            scales = (k.abs().amax() / 240.0).reshape(1), (v.abs().amax() / 240.0).reshape(1)
+            k, v = (k / scales[0]).to(cache_dtype), (v / scales[1]).to(cache_dtype)
+            k_ref, v_ref = k.float() * scales[0], v.float() * scales[1]
+        else:
+            k, v = k.to(cache_dtype), v.to(cache_dtype)
+            k_ref, v_ref = k.float(), v.float()
+        out = gqa_decode_attention(q, k, v, allowed, 128**-0.5, *(scales or (None, None)))
+        mask = allowed[:, None, None, :]
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k_ref, v_ref, attn_mask=mask, scale=128**-0.5)
+        error = float((out.float() - ref).norm() / ref.norm())
+    except Exception as err:  # noqa: BLE001 - the SDPA path is the fallback
+        warnings.warn(f"native engine: Triton decode attention unavailable ({type(err).__name__}: {err})", stacklevel=2)
+        return False
+    if error > 2e-2:
+        warnings.warn(f"native engine: Triton decode attention off by {error:.3g}; using SDPA", stacklevel=2)
+    return error <= 2e-2
