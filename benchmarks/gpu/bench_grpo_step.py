@@ -59,8 +59,7 @@ def build_trainer(model_dir: Path, out_dir: Path, args):
         "algorithm.use_kl_loss=false", "policy.train.mini_batch_size=0",
         f"policy.train.micro_batch_size={args.micro_batch}", f"num_training_steps={args.steps + 1}",
         "policy.dtype=bfloat16" if args.device == "cuda" else "policy.dtype=float32",
-        # an indexed device: torch 2.11's init_process_group(device_id=...) rejects a bare "cuda"
-        f"cluster.device={'cuda:0' if args.device == 'cuda' else args.device}",
+        f"cluster.device={args.device.split(':')[0]}",  # the trainer picks cuda:LOCAL_RANK itself
     ] + args.override
     config = load_config(str(ROOT / "configs" / "grpo_dense_bf16.yaml"), overrides)
     plan = plan_run(config)

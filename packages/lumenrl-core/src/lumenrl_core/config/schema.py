@@ -91,6 +91,7 @@ class SamplingConfig:
     max_batch_size: int = 256  # concurrent sequences in the engine
     gpu_memory_utilization: float = 0.5  # fraction of free GPU memory for the KV cache
     cuda_graphs: bool = True  # decode with CUDA graphs on GPU
+    compile: str = field(default="none", metadata=choices("none", "full"))  # full: torch.compile the decode forward (GPU)
 
 
 @dataclass(kw_only=True, slots=True)
