@@ -77,19 +77,10 @@ class HFEngine:
 
     @classmethod
     def from_config(cls, run_config: Any, model: nn.Module | None = None, tokenizer: Any = None) -> HFEngine:
-        from lumenrl_backends.models import load_model_and_tokenizer
+        from lumenrl_backends.engines.loading import engine_model_from_config
 
         policy, rollout = run_config.policy, run_config.policy.rollout
-        device = resolve_device(run_config.cluster.device)
-        if model is None or tokenizer is None:
-            loaded_model, loaded_tokenizer = load_model_and_tokenizer(
-                policy.model_name,
-                dtype=policy.dtype,
-                device=device,
-                tokenizer_name=policy.tokenizer_name,
-                trust_remote_code=policy.trust_remote_code,
-            )
-            model, tokenizer = model or loaded_model, tokenizer or loaded_tokenizer
+        model, tokenizer, device = engine_model_from_config(run_config, model, tokenizer)
         return cls(
             model,
             tokenizer,

@@ -215,19 +215,10 @@ class NativeEngine:
         cls, run_config: Any, model: nn.Module | None = None, tokenizer: Any = None
     ) -> NativeEngine:
         """Build from a RunConfig: model/tokenizer from ``policy`` unless given, sizes from ``policy.rollout``."""
-        from lumenrl_backends.models import load_model_and_tokenizer
+        from lumenrl_backends.engines.loading import engine_model_from_config
 
         policy, rollout = run_config.policy, run_config.policy.rollout
-        device = resolve_device(run_config.cluster.device)
-        if model is None or tokenizer is None:
-            loaded_model, loaded_tokenizer = load_model_and_tokenizer(
-                policy.model_name,
-                dtype=policy.dtype,
-                device=device,
-                tokenizer_name=policy.tokenizer_name,
-                trust_remote_code=policy.trust_remote_code,
-            )
-            model, tokenizer = model or loaded_model, tokenizer or loaded_tokenizer
+        model, tokenizer, device = engine_model_from_config(run_config, model, tokenizer)
         rollout_quant = run_config.quantization.rollout
         return cls(
             model,
@@ -237,9 +228,9 @@ class NativeEngine:
             max_seq_len=policy.max_prompt_length + rollout.max_new_tokens,
             quant_scheme=rollout_scheme(rollout_quant),
             kv_cache_dtype=rollout_quant.kv_cache_dtype,
-            cuda_graphs=bool(getattr(rollout, "cuda_graphs", True)),
-            compile=str(getattr(rollout, "compile", "none")),  # no schema field yet: "none" unless added
-            gpu_memory_utilization=getattr(rollout, "gpu_memory_utilization", None),
+            cuda_graphs=rollout.cuda_graphs,
+            compile=rollout.compile,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
         )
 
     # ------------------------------------------------------------------ control
