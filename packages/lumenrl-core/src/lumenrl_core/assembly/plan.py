@@ -88,8 +88,9 @@ class RunPlan:
         if self.rollout_correction_cls is None:
             return None
         c = self.config.quantization.rollout_correction
+        band = {k: v for k, v in (("mask_low", c.mask_low), ("mask_high", c.mask_high)) if v is not None}
         return build_with_keywords(self.rollout_correction_cls, {
-            "clip": c.clip, "mask_low": c.mask_low, "mask_high": c.mask_high, "extreme_tau": c.extreme_tau})
+            "clip": c.clip, "extreme_tau": c.extreme_tau, **band})  # unset band: the mode's own default
 
     def build_reward(self) -> Any:
         """The reward callable: the user's function, or the named reward plugin instance."""

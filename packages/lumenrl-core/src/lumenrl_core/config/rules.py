@@ -168,7 +168,7 @@ def _check_betas(cfg: s.OptimConfig, key: str, source: Callable[[str], str | Non
 
 
 def _check_mask_band(cfg: s.RolloutCorrectionConfig, key: str, source: Callable[[str], str | None]) -> None:
-    if cfg.mask_low >= cfg.mask_high:
+    if cfg.mask_low is not None and cfg.mask_high is not None and cfg.mask_low >= cfg.mask_high:
         k = _join(key, "mask_high")
         raise ConfigError(
             k,

@@ -180,8 +180,10 @@ class RolloutCorrectionConfig:
     enabled: bool = False
     mode: str = "tis_token"  # lumenrl.rollout_corrections plugin name
     clip: float = 2.0  # TIS cap C
-    mask_low: float = 0.5  # MIS band
-    mask_high: float = 2.0
+    # MIS band; None = the mode's own default ([0.5, 2] for token/sequence MIS and seq_mis,
+    # [0.999, 1.001] for the geometric-mean mask, whose ratio is a per-token average)
+    mask_low: float | None = None
+    mask_high: float | None = None
     extreme_tau: float = 2.0  # threshold for the extreme-token fraction metric
 
 
