@@ -16,7 +16,8 @@ import torch
 
 from lumenrl_backends.loggers import ConsoleLogger, JsonlLogger, TensorBoardLogger, WandbLogger, read_metrics
 from lumenrl_backends.report import series, write_report
-from lumenrl_backends.trainers.checkpoint import CheckpointManager, capture_rng, restore_rng
+from lumenrl_backends.trainers.checkpoint import CheckpointManager
+from lumenrl_backends.training.checkpoint import rng_state, set_rng_state
 
 
 def _fake_records(n: int = 6) -> list[dict[str, float]]:
@@ -145,9 +146,9 @@ def test_checkpoints_are_atomic_pruned_and_restore_state(tmp_path):
 
 
 def test_rng_capture_restore_replays_the_same_draws():
-    state = capture_rng()
+    state = rng_state()
     first = (random.random(), np.random.rand(), torch.rand(4))
-    restore_rng(state)
+    set_rng_state(state)
     second = (random.random(), np.random.rand(), torch.rand(4))
     assert first[0] == second[0] and first[1] == second[1] and torch.equal(first[2], second[2])
 

@@ -18,7 +18,6 @@ its part of the backend checkpoints; rank 0 writes the rest and renames (barrier
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
 from collections.abc import Mapping
@@ -26,35 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from lumenrl_backends.training import distributed as dist_utils
+from lumenrl_backends.training.checkpoint import rng_state, set_rng_state
 
-__all__ = ["CheckpointManager", "capture_rng", "restore_rng"]
+__all__ = ["CheckpointManager"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def capture_rng() -> dict[str, Any]:
-    """The process's python, numpy and torch (CPU, and CUDA when present) RNG states."""
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: Mapping[str, Any]) -> None:
-    """Inverse of :func:`capture_rng`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @dataclass(kw_only=True, slots=True)
@@ -103,7 +81,7 @@ class CheckpointManager:
         dist_utils.barrier()
         if main:
             (tmp / "dataloader.json").write_text(json.dumps(dataloader_state))
-            torch.save(capture_rng(), tmp / "rng.pt")
+            torch.save(rng_state(), tmp / "rng.pt")
             (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}))
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
@@ -122,7 +100,7 @@ class CheckpointManager:
         """Restore backends and RNG from ``path``; return (trainer_state, dataloader_state)."""
         for role, backend in backends.items():
             backend.load_checkpoint(str(path / role))
-        restore_rng(torch.load(path / "rng.pt", weights_only=False))
+        set_rng_state(torch.load(path / "rng.pt", weights_only=True))
         trainer_state = json.loads((path / "trainer_state.json").read_text())
         dataloader_state = json.loads((path / "dataloader.json").read_text())
         return trainer_state, dataloader_state
