@@ -1,4 +1,4 @@
-"""Fully asynchronous RL training for LumenRL: staleness control, partial rollout, weight sync."""
+"""Fully asynchronous RL training for LumenRL: staleness control and weight sync."""
 
 from lumenrl_async.__about__ import __version__
 from lumenrl_async.staleness import StalenessConfig, StalenessController
