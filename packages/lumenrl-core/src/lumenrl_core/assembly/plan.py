@@ -98,9 +98,6 @@ class RunPlan:
             return load_reward_function(self.config.reward.function)
         return build_with_keywords(self.reward_cls, {"format_score": self.config.reward.format_score})
 
-    def build_rollout_quant_scheme(self) -> Any | None:
-        return None if self.rollout_quant_scheme_cls is None else build_with_keywords(self.rollout_quant_scheme_cls, {})
-
     def describe(self) -> dict[str, Any]:
         """JSON-friendly summary for run records: plugin per role with versions."""
         return {
