@@ -20,14 +20,16 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from lumenrl_backends.engines.native import eos_token_ids, resolve_device
+from lumenrl_backends.engines.loading import eos_token_ids, pad_token_id, resolve_device
 from lumenrl_backends.engines.requests import (
     LENGTH,
     STOP,
     Request,
     build_rollout_batch,
+    generated_tokens,
     left_pad,
     requests_from_batch,
+    rollout_meta,
     stop_ids_for,
 )
 from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling
@@ -66,9 +68,7 @@ class HFEngine:
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.weight_version = 0
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.pad_token_id = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
-        )
+        self.pad_token_id = pad_token_id(tokenizer, self.eos_token_ids)
         self._interrupt = threading.Event()
 
     @classmethod
@@ -107,20 +107,19 @@ class HFEngine:
         params = coerce_sampling(sampling)
         requests, prompts, prompt_mask = requests_from_batch(batch, params)
         stops = stop_ids_for(params, self.eos_token_ids)
-        start, before = time.perf_counter(), sum(len(r.response) for r in requests)
+        start, before = time.perf_counter(), generated_tokens(requests)
         pending = [r for r in requests if not r.done]
         for first in range(0, len(pending), self.max_batch_size):
             if self._interrupt.is_set():
                 break
             self._generate_chunk(pending[first : first + self.max_batch_size], params, stops)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(r.response) for r in requests) - before
-        meta = {
-            "interrupted": any(r.finish_reason is None for r in requests),
-            "weight_version": self.weight_version,
-            "temperature": float(params.temperature),
-            "perf": {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)},
-        }
+        meta = rollout_meta(
+            requests,
+            params,
+            weight_version=self.weight_version,
+            tokens=generated_tokens(requests) - before,
+            seconds=time.perf_counter() - start,
+        )
         return build_rollout_batch(
             requests,
             prompts,

@@ -1,4 +1,4 @@
-"""What every engine's ``from_config`` shares: the device and the model/tokenizer pair."""
+"""What every engine shares at construction: the device, the model/tokenizer pair, EOS and pad ids."""
 
 from __future__ import annotations
 
@@ -7,14 +7,38 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["engine_model_from_config"]
+__all__ = ["engine_model_from_config", "eos_token_ids", "pad_token_id", "resolve_device"]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def eos_token_ids(model: nn.Module, tokenizer: Any) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation config (may be a list)."""
+    ids: set[int] = set()
+    for source in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(int(i) for i in source)
+    return sorted(ids)
+
+
+def pad_token_id(tokenizer: Any, eos_ids: list[int]) -> int:
+    """The tokenizer's pad id, else the first EOS id."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
 
 
 def engine_model_from_config(
     run_config: Any, model: nn.Module | None, tokenizer: Any
 ) -> tuple[nn.Module, Any, torch.device]:
     """``(model, tokenizer, device)`` for an engine: the given objects, else loaded from ``policy``."""
-    from lumenrl_backends.engines.native import resolve_device
     from lumenrl_backends.models import load_model_and_tokenizer
 
     policy = run_config.policy

@@ -59,6 +59,7 @@ from lumenrl_backends.engines.kv_cache import (
     prefill_mask,
     to_attention_mask,
 )
+from lumenrl_backends.engines.loading import eos_token_ids, pad_token_id, resolve_device
 from lumenrl_backends.engines.quant import kv_cache_dtype as resolve_kv_dtype
 from lumenrl_backends.engines.quant import quantize_rollout_model, rollout_scheme
 from lumenrl_backends.engines.requests import (
@@ -66,8 +67,10 @@ from lumenrl_backends.engines.requests import (
     STOP,
     Request,
     build_rollout_batch,
+    generated_tokens,
     left_pad,
     requests_from_batch,
+    rollout_meta,
     stop_ids_for,
 )
 from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling, sample_tokens
@@ -76,27 +79,7 @@ from lumenrl_backends.engines.triton_attention import kernel_agrees
 from lumenrl_backends.engines.triton_sampling import fused_sample, fused_sampler_agrees
 from lumenrl_backends.engines.weights import copy_weights_
 
-__all__ = ["NativeEngine", "eos_token_ids", "sliding_window_of", "resolve_device"]
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def eos_token_ids(model: nn.Module, tokenizer: Any) -> list[int]:
-    """EOS ids from the tokenizer and the model's generation config (may be a list)."""
-    ids: set[int] = set()
-    for source in (
-        getattr(tokenizer, "eos_token_id", None),
-        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-    ):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source is not None:
-            ids.update(int(i) for i in source)
-    return sorted(ids)
+__all__ = ["NativeEngine", "sliding_window_of"]
 
 
 def sliding_window_of(config: Any) -> tuple[int | None, bool]:
@@ -172,9 +155,7 @@ class NativeEngine:
         self.kv_block = kv_block or (64 if self.device.type == "cuda" else 1)
         self.weight_version = 0
         self.eos_token_ids = eos_token_ids(model, tokenizer)
-        self.pad_token_id = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
-        )
+        self.pad_token_id = pad_token_id(tokenizer, self.eos_token_ids)
         self.window, self._mixed_layers = sliding_window_of(model.config)
         self._attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
         self._cache_kwarg = (
@@ -262,25 +243,20 @@ class NativeEngine:
         params = coerce_sampling(sampling)
         requests, prompts, prompt_mask = requests_from_batch(batch, params)
         stops = stop_ids_for(params, self.eos_token_ids)
-        start, before = time.perf_counter(), sum(len(r.response) for r in requests)
+        start, before = time.perf_counter(), generated_tokens(requests)
         self._prefill_seconds = 0.0
         self._run([r for r in requests if not r.done], params, stops)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(r.response) for r in requests) - before
-        meta = {
-            "interrupted": any(r.finish_reason is None for r in requests),
-            "weight_version": self.weight_version,
-            "temperature": float(params.temperature),
-            "perf": {
-                "tokens": tokens,
-                "seconds": seconds,
-                "tokens_per_s": tokens / max(seconds, 1e-9),
-                "prefill_seconds": self._prefill_seconds,
-                "cuda_graphs": self.graphs.enabled and self.graphs.error is None,
-            },
-        }
+        meta = rollout_meta(
+            requests,
+            params,
+            weight_version=self.weight_version,
+            tokens=generated_tokens(requests) - before,
+            seconds=time.perf_counter() - start,
+            prefill_seconds=self._prefill_seconds,
+            cuda_graphs=self.graphs.enabled and self.graphs.error is None,
+        )
         return build_rollout_batch(
             requests,
             prompts,

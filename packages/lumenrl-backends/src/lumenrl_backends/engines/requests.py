@@ -22,7 +22,15 @@ import torch
 
 from lumenrl_backends.engines.sampling import SamplingParams
 
-__all__ = ["Request", "requests_from_batch", "build_rollout_batch", "left_pad", "stop_ids_for"]
+__all__ = [
+    "Request",
+    "requests_from_batch",
+    "build_rollout_batch",
+    "generated_tokens",
+    "left_pad",
+    "rollout_meta",
+    "stop_ids_for",
+]
 
 STOP, LENGTH, INTERRUPTED = "stop", "length", "interrupted"
 
@@ -50,6 +58,29 @@ def stop_ids_for(params: SamplingParams, eos_token_ids: list[int]) -> frozenset[
     if not params.ignore_eos:
         stops.update(eos_token_ids)
     return frozenset(stops)
+
+
+def generated_tokens(requests: list[Request]) -> int:
+    return sum(len(r.response) for r in requests)
+
+
+def rollout_meta(
+    requests: list[Request],
+    params: SamplingParams,
+    *,
+    weight_version: int,
+    tokens: int,
+    seconds: float,
+    **perf: Any,
+) -> dict[str, Any]:
+    """A rollout batch's ``meta_info``: interrupted flag, weight version, temperature and ``perf``
+    (``tokens`` generated in ``seconds``, their rate, plus the engine's own ``perf`` entries)."""
+    return {
+        "interrupted": any(r.finish_reason is None for r in requests),
+        "weight_version": weight_version,
+        "temperature": float(params.temperature),
+        "perf": {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9), **perf},
+    }
 
 
 def _row_seeds(batch: Any, params: SamplingParams, rows: int, continuing: bool) -> list[int]:
