@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import sys
 
 import pytest
@@ -153,12 +155,23 @@ def test_core_requirement_problem_rules():
     assert core_requirement_problem("lumenrl_core", "0.1", ["lumenrl-core>=9"], "0.1") is None
 
 
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def test_real_entry_points_are_discovered():
     reg = PluginRegistry()
     assert {"grpo", "drgrpo", "rloo", "gae"} <= set(reg.names("advantage_estimators"))
     assert reg.distribution("advantage_estimators", "grpo")[0] == "lumenrl-core"
-    assert {"fsdp2", "megatron"} <= set(reg.names("training_backends"))
-    assert reg.distribution("weight_syncs", "filesystem")[0] == "lumenrl-async"
+    # plugins of other distributions only where those are installed (this test also runs with core alone)
+    if _installed("lumenrl-backends"):
+        assert {"fsdp2", "megatron"} <= set(reg.names("training_backends"))
+    if _installed("lumenrl-async"):
+        assert reg.distribution("weight_syncs", "filesystem")[0] == "lumenrl-async"
     # every listed plugin yields an info (unimportable ones are reported, never raised)
     infos = reg.infos()
     assert all(i.available == (i.reason is None) for i in infos)
