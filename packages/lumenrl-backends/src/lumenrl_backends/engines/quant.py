@@ -26,16 +26,16 @@ PRECISION_SCHEMES = {"fp8": "fp8_block", "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
 
 def rollout_scheme(rollout_quant: Any) -> Any | None:
     """A lumenrl-quant scheme object for ``quantization.rollout``, or None for bf16/fp16/fp32."""
-    precision = getattr(rollout_quant, "precision", "bf16")
+    precision = rollout_quant.precision
     if precision not in PRECISION_SCHEMES:
         return None
     from lumenrl_quant import get_quant_scheme
 
-    name = getattr(rollout_quant, "scheme", "") or PRECISION_SCHEMES[precision]
+    name = rollout_quant.scheme or PRECISION_SCHEMES[precision]
     return get_quant_scheme(
         name,
-        skip_first_n_layers=int(getattr(rollout_quant, "skip_first_n_layers", 0)),
-        skip_last_n_layers=int(getattr(rollout_quant, "skip_last_n_layers", 0)),
+        skip_first_n_layers=rollout_quant.skip_first_n_layers,
+        skip_last_n_layers=rollout_quant.skip_last_n_layers,
     )
 
 

@@ -203,12 +203,12 @@ class FSDP2Backend:
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
         self.model = _shard(model, _mixed_precision(train.mixed_precision, self.device))
-        self.packing = packing if packing is not None else getattr(train, "packing", "auto")
+        self.packing = packing if packing is not None else train.packing
         plan_micro_batch(torch.ones(1, 2), 1, mode=self.packing)  # validates the mode early
         self._pack_align = 64 if self.device.type == "cuda" else 8
         self._logprob_backend = None  # torch.compile backend of the fused log-prob kernels
-        if compile_layers is None:  # config field when the schema has one (policy.train.compile_layers)
-            compile_layers = getattr(train, "compile_layers", False)
+        if compile_layers is None:
+            compile_layers = train.compile_layers
         if compile_layers:
             compile_decoder_layers(self.model, compile_layers)
             self._logprob_backend = "inductor" if compile_layers is True else str(compile_layers)
