@@ -20,7 +20,6 @@ from torch import nn
 
 from lumenrl_quant.fp8 import quantize_fp8
 from lumenrl_quant.gemm import gemm_path
-from lumenrl_quant.linear import QuantizedLinear
 from lumenrl_quant.model import QuantizationReport, ReloadReport, quantize_model, reload_quantized_weights_
 
 __all__ = ["QUANT_SCHEMES", "Fp8Block", "Fp8Row", "Fp8Tensor", "MXFP4", "MXFP8", "get_quant_scheme"]
@@ -69,9 +68,6 @@ class _RolloutScheme:
     @classmethod
     def has_fast_path(cls, device: torch.device | str | None = None) -> bool:
         return cls.fast_path(device) != "emulated"
-
-    def quantize_linear(self, linear: nn.Linear) -> QuantizedLinear:
-        return QuantizedLinear.from_linear(linear, self.name, fp8_dtype=self.fp8_dtype)
 
     def quantize_model(self, model: nn.Module) -> QuantizationReport:
         """Swap the model's decoder linears in place (see :func:`lumenrl_quant.quantize_model`)."""
