@@ -144,6 +144,23 @@ def test_scorer_places_reward_on_last_token_and_shapes_overlong():
     assert metrics["reward/mean"] == 1.0 and metrics["dapo/overlong_frac"] == 0.5
 
 
+def test_scorer_reads_the_engines_response_text_without_decoding_again():
+    def no_decode(rows, skip_special_tokens):
+        raise AssertionError("the engine's response_text should be used")
+
+    batch = DataProto.from_dict(
+        {"responses": torch.tensor([[5, 6], [9, 0]]), "response_mask": torch.tensor([[1, 1], [1, 0]])},
+        {"response_text": ["56", "9"], "ground_truth": ["56", "8"]},
+    )
+    scorer = Scorer(
+        reward_fn=lambda p, r, e: [float(t == x["ground_truth"]) for t, x in zip(r, e)],
+        tokenizer=SimpleNamespace(batch_decode=no_decode),
+        max_response_length=2,
+    )
+    assert scorer(batch)["reward/mean"] == 0.5
+    assert torch.equal(batch.batch["token_level_scores"], torch.tensor([[0.0, 1.0], [0.0, 0.0]]))
+
+
 def _reference_actor_loss(lp, old, adv, ref, ent, mask, eps_lo, eps_hi, kl_coef, ent_coef):
     """float64 token-mean PPO-clip (+dual clip c=3) + kl_coef * k3 - ent_coef * entropy."""
     lp, old, adv, ref, ent, m = (t.double() for t in (lp, old, adv, ref, ent, mask))

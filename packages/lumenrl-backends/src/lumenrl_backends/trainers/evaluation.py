@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from lumenrl_backends.trainers.rollout import generate
-from lumenrl_backends.trainers.scoring import Scorer, decode_responses, extra_fields
+from lumenrl_backends.trainers.scoring import Scorer
 from lumenrl_core.data_proto import DataProto
 
 __all__ = ["Evaluator"]
@@ -37,12 +37,7 @@ class Evaluator:
         sampling = {"temperature": self.temperature, "max_new_tokens": self.max_new_tokens}
         batch = generate(engine, self.prompts[:], sampling, self.seed)
         mask = batch.batch["response_mask"]
-        texts = decode_responses(self.scorer.tokenizer, batch.batch["responses"], mask)
-        prompts = [str(p) for p in batch.non_tensor_batch.get("raw_prompt", [""] * len(batch))]
-        raw = torch.as_tensor(
-            [float(s) for s in self.scorer.reward_fn(prompts, texts, extra_fields(batch))],
-            dtype=torch.float32,
-        )
+        raw = torch.as_tensor(self.scorer.raw_rewards(batch)[1], dtype=torch.float32)
         return {
             "eval/accuracy": (raw >= self.correct_score).float().mean().item(),
             "eval/reward_mean": raw.mean().item(),

@@ -2,9 +2,11 @@
 
 The reward function (a ``lumenrl.rewards`` plugin or the user's ``reward.function``) sees
 strings: ``(prompts, responses, extra) -> list[float]`` with one ``extra`` dict per row holding
-the row's dataset fields (``ground_truth`` and any others). Its score is placed on the last
-valid response token (the contract's ``token_level_scores``); DAPO overlong shaping then adds
-its length penalty there.
+the row's dataset fields (``ground_truth`` and any others). Response strings are the engine's
+``response_text`` column when it wrote one (every LumenRL engine does, decoded with the same
+tokenizer and special tokens dropped), so a step decodes once; otherwise they are decoded here.
+The score is placed on the last valid response token (the contract's ``token_level_scores``);
+DAPO overlong shaping then adds its length penalty there.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lumenrl_backends.workers.reward import place_scores
 from lumenrl_core.algorithms import apply_overlong_penalty
 from lumenrl_core.data_proto import DataProto
 
@@ -33,13 +36,7 @@ def decode_responses(tokenizer: Any, responses: torch.Tensor, response_mask: tor
 
 def scores_on_last_token(scores: Sequence[float], response_mask: torch.Tensor) -> torch.Tensor:
     """(B, T) float32 zeros with each row's score on its last valid response token."""
-    mask = response_mask.to(torch.long)
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    lengths = mask.sum(dim=-1)  # (B,)
-    last = (lengths - 1).clamp_min(0)
-    values = torch.as_tensor(list(scores), dtype=torch.float32) * (lengths > 0).to(torch.float32)
-    out[torch.arange(mask.shape[0]), last] = values
-    return out
+    return place_scores(torch.as_tensor(list(scores), dtype=torch.float32), response_mask)
 
 
 def extra_fields(batch: DataProto) -> list[dict[str, Any]]:
@@ -61,13 +58,24 @@ class Scorer:
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
 
-    def __call__(self, batch: DataProto) -> dict[str, float]:
-        mask = batch.batch["response_mask"]
-        texts = decode_responses(self.tokenizer, batch.batch["responses"], mask)
+    def response_texts(self, batch: DataProto) -> list[str]:
+        """The engine's ``response_text`` when present, else decoded from ``responses``."""
+        if "response_text" in batch.non_tensor_batch:
+            return [str(t) for t in batch.non_tensor_batch["response_text"]]
+        return decode_responses(self.tokenizer, batch.batch["responses"], batch.batch["response_mask"])
+
+    def raw_rewards(self, batch: DataProto) -> tuple[list[str], list[float]]:
+        """(response texts, the reward function's score per row), before any shaping."""
+        texts = self.response_texts(batch)
         prompts = [str(p) for p in batch.non_tensor_batch.get("raw_prompt", [""] * len(batch))]
         raw = [float(s) for s in self.reward_fn(prompts, texts, extra_fields(batch))]
         if len(raw) != len(batch):
             raise ValueError(f"reward function returned {len(raw)} scores for a batch of {len(batch)} rows")
+        return texts, raw
+
+    def __call__(self, batch: DataProto) -> dict[str, float]:
+        mask = batch.batch["response_mask"]
+        texts, raw = self.raw_rewards(batch)
         scores = scores_on_last_token(raw, mask)
         metrics: dict[str, float] = {}
         if self.overlong_buffer_len > 0:
