@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from lumenrl_core.storage import atomic_write
 
 __all__ = ["DataProto", "RowIndex"]
 
@@ -541,14 +542,4 @@ def _cpu_unshared(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
