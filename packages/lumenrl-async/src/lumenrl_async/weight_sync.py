@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -23,6 +22,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from lumenrl_core.storage import atomic_write, atomic_write_text, cpu_copies
 
 __all__ = ["InProcessWeightSync", "FilesystemWeightSync", "SnapshotError", "LATEST"]
 
@@ -39,11 +40,6 @@ def _check_version(version: int, last: int | None) -> None:
         raise ValueError(f"version={version!r}: expected a non-negative int")
     if last is not None and version <= last:
         raise ValueError(f"version={version} must be greater than the last published version {last}")
-
-
-def _cpu_copies(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached, contiguous CPU tensors owning their memory (tied weights become separate copies)."""
-    return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors.items()}
 
 
 class InProcessWeightSync:
@@ -65,7 +61,7 @@ class InProcessWeightSync:
         return cls()
 
     def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        tensors = _cpu_copies(named_tensors) if self.copy else dict(named_tensors)
+        tensors = cpu_copies(named_tensors) if self.copy else dict(named_tensors)
         with self._lock:
             _check_version(version, self.latest_version())
             self._latest = (version, tensors)
@@ -84,24 +80,6 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class FilesystemWeightSync:
@@ -135,21 +113,13 @@ class FilesystemWeightSync:
         _check_version(version, self.latest_version())
         stem = f"v{version:08d}"
         data = self.root / f"{stem}.safetensors"
-        fd, tmp_name = tempfile.mkstemp(dir=self.root, prefix=f".{stem}.", suffix=".tmp")
-        os.close(fd)
-        tmp = Path(tmp_name)
-        try:
-            save_file(_cpu_copies(named_tensors), str(tmp), metadata={"version": str(version)})
-            _fsync(tmp)
-            manifest = {"version": version, "file": data.name, "sha256": _sha256(tmp),
-                        "bytes": tmp.stat().st_size, "num_tensors": len(named_tensors), "created": time.time()}
-            os.replace(tmp, data)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        tensors = cpu_copies(named_tensors)
+        atomic_write(data, lambda tmp: save_file(tensors, str(tmp), metadata={"version": str(version)}))
+        manifest = {"version": version, "file": data.name, "sha256": _sha256(data),
+                    "bytes": data.stat().st_size, "num_tensors": len(named_tensors), "created": time.time()}
         text = json.dumps(manifest, indent=1)
-        _atomic_write_text(self.root / f"{stem}.json", text)
-        _atomic_write_text(self.root / LATEST, text)  # the switch: readers now see this version
+        atomic_write_text(self.root / f"{stem}.json", text)
+        atomic_write_text(self.root / LATEST, text)  # the switch: readers now see this version
         self._prune()
 
     def _prune(self) -> None:

@@ -28,7 +28,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from lumenrl_core.plugins.probes import module_probe
-from lumenrl_sddd._util import atomic_write_text, cpu_copies, namespace_of
+from lumenrl_core.storage import atomic_write_text, cpu_copies
+from lumenrl_sddd._util import namespace_of
 
 __all__ = ["MooncakeTransferEngine", "MOONCAKE_API"]
 
@@ -94,7 +95,7 @@ class MooncakeTransferEngine:
             self._engine.free_managed_buffer(addr, len(payload))
             raise RuntimeError(f"mooncake write_bytes_to_buffer failed with code {rc} (key {key!r})")
         entry = {"key": key, "session": self.session, "addr": addr, "length": len(payload)}
-        atomic_write_text(self._index(key), json.dumps(entry))
+        atomic_write_text(self._index(key), json.dumps(entry), fsync=False)  # ephemeral: no disk round trip
         with self._lock:
             old = self._owned.pop(key, None)
             self._owned[key] = (addr, len(payload))

@@ -27,7 +27,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from lumenrl_sddd._util import cpu_copies, namespace_of
+from lumenrl_core.storage import cpu_copies
+from lumenrl_sddd._util import namespace_of
 from lumenrl_sddd.mooncake_engine import MooncakeTransferEngine
 
 __all__ = ["InProcessTransferEngine", "SharedMemoryTransferEngine", "MooncakeTransferEngine", "namespace_of"]
