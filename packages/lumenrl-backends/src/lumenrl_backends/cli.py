@@ -28,7 +28,7 @@ from lumenrl_backends.__about__ import __version__
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
-# command -> "module:function" that registers it. Add `train` / `report` here.
+# command -> "module:function" that registers it; a command whose module is not installed is skipped.
 COMMANDS: dict[str, str] = {
     "plugins": "lumenrl_backends.cli:register_plugins",
     "config": "lumenrl_backends.cli:register_config",
@@ -151,15 +151,12 @@ def run_config_check(args: argparse.Namespace) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types reported as one line (those whose modules exist yet)."""
-    found: list[type[BaseException]] = [CLIError]
-    for module, name in (("lumenrl_core.config", "ConfigError"), ("lumenrl_core.assembly", "AssemblyError"),
-                         ("lumenrl_core.plugins", "PluginError")):
-        try:
-            found.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
-    return tuple(found)
+    """Exception types reported as one line, without a traceback."""
+    from lumenrl_core.assembly import AssemblyError
+    from lumenrl_core.config import ConfigError
+    from lumenrl_core.plugins import PluginError
+
+    return (CLIError, ConfigError, AssemblyError, PluginError)
 
 
 def _register_all(subparsers: Any) -> None:
@@ -169,7 +166,7 @@ def _register_all(subparsers: Any) -> None:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
             if exc.name == module_name:
-                continue  # command not shipped in this install (yet)
+                continue  # command not shipped in this install
             raise
         getattr(module, func_name)(subparsers)
 
