@@ -107,3 +107,14 @@ def test_bf16_activations_with_fp32_bias(scheme):
     y = q(x.to(torch.bfloat16))
     assert y.dtype == torch.bfloat16
     assert sqnr(reference(lin, x), y.float()) >= BARS[scheme] - 3.0  # bf16 input rounding costs a little
+
+
+@pytest.mark.parametrize("scheme", LINEAR_SCHEMES)
+def test_constructor_weight_matches_reload(scheme):
+    w = fresh_linear(256, 64).weight.detach()
+    built = QuantizedLinear(256, 64, scheme=scheme, weight=w)
+    reloaded = QuantizedLinear(256, 64, scheme=scheme).reload_(w)
+    assert torch.equal(built.weight.view(torch.uint8), reloaded.weight.view(torch.uint8))
+    assert torch.equal(built.weight_scale, reloaded.weight_scale)
+    with pytest.raises(ValueError, match=r"\(64, 256\)"):
+        QuantizedLinear(256, 64, scheme=scheme, weight=w.t())

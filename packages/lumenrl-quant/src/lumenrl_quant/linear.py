@@ -65,13 +65,18 @@ class QuantizedLinear(nn.Module):
         bias: bool = True,
         fp8_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        weight: torch.Tensor | None = None,
     ) -> None:
+        """``weight``: the high-precision ``(N, K)`` weight to start from (zeros when None)."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.scheme = _scheme_name(scheme)
         self.fp8_dtype = fp8_dtype if fp8_dtype is not None else fp8_dtypes_for(device).e4m3
         fp8_format(self.fp8_dtype)  # validates
-        weight, scale = self._quantize(torch.zeros(out_features, in_features, device=device))
+        if weight is None:
+            weight = torch.zeros(out_features, in_features, device=device)
+        self._check_weight_shape(weight)
+        weight, scale = self._quantize(weight.detach().to(device))
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", scale)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
@@ -81,15 +86,18 @@ class QuantizedLinear(nn.Module):
         cls, linear: nn.Linear, scheme: object = "fp8_block", *, fp8_dtype: torch.dtype | None = None
     ) -> QuantizedLinear:
         """Quantize an ``nn.Linear`` (its weight is not modified)."""
-        device = linear.weight.device
         module = cls(
-            linear.in_features, linear.out_features, scheme=_scheme_name(scheme),
-            bias=linear.bias is not None, fp8_dtype=fp8_dtype, device=device,
+            linear.in_features, linear.out_features, scheme=_scheme_name(scheme), bias=linear.bias is not None,
+            fp8_dtype=fp8_dtype, device=linear.weight.device, weight=linear.weight,
         )
-        module.reload_(linear.weight.detach())
         if linear.bias is not None:
             module.bias.data = linear.bias.detach().clone()
         return module
+
+    def _check_weight_shape(self, weight: torch.Tensor) -> None:
+        expected = (self.out_features, self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"weight shape {tuple(weight.shape)} does not match this layer's {expected}")
 
     def _quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.scheme in _MX_ELEMS:
@@ -101,9 +109,7 @@ class QuantizedLinear(nn.Module):
     @torch.no_grad()
     def reload_(self, weight: torch.Tensor) -> QuantizedLinear:
         """Requantize a new high-precision ``(N, K)`` weight in place into the existing buffers."""
-        expected = (self.out_features, self.in_features)
-        if tuple(weight.shape) != expected:
-            raise ValueError(f"weight shape {tuple(weight.shape)} does not match this layer's {expected}")
+        self._check_weight_shape(weight)
         q, scale = self._quantize(weight.to(self.weight.device))
         self.weight.copy_(q)
         self.weight_scale.copy_(scale)
