@@ -45,7 +45,8 @@ def _eval_records(ds: Any, n_eval: int, exclude: frozenset[str]) -> list[dict[st
 
 
 def split_records(cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train records, eval records) for ``cfg.dataset``; eval never overlaps train."""
+    """(train records, eval records) for ``cfg.dataset``; eval is held out of train (a task too
+    small for unseen problems excepted, see ``_eval_records``)."""
     ds, n_eval = cfg.dataset, cfg.eval.num_examples if cfg.eval.enabled else 0
     if ds.name in _GENERATED:
         train = _task(ds, ds.num_examples, TASK_SEED).records()
