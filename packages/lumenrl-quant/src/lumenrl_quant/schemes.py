@@ -20,19 +20,14 @@ from torch import nn
 
 from lumenrl_quant.fp8 import quantize_fp8
 from lumenrl_quant.gemm import gemm_path
+from lumenrl_quant.linear import _FP8_LAYOUTS
 from lumenrl_quant.model import QuantizationReport, ReloadReport, quantize_model, reload_quantized_weights_
 
 __all__ = ["QUANT_SCHEMES", "Fp8Block", "Fp8Row", "Fp8Tensor", "MXFP4", "MXFP8", "get_quant_scheme"]
 
-_FP8_PROBE_LAYOUTS = {
-    "fp8_block": ("block", (1, 128), "block", (128, 128)),
-    "fp8_row": ("rowwise", None, "rowwise", None),
-    "fp8_tensor": ("tensorwise", None, "tensorwise", None),
-}
-
-
 def _fp8_fast_path(name: str, device: torch.device) -> str:
-    a_gran, a_block, b_gran, b_block = _FP8_PROBE_LAYOUTS[name]
+    """The GEMM path of a small probe GEMM laid out as scheme ``name``'s QuantizedLinear does it."""
+    b_gran, b_block, a_gran, a_block = _FP8_LAYOUTS[name]
     a_q, a_s = quantize_fp8(torch.ones(16, 128, device=device), granularity=a_gran, block_size=a_block)
     b_q, b_s = quantize_fp8(torch.ones(128, 128, device=device), granularity=b_gran, block_size=b_block)
     return gemm_path(a_q, a_s, b_q, b_s, out_dtype=torch.bfloat16, a_block_size=a_block, b_block_size=b_block)
@@ -63,7 +58,7 @@ class _RolloutScheme:
     def fast_path(cls, device: torch.device | str | None = None) -> str:
         """The GEMM path this scheme gets on ``device`` (``"emulated"`` when there is no fast one)."""
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        return _fp8_fast_path(cls.name, device) if cls.name in _FP8_PROBE_LAYOUTS else "emulated"
+        return _fp8_fast_path(cls.name, device) if cls.name in _FP8_LAYOUTS else "emulated"
 
     @classmethod
     def has_fast_path(cls, device: torch.device | str | None = None) -> bool:
