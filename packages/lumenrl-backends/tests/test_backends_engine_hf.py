@@ -96,3 +96,11 @@ def test_interrupt_and_continue(loaded):
     done = engine.generate(partial, params)
     assert done.meta_info["interrupted"] is False
     assert torch.equal(done.batch["responses"], full.batch["responses"])  # greedy: continuation is exact
+
+
+def test_generate_names_rows_without_a_prompt_token(loaded):
+    model, tokenizer = loaded
+    batch = prompt_batch(tokenizer)
+    batch.batch["attention_mask"][1] = 0
+    with pytest.raises(ValueError, match=r"rows \[1\] have an all-zero attention_mask"):
+        HFEngine(model, tokenizer).generate(batch, {"max_new_tokens": 2})

@@ -130,9 +130,10 @@ def requests_from_batch(
             zip(_unpad(prompts, prompt_mask), responses, log_probs, reasons)
         )
     ]
-    if any(not r.prompt for r in requests):
+    empty = [r.index for r in requests if not r.prompt]
+    if empty:
         raise ValueError(
-            "generate: every row needs at least one prompt token (attention_mask row is all zero)"
+            f"generate: rows {empty[:8]} have an all-zero attention_mask; every row needs at least one prompt token"
         )
     return requests, prompts, prompt_mask
 
