@@ -35,26 +35,16 @@ class Range:
         )
 
     def describe(self, kind: str) -> str:
-        low = (
-            f"[{_num(self.ge)}"
-            if self.ge is not None
-            else f"({_num(self.gt)}"
-            if self.gt is not None
-            else None
-        )
-        high = (
-            f"{_num(self.le)}]"
-            if self.le is not None
-            else f"{_num(self.lt)})"
-            if self.lt is not None
-            else None
-        )
-        if low and high:
-            return f"{kind} in {low}, {high}"
-        if low:
-            return f"{kind} {'>=' if self.ge is not None else '>'} {low[1:]}"
-        if high:
-            return f"{kind} {'<=' if self.le is not None else '<'} {high[:-1]}"
+        """``"int >= 1"``, ``"float in (0, 1]"``, ...; just ``kind`` when unbounded."""
+        low = self.ge if self.ge is not None else self.gt
+        high = self.le if self.le is not None else self.lt
+        if low is not None and high is not None:
+            opening, closing = "[" if self.ge is not None else "(", "]" if self.le is not None else ")"
+            return f"{kind} in {opening}{_num(low)}, {_num(high)}{closing}"
+        if low is not None:
+            return f"{kind} {'>=' if self.ge is not None else '>'} {_num(low)}"
+        if high is not None:
+            return f"{kind} {'<=' if self.le is not None else '<'} {_num(high)}"
         return kind
 
 
