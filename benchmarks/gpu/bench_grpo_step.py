@@ -46,6 +46,16 @@ def save_random_model(shape: str, path: Path, device: str) -> None:
     tokenizer.save_pretrained(path)
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The GRPO step's workload, shared with ``bench_grpo_trl.py`` so both sides do the same work."""
+    ap.add_argument("--shape", default="0.6b")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
 def build_trainer(model_dir: Path, out_dir: Path, args):
     from lumenrl_core.assembly import plan_run
     from lumenrl_core.config import load_config
@@ -68,13 +78,8 @@ def build_trainer(model_dir: Path, out_dir: Path, args):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="0.6b")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--generations", type=int, default=8)
-    ap.add_argument("--new", type=int, default=256)
+    add_workload_args(ap)
     ap.add_argument("--micro-batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--override", action="append", default=[], help="extra config overrides (key=value)")
     ap.add_argument("--out", default="grpo_step.json")
     args = ap.parse_args()
@@ -93,7 +98,7 @@ def main() -> None:
             seconds = time.perf_counter() - start
             phases = {k.removeprefix("timing/").removesuffix("_s"): v for k, v in metrics.items() if k.startswith("timing/")}
             steps.append({"step": step, "seconds": seconds, **phases,
-                          "generated_tokens": metrics.get("perf/generated_tokens", metrics.get("throughput/generated_tokens"))})
+                          "generated_tokens": metrics["perf/generated_tokens"]})
             print(f"step {step}: {seconds:.2f} s  phases {', '.join(f'{k} {v:.2f}' for k, v in phases.items())}")
             sys.stdout.flush()
     timed = steps[1:]

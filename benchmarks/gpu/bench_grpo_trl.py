@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
-from bench_grpo_step import save_random_model  # noqa: E402
+from bench_grpo_step import add_workload_args, save_random_model  # noqa: E402
 
 
 def step_timer():
@@ -52,12 +52,7 @@ def step_timer():
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="0.6b")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--generations", type=int, default=8)
-    ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_workload_args(ap)
     ap.add_argument("--out", default="grpo_trl.json")
     args = ap.parse_args()
     import trl
