@@ -146,14 +146,6 @@ class SlotKVCache(Cache):
     def clear_slots(self, rows: torch.Tensor) -> None:
         self.valid[rows] = False
 
-    def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for layer in self.layers
-            if layer.is_initialized
-            for t in (layer.keys, layer.values)
-        )
-
 
 def _window_ok(q_col: torch.Tensor, k_col: torch.Tensor, window: int | None) -> torch.Tensor | bool:
     if window is None:
