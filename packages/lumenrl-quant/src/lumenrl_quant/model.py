@@ -112,11 +112,6 @@ def _weight_bytes(module: nn.Module) -> int:
     )
 
 
-def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-
-
 def quantize_model(
     model: nn.Module,
     scheme: object = "fp8_block",
@@ -147,7 +142,7 @@ def quantize_model(
             new = QuantizedLinear.from_linear(mod, scheme, fp8_dtype=fp8_dtype)
             report.bytes_before += _weight_bytes(mod)
             report.bytes_after += _weight_bytes(new)
-            _swap(model, full, new)
+            model.set_submodule(full, new)
             report.quantized.append(full)
     return report
 

@@ -67,12 +67,6 @@ def _skip_reason(
     return None
 
 
-def _set_submodule(root: nn.Module, fqn: str, module: nn.Module) -> None:
-    parent_name, _, child = fqn.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, module)
-
-
 def convert_to_fp8_training(
     model: nn.Module,
     *,
@@ -98,7 +92,7 @@ def convert_to_fp8_training(
         if not isinstance(module, nn.Linear):
             continue
         if id(module) in swapped:
-            _set_submodule(model, fqn, swapped[id(module)])
+            model.set_submodule(fqn, swapped[id(module)])
             report.converted.append(fqn)
             continue
         reason = _skip_reason(fqn, module, config, module_filter, min_features)
@@ -106,7 +100,7 @@ def convert_to_fp8_training(
             report.skipped[fqn or "<root>"] = reason
             continue
         swapped[id(module)] = Fp8TrainingLinear.from_linear(module, config)
-        _set_submodule(model, fqn, swapped[id(module)])
+        model.set_submodule(fqn, swapped[id(module)])
         report.converted.append(fqn)
     return report
 
