@@ -1,4 +1,4 @@
-"""Core of LumenRL: DataProto, config, plugin registry, strict assembly, RL algorithm math, rewards, datasets, metrics."""
+"""Core of LumenRL: DataProto, config, plugin registry, strict assembly, RL algorithm math, rewards, datasets."""
 
 from lumenrl_core.__about__ import __version__
 from lumenrl_core.config import ConfigError, RunConfig, config_to_dict, dump_config, load_config
