@@ -180,7 +180,7 @@ def _quantize_fp8_torch(
         return _cast(xf, scale, dtype), scale
     if granularity == "rowwise":
         if x.dim() < 1:
-            raise ValueError("granularity='rowwise' needs x with >= 1 dim")
+            raise ValueError(f"granularity='rowwise' needs x with >= 1 dim (..., M, K); got shape {tuple(x.shape)}")
         xf = x.float()
         amax = xf.abs().amax(dim=-1, keepdim=True)  # (..., M, 1)
         scale = amax_to_scale(amax, dtype, power_of_two_scale=power_of_two_scale)

@@ -179,7 +179,7 @@ def quantize_mx(x: torch.Tensor, elem_format: str = "e4m3", *, backend: str = "a
     """
     fmt = _elem_format(elem_format)
     if x.dim() < 1:
-        raise ValueError("quantize_mx needs x with >= 1 dim (..., K)")
+        raise ValueError(f"quantize_mx needs x with >= 1 dim (..., K); got shape {tuple(x.shape)}")
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend={backend!r} is not supported; allowed: ['auto', 'torch', 'triton']")
     k = x.shape[-1]
