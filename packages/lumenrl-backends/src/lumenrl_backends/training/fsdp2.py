@@ -59,6 +59,7 @@ from lumenrl_backends.training.modeling import (
 from lumenrl_backends.training.packing import (
     PackPlan,
     TrimPlan,
+    check_packing_mode,
     pack_input_ids,
     plan_micro_batch,
     unpack_tokens,
@@ -203,8 +204,7 @@ class FSDP2Backend:
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
         self.model = _shard(model, _mixed_precision(train.mixed_precision, self.device))
-        self.packing = packing if packing is not None else train.packing
-        plan_micro_batch(torch.ones(1, 2), 1, mode=self.packing)  # validates the mode early
+        self.packing = check_packing_mode(packing if packing is not None else train.packing)
         self._pack_align = 64 if self.device.type == "cuda" else 8
         self._logprob_backend = None  # torch.compile backend of the fused log-prob kernels
         if compile_layers is None:

@@ -36,6 +36,7 @@ __all__ = [
     "PACKING_MODES",
     "PackPlan",
     "TrimPlan",
+    "check_packing_mode",
     "first_fit_decreasing",
     "pack_input_ids",
     "plan_micro_batch",
@@ -156,6 +157,13 @@ def _pack(mask: torch.Tensor, resp_len: int, align: int) -> PackPlan:
     )
 
 
+def check_packing_mode(mode: str) -> str:
+    """``mode`` if it is one of :data:`PACKING_MODES`; else a ValueError naming the config key."""
+    if mode not in PACKING_MODES:
+        raise ValueError(f"policy.train.packing={mode!r} is not allowed; allowed: {', '.join(PACKING_MODES)}")
+    return mode
+
+
 def plan_micro_batch(
     attention_mask: torch.Tensor,
     resp_len: int,
@@ -165,9 +173,7 @@ def plan_micro_batch(
     align: int = 8,
 ) -> TrimPlan | PackPlan | None:
     """The cheapest exact layout for a (b, L) micro-batch, or None for the plain padded forward."""
-    if mode not in PACKING_MODES:
-        raise ValueError(f"packing={mode!r} is not allowed; allowed: {', '.join(PACKING_MODES)}")
-    if mode == "none":
+    if check_packing_mode(mode) == "none":
         return None
     mask = attention_mask.detach().cpu().bool()
     b, L = mask.shape
