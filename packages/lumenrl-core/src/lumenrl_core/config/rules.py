@@ -14,7 +14,7 @@ from typing import Any
 from lumenrl_core.config import schema as s
 from lumenrl_core.config.errors import ConfigError
 
-__all__ = ["Range", "field_range", "check_range", "cross_check"]
+__all__ = ["Range", "field_range", "check_range", "cross_check", "join_key"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,13 +145,14 @@ def check_range(rng: Range | None, value: Any, key: str, source: str | None) -> 
             raise ConfigError(where, item, problem="out of range", allowed=rng.describe(kind), source=source)
 
 
-def _join(prefix: str, name: str) -> str:
+def join_key(prefix: str, name: str) -> str:
+    """``"a.b"`` + ``"c"`` -> ``"a.b.c"``; a top-level name stays as it is."""
     return f"{prefix}.{name}" if prefix else name
 
 
 def _check_betas(cfg: s.OptimConfig, key: str, source: Callable[[str], str | None]) -> None:
     if len(cfg.betas) != 2:
-        k = _join(key, "betas")
+        k = join_key(key, "betas")
         raise ConfigError(
             k, cfg.betas, problem="needs exactly 2 values", allowed="[beta1, beta2]", source=source(k)
         )
@@ -159,7 +160,7 @@ def _check_betas(cfg: s.OptimConfig, key: str, source: Callable[[str], str | Non
 
 def _check_mask_band(cfg: s.RolloutCorrectionConfig, key: str, source: Callable[[str], str | None]) -> None:
     if cfg.mask_low is not None and cfg.mask_high is not None and cfg.mask_low >= cfg.mask_high:
-        k = _join(key, "mask_high")
+        k = join_key(key, "mask_high")
         raise ConfigError(
             k,
             cfg.mask_high,

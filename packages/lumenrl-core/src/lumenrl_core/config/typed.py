@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, Union, get_args, get_origin
 
 from lumenrl_core.config.errors import ConfigError, closest
-from lumenrl_core.config.rules import check_range, cross_check, field_range
+from lumenrl_core.config.rules import check_range, cross_check, field_range, join_key
 
 __all__ = [
     "FieldSpec",
@@ -58,10 +58,6 @@ def all_keys(cls: type) -> tuple[str, ...]:
         if section is not None:
             keys.extend(f"{name}.{sub}" for sub in all_keys(section))
     return tuple(keys)
-
-
-def join_key(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _is_union(tp: Any) -> bool:
