@@ -32,6 +32,8 @@ import os
 
 import torch
 
+from lumenrl_quant.formats import fp8_max
+
 try:  # optional dependency
     import triton
     import triton.language as tl
@@ -206,10 +208,6 @@ if triton is not None:
         tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c, mask=mmask[:, None] & nmask[None, :])
 
 
-def _fp8_max(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).max)
-
-
 def _require(x: torch.Tensor) -> None:
     if triton is None:
         raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
@@ -241,7 +239,7 @@ def fp8_quantize_groups(
     grid = (triton.cdiv(m, block_m), k // group)
     _group_quant_kernel[grid](
         x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), group,
-        FP8_MAX=_fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=False, BLOCK_M=block_m, BLOCK_K=block_k,
+        FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=False, BLOCK_M=block_m, BLOCK_K=block_k,
         num_warps=warps,
     )
     return q, s
@@ -261,7 +259,7 @@ def fp8_quantize_blocks(
     grid = (triton.cdiv(n, block), k // block)
     _group_quant_kernel[grid](
         w, q, s, n, k, w.stride(0), q.stride(0), s.stride(0), block,
-        FP8_MAX=_fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=True, BLOCK_M=block,
+        FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=True, BLOCK_M=block,
         BLOCK_K=_next_pow2(block), num_warps=8,
     )
     return q, s
@@ -279,7 +277,7 @@ def fp8_quantize_tensorwise(
     scale = torch.empty((), dtype=torch.float32, device=x.device)
     q = torch.empty(x.shape, dtype=dtype, device=x.device)
     _scale_cast_kernel[(triton.cdiv(n, 4096),)](
-        flat, q.reshape(-1), amax_bits, scale, n, FP8_MAX=_fp8_max(dtype), OUT=_tl_fp8(dtype), BLOCK=4096,
+        flat, q.reshape(-1), amax_bits, scale, n, FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype), BLOCK=4096,
         num_warps=8,
     )
     return q, scale
