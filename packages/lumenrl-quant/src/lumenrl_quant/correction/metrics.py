@@ -26,31 +26,29 @@ __all__ = ["METRIC_PREFIX", "rollout_correction_metrics"]
 METRIC_PREFIX = "rollout_correction/"
 
 
-def _masked_mean(values: torch.Tensor, valid: torch.Tensor) -> float:
-    count = int(valid.sum())
-    if count == 0:
-        return 0.0
+def _masked_mean(values: torch.Tensor, valid: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Float64 mean of ``values`` over ``valid`` (0 when ``count`` is 0), on the device."""
     values = values.detach().to(torch.float64)  # accumulate in float64
-    return float(torch.where(valid, values, torch.zeros_like(values)).sum() / count)
+    return torch.where(valid, values, torch.zeros_like(values)).sum() / count.clamp(min=1)
 
 
-def _masked_max(values: torch.Tensor, valid: torch.Tensor) -> float:
-    if not bool(valid.any()):
-        return 0.0
-    return float(values[valid].max())
+def _masked_max(values: torch.Tensor, valid: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    peak = torch.where(valid, values, torch.full_like(values, -math.inf)).max().to(torch.float64)
+    return torch.where(count > 0, peak, torch.zeros_like(peak))
 
 
-def _fraction(flags: torch.Tensor | None, valid: torch.Tensor) -> float:
+def _fraction(flags: torch.Tensor | None, valid: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     if flags is None:
-        return 0.0
-    count = int(valid.sum())
-    return int((flags & valid).sum()) / count if count else 0.0
+        return torch.zeros((), dtype=torch.float64, device=valid.device)
+    return (flags & valid).sum().to(torch.float64) / count.clamp(min=1)
 
 
-def _weight_mean(is_weights: torch.Tensor | None, kept: torch.Tensor) -> float:
-    if is_weights is None or not bool(kept.any()):
-        return 1.0
-    return _masked_mean(is_weights, kept)
+def _weight_mean(is_weights: torch.Tensor | None, kept: torch.Tensor) -> torch.Tensor:
+    one = torch.ones((), dtype=torch.float64, device=kept.device)
+    if is_weights is None:
+        return one
+    kept_count = kept.sum().to(torch.float64)
+    return torch.where(kept_count > 0, _masked_mean(is_weights, kept, kept_count), one)
 
 
 def rollout_correction_metrics(
@@ -63,21 +61,26 @@ def rollout_correction_metrics(
     clipped: torch.Tensor | None = None,
     extreme_tau: float = 2.0,
 ) -> dict[str, float]:
-    """Metrics dict for one batch; ``clipped`` is a (B, T) bool of truncated weights, if any."""
+    """Metrics dict for one batch; ``clipped`` is a (B, T) bool of truncated weights, if any.
+
+    Everything is reduced on the tensors' device and read back with one host sync.
+    """
     if extreme_tau < 1.0:
         raise ValueError(f"extreme_tau must be >= 1 (a ratio band max(r, 1/r) > tau); got {extreme_tau!r}")
     log_ratio = rollout_log_ratio(old_log_probs, rollout_log_probs, mask)  # (B, T)
     valid = mask != 0
+    count = valid.sum().to(torch.float64)
     kept = valid if keep_mask is None else valid & (keep_mask != 0)
     ratio = torch.exp(log_ratio)
     metrics = {
-        "is_ratio_mean": _masked_mean(ratio, valid),
-        "is_ratio_max": _masked_max(ratio, valid),
+        "is_ratio_mean": _masked_mean(ratio, valid, count),
+        "is_ratio_max": _masked_max(ratio, valid, count),
         "is_weight_mean": _weight_mean(is_weights, kept),
-        "clipped_frac": _fraction(clipped, valid),
-        "masked_frac": _fraction(None if keep_mask is None else keep_mask == 0, valid),
-        "kl_k1": _masked_mean(kl_estimate(log_ratio, "k1"), valid),
-        "kl_k3": _masked_mean(kl_estimate(log_ratio, "k3"), valid),
-        "extreme_token_frac": _fraction(log_ratio.abs() > math.log(extreme_tau), valid),
+        "clipped_frac": _fraction(clipped, valid, count),
+        "masked_frac": _fraction(None if keep_mask is None else keep_mask == 0, valid, count),
+        "kl_k1": _masked_mean(kl_estimate(log_ratio, "k1"), valid, count),
+        "kl_k3": _masked_mean(kl_estimate(log_ratio, "k3"), valid, count),
+        "extreme_token_frac": _fraction(log_ratio.abs() > math.log(extreme_tau), valid, count),
     }
-    return {METRIC_PREFIX + key: value for key, value in metrics.items()}
+    values = torch.stack(list(metrics.values())).tolist()  # the one device sync
+    return {METRIC_PREFIX + key: value for key, value in zip(metrics, values, strict=True)}
