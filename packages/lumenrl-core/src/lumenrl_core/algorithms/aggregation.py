@@ -35,7 +35,8 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 def count_tokens_and_seqs(mask: torch.Tensor) -> tuple[int, int]:
     """Valid tokens and rows with at least one valid token: the ``global_*`` of a mini-batch."""
     per_row = mask.to(torch.float32).sum(dim=-1)
-    return int(per_row.sum().item()), int((per_row > 0).sum().item())
+    tokens, seqs = torch.stack([per_row.sum(), (per_row > 0).sum().to(torch.float32)]).tolist()  # one sync
+    return int(tokens), int(seqs)
 
 
 def agg_loss(

@@ -29,16 +29,18 @@ def clipped_value_loss(
     loss_agg_mode: str = "token-mean",
     **agg_kwargs: object,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Scalar clipped value loss and metrics ``critic/vf_loss``, ``critic/vf_clipfrac``."""
+    """Scalar clipped value loss and metrics ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``."""
     if cliprange_value <= 0:
         raise ValueError(f"cliprange_value={cliprange_value!r} is invalid: must be > 0")
     clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     loss_unclipped = (values - returns).square()
     loss_clipped = (clipped_values - returns).square()
     loss = 0.5 * agg_loss(torch.maximum(loss_unclipped, loss_clipped), mask, loss_agg_mode, **agg_kwargs)
-    metrics = {
-        "critic/vf_loss": loss.detach().item(),
-        "critic/vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
-        "critic/vpred_mean": masked_mean(values.detach(), mask).item(),
-    }
-    return loss, metrics
+    stats = (
+        loss.detach(),
+        masked_mean((loss_clipped > loss_unclipped).float(), mask),
+        masked_mean(values.detach(), mask),
+    )
+    names = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
+    values_out = torch.stack([t.to(torch.float64) for t in stats]).tolist()  # one device sync, exact
+    return loss, dict(zip(names, values_out, strict=True))
