@@ -381,7 +381,9 @@ def test_config_is_moe_and_names(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     assert is_moe_model(str(tmp_path))[0] is False
     (tmp_path / "config.json").write_text("{not json")
-    assert is_moe_model(str(tmp_path))[0] is None
+    is_moe, how = is_moe_model(str(tmp_path))
+    assert is_moe is None and how.startswith(f"cannot read {tmp_path / 'config.json'}")
+    assert model_type_of(str(tmp_path)) is None
     built = tmp_path / "cache" / "tiny-custom"  # a materialised built-in: its config.json decides
     built.mkdir(parents=True)
     (built / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4}))

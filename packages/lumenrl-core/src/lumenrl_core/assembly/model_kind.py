@@ -69,17 +69,27 @@ def find_local_config(model_name: str) -> Path | None:
     return _hf_cache_config(model_name)
 
 
+def _read_config(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """``(config, "")`` from a ``config.json``, or ``(None, why it cannot be read)``."""
+    try:
+        return json.loads(path.read_text()), ""
+    except (OSError, ValueError) as exc:
+        return None, f"cannot read {path}: {exc}"
+
+
+def _builtin_name(model_name: str) -> str:
+    """``lumenrl:tiny-qwen3-moe`` -> ``tiny-qwen3-moe``: built-ins are named tiny-<family>[-task]."""
+    return model_name.removeprefix("lumenrl:").lower()
+
+
 def is_moe_model(model_name: str) -> tuple[bool | None, str]:
     """``(is_moe, how_decided)``; ``is_moe`` is ``None`` when it cannot be told without downloading."""
     config_path = find_local_config(model_name)
     if config_path is not None:
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, ValueError) as exc:
-            return None, f"cannot read {config_path}: {exc}"
-        return config_is_moe(config), f"from {config_path}"
-    if model_name.startswith("lumenrl:"):  # built-ins are tiny-<family>[-task]: the family says it
-        short = model_name.removeprefix("lumenrl:").lower()
+        config, error = _read_config(config_path)
+        return (None, error) if config is None else (config_is_moe(config), f"from {config_path}")
+    if model_name.startswith("lumenrl:"):  # the family in the built-in's name says it
+        short = _builtin_name(model_name)
         return "moe" in short or any(t in short for t in MOE_MODEL_TYPES), "built-in model name"
     if _MOE_NAME.search(model_name):
         return True, "known MoE model family"
@@ -90,13 +100,12 @@ def model_type_of(model_name: str) -> str | None:
     """HF ``model_type`` of ``model_name`` from a local ``config.json``, else from a built-in's family name."""
     config_path = find_local_config(model_name)
     if config_path is not None:
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, ValueError):
+        config, _ = _read_config(config_path)
+        if config is None:
             return None
         return (config.get("text_config") or {}).get("model_type") or config.get("model_type")
     if model_name.startswith("lumenrl:"):
-        short = model_name.removeprefix("lumenrl:").lower()
+        short = _builtin_name(model_name)
         found = [t for t in MOE_MODEL_TYPES if t in short]
         return max(found, key=len) if found else None
     return None
