@@ -1,4 +1,4 @@
-"""Speculative-decoding draft distillation (SDDD) for LumenRL."""
+"""Speculative-decoding draft distillation (SDDD) for LumenRL; today the hidden-state transfer engines."""
 
 from lumenrl_sddd.__about__ import __version__
 from lumenrl_sddd.transfer import (
