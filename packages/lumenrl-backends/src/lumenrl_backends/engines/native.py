@@ -305,15 +305,16 @@ class NativeEngine:
     def _record(
         self,
         slot_ids: list[int],
-        tokens: torch.Tensor,
-        log_probs: torch.Tensor,
+        tokens: list[float],
+        log_probs: list[float],
         params: SamplingParams,
         stops: frozenset[int],
         active: dict[int, Request],
     ) -> None:
-        for slot, token, log_prob in zip(slot_ids, tokens.tolist(), log_probs.tolist()):
+        """Append one sampled token (host values, aligned with ``slot_ids``) to each active request."""
+        for slot, token, log_prob in zip(slot_ids, tokens, log_probs):
             request = active[slot]
-            request.response.append(token)
+            request.response.append(int(token))
             request.log_probs.append(log_prob)
             self._finish_if_done(request, slot, params, stops, active)
 
@@ -406,7 +407,7 @@ class NativeEngine:
         for slot in slot_ids:
             s.host_columns[slot] = width
         active.update(zip(slot_ids, admitted))
-        self._record(slot_ids, tokens, log_probs, params, stops, active)
+        self._record(slot_ids, tokens.tolist(), log_probs.tolist(), params, stops, active)
 
     # ------------------------------------------------------------------ decode
     def _bucket(self, rows_needed: int) -> int:
@@ -424,22 +425,14 @@ class NativeEngine:
         slot_ids = sorted(active)
         for slot in slot_ids:
             s.host_columns[slot] += 1
-        self._record_host(slot_ids, host[0], host[1], params, stops, active)
-
-    def _record_host(
-        self,
-        slot_ids: list[int],
-        tokens: list[float],
-        log_probs: list[float],
-        params: SamplingParams,
-        stops: frozenset[int],
-        active: dict[int, Request],
-    ) -> None:
-        for slot in slot_ids:
-            request = active[slot]
-            request.response.append(int(tokens[slot]))
-            request.log_probs.append(log_probs[slot])
-            self._finish_if_done(request, slot, params, stops, active)
+        self._record(
+            slot_ids,
+            [host[0][slot] for slot in slot_ids],
+            [host[1][slot] for slot in slot_ids],
+            params,
+            stops,
+            active,
+        )
 
     def _decode_step(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward + sampling + state advance over slots 0..batch-1 (what one CUDA graph holds)."""
