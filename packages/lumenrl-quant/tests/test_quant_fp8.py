@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -22,16 +20,12 @@ from lumenrl_quant import (
     quantize_fp8_with_scale,
     scaled_mm,
 )
+from lumenrl_quant.error import sqnr_db
 from lumenrl_quant.fp8 import round_scale_to_power_of_two
 from lumenrl_quant.gemm import _torch_scaled_mm
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 GRANULARITIES = [("tensorwise", None), ("rowwise", None), ("block", (1, 128)), ("block", (128, 128))]
-
-
-def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    ref = ref.double()
-    return 20 * math.log10(ref.norm().item() / (ref - approx.double()).norm().clamp_min(1e-300).item())
 
 
 def fresh(*shape: int, seed: int | None = None) -> torch.Tensor:
@@ -73,7 +67,7 @@ def test_round_trip_sqnr_and_scale_reference(dtype, granularity, block_size):
         ref_scale = x64.reshape(256 // bm, bm, 3, bk).abs().amax(dim=(1, 3)) / fp8_max(dtype)
     assert scale.shape == ref_scale.shape
     torch.testing.assert_close(scale.double(), ref_scale, rtol=1e-6, atol=0)
-    assert sqnr(x, dequantize_fp8(q, scale, block_size=block_size)) >= 25.0
+    assert sqnr_db(x, dequantize_fp8(q, scale, block_size=block_size)) >= 25.0
 
 
 def test_dequantize_matches_float64_product():
@@ -92,14 +86,14 @@ def test_non_divisible_shapes_are_padded_and_returned_unpadded(block_size):
     # the trailing partial block is scaled by its own real elements only
     tail = x.double()[(scale.shape[0] - 1) * bm :, 128:]
     assert scale[-1, -1].item() == pytest.approx(tail.abs().max().item() / 448.0, rel=1e-6)
-    assert sqnr(x, dequantize_fp8(q, scale, block_size=block_size)) >= 25.0
+    assert sqnr_db(x, dequantize_fp8(q, scale, block_size=block_size)) >= 25.0
 
 
 def test_block_granularity_keeps_leading_dims():
     x = fresh(2, 3, 256)
     q, scale = quantize_fp8(x, granularity="block", block_size=(1, 128))
     assert q.shape == (2, 3, 256) and scale.shape == (2, 3, 2)
-    assert sqnr(x, dequantize_fp8(q, scale, block_size=(1, 128))) >= 25.0
+    assert sqnr_db(x, dequantize_fp8(q, scale, block_size=(1, 128))) >= 25.0
 
 
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
@@ -130,7 +124,7 @@ def test_power_of_two_scales_are_exact_powers_and_cover_amax():
     assert (scale.double() * 448.0 >= x.double().abs().amax(dim=1, keepdim=True)).all()
     s = torch.tensor([0.25, 0.3, 1.0, 3.0])
     assert round_scale_to_power_of_two(s).tolist() == [0.25, 0.5, 1.0, 4.0]
-    assert sqnr(x, dequantize_fp8(q, scale)) >= 25.0
+    assert sqnr_db(x, dequantize_fp8(q, scale)) >= 25.0
 
 
 def test_bad_arguments_name_the_argument():
@@ -162,7 +156,7 @@ def test_scaled_mm_sqnr_vs_float64(mode, bar):
     out = scaled_mm(aq, sa, bq, sb, out_dtype=torch.float32, bias=bias)
     ref = a.double() @ b.double().t() + bias.double()
     assert out.shape == (96, 256) and out.dtype == torch.float32
-    assert sqnr(ref, out) >= bar
+    assert sqnr_db(ref, out) >= bar
 
 
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise", "blockwise"])
@@ -195,7 +189,7 @@ def test_scaled_mm_mixed_layouts_and_hybrid_dtypes_emulate():
     aq, sa = quantize_fp8(a, granularity="rowwise")
     bq, sb = quantize_fp8(b, dtype=torch.float8_e5m2, granularity="block", block_size=(128, 128))
     assert gemm_path(aq, sa, bq, sb) == "emulated"
-    assert sqnr(a.double() @ b.double().t(), scaled_mm(aq, sa, bq, sb, out_dtype=torch.float32)) >= 22.0
+    assert sqnr_db(a.double() @ b.double().t(), scaled_mm(aq, sa, bq, sb, out_dtype=torch.float32)) >= 22.0
 
 
 def test_scaled_mm_rejects_bad_operands():

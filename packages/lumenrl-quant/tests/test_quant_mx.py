@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lumenrl_quant import mx
+from lumenrl_quant.error import sqnr_db
 from lumenrl_quant.mx import (
     MX_ELEM_FORMATS,
     dequantize_mx,
@@ -19,11 +20,6 @@ from lumenrl_quant.mx import (
     quantize_mx,
     unpack_fp4,
 )
-
-
-def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    ref = ref.double()
-    return 20 * math.log10(ref.norm().item() / (ref - approx.double()).norm().item())
 
 
 def fresh(*shape: int) -> torch.Tensor:
@@ -90,7 +86,7 @@ def test_scales_bit_exact_and_elements_match_reference(elem_format):
 def test_round_trip_sqnr(elem_format, bar):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     x = torch.randn(128, 512, generator=gen, dtype=torch.float64).float()
-    assert sqnr(x, quantize_mx(x, elem_format).dequantize()) >= bar
+    assert sqnr_db(x, quantize_mx(x, elem_format).dequantize()) >= bar
 
 
 def test_e2m1_rounding_is_nearest_even_and_saturates():

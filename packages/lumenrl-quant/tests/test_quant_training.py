@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lumenrl_quant.error import sqnr_db
 from lumenrl_quant.fp8 import dequantize_fp8, quantize_fp8
 from lumenrl_quant.training import (
     Fp8TrainingConfig,
@@ -28,11 +29,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    ref = ref.double()
-    return 20 * math.log10(ref.norm().item() / (ref - approx.double()).norm().item())
 
 
 def reference_and_fp8(recipe: str, fmt: str, seed: int, tokens=(3, 67), k=256, n=384):

@@ -6,13 +6,12 @@ kernels are compared against.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from lumenrl_quant import dequantize_fp8, emulated_scaled_mm, gemm_path, quantize_fp8, quantize_mx, scaled_mm
 from lumenrl_quant import triton_kernels as tk
+from lumenrl_quant.error import sqnr_db
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,11 +19,6 @@ pytestmark = [
 ]
 
 CASES = [("tensorwise", None), ("rowwise", None), ("block", (1, 128)), ("block", (128, 128))]
-
-
-def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    ref = ref.double()
-    return 20 * math.log10(ref.norm().item() / (ref - approx.double()).norm().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -36,7 +30,7 @@ def test_triton_quantize_bit_identical_to_torch(granularity, block_size, dtype):
     rq, rs = quantize_fp8(x, dtype=dtype, granularity=granularity, block_size=block_size, backend="torch")
     assert ts.shape == rs.shape and torch.equal(ts, rs)
     assert torch.equal(tq.view(torch.uint8), rq.view(torch.uint8))
-    assert sqnr(x.float(), dequantize_fp8(tq, ts, block_size=block_size)) >= 25.0
+    assert sqnr_db(x.float(), dequantize_fp8(tq, ts, block_size=block_size)) >= 25.0
 
 
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
@@ -49,8 +43,8 @@ def test_triton_blockwise_gemm_matches_emulation(m):
     ref = emulated_scaled_mm(aq, sa, bq, sb, out_dtype=torch.float32)
     # Hopper FP8 tensor cores accumulate each 128-long K block with reduced precision (~1e-3
     # relative), so agreement is bounded by SQNR rather than elementwise closeness (cuBLAS: ~55 dB)
-    assert sqnr(ref, out) >= 45.0
-    assert sqnr(a.double() @ b.double().t(), out) >= 28.0
+    assert sqnr_db(ref, out) >= 45.0
+    assert sqnr_db(a.double() @ b.double().t(), out) >= 28.0
     if m < 4:
         assert gemm_path(aq, sa, bq, sb) == "triton_blockwise"
 
@@ -66,7 +60,7 @@ def test_gpu_scaled_mm_agrees_with_emulation(mode):
     path = gemm_path(aq, sa, bq, sb)
     assert path != "emulated", path
     out = scaled_mm(aq, sa, bq, sb, out_dtype=torch.bfloat16)
-    assert sqnr(emulated_scaled_mm(aq, sa, bq, sb, out_dtype=torch.float32), out.float()) >= 40.0
+    assert sqnr_db(emulated_scaled_mm(aq, sa, bq, sb, out_dtype=torch.float32), out.float()) >= 40.0
 
 
 @pytest.mark.parametrize("elem_format", ["e4m3", "e5m2", "e2m1"])

@@ -24,6 +24,7 @@ from lumenrl_quant.correction import (
     tis_sequence_weights,
     tis_token_weights,
 )
+from lumenrl_quant.error import sqnr_db
 from lumenrl_quant.formats import (
     E4M3,
     E4M3FNUZ,
@@ -142,5 +143,6 @@ __all__ = [
     "quantize_mx",
     "reload_quantized_weights_",
     "scaled_mm",
+    "sqnr_db",
     "unpack_fp4",
 ]
