@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, environment, print_table, write_json  # noqa: E402
+from _common import OUT_DIR, command_line, environment, print_table, write_json  # noqa: E402
 
 from lumenrl_backends.training.fsdp2 import FSDP2Backend  # noqa: E402
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, TrainingQuantConfig  # noqa: E402
@@ -114,7 +114,6 @@ def pg_loss(outputs: dict, micro: Any):
 
 def profile_step(name: str, backend: FSDP2Backend, batch: DataProto) -> None:
     """One profiled step: top kernels by device time to <out>/profile_<variant>.txt (and stdout)."""
-    from _common import OUT_DIR
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -143,7 +142,8 @@ def run_variant(
     tokens = int(batch.batch["attention_mask"].sum())
     times: list[float] = []
     first = 0.0
-    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     for i in range(warmup + steps):
         sync(device)
         t0 = time.perf_counter()
