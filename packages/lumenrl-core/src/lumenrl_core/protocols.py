@@ -122,6 +122,9 @@ class RewardFn(Protocol):
 
 @runtime_checkable
 class WeightSync(Protocol):
+    """The trainer ``publish``es ``(named_tensors, version)`` (versions strictly increase); the
+    rollout side reads the newest with ``latest()`` (``None`` before the first publish)."""
+
     def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None: ...
 
     def latest(self) -> tuple[int, dict[str, torch.Tensor]] | None: ...
@@ -129,6 +132,9 @@ class WeightSync(Protocol):
 
 @runtime_checkable
 class TransferEngine(Protocol):
+    """Named tensors by key from a producer to a consumer (SDDD teacher hidden states); ``get`` of
+    a missing key raises ``KeyError``."""
+
     def put(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None: ...
 
     def get(self, key: str) -> dict[str, torch.Tensor]: ...
@@ -136,11 +142,16 @@ class TransferEngine(Protocol):
 
 @runtime_checkable
 class Controller(Protocol):
+    """Runs ``method`` on the ranks of a worker group; ``dispatch`` names how the arguments are split
+    and the results collected (``dp_compute_proto``: DataProtos chunked per rank, concatenated back)."""
+
     def call(self, group: Any, method: str, *args: Any, dispatch: str = "dp_compute_proto", **kwargs: Any) -> Any: ...
 
 
 @runtime_checkable
 class Logger(Protocol):
+    """Writes namespaced metrics (``rollout_correction/is_ratio_mean``, ...) at a step."""
+
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...
 
     def close(self) -> None: ...
