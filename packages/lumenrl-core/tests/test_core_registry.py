@@ -10,6 +10,7 @@ import torch
 
 from lumenrl_core.plugins import (
     KINDS,
+    KNOWN_PROVIDERS,
     DuplicatePluginError,
     PluginLoadError,
     PluginRegistry,
@@ -264,3 +265,19 @@ def test_discovery_from_metadata_with_versions_and_duplicates(monkeypatch):
     for _ in range(2):  # raised on every use, not only the first
         with pytest.raises(DuplicatePluginError, match=r"lumenrl-x 0\.1\.0 \(lumenrl_x.rewards:Math\).*lumenrl-y 2\.0\.0"):
             reg.names("rewards")
+
+
+def test_known_providers_match_the_installed_entry_points():
+    """Every hint names the distribution that really ships the plugin (for installed distributions)."""
+    for kind in KINDS:
+        shipped = {ep.name: ep.dist.metadata["Name"] for ep in importlib.metadata.entry_points(group=group_of(kind))}
+        for name, dist in shipped.items():
+            if dist.startswith("lumenrl-"):
+                assert KNOWN_PROVIDERS.get(kind, {}).get(name, "").split("[")[0] == dist, (kind, name)
+        for name, requirement in KNOWN_PROVIDERS.get(kind, {}).items():
+            dist = requirement.split("[")[0]
+            try:
+                importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue  # not installed here: nothing to compare
+            assert shipped.get(name) == dist, f"{kind}/{name}: {requirement} is installed but does not ship it"

@@ -50,7 +50,7 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     "weight_syncs": {"inprocess": "lumenrl-async", "filesystem": "lumenrl-async"},
     "transfer_engines": {"inprocess": "lumenrl-sddd", "shm": "lumenrl-sddd", "mooncake": "lumenrl-sddd[mooncake]"},
     "controllers": {"local": _BACKENDS, "ray": "lumenrl-backends[ray]"},
-    "trainers": {"rl": _BACKENDS, "sddd": _BACKENDS},
+    "trainers": {"rl": _BACKENDS},
     "loggers": {
         "jsonl": _BACKENDS,
         "console": _BACKENDS,
