@@ -104,3 +104,18 @@ def test_generate_names_rows_without_a_prompt_token(loaded):
     batch.batch["attention_mask"][1] = 0
     with pytest.raises(ValueError, match=r"rows \[1\] have an all-zero attention_mask"):
         HFEngine(model, tokenizer).generate(batch, {"max_new_tokens": 2})
+
+
+def test_from_config_reads_sizes_and_device(loaded):
+    from lumenrl_core.config.schema import RunConfig
+
+    config = RunConfig()
+    config.policy.max_prompt_length = 20
+    config.policy.rollout.max_new_tokens = 4
+    config.policy.rollout.max_batch_size = 3
+    config.cluster.device = "cpu"
+    model, tokenizer = loaded
+    engine = HFEngine.from_config(config, model=model, tokenizer=tokenizer)
+    assert engine.max_seq_len == 24 and engine.max_batch_size == 3 and engine.device.type == "cpu"
+    out = engine.generate(prompt_batch(tokenizer), config.policy.rollout)
+    assert out.batch["responses"].shape == (len(PROMPTS), 4)

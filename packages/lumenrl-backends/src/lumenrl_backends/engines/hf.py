@@ -20,7 +20,12 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from lumenrl_backends.engines.loading import eos_token_ids, pad_token_id, resolve_device
+from lumenrl_backends.engines.loading import (
+    engine_kwargs_from_config,
+    eos_token_ids,
+    pad_token_id,
+    resolve_device,
+)
 from lumenrl_backends.engines.requests import (
     LENGTH,
     STOP,
@@ -77,17 +82,7 @@ class HFEngine:
 
     @classmethod
     def from_config(cls, run_config: Any, model: nn.Module | None = None, tokenizer: Any = None) -> HFEngine:
-        from lumenrl_backends.engines.loading import engine_model_from_config
-
-        policy, rollout = run_config.policy, run_config.policy.rollout
-        model, tokenizer, device = engine_model_from_config(run_config, model, tokenizer)
-        return cls(
-            model,
-            tokenizer,
-            device=device,
-            max_batch_size=rollout.max_batch_size,
-            max_seq_len=policy.max_prompt_length + rollout.max_new_tokens,
-        )
+        return cls(**engine_kwargs_from_config(run_config, model, tokenizer))
 
     def interrupt(self) -> None:
         self._interrupt.set()

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["engine_model_from_config", "eos_token_ids", "pad_token_id", "resolve_device"]
+__all__ = ["engine_kwargs_from_config", "eos_token_ids", "pad_token_id", "resolve_device"]
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -35,10 +35,10 @@ def pad_token_id(tokenizer: Any, eos_ids: list[int]) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
 
 
-def engine_model_from_config(
-    run_config: Any, model: nn.Module | None, tokenizer: Any
-) -> tuple[nn.Module, Any, torch.device]:
-    """``(model, tokenizer, device)`` for an engine: the given objects, else loaded from ``policy``."""
+def engine_kwargs_from_config(run_config: Any, model: nn.Module | None, tokenizer: Any) -> dict[str, Any]:
+    """What every engine's ``from_config`` passes its constructor: ``model`` and ``tokenizer`` (the
+    given objects, else loaded from ``policy``), ``device`` (``cluster.device``), ``max_batch_size``
+    (``policy.rollout``) and ``max_seq_len`` (``policy.max_prompt_length`` + ``rollout.max_new_tokens``)."""
     from lumenrl_backends.models import load_model_and_tokenizer
 
     policy = run_config.policy
@@ -52,4 +52,10 @@ def engine_model_from_config(
             trust_remote_code=policy.trust_remote_code,
         )
         model, tokenizer = model or loaded_model, tokenizer or loaded_tokenizer
-    return model, tokenizer, device
+    return {
+        "model": model,
+        "tokenizer": tokenizer,
+        "device": device,
+        "max_batch_size": policy.rollout.max_batch_size,
+        "max_seq_len": policy.max_prompt_length + policy.rollout.max_new_tokens,
+    }

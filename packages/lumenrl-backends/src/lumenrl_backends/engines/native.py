@@ -59,7 +59,12 @@ from lumenrl_backends.engines.kv_cache import (
     prefill_mask,
     to_attention_mask,
 )
-from lumenrl_backends.engines.loading import eos_token_ids, pad_token_id, resolve_device
+from lumenrl_backends.engines.loading import (
+    engine_kwargs_from_config,
+    eos_token_ids,
+    pad_token_id,
+    resolve_device,
+)
 from lumenrl_backends.engines.quant import kv_cache_dtype as resolve_kv_dtype
 from lumenrl_backends.engines.quant import quantize_rollout_model, rollout_scheme
 from lumenrl_backends.engines.requests import (
@@ -196,17 +201,9 @@ class NativeEngine:
         cls, run_config: Any, model: nn.Module | None = None, tokenizer: Any = None
     ) -> NativeEngine:
         """Build from a RunConfig: model/tokenizer from ``policy`` unless given, sizes from ``policy.rollout``."""
-        from lumenrl_backends.engines.loading import engine_model_from_config
-
-        policy, rollout = run_config.policy, run_config.policy.rollout
-        model, tokenizer, device = engine_model_from_config(run_config, model, tokenizer)
-        rollout_quant = run_config.quantization.rollout
+        rollout, rollout_quant = run_config.policy.rollout, run_config.quantization.rollout
         return cls(
-            model,
-            tokenizer,
-            device=device,
-            max_batch_size=rollout.max_batch_size,
-            max_seq_len=policy.max_prompt_length + rollout.max_new_tokens,
+            **engine_kwargs_from_config(run_config, model, tokenizer),
             quant_scheme=rollout_scheme(rollout_quant),
             kv_cache_dtype=rollout_quant.kv_cache_dtype,
             cuda_graphs=rollout.cuda_graphs,
