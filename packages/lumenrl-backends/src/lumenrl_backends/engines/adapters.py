@@ -81,6 +81,12 @@ def _prompt_ids(batch: Any) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
 
 
+def _weight_list(
+    named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+) -> list[tuple[str, torch.Tensor]]:
+    return list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+
+
 class _NoInterrupt:
     def interrupt(self) -> None:
         raise NotImplementedError(
@@ -151,7 +157,7 @@ class VLLMEngine(_NoInterrupt):
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
     ) -> None:
-        weights = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        weights = _weight_list(named_tensors)
         self.llm.apply_model(lambda model: model.load_weights(weights))
         self.weight_version = int(version)
 
@@ -206,7 +212,7 @@ class SGLangEngine(_NoInterrupt):
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
     ) -> None:
-        weights = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        weights = _weight_list(named_tensors)
         self.engine.update_weights_from_tensor(weights)
         self.weight_version = int(version)
 
