@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lumenrl_backends.sync.inprocess import _full_view, _module_of, _persistent_buffers
+from lumenrl_backends.sync.inprocess import full_view, trainer_tensors
 
 __all__ = ["LazyWeights", "apply_latest_snapshot", "publish_snapshot"]
 
@@ -27,13 +27,11 @@ class LazyWeights(Mapping):
     """Read-only name -> full tensor view of a trainer model; gathers and casts on access."""
 
     def __init__(self, source: Any, dtype: torch.dtype | None = torch.bfloat16) -> None:
-        model = _module_of(source)
-        self._tensors = dict(model.named_parameters())
-        self._tensors.update(_persistent_buffers(model))
+        self._tensors = trainer_tensors(source)
         self.dtype = dtype
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        full = _full_view(self._tensors[name])
+        full = full_view(self._tensors[name])
         if self.dtype is not None and full.is_floating_point():
             full = full.to(self.dtype)
         return full

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SyncStats", "sync_to_engine", "trainer_weights"]
+__all__ = ["SyncStats", "full_view", "sync_to_engine", "trainer_tensors", "trainer_weights"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,7 +59,13 @@ def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield (f"{mod_name}.{name}" if mod_name else name), buf
 
 
-def _full_view(t: torch.Tensor) -> torch.Tensor:
+def trainer_tensors(source: Any) -> dict[str, torch.Tensor]:
+    """Name -> parameter or persistent buffer of the trainer model (sharded as stored), module order."""
+    model = _module_of(source)
+    return {**dict(model.named_parameters()), **dict(_persistent_buffers(model))}
+
+
+def full_view(t: torch.Tensor) -> torch.Tensor:
     """The full tensor: the local shard itself on a 1-rank mesh, an all-gather otherwise."""
     if not hasattr(t, "full_tensor"):
         return t.detach()
@@ -72,13 +78,11 @@ def trainer_weights(source: Any, *, bucket_bytes: int = 512 << 20) -> Iterator[t
     """(name, full tensor) for every parameter and persistent buffer, gathered a bucket ahead."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
-    model = _module_of(source)
-    items = [(n, p) for n, p in model.named_parameters()] + list(_persistent_buffers(model))
     pending: deque[tuple[str, torch.Tensor, int]] = deque()
     in_flight = 0
-    for name, tensor in items:
+    for name, tensor in trainer_tensors(source).items():
         size = tensor.numel() * tensor.element_size()
-        pending.append((name, _full_view(tensor), size))  # async gather (multi-rank) is issued here
+        pending.append((name, full_view(tensor), size))  # async gather (multi-rank) is issued here
         in_flight += size
         while in_flight > bucket_bytes and len(pending) > 1:
             done, full, done_size = pending.popleft()
