@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
-import torch
 
 from lumenrl_core.data_proto import DataProto
 
@@ -33,7 +32,7 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            self.add(phase, time.perf_counter() - start)
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
@@ -77,4 +76,4 @@ def throughput_metrics(
 
 def train_tokens(batch: DataProto, epochs: int) -> int:
     """Prompt + response tokens the update processes (all PPO epochs)."""
-    return int(torch.as_tensor(batch.batch["attention_mask"]).sum().item()) * max(epochs, 1)
+    return int(batch.batch["attention_mask"].sum().item()) * max(epochs, 1)
