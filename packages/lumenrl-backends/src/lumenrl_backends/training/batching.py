@@ -16,24 +16,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["num_rows", "take_rows", "split_rows", "dp_slice_bounds", "pad_rows", "position_ids_from_mask"]
-
-
-def num_rows(batch: Any) -> int:
-    return len(batch)
-
-
-def take_rows(batch: Any, start: int, stop: int) -> Any:
-    """A new DataProto of rows ``[start, stop)``; ``meta_info`` is copied (shallow)."""
-    return batch[start:stop]
+__all__ = ["split_rows", "dp_slice_bounds", "pad_rows", "position_ids_from_mask"]
 
 
 def split_rows(batch: Any, size: int) -> list[Any]:
     """Consecutive chunks of ``size`` rows (the last may be shorter)."""
     if size < 1:
         raise ValueError(f"split size={size} must be >= 1")
-    total = num_rows(batch)
-    return [take_rows(batch, s, min(s + size, total)) for s in range(0, total, size)]
+    return [batch[s : s + size] for s in range(0, len(batch), size)]
 
 
 def dp_slice_bounds(total: int, rank: int, world: int) -> tuple[int, int]:

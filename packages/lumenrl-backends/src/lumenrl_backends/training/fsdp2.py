@@ -42,11 +42,9 @@ from lumenrl_backends.training import checkpoint as ckpt
 from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training.batching import (
     dp_slice_bounds,
-    num_rows,
     pad_rows,
     position_ids_from_mask,
     split_rows,
-    take_rows,
 )
 from lumenrl_backends.training.modeling import (
     CriticModel,
@@ -404,7 +402,7 @@ class FSDP2Backend:
     def _mini_batches(self, batch: Any) -> tuple[list[Any], int]:
         """This rank's rows of every mini-batch, and the global mini-batch size in rows."""
         world, presharded = self.world_size, self._presharded(batch)
-        total = num_rows(batch) * (world if presharded else 1)
+        total = len(batch) * (world if presharded else 1)
         mini = self.train_cfg.mini_batch_size or total
         if total % mini or mini % world:
             raise ValueError(
@@ -416,7 +414,7 @@ class FSDP2Backend:
             return split_rows(batch, local), mini
         rank = dist_utils.rank()
         return [
-            take_rows(batch, s + rank * local, s + (rank + 1) * local) for s in range(0, total, mini)
+            batch[s + rank * local : s + (rank + 1) * local] for s in range(0, total, mini)
         ], mini
 
     def train_step(
