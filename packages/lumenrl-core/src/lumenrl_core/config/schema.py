@@ -77,6 +77,10 @@ class PolicyTrainConfig:
     # cheaper; trim = only drop all-pad columns; none = the padded grid
     packing: str = field(default="auto", metadata=choices("auto", "trim", "none"))
     compile_layers: bool = False  # torch.compile each decoder layer (GPU speed; parameter names unchanged)
+    # one-rank fast path of the fsdp2 backend: no fully_shard; the module holds bf16 compute weights, the
+    # optimizer fp32 master weights (flat buffers, foreach/fused ops). auto = on when world_size == 1 and
+    # no FP8 training; on = required (error otherwise); off = always fully_shard
+    single_device: str = field(default="auto", metadata=choices("auto", "on", "off"))
 
 
 @dataclass(kw_only=True, slots=True)
