@@ -1,10 +1,19 @@
 """Quantize kernels: achieved GB/s against the measured device copy bandwidth, torch vs Triton.
 
 GB/s counts the ideal bytes of one pass: read x once + write q + write scales (a tensorwise
-quantize must read x twice, so its ceiling is ~2/3 of copy bandwidth by this measure). Also
-checks that the Triton kernels are bit-identical to the torch path.
+quantize must read x twice, so its ceiling is ~2/3 of copy bandwidth by this measure;
+``moved_pct_copy`` counts both reads). Two timings per kernel:
 
-    python benchmarks/quant/bench_quantize.py [--smoke]
+* ``ms`` / ``pct_copy``: device time per call, the calls captured in one CUDA graph and replayed
+  (what the kernels cost inside a graph-captured step, without Python and launch overhead);
+* ``eager_ms``: one eager call between two CUDA events, i.e. including the host-side cost of the
+  Python wrapper and launches, which the GPU waits for when a call is issued alone.
+
+``--tune`` also sweeps the Triton launch configurations (rows / groups per program, warps) and
+reports the best per kernel (``quant_quantize_tune.json``). Also checks that the Triton kernels
+are bit-identical to the torch path.
+
+    python benchmarks/quant/bench_quantize.py [--smoke] [--tune]
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import device, table, time_ms, write_json  # noqa: E402
+from _common import device, table, time_graph_ms, time_ms, write_json  # noqa: E402
 
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
 from lumenrl_quant.mx import quantize_mx  # noqa: E402
@@ -54,7 +63,64 @@ def _mismatch(a, b) -> dict:
             "scale_equal": bool(torch.equal(a[1], b[1]))}
 
 
-def run(smoke: bool = False) -> dict:
+def _row(kernel: str, backend: str, fn, in_bytes: int, out_bytes: int, copy_gbs: float, reads: int) -> dict:
+    ms, how = time_graph_ms([fn] * 8)
+    eager_ms = time_ms(fn, iters=10)
+    gbs = (in_bytes + out_bytes) / ms / 1e6
+    moved = (reads * in_bytes + out_bytes) / ms / 1e6
+    return {"kernel": kernel, "backend": backend, "ms": ms, "timing": how, "GB/s": gbs,
+            "pct_copy": 100 * gbs / copy_gbs, "moved_pct_copy": 100 * moved / copy_gbs, "eager_ms": eager_ms}
+
+
+def _sweep_space() -> dict[str, list[dict]]:
+    warps = (4, 8)
+    return {
+        "fp8_rowwise": [{"block_m": bm, "num_warps": w} for bm in (1, 2, 4) for w in (4, 8, 16)],
+        "fp8_block_1x128": [{"block_m": bm, "ng": ng, "num_warps": w} for bm, ng in
+                            [(1, 16), (1, 32), (2, 16), (4, 4), (4, 8), (4, 16), (8, 4), (8, 8), (16, 2), (16, 4),
+                             (32, 2), (64, 1)] for w in warps],
+        "fp8_block_128x128": [{"ng": ng, "num_warps": w} for ng in (1, 2, 4) for w in (4, 8, 16)],
+        "fp8_tensorwise": [{"amax_block": ab, "amax_warps": aw, "cast_block": cb, "cast_warps": cw}
+                           for ab, aw in [(16384, 8), (32768, 8), (32768, 16), (65536, 16)]
+                           for cb, cw in [(2048, 4), (4096, 8), (8192, 8), (16384, 16)]],
+        "mx_e4m3": [{"block_m": bm, "block_k": bk, "num_warps": w} for bm, bk, w in
+                    [(16, 256, 4), (8, 512, 4), (4, 1024, 4), (16, 512, 8), (32, 256, 8), (8, 1024, 8), (2, 2048, 8)]],
+    }
+
+
+def tune(x: torch.Tensor, copy_gbs: float) -> dict:
+    """Sweep Triton launch configurations; the best per kernel by graph-replayed GB/s."""
+    from lumenrl_quant import triton_kernels as tk
+
+    calls = {
+        "fp8_rowwise": lambda c: tk.fp8_quantize_groups(x, x.shape[1], config=c),
+        "fp8_block_1x128": lambda c: tk.fp8_quantize_groups(x, 128, config=c),
+        "fp8_block_128x128": lambda c: tk.fp8_quantize_blocks(x, 128, config=c),
+        "fp8_tensorwise": lambda c: tk.fp8_quantize_tensorwise(x, config=c),
+        "mx_e4m3": lambda c: tk.mx_quantize(x, "e4m3", config=c),
+    }
+    in_bytes = x.numel() * x.element_size()
+    rows, best = [], {}
+    for kernel, space in _sweep_space().items():
+        for cfg in space:
+            try:
+                out = calls[kernel](cfg)
+                ms, _ = time_graph_ms([lambda c=cfg, k=kernel: calls[k](c)] * 8, iters=10)
+                gbs = (in_bytes + _out_bytes(out)) / ms / 1e6
+                row = {"kernel": kernel, "config": cfg, "ms": ms, "GB/s": gbs, "pct_copy": 100 * gbs / copy_gbs}
+            except Exception as err:  # a configuration that does not compile or fit: record and go on
+                row = {"kernel": kernel, "config": cfg, "error": repr(err)[:160]}
+            rows.append(row)
+            if "GB/s" in row and row["GB/s"] > best.get(kernel, {}).get("GB/s", 0):
+                best[kernel] = row
+    print(table("quantize tuning: best configuration per kernel", list(best.values()),
+                ["kernel", "config", "ms", "GB/s", "pct_copy"]))
+    payload = {"shape": list(x.shape), "copy_GBps": copy_gbs, "best": best, "rows": rows}
+    write_json("quant_quantize_tune", payload)
+    return payload
+
+
+def run(smoke: bool = False, tune_configs: bool = False) -> dict:
     dev = device()
     m, k = (256, 1024) if smoke else (8192, 8192)
     copy_gbs = copy_bandwidth(m * k * (1 if smoke else 4), dev)
@@ -69,12 +135,8 @@ def run(smoke: bool = False) -> dict:
             try:
                 fn = lambda b=backend, g=gran, bs=block: quantize_fp8(x, granularity=g, block_size=bs, backend=b)  # noqa: E731
                 outs[backend] = fn()
-                ms = time_ms(fn)
-                gbs = (in_bytes + _out_bytes(outs[backend])) / ms / 1e6
                 reads = 2 if gran == "tensorwise" else 1  # tensorwise must read x twice (amax, cast)
-                moved = (reads * in_bytes + _out_bytes(outs[backend])) / ms / 1e6
-                rows.append({"kernel": name, "backend": backend, "ms": ms, "GB/s": gbs,
-                             "pct_copy": 100 * gbs / copy_gbs, "moved_pct_copy": 100 * moved / copy_gbs})
+                rows.append(_row(name, backend, fn, in_bytes, _out_bytes(outs[backend]), copy_gbs, reads))
             except Exception as err:  # record, keep benchmarking the rest
                 rows.append({"kernel": name, "backend": backend, "error": repr(err)[:200]})
         if "triton" in outs and "torch" in outs:
@@ -86,17 +148,16 @@ def run(smoke: bool = False) -> dict:
             try:
                 fn = lambda e=elem, b=backend: quantize_mx(x, e, backend=b)  # noqa: E731
                 outs[backend] = fn()
-                ms = time_ms(fn, iters=10)
-                gbs = (in_bytes + _out_bytes(outs[backend])) / ms / 1e6
-                rows.append({"kernel": f"mx_{elem}", "backend": backend, "ms": ms, "GB/s": gbs,
-                             "pct_copy": 100 * gbs / copy_gbs, "moved_pct_copy": 100 * gbs / copy_gbs})
+                rows.append(_row(f"mx_{elem}", backend, fn, in_bytes, _out_bytes(outs[backend]), copy_gbs, 1))
             except Exception as err:
                 rows.append({"kernel": f"mx_{elem}", "backend": backend, "error": repr(err)[:200]})
         if len(outs) == 2:
             a, b = outs["triton"], outs["torch"]
             rows[-1]["bit_identical_to_torch"] = _bit_equal((a.data, a.scale), (b.data, b.scale))
+    if tune_configs and has_triton:
+        tune(x, copy_gbs)
     payload = {"shape": [m, k], "input_dtype": "bfloat16", "copy_GBps": copy_gbs, "rows": rows}
-    cols = ["kernel", "backend", "ms", "GB/s", "pct_copy", "moved_pct_copy", "bit_identical_to_torch"]
+    cols = ["kernel", "backend", "ms", "GB/s", "pct_copy", "moved_pct_copy", "eager_ms", "bit_identical_to_torch"]
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (read+write, bf16 {m}x{k}x{1 if smoke else 4})")
     print(table(f"quantize {m}x{k} bf16 -> fp8/mx", rows, cols))
     write_json("quant_quantize" + ("_smoke" if smoke else ""), payload)
@@ -106,4 +167,6 @@ def run(smoke: bool = False) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU sanity run)")
-    run(parser.parse_args().smoke)
+    parser.add_argument("--tune", action="store_true", help="also sweep Triton launch configurations")
+    args = parser.parse_args()
+    run(args.smoke, args.tune)

@@ -29,6 +29,7 @@ Shapes must divide exactly (K by the group / 128); callers fall back to torch ot
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -76,44 +77,55 @@ if triton is not None:
     def _group_quant_kernel(
         x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr,
         FP8_MAX: tl.constexpr, OUT: tl.constexpr, REDUCE_ROWS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NG: tl.constexpr,
     ):
-        # BLOCK_K >= GROUP: the whole group tile stays in registers (one read of x);
-        # otherwise two passes over the group (amax, then cast), the second mostly from L2.
+        # A program owns BLOCK_M rows x NG groups. BLOCK_K >= GROUP: the whole tile stays in
+        # registers (one read of x; NG > 1 needs BLOCK_K == GROUP, so columns are contiguous);
+        # otherwise (NG == 1) two passes over the group (amax, then cast), the second mostly from L2.
         pid_m = tl.program_id(0)
         pid_g = tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < M
-        k0 = pid_g * GROUP
+        k0 = pid_g * NG * GROUP
+        n_groups = K // GROUP
+        gidx = pid_g * NG + tl.arange(0, NG)  # this program's group indices
         if BLOCK_K >= GROUP:
-            cols = k0 + tl.arange(0, BLOCK_K)
-            mask = rmask[:, None] & (cols[None, :] < k0 + GROUP) & (cols[None, :] < K)
+            cols = k0 + tl.arange(0, NG * BLOCK_K)
+            if BLOCK_K == GROUP:
+                cmask = cols < K
+            else:  # NG == 1, group narrower than the power-of-two tile
+                cmask = (cols < k0 + GROUP) & (cols < K)
+            mask = rmask[:, None] & cmask[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            amax = tl.max(tl.abs(x), axis=1)
+            x3 = tl.reshape(x, (BLOCK_M, NG, BLOCK_K))
+            amax = tl.max(tl.abs(x3), axis=2)  # (BLOCK_M, NG)
         else:
-            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            amax = tl.zeros((BLOCK_M, NG), dtype=tl.float32)
             for kk in range(0, GROUP, BLOCK_K):
                 cols = k0 + kk + tl.arange(0, BLOCK_K)
                 mask = rmask[:, None] & (cols[None, :] < K)
                 x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        if REDUCE_ROWS:  # one scale for the whole BLOCK_M x GROUP tile
-            amax_s = tl.max(amax, axis=0)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1)[:, None])
+        if REDUCE_ROWS:  # one scale per BLOCK_M x GROUP tile
+            amax_s = tl.max(amax, axis=0)  # (NG,)
             scale_s = tl.where(amax_s > 0, tl.math.div_rn(amax_s, FP8_MAX), 1.0)
-            tl.store(s_ptr + pid_m * stride_sm + pid_g, scale_s)
-            scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + scale_s
+            tl.store(s_ptr + pid_m * stride_sm + gidx, scale_s, mask=gidx < n_groups)
+            scale = tl.zeros((BLOCK_M, NG), dtype=tl.float32) + scale_s[None, :]
         else:
             scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
-            tl.store(s_ptr + rows * stride_sm + pid_g, scale, mask=rmask)
+            tl.store(s_ptr + rows[:, None] * stride_sm + gidx[None, :], scale,
+                     mask=rmask[:, None] & (gidx[None, :] < n_groups))
         if BLOCK_K >= GROUP:
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+            q3 = tl.minimum(tl.maximum(tl.math.div_rn(x3, scale[:, :, None]), -FP8_MAX), FP8_MAX)
+            q = tl.reshape(q3, (BLOCK_M, NG * BLOCK_K))
             tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(OUT), mask=mask)
         else:
+            scale1 = tl.max(scale, axis=1)  # NG == 1
             for kk in range(0, GROUP, BLOCK_K):
                 cols = k0 + kk + tl.arange(0, BLOCK_K)
                 mask = rmask[:, None] & (cols[None, :] < K)
                 x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+                q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale1[:, None]), -FP8_MAX), FP8_MAX)
                 tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(OUT), mask=mask)
 
     @triton.jit
@@ -219,66 +231,103 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _with(defaults: dict, config: Mapping[str, int] | None) -> dict:
+    """Launch parameters: ``defaults`` updated by a caller's ``config`` (benchmark tuning)."""
+    if config is None:
+        return defaults
+    unknown = set(config) - set(defaults)
+    if unknown:
+        raise ValueError(f"config keys {sorted(unknown)} are not launch parameters; allowed: {sorted(defaults)}")
+    return {**defaults, **config}
+
+
+def _group_defaults(m: int, group: int) -> dict:
+    if group <= 128:  # activation groups: several rows x several groups per program, one pass
+        return {"block_m": 8, "ng": 8, "num_warps": 4}
+    if group <= 16384:  # rowwise: whole rows held in registers
+        block = _next_pow2(group)
+        return {"block_m": 2 if block <= 4096 else 1, "ng": 1, "num_warps": 4 if block <= 2048 else 8}
+    return {"block_m": 1, "ng": 1, "num_warps": 8}
+
+
 def fp8_quantize_groups(
-    x: torch.Tensor, group: int, dtype: torch.dtype = torch.float8_e4m3fn
+    x: torch.Tensor, group: int, dtype: torch.dtype = torch.float8_e4m3fn, *,
+    config: Mapping[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` (M, K) with one scale per ``group`` contiguous elements of a row."""
+    """Quantize ``x`` (M, K) with one scale per ``group`` contiguous elements of a row.
+
+    ``config`` overrides the launch parameters ``block_m`` (rows per program), ``ng`` (groups per
+    program; > 1 needs a power-of-two ``group``) and ``num_warps``."""
     _require(x)
     m, k = x.shape
     if k % group:
         raise ValueError(f"K={k} must be a multiple of group={group}")
+    cfg = _with(_group_defaults(m, group), config)
+    block_k = _next_pow2(group) if group <= 16384 else 4096
+    ng = cfg["ng"]
+    if ng < 1 or ng != _next_pow2(ng):
+        raise ValueError(f"config ng={ng} must be a power of two >= 1")
+    if ng > 1 and block_k != group:
+        raise ValueError(f"config ng={ng} needs a power-of-two group; got group={group}")
     x = x.contiguous()
     q = torch.empty((m, k), dtype=dtype, device=x.device)
     s = torch.empty((m, k // group), dtype=torch.float32, device=x.device)
-    if group <= 128:  # activation groups: many rows per program, one register-resident pass
-        block_m, block_k, warps = 64, _next_pow2(group), 4
-    elif group <= 16384:  # rowwise: one row per program, held in registers
-        block_m, block_k, warps = 1, _next_pow2(group), (4 if group <= 2048 else 8 if group <= 8192 else 16)
-    else:
-        block_m, block_k, warps = 1, 4096, 8
-    grid = (triton.cdiv(m, block_m), k // group)
+    grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(k // group, ng))
     _group_quant_kernel[grid](
         x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), group,
-        FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=False, BLOCK_M=block_m, BLOCK_K=block_k,
-        num_warps=warps,
+        FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=False, BLOCK_M=cfg["block_m"], BLOCK_K=block_k,
+        NG=ng, num_warps=cfg["num_warps"],
     )
     return q, s
 
 
 def fp8_quantize_blocks(
-    w: torch.Tensor, block: int = 128, dtype: torch.dtype = torch.float8_e4m3fn
+    w: torch.Tensor, block: int = 128, dtype: torch.dtype = torch.float8_e4m3fn, *,
+    config: Mapping[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``w`` (N, K) in ``block x block`` tiles; scales ``(ceil(N/block), K/block)``."""
+    """Quantize ``w`` (N, K) in ``block x block`` tiles; scales ``(ceil(N/block), K/block)``.
+
+    ``config`` overrides ``ng`` (tiles per program along K) and ``num_warps``."""
     _require(w)
     n, k = w.shape
     if k % block:
         raise ValueError(f"K={k} must be a multiple of block={block}")
+    if block != _next_pow2(block):
+        raise ValueError(f"block={block} must be a power of two")
+    cfg = _with({"ng": 2, "num_warps": 8}, config)
+    if cfg["ng"] < 1 or cfg["ng"] != _next_pow2(cfg["ng"]):
+        raise ValueError(f"config ng={cfg['ng']} must be a power of two >= 1")
     w = w.contiguous()
     q = torch.empty((n, k), dtype=dtype, device=w.device)
     s = torch.empty((triton.cdiv(n, block), k // block), dtype=torch.float32, device=w.device)
-    grid = (triton.cdiv(n, block), k // block)
+    grid = (triton.cdiv(n, block), triton.cdiv(k // block, cfg["ng"]))
     _group_quant_kernel[grid](
         w, q, s, n, k, w.stride(0), q.stride(0), s.stride(0), block,
         FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=True, BLOCK_M=block,
-        BLOCK_K=_next_pow2(block), num_warps=8,
+        BLOCK_K=block, NG=cfg["ng"], num_warps=cfg["num_warps"],
     )
     return q, s
 
 
 def fp8_quantize_tensorwise(
-    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *,
+    config: Mapping[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tensorwise FP8: an amax pass and a cast pass (the cast kernel derives the scale); scale ``()``."""
+    """Tensorwise FP8: an amax pass and a cast pass (the cast kernel derives the scale); scale ``()``.
+
+    ``config`` overrides ``amax_block``, ``amax_warps``, ``cast_block`` and ``cast_warps``."""
     _require(x)
+    cfg = _with({"amax_block": 16384, "amax_warps": 8, "cast_block": 4096, "cast_warps": 8}, config)
     flat = x.contiguous().reshape(-1)
     n = flat.numel()
     amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-    _amax_kernel[(triton.cdiv(n, 16384),)](flat, amax_bits, n, BLOCK=16384, num_warps=8)
+    _amax_kernel[(triton.cdiv(n, cfg["amax_block"]),)](
+        flat, amax_bits, n, BLOCK=cfg["amax_block"], num_warps=cfg["amax_warps"])
     scale = torch.empty((), dtype=torch.float32, device=x.device)
     q = torch.empty(x.shape, dtype=dtype, device=x.device)
-    _scale_cast_kernel[(triton.cdiv(n, 4096),)](
-        flat, q.reshape(-1), amax_bits, scale, n, FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype), BLOCK=4096,
-        num_warps=8,
+    _scale_cast_kernel[(triton.cdiv(n, cfg["cast_block"]),)](
+        flat, q.reshape(-1), amax_bits, scale, n, FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype),
+        BLOCK=cfg["cast_block"], num_warps=cfg["cast_warps"],
     )
     return q, scale
 
@@ -286,9 +335,13 @@ def fp8_quantize_tensorwise(
 _MX_PARAMS = {"e4m3": (8, 448.0), "e5m2": (15, 57344.0), "e2m1": (2, 6.0)}
 
 
-def mx_quantize(x: torch.Tensor, elem_format: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+def mx_quantize(
+    x: torch.Tensor, elem_format: str = "e4m3", *, config: Mapping[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MX-quantize ``x`` (M, K) with K % 32 == 0: ``(data, scale_bytes)`` as :func:`lumenrl_quant.mx.quantize_mx`
-    stores them (fp8 elements, or E2M1 codes packed two per byte, low nibble first)."""
+    stores them (fp8 elements, or E2M1 codes packed two per byte, low nibble first).
+
+    ``config`` overrides ``block_m``, ``block_k`` (a power of two >= 32) and ``num_warps``."""
     _require(x)
     if elem_format not in _MX_PARAMS:
         raise ValueError(f"elem_format={elem_format!r}; allowed: {sorted(_MX_PARAMS)}")
@@ -297,15 +350,18 @@ def mx_quantize(x: torch.Tensor, elem_format: str = "e4m3") -> tuple[torch.Tenso
         raise ValueError(f"K={k} must be a multiple of 32")
     emax, elem_max = _MX_PARAMS[elem_format]
     fp4 = elem_format == "e2m1"
+    cfg = _with({"block_m": 16, "block_k": min(256, _next_pow2(k)), "num_warps": 4}, config)
+    if cfg["block_k"] < 32 or cfg["block_k"] != _next_pow2(cfg["block_k"]):
+        raise ValueError(f"config block_k={cfg['block_k']} must be a power of two >= 32")
     x = x.contiguous()
     out_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(elem_format, torch.uint8)
     q = torch.empty((m, k // 2 if fp4 else k), dtype=out_dtype, device=x.device)
     s = torch.empty((m, k // 32), dtype=torch.uint8, device=x.device)
-    block_k = min(256, _next_pow2(k))
-    grid = (triton.cdiv(m, 16), triton.cdiv(k, block_k))
+    grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(k, cfg["block_k"]))
     _mx_quant_kernel[grid](
         x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), EMAX=emax, ELEM_MAX=elem_max, FP4=fp4,
-        OUT=tl.uint8 if fp4 else _tl_fp8(out_dtype), BLOCK_M=16, BLOCK_K=block_k, num_warps=4,
+        OUT=tl.uint8 if fp4 else _tl_fp8(out_dtype), BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"],
     )
     return q, s
 

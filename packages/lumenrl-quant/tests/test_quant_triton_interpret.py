@@ -1,0 +1,96 @@
+"""Triton quantize kernels under Triton's CPU interpreter, every launch configuration the benchmark tunes.
+
+Runs where ``triton`` is installed (``lumenrl-quant[triton]``), in a subprocess because
+``TRITON_INTERPRET`` must be set before the kernels are decorated. The interpreter's own FP8
+cast does not round like CUDA (it can be off by a binade), so the expected codes here are the
+torch reference's scaled values cast by the interpreter itself, and scales must match the torch
+path exactly; the GPU test in test_quant_triton.py checks bit-identity with torch on the device.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import triton
+    import triton.language as tl
+    from lumenrl_quant import triton_kernels as tk
+    from lumenrl_quant.fp8 import quantize_fp8
+    from lumenrl_quant.mx import quantize_mx
+
+    torch.manual_seed(0)
+
+    @triton.jit
+    def _cast(y_ptr, q_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        y = tl.load(y_ptr + offs, mask=offs < n)
+        tl.store(q_ptr + offs, y.to(tl.float8e4nv), mask=offs < n)
+
+    def interp_cast(y):
+        q = torch.empty(y.shape, dtype=torch.float8_e4m3fn)
+        _cast[(triton.cdiv(y.numel(), 1024),)](y.contiguous().reshape(-1), q.reshape(-1), y.numel(), BLOCK=1024)
+        return q
+
+    def check(name, got, x, expand):
+        q, s = got
+        qr, sr = quantize_fp8(x, **REF[name.split()[0]], backend="torch")
+        assert torch.equal(s.float(), sr.float().reshape(s.shape)), f"{name}: scales differ"
+        y = (x.float() / expand(sr.float())).clamp(-448, 448)
+        assert torch.equal(q.view(torch.uint8), interp_cast(y).view(torch.uint8)), f"{name}: codes differ"
+
+    REF = {"1x128": {"granularity": "block", "block_size": (1, 128)}, "rowwise": {"granularity": "rowwise"},
+           "128x128": {"granularity": "block", "block_size": (128, 128)}, "tensorwise": {"granularity": "tensorwise"}}
+    cols128 = lambda s: s.repeat_interleave(128, dim=-1)  # noqa: E731
+    blocks = lambda s: s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200]  # noqa: E731
+
+    x = torch.randn(40, 512) * 3
+    for cfg in ({"block_m": 1, "ng": 1, "num_warps": 4}, {"block_m": 8, "ng": 8, "num_warps": 4},
+                {"block_m": 16, "ng": 4, "num_warps": 8}, {"block_m": 4, "ng": 2, "num_warps": 4}):
+        check(f"1x128 {cfg}", tk.fp8_quantize_groups(x, 128, config=cfg), x, cols128)
+    for cfg in ({"block_m": 1, "num_warps": 4}, {"block_m": 2, "num_warps": 8}, {"block_m": 4, "num_warps": 4}):
+        check(f"rowwise {cfg}", tk.fp8_quantize_groups(x, 512, config=cfg), x, lambda s: s)
+    x3 = torch.randn(24, 384)  # group 384: tile 512, masked; K not a power of two
+    check("rowwise 384", tk.fp8_quantize_groups(x3, 384), x3, lambda s: s)
+    w = torch.randn(200, 640)  # 128x128 blocks with a partial row block and an odd number of K blocks
+    for cfg in ({"ng": 1, "num_warps": 8}, {"ng": 2, "num_warps": 4}, {"ng": 4, "num_warps": 8}):
+        check(f"128x128 {cfg}", tk.fp8_quantize_blocks(w, 128, config=cfg), w, blocks)
+    for cfg in ({"amax_block": 1024, "amax_warps": 4, "cast_block": 512, "cast_warps": 4},):
+        check("tensorwise", tk.fp8_quantize_tensorwise(x, config=cfg), x, lambda s: s)
+    for cfg in ({"block_m": 4, "block_k": 64, "num_warps": 4}, {"block_m": 16, "block_k": 256, "num_warps": 8}):
+        d, s = tk.mx_quantize(x, "e4m3", config=cfg)  # power-of-two scaling: exact before the cast
+        ref = quantize_mx(x, "e4m3", backend="torch")
+        assert torch.equal(s, ref.scale), f"mx {cfg}: scales differ"
+        inv = torch.exp2(127.0 - ref.scale.float()).repeat_interleave(32, dim=-1)
+        y = (x * inv).clamp(-448, 448)
+        assert torch.equal(d.view(torch.uint8), interp_cast(y).view(torch.uint8)), f"mx {cfg}: codes differ"
+    try:
+        tk.fp8_quantize_groups(x, 128, config={"ng": 3})
+    except ValueError as err:
+        assert "ng=3" in str(err) and "power of two" in str(err)
+    else:
+        raise AssertionError("ng=3 accepted")
+    try:
+        tk.fp8_quantize_groups(x, 128, config={"block_rows": 2})
+    except ValueError as err:
+        assert "block_rows" in str(err) and "allowed" in str(err)
+    else:
+        raise AssertionError("unknown config key accepted")
+    print("ok")
+    """
+)
+
+
+def test_triton_quantize_configs_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stdout.strip().endswith("ok")
