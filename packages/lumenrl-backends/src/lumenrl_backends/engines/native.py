@@ -14,6 +14,8 @@ Design (what the GPU-speed work builds on without a rewrite):
   ``compile="full"`` additionally runs the decode forward through ``torch.compile`` (fused
   elementwise kernels; KV length then fixed at ``max_seq_len``; at most two compiles: the first
   bucket static, then one with a symbolic batch for all other buckets);
+* projection fusion at load (``fuse_projections``, :mod:`~lumenrl_backends.engines.fusion`): one
+  q/k/v GEMM and one gate/up GEMM per layer over fused storage that the named parameters view;
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
   (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
@@ -51,6 +53,7 @@ import torch
 from torch import nn
 
 from lumenrl_backends.engines.attention import engine_attention
+from lumenrl_backends.engines.fusion import fuse_projections as fuse_model_projections
 from lumenrl_backends.engines.graphs import DecodeGraphs, kv_bytes_per_token, slots_for_budget
 from lumenrl_backends.engines.kv_cache import (
     CacheView,
@@ -130,6 +133,7 @@ class NativeEngine:
         prefill_chunk_tokens: int = 16384,
         gpu_memory_utilization: float | None = None,
         fused_sampling: bool = True,
+        fuse_projections: bool = True,
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
@@ -142,6 +146,8 @@ class NativeEngine:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
+        # one q/k/v and one gate/up GEMM per layer; parameters become views of the fused storage
+        self.fusion_report = fuse_model_projections(self.model) if fuse_projections else None
         self.tokenizer = tokenizer
         kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.device)
         if gpu_memory_utilization is not None and self.device.type == "cuda":
@@ -209,6 +215,7 @@ class NativeEngine:
             cuda_graphs=rollout.cuda_graphs,
             compile=rollout.compile,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
+            fuse_projections=getattr(rollout, "fuse_projections", True),
         )
 
     # ------------------------------------------------------------------ control

@@ -1,0 +1,292 @@
+"""Projection fusion for the native engine: one q/k/v GEMM and one gate/up GEMM per layer.
+
+In decode (M = batch rows, e.g. 64) the HF modules run 7 GEMMs per layer; ``q_proj``/``k_proj``/
+``v_proj`` and ``gate_proj``/``up_proj`` read the same input, so one GEMM over the concatenated
+weight reads the input once, launches one kernel and runs a wider N (better tensor-core use at
+small M). :func:`fuse_projections` does this at engine load, in place:
+
+* storage: one fused tensor ``cat([q, k, v])`` (rows) per attention, ``cat([gate, up])`` per dense
+  MLP (biases too); the original ``q_proj.weight`` etc. become :class:`~torch.nn.Parameter` *views*
+  (row slices) of it. The module tree, names and ``state_dict`` stay identical, and the engine's
+  in-place weight sync (``copy_`` into each named parameter,
+  :mod:`~lumenrl_backends.engines.weights`) writes straight into the fused storage: nothing on the
+  sync path changes. Data pointers never move, so CUDA graphs stay valid across syncs.
+* quantized layers (lumenrl-quant ``QuantizedLinear``, after ``quant_scheme``): the group is fused
+  when every member has the same scheme/FP8 dtype and row-aligned scales (``fp8_row``, MX schemes,
+  ``fp8_block`` when each part's N is a multiple of the 128-row block); the fused layer is a
+  ``QuantizedLinear`` whose ``weight``/``weight_scale`` are the concatenations, and each member's
+  buffers become views of them. ``reload_`` (requantize-on-sync) copies into the member's buffers,
+  i.e. into the fused ones. Per-tensor scales (``fp8_tensor``) are not fusable: left alone.
+* forward: the module's class is swapped for a subclass (same name space, ``isinstance`` holds)
+  whose ``forward`` runs the fused GEMM and splits, then uses the HF module's own q/k norms (Qwen3),
+  its family's ``apply_rotary_pos_emb`` and the attention interface, exactly as transformers'
+  forward does (Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE attention; dense ``*MLP``).
+  The fused attention runs only for the engine's own
+  :class:`~lumenrl_backends.engines.kv_cache.SlotKVCache` forwards with autograd off, the fused MLP
+  whenever autograd is off; anything else (a trainer or HF ``generate`` sharing the module, a
+  gradient-enabled forward) runs the original forward on the member views, so gradients and other
+  caches behave exactly as before.
+
+The fused modules are kept outside the module tree (a plain attribute), so ``named_modules``,
+``named_parameters`` and ``state_dict`` are unchanged. DeepSeek MLA (no separate q/k/v), MoE
+expert banks and any unknown class are left untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["FusionReport", "fuse_projections", "ATTENTION_CLASSES", "MLP_CLASSES"]
+
+# class name -> how the HF forward passes ``sliding_window`` to the attention function:
+# None (not passed), "self" (self.sliding_window), "config" (getattr(config, "sliding_window", None))
+ATTENTION_CLASSES: dict[str, str | None] = {
+    "LlamaAttention": None,
+    "Qwen2Attention": "self",
+    "Qwen3Attention": "self",
+    "Qwen3MoeAttention": "self",
+    "MistralAttention": "config",
+    "MixtralAttention": "config",
+}
+MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "Qwen3MoeMLP"})
+_FUSED_ATTR = "_lumenrl_fused"  # instance attribute (outside the module tree) holding the fused linear
+
+
+@dataclass
+class FusionReport:
+    attention: list[str] = field(default_factory=list)  # module names whose q/k/v were fused
+    mlp: list[str] = field(default_factory=list)  # module names whose gate/up were fused
+    skipped: dict[str, str] = field(default_factory=dict)  # module name -> why not
+
+    @property
+    def fused(self) -> int:
+        return len(self.attention) + len(self.mlp)
+
+
+class _FusedDense:
+    """``F.linear`` over the concatenated weight, split into the members' outputs."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]) -> None:
+        self.weight, self.bias, self.sizes = weight, bias, sizes
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+class _FusedQuantized:
+    """A fused ``QuantizedLinear`` (not registered as a submodule), split into the members' outputs."""
+
+    def __init__(self, linear: nn.Module, sizes: list[int]) -> None:
+        self.linear, self.sizes = linear, sizes
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)
+
+
+def _view_parameter(module: nn.Module, name: str, view: torch.Tensor, old: nn.Parameter) -> None:
+    setattr(module, name, nn.Parameter(view, requires_grad=old.requires_grad))
+
+
+def _fuse_dense(linears: list[nn.Linear]) -> _FusedDense | str:
+    first = linears[0].weight
+    if any(type(m) is not nn.Linear for m in linears):
+        return "not all plain nn.Linear"
+    if any(m.weight.dtype != first.dtype or m.weight.device != first.device or m.in_features != linears[0].in_features
+           for m in linears):
+        return "members differ in dtype, device or in_features"
+    has_bias = {m.bias is not None for m in linears}
+    if len(has_bias) != 1:
+        return "some members have a bias and some do not"
+    sizes = [m.out_features for m in linears]
+    with torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in linears]).contiguous()
+        bias = torch.cat([m.bias.detach() for m in linears]).contiguous() if has_bias == {True} else None
+    start = 0
+    for m, size in zip(linears, sizes):
+        _view_parameter(m, "weight", weight[start : start + size], m.weight)
+        if bias is not None:
+            _view_parameter(m, "bias", bias[start : start + size], m.bias)
+        start += size
+    return _FusedDense(weight, bias, sizes)
+
+
+def _scale_rows(linear: nn.Module) -> int | None:
+    """Weight rows per scale row, or None when the scale is not row-aligned (per-tensor)."""
+    scale = linear.weight_scale
+    if scale.dim() == 0 or scale.shape[0] == 0 or linear.out_features % scale.shape[0]:
+        return None
+    rows = linear.out_features // scale.shape[0]
+    return rows if scale.shape[0] * rows == linear.out_features else None
+
+
+def _fuse_quantized(linears: list[nn.Module]) -> _FusedQuantized | str:
+    from lumenrl_quant import QuantizedLinear
+
+    if any(type(m) is not QuantizedLinear for m in linears):
+        return "not all QuantizedLinear of the same kind"
+    first = linears[0]
+    if any(m.scheme != first.scheme or m.fp8_dtype != first.fp8_dtype or m.in_features != first.in_features
+           or m.weight.dtype != first.weight.dtype or m.weight_scale.dtype != first.weight_scale.dtype
+           or m.weight.shape[1:] != first.weight.shape[1:] or m.weight_scale.shape[1:] != first.weight_scale.shape[1:]
+           for m in linears):
+        return "quantized members differ in scheme, dtype or layout"
+    rows = {_scale_rows(m) for m in linears}
+    if None in rows or len(rows) != 1 or any(m.weight.shape[0] != m.out_features for m in linears):
+        return f"scheme {first.scheme!r}: scales are not row-aligned across the members"
+    if len({m.bias is not None for m in linears}) != 1:
+        return "some members have a bias and some do not"
+    sizes = [m.out_features for m in linears]
+    device = first.weight.device
+    fused = QuantizedLinear(first.in_features, sum(sizes), scheme=first.scheme, bias=first.bias is not None,
+                            fp8_dtype=first.fp8_dtype, device=device,
+                            weight=torch.zeros(sum(sizes), first.in_features, device=device))
+    with torch.no_grad():
+        fused.weight = torch.cat([m.weight for m in linears]).contiguous()
+        fused.weight_scale = torch.cat([m.weight_scale for m in linears]).contiguous()
+        if first.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]).contiguous(), requires_grad=False)
+    start, scale_start = 0, 0
+    for m, size in zip(linears, sizes):
+        scale_size = m.weight_scale.shape[0]
+        m.weight = fused.weight[start : start + size]
+        m.weight_scale = fused.weight_scale[scale_start : scale_start + scale_size]
+        if m.bias is not None:
+            _view_parameter(m, "bias", fused.bias[start : start + size], m.bias)
+        start, scale_start = start + size, scale_start + scale_size
+    return _FusedQuantized(fused, sizes)
+
+
+def _fuse_group(linears: list[nn.Module]) -> _FusedDense | _FusedQuantized | str:
+    if all(hasattr(m, "reload_") and hasattr(m, "weight_scale") for m in linears):
+        return _fuse_quantized(linears)
+    return _fuse_dense(linears)
+
+
+def _engine_forward(cache: Any) -> bool:
+    """The fused path: the engine's own cache, no autograd (everything else runs the HF forward)."""
+    from lumenrl_backends.engines.kv_cache import SlotKVCache
+
+    return isinstance(cache, SlotKVCache) and not torch.is_grad_enabled()
+
+
+def _family_module(cls: type) -> Any:
+    for klass in cls.__mro__:
+        if klass.__name__ in ATTENTION_CLASSES or klass.__name__ in MLP_CLASSES:
+            return sys.modules[klass.__module__]
+    raise TypeError(f"{cls.__name__} is not a fusable transformers module")
+
+
+def _attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    cache: Any = None,
+    past_key_values: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cache = cache if cache is not None else past_key_values
+    if not _engine_forward(cache):
+        return self._lumenrl_original_forward(
+            hidden_states, position_embeddings, attention_mask, **{self._lumenrl_cache_kwarg: cache}, **kwargs
+        )
+    family = self._lumenrl_family
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query, key, value = getattr(self, _FUSED_ATTR)(hidden_states)
+    query, key = query.view(hidden_shape), key.view(hidden_shape)
+    if hasattr(self, "q_norm"):  # Qwen3 / Qwen3-MoE: RMSNorm over the head dim before RoPE
+        query, key = self.q_norm(query), self.k_norm(key)
+    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query, key = family.apply_rotary_pos_emb(query, key, cos, sin)
+    key, value = cache.update(key, value, self.layer_idx)
+    functions = family.ALL_ATTENTION_FUNCTIONS
+    implementation = self.config._attn_implementation
+    if hasattr(functions, "get_interface"):
+        attention = functions.get_interface(implementation, family.eager_attention_forward)
+    else:  # older transformers
+        attention = family.eager_attention_forward if implementation == "eager" else functions[implementation]
+    window = self._lumenrl_window
+    if window == "self":
+        kwargs["sliding_window"] = self.sliding_window
+    elif window == "config":
+        kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
+    out, weights = attention(
+        self, query, key, value, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+    )
+    out = out.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(out), weights
+
+
+def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled():  # training: the original forward on the member views (gradients flow)
+        return self._lumenrl_original_forward(x)
+    gate, up = getattr(self, _FUSED_ATTR)(x)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _fused_class(cls: type, forward: Any) -> type:
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                       "_lumenrl_original_forward": cls.forward})
+    return _SUBCLASSES[cls]
+
+
+def _cache_kwarg(cls: type) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = True) -> FusionReport:
+    """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
+
+    Call after the model is on its device (and after quantization, if any): the fused storage is
+    allocated where the members live, and later ``.to()`` calls would not move it.
+    """
+    report = FusionReport()
+    for name, module in list(model.named_modules()):
+        cls = type(module)
+        if cls in _SUBCLASSES.values():
+            report.skipped[name] = "already fused"
+            continue
+        if attention and cls.__name__ in ATTENTION_CLASSES:
+            parts = [getattr(module, p, None) for p in ("q_proj", "k_proj", "v_proj")]
+            if any(p is None for p in parts) or not hasattr(module, "head_dim"):
+                report.skipped[name] = "no q_proj/k_proj/v_proj"
+                continue
+            fused = _fuse_group(parts)
+            if isinstance(fused, str):
+                report.skipped[name] = fused
+                continue
+            module.__dict__[_FUSED_ATTR] = fused
+            module.__dict__["_lumenrl_family"] = _family_module(cls)
+            module.__dict__["_lumenrl_window"] = ATTENTION_CLASSES[cls.__name__]
+            module.__dict__["_lumenrl_cache_kwarg"] = _cache_kwarg(cls)
+            module.__class__ = _fused_class(cls, _attention_forward)
+            report.attention.append(name)
+        elif mlp and cls.__name__ in MLP_CLASSES:
+            parts = [getattr(module, p, None) for p in ("gate_proj", "up_proj")]
+            if any(p is None for p in parts) or not hasattr(module, "down_proj") or not hasattr(module, "act_fn"):
+                report.skipped[name] = "no gate_proj/up_proj/down_proj"
+                continue
+            fused = _fuse_group(parts)
+            if isinstance(fused, str):
+                report.skipped[name] = fused
+                continue
+            module.__dict__[_FUSED_ATTR] = fused
+            module.__class__ = _fused_class(cls, _mlp_forward)
+            report.mlp.append(name)
+    return report
