@@ -28,8 +28,24 @@ Paths (:func:`gemm_path` names the one that would run):
   blockwise on CUDA sm89+, used for decode shapes where the H200 benchmark shows it beats cuBLAS
   (``M <= TRITON_BLOCKWISE_MAX_M`` and ``K <= TRITON_BLOCKWISE_MAX_K``), for M < 4 (cuBLASLt has no
   blockwise kernel there) and wherever cuBLAS has no blockwise mode at all (sm89, older torch).
+* ``scaled_mm_rowwise_epilogue``: rowwise scales at decode sizes (``M <= ROWWISE_EPILOGUE_MAX_M``):
+  torch's sm90 rowwise ``_scaled_mm`` (a CUTLASS kernel tiled for large M) is no faster than BF16
+  at M <= 128 (13.9 vs 12.4 us at 64x4096x4096, RESULTS.md) while cuBLAS *tensorwise* is 1.6-1.9x
+  BF16. Rowwise scales factor out of the sum (``out[m, n] = sa[m] sb[n] sum_k a_q b_q``), so this
+  path runs the tensorwise GEMM with unit scales into float32 and applies ``sa * sb`` (+ bias)
+  in an elementwise epilogue (which ``torch.compile`` fuses into the next op). Same math as the
+  rowwise kernel up to float32 rounding of the epilogue.
 * ``emulated``: dequantize both operands to float32, matmul in float32, add bias, cast. This is
   the exact reference (float32 accumulation), used on CPU and wherever no fast path exists.
+
+A tensorwise ``()`` scale next to a rowwise one (a 1-row activation's ``(1, 1)`` scale is both)
+runs as rowwise: the scalar is broadcast. (Before, M = 1 fp8_row activations were read as
+tensorwise, the mix had no fast mode and M = 1 decode fell back to the float32 emulation:
+the 136 / 423 us "M = 1 anomaly" of RESULTS.md.)
+
+:func:`run_gemm_path` executes a named path with no checks, no fallback and no Python-side
+state: it is what a ``torch.compile``-d forward calls (dynamo traces it without graph breaks)
+after choosing the path once, outside the compiled region, with :func:`gemm_path`.
 
 If the fast path raises at runtime (an older torch that lacks a mode), the combination is
 remembered, a warning is emitted once, and the emulation runs instead.
@@ -45,9 +61,11 @@ import torch
 from lumenrl_quant.formats import fp8_format
 from lumenrl_quant.fp8 import dequantize_fp8
 
-__all__ = ["GemmPath", "ScaleLayout", "emulated_scaled_mm", "gemm_path", "infer_scale_layout", "scaled_mm"]
+__all__ = [
+    "GemmPath", "ScaleLayout", "emulated_scaled_mm", "gemm_path", "infer_scale_layout", "run_gemm_path", "scaled_mm",
+]
 
-GemmPath = str  # "scaled_mm_tensorwise" | "scaled_mm_rowwise" | "scaled_mm_blockwise" | "triton_blockwise" | "emulated"
+GemmPath = str  # "scaled_mm_<tensorwise|rowwise|rowwise_epilogue|blockwise>" | "triton_blockwise" | "emulated"
 
 # Blockwise GEMMs with M <= TRITON_BLOCKWISE_MAX_M and K <= TRITON_BLOCKWISE_MAX_K use the Triton
 # kernel instead of cuBLAS. Measured on H200 (benchmarks/RESULTS.md, CUDA-graph replay): Triton
@@ -58,6 +76,10 @@ TRITON_BLOCKWISE_MAX_K = 8192
 # cuBLASLt (H200, torch 2.11 / CUDA 13.0) has no blockwise heuristic for M < 4: it raises
 # CUBLAS_STATUS_NOT_SUPPORTED at M = 1 and 2 (measured), so those go to Triton (or emulation).
 CUBLAS_BLOCKWISE_MIN_M = 4
+# Rowwise GEMMs with M <= ROWWISE_EPILOGUE_MAX_M run as a unit-scale cuBLAS tensorwise GEMM into
+# float32 plus a scale epilogue (see the module doc; 0 disables). At M = 256 the tensorwise GEMM is
+# still 11 vs 14.3 us (4096^2); training-sized M keeps the single rowwise kernel.
+ROWWISE_EPILOGUE_MAX_M = 256
 
 _FAILED: set[tuple] = set()
 
@@ -104,7 +126,7 @@ def infer_scale_layout(
 def _mode(la: ScaleLayout, lb: ScaleLayout) -> str | None:
     if la.kind == lb.kind == "tensor":
         return "tensorwise"
-    if la.kind == lb.kind == "row":
+    if {la.kind, lb.kind} <= {"row", "tensor"}:  # row x row, or a scalar broadcast next to a row scale
         return "rowwise"
     if la.block_size == (1, 128) and lb.block_size == (128, 128):
         return "blockwise"
@@ -169,6 +191,8 @@ def gemm_path(
     prefer_triton = not cublas_ok or (m <= TRITON_BLOCKWISE_MAX_M and k <= TRITON_BLOCKWISE_MAX_K)
     if mode == "blockwise" and prefer_triton and _triton_blockwise_ok(a_q, b_q, k):
         return "triton_blockwise"
+    if mode == "rowwise" and m <= ROWWISE_EPILOGUE_MAX_M and _epilogue_ok(a_q, b_q, out_dtype):
+        return "scaled_mm_rowwise_epilogue"
     return f"scaled_mm_{mode}" if cublas_ok else "emulated"
 
 
@@ -176,6 +200,11 @@ def _failure_key(a_q: torch.Tensor, b_q: torch.Tensor, mode: str, out_dtype: tor
     m = a_q.shape[0]
     m_class = m if m < 16 else "large"  # a failure at one decode M must not disable every M
     return (a_q.device.type, mode, a_q.dtype, b_q.dtype, out_dtype, m_class)
+
+
+def _epilogue_ok(a_q: torch.Tensor, b_q: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    key = _failure_key(a_q, b_q, "rowwise_epilogue", out_dtype)
+    return key not in _FAILED and _device_supports("tensorwise", a_q.device, a_q.shape[1], torch.float32)
 
 
 def _triton_blockwise_ok(a_q: torch.Tensor, b_q: torch.Tensor, k: int) -> bool:
@@ -212,11 +241,81 @@ def _torch_scaled_mm(mode: str, a_q, a_scale, b_q, b_scale, out_dtype) -> torch.
     sa, sb = a_scale.float(), b_scale.float()
     if mode == "tensorwise":
         sa, sb = sa.reshape(()), sb.reshape(())
-    elif mode == "rowwise":
-        sa, sb = sa.contiguous(), sb.reshape(1, -1).contiguous()  # (M, 1), (1, N)
+    elif mode == "rowwise":  # (M, 1), (1, N); a () scale next to a row scale is broadcast
+        sa = sa.reshape(-1, 1).expand(a_q.shape[0], 1).contiguous()
+        sb = sb.reshape(1, -1).expand(1, b_q.shape[0]).contiguous()
     else:  # blockwise: 1x128 scales outer-dim-major, 128x128 weight scales transposed view
         sa, sb = sa.t().contiguous().t(), sb.contiguous().t()
     return torch._scaled_mm(a_q, b_q.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    one = _UNIT_SCALES.get(device)
+    if one is None:
+        one = _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+
+
+def rowwise_epilogue(
+    acc: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``(acc * a_scale[:, None] * b_scale[None, :] + bias).to(out_dtype)`` for a float32 ``acc`` (M, N).
+
+    Plain torch ops (inductor fuses them into one kernel, usually with the following op); eager
+    it runs as two kernels, the second writing ``out_dtype`` directly.
+    """
+    sa, sb = a_scale.float().reshape(-1, 1), b_scale.float().reshape(1, -1)
+    if torch.compiler.is_compiling() or acc.requires_grad:
+        out = acc * sa * sb
+        return (out if bias is None else out + bias.float()).to(out_dtype)
+    acc = acc.mul_(sa)
+    if bias is not None:
+        acc = torch.addcmul(bias.float(), acc, sb, out=acc)
+        return acc.to(out_dtype)
+    return torch.mul(acc, sb, out=torch.empty(acc.shape, dtype=out_dtype, device=acc.device))
+
+
+def run_gemm_path(
+    path: GemmPath,
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    a_block_size: tuple[int, int] | None = None,
+    b_block_size: tuple[int, int] | None = None,
+    unit_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run ``path`` (from :func:`gemm_path`) as is: no checks, no fallback, traceable by dynamo.
+
+    ``unit_scale``: a float32 ``()`` one on the operands' device for ``scaled_mm_rowwise_epilogue``
+    (a cached one is used when None; pass a module-held one inside ``torch.compile``).
+    """
+    if path == "triton_blockwise":
+        from lumenrl_quant import triton_kernels as tk
+
+        out = tk.fp8_blockwise_gemm(a_q, a_scale, b_q, b_scale, out_dtype=out_dtype)
+        return out if bias is None else (out + bias.to(out_dtype))
+    if path == "scaled_mm_rowwise_epilogue":
+        one = unit_scale if unit_scale is not None else _unit_scale(a_q.device)
+        acc = torch._scaled_mm(a_q.contiguous(), b_q.contiguous().t(), scale_a=one, scale_b=one,
+                               out_dtype=torch.float32)
+        return rowwise_epilogue(acc, a_scale, b_scale, bias, out_dtype)
+    if path.startswith("scaled_mm_"):
+        mode = path.removeprefix("scaled_mm_")
+        out = _torch_scaled_mm(mode, a_q.contiguous(), a_scale, b_q.contiguous(), b_scale, out_dtype)
+        return out if bias is None else (out + bias.to(out_dtype))
+    if path != "emulated":
+        raise ValueError(f"path={path!r} is not a GEMM path; allowed: scaled_mm_<mode>, triton_blockwise, emulated")
+    return emulated_scaled_mm(
+        a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, bias=bias, a_block_size=a_block_size,
+        b_block_size=b_block_size,
+    )
 
 
 def scaled_mm(
@@ -234,22 +333,21 @@ def scaled_mm(
     path = gemm_path(
         a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, a_block_size=a_block_size, b_block_size=b_block_size
     )
-    if path == "triton_blockwise":
-        from lumenrl_quant import triton_kernels as tk
-
-        out = tk.fp8_blockwise_gemm(a_q, a_scale, b_q, b_scale, out_dtype=out_dtype)
-        return out if bias is None else (out + bias.to(out_dtype))
+    kw = {"out_dtype": out_dtype, "bias": bias, "a_block_size": a_block_size, "b_block_size": b_block_size}
     if path.startswith("scaled_mm_"):
-        mode = path.removeprefix("scaled_mm_")
         try:
-            out = _torch_scaled_mm(mode, a_q.contiguous(), a_scale, b_q.contiguous(), b_scale, out_dtype)
-            return out if bias is None else (out + bias.to(out_dtype))
+            return run_gemm_path(path, a_q, a_scale, b_q, b_scale, **kw)
         except (RuntimeError, NotImplementedError) as err:
-            if a_q.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise  # never bake a silent fallback into a CUDA graph
-            _FAILED.add(_failure_key(a_q, b_q, mode, out_dtype))
-            warnings.warn(f"torch._scaled_mm {mode} failed here ({err}); using the emulated GEMM", stacklevel=2)
-    return emulated_scaled_mm(
-        a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, bias=bias,
-        a_block_size=a_block_size, b_block_size=b_block_size,
-    )
+            note_gemm_failure(path, a_q, b_q, out_dtype, err)
+            path = "emulated"
+    return run_gemm_path(path, a_q, a_scale, b_q, b_scale, **kw)
+
+
+def note_gemm_failure(path: GemmPath, a_q: torch.Tensor, b_q: torch.Tensor, out_dtype: torch.dtype,
+                      err: BaseException) -> None:
+    """Remember that ``path`` raised for this operand class (re-raise inside CUDA-graph capture), warn once."""
+    if a_q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise err  # never bake a silent fallback into a CUDA graph
+    mode = path.removeprefix("scaled_mm_")
+    _FAILED.add(_failure_key(a_q, b_q, mode, out_dtype))
+    warnings.warn(f"torch._scaled_mm {mode} failed here ({err}); using the emulated GEMM", stacklevel=3)

@@ -21,6 +21,21 @@ original model's. :meth:`QuantizedLinear.reload_` requantizes a new high-precisi
 *into the existing buffers* (``copy_``, same storage and ``data_ptr``), which keeps CUDA graphs
 and engine-held pointers valid across weight syncs. FP8 math follows :func:`scaled_mm`'s path
 choice; MX matmuls dequantize to the activation dtype (no MX tensor cores on Hopper).
+
+Decode and ``torch.compile``
+----------------------------
+The GEMM path of each (activation dtype, M class) is chosen once, when the module is built or
+moved (``_apply``), with :func:`~lumenrl_quant.gemm.gemm_path` on zero-size stand-in operands, and
+kept in a plain dict; ``forward`` only looks it up and runs it with
+:func:`~lumenrl_quant.gemm.run_gemm_path`. Inside ``torch.compile`` (``torch.compiler.is_compiling()``)
+the dynamic activation quantization is the plain-torch version (amax over the row / group, scale,
+clamp, cast), which inductor fuses into the producer of ``x`` (RMSNorm, SiLU * up, ...), instead
+of a separate Triton launch; the forward then has no ``.item()``, no Triton launch outside
+registered ops and no Python-side state change, so dynamo traces it with ``fullgraph=True``
+(tested on CPU). Eager / CUDA-graph mode uses the fused Triton quantize kernel (one launch).
+``fp8_row`` at decode M runs the ``scaled_mm_rowwise_epilogue`` path (see :mod:`lumenrl_quant.gemm`).
+A fast path that raises at runtime (eager only) is replaced by the emulation for that module
+and M class, with a warning.
 """
 
 from __future__ import annotations
@@ -31,7 +46,7 @@ from torch import nn
 
 from lumenrl_quant.formats import fp8_dtypes_for, fp8_format
 from lumenrl_quant.fp8 import dequantize_fp8, quantize_fp8
-from lumenrl_quant.gemm import scaled_mm
+from lumenrl_quant.gemm import gemm_path, note_gemm_failure, run_gemm_path
 from lumenrl_quant.mx import MXTensor, dequantize_mx, quantize_mx
 
 __all__ = ["LINEAR_SCHEMES", "QuantizedLinear"]
@@ -44,6 +59,14 @@ _FP8_LAYOUTS: dict[str, tuple[str, tuple[int, int] | None, str, tuple[int, int] 
 }
 _MX_ELEMS = {"mxfp8": "e4m3", "mxfp4": "e2m1"}
 LINEAR_SCHEMES: tuple[str, ...] = (*_FP8_LAYOUTS, *_MX_ELEMS)
+# representatives of the M classes gemm_path distinguishes (blockwise: M < 4 / <= 16 / more;
+# rowwise: <= 256 / more); _m_class maps an M to its representative
+_M_CLASSES: tuple[int, ...] = (1, 4, 17, 257)
+_OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _m_class(m: int) -> int:
+    return 1 if m < 4 else 4 if m <= 16 else 17 if m <= 256 else 257
 
 
 def _scheme_name(scheme: object) -> str:
@@ -80,6 +103,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", scale)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
+        self._select_paths()
 
     @classmethod
     def from_linear(
@@ -105,6 +129,32 @@ class QuantizedLinear(nn.Module):
             return t.data, t.scale
         gran, block, _, _ = _FP8_LAYOUTS[self.scheme]
         return quantize_fp8(weight, dtype=self.fp8_dtype, granularity=gran, block_size=block)
+
+    def _select_paths(self) -> None:
+        """Pick the GEMM path per (activation dtype, M class) for the weight's current device."""
+        self._paths: dict[tuple[torch.dtype, int], str] = {}
+        if self.scheme not in _FP8_LAYOUTS:
+            return
+        dev = self.weight.device
+        self._unit = torch.ones((), dtype=torch.float32, device=dev)  # plain attribute, not state
+        _, w_block, a_gran, a_block = _FP8_LAYOUTS[self.scheme]
+        k = self.in_features
+        for m in _M_CLASSES:
+            a_q = torch.empty((), dtype=self.fp8_dtype, device=dev).expand(m, k)  # no allocation
+            a_scale = torch.empty((), device=dev)
+            a_scale = a_scale.expand(m, 1) if a_gran == "rowwise" else a_scale  # block: a_block_size decides
+            for dtype in _OUT_DTYPES:
+                self._paths[(dtype, m)] = gemm_path(a_q, a_scale, self.weight, self.weight_scale, out_dtype=dtype,
+                                                    a_block_size=a_block, b_block_size=w_block)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
+        super()._apply(fn, recurse)
+        self._select_paths()  # the device may have changed
+        return self
+
+    def gemm_path_for(self, m: int, dtype: torch.dtype = torch.bfloat16) -> str:
+        """The GEMM path ``forward`` takes for ``m`` rows of ``dtype`` activations."""
+        return self._paths.get((dtype, _m_class(m)), "emulated")
 
     @torch.no_grad()
     def reload_(self, weight: torch.Tensor) -> QuantizedLinear:
@@ -138,11 +188,20 @@ class QuantizedLinear(nn.Module):
 
     def _fp8_forward(self, x2: torch.Tensor) -> torch.Tensor:
         _, w_block, a_gran, a_block = _FP8_LAYOUTS[self.scheme]
-        a_q, a_scale = quantize_fp8(x2, dtype=self.fp8_dtype, granularity=a_gran, block_size=a_block)
-        return scaled_mm(
-            a_q, a_scale, self.weight, self.weight_scale, out_dtype=x2.dtype, bias=self.bias,
-            a_block_size=a_block, b_block_size=w_block,
-        )
+        compiling = torch.compiler.is_compiling()
+        backend = "torch" if compiling else "auto"  # plain torch ops fuse into the producer under compile
+        a_q, a_scale = quantize_fp8(x2, dtype=self.fp8_dtype, granularity=a_gran, block_size=a_block, backend=backend)
+        key = (x2.dtype, _m_class(x2.shape[0]))
+        path = self._paths.get(key, "emulated")
+        kw = {"out_dtype": x2.dtype, "bias": self.bias, "a_block_size": a_block, "b_block_size": w_block}
+        if compiling or path == "emulated":
+            return run_gemm_path(path, a_q, a_scale, self.weight, self.weight_scale, unit_scale=self._unit, **kw)
+        try:
+            return run_gemm_path(path, a_q, a_scale, self.weight, self.weight_scale, unit_scale=self._unit, **kw)
+        except (RuntimeError, NotImplementedError) as err:
+            note_gemm_failure(path, a_q, self.weight, x2.dtype, err)
+            self._paths[key] = "emulated"
+            return run_gemm_path("emulated", a_q, a_scale, self.weight, self.weight_scale, **kw)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, "
