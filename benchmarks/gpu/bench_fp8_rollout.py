@@ -1,11 +1,18 @@
 """BF16 vs FP8 rollout on the same ``native`` engine, and the train/infer log-prob KL of each.
 
 Random-init Qwen3-8B shape, batch 64, prompt 256 + 256 new tokens, temperature 1 (EOS ignored).
-Engines: ``bf16`` (the model as is), ``fp8`` (W8A8 blockwise linears from lumenrl-quant,
-``fp8_block``: 128x128 weight blocks, 1x128 dynamic activation groups; bf16 KV), and
-``fp8+kv`` (plus the FP8 KV cache with per-layer scales recalibrated at each prefill after an
-update). The trainer is the BF16 model itself: ``p_train`` comes from a teacher-forced forward
-over each rollout's prompt + response.
+Engines (``--engines``, comma separated): ``bf16`` (the model as is), any lumenrl-quant FP8
+scheme name as the engine's ``quant_scheme``: ``fp8_row`` (per-channel weight scales, dynamic
+per-token activation scales; decode GEMM = cuBLAS tensorwise with unit scales + scale epilogue),
+``fp8_block`` (128x128 weight blocks, 1x128 activation groups), ``fp8_tensor``; ``fp8`` is an alias
+of ``fp8_block``; a ``+kv`` suffix adds the FP8 KV cache (per-layer scales recalibrated at each
+prefill after an update). Modes (``--modes``): ``graph`` (CUDA graphs) and ``full``
+(``torch.compile`` + CUDA graphs, ~56 s of compilation per 8B engine): every engine runs in every
+mode, one engine at a time, with identical settings; ``x_bf16`` is against the bf16 row of the
+same mode. The trainer is the BF16 model itself: ``p_train`` comes from a teacher-forced forward
+over each rollout's prompt + response. Before timing, each quantized engine checks one of its
+linears against the float32 emulation on the GPU (``linear_check``); a failing variant prints an
+``ERROR`` line and the run continues with the others.
 
 KL, per response position, averaged over positions:
 
@@ -16,7 +23,11 @@ KL, per response position, averaged over positions:
   (cap C = 2): importance weights ``w = min(p_train / p_roll, C)`` turn sampling from ``p_roll``
   into sampling from ``q = min(p_train, C p_roll) / Z``; the table gives ``KL(q || p_train)``.
 
-    python benchmarks/gpu/bench_fp8_rollout.py --engines bf16,fp8,fp8+kv
+Exact KLs do not depend on the mode (same weights, teacher-forced eager forward), so they are
+computed in the first mode an engine runs in (``--kl-every-mode`` to repeat).
+
+    python benchmarks/gpu/bench_fp8_rollout.py --engines bf16,fp8_row,fp8_block --modes graph
+    python benchmarks/gpu/bench_fp8_rollout.py --engines bf16,fp8_row --modes full --out fp8_rollout_full.json
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import argparse
 import copy
 import gc
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -76,15 +88,52 @@ def sampled_metrics(train_model, out) -> dict[str, float]:
                                       clipped=(weights >= TIS_CAP) & (mask != 0))
 
 
-def measure(name: str, train_model, batch, params: dict, args) -> dict:
-    model = train_model if name == "bf16" else copy.deepcopy(train_model)
-    engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=args.batch,
-                          max_seq_len=args.prompt + args.new, compile="full" if args.mode == "full" else "none",
-                          quant_scheme=None if name == "bf16" else "fp8_block",
-                          kv_cache_dtype="fp8" if name.endswith("+kv") else "auto")
-    row = {"engine": name}
+SCHEME_ALIASES = {"fp8": "fp8_block"}
+
+
+def scheme_of(name: str) -> str | None:
+    base = name.removesuffix("+kv")
+    return None if base == "bf16" else SCHEME_ALIASES.get(base, base)
+
+
+def check_linear(model) -> dict:
+    """One QuantizedLinear of the engine's model vs the float32 emulation, on the GPU, at decode M = 64."""
+    from lumenrl_quant.error import sqnr_db
+    from lumenrl_quant.fp8 import quantize_fp8
+    from lumenrl_quant.gemm import run_gemm_path
+    from lumenrl_quant.linear import _FP8_LAYOUTS, QuantizedLinear
+
+    lin = next(m for m in model.modules() if isinstance(m, QuantizedLinear))
+    x = torch.randn(64, lin.in_features, device=lin.weight.device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = lin(x).float()
+        if lin.scheme not in _FP8_LAYOUTS:
+            return {"path": "emulated", "sqnr_db": None}
+        _, w_block, a_gran, a_block = _FP8_LAYOUTS[lin.scheme]
+        a_q, a_s = quantize_fp8(x, dtype=lin.fp8_dtype, granularity=a_gran, block_size=a_block, backend="torch")
+        ref = run_gemm_path("emulated", a_q, a_s, lin.weight, lin.weight_scale, out_dtype=torch.float32,
+                            bias=lin.bias, a_block_size=a_block, b_block_size=w_block)
+    return {"path": lin.gemm_path_for(64), "sqnr_db": sqnr_db(ref, out)}
+
+
+def measure(name: str, mode: str, train_model, batch, params: dict, args, with_kl: bool) -> dict:
+    row = {"engine": name, "mode": mode}
+    scheme = scheme_of(name)
+    engine = None
     try:
-        engine.generate(batch, params)  # warm-up: graphs, kernels, KV scales
+        model = train_model if scheme is None else copy.deepcopy(train_model)
+        engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=args.batch,
+                              max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
+                              quant_scheme=scheme, kv_cache_dtype="fp8" if name.endswith("+kv") else "auto")
+        if scheme is not None:
+            check = check_linear(engine.model)
+            row.update(linear_path=check["path"], linear_check_sqnr_db=check["sqnr_db"])
+            if check["sqnr_db"] is not None and check["sqnr_db"] < 30.0:
+                raise RuntimeError(f"linear_check: GPU QuantizedLinear vs emulation SQNR {check['sqnr_db']:.1f} dB "
+                                   "< 30 dB; not timing this variant")
+        t0 = time.perf_counter()
+        engine.generate(batch, params)  # warm-up: graphs, compilation, kernels, KV scales
+        row["warmup_s"] = time.perf_counter() - t0
         out, total = C.timed(lambda: engine.generate(batch, params))
         decode_s = total - out.meta_info["perf"]["prefill_seconds"]
         row.update(e2e_tok_s=args.batch * args.new / total, decode_tok_s=args.batch * (args.new - 1) / decode_s,
@@ -92,10 +141,36 @@ def measure(name: str, train_model, batch, params: dict, args) -> dict:
         metrics = sampled_metrics(train_model, out)
         row.update(kl_k3_sampled=metrics.get("rollout_correction/kl_k3"),
                    kl_k1_sampled=metrics.get("rollout_correction/kl_k1"), sampled_metrics=metrics)
-        row.update(exact_kl(engine.model, train_model, out.batch["input_ids"], args.new))
+        if with_kl:
+            row.update(exact_kl(engine.model, train_model, out.batch["input_ids"], args.new))
     except Exception as err:  # noqa: BLE001 - keep the other engines' numbers
         row["error"] = f"{type(err).__name__}: {err}"[:400]
+        print(f"ERROR {name}/{mode}: {row['error']}", flush=True)
+    engine = None  # free the engine (and its model copy) before the next variant
     return row
+
+
+def summarize(rows: list[dict], command: str) -> dict:
+    for r in rows:
+        base = next((b for b in rows if b["engine"] == "bf16" and b["mode"] == r["mode"] and "decode_tok_s" in b), None)
+        if base and "decode_tok_s" in r:
+            r["x_bf16"] = r["decode_tok_s"] / base["decode_tok_s"]
+    for r in rows:  # exact KLs are mode independent: show them on every row of the engine
+        src = next((s for s in rows if s["engine"] == r["engine"] and "kl_exact_after_tis" in s), None)
+        if src and "kl_exact_after_tis" not in r:
+            r.update(kl_exact_before=src["kl_exact_before"], kl_exact_after_tis=src["kl_exact_after_tis"])
+    fp8 = [r for r in rows if r["engine"] != "bf16" and "x_bf16" in r]
+    summary = {}
+    if fp8:
+        best = max(fp8, key=lambda r: r["x_bf16"])
+        summary["fp8_rollout_speedup_8b_b64"] = {"value": best["x_bf16"], "engine": best["engine"],
+                                                 "mode": best["mode"], "command": command}
+        if "kl_exact_after_tis" in best:
+            summary["fp8_rollout_kl_after_tis"] = {
+                "value": best["kl_exact_after_tis"], "before_tis": best["kl_exact_before"], "engine": best["engine"],
+                "definition": "mean over response positions of KL(q_TIS || p_train), q_TIS = min(p_train, 2 p_roll)/Z",
+                "command": command}
+    return summary
 
 
 def main() -> None:
@@ -104,38 +179,38 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--engines", default="bf16,fp8,fp8+kv")
-    ap.add_argument("--mode", default="graph", help="native mode: graph or full (torch.compile + graphs)")
+    ap.add_argument("--engines", default="bf16,fp8_row,fp8_block")
+    ap.add_argument("--modes", default=None, help="comma separated: graph (CUDA graphs), full (torch.compile + graphs)")
+    ap.add_argument("--mode", default="graph", help="single mode (kept for old command lines; --modes wins)")
+    ap.add_argument("--kl-every-mode", action="store_true", help="recompute the exact KLs in every mode")
     ap.add_argument("--out", default="fp8_rollout.json")
     args = ap.parse_args()
+    modes = (args.modes or args.mode).split(",")
+    for mode in modes:
+        if mode not in ("graph", "full"):
+            ap.error(f"--modes: {mode!r} is not a mode; allowed: graph, full")
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
     train_model = C.random_model(args.model)
     batch = C.prompt_batch(args.batch, args.prompt, seed=4)
     params = {"temperature": 1.0, "max_new_tokens": args.new, "seed": 11, "ignore_eos": True}
-    rows = []
-    for name in args.engines.split(","):
-        rows.append(measure(name, train_model, batch, params, args))
-        gc.collect()
-        torch.cuda.empty_cache()
-        result["rows"] = rows
-        C.write_json(args.out, result)
-    base = next((r for r in rows if r["engine"] == "bf16" and "decode_tok_s" in r), None)
-    for r in rows:
-        if base and "decode_tok_s" in r:
-            r["x_bf16"] = r["decode_tok_s"] / base["decode_tok_s"]
-    fp8 = next((r for r in rows if r["engine"] == "fp8" and "decode_tok_s" in r), None)
-    summary = {}
-    if fp8 and base:
-        summary["fp8_rollout_speedup_8b_b64"] = {"value": fp8["x_bf16"], "command": result["command"]}
-        summary["fp8_rollout_kl_after_tis"] = {
-            "value": fp8["kl_exact_after_tis"], "before_tis": fp8["kl_exact_before"],
-            "definition": "mean over response positions of KL(q_TIS || p_train), q_TIS = min(p_train, 2 p_roll)/Z",
-            "command": result["command"]}
-    result["summary"] = summary
+    rows, kl_done = [], set()
+    for mode in modes:
+        for name in args.engines.split(","):
+            with_kl = args.kl_every_mode or name not in kl_done
+            rows.append(measure(name, mode, train_model, batch, params, args, with_kl))
+            kl_done.add(name)
+            gc.collect()
+            torch.cuda.empty_cache()
+            if mode == "full":
+                torch._dynamo.reset()  # each engine compiles its own model; drop the last one's graphs
+            result["rows"] = rows
+            C.write_json(args.out, result)
+    result["summary"] = summarize(rows, result["command"])
     C.write_json(args.out, result)
-    C.print_table(rows, ["engine", "e2e_tok_s", "decode_tok_s", "x_bf16", "kl_exact_before", "kl_exact_after_tis",
-                         "kl_k3_sampled", "prefill_s", "error"])
-    print("summary:", summary)
+    print("summary:", result["summary"])
+    C.print_table(rows, ["engine", "mode", "e2e_tok_s", "decode_tok_s", "x_bf16", "kl_exact_before",
+                         "kl_exact_after_tis", "kl_k3_sampled", "linear_path", "linear_check_sqnr_db", "warmup_s",
+                         "prefill_s", "error"])
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 Decode M = 1..256 cycle over enough layers that the weights come from HBM; training-sized M
 (4096, 8192) run one layer. The MX schemes have no tensor-core path on Hopper: their forward
 dequantizes the weight (emulation), so they are expected to be slower than BF16 here.
+``fp8_row`` at decode M (<= 256) runs the ``scaled_mm_rowwise_epilogue`` GEMM path (cuBLAS
+tensorwise with unit scales into float32 + a scale epilogue); ``fp8_row_cutlass`` is the same
+layer forced onto torch's single rowwise ``_scaled_mm`` kernel (the path before), for comparison.
+The ``path`` column names the GEMM path each row ran.
 
     python benchmarks/quant/bench_linear.py [--smoke]
 """
@@ -19,9 +23,22 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import copies_for, device, table, time_graph_ms, time_ms, time_rotating_ms, write_json  # noqa: E402
 
+from lumenrl_quant import gemm  # noqa: E402
 from lumenrl_quant.linear import LINEAR_SCHEMES, QuantizedLinear  # noqa: E402
 
-_WEIGHT_BYTES = {"bf16": 2.0, "fp8_block": 1.0, "fp8_row": 1.0, "fp8_tensor": 1.0, "mxfp8": 1.0, "mxfp4": 0.5}
+_WEIGHT_BYTES = {"bf16": 2.0, "fp8_block": 1.0, "fp8_row": 1.0, "fp8_row_cutlass": 1.0, "fp8_tensor": 1.0,
+                 "mxfp8": 1.0, "mxfp4": 0.5}
+VARIANTS = {"fp8_row_cutlass": "fp8_row"}  # variant -> scheme, built with ROWWISE_EPILOGUE_MAX_M = 0
+
+
+def _quantized(lin: nn.Linear, scheme: str) -> QuantizedLinear:
+    if scheme not in VARIANTS:
+        return QuantizedLinear.from_linear(lin, scheme)
+    saved, gemm.ROWWISE_EPILOGUE_MAX_M = gemm.ROWWISE_EPILOGUE_MAX_M, 0  # paths are chosen at construction
+    try:
+        return QuantizedLinear.from_linear(lin, VARIANTS[scheme])
+    finally:
+        gemm.ROWWISE_EPILOGUE_MAX_M = saved
 
 
 def _layers(scheme: str, n: int, k: int, copies: int, dev: torch.device) -> list[nn.Module]:
@@ -30,7 +47,7 @@ def _layers(scheme: str, n: int, k: int, copies: int, dev: torch.device) -> list
         lin = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
         with torch.no_grad():
             lin.weight.normal_(0.0, 0.02)
-        out.append(lin if scheme == "bf16" else QuantizedLinear.from_linear(lin, scheme))
+        out.append(lin if scheme == "bf16" else _quantized(lin, scheme))
     return out
 
 
@@ -51,8 +68,8 @@ def _bench(m: int, n: int, k: int, schemes: list[str], dev: torch.device, rotate
                     eager = ms = time_ms(calls[0], iters=10)
                     timing = "eager"
             base = ms if scheme == "bf16" else base
-            path = getattr(layers[0], "scheme", "bf16")
-            rows.append({"M": m, "N": n, "K": k, "scheme": path, "us": ms * 1e3, "us_eager": eager * 1e3,
+            path = layers[0].gemm_path_for(m, x.dtype) if scheme != "bf16" else "bf16"
+            rows.append({"M": m, "N": n, "K": k, "scheme": scheme, "path": path, "us": ms * 1e3, "us_eager": eager * 1e3,
                          "timing": timing, "TFLOP/s": 2 * m * n * k / ms / 1e9,
                          "speedup_vs_bf16": base / ms if base else None})
             del layers, calls
@@ -65,14 +82,14 @@ def _bench(m: int, n: int, k: int, schemes: list[str], dev: torch.device, rotate
 
 def run(smoke: bool = False) -> dict:
     dev = device()
-    schemes = ["bf16", *LINEAR_SCHEMES]
+    schemes = ["bf16", *LINEAR_SCHEMES[:2], *VARIANTS, *LINEAR_SCHEMES[2:]]
     rotate = dev.type == "cuda"
-    decode_ms = [1, 16] if smoke else [1, 8, 32, 128, 256]
-    nk = [(64, 128)] if smoke else [(4096, 4096), (14336, 4096)]
+    decode_ms = [1, 16] if smoke else [1, 8, 32, 64, 128, 256]
+    nk = [(64, 128)] if smoke else [(4096, 4096), (14336, 4096), (4096, 12288)]
     big = [(128, 128, 128)] if smoke else [(4096, 4096, 4096), (8192, 8192, 8192)]
     decode = [r for n, k in nk for m in decode_ms for r in _bench(m, n, k, schemes, dev, rotate)]
     training = [r for m, n, k in big for r in _bench(m, n, k, schemes, dev, rotate=False)]
-    cols = ["M", "N", "K", "scheme", "us", "us_eager", "timing", "TFLOP/s", "speedup_vs_bf16"]
+    cols = ["M", "N", "K", "scheme", "path", "us", "us_eager", "timing", "TFLOP/s", "speedup_vs_bf16"]
     print(table("QuantizedLinear forward, decode shapes (layers cycled beyond L2; us = CUDA-graph replay)",
                 decode, cols))
     print(table("QuantizedLinear forward, training-sized shapes", training, cols))
