@@ -2,19 +2,41 @@
 
 Design
 ------
-Forward quantizes ``x`` (M, K) and ``W`` (N, K) to E4M3 and calls :func:`lumenrl_quant.gemm.scaled_mm`
-(``torch._scaled_mm`` where the device supports the mode, exact dequantize-and-matmul emulation
-elsewhere; on CPU always the emulation, which is far faster there than torch's CPU FP8 kernel). Backward quantizes ``dY`` to the gradient format (E5M2 for ``hybrid``) and
-computes ``dX = dY @ W`` and ``dW = dY^T @ x`` the same way; the bias gradient is a plain sum.
-``x`` is saved in its own precision for wgrad; for wgrad the token dim is zero-padded to the
-GEMM alignment (16, or 128 for blockwise), which changes no value.
+Every GEMM is ``scaled_mm(a, b) = (a * sa) @ (b * sb).T`` with both operands row-major along the
+reduction dim: ``torch._scaled_mm`` (cuBLASLt) runs only that "TN" layout (it gets ``b.t()``, a
+column-major view, no copy), and on CPU the exact dequantize-and-matmul emulation runs instead
+(far faster there than torch's CPU FP8 kernel).
 
-Weight cache: the quantized ``W`` (and, for dgrad, ``W^T``) is kept in an :class:`Fp8WeightCache`
-across micro-batches and dropped (a) by :func:`~lumenrl_quant.training.attach_weight_cache_invalidation`
-after every ``optimizer.step()``, or by :func:`~lumenrl_quant.training.invalidate_fp8_weight_caches`,
-and (b) automatically when the weight's storage or autograd version counter changed (in-place
-updates), so a stale FP8 copy is never served. Updates through ``weight.data`` bypass the version
-counter: those need (a). The cache costs 1 byte per weight element (2 when dgrad needs ``W^T``).
+Tensorwise fast path (``_TensorwiseFp8Linear``), the recipe that reaches the FP8 GEMM speedup:
+
+* forward quantizes ``x`` once with :func:`lumenrl_quant.triton_training.quantize_with_transpose`,
+  which writes ``x_q`` (M, K) for the forward GEMM *and* ``x_q^T`` (K, M) for wgrad in the same
+  pass (dynamic scale computed on device, no host sync); only ``x_q^T`` and the scale are saved
+  for backward (1 byte per element instead of the 2 of a bf16 ``x``);
+* backward quantizes ``dY`` once (E5M2 for ``hybrid``) into ``dY_q`` (dgrad) and ``dY_q^T``
+  (wgrad); ``dX = dY @ W`` uses the saved ``W_q^T``; ``dW = dY^T @ x`` the saved ``x_q^T``;
+* the weight is quantized outside the autograd function into ``W_q`` and ``W_q^T`` (one fused
+  pass), through the :class:`Fp8WeightCache` in eager mode.
+* the token dim is zero-padded to 16 when needed (the wgrad reduction dim), which changes no value.
+
+``rowwise`` / ``blockwise`` (``_Fp8LinearFunction``): x, dY and the transposed operands are each
+quantized by their own pass (rowwise / 1x128 scales of ``x`` do not transpose), ``x`` is saved in
+its own precision for wgrad and padded to the GEMM alignment (16, or 128 for blockwise) there.
+
+Weight cache (eager): the quantized ``W`` (and, for dgrad, ``W^T``) is kept in an
+:class:`Fp8WeightCache` across micro-batches and dropped (a) by
+:func:`~lumenrl_quant.training.attach_weight_cache_invalidation` after every ``optimizer.step()``,
+or by :func:`~lumenrl_quant.training.invalidate_fp8_weight_caches`, and (b) automatically when the
+weight's storage or autograd version counter changed (in-place updates), so a stale FP8 copy is
+never served. Updates through ``weight.data`` bypass the version counter: those need (a). The
+cache costs 1 byte per weight element (2 when dgrad needs ``W^T``).
+
+``torch.compile``: nothing that changes between steps is read while tracing (the cache, version
+counters and data pointers stay in eager mode), so a compiled decoder layer compiles once and
+never recompiles; inside the graph the weight is re-quantized each forward (fused by inductor,
+about 3 bytes of traffic per weight element, small next to the GEMMs it feeds). The recipe (FP8
+dtypes, whether the device has ``torch._scaled_mm``) is resolved eagerly, when the module is
+built or moved, never inside a trace.
 """
 
 from __future__ import annotations
@@ -27,6 +49,7 @@ from torch import nn
 
 from lumenrl_quant.gemm import emulated_scaled_mm, scaled_mm
 from lumenrl_quant.training.recipes import Fp8TrainingConfig, QuantizedOperand, Recipe
+from lumenrl_quant.triton_training import quantize_with_transpose
 
 __all__ = ["Fp8TrainingLinear", "Fp8WeightCache"]
 
@@ -138,6 +161,63 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def _gemm_tn(a, sa, b, sb, out_dtype: torch.dtype, fast: bool, bias=None) -> torch.Tensor:
+    """``(a * sa) @ (b * sb).T (+ bias)``, tensorwise scales, ``a`` and ``b`` row-major FP8."""
+    if fast:  # cuBLASLt wants mat2 column-major: b.t() is exactly that view of row-major b
+        b16 = None if bias is None else bias.to(torch.bfloat16)
+        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=b16, out_dtype=torch.bfloat16)
+        return out.to(out_dtype)
+    out = (a.float() * sa) @ (b.float() * sb).t()  # the exact emulation (gemm.emulated_scaled_mm)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def _quantize_pair(t: torch.Tensor, dtype: torch.dtype) -> QuantizedOperand:
+    q, qt, scale = quantize_with_transpose(t, dtype)
+    return QuantizedOperand(q=q, scale=scale, block_size=None, qt=qt)
+
+
+class _TensorwiseFp8Linear(torch.autograd.Function):
+    """Tensorwise recipe: x and dY quantized once each, both layouts from one pass (module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_q, w_qt, w_scale, fwd_dtype, grad_dtype, fast):  # x: (M, K)
+        m = x.shape[0]
+        xq, xqt, xs = quantize_with_transpose(_pad_rows(x, 16), fwd_dtype)
+        ctx.save_for_backward(xqt, xs, w_qt, w_scale)
+        ctx.m, ctx.grad_dtype, ctx.fast = m, grad_dtype, fast
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        out = _gemm_tn(xq, xs, w_q, w_scale, x.dtype, fast, bias)  # (Mp, N)
+        return out if out.shape[0] == m else out[:m]
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: (M, N)
+        xqt, xs, w_qt, w_scale = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        dx = dw = db = None
+        gq, gqt, gs = quantize_with_transpose(_pad_rows(grad, 16), ctx.grad_dtype)
+        if ctx.needs_input_grad[0]:
+            dx = _gemm_tn(gq, gs, w_qt, w_scale, x_dtype, ctx.fast)  # (Mp, K)
+            dx = dx if dx.shape[0] == ctx.m else dx[: ctx.m]
+        if ctx.needs_input_grad[1]:
+            dw = _gemm_tn(gqt, gs, xqt, xs, w_dtype, ctx.fast)  # (N, K), reduced over tokens
+        if ctx.needs_input_grad[2]:
+            db = grad.sum(dim=0).to(b_dtype)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _fast_tensorwise_gemm(device: torch.device, in_features: int, out_features: int) -> bool:
+    """``torch._scaled_mm`` tensorwise runs here (CUDA sm89+ or ROCm; dims multiples of 16)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm") or not torch.cuda.is_available():
+        return False
+    if in_features % 16 or out_features % 16:
+        return False
+    if getattr(torch.version, "hip", None) is not None:
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 class Fp8TrainingLinear(nn.Linear):
     """Drop-in ``nn.Linear`` computing forward, dgrad and wgrad as FP8 scaled GEMMs.
 
@@ -157,7 +237,7 @@ class Fp8TrainingLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp8_config = config if config is not None else Fp8TrainingConfig()
         self.weight_cache = Fp8WeightCache() if self.fp8_config.weight_cache else None
-        self._recipes: dict[torch.device, Recipe] = {}
+        self._resolve()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: Fp8TrainingConfig) -> Fp8TrainingLinear:
@@ -172,19 +252,50 @@ class Fp8TrainingLinear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)
+        new._resolve()
         return new
 
-    def _recipe(self) -> Recipe:
+    def _resolve(self) -> None:
+        """Resolve the recipe for the weight's device, eagerly (never inside a torch.compile trace)."""
         device = self.weight.device
-        if device not in self._recipes:
-            self._recipes[device] = Recipe.resolve(self.fp8_config, device)
-        return self._recipes[device]
+        self._fp8_device = device
+        self._fp8_recipe = Recipe.resolve(self.fp8_config, device)
+        self._fp8_fast_gemm = _fast_tensorwise_gemm(device, self.in_features, self.out_features)
+
+    def _apply(self, fn, recurse=True):  # .to() / .cuda() / to_empty(): re-resolve for the new device
+        out = super()._apply(fn, recurse)
+        self._resolve()
+        return out
+
+    def _recipe(self) -> Recipe:
+        if self.weight.device != self._fp8_device:  # params replaced without _apply (e.g. by FSDP)
+            self._resolve()
+        return self._fp8_recipe
+
+    def _tensorwise_weight(self, recipe: Recipe) -> QuantizedOperand:
+        """``W_q`` with its ``W_q^T`` (one pass); cached across micro-batches in eager mode."""
+        weight = self.weight.detach()
+        cache = self.weight_cache
+        if cache is None or torch.compiler.is_compiling():
+            return _quantize_pair(weight, recipe.forward_dtype)
+        fwd = cache.get("forward", self.weight, lambda: _quantize_pair(weight, recipe.forward_dtype))
+        cache.get("dgrad", self.weight, fwd.transposed)  # W^T for dgrad: the layout written above
+        return fwd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)  # (M, K)
         if x2d.shape[0] == 0:
             return F.linear(x, self.weight, self.bias)
-        out = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self._recipe(), self.weight_cache)
+        recipe = self._recipe()
+        if recipe.name == "tensorwise":
+            w = self._tensorwise_weight(recipe)
+            out = _TensorwiseFp8Linear.apply(
+                x2d, self.weight, self.bias, w.q, w.qt, w.scale,
+                recipe.forward_dtype, recipe.grad_dtype, self._fp8_fast_gemm,
+            )
+        else:
+            cache = None if torch.compiler.is_compiling() else self.weight_cache
+            out = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, recipe, cache)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def invalidate_weight_cache(self) -> None:

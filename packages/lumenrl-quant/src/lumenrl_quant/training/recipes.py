@@ -80,9 +80,12 @@ class QuantizedOperand:
     q: torch.Tensor
     scale: torch.Tensor
     block_size: tuple[int, int] | None
+    qt: torch.Tensor | None = None  # ``q.T`` contiguous, when the quantizer wrote it in the same pass
 
     def transposed(self) -> QuantizedOperand:
         """``(q.T, scale.T)``: exact for tensorwise and square-block scales (not rowwise)."""
+        if self.qt is not None:  # tensorwise, both layouts already written: no copy
+            return QuantizedOperand(q=self.qt, scale=self.scale, block_size=None, qt=self.q)
         exact = self.block_size == _BLOCK_B or (self.block_size is None and self.scale.numel() == 1)
         if not exact:
             raise ValueError(
@@ -112,10 +115,15 @@ class Recipe:
         return self.name != "rowwise"
 
     def quantize(self, t: torch.Tensor, *, role: Literal["a", "b"], dtype: torch.dtype) -> QuantizedOperand:
-        """Quantize a 2-D operand (rows, reduce) for the ``a`` or ``b`` side of ``scaled_mm``."""
+        """Quantize a 2-D operand (rows, reduce) for the ``a`` or ``b`` side of ``scaled_mm``.
+
+        Inside ``torch.compile`` the torch quantizer is traced (inductor fuses it); eager runs
+        may use the Triton kernels of :mod:`lumenrl_quant.triton_kernels`.
+        """
+        backend = "torch" if torch.compiler.is_compiling() else "auto"
         if self.name == "blockwise":
             block = _BLOCK_A if role == "a" else _BLOCK_B
-            q, scale = quantize_fp8(t, dtype=dtype, granularity="block", block_size=block)
+            q, scale = quantize_fp8(t, dtype=dtype, granularity="block", block_size=block, backend=backend)
             return QuantizedOperand(q=q, scale=scale, block_size=block)
-        q, scale = quantize_fp8(t, dtype=dtype, granularity=self.name)
+        q, scale = quantize_fp8(t, dtype=dtype, granularity=self.name, backend=backend)
         return QuantizedOperand(q=q, scale=scale, block_size=None)
