@@ -47,6 +47,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,6 +89,17 @@ from lumenrl_backends.engines.triton_sampling import fused_sample, fused_sampler
 from lumenrl_backends.engines.weights import copy_weights_
 
 __all__ = ["NativeEngine", "sliding_window_of"]
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A queued decode step: its graph key, the rows it advanced, and where its results land."""
+
+    key: tuple[int, int, str]
+    slot_ids: list[int]
+    requests: list[Request]
+    buffer: torch.Tensor  # (2 * max_batch_size,) float64 host buffer; [:2b] = (tokens, log-probs)
+    event: Any  # CUDA event after the copy (None on CPU: the copy is synchronous)
 
 
 def sliding_window_of(config: Any) -> tuple[int | None, bool]:
@@ -134,6 +146,7 @@ class NativeEngine:
         gpu_memory_utilization: float | None = None,
         fused_sampling: bool = True,
         fuse_projections: bool = True,
+        overlap_sync: bool = True,
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
@@ -194,6 +207,15 @@ class NativeEngine:
             # with a symbolic batch that every later bucket reuses (measured configs use the static one)
             self._model_forward = torch.compile(self.model.forward)
         self.graphs = DecodeGraphs(self._decode_step, enabled=cuda_graphs and self.device.type == "cuda")
+        # overlapped host sync: step N's (token, log-prob) pairs go to host buffers (pinned on CUDA,
+        # two: N and N+1 in flight) while step N+1 is already queued (see _decode)
+        self.overlap_sync = overlap_sync
+        pinned = self.device.type == "cuda"
+        self._host = [torch.empty(2 * max_batch_size, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if pinned else [None, None]
+        self._flip = 0
+        self._inflight: _Launched | None = None
+        self.speculation = {"launched": 0, "rolled_back": 0}  # speculative steps queued / undone (diagnostics)
         # Triton one-pass sampler on CUDA, after a self-check against the torch sampler (None: not checked yet)
         self._fused_ok: bool | None = None if fused_sampling and self.device.type == "cuda" else False
 
@@ -283,8 +305,9 @@ class NativeEngine:
                         self._prefill(chunk, params, active, stops)
                     self._prefill_seconds += time.perf_counter() - tick
                 if active and not self._interrupt.is_set():
-                    self._decode(active, params, stops)
+                    self._decode(active, params, stops, speculate=self.overlap_sync and not queue)
         finally:
+            self._inflight = None  # a speculative step left by an interrupt: dropped (slots are reset below)
             self.slots.release_all()
 
     def _finish_if_done(
@@ -294,12 +317,13 @@ class NativeEngine:
         params: SamplingParams,
         stops: frozenset[int],
         active: dict[int, Request],
+        lag: int = 0,
     ) -> None:
         if request.response[-1] in stops:
             request.finish_reason = STOP
         elif (
             len(request.response) >= params.max_new_tokens
-            or self.slots.host_columns[slot] >= self.max_seq_len
+            or self.slots.host_columns[slot] - lag >= self.max_seq_len
         ):
             request.finish_reason = LENGTH
         if request.done:
@@ -314,13 +338,15 @@ class NativeEngine:
         params: SamplingParams,
         stops: frozenset[int],
         active: dict[int, Request],
+        lag: int = 0,
     ) -> None:
-        """Append one sampled token (host values, aligned with ``slot_ids``) to each active request."""
+        """Append one sampled token (host values, aligned with ``slot_ids``) to each active request;
+        ``lag``: steps already launched past this one (their columns are in the host mirror)."""
         for slot, token, log_prob in zip(slot_ids, tokens, log_probs):
             request = active[slot]
             request.response.append(int(token))
             request.log_probs.append(log_prob)
-            self._finish_if_done(request, slot, params, stops, active)
+            self._finish_if_done(request, slot, params, stops, active, lag)
 
     @staticmethod
     def _sampling_mode(params: SamplingParams) -> str:
@@ -417,28 +443,65 @@ class NativeEngine:
     def _bucket(self, rows_needed: int) -> int:
         return next(b for b in self.buckets if b >= rows_needed)
 
-    def _decode(self, active: dict[int, Request], params: SamplingParams, stops: frozenset[int]) -> None:
-        batch = self._bucket(max(active) + 1)
-        s = self.slots
-        longest = max(s.host_columns[slot] for slot in active) + 1  # host mirror: no device sync
+    def _step_key(self, active: dict[int, Request], params: SamplingParams, lag: int = 0) -> tuple[int, int, str]:
+        """(bucket, kv_len, sampling mode) of the next step over ``active`` (host mirror: no device sync)."""
+        longest = max(self.slots.host_columns[slot] for slot in active) - lag + 1
         kv_len = min(self.max_seq_len, -(-longest // self.kv_block) * self.kv_block)
         if self.compile_mode == "full":
             kv_len = self.max_seq_len  # one compiled shape per bucket
-        tokens, log_probs = self.graphs(batch, kv_len, self._sampling_mode(params))
-        host = torch.stack([tokens.to(torch.float64), log_probs.to(torch.float64)]).tolist()  # one sync
+        return self._bucket(max(active) + 1), kv_len, self._sampling_mode(params)
+
+    def _launch(self, active: dict[int, Request], params: SamplingParams) -> _Launched:
+        """Queue one decode step and the copy of its results to a host buffer; no host sync."""
+        key = self._step_key(active, params)
+        packed = self.graphs(*key)[2]  # (2, b) float64: tokens, log-probs
+        buffer, event = self._host[self._flip], self._events[self._flip]
+        self._flip ^= 1
+        buffer[: packed.numel()].copy_(packed.reshape(-1), non_blocking=True)
+        if event is not None:
+            event.record()
         slot_ids = sorted(active)
         for slot in slot_ids:
-            s.host_columns[slot] += 1
-        self._record(
-            slot_ids,
-            [host[0][slot] for slot in slot_ids],
-            [host[1][slot] for slot in slot_ids],
-            params,
-            stops,
-            active,
-        )
+            self.slots.host_columns[slot] += 1
+        return _Launched(key, slot_ids, [active[slot] for slot in slot_ids], buffer, event)
 
-    def _decode_step(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(
+        self, active: dict[int, Request], params: SamplingParams, stops: frozenset[int], speculate: bool = False
+    ) -> None:
+        """Record one decode step. With ``speculate`` the next step is queued *before* this one's
+        results are read, assuming no row finishes (its device work overlaps this host sync and
+        bookkeeping). Rows that did finish get their extra token discarded; if the finishes change
+        the step's shape (bucket or kv_len), the speculative step is rolled back and redone, so kept
+        tokens and log-probs are those of the unspeculated loop."""
+        step, self._inflight = self._inflight or self._launch(active, params), None
+        s = self.slots
+        if speculate and all(s.host_columns[slot] < self.max_seq_len for slot in active):
+            self._inflight = self._launch(active, params)  # every row's next column is in the cache
+            self.speculation["launched"] += 1
+        if step.event is not None:
+            step.event.synchronize()
+        batch = step.key[0]
+        host = step.buffer[: 2 * batch].view(2, batch).tolist()
+        kept = [slot for slot, request in zip(step.slot_ids, step.requests) if active.get(slot) is request]
+        lag = 1 if self._inflight is not None else 0
+        self._record(kept, [host[0][i] for i in kept], [host[1][i] for i in kept], params, stops, active, lag)
+        spec = self._inflight
+        if spec is None:
+            return
+        if not active:  # everything finished: the released slots are reset after the speculative step
+            self._inflight = None
+        elif self._step_key(active, params, lag=1) != spec.key:
+            self._inflight = None  # undo its state advance for the rows that continue; redone next call
+            self.speculation["rolled_back"] += 1
+            rows = sorted(active)
+            index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            for state in (s.columns, s.positions, s.counters):
+                state[index] -= 1
+            s.tokens[index] = torch.tensor([int(host[0][i]) for i in rows], dtype=torch.int64, device=self.device)
+            for slot in rows:
+                s.host_columns[slot] -= 1
+
+    def _decode_step(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward + sampling + state advance over slots 0..batch-1 (what one CUDA graph holds)."""
         s = self.slots
         logits = self._decode_forward(batch, kv_len)  # (b, V)
@@ -449,7 +512,7 @@ class NativeEngine:
         s.columns[:batch] += step
         s.positions[:batch] += step
         s.counters[:batch] += step
-        return tokens, log_probs
+        return tokens, log_probs, torch.stack([tokens.to(torch.float64), log_probs.to(torch.float64)])
 
     def _decode_forward(self, batch: int, kv_len: int) -> torch.Tensor:
         """One fixed-shape decode forward over slots 0..batch-1; no host sync, no host->device copy."""
@@ -460,7 +523,7 @@ class NativeEngine:
         self.cache.set_view(CacheView(rows=rows, columns=columns[:, None], decode=True, kv_len=kv_len))
         valid = self.cache.valid[:batch]
         allowed = decode_mask(valid, columns, kv_len, self.window)
-        full = decode_mask(valid, columns, kv_len, None)
+        full = decode_mask(valid, columns, kv_len, None) if self._mixed_layers else allowed  # only mixed layers read it
         ids, positions = s.tokens[:batch, None], s.positions[:batch, None]
         return self._forward(ids, positions, allowed, full, forward=self._model_forward)[:, -1]
 

@@ -1,0 +1,198 @@
+"""Projection fusion (q/k/v, gate/up) and the overlapped host sync of the native engine.
+
+Fused engines must generate what unfused engines generate (tokens exactly, log-probs to fp32
+rounding) and what the training forward scores; weight sync through the existing path must land
+in the fused storage; FP8 rollout must fuse the quantized linears and requantize into them; the
+speculative next step (overlapped host sync) must keep tokens and log-probs bit-identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lumenrl_backends.engines import NativeEngine, fusion
+from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_core.data_proto import DataProto
+
+torch.set_num_threads(1)
+
+PROMPTS = ["12+34=", "7*8=", "(1+2)*3 = what is it", "9", "abc", "x+y", "hello there", "42"]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+SAMPLED = {"temperature": 1.0, "max_new_tokens": 10, "seed": 3, "ignore_eos": True}
+
+
+def prompt_batch(tokenizer, prompts=PROMPTS) -> DataProto:
+    enc = tokenizer(prompts, padding=True, return_tensors="pt")
+    return DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+
+
+def forward_log_probs(model, out: DataProto) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"]).logits
+    width = out.batch["prompts"].shape[1]
+    return torch.log_softmax(logits[:, width - 1 : -1].float(), -1).gather(2, out.batch["responses"][..., None]).squeeze(-1)
+
+
+def engine(path, **kwargs) -> NativeEngine:
+    model, tokenizer = load_model_and_tokenizer(str(path), dtype="float32")
+    return NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=48, **kwargs)
+
+
+def assert_same(a: DataProto, b: DataProto, atol: float = 1e-5) -> None:
+    assert torch.equal(a.batch["responses"], b.batch["responses"])
+    assert (a.batch["rollout_log_probs"] - b.batch["rollout_log_probs"]).abs().max() <= atol
+
+
+def perturbed(model, scale: float, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: p.detach() + scale * torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+
+
+def fused_calls(monkeypatch) -> dict[str, int]:
+    calls = {"dense": 0, "quantized": 0}
+    for kind, cls in (("dense", fusion._FusedDense), ("quantized", fusion._FusedQuantized)):
+        original = cls.__call__
+
+        def counted(self, x, _original=original, _kind=kind):
+            calls[_kind] += 1
+            return _original(self, x)
+
+        monkeypatch.setattr(cls, "__call__", counted)
+    return calls
+
+
+FAMILIES = {
+    "llama": {"attention_bias": True, "mlp_bias": True},  # biases are fused too
+    "qwen3": {},
+    "qwen3_moe": {},  # MoE experts: attention fused only
+    "mixtral": {},
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fused_equals_unfused_and_training_forward(family, tmp_path, monkeypatch):
+    path = build_tiny_model(family, tmp_path, seed=0, initializer_range=0.2, **FAMILIES[family])
+    plain = engine(path, fuse_projections=False)
+    fused = engine(path)
+    layers = plain.model.config.num_hidden_layers
+    report = fused.fusion_report
+    assert len(report.attention) == layers and not report.skipped
+    assert len(report.mlp) == (layers if family in ("llama", "qwen3") else 0)
+    # names, shapes and values unchanged; q/k/v share one storage
+    assert list(fused.model.state_dict()) == list(plain.model.state_dict())
+    for name, value in plain.model.state_dict().items():
+        assert torch.equal(fused.model.state_dict()[name], value), name
+    attn = fused.model.model.layers[0].self_attn
+    storages = {m.weight.untyped_storage().data_ptr() for m in (attn.q_proj, attn.k_proj, attn.v_proj)}
+    assert storages == {attn._lumenrl_fused.weight.untyped_storage().data_ptr()}
+    calls = fused_calls(monkeypatch)
+    tokenizer = fused.tokenizer
+    for params in (GREEDY, SAMPLED):
+        a = fused.generate(prompt_batch(tokenizer), params)
+        b = plain.generate(prompt_batch(tokenizer), params)
+        assert_same(a, b)
+        mask = a.batch["response_mask"].bool()
+        assert (forward_log_probs(plain.model, a) - a.batch["rollout_log_probs"])[mask].abs().max() < 1e-4
+    groups = len(report.attention) + len(report.mlp)  # fused GEMMs per forward
+    assert calls["dense"] >= groups * 2 * GREEDY["max_new_tokens"]  # every prefill and decode step, both runs
+
+
+def test_gradients_reach_fused_parameters(tmp_path):
+    """A gradient-enabled forward of the fused model runs the original modules on the views."""
+    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
+    fused = engine(path)
+    model = fused.model
+    ids = torch.tensor([[3, 4, 5, 6]])
+    model(input_ids=ids).logits.sum().backward()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.q_proj.weight.grad is not None and mlp.up_proj.weight.grad is not None
+    assert attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_weight_update_writes_the_fused_storage(tmp_path):
+    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
+    fused = engine(path)
+    batch = prompt_batch(fused.tokenizer)
+    before = fused.generate(batch, GREEDY)
+    new = perturbed(fused.model, 0.05, seed=1)
+    assert fused.update_weights(new, version=1) == len(new)
+    attn, mlp = fused.model.model.layers[1].self_attn, fused.model.model.layers[1].mlp
+    q, k, v = (new[f"model.layers.1.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj"))
+    assert torch.equal(attn._lumenrl_fused.weight, torch.cat([q, k, v]))
+    gate, up = new["model.layers.1.mlp.gate_proj.weight"], new["model.layers.1.mlp.up_proj.weight"]
+    assert torch.equal(mlp._lumenrl_fused.weight, torch.cat([gate, up]))
+    fresh_model, tokenizer = load_model_and_tokenizer(str(path), dtype="float32")
+    fresh_model.load_state_dict(new, strict=False)
+    fresh = NativeEngine(fresh_model, tokenizer, max_batch_size=8, max_seq_len=48)
+    for params in (GREEDY, SAMPLED):
+        after = fused.generate(batch, params)
+        assert_same(after, fresh.generate(batch, params), atol=0.0)
+    assert not torch.equal(fused.generate(batch, GREEDY).batch["responses"], before.batch["responses"])
+
+
+@pytest.fixture(scope="module")
+def quant_dir(tmp_path_factory):
+    # 128-wide q/k/v and gate/up so whole 128x128 FP8 blocks are fused (k/v: 4 heads x 32)
+    return build_tiny_model("qwen3", tmp_path_factory.mktemp("q"), seed=0, initializer_range=0.1,
+                            hidden_size=128, intermediate_size=256, head_dim=32, num_attention_heads=4,
+                            num_key_value_heads=4)
+
+
+@pytest.mark.parametrize("scheme", ["fp8_block", "fp8_row", "mxfp8"])
+def test_fp8_fusion_matches_unfused_and_requantizes_in_place(quant_dir, scheme, monkeypatch):
+    plain = engine(quant_dir, quant_scheme=scheme, fuse_projections=False)
+    fused = engine(quant_dir, quant_scheme=scheme)
+    layers = plain.model.config.num_hidden_layers
+    assert len(fused.fusion_report.attention) == layers and len(fused.fusion_report.mlp) == layers
+    calls = fused_calls(monkeypatch)
+    batch = prompt_batch(fused.tokenizer)
+    for params in (GREEDY, SAMPLED):
+        assert_same(fused.generate(batch, params), plain.generate(batch, params), atol=1e-5)
+    assert calls["quantized"] > 0 and calls["dense"] == 0
+    new = perturbed(plain.model, 0.05, seed=2)
+    new = {n: t for n, t in new.items() if "weight_scale" not in n}
+    fused.update_weights(new, version=1)  # requantize-on-sync lands in the fused buffers
+    plain.update_weights(new, version=1)
+    attn = fused.model.model.layers[0].self_attn
+    member = plain.model.model.layers[0].self_attn
+    assert torch.equal(attn._lumenrl_fused.linear.weight.float(),
+                       torch.cat([member.q_proj.weight, member.k_proj.weight, member.v_proj.weight]).float())
+    for params in (GREEDY, SAMPLED):
+        assert_same(fused.generate(batch, params), plain.generate(batch, params), atol=1e-5)
+
+
+def test_per_tensor_fp8_is_left_unfused(quant_dir):
+    fused = engine(quant_dir, quant_scheme="fp8_tensor")
+    assert fused.fusion_report.fused == 0
+    assert all("not row-aligned" in why for why in fused.fusion_report.skipped.values())
+    out = fused.generate(prompt_batch(fused.tokenizer), GREEDY)
+    assert out.batch["responses"].shape == (len(PROMPTS), GREEDY["max_new_tokens"])
+
+
+def test_block_fp8_with_unaligned_heads_is_left_unfused(tmp_path):
+    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.1, hidden_size=128,
+                            intermediate_size=256, head_dim=32, num_attention_heads=4, num_key_value_heads=2)
+    fused = engine(path, quant_scheme="fp8_block")
+    assert not fused.fusion_report.attention and len(fused.fusion_report.mlp) == 2  # k/v: 64 rows of 128-blocks
+
+
+def test_speculative_step_keeps_results_bit_identical(tmp_path):
+    """Rows stop at different steps (stop tokens, max_seq_len): the overlapped loop discards
+    over-generated tokens and rolls back steps whose shape changed; results equal the synchronous loop."""
+    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
+    sync = engine(path, overlap_sync=False)
+    overlap = engine(path)
+    batch = prompt_batch(sync.tokenizer)
+    probe = sync.generate(batch, {**SAMPLED, "max_new_tokens": 24})
+    tokens = probe.batch["responses"][:, 2:].flatten().tolist()
+    stops = sorted(set(tokens), key=tokens.count)[-3:]  # frequent tokens: rows finish at scattered steps
+    for params in (
+        {**SAMPLED, "max_new_tokens": 24, "stop_token_ids": stops},
+        {**GREEDY, "max_new_tokens": 24, "stop_token_ids": stops[:1]},
+        {**SAMPLED, "max_new_tokens": 40},  # hits max_seq_len=48 for the longer prompts
+    ):
+        a, b = overlap.generate(batch, params), sync.generate(batch, params)
+        assert_same(a, b, atol=0.0)
+        assert list(a.non_tensor_batch["finish_reason"]) == list(b.non_tensor_batch["finish_reason"])
+    assert overlap.speculation["launched"] > 0 and overlap.speculation["rolled_back"] > 0
+    assert sync.speculation["launched"] == 0
