@@ -9,12 +9,19 @@ Random-init Qwen3 shapes, full-length random prompts of ``--prompt`` tokens, ``-
 * roofline: bytes one decode step must read (every weight except the input embedding, plus the KV
   of every row at its mean context) over the measured copy bandwidth.
 
+``--fuse on,off`` measures every native mode with and without projection fusion (one q/k/v and
+one gate/up GEMM per layer, the engine default) side by side, ``--overlap on,off`` likewise the
+overlapped host sync (speculative next step); before timing, each fused model is checked on the GPU
+(``fusion_check``: fused vs unfused graph engine on 8 x 64-token prompts, log-probs of both vs a
+teacher-forced forward of the original unfused modules).
+
 ``--validate`` first checks correctness on the GPU (1.7B shape, bf16): native greedy tokens vs HF
 greedy tokens, native graph vs eager (identical tokens and log-probs), and the engine's log-probs
 vs a teacher-forced forward of the same model. ``--profile`` prints the top CUDA kernels of a few
 eager decode steps (where time goes without graphs).
 
     python benchmarks/gpu/bench_decode.py --models 8b --batches 64 --validate --profile
+    python benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes graph,full --fuse on,off --hf ''
 """
 
 from __future__ import annotations
@@ -84,17 +91,52 @@ def validate(shape: str) -> dict:
     return res
 
 
-def run_native(model, batch_size: int, args, mode: str) -> dict:
+def fusion_check(model) -> dict:
+    """Fused vs unfused graph engines (bf16, greedy + sampled) and both vs the unfused forward
+    (the unfused engine, built last, restores the model's original modules for the reference)."""
+    batch, new = C.prompt_batch(8, 64, seed=1), 32
+    res: dict = {}
+    outs = {}
+    for fuse in (True, False):  # the last engine built decides the model's state: unfused
+        engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=8, max_seq_len=96,
+                              fuse_projections=fuse)
+        sampled = {"temperature": 1.0, "max_new_tokens": new, "seed": 7, "ignore_eos": True}
+        outs[fuse] = (engine.generate(batch, {**GREEDY, "max_new_tokens": new}), engine.generate(batch, sampled))
+        res[f"{'fused' if fuse else 'unfused'}_groups"] = engine.fusion_report.fused if fuse else 0
+        res[f"{'fused' if fuse else 'unfused'}_graph_error"] = engine.graphs.error
+        del engine
+    for fuse in (False, True):
+        ref = teacher_forced_log_probs(model, outs[fuse][1])
+        diff = (ref - outs[fuse][1].batch["rollout_log_probs"]).abs()
+        name = "fused" if fuse else "unfused"
+        res[f"{name}_logprob_vs_forward_mean_absdiff"] = float(diff.mean())
+        res[f"{name}_logprob_vs_forward_max_absdiff"] = float(diff.max())
+    greedy_same = outs[True][0].batch["responses"] == outs[False][0].batch["responses"]
+    res["greedy_fused_vs_unfused_token_match"] = float(greedy_same.float().mean())
+    res["ok"] = bool(res["fused_groups"] > 0 and res["fused_logprob_vs_forward_mean_absdiff"]
+                     <= 2 * res["unfused_logprob_vs_forward_mean_absdiff"] + 0.01)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def run_native(model, batch_size: int, args, mode: str, fuse: bool = True, overlap: bool = True) -> dict:
+    if mode == "full":
+        torch._dynamo.reset()  # the model's modules change with ``fuse``: compile afresh, never reuse a variant
     engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=batch_size,
                           max_seq_len=args.prompt + args.new, cuda_graphs=mode != "eager",
-                          compile="full" if mode == "full" else "none")
+                          compile="full" if mode == "full" else "none", fuse_projections=fuse,
+                          overlap_sync=overlap)
     batch = C.prompt_batch(batch_size, args.prompt, seed=2)
     params = {**GREEDY, "max_new_tokens": args.new}
     _, warm_s = C.timed(lambda: engine.generate(batch, params))  # captures graphs / compiles
     out, total = C.timed(lambda: engine.generate(batch, params))
     perf = out.meta_info["perf"]
     decode_s = total - perf["prefill_seconds"]
-    row = {"engine": f"native-{mode}", "e2e_tok_s": batch_size * args.new / total,
+    label = f"native-{mode}" + ("" if fuse else "-unfused") + ("" if overlap else "-sync")
+    row = {"engine": label, "fuse": fuse, "overlap": overlap,
+           "fused_groups": engine.fusion_report.fused if engine.fusion_report else 0,
+           "speculation": dict(engine.speculation), "e2e_tok_s": batch_size * args.new / total,
            "decode_tok_s": batch_size * (args.new - 1) / decode_s, "prefill_s": perf["prefill_seconds"],
            "total_s": total, "warmup_s": warm_s, "graphs": len(engine.graphs.graphs),
            "graph_error": engine.graphs.error}
@@ -147,7 +189,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--modes", default="graph", help="native modes: eager, graph, full (torch.compile + graphs)")
-    ap.add_argument("--hf", default="dynamic,static", help="HF caches to compare ('' for none)")
+    ap.add_argument("--fuse", default="on", help="projection fusion variants of each native mode: on, off, on,off")
+    ap.add_argument("--overlap", default="on", help="overlapped host sync variants: on, off, on,off")
+    ap.add_argument("--hf", default="dynamic,static", help="HF caches to compare ('' or none: no HF)")
     ap.add_argument("--hf-batches", default="64", help="batches at which HF runs (it is slow)")
     ap.add_argument("--validate", action="store_true")
     ap.add_argument("--profile", action="store_true")
@@ -163,20 +207,39 @@ def main() -> None:
         C.write_json(args.out, result)
     rows, summary = [], {}
     hf_batches = {int(b) for b in args.hf_batches.split(",") if b}
+    switch = {"on": True, "off": False}
+    for name, value in (("--fuse", args.fuse), ("--overlap", args.overlap)):
+        if not value or any(v not in switch for v in value.split(",")):
+            raise SystemExit(f"{name}={value!r}: give on, off or on,off")
+    variants = [(switch[f], switch[o]) for f in args.fuse.split(",") for o in args.overlap.split(",")]
     for shape in args.models.split(","):
         model = C.random_model(shape)
+        if any(fuse for fuse, _ in variants):
+            try:
+                check = fusion_check(model)
+            except Exception as err:  # noqa: BLE001 - report and keep measuring the rest
+                check = {"ok": False, "error": f"{type(err).__name__}: {err}"[:300]}
+            result.setdefault("fusion_check", {})[shape] = check
+            print(f"fusion check {shape}:", check, flush=True)
+            if not check["ok"]:
+                print(f"ERROR fusion check failed for {shape}: fused numerics off (see fusion_check); timing anyway")
+            C.write_json(args.out, result)
         for batch_size in (int(b) for b in args.batches.split(",")):
             roof = C.decode_roofline(model, batch=batch_size, prompt_len=args.prompt, new_tokens=args.new,
                                      bandwidth_gbs=bandwidth)
             found = []
             for mode in args.modes.split(","):
-                try:
-                    found.append(run_native(model, batch_size, args, mode))
-                except Exception as err:  # noqa: BLE001 - report and keep measuring the rest
-                    found.append({"engine": f"native-{mode}", "error": f"{type(err).__name__}: {err}"[:300]})
-                torch.cuda.empty_cache()
+                for fuse, overlap in variants:
+                    try:
+                        found.append(run_native(model, batch_size, args, mode, fuse, overlap))
+                    except Exception as err:  # noqa: BLE001 - report and keep measuring the rest
+                        label = f"native-{mode}" + ("" if fuse else "-unfused") + ("" if overlap else "-sync")
+                        print(f"ERROR {shape} b{batch_size} {label}: {type(err).__name__}: {err}", flush=True)
+                        found.append({"engine": label, "error": f"{type(err).__name__}: {err}"[:300]})
+                    gc.collect()
+                    torch.cuda.empty_cache()
             if batch_size in hf_batches:
-                for cache in (c for c in args.hf.split(",") if c):
+                for cache in (c for c in args.hf.split(",") if c and c != "none"):
                     found.append(run_hf(model, batch_size, args, cache))
                     torch.cuda.empty_cache()
             hf_dyn = next((r["decode_tok_s"] for r in found if r["engine"] == "hf-dynamic"), None)
@@ -207,10 +270,21 @@ def main() -> None:
         if "x_hf_dynamic" in best:
             summary["decode_speedup_vs_hf_8b_b64"] = {"value": best["x_hf_dynamic"], "engine": best["engine"],
                                                       "command": result["command"]}
+    fused_gain = {}
+    for r in rows:
+        if r.get("fuse") is False and "decode_tok_s" in r:
+            twin = next((f for f in rows if f.get("fuse") is True and f["model"] == r["model"] and f["batch"] == r["batch"]
+                         and f["overlap"] == r["overlap"] and f["engine"].split("-")[1] == r["engine"].split("-")[1]
+                         and "decode_tok_s" in f), None)
+            if twin:
+                fused_gain[f"{r['model']}_b{r['batch']}_{twin['engine']}"] = twin["decode_tok_s"] / r["decode_tok_s"]
+    if fused_gain:
+        summary["decode_fused_over_unfused"] = fused_gain
     result["summary"] = summary
     C.write_json(args.out, result)
     print("\nsummary:", summary)
-    C.print_table(rows, ["model", "batch", "engine", "e2e_tok_s", "decode_tok_s", "roofline_frac", "x_hf_dynamic"])
+    C.print_table(rows, ["model", "batch", "engine", "e2e_tok_s", "decode_tok_s", "roofline_frac", "x_hf_dynamic",
+                         "warmup_s", "error"])
 
 
 if __name__ == "__main__":

@@ -196,3 +196,18 @@ def test_speculative_step_keeps_results_bit_identical(tmp_path):
         assert list(a.non_tensor_batch["finish_reason"]) == list(b.non_tensor_batch["finish_reason"])
     assert overlap.speculation["launched"] > 0 and overlap.speculation["rolled_back"] > 0
     assert sync.speculation["launched"] == 0
+
+
+def test_engines_sharing_a_model_apply_their_own_fusion_setting(tmp_path, monkeypatch):
+    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
+    model, tokenizer = load_model_and_tokenizer(str(path), dtype="float32")
+    fused = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=48)
+    again = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=48)  # already fused: kept, counted
+    assert again.fusion_report.fused == fused.fusion_report.fused == 4
+    calls = fused_calls(monkeypatch)
+    first = again.generate(prompt_batch(tokenizer), GREEDY)
+    assert calls["dense"] > 0
+    plain = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=48, fuse_projections=False)
+    calls["dense"] = 0
+    assert_same(plain.generate(prompt_batch(tokenizer), GREEDY), first)
+    assert calls["dense"] == 0 and type(model.model.layers[0].self_attn).forward is not fusion._attention_forward

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FusionReport", "fuse_projections", "ATTENTION_CLASSES", "MLP_CLASSES"]
+__all__ = ["FusionReport", "fuse_projections", "unfuse_projections", "ATTENTION_CLASSES", "MLP_CLASSES"]
 
 # class name -> how the HF forward passes ``sliding_window`` to the attention function:
 # None (not passed), "self" (self.sliding_window), "config" (getattr(config, "sliding_window", None))
@@ -259,8 +259,8 @@ def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = Tr
     report = FusionReport()
     for name, module in list(model.named_modules()):
         cls = type(module)
-        if cls in _SUBCLASSES.values():
-            report.skipped[name] = "already fused"
+        if cls in _SUBCLASSES.values():  # fused by an earlier engine on the same model: keep it
+            (report.attention if cls.forward is _attention_forward else report.mlp).append(name)
             continue
         if attention and cls.__name__ in ATTENTION_CLASSES:
             parts = [getattr(module, p, None) for p in ("q_proj", "k_proj", "v_proj")]
@@ -290,3 +290,19 @@ def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = Tr
             module.__class__ = _fused_class(cls, _mlp_forward)
             report.mlp.append(name)
     return report
+
+
+def unfuse_projections(model: nn.Module) -> int:
+    """Restore the original forwards of fused modules (the members stay views of the fused
+    storage, with the same values); returns how many modules were restored."""
+    originals = {fused: base for base, fused in _SUBCLASSES.items()}
+    count = 0
+    for module in model.modules():
+        base = originals.get(type(module))
+        if base is None:
+            continue
+        module.__class__ = base
+        for attr in (_FUSED_ATTR, "_lumenrl_family", "_lumenrl_window", "_lumenrl_cache_kwarg"):
+            module.__dict__.pop(attr, None)
+        count += 1
+    return count

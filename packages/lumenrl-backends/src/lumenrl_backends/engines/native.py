@@ -55,6 +55,7 @@ from torch import nn
 
 from lumenrl_backends.engines.attention import engine_attention
 from lumenrl_backends.engines.fusion import fuse_projections as fuse_model_projections
+from lumenrl_backends.engines.fusion import unfuse_projections
 from lumenrl_backends.engines.graphs import DecodeGraphs, kv_bytes_per_token, slots_for_budget
 from lumenrl_backends.engines.kv_cache import (
     CacheView,
@@ -161,6 +162,8 @@ class NativeEngine:
         self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
         # one q/k/v and one gate/up GEMM per layer; parameters become views of the fused storage
         self.fusion_report = fuse_model_projections(self.model) if fuse_projections else None
+        if not fuse_projections:
+            unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
         self.tokenizer = tokenizer
         kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.device)
         if gpu_memory_utilization is not None and self.device.type == "cuda":
