@@ -100,8 +100,8 @@ def _kernel():
     ):
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)  # int64: offsets may pass 2**31
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
         amax = tl.load(amax_ptr).to(tl.float32)

@@ -161,11 +161,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-def _gemm_tn(a, sa, b, sb, out_dtype: torch.dtype, fast: bool, bias=None) -> torch.Tensor:
-    """``(a * sa) @ (b * sb).T (+ bias)``, tensorwise scales, ``a`` and ``b`` row-major FP8."""
+def _gemm_tn(a, sa, b, sb, out_dtype: torch.dtype, fast: bool, bias=None, fast_accum=False) -> torch.Tensor:
+    """``(a * sa) @ (b * sb).T (+ bias)``, tensorwise scales, ``a`` and ``b`` row-major FP8.
+
+    ``fast_accum`` (forward only, as torchao.float8 does): Hopper's faster FP8 accumulation;
+    the gradient GEMMs keep cuBLAS's periodic promotion to float32."""
     if fast:  # cuBLASLt wants mat2 column-major: b.t() is exactly that view of row-major b
         b16 = None if bias is None else bias.to(torch.bfloat16)
-        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=b16, out_dtype=torch.bfloat16)
+        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=b16, out_dtype=torch.bfloat16,
+                               use_fast_accum=fast_accum)
         return out.to(out_dtype)
     out = (a.float() * sa) @ (b.float() * sb).t()  # the exact emulation (gemm.emulated_scaled_mm)
     if bias is not None:
@@ -188,7 +192,7 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
         ctx.save_for_backward(xqt, xs, w_qt, w_scale)
         ctx.m, ctx.grad_dtype, ctx.fast = m, grad_dtype, fast
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        out = _gemm_tn(xq, xs, w_q, w_scale, x.dtype, fast, bias)  # (Mp, N)
+        out = _gemm_tn(xq, xs, w_q, w_scale, x.dtype, fast, bias, fast_accum=True)  # (Mp, N)
         return out if out.shape[0] == m else out[:m]
 
     @staticmethod
