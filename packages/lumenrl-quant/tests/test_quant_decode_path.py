@@ -171,3 +171,35 @@ def test_rollout_scheme_selectable_and_lm_head_embeddings_stay_high_precision():
         get_quant_scheme("fp8_rows")
     with pytest.raises(ValueError, match="allowed"):
         quantize_model(AutoModelForCausalLM.from_config(cfg), "fp8_rows")
+
+
+EPILOGUE_SCRIPT = """
+import torch
+from lumenrl_quant.gemm import rowwise_epilogue, triton_rowwise_epilogue
+gen = torch.Generator().manual_seed(0)
+for m, n, bias in [(1, 48, False), (5, 300, True), (64, 512, False), (20, 256, True)]:
+    acc = torch.randn(m, n, generator=gen)
+    sa, sb = torch.rand(m, 1, generator=gen) + 0.1, torch.rand(n, 1, generator=gen) + 0.1
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    for dt in (torch.bfloat16, torch.float32):
+        t = triton_rowwise_epilogue(acc, sa, sb, b, dt)
+        r = rowwise_epilogue(acc.clone(), sa, sb, b, dt)
+        assert t.dtype == dt and t.shape == (m, n)
+        torch.testing.assert_close(t.float(), r.float(), rtol=2e-6 if dt == torch.float32 else 8e-3, atol=1e-6)
+    one = sa[:1].reshape(())
+    torch.testing.assert_close(triton_rowwise_epilogue(acc, one, sb, b, torch.float32),
+                               rowwise_epilogue(acc.clone(), one, sb, b, torch.float32), rtol=2e-6, atol=1e-6)
+print("ok")
+"""
+
+
+def test_triton_epilogue_matches_torch_under_interpreter():
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when the kernel is decorated: fresh process
+    out = subprocess.run([sys.executable, "-c", EPILOGUE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.stdout.strip().endswith("ok")

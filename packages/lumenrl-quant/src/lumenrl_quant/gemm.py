@@ -34,7 +34,8 @@ Paths (:func:`gemm_path` names the one that would run):
   BF16. Rowwise scales factor out of the sum (``out[m, n] = sa[m] sb[n] sum_k a_q b_q``), so this
   path runs the tensorwise GEMM with unit scales into float32 and applies ``sa * sb`` (+ bias)
   in an elementwise epilogue (which ``torch.compile`` fuses into the next op). Same math as the
-  rowwise kernel up to float32 rounding of the epilogue.
+  rowwise kernel up to float32 rounding of the epilogue. Eager (CUDA-graph mode) the epilogue
+  is one small Triton kernel (``acc * sa * sb (+ bias)`` -> ``out_dtype``) when Triton is there.
 * ``emulated``: dequantize both operands to float32, matmul in float32, add bias, cast. This is
   the exact reference (float32 accumulation), used on CPU and wherever no fast path exists.
 
@@ -259,18 +260,80 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
 
 
+_EPILOGUE_KERNEL: list = []  # the Triton epilogue kernel, defined on first use (triton is imported lazily)
+
+
+def _epilogue_kernel():
+    """The ``acc * sa * sb (+ bias) -> out`` Triton kernel, or None without triton."""
+    if _EPILOGUE_KERNEL:
+        return _EPILOGUE_KERNEL[0]
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # pragma: no cover - exercised where triton is absent
+        _EPILOGUE_KERNEL.append(None)
+        return None
+
+    @triton.jit
+    def row_epilogue_kernel(acc_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, stride_acc, stride_out,
+                            stride_sa, stride_sb, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mm, nm = offs_m < M, offs_n < N
+        mask = mm[:, None] & nm[None, :]
+        acc = tl.load(acc_ptr + offs_m[:, None] * stride_acc + offs_n[None, :], mask=mask, other=0.0)
+        sa = tl.load(sa_ptr + offs_m * stride_sa, mask=mm, other=0.0)
+        sb = tl.load(sb_ptr + offs_n * stride_sb, mask=nm, other=0.0)
+        out = (acc * sa[:, None]) * sb[None, :]
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n, mask=nm, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+    _EPILOGUE_KERNEL.append(row_epilogue_kernel)
+    return row_epilogue_kernel
+
+
+def triton_rowwise_epilogue(
+    acc: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`rowwise_epilogue` as one Triton kernel (float32 ``acc`` (M, N), scales (M|1) and (N|1))."""
+    kernel = _epilogue_kernel()
+    if kernel is None:
+        raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
+    m, n = acc.shape
+    acc = acc if acc.stride(1) == 1 else acc.contiguous()
+    sa, sb = a_scale.float().reshape(-1), b_scale.float().reshape(-1)
+    if sa.numel() not in (1, m) or sb.numel() not in (1, n):
+        raise ValueError(f"scales of {sa.numel()} and {sb.numel()} elements do not fit acc {tuple(acc.shape)}; "
+                         f"allowed: 1 or {m} for a_scale, 1 or {n} for b_scale")
+    out = torch.empty((m, n), dtype=out_dtype, device=acc.device)
+    block_m, block_n = min(16, 1 << max(0, (m - 1).bit_length())), 256
+    kernel[(_cdiv(m, block_m), _cdiv(n, block_n))](
+        acc, sa, sb, bias if bias is not None else sa, out, m, n, acc.stride(0), out.stride(0),
+        0 if sa.numel() == 1 else sa.stride(0), 0 if sb.numel() == 1 else sb.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+    )
+    return out
+
+
 def rowwise_epilogue(
     acc: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``(acc * a_scale[:, None] * b_scale[None, :] + bias).to(out_dtype)`` for a float32 ``acc`` (M, N).
 
     Plain torch ops (inductor fuses them into one kernel, usually with the following op); eager
-    it runs as two kernels, the second writing ``out_dtype`` directly.
+    it runs as one Triton kernel on CUDA (:func:`triton_rowwise_epilogue`), else as two torch
+    kernels, the second writing ``out_dtype`` directly.
     """
-    sa, sb = a_scale.float().reshape(-1, 1), b_scale.float().reshape(1, -1)
     if torch.compiler.is_compiling() or acc.requires_grad:
+        sa, sb = a_scale.float().reshape(-1, 1), b_scale.float().reshape(1, -1)
         out = acc * sa * sb
         return (out if bias is None else out + bias.float()).to(out_dtype)
+    if acc.is_cuda and _epilogue_kernel() is not None and (bias is None or bias.is_contiguous()):
+        return triton_rowwise_epilogue(acc, a_scale, b_scale, bias, out_dtype)
+    sa, sb = a_scale.float().reshape(-1, 1), b_scale.float().reshape(1, -1)
     acc = acc.mul_(sa)
     if bias is not None:
         acc = torch.addcmul(bias.float(), acc, sb, out=acc)
