@@ -159,6 +159,9 @@ def _fuse_quantized(linears: list[nn.Module]) -> _FusedQuantized | str:
         if m.bias is not None:
             _view_parameter(m, "bias", fused.bias[start : start + size], m.bias)
         start, scale_start = start + size, scale_start + scale_size
+    for module in (fused, *linears):  # GEMM paths chosen from the (new) buffers, where the layer has them
+        if hasattr(module, "_select_paths"):
+            module._select_paths()
     return _FusedQuantized(fused, sizes)
 
 
