@@ -10,6 +10,14 @@ policy-gradient loss) on random-initialized Qwen3 shapes:
   / step time / 989e12 (the issue's convention; params = unique parameters, 1.72e9).
   Variants: eager, ``compile_layers`` (torch.compile per decoder layer), activation
   checkpointing, FP8 training (lumenrl-quant, all decoder linears; LM head stays bf16).
+  ``+single``: the one-rank fast path (``single_device="on"``: no fully_shard, bf16 module
+  weights, fp32 master weights and gradients in flat buffers, foreach accumulate/clip, fused
+  AdamW); the variants without it pin ``single_device="off"`` (fully_shard on one rank), so both
+  are measured side by side. ``+16x1024``: 16 rows per optimizer step in 2 micro-batches of 8
+  (twice the tokens per optimizer step; the optimizer cost is amortized over them).
+  Before timing any ``+single`` variant, :func:`check_single_vs_sharded` runs one step of both
+  paths on a small Qwen3 on the GPU and requires equal losses, grad norms and master updates
+  (within bf16 tolerance); its result is in the JSON (``numerics_check``).
 * ``1.7b-ragged``: the same model on an RL-shaped batch (random prompt 16..256 and response
   32..768 tokens in a 8 x 1024 grid): packing ``auto`` vs ``none``; tokens/s counts valid tokens.
 * ``8b-layers``: Qwen3-8B linear shapes (hidden 4096, intermediate 12288, 32/8 heads) with 4
@@ -52,19 +60,26 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied
 }
 
 # name: (shape, batch kind, backend kwargs, fp8 recipe or None, activation checkpointing)
+# backend kwargs may also hold "rows" (per optimizer step) and "micro" (rows per micro-batch)
+OFF, ON = {"single_device": "off"}, {"single_device": "on"}
+COMPILE = {"compile_layers": True}
 VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
-    "1.7b/bf16": ("1.7b", "full", {}, None, False),
-    "1.7b/bf16+ac": ("1.7b", "full", {}, None, True),
-    "1.7b/fp8-tensorwise": ("1.7b", "full", {}, "tensorwise", False),
-    "1.7b-ragged/packed": ("1.7b", "ragged", {"packing": "auto"}, None, False),
-    "1.7b-ragged/padded": ("1.7b", "ragged", {"packing": "none"}, None, False),
-    "8b-layers/bf16": ("8b-layers", "full", {}, None, False),
-    "8b-layers/fp8-tensorwise": ("8b-layers", "full", {}, "tensorwise", False),
-    "8b-layers/fp8-blockwise": ("8b-layers", "full", {}, "blockwise", False),
+    "1.7b/bf16": ("1.7b", "full", {**OFF}, None, False),
+    "1.7b/bf16+single": ("1.7b", "full", {**ON}, None, False),
+    "1.7b/bf16+ac": ("1.7b", "full", {**OFF}, None, True),
+    "1.7b/fp8-tensorwise": ("1.7b", "full", {**OFF}, "tensorwise", False),
+    "1.7b-ragged/packed": ("1.7b", "ragged", {"packing": "auto", **OFF}, None, False),
+    "1.7b-ragged/padded": ("1.7b", "ragged", {"packing": "none", **OFF}, None, False),
+    "8b-layers/bf16": ("8b-layers", "full", {**OFF}, None, False),
+    "8b-layers/fp8-tensorwise": ("8b-layers", "full", {**OFF}, "tensorwise", False),
+    "8b-layers/fp8-blockwise": ("8b-layers", "full", {**OFF}, "blockwise", False),
     # torch.compile variants last: their first step compiles (time reported as first_step_s)
-    "1.7b/bf16+compile": ("1.7b", "full", {"compile_layers": True}, None, False),
-    "8b-layers/bf16+compile": ("8b-layers", "full", {"compile_layers": True}, None, False),
-    "8b-layers/fp8-tensorwise+compile": ("8b-layers", "full", {"compile_layers": True}, "tensorwise", False),
+    "1.7b/bf16+compile": ("1.7b", "full", {**COMPILE, **OFF}, None, False),
+    "1.7b/bf16+compile+single": ("1.7b", "full", {**COMPILE, **ON}, None, False),
+    "1.7b/bf16+compile+single+16x1024": ("1.7b", "full", {**COMPILE, **ON, "rows": 16, "micro": 8}, None, False),
+    "1.7b-ragged/packed+compile+single": ("1.7b", "ragged", {"packing": "auto", **COMPILE, **ON}, None, False),
+    "8b-layers/bf16+compile": ("8b-layers", "full", {**COMPILE, **OFF}, None, False),
+    "8b-layers/fp8-tensorwise+compile": ("8b-layers", "full", {**COMPILE, **OFF}, "tensorwise", False),
 }
 
 
@@ -129,13 +144,16 @@ def run_variant(
     name: str, steps: int, warmup: int, device: torch.device, rows: int, seq: int, profile: bool = False
 ) -> dict[str, Any]:
     shape, kind, kwargs, recipe, ac = VARIANTS[name]
+    kwargs = dict(kwargs)
+    rows = kwargs.pop("rows", rows)
+    micro = kwargs.pop("micro", rows)
     model = build_model(shape, device)
     params = sum(p.numel() for p in model.parameters())  # unique (tied counted once)
     vocab = model.config.vocab_size
     fp8 = TrainingQuantConfig(precision="fp8", recipe=recipe) if recipe else None
     backend = FSDP2Backend(
         model, role="actor", optim=OptimConfig(lr=1e-6, grad_clip=1.0),
-        train=PolicyTrainConfig(micro_batch_size=rows, gradient_checkpointing=ac),
+        train=PolicyTrainConfig(micro_batch_size=micro, gradient_checkpointing=ac),
         num_training_steps=100, device=device, fp8=fp8, **kwargs,
     )
     batch = make_batch(kind, vocab, rows, seq, device)
@@ -158,7 +176,8 @@ def run_variant(
     if profile and device.type == "cuda":
         profile_step(name, backend, batch)
     out = {
-        "variant": name, "shape": shape, "params": params, "tokens": tokens, "step_s": step,
+        "variant": name, "shape": shape, "params": params, "tokens": tokens, "rows": rows, "micro": micro,
+        "single_device": backend.single is not None, "step_s": step,
         "step_s_min": min(times), "step_s_max": max(times), "first_step_s": first,
         "tokens_per_s": tokens / step, "tflops_6n": 6 * params * tokens / step / 1e12,
         "mfu": 6 * params * tokens / step / PEAK_FLOPS, "loss": metrics["actor/loss"],
@@ -170,6 +189,50 @@ def run_variant(
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return out
+
+
+def check_single_vs_sharded(device: torch.device) -> dict[str, Any]:
+    """One train_step of the single-device path vs fully_shard from the same weights (small Qwen3).
+
+    Raises if loss, grad norm or the fp32 master update differ beyond bf16 tolerance.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=2048, tie_word_embeddings=True,
+        max_position_embeddings=1024, attn_implementation="sdpa",
+    )
+    batch = make_batch("ragged", cfg.vocab_size, 4, 256, device)
+    runs = {}
+    for mode in ("off", "on"):
+        torch.manual_seed(0)
+        with device:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        backend = FSDP2Backend(
+            model, role="actor", optim=OptimConfig(lr=1e-3, grad_clip=1.0),
+            train=PolicyTrainConfig(micro_batch_size=2), num_training_steps=10, device=device, single_device=mode,
+        )
+        before = {k: v.clone() for k, v in backend.named_weights()}
+        metrics = backend.train_step(batch, pg_loss)
+        delta = {k: v - before[k] for k, v in backend.named_weights()}
+        runs[mode] = (metrics, delta)
+    (m_off, d_off), (m_on, d_on) = runs["off"], runs["on"]
+    worst = max(float((d_on[k] - d_off[k]).norm() / (d_off[k].norm() + 1e-12)) for k in d_off)
+    out = {
+        "loss": [m_off["actor/loss"], m_on["actor/loss"]],
+        "grad_norm": [m_off["actor/grad_norm"], m_on["actor/grad_norm"]],
+        "worst_update_rel_diff": worst,
+    }
+    ok = (
+        abs(m_on["actor/loss"] - m_off["actor/loss"]) <= 1e-3 * abs(m_off["actor/loss"]) + 1e-5
+        and abs(m_on["actor/grad_norm"] - m_off["actor/grad_norm"]) <= 1e-2 * m_off["actor/grad_norm"]
+        and worst < 0.05  # Adam's first update is ~lr*sign(g): only near-zero gradients may flip
+    )
+    print(f"numerics check single_device on vs off: {'OK' if ok else 'MISMATCH'} {out}", flush=True)
+    if not ok:
+        raise AssertionError(f"single-device path disagrees with fully_shard: {out}")
     return out
 
 
@@ -200,6 +263,12 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     if best_17:
         summary["train_mfu_1p7b"] = {"value": round(best_17["mfu"], 4), "variant": best_17["variant"],
                                      "tokens_per_s": round(best_17["tokens_per_s"]), "command": cmd}
+    for mode in ("", "+compile"):
+        sharded, single = by.get(f"1.7b/bf16{mode}"), by.get(f"1.7b/bf16{mode}+single")
+        if sharded and single:
+            summary[f"single_device_speedup_1p7b{mode.replace('+', '_')}"] = {
+                "value": round(sharded["step_s"] / single["step_s"], 3),
+                "mfu": [round(sharded["mfu"], 4), round(single["mfu"], 4)], "command": cmd}
     ratios = {}
     for mode in ("", "+compile"):
         base = by.get(f"8b-layers/bf16{mode}")
@@ -240,6 +309,12 @@ def main() -> None:
         env["bf16_matmul_tflops_8192"] = round(matmul_tflops(), 1)
     results: list[dict[str, Any]] = []
     start = time.perf_counter()
+    if any("+single" in v for v in args.variants.split(",")):
+        try:
+            env["numerics_check"] = check_single_vs_sharded(device)
+        except Exception as exc:  # reported; the timings still run (and say the check failed)
+            traceback.print_exc()
+            env["numerics_check"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     for name in args.variants.split(","):
         if time.perf_counter() - start > args.budget_s:
             results.append({"variant": name, "skipped": "time budget"})
@@ -262,7 +337,7 @@ def main() -> None:
     print(f"wrote {path}")
     print_table(
         [{**r, "err": (r.get("error") or r.get("skipped") or "")[:40]} for r in results],
-        ["variant", "tokens_per_s", "mfu", "step_s", "first_step_s", "peak_mem_gib", "err"],
+        ["variant", "rows", "micro", "tokens_per_s", "mfu", "step_s", "first_step_s", "peak_mem_gib", "err"],
     )
     for k, v in payload["summary"].items():
         print(k, v)

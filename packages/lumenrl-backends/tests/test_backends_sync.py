@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lumenrl_async import FilesystemWeightSync
 from lumenrl_backends.engines import NativeEngine
 from lumenrl_backends.sync import apply_latest_snapshot, publish_snapshot, sync_to_engine, trainer_weights
+from lumenrl_backends.sync.inprocess import full_view
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_core.config.schema import PolicyTrainConfig
 from lumenrl_quant import QuantizedLinear
@@ -50,7 +51,7 @@ def trainer():
 
 
 def trainer_state(trainer) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach() for n, p in trainer.model.named_parameters()}
+    return {n: full_view(p) for n, p in trainer.model.named_parameters()}  # DTensor or plain tensor
 
 
 def test_trainer_weights_streams_every_tensor_once_in_order(trainer):

@@ -49,7 +49,6 @@ from lumenrl_backends.training.batching import (
 from lumenrl_backends.training.modeling import (
     CriticModel,
     compile_decoder_layers,
-    decoder_layers,
     enable_activation_checkpointing,
     response_logits,
     token_log_probs,
@@ -62,20 +61,22 @@ from lumenrl_backends.training.packing import (
     plan_micro_batch,
     unpack_tokens,
 )
+from lumenrl_backends.training.precision import (
+    apply_fp8,
+    compute_dtype,
+    fp8_api,
+    fully_shard_available,
+    mixed_precision,
+    shard,
+    write_hf,
+)
 from lumenrl_backends.training.schedules import LRSchedule, build_lr_scheduler
+from lumenrl_backends.training.single_device import SingleDeviceWeights, check_single_device_mode
 
 __all__ = ["FSDP2Backend", "optimizer_steps_per_training_step"]
 
 ROLES = ("actor", "ref", "critic")
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
-
-
-def _fully_shard_available() -> str | None:
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError as exc:
-        return f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (FSDP2): {exc}"
-    return None
 
 
 def optimizer_steps_per_training_step(cfg: Any) -> int:
@@ -86,80 +87,29 @@ def optimizer_steps_per_training_step(cfg: Any) -> int:
     return train.ppo_epochs * math.ceil(rows / mini)
 
 
-def _mixed_precision(mode: str, device: torch.device):
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if mode not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"policy.train.mixed_precision={mode!r} is not allowed; allowed: auto, bf16, fp32")
-    if device.type != "cuda" or mode == "fp32":
-        return None
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-_HIGH_PRECISION_HEADS = ("lm_head", "value_head")  # kept out of FP8: log-probs/values stay accurate
-
-
-def _fp8_api():
-    """``(convert_to_fp8_training, attach_weight_cache_invalidation)`` from lumenrl-quant, lazily."""
-    try:
-        from lumenrl_quant.training import attach_weight_cache_invalidation, convert_to_fp8_training
-    except ImportError as exc:
-        raise RuntimeError(
-            "quantization.training.precision='fp8' needs lumenrl_quant.convert_to_fp8_training, "
-            f"which the installed lumenrl-quant does not provide ({exc}); use precision 'bf16' or upgrade it"
-        ) from exc
-    return convert_to_fp8_training, attach_weight_cache_invalidation
-
-
-def _apply_fp8(model: nn.Module, fp8: Any) -> Any | None:
-    """Swap eligible linears (not the heads) for FP8 training linears; returns the quant report."""
-    if fp8 is None or fp8.precision in ("bf16", "fp32"):
-        return None
-    if fp8.precision != "fp8":
-        raise ValueError(
-            f"quantization.training.precision={fp8.precision!r} is not supported by the fsdp2 backend; "
-            "allowed: bf16, fp32, fp8"
-        )
-    convert, _ = _fp8_api()
-    report = convert(
-        model,
-        recipe=fp8.recipe,
-        fp8_format=fp8.fp8_format,
-        weight_cache=fp8.weight_cache,
-        module_filter=lambda fqn, _module: fqn.rpartition(".")[2] not in _HIGH_PRECISION_HEADS,
-    )
-    if not report.converted:
-        raise ValueError(
-            f"quantization.training.precision='fp8' (recipe={fp8.recipe!r}) converted no layer of "
-            f"{type(model).__name__}: {report}"
-        )
-    return report
-
-
-def _shard(model: nn.Module, mp_policy) -> nn.Module:
-    """``fully_shard`` per decoder layer, then the root.
-
-    On one rank nothing is saved by freeing the unsharded (bf16) parameters after forward, and
-    the backward would have to gather (cast-copy) them again: keep them (``reshard_after_forward``
-    only with several ranks).
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    kwargs: dict = {"reshard_after_forward": dist_utils.world_size() > 1}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _as_float(value: Any) -> float:
     return float(value.detach().float().item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _as_floats(collected: Mapping[str, list]) -> dict[str, list[float]]:
+    """Every (scalar) tensor entry as a float: one device->host copy per device, not one per value."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for values in collected.values():
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                by_device[v.device].append(v)
+    host: dict[int, float] = {}
+    for tensors in by_device.values():
+        stacked = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors])
+        host.update(zip(map(id, tensors), stacked.tolist()))
+    return {k: [host[id(v)] if isinstance(v, torch.Tensor) else float(v) for v in vs] for k, vs in collected.items()}
+
+
+_UNPLANNED = object()  # _forward plans the micro-batch layout itself
 
 
 class FSDP2Backend:
@@ -169,7 +119,7 @@ class FSDP2Backend:
 
     @classmethod
     def probe(cls) -> str | None:
-        return _fully_shard_available()
+        return fully_shard_available()
 
     def __init__(
         self,
@@ -185,6 +135,7 @@ class FSDP2Backend:
         optimizer_steps_per_training_step: int = 1,
         packing: str | None = None,
         compile_layers: bool | str | None = None,
+        single_device: str | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -197,11 +148,16 @@ class FSDP2Backend:
         if self.is_critic and not isinstance(model, CriticModel):
             model = CriticModel(model)
         self.hf_config = model.config
-        self.fp8_report = _apply_fp8(model, fp8)
+        self.fp8_report = apply_fp8(model, fp8)
         if train.gradient_checkpointing and role != "ref":
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
-        self.model = _shard(model, _mixed_precision(train.mixed_precision, self.device))
+        self.single: SingleDeviceWeights | None = None  # the one-rank fast path (single_device.py)
+        if self._use_single_device(single_device if single_device is not None else train.single_device):
+            self.single = SingleDeviceWeights(model, compute_dtype(train.mixed_precision, self.device))
+            self.model = model
+        else:
+            self.model = shard(model, mixed_precision(train.mixed_precision, self.device))
         self.packing = check_packing_mode(packing if packing is not None else train.packing)
         self._pack_align = 64 if self.device.type == "cuda" else 8
         self._logprob_backend = None  # torch.compile backend of the fused log-prob kernels
@@ -247,10 +203,25 @@ class FSDP2Backend:
             optimizer_steps_per_training_step=optimizer_steps_per_training_step(cfg),
         )
 
+    def _use_single_device(self, mode: str) -> bool:
+        """``auto``: one rank and no FP8 linears; ``on`` insists; ``off``: always ``fully_shard``."""
+        check_single_device_mode(mode)
+        if mode == "off":
+            return False
+        problem = None
+        if self.world_size > 1:
+            problem = f"this process group has {self.world_size} ranks"
+        elif self.fp8_report is not None:
+            problem = "FP8 training linears (quantization.training.precision='fp8') need the fully_shard path"
+        if problem is not None and mode == "on":
+            raise ValueError(f"policy.train.single_device='on' needs one rank and no FP8 training: {problem}")
+        return problem is None
+
     def _build_optimizer(self, lr: float) -> torch.optim.Optimizer:
         o = self.optim_cfg
+        params = self.single.trainable if self.single is not None else self.model.parameters()
         optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
+            [p for p in params if p.requires_grad],
             lr=lr,
             betas=tuple(o.betas),
             eps=o.eps,
@@ -258,7 +229,7 @@ class FSDP2Backend:
             fused=self.device.type == "cuda",
         )
         if self.fp8_report is not None and self.fp8_report.config.weight_cache:
-            _fp8_api()[1](optimizer, self.model)  # cached FP8 weights go stale at every step
+            fp8_api()[1](optimizer, self.model)  # cached FP8 weights go stale at every step
         return optimizer
 
     @property
@@ -283,22 +254,34 @@ class FSDP2Backend:
             out["position_ids"] = position_ids_from_mask(out["attention_mask"])
         return out
 
-    def _forward(self, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool):
+    def _plan(self, attention_mask: torch.Tensor, resp_len: int, position_ids: torch.Tensor | None):
+        plan = plan_micro_batch(
+            attention_mask, resp_len, position_ids=position_ids, mode=self.packing, align=self._pack_align
+        )
+        return plan.to(self.device) if isinstance(plan, PackPlan) else plan
+
+    def _plans(self, local: Any, micro: int) -> list[Any]:
+        """Layouts of ``local``'s micro-batches of ``micro`` rows, planned up front from one host
+        copy of the masks (no device sync between micro-batches)."""
+        rows, T = local.batch["responses"].shape
+        if self.packing == "none":
+            return [None] * -(-rows // micro)
+        masks = local.batch["attention_mask"].cpu().split(micro)
+        pos = local.batch.get("position_ids")
+        positions = pos.cpu().split(micro) if pos is not None else [None] * len(masks)
+        return [self._plan(m, T, p) for m, p in zip(masks, positions)]
+
+    def _forward(self, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool, plan=_UNPLANNED):
         """Actor/ref: (log_probs, entropy) (b, T); critic: (values, None) (b, T).
 
         Runs packed, trimmed or padded (see the module docstring); positions whose response
         token is padding hold 0 in the packed/trimmed layouts.
         """
         T = inputs["responses"].shape[1]
-        plan = plan_micro_batch(
-            inputs["attention_mask"],
-            T,
-            position_ids=inputs.get("position_ids"),
-            mode=self.packing,
-            align=self._pack_align,
-        )
+        if plan is _UNPLANNED:
+            plan = self._plan(inputs["attention_mask"], T, inputs.get("position_ids"))
         if isinstance(plan, PackPlan):
-            return self._forward_packed(plan.to(self.device), inputs, temperature, with_entropy)
+            return self._forward_packed(plan, inputs, temperature, with_entropy)
         if isinstance(plan, TrimPlan):
             cols = slice(plan.lo, plan.hi)
             sliced = {k: inputs[k][:, cols] for k in ("input_ids", "attention_mask", "position_ids")}
@@ -428,21 +411,21 @@ class FSDP2Backend:
         for _ in range(self.train_cfg.ppo_epochs):
             for local in minis:
                 self._optimizer_step(local, mini_rows, loss_fn, collected)
-        lr = collected.pop(f"{self.prefix}/lr")[-1]
         local_loss = collected.pop(f"{self.prefix}/loss")  # this rank's share of each mini-batch loss
+        collected = _as_floats(collected)  # the step's only device->host copy of metrics
         metrics = dist_utils.all_reduce_mean_dict(
-            {k: sum(v) / len(v) for k, v in collected.items()}, self.device
+            {k: sum(v) / len(v) for k, v in collected.items() if k != f"{self.prefix}/lr"}, self.device
         )
         metrics[f"{self.prefix}/loss"] = dist_utils.all_reduce_sum(
             sum(local_loss) / len(local_loss), self.device
         )
-        metrics[f"{self.prefix}/lr"] = lr
+        metrics[f"{self.prefix}/lr"] = collected[f"{self.prefix}/lr"][-1]
         return metrics
 
-    def _micro_outputs(self, micro: Any) -> dict[str, torch.Tensor]:
+    def _micro_outputs(self, micro: Any, plan: Any = _UNPLANNED) -> dict[str, torch.Tensor]:
         inputs = self._inputs(micro)
         temperature = float(micro.meta_info.get("temperature", 1.0))
-        first, second = self._forward(inputs, temperature, with_entropy=not self.is_critic)
+        first, second = self._forward(inputs, temperature, with_entropy=not self.is_critic, plan=plan)
         return {"values": first} if self.is_critic else {"log_probs": first, "entropy": second}
 
     def _optimizer_step(
@@ -458,26 +441,44 @@ class FSDP2Backend:
             mini_batch_seqs=mini_rows,
             dp_size=self.world_size,
         )
-        self.optimizer.zero_grad(set_to_none=True)
-        micros = split_rows(local, max(self.train_cfg.micro_batch_size, 1))
-        mini_loss = 0.0
-        for i, micro in enumerate(micros):
-            self.model.set_requires_gradient_sync(i == len(micros) - 1)
-            loss, micro_metrics = loss_fn(self._micro_outputs(micro), micro)
-            (loss * self.world_size).backward()
-            mini_loss += _as_float(loss)
+        self._zero_grad(self.optimizer)
+        size = max(self.train_cfg.micro_batch_size, 1)
+        micros = split_rows(local, size)
+        mini_loss = 0.0  # tensors stay on the device until train_step's one host copy
+        for i, (micro, plan) in enumerate(zip(micros, self._plans(local, size))):
+            self._grad_sync(i == len(micros) - 1)
+            loss, micro_metrics = loss_fn(self._micro_outputs(micro, plan), micro)
+            self._backward(loss)
+            mini_loss = mini_loss + loss.detach()
             for k, v in micro_metrics.items():
-                collected[k].append(_as_float(v))
+                collected[k].append(v.detach() if isinstance(v, torch.Tensor) else float(v))
         collected[f"{self.prefix}/loss"].append(mini_loss)
         self._clip_and_step(self.optimizer, self.scheduler, collected, self.prefix)
 
+    def _zero_grad(self, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        if self.single is not None:
+            self.single.zero_grad()
+
+    def _grad_sync(self, enabled: bool) -> None:
+        if self.single is None:  # FSDP2: reduce-scatter only after the last micro-batch
+            self.model.set_requires_gradient_sync(enabled)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss * self.world_size).backward()
+        if self.single is not None:  # bf16 module grads -> fp32 master grads (two foreach launches)
+            self.single.accumulate_grads()
+
     def _clip_and_step(self, optimizer, scheduler, collected: dict[str, list[float]], prefix: str) -> None:
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = _as_float(_full(torch.nn.utils.clip_grad_norm_(params, clip)))
+        source = self.single.masters if self.single is not None else self.model.parameters()
+        params = [p for p in source if p.grad is not None]
+        grad_norm = _as_float(_full(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)))
         collected[f"{prefix}/grad_norm"].append(grad_norm)
         if math.isfinite(grad_norm):
             optimizer.step()
+            if self.single is not None:
+                self.single.copy_back()
         else:  # every rank sees the same (all-reduced) norm, so all skip together
             collected[f"{prefix}/skipped_steps"].append(1.0)
         collected[f"{prefix}/lr"].append(float(optimizer.param_groups[0]["lr"]))
@@ -509,18 +510,18 @@ class FSDP2Backend:
         local = {k: v[lo:hi].to(self.device) for k, v in tensors.items()}
         n_tokens = dist_utils.all_reduce_sum(float((local["labels"][:, 1:] != -100).sum()), self.device)
         collected: dict[str, list[float]] = defaultdict(list)
-        self._sft_optimizer.zero_grad(set_to_none=True)
+        self._zero_grad(self._sft_optimizer)
         micro = max(self.train_cfg.micro_batch_size, 1)
         starts = list(range(0, hi - lo, micro))
         total_loss = 0.0
         for i, s in enumerate(starts):
-            self.model.set_requires_gradient_sync(i == len(starts) - 1)
+            self._grad_sync(i == len(starts) - 1)
             loss = self._sft_loss({k: v[s : s + micro] for k, v in local.items()}) / max(n_tokens, 1.0)
-            (loss * self.world_size).backward()
-            total_loss += _as_float(loss)
+            self._backward(loss)
+            total_loss += loss.detach()
         self._clip_and_step(self._sft_optimizer, None, collected, "sft")
         return {
-            "sft/loss": dist_utils.all_reduce_sum(total_loss, self.device),
+            "sft/loss": dist_utils.all_reduce_sum(_as_float(total_loss), self.device),
             "sft/grad_norm": collected["sft/grad_norm"][0],
             "sft/lr": collected["sft/lr"][0],
             "sft/tokens": n_tokens,
@@ -543,9 +544,15 @@ class FSDP2Backend:
 
     # ----------------------------------------------------------------- weights and export
 
+    @property
+    def weights_module(self) -> nn.Module:
+        """The module whose state dict holds the fp32 master weights under HF names (checkpoints,
+        export): the sharded model, or the single-device path's master mirror."""
+        return self.single.master_module if self.single is not None else self.model
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) tensors with HF names, one at a time. Collective under torchrun."""
-        for name, tensor in self.model.state_dict().items():
+        """Full (unsharded) fp32 master tensors with HF names, one at a time. Collective under torchrun."""
+        for name, tensor in self.weights_module.state_dict().items():
             yield name, _full(tensor).detach()
 
     def state_dict_for_export(self) -> dict[str, torch.Tensor]:
@@ -553,7 +560,7 @@ class FSDP2Backend:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            self.weights_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
 
     def save_hf(self, path: str, tokenizer: Any = None) -> None:
@@ -563,7 +570,7 @@ class FSDP2Backend:
         """
         state = self.state_dict_for_export()
         if dist_utils.rank() == 0:
-            _write_hf(self.model, state, path, critic=self.is_critic)
+            write_hf(self.model, state, path, critic=self.is_critic)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
         dist_utils.barrier()
@@ -573,23 +580,14 @@ class FSDP2Backend:
     def save_checkpoint(self, path: str, *, extra: Mapping[str, Any] | None = None) -> None:
         """Model, optimizer, scheduler and RNG states (+ caller JSON ``extra``), written atomically."""
         ckpt.save_training_state(
-            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, extra=extra
+            path, model=self.weights_module, optimizer=self.optimizer, scheduler=self.scheduler, extra=extra
         )
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore what :meth:`save_checkpoint` wrote; returns its ``extra`` dict."""
-        return ckpt.load_training_state(
-            path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+        extra = ckpt.load_training_state(
+            path, model=self.weights_module, optimizer=self.optimizer, scheduler=self.scheduler
         )
-
-
-def _write_hf(model: nn.Module, state: dict[str, torch.Tensor], path: str, *, critic: bool) -> None:
-    if not critic:
-        model.save_pretrained(path, state_dict=state)
-        return
-    from safetensors.torch import save_file
-
-    backbone = {k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}
-    model.model.save_pretrained(path, state_dict=backbone)
-    head = {k: v.contiguous() for k, v in state.items() if k.startswith("value_head.")}
-    save_file(head, f"{path}/value_head.safetensors")
+        if self.single is not None:  # restored fp32 master -> compute weights
+            self.single.copy_back()
+        return extra

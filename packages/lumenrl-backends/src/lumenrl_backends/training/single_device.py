@@ -1,0 +1,151 @@
+"""One-rank fast path of the FSDP2 backend: compute weights in the module, fp32 master weights aside.
+
+On one rank ``fully_shard`` only costs: every step it casts the fp32 shards to bf16 (one copy
+per parameter), copies gradients between its flat buffers and the parameters, and runs Python
+hooks around every layer. :class:`SingleDeviceWeights` holds the same state without it:
+
+* **compute weights**: the module's own parameters, in the compute dtype (bf16 on CUDA with
+  ``mixed_precision`` auto/bf16, else fp32), as views of one flat buffer (``compute_flat``);
+* **master weights**: fp32 ``nn.Parameter`` views of one flat buffer (``master_flat``), one per
+  module parameter, same shapes; the optimizer steps these;
+* **master gradients**: fp32 views of one flat buffer. After each micro-batch backward,
+  :meth:`accumulate_grads` adds the module's compute-dtype gradients into them with two
+  ``torch._foreach_*`` calls (copy on the first micro-batch of an optimizer step, add after)
+  and frees the module gradients; a master parameter whose module parameter got no gradient
+  keeps ``grad = None`` (the optimizer skips it, as with FSDP2);
+* after the optimizer step :meth:`copy_back` refreshes the compute weights with one
+  ``compute_flat.copy_(master_flat)`` (rounding to bf16 as FSDP2's per-step cast does).
+
+This is the FSDP2 one-rank computation (bf16 forward/backward, fp32 gradient accumulation,
+clipping and AdamW on fp32 master weights) with fewer, larger kernels. Every slice starts at a
+multiple of 64 elements (aligned views for compiled kernels); the gaps stay zero.
+
+:attr:`master_module` mirrors the module's state-dict names (tied parameters share one master,
+persistent buffers are the module's own) so ``get_state_dict``/DCP checkpoints, HF export and
+``named_weights`` see fp32 master weights under HF names, in the same layout as the FSDP2 path.
+Weight sync (``trainer_tensors(backend)``) reads ``backend.model``: the compute weights, i.e. the
+master weights rounded to the compute dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["SINGLE_DEVICE_MODES", "SingleDeviceWeights", "check_single_device_mode"]
+
+SINGLE_DEVICE_MODES = ("auto", "on", "off")
+_ALIGN = 64  # elements
+
+
+def check_single_device_mode(mode: str) -> str:
+    if mode not in SINGLE_DEVICE_MODES:
+        raise ValueError(
+            f"policy.train.single_device={mode!r} is not allowed; allowed: {', '.join(SINGLE_DEVICE_MODES)}"
+        )
+    return mode
+
+
+def _mirror(model: nn.Module, master_of: dict[int, nn.Parameter]) -> nn.Module:
+    """Plain modules with ``model``'s state-dict names: master parameters, the model's buffers."""
+    root = nn.Module()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            child = mod._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                mod.add_module(part, child)
+            mod = child
+        if isinstance(tensor, nn.Parameter):
+            mod.register_parameter(leaf, master_of[id(tensor)])
+        else:
+            mod.register_buffer(leaf, tensor)
+    return root
+
+
+class SingleDeviceWeights:
+    """Compute-dtype module parameters plus fp32 master parameters and gradients (flat buffers)."""
+
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype) -> None:
+        params = list(model.parameters())  # unique: a tied weight appears once
+        if not params:
+            raise ValueError(f"model of type {type(model).__name__} has no parameters to train")
+        device = params[0].device
+        bad = sorted({str(p.device) for p in params} - {str(device)}) + sorted(
+            {str(p.dtype) for p in params if not p.is_floating_point()}
+        )
+        if bad:
+            raise ValueError(f"single-device weights need floating parameters on one device; also found {bad}")
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += -(-p.numel() // _ALIGN) * _ALIGN
+        self.compute_dtype = compute_dtype
+        self.master_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.grad_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.compute_flat = torch.zeros(total, dtype=compute_dtype, device=device)
+        self.params: list[nn.Parameter] = params
+        self.masters: list[nn.Parameter] = []
+        self._grad_views: list[torch.Tensor] = []
+        master_of: dict[int, nn.Parameter] = {}
+        with torch.no_grad():
+            for p, off in zip(params, offsets):
+                n, shape = p.numel(), p.shape
+                self.master_flat[off : off + n].copy_(p.detach().reshape(-1))
+                master = nn.Parameter(self.master_flat[off : off + n].view(shape), requires_grad=p.requires_grad)
+                self.masters.append(master)
+                self._grad_views.append(self.grad_flat[off : off + n].view(shape))
+                master_of[id(p)] = master
+                p.data = self.compute_flat[off : off + n].view(shape)
+                p.grad = None
+        self.copy_back()
+        self.master_module = _mirror(model, master_of)
+
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        """The master parameters the optimizer steps (those whose module parameter requires grad)."""
+        return [m for m in self.masters if m.requires_grad]
+
+    def zero_grad(self) -> None:
+        """Drop module gradients and mark every master gradient unset (no kernel launched)."""
+        for p, m in zip(self.params, self.masters):
+            p.grad = None
+            m.grad = None
+
+    @torch.no_grad()
+    def accumulate_grads(self) -> None:
+        """master.grad (fp32) += module grad (compute dtype) for every parameter that got one; frees them."""
+        fresh_dst, fresh_src, acc_dst, acc_src = [], [], [], []
+        for p, m, view in zip(self.params, self.masters, self._grad_views):
+            g = p.grad
+            if g is None:
+                continue
+            if m.grad is None:
+                m.grad = view
+                fresh_dst.append(view)
+                fresh_src.append(g)
+            else:
+                acc_dst.append(m.grad)
+                acc_src.append(g)
+            p.grad = None
+        if fresh_dst:
+            torch._foreach_copy_(fresh_dst, fresh_src)
+        if acc_dst:
+            torch._foreach_add_(acc_dst, acc_src)
+
+    def master_grads(self) -> list[torch.Tensor]:
+        return [m.grad for m in self.masters if m.grad is not None]
+
+    @torch.no_grad()
+    def copy_back(self) -> None:
+        """Compute weights := master weights (one cast-copy kernel)."""
+        self.compute_flat.copy_(self.master_flat)
+
+    def named_master_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, fp32 master tensor or buffer) in state-dict order, tied names included."""
+        for name, tensor in self.master_module.state_dict().items():
+            yield name, tensor.detach()

@@ -1,0 +1,212 @@
+"""Single-device fast path of the FSDP2 backend against the fully_shard one-rank path (CPU, tiny Qwen3)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lumenrl_backends.engines import NativeEngine
+from lumenrl_backends.sync import sync_to_engine, trainer_weights
+from lumenrl_backends.training import fsdp2 as fsdp2_mod
+from lumenrl_backends.training.fsdp2 import FSDP2Backend
+from lumenrl_backends.training.single_device import SingleDeviceWeights
+from lumenrl_core.config.loader import ConfigError, load_config
+from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, TrainingQuantConfig
+from lumenrl_core.data_proto import DataProto
+
+torch.set_num_threads(2)
+CPU = torch.device("cpu")
+P, T, V = 5, 6, 96
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    cfg = AutoConfig.for_model(
+        "qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=V, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).float()
+
+
+def make_batch(rows: int = 4, seed: int = 1) -> DataProto:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (rows, P + T), generator=g)
+    attn = torch.ones(rows, P + T, dtype=torch.long)
+    attn[0, :2] = 0
+    resp_mask = torch.ones(rows, T)
+    resp_mask[1, 3:] = 0
+    attn[1, P + 3 :] = 0
+    return DataProto.from_dict(tensors={
+        "input_ids": ids, "attention_mask": attn, "responses": ids[:, P:], "response_mask": resp_mask,
+        "advantages": torch.randn(rows, T, generator=g),
+    })
+
+
+def nll_loss(outputs, micro):
+    mask = micro.batch["response_mask"]
+    loss = -(micro.batch["advantages"] * outputs["log_probs"] * mask).sum() / micro.meta_info["mini_batch_tokens"]
+    return loss, {"actor/entropy": (outputs["entropy"].detach() * mask).sum() / mask.sum()}
+
+
+def backend(single: str, *, role: str = "actor", micro: int = 2, wd: float = 0.1, **kw) -> FSDP2Backend:
+    optim = None if role == "ref" else OptimConfig(lr=1e-2, grad_clip=0.5, weight_decay=wd, lr_schedule="linear")
+    train = PolicyTrainConfig(micro_batch_size=micro, single_device=single)
+    return FSDP2Backend(tiny_model(), role=role, optim=optim, train=train, num_training_steps=10, device=CPU, **kw)
+
+
+def master_state(b: FSDP2Backend) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in b.named_weights()}
+
+
+def assert_close_states(a: dict, b: dict, rel: float) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).norm() <= rel * b[name].norm() + 1e-7, name
+
+
+def test_modes_and_layout():
+    fast, sharded = backend("auto"), backend("off")
+    assert fast.single is not None and sharded.single is None
+    assert not any(hasattr(p, "full_tensor") for p in fast.model.parameters())
+    assert fast.optimizer.param_groups[0]["params"] == fast.single.masters  # the optimizer steps fp32 masters
+    for p, m in zip(fast.model.parameters(), fast.single.masters, strict=True):
+        assert m.dtype == torch.float32 and m.shape == p.shape and torch.equal(p, m)
+        assert (p.data_ptr() - fast.single.compute_flat.data_ptr()) % (64 * p.element_size()) == 0
+        assert (m.data_ptr() - fast.single.master_flat.data_ptr()) % (64 * 4) == 0  # 64-element aligned
+    names = [n for n, _ in fast.named_weights()]
+    assert names == [n for n, _ in sharded.named_weights()] and "lm_head.weight" in names  # tied name kept
+
+
+def test_bad_modes_are_named():
+    with pytest.raises(ValueError, match="single_device='sometimes'.*auto, on, off"):
+        backend("sometimes")
+    with pytest.raises(ConfigError, match="single_device"):
+        load_config(None, ["policy.train.single_device=yes"])
+    assert load_config(None, ["policy.train.single_device=off"]).policy.train.single_device == "off"
+    assert load_config(None).policy.train.single_device == "auto"
+    pytest.importorskip("lumenrl_quant.training")
+    fp8 = TrainingQuantConfig(precision="fp8", recipe="tensorwise")
+    assert backend("auto", fp8=fp8).single is None  # FP8 linears keep the fully_shard path
+    with pytest.raises(ValueError, match="single_device='on'.*FP8"):
+        backend("on", fp8=fp8)
+
+
+@pytest.mark.parametrize("micro", [4, 1])
+def test_steps_match_the_fully_shard_path(micro):
+    """Same loss, grad norm and fp32 master update as fully_shard on one rank, over 3 steps."""
+    batch = make_batch(4)
+    fast, sharded = backend("on", micro=micro), backend("off", micro=micro)
+    for _ in range(3):
+        mf, ms = fast.train_step(batch, nll_loss), sharded.train_step(batch, nll_loss)
+        assert set(mf) == set(ms)
+        for key in ms:
+            assert mf[key] == pytest.approx(ms[key], rel=1e-5, abs=1e-7), key
+    assert_close_states(master_state(fast), master_state(sharded), 1e-5)
+    for p, m in zip(fast.model.parameters(), fast.single.masters):
+        assert torch.equal(p, m)  # fp32 compute on CPU: copy_back is exact
+    lp_f = fast.compute_log_probs(batch)[0]
+    lp_s = sharded.compute_log_probs(batch)[0]
+    assert torch.allclose(lp_f, lp_s, atol=1e-5)
+
+
+def test_bf16_compute_matches_fully_shard_mixed_precision(monkeypatch):
+    """bf16 compute weights + fp32 masters vs FSDP2's MixedPrecisionPolicy(bf16, fp32), forced on CPU."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    monkeypatch.setattr(fsdp2_mod, "compute_dtype", lambda mode, device: torch.bfloat16)
+    monkeypatch.setattr(
+        fsdp2_mod, "mixed_precision", lambda mode, device: MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    )
+    batch = make_batch(4)
+    fast, sharded = backend("on", micro=2), backend("off", micro=2)
+    assert next(fast.model.parameters()).dtype == torch.bfloat16
+    for _ in range(2):
+        mf, ms = fast.train_step(batch, nll_loss), sharded.train_step(batch, nll_loss)
+        assert mf["actor/loss"] == pytest.approx(ms["actor/loss"], rel=1e-3, abs=1e-5)
+        assert mf["actor/grad_norm"] == pytest.approx(ms["actor/grad_norm"], rel=1e-3)
+    assert_close_states(master_state(fast), master_state(sharded), 2e-3)
+    for p, m in zip(fast.model.parameters(), fast.single.masters):
+        assert torch.equal(p, m.to(torch.bfloat16))  # compute weights = masters rounded
+
+
+def test_accumulate_grads_in_fp32_against_float64():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3, bias=False))
+    model[1].weight.requires_grad_(False)
+    w = SingleDeviceWeights(model, torch.bfloat16)
+    assert [m.requires_grad for m in w.masters] == [True, True, False] and len(w.trainable) == 2
+    expected = [torch.zeros_like(m, dtype=torch.float64) for m in w.masters[:2]]
+    for _ in range(3):
+        model(torch.randn(4, 7, dtype=torch.bfloat16)).square().sum().backward()
+        for e, p in zip(expected, model.parameters()):
+            e += p.grad.double()
+        w.accumulate_grads()
+        assert all(p.grad is None for p in model.parameters())
+    for e, m in zip(expected, w.masters[:2]):
+        assert m.grad.dtype == torch.float32 and torch.allclose(m.grad.double(), e, rtol=1e-6, atol=1e-6)
+    assert w.masters[2].grad is None  # no gradient: the optimizer skips it (as with FSDP2)
+    with torch.no_grad():
+        w.masters[0].add_(0.123)
+    w.copy_back()
+    assert torch.equal(model[0].weight, w.masters[0].to(torch.bfloat16))
+    w.zero_grad()
+    assert all(m.grad is None for m in w.masters)
+
+
+def test_checkpoint_resume_and_cross_path_load(tmp_path):
+    """Resume gives the same next steps; a fast-path checkpoint loads into fully_shard and back."""
+    batch, batch2 = make_batch(4), make_batch(4, seed=7)
+    first = backend("on")
+    first.train_step(batch, nll_loss)
+    first.save_checkpoint(str(tmp_path / "ck"), extra={"step": 1})
+    after = [first.train_step(batch2, nll_loss)["actor/loss"] for _ in range(2)]
+    want = master_state(first)
+    for mode in ("on", "off"):
+        resumed = backend(mode)
+        assert resumed.load_checkpoint(str(tmp_path / "ck")) == {"step": 1}
+        got = [resumed.train_step(batch2, nll_loss)["actor/loss"] for _ in range(2)]
+        assert got == pytest.approx(after, rel=1e-6)
+        assert_close_states(master_state(resumed), want, 1e-6)
+        if resumed.single is not None:
+            assert all(torch.equal(p, m) for p, m in zip(resumed.model.parameters(), resumed.single.masters))
+    sharded = backend("off")
+    sharded.train_step(batch, nll_loss)
+    sharded.save_checkpoint(str(tmp_path / "ck_sharded"))
+    fast = backend("on")
+    fast.load_checkpoint(str(tmp_path / "ck_sharded"))
+    assert_close_states(master_state(fast), master_state(sharded), 0.0)
+    assert fast.train_step(batch2, nll_loss)["actor/loss"] == pytest.approx(
+        sharded.train_step(batch2, nll_loss)["actor/loss"], rel=1e-5
+    )
+
+
+def test_hf_export_writes_fp32_masters(tmp_path, monkeypatch):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    monkeypatch.setattr(fsdp2_mod, "compute_dtype", lambda mode, device: torch.bfloat16)
+    monkeypatch.setattr(fsdp2_mod, "mixed_precision", lambda mode, device: MixedPrecisionPolicy(torch.bfloat16))
+    fast = backend("on")
+    fast.train_step(make_batch(4), nll_loss)
+    fast.save_hf(str(tmp_path / "hf"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, dict(fast.named_weights())[name]), name
+
+
+def test_weight_sync_from_the_fast_path_to_the_native_engine():
+    trainer = backend("on")
+    trainer.train_step(make_batch(4), nll_loss)
+    engine = NativeEngine(tiny_model(seed=5), SimpleNamespace(eos_token_id=0, pad_token_id=0),
+                          max_batch_size=2, max_seq_len=32)
+    streamed = dict(trainer_weights(trainer))
+    state = dict(trainer.named_weights())
+    assert [n for n, _ in trainer.model.named_parameters()] == list(streamed)
+    stats = sync_to_engine(trainer, engine, version=4)
+    assert stats.version == 4 and engine.weight_version == 4
+    for name, param in engine.model.named_parameters():
+        assert torch.equal(param, state[name]), name  # the updated masters (fp32 compute on CPU)
