@@ -24,6 +24,11 @@ Design (what the GPU-speed work builds on without a rewrite):
   counter-based per-request noise, which makes interrupted sequences resume bit-identically; on
   CUDA one Triton pass over the logits (:mod:`~lumenrl_backends.engines.triton_sampling`) for
   greedy and plain sampling, enabled after a self-check against the torch sampler;
+* overlapped host sync (``overlap_sync``): each step's (token, log-prob) pairs are copied to a
+  pinned host buffer without blocking, and while no request waits for a slot the next step is
+  queued before the previous one is read (rows that turn out finished over-generate one token,
+  discarded; a step whose shape the finishes would change is rolled back and redone), so the GPU
+  does not idle through the host's bookkeeping; kept tokens and log-probs are unchanged;
 * log-probs: ``log_softmax(logits.float() / temperature)`` of each sampled token, the
   contracts' convention, so they match the trainer's forward on the same weights.
 
