@@ -18,6 +18,9 @@ layouts of one tensorwise quantization:
   path (:func:`quantize_with_transpose_torch`, and to :func:`lumenrl_quant.fp8.quantize_fp8`
   tensorwise), checked under ``TRITON_INTERPRET=1`` on CPU and on GPU by the benchmark.
 
+Set ``LUMENRL_FP8_TRAIN_TRITON=0`` to force the torch path in eager mode; a Triton failure at run
+time warns once and falls back to it.
+
 Backends: ``"auto"`` = Triton on a CUDA tensor when Triton is installed and not inside
 ``torch.compile``, torch otherwise; inside ``torch.compile`` the torch ops are traced, so inductor
 fuses the amax with the producer and the cast/transposed copies with each other
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -161,8 +165,12 @@ def _(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, 
             x.new_empty((), dtype=torch.float32))
 
 
+_TRITON_FAILED: list[str] = []  # the first failure's message; the torch path runs from then on
+
+
 def _triton_ok(x: torch.Tensor) -> bool:
-    return x.is_cuda and triton_importable() and os.environ.get("LUMENRL_FP8_TRAIN_TRITON", "1") != "0"
+    return (x.is_cuda and not _TRITON_FAILED and triton_importable()
+            and os.environ.get("LUMENRL_FP8_TRAIN_TRITON", "1") != "0")
 
 
 def quantize_with_transpose(
@@ -174,5 +182,12 @@ def quantize_with_transpose(
             return _quantize_with_transpose_op(x, dtype)
         return quantize_with_transpose_torch(x, dtype)
     if _triton_ok(x):
-        return fp8_quantize_with_transpose_triton(x, dtype)
+        try:
+            return fp8_quantize_with_transpose_triton(x, dtype)
+        except Exception as err:  # a Triton build without this feature: never fail the training step
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            _TRITON_FAILED.append(f"{type(err).__name__}: {err}")
+            warnings.warn(f"fused FP8 quantize+transpose kernel failed ({_TRITON_FAILED[0][:300]}); "
+                          "using the torch path", stacklevel=2)
     return quantize_with_transpose_torch(x, dtype)
