@@ -210,3 +210,32 @@ def test_weight_sync_from_the_fast_path_to_the_native_engine():
     assert stats.version == 4 and engine.weight_version == 4
     for name, param in engine.model.named_parameters():
         assert torch.equal(param, state[name]), name  # the updated masters (fp32 compute on CPU)
+
+
+def test_fused_adamw_clip_and_skip_match_the_host_path(monkeypatch):
+    """Fused AdamW (the CUDA setting, forced on CPU): clip via grad_scale, skip via found_inf, no sync."""
+    batch = make_batch(4)
+    sharded = backend("off")
+    adamw = torch.optim.AdamW
+    monkeypatch.setattr(torch.optim, "AdamW", lambda *a, **k: adamw(*a, **{**k, "fused": True}))
+    fast = backend("on")
+    assert fast.optimizer.defaults["fused"] and not sharded.optimizer.defaults["fused"]
+    for _ in range(2):
+        mf, ms = fast.train_step(batch, nll_loss), sharded.train_step(batch, nll_loss)
+        assert ms["actor/grad_norm"] > 0.5  # clipping is active (grad_clip=0.5)
+        assert set(mf) == set(ms) and "actor/skipped_steps" not in mf
+        for key in ms:
+            assert mf[key] == pytest.approx(ms[key], rel=1e-5, abs=1e-7), key
+    assert_close_states(master_state(fast), master_state(sharded), 1e-5)
+
+    def nan_loss(outputs, micro):
+        loss, metrics = nll_loss(outputs, micro)
+        return loss * float("nan"), metrics
+
+    before = master_state(fast)
+    steps = [s["step"].clone() for s in fast.optimizer.state.values()]
+    mf, ms = fast.train_step(batch, nan_loss), sharded.train_step(batch, nan_loss)
+    assert mf["actor/skipped_steps"] == ms["actor/skipped_steps"] == 1.0
+    assert_close_states(master_state(fast), before, 0.0)  # the update was skipped on the device
+    assert all(torch.equal(s["step"], t) for s, t in zip(fast.optimizer.state.values(), steps))
+    assert all(torch.equal(p, m) for p, m in zip(fast.model.parameters(), fast.single.masters))

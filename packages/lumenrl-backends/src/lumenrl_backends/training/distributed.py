@@ -3,12 +3,16 @@
 One process or torchrun ranks: when ``torch.distributed`` is not initialized yet, a backend
 initializes it from the torchrun environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/...) or,
 without one, as a 1-rank group on a free local port. gloo on CPU, nccl on CUDA.
+:func:`as_floats` turns a step's collected metric tensors into floats with one host copy per device.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +26,8 @@ __all__ = [
     "all_gather_rows",
     "barrier",
     "resolve_device",
+    "as_float",
+    "as_floats",
 ]
 
 
@@ -97,3 +103,21 @@ def resolve_device(requested: str = "auto") -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+def as_float(value: Any) -> float:
+    return float(value.detach().float().item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def as_floats(collected: Mapping[str, list]) -> dict[str, list[float]]:
+    """Every (scalar) tensor entry as a float: one device->host copy per device, not one per value."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for values in collected.values():
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                by_device[v.device].append(v)
+    host: dict[int, float] = {}
+    for tensors in by_device.values():
+        stacked = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors])
+        host.update(zip(map(id, tensors), stacked.tolist()))
+    return {k: [host[id(v)] if isinstance(v, torch.Tensor) else float(v) for v in vs] for k, vs in collected.items()}

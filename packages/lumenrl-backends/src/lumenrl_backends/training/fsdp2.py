@@ -91,24 +91,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _as_float(value: Any) -> float:
-    return float(value.detach().float().item()) if isinstance(value, torch.Tensor) else float(value)
-
-
-def _as_floats(collected: Mapping[str, list]) -> dict[str, list[float]]:
-    """Every (scalar) tensor entry as a float: one device->host copy per device, not one per value."""
-    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for values in collected.values():
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                by_device[v.device].append(v)
-    host: dict[int, float] = {}
-    for tensors in by_device.values():
-        stacked = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors])
-        host.update(zip(map(id, tensors), stacked.tolist()))
-    return {k: [host[id(v)] if isinstance(v, torch.Tensor) else float(v) for v in vs] for k, vs in collected.items()}
-
-
 _UNPLANNED = object()  # _forward plans the micro-batch layout itself
 
 
@@ -412,7 +394,10 @@ class FSDP2Backend:
             for local in minis:
                 self._optimizer_step(local, mini_rows, loss_fn, collected)
         local_loss = collected.pop(f"{self.prefix}/loss")  # this rank's share of each mini-batch loss
-        collected = _as_floats(collected)  # the step's only device->host copy of metrics
+        collected = dist_utils.as_floats(collected)  # the step's only device->host copy of metrics
+        skipped = [v for v in collected.pop(f"{self.prefix}/skipped_steps", []) if v]
+        if skipped:  # the key is there only when some step was skipped (non-finite grad norm)
+            collected[f"{self.prefix}/skipped_steps"] = skipped
         metrics = dist_utils.all_reduce_mean_dict(
             {k: sum(v) / len(v) for k, v in collected.items() if k != f"{self.prefix}/lr"}, self.device
         )
@@ -471,16 +456,21 @@ class FSDP2Backend:
 
     def _clip_and_step(self, optimizer, scheduler, collected: dict[str, list[float]], prefix: str) -> None:
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        source = self.single.masters if self.single is not None else self.model.parameters()
-        params = [p for p in source if p.grad is not None]
-        grad_norm = _as_float(_full(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)))
-        collected[f"{prefix}/grad_norm"].append(grad_norm)
-        if math.isfinite(grad_norm):
-            optimizer.step()
-            if self.single is not None:
-                self.single.copy_back()
-        else:  # every rank sees the same (all-reduced) norm, so all skip together
-            collected[f"{prefix}/skipped_steps"].append(1.0)
+        if self.single is not None and optimizer.defaults.get("fused"):  # clip inside fused AdamW, no sync
+            norm, skipped = self.single.fused_clip_and_step(optimizer, clip)
+            collected[f"{prefix}/grad_norm"].append(norm)
+            collected[f"{prefix}/skipped_steps"].append(skipped)  # zeros are dropped in train_step
+        else:
+            source = self.single.masters if self.single is not None else self.model.parameters()
+            params = [p for p in source if p.grad is not None]
+            grad_norm = dist_utils.as_float(_full(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)))
+            collected[f"{prefix}/grad_norm"].append(grad_norm)
+            if math.isfinite(grad_norm):
+                optimizer.step()
+                if self.single is not None:
+                    self.single.copy_back()
+            else:  # every rank sees the same (all-reduced) norm, so all skip together
+                collected[f"{prefix}/skipped_steps"].append(1.0)
         collected[f"{prefix}/lr"].append(float(optimizer.param_groups[0]["lr"]))
         if scheduler is not None:
             scheduler.step()
@@ -521,8 +511,8 @@ class FSDP2Backend:
             total_loss += loss.detach()
         self._clip_and_step(self._sft_optimizer, None, collected, "sft")
         return {
-            "sft/loss": dist_utils.all_reduce_sum(_as_float(total_loss), self.device),
-            "sft/grad_norm": collected["sft/grad_norm"][0],
+            "sft/loss": dist_utils.all_reduce_sum(dist_utils.as_float(total_loss), self.device),
+            "sft/grad_norm": dist_utils.as_float(collected["sft/grad_norm"][0]),
             "sft/lr": collected["sft/lr"][0],
             "sft/tokens": n_tokens,
         }

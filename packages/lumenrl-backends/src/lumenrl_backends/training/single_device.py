@@ -145,6 +145,31 @@ class SingleDeviceWeights:
         """Compute weights := master weights (one cast-copy kernel)."""
         self.compute_flat.copy_(self.master_flat)
 
+    @torch.no_grad()
+    def fused_clip_and_step(self, optimizer: torch.optim.Optimizer, max_norm: float):
+        """Clip and step without a host sync; returns the (grad norm, skipped 0/1) device tensors.
+
+        For fused AdamW: the clip coefficient goes in as its ``grad_scale`` (grads are divided by
+        ``max((norm + 1e-6) / max_norm, 1)``, i.e. multiplied by ``clip_grad_norm_``'s clamped
+        coefficient) and a non-finite norm as its ``found_inf`` (the kernel skips the update and
+        the step count), the attributes ``torch.amp.GradScaler`` sets on fused optimizers.
+        Then :meth:`copy_back` (a no-op change when skipped).
+        """
+        grads = self.master_grads()
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        else:
+            norm = self.master_flat.new_zeros(())
+        skipped = (~torch.isfinite(norm)).float()
+        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+        optimizer.found_inf = skipped
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+        self.copy_back()
+        return norm, skipped
+
     def named_master_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, fp32 master tensor or buffer) in state-dict order, tied names included."""
         for name, tensor in self.master_module.state_dict().items():
