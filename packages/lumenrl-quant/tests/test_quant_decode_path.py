@@ -203,3 +203,31 @@ def test_triton_epilogue_matches_torch_under_interpreter():
     out = subprocess.run([sys.executable, "-c", EPILOGUE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_failing_fast_paths_fall_back_to_the_next_path(monkeypatch):
+    monkeypatch.setattr(gemm, "_FAILED", set())
+    monkeypatch.setattr(gemm, "_device_supports", lambda mode, device, k, out_dtype: True)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(kwargs.get("out_dtype"))
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(torch, "_scaled_mm", broken)
+    aq, sa, bq, sb = rowwise_operands(4, 32, 64, seed=60)
+    exact = dequantize_fp8(aq, sa).double() @ dequantize_fp8(bq, sb).double().t()
+    with pytest.warns(UserWarning, match="falling back"):
+        out = gemm.scaled_mm(aq, sa, bq, sb, out_dtype=torch.float32)
+    assert calls == [torch.float32, torch.float32]  # rowwise epilogue (fp32 acc), then the rowwise kernel
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+    assert gemm_path(aq, sa, bq, sb, out_dtype=torch.float32) == "emulated"
+
+    monkeypatch.setattr(gemm, "_FAILED", set())
+    q = QuantizedLinear.from_linear(fresh_linear(64, 32, bias=False, seed=61), "fp8_row")
+    assert q.gemm_path_for(4, torch.float32) == "scaled_mm_rowwise_epilogue"
+    x = fresh(4, 64, seed=62)
+    with pytest.warns(UserWarning, match="falling back"):
+        y = q(x)
+    assert q.gemm_path_for(4, torch.float32) == "emulated"
+    assert sqnr_db(x.double() @ q.dequantized_weight().double().t(), y) >= 25.0

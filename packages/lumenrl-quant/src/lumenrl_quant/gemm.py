@@ -397,12 +397,17 @@ def scaled_mm(
         a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, a_block_size=a_block_size, b_block_size=b_block_size
     )
     kw = {"out_dtype": out_dtype, "bias": bias, "a_block_size": a_block_size, "b_block_size": b_block_size}
-    if path.startswith("scaled_mm_"):
+    for _ in range(3):  # a failing path is remembered, and gemm_path then names the next best one
+        if not path.startswith("scaled_mm_"):
+            break
         try:
             return run_gemm_path(path, a_q, a_scale, b_q, b_scale, **kw)
         except (RuntimeError, NotImplementedError) as err:
             note_gemm_failure(path, a_q, b_q, out_dtype, err)
-            path = "emulated"
+            path = gemm_path(a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, a_block_size=a_block_size,
+                             b_block_size=b_block_size)
+    if path.startswith("scaled_mm_"):
+        path = "emulated"
     return run_gemm_path(path, a_q, a_scale, b_q, b_scale, **kw)
 
 
@@ -413,4 +418,5 @@ def note_gemm_failure(path: GemmPath, a_q: torch.Tensor, b_q: torch.Tensor, out_
         raise err  # never bake a silent fallback into a CUDA graph
     mode = path.removeprefix("scaled_mm_")
     _FAILED.add(_failure_key(a_q, b_q, mode, out_dtype))
-    warnings.warn(f"torch._scaled_mm {mode} failed here ({err}); using the emulated GEMM", stacklevel=3)
+    warnings.warn(f"torch._scaled_mm {mode} failed here ({err}); falling back to the next path "
+                  "(finally the emulation)", stacklevel=3)

@@ -34,8 +34,9 @@ of a separate Triton launch; the forward then has no ``.item()``, no Triton laun
 registered ops and no Python-side state change, so dynamo traces it with ``fullgraph=True``
 (tested on CPU). Eager / CUDA-graph mode uses the fused Triton quantize kernel (one launch).
 ``fp8_row`` at decode M runs the ``scaled_mm_rowwise_epilogue`` path (see :mod:`lumenrl_quant.gemm`).
-A fast path that raises at runtime (eager only) is replaced by the emulation for that module
-and M class, with a warning.
+A fast path that raises at runtime (eager only) is remembered (:func:`~lumenrl_quant.gemm.note_gemm_failure`,
+one warning) and the next best path runs instead (e.g. the rowwise kernel for the rowwise
+epilogue, finally the emulation); every layer re-checks its paths while such a failure is recorded.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lumenrl_quant import gemm
 from lumenrl_quant.formats import fp8_dtypes_for, fp8_format
 from lumenrl_quant.fp8 import dequantize_fp8, quantize_fp8
 from lumenrl_quant.gemm import gemm_path, note_gemm_failure, run_gemm_path
@@ -135,17 +137,20 @@ class QuantizedLinear(nn.Module):
         self._paths: dict[tuple[torch.dtype, int], str] = {}
         if self.scheme not in _FP8_LAYOUTS:
             return
-        dev = self.weight.device
-        self._unit = torch.ones((), dtype=torch.float32, device=dev)  # plain attribute, not state
-        _, w_block, a_gran, a_block = _FP8_LAYOUTS[self.scheme]
-        k = self.in_features
+        self._unit = torch.ones((), dtype=torch.float32, device=self.weight.device)  # plain attribute, not state
         for m in _M_CLASSES:
-            a_q = torch.empty((), dtype=self.fp8_dtype, device=dev).expand(m, k)  # no allocation
-            a_scale = torch.empty((), device=dev)
-            a_scale = a_scale.expand(m, 1) if a_gran == "rowwise" else a_scale  # block: a_block_size decides
             for dtype in _OUT_DTYPES:
-                self._paths[(dtype, m)] = gemm_path(a_q, a_scale, self.weight, self.weight_scale, out_dtype=dtype,
-                                                    a_block_size=a_block, b_block_size=w_block)
+                self._paths[(dtype, m)] = self._path_now(dtype, m)
+
+    def _path_now(self, dtype: torch.dtype, m: int) -> str:
+        """:func:`gemm_path` for ``m`` rows of ``dtype`` activations, on zero-size stand-in operands."""
+        _, w_block, a_gran, a_block = _FP8_LAYOUTS[self.scheme]
+        dev = self.weight.device
+        a_q = torch.empty((), dtype=self.fp8_dtype, device=dev).expand(m, self.in_features)  # no allocation
+        a_scale = torch.empty((), device=dev)
+        a_scale = a_scale.expand(m, 1) if a_gran == "rowwise" else a_scale  # block: a_block_size decides
+        return gemm_path(a_q, a_scale, self.weight, self.weight_scale, out_dtype=dtype, a_block_size=a_block,
+                         b_block_size=w_block)
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - nn.Module's signature
         super()._apply(fn, recurse)
@@ -193,15 +198,21 @@ class QuantizedLinear(nn.Module):
         a_q, a_scale = quantize_fp8(x2, dtype=self.fp8_dtype, granularity=a_gran, block_size=a_block, backend=backend)
         key = (x2.dtype, _m_class(x2.shape[0]))
         path = self._paths.get(key, "emulated")
-        kw = {"out_dtype": x2.dtype, "bias": self.bias, "a_block_size": a_block, "b_block_size": w_block}
-        if compiling or path == "emulated":
-            return run_gemm_path(path, a_q, a_scale, self.weight, self.weight_scale, unit_scale=self._unit, **kw)
-        try:
-            return run_gemm_path(path, a_q, a_scale, self.weight, self.weight_scale, unit_scale=self._unit, **kw)
-        except (RuntimeError, NotImplementedError) as err:
-            note_gemm_failure(path, a_q, self.weight, x2.dtype, err)
-            self._paths[key] = "emulated"
-            return run_gemm_path("emulated", a_q, a_scale, self.weight, self.weight_scale, **kw)
+        kw = {"out_dtype": x2.dtype, "bias": self.bias, "a_block_size": a_block, "b_block_size": w_block,
+              "unit_scale": self._unit}
+        if compiling:
+            return run_gemm_path(path, a_q, a_scale, self.weight, self.weight_scale, **kw)
+        if gemm._FAILED and path != "emulated":  # a fast path failed somewhere: re-check (slow, rare, correct)
+            path = self._paths[key] = self._path_now(x2.dtype, x2.shape[0])
+        for _ in range(3):  # a failing path is remembered; gemm_path then names the next best one
+            if path == "emulated":
+                break
+            try:
+                return run_gemm_path(path, a_q, a_scale, self.weight, self.weight_scale, **kw)
+            except (RuntimeError, NotImplementedError) as err:
+                note_gemm_failure(path, a_q, self.weight, x2.dtype, err)
+                path = self._paths[key] = self._path_now(x2.dtype, x2.shape[0])
+        return run_gemm_path("emulated", a_q, a_scale, self.weight, self.weight_scale, **kw)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}, "
