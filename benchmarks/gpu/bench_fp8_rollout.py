@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 from lumenrl_backends.engines import NativeEngine  # noqa: E402
+from lumenrl_quant import get_quant_scheme  # noqa: E402
 
 TIS_CAP = 2.0
 
@@ -122,10 +123,15 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
     engine = None
     try:
         model = train_model if scheme is None else copy.deepcopy(train_model)
+        quant = None if scheme is None else get_quant_scheme(
+            scheme, skip_first_n_layers=args.skip_first, skip_last_n_layers=args.skip_last)
         engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=args.batch,
                               max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
-                              quant_scheme=scheme, kv_cache_dtype="fp8" if name.endswith("+kv") else "auto")
+                              quant_scheme=quant, kv_cache_dtype="fp8" if name.endswith("+kv") else "auto")
         if scheme is not None:
+            report = engine.quant_report
+            row.update(quantized_linears=len(report.quantized), skipped_linears=len(report.skipped),
+                       lm_head=type(getattr(engine.model, "lm_head", None)).__name__)
             check = check_linear(engine.model)
             row.update(linear_path=check["path"], linear_check_sqnr_db=check["sqnr_db"])
             if check["sqnr_db"] is not None and check["sqnr_db"] < 30.0:
@@ -182,6 +188,8 @@ def main() -> None:
     ap.add_argument("--engines", default="bf16,fp8_row,fp8_block")
     ap.add_argument("--modes", default=None, help="comma separated: graph (CUDA graphs), full (torch.compile + graphs)")
     ap.add_argument("--mode", default="graph", help="single mode (kept for old command lines; --modes wins)")
+    ap.add_argument("--skip-first", type=int, default=0, help="decoder layers kept bf16 at the start")
+    ap.add_argument("--skip-last", type=int, default=0, help="decoder layers kept bf16 at the end")
     ap.add_argument("--kl-every-mode", action="store_true", help="recompute the exact KLs in every mode")
     ap.add_argument("--out", default="fp8_rollout.json")
     args = ap.parse_args()
@@ -209,7 +217,7 @@ def main() -> None:
     C.write_json(args.out, result)
     print("summary:", result["summary"])
     C.print_table(rows, ["engine", "mode", "e2e_tok_s", "decode_tok_s", "x_bf16", "kl_exact_before",
-                         "kl_exact_after_tis", "kl_k3_sampled", "linear_path", "linear_check_sqnr_db", "warmup_s",
+                         "kl_exact_after_tis", "kl_k3_sampled", "lm_head", "linear_path", "linear_check_sqnr_db", "warmup_s",
                          "prefill_s", "error"])
 
 
