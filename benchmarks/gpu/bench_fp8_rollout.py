@@ -191,6 +191,7 @@ def main() -> None:
     ap.add_argument("--skip-first", type=int, default=0, help="decoder layers kept bf16 at the start")
     ap.add_argument("--skip-last", type=int, default=0, help="decoder layers kept bf16 at the end")
     ap.add_argument("--kl-every-mode", action="store_true", help="recompute the exact KLs in every mode")
+    ap.add_argument("--no-exact-kl", action="store_true", help="skip the exact (full-vocabulary) KLs (saves ~5 s/engine)")
     ap.add_argument("--out", default="fp8_rollout.json")
     args = ap.parse_args()
     modes = (args.modes or args.mode).split(",")
@@ -204,7 +205,7 @@ def main() -> None:
     rows, kl_done = [], set()
     for mode in modes:
         for name in args.engines.split(","):
-            with_kl = args.kl_every_mode or name not in kl_done
+            with_kl = not args.no_exact_kl and (args.kl_every_mode or name not in kl_done)
             rows.append(measure(name, mode, train_model, batch, params, args, with_kl))
             kl_done.add(name)
             gc.collect()

@@ -80,25 +80,34 @@ def _bench(m: int, n: int, k: int, schemes: list[str], dev: torch.device, rotate
     return rows
 
 
-def run(smoke: bool = False) -> dict:
+def run(smoke: bool = False, schemes: list[str] | None = None, training: bool = True) -> dict:
     dev = device()
-    schemes = ["bf16", *LINEAR_SCHEMES[:2], *VARIANTS, *LINEAR_SCHEMES[2:]]
+    allowed = ["bf16", *LINEAR_SCHEMES[:2], *VARIANTS, *LINEAR_SCHEMES[2:]]
+    schemes = schemes or allowed
+    bad = [s for s in schemes if s not in allowed]
+    if bad:
+        raise ValueError(f"schemes {bad} are unknown; allowed: {allowed}")
+    if schemes[0] != "bf16":
+        schemes = ["bf16", *[s for s in schemes if s != "bf16"]]  # the speedup column needs the bf16 baseline
     rotate = dev.type == "cuda"
     decode_ms = [1, 16] if smoke else [1, 8, 32, 64, 128, 256]
     nk = [(64, 128)] if smoke else [(4096, 4096), (14336, 4096), (4096, 12288)]
     big = [(128, 128, 128)] if smoke else [(4096, 4096, 4096), (8192, 8192, 8192)]
     decode = [r for n, k in nk for m in decode_ms for r in _bench(m, n, k, schemes, dev, rotate)]
-    training = [r for m, n, k in big for r in _bench(m, n, k, schemes, dev, rotate=False)]
+    training = [r for m, n, k in big for r in _bench(m, n, k, schemes, dev, rotate=False)] if training else []
     cols = ["M", "N", "K", "scheme", "path", "us", "us_eager", "timing", "TFLOP/s", "speedup_vs_bf16"]
     print(table("QuantizedLinear forward, decode shapes (layers cycled beyond L2; us = CUDA-graph replay)",
                 decode, cols))
     print(table("QuantizedLinear forward, training-sized shapes", training, cols))
     payload = {"decode": decode, "training": training}
-    write_json("quant_linear" + ("_smoke" if smoke else ""), payload)
+    write_json("quant_linear" + ("_smoke" if smoke else "") + ("" if schemes == allowed else "_subset"), payload)
     return payload
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
-    run(parser.parse_args().smoke)
+    parser.add_argument("--schemes", default=None, help="comma separated subset, e.g. bf16,fp8_row,fp8_row_cutlass")
+    parser.add_argument("--no-training", action="store_true", help="decode shapes only")
+    args = parser.parse_args()
+    run(args.smoke, args.schemes.split(",") if args.schemes else None, training=not args.no_training)
