@@ -239,3 +239,19 @@ def test_fused_adamw_clip_and_skip_match_the_host_path(monkeypatch):
     assert_close_states(master_state(fast), before, 0.0)  # the update was skipped on the device
     assert all(torch.equal(s["step"], t) for s, t in zip(fast.optimizer.state.values(), steps))
     assert all(torch.equal(p, m) for p, m in zip(fast.model.parameters(), fast.single.masters))
+
+
+@pytest.mark.parametrize("packing", ["auto", "none"])
+def test_compiled_layers_have_no_graph_breaks(packing):
+    """Without fully_shard's hooks every decoder layer is one dynamo graph (packed and padded masks)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fast = backend("on", micro=4, compile_layers="eager", packing=packing)
+    for _ in range(2):
+        fast.train_step(make_batch(4), nll_loss)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 1
+    torch._dynamo.reset()

@@ -1,5 +1,8 @@
 """FSDP2 training backend: ``torch.distributed.fsdp.fully_shard`` on an HF causal LM.
 
+One rank (``train.single_device`` auto/on): no ``fully_shard``; :mod:`.single_device` keeps bf16
+compute weights in the module and fp32 master weights/gradients for the optimizer (same math).
+
 Sharding: ``fully_shard`` on every decoder layer, then on the root module (embeddings, final
 norm, LM head / value head). Master parameters stay float32; on CUDA with
 ``train.mixed_precision`` ``auto``/``bf16`` a ``MixedPrecisionPolicy`` computes in bf16 and
