@@ -231,3 +231,49 @@ def test_failing_fast_paths_fall_back_to_the_next_path(monkeypatch):
         y = q(x)
     assert q.gemm_path_for(4, torch.float32) == "emulated"
     assert sqnr_db(x.double() @ q.dequantized_weight().double().t(), y) >= 25.0
+
+
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an sm89+ CUDA GPU"
+)
+
+
+@needs_gpu
+@pytest.mark.parametrize("m", [1, 8, 64, 300])
+def test_gpu_fp8_row_paths_and_agreement(m):
+    lin = fresh_linear(1024, 512, bias=False, seed=70).cuda().to(torch.bfloat16)
+    q = QuantizedLinear.from_linear(lin, "fp8_row")
+    expected = "scaled_mm_rowwise_epilogue" if m <= gemm.ROWWISE_EPILOGUE_MAX_M else "scaled_mm_rowwise"
+    assert q.gemm_path_for(m) == expected
+    x = fresh(m, 1024, seed=71).cuda().to(torch.bfloat16)
+    y = q(x)
+    a_q, a_s = quantize_fp8(x, dtype=q.fp8_dtype, granularity="rowwise", backend="torch")
+    ref = run_gemm_path("emulated", a_q, a_s, q.weight, q.weight_scale, out_dtype=torch.float32)
+    assert y.dtype == torch.bfloat16 and sqnr_db(ref, y) >= 40.0
+    assert sqnr_db(x.double() @ lin.weight.double().t(), y) >= 25.0
+    assert q.gemm_path_for(m) == expected  # the fast path ran (a failure would have moved it)
+
+
+@needs_gpu
+def test_gpu_fp8_row_cuda_graph_and_inductor_match_eager():
+    torch._dynamo.reset()
+    q = QuantizedLinear.from_linear(fresh_linear(1024, 512, bias=True, seed=80).cuda().to(torch.bfloat16), "fp8_row")
+    block = NormThenLinear(q)
+    block.norm = block.norm.cuda().to(torch.bfloat16)  # not block.to(): that would cast the FP8 buffers
+    x = fresh(64, 1024, seed=81).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        eager = block(x)
+        static = x.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            block(static)  # warm-up (Triton compiles) outside capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = block(static)
+        static.copy_(fresh(64, 1024, seed=82).cuda().to(torch.bfloat16))
+        graph.replay()
+        torch.testing.assert_close(captured, block(static), rtol=0, atol=0)
+        compiled = torch.compile(block, fullgraph=True)(x)
+    assert sqnr_db(eager.float(), compiled.float()) >= 40.0  # same math; inductor may round the scale differently
