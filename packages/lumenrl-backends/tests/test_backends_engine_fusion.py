@@ -211,3 +211,24 @@ def test_engines_sharing_a_model_apply_their_own_fusion_setting(tmp_path, monkey
     calls["dense"] = 0
     assert_same(plain.generate(prompt_batch(tokenizer), GREEDY), first)
     assert calls["dense"] == 0 and type(model.model.layers[0].self_attn).forward is not fusion._attention_forward
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_fused_and_overlapped_match_reference(tmp_path):
+    """On the GPU (fp32, CUDA graphs): fused == unfused and overlapped == synchronous decode."""
+    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
+
+    def gpu_engine(**kwargs) -> NativeEngine:
+        model, tokenizer = load_model_and_tokenizer(str(path), dtype="float32")
+        return NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=48, **kwargs)
+
+    reference = gpu_engine(fuse_projections=False, overlap_sync=False)
+    fused, overlapped = gpu_engine(overlap_sync=False), gpu_engine()
+    batch = prompt_batch(reference.tokenizer)
+    stops = {"stop_token_ids": [5, 6, 7]}
+    for params in (GREEDY, SAMPLED, {**SAMPLED, "max_new_tokens": 24, **stops}):
+        ref = reference.generate(batch, params)
+        assert_same(fused.generate(batch, params), ref, atol=1e-4)
+        assert_same(overlapped.generate(batch, params), fused.generate(batch, params), atol=0.0)
+    assert fused.graphs.error is None and overlapped.graphs.error is None and overlapped.graphs.graphs
+    assert overlapped.speculation["launched"] > 0
