@@ -253,3 +253,38 @@ def test_tensorwise_cache_holds_both_layouts_once_per_step_and_is_invalidated():
     rq, rs = quantize_fp8(layer.weight.detach(), granularity="tensorwise", backend="torch")
     assert torch.equal(_bits(new.q), _bits(rq)) and torch.equal(new.scale, rs)
     assert not torch.equal(_bits(new.q), _bits(old))
+
+
+# ---------------------------------------------------------------- GPU (skipped on CPU)
+
+_HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HAS_FP8_GPU, reason="needs a CUDA GPU with FP8 (sm89+)")
+@pytest.mark.parametrize("quant_backend", ["inductor", "triton"])
+def test_gpu_inductor_compiled_block_matches_eager_without_recompiles(quant_backend):
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(12)
+    eager = nn.Sequential(_Block(256, 512), _Block(256, 512)).cuda().to(torch.bfloat16)
+    compiled = nn.Sequential(_Block(256, 512), _Block(256, 512)).cuda().to(torch.bfloat16)
+    compiled.load_state_dict(eager.state_dict())
+    for model in (eager, compiled):
+        convert_to_fp8_training(model, recipe="tensorwise")
+    assert eager[0].up._fp8_fast_gemm  # torch._scaled_mm, not the emulation
+    torch._dynamo.reset()
+    counters.clear()
+    set_compiled_backend(quant_backend)
+    try:
+        for block in compiled:
+            block.compile(fullgraph=True)
+        x = torch.randn(4, 96, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            losses_c = _train(compiled, 3, x)
+    finally:
+        set_compiled_backend("inductor")
+        torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    losses_e = _train(eager, 3, x)
+    torch.testing.assert_close(torch.tensor(losses_c), torch.tensor(losses_e), rtol=2e-2, atol=1e-4)
