@@ -29,7 +29,8 @@ small M). :func:`fuse_projections` does this at engine load, in place:
 
 The fused modules are kept outside the module tree (a plain attribute), so ``named_modules``,
 ``named_parameters`` and ``state_dict`` are unchanged. DeepSeek MLA (no separate q/k/v), MoE
-expert banks and any unknown class are left untouched.
+expert banks and any unknown class are left untouched (DeepSeek-V3 / GLM-4-MoE: their dense and
+shared-expert MLPs are fused, attention is not).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ ATTENTION_CLASSES: dict[str, str | None] = {
     "MistralAttention": "config",
     "MixtralAttention": "config",
 }
-MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "Qwen3MoeMLP"})
+# dense MLPs (also MoE shared experts / dense layers) whose forward is down(act(gate(x)) * up(x))
+MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "Qwen3MoeMLP", "DeepseekV3MLP", "Glm4MoeMLP"})
 _FUSED_ATTR = "_lumenrl_fused"  # instance attribute (outside the module tree) holding the fused linear
 
 
