@@ -88,7 +88,12 @@ class Fp8Block(_RolloutScheme):
 
 @dataclass(kw_only=True, slots=True)
 class Fp8Row(_RolloutScheme):
-    """W8A8 FP8, per-output-channel weight scales and dynamic per-token activation scales."""
+    """W8A8 FP8, per-output-channel weight scales and dynamic per-token activation scales.
+
+    The decode-oriented scheme: at M <= 256 the GEMM is cuBLAS tensorwise (unit scales, float32
+    out) plus a scale epilogue (``scaled_mm_rowwise_epilogue``), and under ``torch.compile`` the
+    per-token activation quantization fuses into the producer of the activation.
+    """
 
     name: ClassVar[str] = "fp8_row"
     capabilities: ClassVar[frozenset[str]] = frozenset({"fp8_weights", "fp8_activations", "inplace_reload"})
