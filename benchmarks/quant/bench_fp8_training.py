@@ -23,7 +23,7 @@ Self-checks, printed as ``ERROR ...`` lines (the run continues with the other va
     python benchmarks/quant/bench_fp8_training.py --variants bf16,bf16+compile,fp8,fp8+compile \\
         --out fp8_train_8b.json        # JSON under $LUMENRL_BENCH_OUT (else benchmarks/results)
     python benchmarks/quant/bench_fp8_training.py --smoke   # tiny shapes, CPU check of the script
-    python benchmarks/quant/bench_fp8_training.py --linear  # per-linear fwd+bwd table (older view)
+    python benchmarks/quant/bench_fp8_training.py --linear  # quantize kernel GB/s + per-linear fwd+bwd
 """
 
 from __future__ import annotations
@@ -329,6 +329,21 @@ def bench_linears(dev: torch.device, smoke: bool) -> list[dict]:
     return rows
 
 
+def bench_quantize(dev: torch.device, smoke: bool) -> list[dict]:
+    """Fused quantize+transpose (amax pass + one cast pass writing q and q^T) vs the torch ops."""
+    rows = []
+    for m, k in [(256, 512)] if smoke else [(8192, 4096), (8192, 12288)]:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        paths = {"torch": triton_training.quantize_with_transpose_torch}
+        if dev.type == "cuda" and triton_training.triton_importable():
+            paths["triton"] = triton_training.fp8_quantize_with_transpose_triton
+        for name, fn in paths.items():
+            ms = time_ms(lambda fn=fn, x=x: fn(x, torch.float8_e4m3fn), iters=20)
+            # traffic: amax read (2 B) + cast read (2 B) + q and q^T writes (1 + 1 B) per element
+            rows.append({"shape": f"{m}x{k}", "path": name, "ms": ms, "GB/s": 6 * m * k / ms / 1e6})
+    return rows
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -365,10 +380,13 @@ def main() -> int:
     out = _out_path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.linear:
+        quant = bench_quantize(dev, args.smoke)
+        print(table(f"FP8 quantize + transpose, bf16 -> e4m3 ({dev})", quant, ["shape", "path", "ms", "GB/s"]))
         rows = bench_linears(dev, args.smoke)
         print(table(f"FP8 training linear, forward + backward ({dev})", rows,
                     ["shape", "recipe", "ms", "speedup", "sqnr_y", "sqnr_dx", "sqnr_dw"]))
-        out.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=1, default=str))
+        out.write_text(json.dumps({"environment": environment(), "quantize": quant, "rows": rows},
+                                  indent=1, default=str))
         return 0
     start = time.perf_counter()
     shape = "smoke" if args.smoke else "8b-layers"
