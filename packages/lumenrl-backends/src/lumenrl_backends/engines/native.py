@@ -245,7 +245,8 @@ class NativeEngine:
             cuda_graphs=rollout.cuda_graphs,
             compile=rollout.compile,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
-            fuse_projections=getattr(rollout, "fuse_projections", True),
+            fuse_projections=rollout.fuse_projections,
+            overlap_sync=rollout.overlap_sync,
         )
 
     # ------------------------------------------------------------------ control

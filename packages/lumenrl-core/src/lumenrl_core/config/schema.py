@@ -96,6 +96,8 @@ class SamplingConfig:
     gpu_memory_utilization: float = 0.5  # fraction of free GPU memory for the KV cache
     cuda_graphs: bool = True  # decode with CUDA graphs on GPU
     compile: str = field(default="none", metadata=choices("none", "full"))  # full: torch.compile the decode forward (GPU)
+    fuse_projections: bool = True  # native engine: one q/k/v and one gate/up GEMM per layer (fused weight views)
+    overlap_sync: bool = True  # native engine: read step t's tokens while step t+1 runs (results unchanged)
 
 
 @dataclass(kw_only=True, slots=True)
