@@ -11,7 +11,10 @@ time:
   Gathers are issued a bucket (``bucket_bytes``) ahead of consumption: functional collectives
   stay asynchronous until their result is read, so the all-gathers of a bucket overlap the
   copies of the previous one, and peak extra memory is one bucket, not the model;
-* tied parameters appear once (the engine resolves tied names to the same storage).
+* tied parameters appear once (the engine resolves tied names to the same storage);
+* a one-rank backend on the single-device path (``training/single_device.py``) holds plain
+  compute-dtype parameters (its fp32 master weights rounded after every step): they are
+  yielded as they are (bf16 on CUDA, half the bytes read of the fp32 masters).
 
 :func:`sync_to_engine` hands that stream to ``engine.update_weights(named_tensors, version)``
 (``NativeEngine`` copies each tensor into the existing parameter with ``copy_``, converting
@@ -46,7 +49,7 @@ class SyncStats:
 
 
 def _module_of(source: Any) -> nn.Module:
-    model = getattr(source, "model", source)  # FSDP2Backend -> its sharded module
+    model = getattr(source, "model", source)  # FSDP2Backend -> its (sharded or single-device) module
     if not isinstance(model, nn.Module):
         raise TypeError(f"source must be an nn.Module or a training backend with .model; got {type(source).__name__}")
     return model
