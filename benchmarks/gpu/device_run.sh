@@ -18,4 +18,13 @@ case "${1:-all}" in
   all) for part in tests decode fp8 grpo; do "$0" "$part"; done ;;
   call3) for part in grpo decode-full; do "$0" "$part"; done ;;
   grpo-vs-trl) for part in trl grpo; do "$0" "$part"; done ;;   # carry .benchmeta and .whl
+  # session 2 (2026-11-29 evening): fused projections, overlapped sync, tuned quantize kernels, FP8 training fast path
+  gpu-tests2) run 90 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_fusion.py \
+                packages/lumenrl-quant/tests/test_quant_fp8_training_fast.py packages/lumenrl-quant/tests/test_quant_triton.py ;;
+  quant-tune) run 120 python3 benchmarks/quant/bench_quantize.py --tune ;;
+  quant-final) run 60 python3 benchmarks/quant/bench_quantize.py ;;
+  decode-fused) run 100 python3 benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes graph --fuse on,off --overlap on,off --hf none --out decode_fused_graph.json ;;
+  decode-fused-full) run "${FULL_S:-140}" python3 benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes full --fuse "${FULL_FUSE:-on}" --hf none --out decode_fused_full.json ;;
+  fp8-train) run 170 python3 benchmarks/quant/bench_fp8_training.py --variants bf16,fp8,bf16+compile,fp8+compile --budget-s 140 --out fp8_train_8b.json ;;
+  s2call1) for part in gpu-tests2 quant-tune decode-fused fp8-train decode-fused-full; do "$0" "$part"; done ;;
 esac
