@@ -122,7 +122,9 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
     scheme = scheme_of(name)
     engine = None
     try:
-        model = train_model if scheme is None else copy.deepcopy(train_model)
+        # every engine gets its own copy: the trainer model stays untouched (engines attach fusion state
+        # to the model they run, which deepcopy cannot copy), and all variants start from identical weights
+        model = copy.deepcopy(train_model)
         quant = None if scheme is None else get_quant_scheme(
             scheme, skip_first_n_layers=args.skip_first, skip_last_n_layers=args.skip_last)
         engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=args.batch,
