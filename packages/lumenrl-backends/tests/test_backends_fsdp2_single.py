@@ -77,6 +77,7 @@ def test_modes_and_layout():
         assert m.dtype == torch.float32 and m.shape == p.shape and torch.equal(p, m)
         assert (p.data_ptr() - fast.single.compute_flat.data_ptr()) % (64 * p.element_size()) == 0
         assert (m.data_ptr() - fast.single.master_flat.data_ptr()) % (64 * 4) == 0  # 64-element aligned
+    assert backend("auto", role="ref").single.grad_flat is None  # no gradient buffers for a frozen ref
     names = [n for n, _ in fast.named_weights()]
     assert names == [n for n, _ in sharded.named_weights()] and "lm_head.weight" in names  # tied name kept
 

@@ -86,10 +86,11 @@ class SingleDeviceWeights:
             total += -(-p.numel() // _ALIGN) * _ALIGN
         self.compute_dtype = compute_dtype
         self.master_flat = torch.zeros(total, dtype=torch.float32, device=device)
-        self.grad_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.grad_flat: torch.Tensor | None = None  # allocated by the first accumulate_grads (not for ref)
         self.compute_flat = torch.zeros(total, dtype=compute_dtype, device=device)
         self.params: list[nn.Parameter] = params
         self.masters: list[nn.Parameter] = []
+        self._slices: list[tuple[int, int, torch.Size]] = []
         self._grad_views: list[torch.Tensor] = []
         master_of: dict[int, nn.Parameter] = {}
         with torch.no_grad():
@@ -98,7 +99,7 @@ class SingleDeviceWeights:
                 self.master_flat[off : off + n].copy_(p.detach().reshape(-1))
                 master = nn.Parameter(self.master_flat[off : off + n].view(shape), requires_grad=p.requires_grad)
                 self.masters.append(master)
-                self._grad_views.append(self.grad_flat[off : off + n].view(shape))
+                self._slices.append((off, n, shape))
                 master_of[id(p)] = master
                 p.data = self.compute_flat[off : off + n].view(shape)
                 p.grad = None
@@ -119,6 +120,9 @@ class SingleDeviceWeights:
     @torch.no_grad()
     def accumulate_grads(self) -> None:
         """master.grad (fp32) += module grad (compute dtype) for every parameter that got one; frees them."""
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros_like(self.master_flat)
+            self._grad_views = [self.grad_flat[o : o + n].view(shape) for o, n, shape in self._slices]
         fresh_dst, fresh_src, acc_dst, acc_src = [], [], [], []
         for p, m, view in zip(self.params, self.masters, self._grad_views):
             g = p.grad
