@@ -94,17 +94,20 @@ def response_logits(
     """Logits predicting the last ``response_len`` tokens: (B, T, V).
 
     Position i of the sequence predicts token i+1, so the response tokens (the last T
-    positions) are predicted by positions [L-T-1, L-1). Only T+1 positions go through the LM
-    head (``logits_to_keep``).
+    positions) are predicted by positions [L-T-1, L-1): exactly those go through the LM head
+    (``logits_to_keep`` as a 1-D index tensor), so no (B, T+1, V) logits tensor is sliced (its
+    backward would write a zero-filled full-size gradient and copy into it).
     """
+    L = input_ids.shape[1]
+    keep = torch.arange(L - response_len - 1, L - 1, device=input_ids.device)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        logits_to_keep=response_len + 1,
+        logits_to_keep=keep,
         use_cache=False,
     )
-    return out.logits[:, :-1, :]  # (B, T, V)
+    return out.logits  # (B, T, V)
 
 
 def token_log_probs(
