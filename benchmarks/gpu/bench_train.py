@@ -25,6 +25,10 @@ policy-gradient loss) on random-initialized Qwen3 shapes:
   (tensorwise and blockwise recipes), measured side by side in this run.
 
     python benchmarks/gpu/bench_train.py [--steps 5] [--variants a,b] [--smoke]
+    # fast path vs fully_shard (about 2 min on one H200, compile included):
+    python benchmarks/gpu/bench_train.py --steps 4 --warmup 2 --budget-s 150 --variant-timeout-s 90 \
+        --profile 1.7b/bf16+compile+single \
+        --variants 1.7b/bf16+compile,1.7b/bf16+compile+single,1.7b/bf16+compile+single+16x1024
 
 Writes ``train.json`` (to $LUMENRL_BENCH_OUT or benchmarks/results) and prints a table last.
 """
@@ -79,6 +83,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
     "1.7b/bf16+compile+single+16x1024": ("1.7b", "full", {**COMPILE, **ON, "rows": 16, "micro": 8}, None, False),
     "1.7b-ragged/packed+compile+single": ("1.7b", "ragged", {"packing": "auto", **COMPILE, **ON}, None, False),
     "8b-layers/bf16+compile": ("8b-layers", "full", {**COMPILE, **OFF}, None, False),
+    "8b-layers/bf16+compile+single": ("8b-layers", "full", {**COMPILE, **ON}, None, False),
     "8b-layers/fp8-tensorwise+compile": ("8b-layers", "full", {**COMPILE, **OFF}, "tensorwise", False),
 }
 
