@@ -75,16 +75,18 @@ def _row(kernel: str, backend: str, fn, in_bytes: int, out_bytes: int, copy_gbs:
 def _sweep_space() -> dict[str, list[dict]]:
     warps = (4, 8)
     return {
-        "fp8_rowwise": [{"block_m": bm, "num_warps": w} for bm in (1, 2, 4) for w in (4, 8, 16)],
-        "fp8_block_1x128": [{"block_m": bm, "ng": ng, "num_warps": w} for bm, ng in
-                            [(1, 16), (1, 32), (2, 16), (4, 4), (4, 8), (4, 16), (8, 4), (8, 8), (16, 2), (16, 4),
-                             (32, 2), (64, 1)] for w in warps],
-        "fp8_block_128x128": [{"ng": ng, "num_warps": w} for ng in (1, 2, 4) for w in (4, 8, 16)],
-        "fp8_tensorwise": [{"amax_block": ab, "amax_warps": aw, "cast_block": cb, "cast_warps": cw}
-                           for ab, aw in [(16384, 8), (32768, 8), (32768, 16), (65536, 16)]
-                           for cb, cw in [(2048, 4), (4096, 8), (8192, 8), (16384, 16)]],
+        "fp8_rowwise": [{"block_m": 1, "num_warps": w} for w in (4, 8)],
+        "fp8_block_1x128": [{"block_m": bm, "ng": ng, "num_warps": w} for bm, ng in [(1, 32), (2, 16), (1, 64)]
+                            for w in warps],
+        "fp8_block_128x128": [{"ng": 1, "num_warps": 16}, {"ng": 1, "num_warps": 32}]
+        + [{"impl": "2pass", "rows": r, "num_warps": w, "num_stages": st}
+           for r, w in [(8, 2), (16, 4), (32, 4), (32, 8), (64, 8)] for st in (1, 3)],
+        "fp8_tensorwise": [{"amax_block": 32768, "amax_warps": 16, "cast_block": cb, "cast_warps": cw}
+                           for cb, cw in [(4096, 8), (1024, 4)]],
         "mx_e4m3": [{"block_m": bm, "block_k": bk, "num_warps": w} for bm, bk, w in
-                    [(16, 256, 4), (8, 512, 4), (4, 1024, 4), (16, 512, 8), (32, 256, 8), (8, 1024, 8), (2, 2048, 8)]],
+                    [(16, 256, 4), (4, 1024, 4), (16, 512, 8), (2, 2048, 8), (1, 4096, 8)]],
+        "mx_e2m1": [{"block_m": bm, "block_k": bk, "num_warps": w} for bm, bk, w in
+                    [(16, 256, 4), (8, 256, 4), (4, 512, 4), (4, 1024, 8), (2, 2048, 8), (1, 2048, 4), (8, 512, 8)]],
     }
 
 
@@ -98,6 +100,7 @@ def tune(x: torch.Tensor, copy_gbs: float) -> dict:
         "fp8_block_128x128": lambda c: tk.fp8_quantize_blocks(x, 128, config=c),
         "fp8_tensorwise": lambda c: tk.fp8_quantize_tensorwise(x, config=c),
         "mx_e4m3": lambda c: tk.mx_quantize(x, "e4m3", config=c),
+        "mx_e2m1": lambda c: tk.mx_quantize(x, "e2m1", config=c),
     }
     in_bytes = x.numel() * x.element_size()
     rows, best = [], {}

@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent(
     blocks = lambda s: s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200]  # noqa: E731
 
     x = torch.randn(40, 512) * 3
-    for cfg in ({"block_m": 1, "ng": 1, "num_warps": 4}, {"block_m": 8, "ng": 8, "num_warps": 4},
+    for cfg in (None, {"block_m": 1, "ng": 1, "num_warps": 4}, {"block_m": 8, "ng": 8, "num_warps": 4},
                 {"block_m": 16, "ng": 4, "num_warps": 8}, {"block_m": 4, "ng": 2, "num_warps": 4}):
         check(f"1x128 {cfg}", tk.fp8_quantize_groups(x, 128, config=cfg), x, cols128)
     for cfg in ({"block_m": 1, "num_warps": 4}, {"block_m": 2, "num_warps": 8}, {"block_m": 4, "num_warps": 4}):
@@ -61,11 +61,12 @@ SCRIPT = textwrap.dedent(
     x3 = torch.randn(24, 384)  # group 384: tile 512, masked; K not a power of two
     check("rowwise 384", tk.fp8_quantize_groups(x3, 384), x3, lambda s: s)
     w = torch.randn(200, 640)  # 128x128 blocks with a partial row block and an odd number of K blocks
-    for cfg in ({"ng": 1, "num_warps": 8}, {"ng": 2, "num_warps": 4}, {"ng": 4, "num_warps": 8}):
+    for cfg in ({"ng": 1, "num_warps": 8}, {"ng": 2, "num_warps": 4}, {"ng": 4, "num_warps": 8},
+                {"impl": "2pass", "rows": 16, "num_warps": 4}, {"impl": "2pass", "rows": 64, "num_warps": 8}):
         check(f"128x128 {cfg}", tk.fp8_quantize_blocks(w, 128, config=cfg), w, blocks)
     for cfg in ({"amax_block": 1024, "amax_warps": 4, "cast_block": 512, "cast_warps": 4},):
         check("tensorwise", tk.fp8_quantize_tensorwise(x, config=cfg), x, lambda s: s)
-    for cfg in ({"block_m": 4, "block_k": 64, "num_warps": 4}, {"block_m": 16, "block_k": 256, "num_warps": 8}):
+    for cfg in ({"block_m": 4, "block_k": 64, "num_warps": 4}, {"block_m": 16, "block_k": 256, "num_warps": 8}, None):
         d, s = tk.mx_quantize(x, "e4m3", config=cfg)  # power-of-two scaling: exact before the cast
         ref = quantize_mx(x, "e4m3", backend="torch")
         assert torch.equal(s, ref.scale), f"mx {cfg}: scales differ"

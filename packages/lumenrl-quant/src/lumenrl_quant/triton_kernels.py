@@ -129,6 +129,32 @@ if triton is not None:
                 tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(OUT), mask=mask)
 
     @triton.jit
+    def _block_quant_2pass_kernel(
+        w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qn, stride_sn,
+        FP8_MAX: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    ):
+        # One BLOCK x BLOCK weight tile per program, walked in ROWS-row slices twice: the amax
+        # pass reads HBM, the cast pass re-reads the tile (BLOCK^2 * 2 bytes, resident in L2).
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        cols = pid_k * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+        for r in range(0, BLOCK, ROWS):
+            rows = pid_n * BLOCK + r + tl.arange(0, ROWS)
+            mask = (rows[:, None] < N) & (cols[None, :] < K)
+            x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.abs(x))
+        amax = tl.max(tl.max(acc, axis=1), axis=0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+        tl.store(s_ptr + pid_n * stride_sn + pid_k, scale)
+        for r in range(0, BLOCK, ROWS):
+            rows = pid_n * BLOCK + r + tl.arange(0, ROWS)
+            mask = (rows[:, None] < N) & (cols[None, :] < K)
+            x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+            tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(OUT), mask=mask)
+
+    @triton.jit
     def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
@@ -241,12 +267,13 @@ def _with(defaults: dict, config: Mapping[str, int] | None) -> dict:
     return {**defaults, **config}
 
 
-def _group_defaults(m: int, group: int) -> dict:
-    if group <= 128:  # activation groups: several rows x several groups per program, one pass
-        return {"block_m": 8, "ng": 8, "num_warps": 4}
+def _group_defaults(m: int, k: int, group: int) -> dict:
+    # measured on an H200 (benchmarks/quant/bench_quantize.py --tune, 8192 x 8192 bf16)
+    if group <= 128:  # activation groups: one row x up to 32 groups (4096 columns) per program
+        return {"block_m": 1, "ng": min(32, _next_pow2(k // group)), "num_warps": 4}
     if group <= 16384:  # rowwise: whole rows held in registers
         block = _next_pow2(group)
-        return {"block_m": 2 if block <= 4096 else 1, "ng": 1, "num_warps": 4 if block <= 2048 else 8}
+        return {"block_m": 2 if block <= 2048 else 1, "ng": 1, "num_warps": 4 if block <= 2048 else 8}
     return {"block_m": 1, "ng": 1, "num_warps": 8}
 
 
@@ -262,7 +289,7 @@ def fp8_quantize_groups(
     m, k = x.shape
     if k % group:
         raise ValueError(f"K={k} must be a multiple of group={group}")
-    cfg = _with(_group_defaults(m, group), config)
+    cfg = _with(_group_defaults(m, k, group), config)
     block_k = _next_pow2(group) if group <= 16384 else 4096
     ng = cfg["ng"]
     if ng < 1 or ng != _next_pow2(ng):
@@ -287,19 +314,31 @@ def fp8_quantize_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``w`` (N, K) in ``block x block`` tiles; scales ``(ceil(N/block), K/block)``.
 
-    ``config`` overrides ``ng`` (tiles per program along K) and ``num_warps``."""
+    ``config`` overrides ``impl`` (``"tile"``: the tile held in registers, ``ng`` tiles per program;
+    ``"2pass"``: the tile walked in ``rows``-row slices, amax then cast), ``num_warps`` and
+    ``num_stages``."""
     _require(w)
     n, k = w.shape
     if k % block:
         raise ValueError(f"K={k} must be a multiple of block={block}")
     if block != _next_pow2(block):
         raise ValueError(f"block={block} must be a power of two")
-    cfg = _with({"ng": 2, "num_warps": 8}, config)
+    cfg = _with({"impl": "tile", "ng": 1, "rows": 16, "num_warps": 16, "num_stages": 2}, config)
+    if cfg["impl"] not in ("tile", "2pass"):
+        raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['tile', '2pass']")
     if cfg["ng"] < 1 or cfg["ng"] != _next_pow2(cfg["ng"]):
         raise ValueError(f"config ng={cfg['ng']} must be a power of two >= 1")
     w = w.contiguous()
     q = torch.empty((n, k), dtype=dtype, device=w.device)
     s = torch.empty((triton.cdiv(n, block), k // block), dtype=torch.float32, device=w.device)
+    if cfg["impl"] == "2pass":
+        if block % cfg["rows"] or cfg["rows"] != _next_pow2(cfg["rows"]):
+            raise ValueError(f"config rows={cfg['rows']} must be a power of two dividing block={block}")
+        _block_quant_2pass_kernel[(triton.cdiv(n, block), k // block)](
+            w, q, s, n, k, w.stride(0), q.stride(0), s.stride(0), FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype),
+            BLOCK=block, ROWS=cfg["rows"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        return q, s
     grid = (triton.cdiv(n, block), triton.cdiv(k // block, cfg["ng"]))
     _group_quant_kernel[grid](
         w, q, s, n, k, w.stride(0), q.stride(0), s.stride(0), block,
@@ -317,7 +356,7 @@ def fp8_quantize_tensorwise(
 
     ``config`` overrides ``amax_block``, ``amax_warps``, ``cast_block`` and ``cast_warps``."""
     _require(x)
-    cfg = _with({"amax_block": 16384, "amax_warps": 8, "cast_block": 4096, "cast_warps": 8}, config)
+    cfg = _with({"amax_block": 32768, "amax_warps": 16, "cast_block": 4096, "cast_warps": 8}, config)  # H200 --tune
     flat = x.contiguous().reshape(-1)
     n = flat.numel()
     amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
@@ -350,7 +389,7 @@ def mx_quantize(
         raise ValueError(f"K={k} must be a multiple of 32")
     emax, elem_max = _MX_PARAMS[elem_format]
     fp4 = elem_format == "e2m1"
-    cfg = _with({"block_m": 16, "block_k": min(256, _next_pow2(k)), "num_warps": 4}, config)
+    cfg = _with({"block_m": 2, "block_k": min(2048, _next_pow2(k)), "num_warps": 8}, config)  # H200 --tune
     if cfg["block_k"] < 32 or cfg["block_k"] != _next_pow2(cfg["block_k"]):
         raise ValueError(f"config block_k={cfg['block_k']} must be a power of two >= 32")
     x = x.contiguous()
