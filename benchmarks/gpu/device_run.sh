@@ -27,4 +27,10 @@ case "${1:-all}" in
   decode-fused-full) run "${FULL_S:-140}" python3 benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes full --fuse "${FULL_FUSE:-on}" --hf none --out decode_fused_full.json ;;
   fp8-train) run 170 python3 benchmarks/quant/bench_fp8_training.py --variants bf16,fp8,bf16+compile,fp8+compile --budget-s 140 --out fp8_train_8b.json ;;
   s2call1) for part in gpu-tests2 quant-tune decode-fused fp8-train decode-fused-full; do "$0" "$part"; done ;;
+  train-single) run 170 python3 benchmarks/gpu/bench_train.py --steps 4 --warmup 2 --budget-s 150 --variant-timeout-s 90 --profile 1.7b/bf16+compile+single --variants 1.7b/bf16+compile,1.7b/bf16+compile+single,1.7b/bf16+compile+single+16x1024 ;;
+  fp8-graph) run 140 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16,fp8_row,fp8_block --modes graph --out fp8_rollout2_graph.json ;;
+  # compiled engines one process each (side by side in one job)
+  fp8-full-bf16) run 100 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl --out fp8_rollout2_full_bf16.json ;;
+  fp8-full-row) run 100 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row --modes full --no-exact-kl --out fp8_rollout2_full_row.json ;;
+  s2call2) for part in quant-tune train-single fp8-graph fp8-full-bf16 fp8-full-row; do "$0" "$part"; done ;;
 esac
