@@ -10,7 +10,10 @@ so the query can be *packed*: ``(B, H, 1, D) -> (B, H_kv, n_rep, D)`` and attent
 per KV head with ``n_rep`` query rows (one pass over the cache; the mask ``(B, 1, 1, L)``
 broadcasts). The result is the same function: every query row still attends to its own keys.
 On CUDA (with Triton) the packed attention runs in the split-KV kernel of
-:mod:`~lumenrl_backends.engines.triton_attention`; elsewhere through SDPA.
+:mod:`~lumenrl_backends.engines.triton_attention`, which stops each row at its write column (read
+from the engine cache's decode view: columns past it are masked anyway, and under
+``compile="full"`` the view spans ``max_seq_len``, so the bound saves the unused tail's reads);
+elsewhere through SDPA.
 
 FP8 KV cache: in decode the slot cache returns its FP8 storage as is (no dequantized copy of the
 cache per layer and step) and records the layer's scales on itself (``current_scales``); this
@@ -84,10 +87,21 @@ def packed_decode_attention(
             packed, key, value, attention_mask[:, 0, 0, :], scale,
             k_scale=None if kv_scales is None else kv_scales.k_scale,
             v_scale=None if kv_scales is None else kv_scales.v_scale,
+            last=_write_columns(batch),
         )
     else:
         out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _write_columns(batch: int) -> torch.Tensor | None:
+    """(B,) cache column each decode row writes (its last visible key: the mask never allows a later
+    column), from the active engine cache's decode view; None outside the engine's decode."""
+    cache = _ACTIVE_CACHE[0]
+    view = getattr(cache, "view", None)
+    if view is None or not view.decode or view.columns.shape[0] != batch:
+        return None
+    return view.columns[:, -1]
 
 
 @contextlib.contextmanager

@@ -15,6 +15,14 @@ FP8 KV scales are updated in place, so graphs stay valid across weight syncs. If
 (an op that syncs with the host, say), the error is kept in :attr:`DecodeGraphs.error` and the
 engine keeps decoding eagerly: a slower but correct fallback.
 
+Capture and Python's garbage collector: ``torch.cuda.graph`` no longer runs ``gc.collect()``
+before capture (torch >= 2.6), so a dead engine held by a reference cycle (an engine's
+``DecodeGraphs`` holds its bound step) could be collected *during* another engine's capture;
+its destructors (CUDA graphs, events, pinned buffers) then invalidate that capture
+(``cudaErrorStreamCaptureInvalidated``, seen with two engines built one after the other in a
+process). :func:`gc_paused` collects once before an engine's first capture (dead engines free
+their memory outside capture) and disables the collector for the duration of every capture.
+
 Memory budget
 -------------
 :func:`kv_bytes_per_token` reads the per-token K/V size from an HF config (GQA and DeepSeek MLA
@@ -24,13 +32,30 @@ number of KV slots of ``max_seq_len`` columns.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["DecodeGraphs", "kv_bytes_per_token", "slots_for_budget"]
+__all__ = ["DecodeGraphs", "gc_paused", "kv_bytes_per_token", "slots_for_budget"]
+
+
+@contextlib.contextmanager
+def gc_paused(collect: bool = False) -> Iterator[None]:
+    """No cyclic garbage collection inside the block (``collect``: one full collection first); the
+    collector's previous state is restored on exit, exceptions included."""
+    if collect:
+        gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class DecodeGraphs:
@@ -64,7 +89,8 @@ class DecodeGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # no destructor of a dead engine may run inside the capture (see module doc)
+            with gc_paused(collect=not self.graphs), torch.cuda.graph(graph, pool=self._pool):
                 outputs = self.step(*key)
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to eager decode
             self.error = f"{type(err).__name__}: {err}"

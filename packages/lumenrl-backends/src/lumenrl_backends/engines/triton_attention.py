@@ -15,6 +15,11 @@ the multiprocessors about twice. Masked-out columns get ``-inf`` scores; a row w
 all masked in a split contributes nothing (``lse = -inf``). The engine always leaves the written
 column visible, so every row has at least one key.
 
+Bounded walk: the engine passes each row's write column (``last``; the mask never allows a later
+column), and a program's loop ends there, so columns past a row's length are neither loaded nor
+computed. This matters under ``compile="full"``, where the attended length is fixed at
+``max_seq_len``: rows at their mean length no longer pay for the whole cache.
+
 An FP8 cache is read as stored: one-element K/V dequant scales are folded into the scores and
 the output, so no dequantized copy of the cache is made. Exposed as the custom op ``lumenrl::gqa_decode_attention`` (opaque to ``torch.compile``, safe
 inside CUDA-graph capture: no host sync, buffers from the caching allocator). Works in Triton's
@@ -24,6 +29,7 @@ interpreter on CPU too (``TRITON_INTERPRET=1``), which the CPU tests use.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -39,6 +45,9 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU environments without Triton
     triton = None
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does at import
 
 
 def available() -> bool:
@@ -68,12 +77,12 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q, K, V, M, PART, LSE, K_SCALE, V_SCALE, scale,
+        Q, K, V, M, PART, LSE, K_SCALE, V_SCALE, LAST, scale,
         s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_mb,
-        s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls,
+        s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_last,
         kv_len,
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_SCALE: tl.constexpr,
+        HAS_SCALE: tl.constexpr, HAS_LAST: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr,
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_g, offs_d, offs_n = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
@@ -86,8 +95,13 @@ if triton is not None:
         acc = tl.zeros([BLOCK_G, D], tl.float32)
         start = s * CHUNK
         end = tl.minimum(start + CHUNK, kv_len)
-        for n0 in range(0, CHUNK, BLOCK_N):
-            cols = start + n0 + offs_n
+        if HAS_LAST:  # columns after the row's last visible one are never read (the loop stops there)
+            end = tl.minimum(end, tl.load(LAST + b * s_last).to(tl.int32) + 1)
+        # compiled: the loop ends at ``end``; the interpreter (CPU tests) cannot take run-time bounds,
+        # so it walks the whole chunk with masked (never performed) loads past ``end``: same values
+        lo, hi = (start, end) if RUNTIME_BOUNDS else (0, CHUNK)
+        for n0 in range(lo, hi, BLOCK_N):
+            cols = (n0 if RUNTIME_BOUNDS else start + n0) + offs_n
             in_range = cols < end
             allowed = tl.load(M + b * s_mb + cols, mask=in_range, other=0) != 0
             k = tl.load(K + b * s_kb + h * s_kh + cols[:, None] * s_kl + offs_d[None, :], mask=in_range[:, None], other=0.0)
@@ -140,6 +154,7 @@ def _splits(batch: int, kv_heads: int, kv_len: int, block_n: int) -> int:
 def _run(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
     splits: int | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     batch, kv_heads, groups, dim = query.shape
     kv_len = key.shape[2]
@@ -152,14 +167,15 @@ def _run(
     mask = allowed
     has_scale = k_scale is not None
     _split_kernel[(batch, kv_heads, splits)](
-        query, key, value, mask, partial, lse, k_scale if has_scale else lse, v_scale if has_scale else lse, scale,
+        query, key, value, mask, partial, lse, k_scale if has_scale else lse, v_scale if has_scale else lse,
+        lse if last is None else last, scale,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0),
-        *partial.stride()[:4], *lse.stride()[:3],
+        *partial.stride()[:4], *lse.stride()[:3], 0 if last is None else last.stride(0),
         kv_len,
         CHUNK=chunk, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
-        HAS_SCALE=has_scale,
+        HAS_SCALE=has_scale, HAS_LAST=last is not None, RUNTIME_BOUNDS=not _INTERPRETED,
     )
     _merge_kernel[(batch, kv_heads, groups)](
         partial, lse, out, *partial.stride()[:4], *lse.stride()[:3], *out.stride()[:3], SPLITS=splits, G=groups, D=dim,
@@ -169,9 +185,9 @@ def _run(
 
 def _op_impl(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, last: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _run(query, key, value, allowed, scale, k_scale=k_scale, v_scale=v_scale)
+    return _run(query, key, value, allowed, scale, k_scale=k_scale, v_scale=v_scale, last=last)
 
 
 # registered at import (a registration inside a torch.compile'd region would break the graph);
@@ -181,21 +197,25 @@ if triton is not None:
     _OP = getattr(torch.ops.lumenrl, "gqa_decode_attention", None)
     if _OP is None:
         _OP = torch.library.custom_op("lumenrl::gqa_decode_attention", mutates_args=())(_op_impl)
-        _OP.register_fake(lambda query, key, value, allowed, scale, k_scale=None, v_scale=None: torch.empty_like(query))
+        _OP.register_fake(
+            lambda query, key, value, allowed, scale, k_scale=None, v_scale=None, last=None: torch.empty_like(query)
+        )
 
 
 def gqa_decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query (B, H_kv, G, D), key/value (B, H_kv, L, D) with unit last stride, allowed (B, L) bool
     -> (B, H_kv, G, D) in the query dtype. FP8 key/value take one-element dequant scales
-    ``k_scale``/``v_scale`` (``x = q * scale``), applied in-kernel (no dequantized copy)."""
+    ``k_scale``/``v_scale`` (``x = q * scale``), applied in-kernel (no dequantized copy).
+    ``last`` (B,) int64, optional: each row's last column that ``allowed`` may mark (the engine's
+    write column); later columns are neither read nor computed (bounded loop)."""
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
     if k_scale is not None:
         k_scale, v_scale = k_scale.reshape(1).float(), v_scale.reshape(1).float()
-    return _OP(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale)
+    return _OP(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last)
 
 
 def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> bool:
