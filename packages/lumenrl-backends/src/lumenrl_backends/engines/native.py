@@ -12,8 +12,9 @@ Design (what the GPU-speed work builds on without a rewrite):
   CUDA the whole step (forward, sampling, state advance) is captured once per
   (bucket, kv_len, sampling mode) and replayed (:mod:`~lumenrl_backends.engines.graphs`);
   ``compile="full"`` additionally runs the decode forward through ``torch.compile`` (fused
-  elementwise kernels; KV length then fixed at ``max_seq_len``; at most two compiles: the first
-  bucket static, then one with a symbolic batch for all other buckets);
+  elementwise kernels; KV length then fixed at ``max_seq_len``, but the Triton decode attention
+  stops each row at its write column, so the unused tail is not read; at most two compiles: the
+  first bucket static, then one with a symbolic batch for all other buckets);
 * projection fusion at load (``fuse_projections``, :mod:`~lumenrl_backends.engines.fusion`): one
   q/k/v GEMM and one gate/up GEMM per layer over fused storage that the named parameters view;
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
