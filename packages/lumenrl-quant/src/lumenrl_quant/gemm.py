@@ -63,7 +63,7 @@ from lumenrl_quant.formats import fp8_format
 from lumenrl_quant.fp8 import dequantize_fp8
 
 __all__ = [
-    "GemmPath", "ScaleLayout", "emulated_scaled_mm", "gemm_path", "infer_scale_layout", "run_gemm_path", "scaled_mm",
+    "GemmPath", "ScaleLayout", "as_dtype", "emulated_scaled_mm", "gemm_path", "infer_scale_layout", "run_gemm_path", "scaled_mm",
 ]
 
 GemmPath = str  # "scaled_mm_<tensorwise|rowwise|rowwise_epilogue|blockwise>" | "triton_blockwise" | "emulated"
@@ -235,7 +235,17 @@ def emulated_scaled_mm(
     out = a @ b.t()
     if bias is not None:
         out = out + bias.float()
-    return out.to(out_dtype)
+    return as_dtype(out, out_dtype)
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, but no op at all (not even an identity ``to`` node) when ``t`` already is ``dtype``.
+
+    Inside an ``autograd.Function`` traced by dynamo, an identity ``to`` makes a second graph value
+    for the same tensor; torch 2.11 returns such aliases of the output as extra subgraph outputs,
+    which re-routes the output's gradient and zeroes every input gradient (pytorch#180642).
+    """
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _torch_scaled_mm(mode: str, a_q, a_scale, b_q, b_scale, out_dtype) -> torch.Tensor:
@@ -330,7 +340,7 @@ def rowwise_epilogue(
     if torch.compiler.is_compiling() or acc.requires_grad:
         sa, sb = a_scale.float().reshape(-1, 1), b_scale.float().reshape(1, -1)
         out = acc * sa * sb
-        return (out if bias is None else out + bias.float()).to(out_dtype)
+        return as_dtype(out if bias is None else out + bias.float(), out_dtype)
     if acc.is_cuda and _epilogue_kernel() is not None and (bias is None or bias.is_contiguous()):
         return triton_rowwise_epilogue(acc, a_scale, b_scale, bias, out_dtype)
     sa, sb = a_scale.float().reshape(-1, 1), b_scale.float().reshape(1, -1)

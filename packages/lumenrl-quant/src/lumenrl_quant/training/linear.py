@@ -36,7 +36,12 @@ counters and data pointers stay in eager mode), so a compiled decoder layer comp
 never recompiles; inside the graph the weight is re-quantized each forward (fused by inductor,
 about 3 bytes of traffic per weight element, small next to the GEMMs it feeds). The recipe (FP8
 dtypes, whether the device has ``torch._scaled_mm``) is resolved eagerly, when the module is
-built or moved, never inside a trace.
+built or moved, never inside a trace. No ``autograd.Function`` forward here returns a tensor that
+another traced value aliases (casts are :func:`~lumenrl_quant.gemm.as_dtype`, never an identity
+``.to``): torch 2.11's dynamo returns forward intermediates as extra outputs without dropping
+aliases, which re-numbers the real output and zeroes every input gradient (pytorch#180642; the
+H200 run's 0 dB weight gradients). ``tests/test_quant_fp8_training_compile_grads.py`` checks this
+on CPU with dynamo put in that mode.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lumenrl_quant.gemm import emulated_scaled_mm, scaled_mm
+from lumenrl_quant.gemm import as_dtype, emulated_scaled_mm, scaled_mm
 from lumenrl_quant.training.recipes import Fp8TrainingConfig, QuantizedOperand, Recipe
 from lumenrl_quant.triton_training import quantize_with_transpose
 
@@ -118,7 +123,7 @@ def _mm(a: QuantizedOperand, b: QuantizedOperand, out_dtype: torch.dtype, bias=N
         a_block_size=a.block_size,
         b_block_size=b.block_size,
     )
-    return out.to(out_dtype)
+    return as_dtype(out, out_dtype)  # never an identity ``to``: see the module doc (torch.compile)
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -157,7 +162,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = _wgrad(grad, x, recipe, weight.dtype)
         if ctx.needs_input_grad[2]:
-            db = grad.sum(dim=0).to(ctx.bias_dtype)
+            db = as_dtype(grad.sum(dim=0), ctx.bias_dtype)
         return dx, dw, db, None, None
 
 
@@ -167,14 +172,14 @@ def _gemm_tn(a, sa, b, sb, out_dtype: torch.dtype, fast: bool, bias=None, fast_a
     ``fast_accum`` (forward only, as torchao.float8 does): Hopper's faster FP8 accumulation;
     the gradient GEMMs keep cuBLAS's periodic promotion to float32."""
     if fast:  # cuBLASLt wants mat2 column-major: b.t() is exactly that view of row-major b
-        b16 = None if bias is None else bias.to(torch.bfloat16)
+        b16 = None if bias is None else as_dtype(bias, torch.bfloat16)
         out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=b16, out_dtype=torch.bfloat16,
                                use_fast_accum=fast_accum)
-        return out.to(out_dtype)
+        return as_dtype(out, out_dtype)
     out = (a.float() * sa) @ (b.float() * sb).t()  # the exact emulation (gemm.emulated_scaled_mm)
     if bias is not None:
         out = out + bias.float()
-    return out.to(out_dtype)
+    return as_dtype(out, out_dtype)
 
 
 def _quantize_pair(t: torch.Tensor, dtype: torch.dtype) -> QuantizedOperand:
@@ -207,7 +212,7 @@ class _TensorwiseFp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = _gemm_tn(gqt, gs, xqt, xs, w_dtype, ctx.fast)  # (N, K), reduced over tokens
         if ctx.needs_input_grad[2]:
-            db = grad.sum(dim=0).to(b_dtype)
+            db = as_dtype(grad.sum(dim=0), b_dtype)
         return dx, dw, db, None, None, None, None, None, None
 
 
