@@ -73,6 +73,11 @@ SCRIPT = textwrap.dedent(
         inv = torch.exp2(127.0 - ref.scale.float()).repeat_interleave(32, dim=-1)
         y = (x * inv).clamp(-448, 448)
         assert torch.equal(d.view(torch.uint8), interp_cast(y).view(torch.uint8)), f"mx {cfg}: codes differ"
+    ref4 = quantize_mx(x, "e2m1", backend="torch")  # FP4 codes are integer math: exact in the interpreter
+    for cfg in (None, {"impl": "pairs", "block_m": 4, "block_k": 128, "num_warps": 4},
+                {"impl": "pairs", "block_m": 1, "block_k": 512, "num_warps": 8}):
+        d, s = tk.mx_quantize(x, "e2m1", config=cfg)
+        assert torch.equal(s, ref4.scale) and torch.equal(d, ref4.data), f"mx e2m1 {cfg}: differs"
     try:
         tk.fp8_quantize_groups(x, 128, config={"ng": 3})
     except ValueError as err:

@@ -219,6 +219,47 @@ if triton is not None:
             tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], v.to(OUT), mask=mask)
 
     @triton.jit
+    def _e2m1_code(v):
+        # E2M1 magnitude code by thresholds (ties to even), sign in bit 3
+        a = tl.abs(v)
+        code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+                + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+                + (a > 5.0).to(tl.int32))
+        return code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
+
+    @triton.jit
+    def _mx_fp4_pairs_kernel(
+        x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+        EMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    ):
+        # MXFP4 with the even and odd elements loaded as two (BLOCK_M, BLOCK_P) tiles, so a packed
+        # byte's two nibbles are already in one thread (no register shuffle to pair them up); a
+        # 32-element block is 16 pairs. Same math as _mx_quant_kernel's FP4 branch.
+        pid_m = tl.program_id(0)
+        pid_p = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        mask = (rows[:, None] < M) & (pairs[None, :] < K // 2)
+        base = x_ptr + rows[:, None] * stride_xm + 2 * pairs[None, :]
+        xe = tl.reshape(tl.load(base, mask=mask, other=0.0).to(tl.float32), (BLOCK_M, BLOCK_P // 16, 16))
+        xo = tl.reshape(tl.load(base + 1, mask=mask, other=0.0).to(tl.float32), (BLOCK_M, BLOCK_P // 16, 16))
+        amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))
+        exp_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        shared = tl.minimum(tl.maximum(exp_field - 127 - EMAX, -127), 127)
+        finite = exp_field != 255
+        byte = tl.where(finite, shared + 127, 255)
+        used = tl.where(finite, shared, 127)
+        inv_exp = 127 - used
+        inv = tl.where(inv_exp > 0, inv_exp << 23, 1 << 22).to(tl.float32, bitcast=True)[:, :, None]
+        ve = tl.reshape(tl.minimum(tl.maximum(xe * inv, -6.0), 6.0), (BLOCK_M, BLOCK_P))
+        vo = tl.reshape(tl.minimum(tl.maximum(xo * inv, -6.0), 6.0), (BLOCK_M, BLOCK_P))
+        packed = (_e2m1_code(ve) | (_e2m1_code(vo) << 4)).to(tl.uint8)
+        tl.store(q_ptr + rows[:, None] * stride_qm + pairs[None, :], packed, mask=mask)
+        scols = pid_p * (BLOCK_P // 16) + tl.arange(0, BLOCK_P // 16)[None, :]
+        tl.store(s_ptr + rows[:, None] * stride_sm + scols, byte.to(tl.uint8),
+                 mask=(rows[:, None] < M) & (scols < K // 32))
+
+    @triton.jit
     def _block_gemm_kernel(
         a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K: tl.constexpr,
         stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
@@ -323,7 +364,7 @@ def fp8_quantize_blocks(
         raise ValueError(f"K={k} must be a multiple of block={block}")
     if block != _next_pow2(block):
         raise ValueError(f"block={block} must be a power of two")
-    cfg = _with({"impl": "tile", "ng": 1, "rows": 16, "num_warps": 16, "num_stages": 2}, config)
+    cfg = _with({"impl": "2pass", "ng": 1, "rows": 64, "num_warps": 8, "num_stages": 3}, config)  # H200 --tune
     if cfg["impl"] not in ("tile", "2pass"):
         raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['tile', '2pass']")
     if cfg["ng"] < 1 or cfg["ng"] != _next_pow2(cfg["ng"]):
@@ -380,7 +421,9 @@ def mx_quantize(
     """MX-quantize ``x`` (M, K) with K % 32 == 0: ``(data, scale_bytes)`` as :func:`lumenrl_quant.mx.quantize_mx`
     stores them (fp8 elements, or E2M1 codes packed two per byte, low nibble first).
 
-    ``config`` overrides ``block_m``, ``block_k`` (a power of two >= 32) and ``num_warps``."""
+    ``config`` overrides ``block_m``, ``block_k`` (a power of two >= 32), ``num_warps`` and, for
+    E2M1, ``impl`` (``"split"``: one tile, nibbles paired by a reshape; ``"pairs"``: even and odd
+    elements loaded as two tiles)."""
     _require(x)
     if elem_format not in _MX_PARAMS:
         raise ValueError(f"elem_format={elem_format!r}; allowed: {sorted(_MX_PARAMS)}")
@@ -389,13 +432,23 @@ def mx_quantize(
         raise ValueError(f"K={k} must be a multiple of 32")
     emax, elem_max = _MX_PARAMS[elem_format]
     fp4 = elem_format == "e2m1"
-    cfg = _with({"block_m": 2, "block_k": min(2048, _next_pow2(k)), "num_warps": 8}, config)  # H200 --tune
+    cfg = _with({"impl": "split", "block_m": 2, "block_k": min(2048, _next_pow2(k)), "num_warps": 8},
+                config)  # H200 --tune
+    if cfg["impl"] not in ("split", "pairs"):
+        raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['split', 'pairs'] (pairs: e2m1 only)")
     if cfg["block_k"] < 32 or cfg["block_k"] != _next_pow2(cfg["block_k"]):
         raise ValueError(f"config block_k={cfg['block_k']} must be a power of two >= 32")
     x = x.contiguous()
     out_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(elem_format, torch.uint8)
     q = torch.empty((m, k // 2 if fp4 else k), dtype=out_dtype, device=x.device)
     s = torch.empty((m, k // 32), dtype=torch.uint8, device=x.device)
+    if fp4 and cfg["impl"] == "pairs":
+        grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(k, cfg["block_k"]))
+        _mx_fp4_pairs_kernel[grid](
+            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), EMAX=emax, BLOCK_M=cfg["block_m"],
+            BLOCK_P=cfg["block_k"] // 2, num_warps=cfg["num_warps"],
+        )
+        return q, s
     grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(k, cfg["block_k"]))
     _mx_quant_kernel[grid](
         x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), EMAX=emax, ELEM_MAX=elem_max, FP4=fp4,
