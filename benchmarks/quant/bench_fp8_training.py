@@ -15,8 +15,12 @@ Self-checks, printed as ``ERROR ...`` lines (the run continues with the other va
 
 * GPU kernels: the fused Triton quantize+transpose is bit-identical to the torch path (E4M3, E5M2);
 * every variant's first step (before its optimizer step) is compared with a bf16 eager reference
-  on the same weights and batch: loss within 2 % (0.5 % for bf16+compile) and gradients of three
-  weights (first / last layer, embedding) above an SQNR floor;
+  on the same weights and batch: loss within 2 % (0.5 % for bf16+compile), gradients of three
+  weights (first / last layer, embedding) above an SQNR floor, and the gradient of every linear of
+  the first and last layer (+ embedding, LM head, a norm) above 3 dB (0 dB = zero or wrong); each
+  per-parameter SQNR is printed;
+* a compiled variant run after the eager variant of its recipe (``fp8`` before ``fp8+compile``)
+  also compares its first-step gradients with that eager run's, per parameter (floor 15 dB);
 * compiled variants: ``torch._dynamo`` graph count after warm-up must not grow while timing
   (no recompiles), and graph breaks are reported.
 
@@ -161,9 +165,25 @@ def linear_flops(shape: str) -> float:
     return 6 * (per_layer * layers + hidden * vocab) * rows * seq + 3 * attn * layers
 
 
+_GATE_PARAMS = ("layers.0.down_proj", "layers.-1.q_proj", "embed")  # the bf16-reference SQNR floor applies here
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def _check_params(model: TinyQwen3) -> dict[str, torch.Tensor]:
-    return {"layers.0.down_proj": model.layers[0].down_proj.weight, "layers.-1.q_proj": model.layers[-1].q_proj.weight,
-            "embed": model.embed.weight}
+    """Weights whose first-step gradients are compared: every linear of the first and last layer, more."""
+    params = {"embed": model.embed.weight, "lm_head": model.lm_head.weight,
+              "layers.0.input_norm": model.layers[0].input_norm.weight}
+    for idx in (0, -1):
+        for name in _LINEARS:
+            params[f"layers.{idx}.{name}"] = getattr(model.layers[idx], name).weight
+    return params
+
+
+def _sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """SQNR on the device in float32 (0 dB: an all-zero or sign-flipped gradient)."""
+    ref, approx = ref.float(), approx.float()
+    err = (ref - approx).norm().item()
+    return math.inf if err == 0 else 20 * math.log10(ref.norm().item() / err)
 
 
 # ---------------------------------------------------------------- checks
@@ -208,7 +228,8 @@ def _sync(dev: torch.device) -> None:
 
 
 def run_variant(name: str, shape: str, dev: torch.device, batch, ref, steps: int, warmup: int,
-                profile_dir: Path | None) -> dict:
+                profile_dir: Path | None, same_recipe_eager: dict) -> dict:
+    """Time one variant; ``same_recipe_eager`` holds eager first-step grads by recipe (filled here)."""
     from torch._dynamo.utils import counters
 
     recipe, compiled, quant_backend = VARIANTS[name]
@@ -231,14 +252,25 @@ def run_variant(name: str, shape: str, dev: torch.device, batch, ref, steps: int
     row["first_step_s"] = time.perf_counter() - t0
     ref_loss, ref_grads = ref
     row["loss"], row["loss_rel_err"] = loss.item(), abs(loss.item() - ref_loss) / abs(ref_loss)
-    grads = _check_params(model)
-    row["grad_sqnr_db"] = {k: round(sqnr(ref_grads[k].float(), grads[k].grad.float()), 2) for k in ref_grads}
+    grads = {k: p.grad for k, p in _check_params(model).items()}
+    row["grad_sqnr_db"] = {k: round(_sqnr_db(ref_grads[k], grads[k]), 2) for k in ref_grads}
+    print(f"[{name}] first-step grad SQNR vs bf16 eager (dB): {json.dumps(row['grad_sqnr_db'])}", flush=True)
     loss_tol, sqnr_floor = (0.005, 25.0) if recipe is None else (0.02, 10.0)
-    bad = [k for k, v in row["grad_sqnr_db"].items() if not v >= sqnr_floor]
+    bad = [k for k in _GATE_PARAMS if not row["grad_sqnr_db"][k] >= sqnr_floor]
+    bad += [k for k, v in row["grad_sqnr_db"].items() if not v >= 3.0]  # 0 dB: zero / wrong gradient
+    eager_grads = same_recipe_eager.get(recipe) if compiled else None
+    if eager_grads is not None:  # compiled vs eager, same recipe: catches a broken compiled backward directly
+        row["grad_sqnr_vs_eager_db"] = {k: round(_sqnr_db(eager_grads[k], grads[k]), 2) for k in eager_grads}
+        print(f"[{name}] first-step grad SQNR vs eager {recipe or 'bf16'} (dB): "
+              f"{json.dumps(row['grad_sqnr_vs_eager_db'])}", flush=True)
+        bad += [f"{k} (vs eager)" for k, v in row["grad_sqnr_vs_eager_db"].items() if not v >= 15.0]
+    elif not compiled and recipe is not None:  # (bf16 eager: that is the reference itself)
+        same_recipe_eager[recipe] = {k: g.detach().clone() for k, g in grads.items()}
     row["numerics_ok"] = row["loss_rel_err"] <= loss_tol and not bad
     if not row["numerics_ok"]:
-        print(f"ERROR {name}: numerics vs bf16 eager: loss rel err {row['loss_rel_err']:.4f} (tol {loss_tol}), "
-              f"grad SQNR {row['grad_sqnr_db']} (floor {sqnr_floor} dB)", flush=True)
+        print(f"ERROR {name}: numerics: loss rel err vs bf16 eager {row['loss_rel_err']:.4f} (tol {loss_tol}); "
+              f"grads below floor ({sqnr_floor} dB vs bf16 for {list(_GATE_PARAMS)}, 3 dB for all, "
+              f"15 dB compiled vs eager): {bad}", flush=True)
     opt.step()
     opt.zero_grad(set_to_none=True)
     del loss
@@ -401,6 +433,7 @@ def main() -> int:
     batch = make_batch(shape, dev)
     ref = reference_grads(shape, dev, batch)
     rows: list[dict] = []
+    same_recipe_eager: dict = {}  # recipe -> eager first-step grads, compared with the compiled variant's
     for name in names:
         if time.perf_counter() - start > args.budget_s:
             print(f"ERROR {name}: skipped, --budget-s {args.budget_s} spent", flush=True)
@@ -409,7 +442,7 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             row = run_variant(name, shape, dev, batch, ref, args.steps, args.warmup,
-                              out.parent if name in profiled else None)
+                              out.parent if name in profiled else None, same_recipe_eager)
         except Exception as exc:  # report and continue with the other variants
             traceback.print_exc()
             print(f"ERROR {name}: {type(exc).__name__}: {exc}", flush=True)
@@ -417,7 +450,8 @@ def main() -> int:
         row["wall_s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         print(f"[{name}] " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                       for k, v in row.items() if k != "variant"), flush=True)
+                                       for k, v in row.items() if k != "variant" and not k.startswith("grad_")),
+              flush=True)  # (per-parameter grad SQNRs were printed by run_variant)
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
