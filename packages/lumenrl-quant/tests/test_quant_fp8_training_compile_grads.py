@@ -13,6 +13,8 @@ intermediates are collected and not filtered) so CPU runs catch the pattern; the
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -38,8 +40,10 @@ def torch211_tracing(monkeypatch):
 
     collect = getattr(hoo, "collect_intermediate_outputs", None)
     check = getattr(side_effects.SideEffects, "check_allowed_side_effect", None)
-    if collect is None or check is None:
-        pytest.skip("this torch's dynamo has no collect_intermediate_outputs to put in 2.11 mode")
+    if (collect is None or check is None
+            or "filter_aliased_intermediates" not in inspect.signature(collect).parameters
+            or not hasattr(side_effects.SideEffects, "should_allow_side_effects_in_hop")):
+        pytest.skip("this torch's dynamo internals differ from 2.13's: cannot put it in 2.11 mode")
 
     def collect_unfiltered(tx, subtracer, outputs, filter_aliased_intermediates=False):
         return collect(tx, subtracer, outputs, False)
