@@ -33,4 +33,7 @@ case "${1:-all}" in
   fp8-full-bf16) run 100 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl --out fp8_rollout2_full_bf16.json ;;
   fp8-full-row) run 100 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row --modes full --no-exact-kl --out fp8_rollout2_full_row.json ;;
   s2call2) for part in quant-tune train-single fp8-graph fp8-full-bf16 fp8-full-row; do "$0" "$part"; done ;;
+  quant-tune2) run 90 python3 benchmarks/quant/bench_quantize.py --tune ;;
+  fp8-full-row2) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row --modes full --no-exact-kl --out fp8_rollout2_full_row.json ;;
+  s2call3) for part in quant-tune2 fp8-train decode-fused-full fp8-full-row2 fp8-full-bf16; do "$0" "$part"; done ;;
 esac
