@@ -61,8 +61,9 @@ SCRIPT = textwrap.dedent(
     x3 = torch.randn(24, 384)  # group 384: tile 512, masked; K not a power of two
     check("rowwise 384", tk.fp8_quantize_groups(x3, 384), x3, lambda s: s)
     w = torch.randn(200, 640)  # 128x128 blocks with a partial row block and an odd number of K blocks
-    for cfg in ({"ng": 1, "num_warps": 8}, {"ng": 2, "num_warps": 4}, {"ng": 4, "num_warps": 8},
-                {"impl": "2pass", "rows": 16, "num_warps": 4}, {"impl": "2pass", "rows": 64, "num_warps": 8}):
+    for cfg in ({"impl": "tile", "ng": 1, "num_warps": 8}, {"impl": "tile", "ng": 2, "num_warps": 4},
+                {"impl": "tile", "ng": 4, "num_warps": 8}, None, {"impl": "2pass", "rows": 16, "num_warps": 4},
+                {"impl": "2pass", "rows": 64, "num_warps": 8, "hints": 1}):
         check(f"128x128 {cfg}", tk.fp8_quantize_blocks(w, 128, config=cfg), w, blocks)
     for cfg in ({"amax_block": 1024, "amax_warps": 4, "cast_block": 512, "cast_warps": 4},):
         check("tensorwise", tk.fp8_quantize_tensorwise(x, config=cfg), x, lambda s: s)
@@ -73,10 +74,14 @@ SCRIPT = textwrap.dedent(
         inv = torch.exp2(127.0 - ref.scale.float()).repeat_interleave(32, dim=-1)
         y = (x * inv).clamp(-448, 448)
         assert torch.equal(d.view(torch.uint8), interp_cast(y).view(torch.uint8)), f"mx {cfg}: codes differ"
-    ref4 = quantize_mx(x, "e2m1", backend="torch")  # FP4 codes are integer math: exact in the interpreter
-    for cfg in (None, {"impl": "pairs", "block_m": 4, "block_k": 128, "num_warps": 4},
-                {"impl": "pairs", "block_m": 1, "block_k": 512, "num_warps": 8}):
-        d, s = tk.mx_quantize(x, "e2m1", config=cfg)
+    x4 = x.clone()  # every E2M1 tie and threshold, both signs, inside blocks whose scale exponent is 0
+    x4[0, :32] = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 5.99,
+                               0.26, 0.74, 1.24, 1.26, 1.74, 1.76, 2.49, 2.51, 3.49, 3.51, 4.99, 5.01, 0.1, 0.9,
+                               1.1, 2.2])
+    x4[1, :32] = -x4[0, :32]
+    ref4 = quantize_mx(x4, "e2m1", backend="torch")
+    for cfg in (None, {"block_m": 4, "block_k": 128, "num_warps": 4}, {"block_m": 1, "block_k": 512, "num_warps": 8}):
+        d, s = tk.mx_quantize(x4, "e2m1", config=cfg)
         assert torch.equal(s, ref4.scale) and torch.equal(d, ref4.data), f"mx e2m1 {cfg}: differs"
     try:
         tk.fp8_quantize_groups(x, 128, config={"ng": 3})

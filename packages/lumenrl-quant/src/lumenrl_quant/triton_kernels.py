@@ -18,7 +18,8 @@ reference (:mod:`lumenrl_quant.fp8`, :mod:`lumenrl_quant.gemm`).
   CUDA-graph capturable).
 * ``mx_quantize(x, elem_format)``: OCP MX (E4M3 / E5M2 / E2M1 packed) in one pass; the E8M0
   exponent is read off the amax's float exponent field, scaling is an exact power-of-two
-  multiply, E2M1 rounding counts thresholds (ties to even), bit-identical to :mod:`lumenrl_quant.mx`.
+  multiply, E2M1 rounding is integer rounding of the float32 bits to one mantissa bit (ties to
+  even; 8 integer ops instead of 7 compares), bit-identical to :mod:`lumenrl_quant.mx`.
 * ``fp8_blockwise_gemm(a_q, a_scale, b_q, b_scale)``: ``out = (a*sa) @ (b*sb).T`` with 1x128
   activation and 128x128 weight scales, fp32 accumulation, one ``tl.dot`` per 128-wide K block
   scaled by ``sa[:, None] * sb[None, :]``; tiles sized for small (decode) M.
@@ -131,10 +132,11 @@ if triton is not None:
     @triton.jit
     def _block_quant_2pass_kernel(
         w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qn, stride_sn,
-        FP8_MAX: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+        FP8_MAX: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HINTS: tl.constexpr,
     ):
         # One BLOCK x BLOCK weight tile per program, walked in ROWS-row slices twice: the amax
         # pass reads HBM, the cast pass re-reads the tile (BLOCK^2 * 2 bytes, resident in L2).
+        # HINTS: keep the tile in L2 after the first read, drop it after the second, stream q out.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         cols = pid_k * BLOCK + tl.arange(0, BLOCK)
@@ -142,7 +144,8 @@ if triton is not None:
         for r in range(0, BLOCK, ROWS):
             rows = pid_n * BLOCK + r + tl.arange(0, ROWS)
             mask = (rows[:, None] < N) & (cols[None, :] < K)
-            x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_last" if HINTS else "").to(tl.float32)
             acc = tl.maximum(acc, tl.abs(x))
         amax = tl.max(tl.max(acc, axis=1), axis=0)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
@@ -150,9 +153,11 @@ if triton is not None:
         for r in range(0, BLOCK, ROWS):
             rows = pid_n * BLOCK + r + tl.arange(0, ROWS)
             mask = (rows[:, None] < N) & (cols[None, :] < K)
-            x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_first" if HINTS else "").to(tl.float32)
             q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-            tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(OUT), mask=mask)
+            tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(OUT), mask=mask,
+                     cache_modifier=".cs" if HINTS else "")
 
     @triton.jit
     def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
@@ -174,6 +179,21 @@ if triton is not None:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + offs, q.to(OUT), mask=mask)
+
+    @triton.jit
+    def _e2m1_code(v):
+        # E2M1 code of v in [-6, 6], round to nearest even. |v| >= 1 is a normal E2M1 number:
+        # round the float32 to one mantissa bit in integer arithmetic (add half an ulp minus one plus
+        # the kept bit, truncate); the top bits are then (biased exponent, mantissa bit) and the code
+        # is that minus (127 << 1) - 2. Below 1 the codes are 0 / 1 (0.5) / 2 (1.0) with ties
+        # 0.25 -> 0 and 0.75 -> 2. Sign in bit 3; NaN gives code 0 (as the threshold form did).
+        a = tl.abs(v)
+        bits = a.to(tl.int32, bitcast=True)
+        rounded = bits + 0x1FFFFF + ((bits >> 22) & 1)
+        high = (rounded >> 22) - 252
+        low = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32)
+        code = tl.where(a < 1.0, low, tl.where(a == a, high, 0))
+        return code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
 
     @triton.jit
     def _mx_quant_kernel(
@@ -206,58 +226,13 @@ if triton is not None:
         tl.store(s_ptr + srows * stride_sm + scols, byte.to(tl.uint8),
                  mask=(srows < M) & (scols < tl.cdiv(K, 32)))
         if FP4:
-            a = tl.abs(v)
-            code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-                    + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-                    + (a > 5.0).to(tl.int32))
-            code = code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
+            code = _e2m1_code(v)
             lo, hi = tl.split(tl.reshape(code, (BLOCK_M, BLOCK_K // 2, 2)))
             packed = (lo | (hi << 4)).to(tl.uint8)
             pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :]
             tl.store(q_ptr + srows * stride_qm + pcols, packed, mask=(srows < M) & (pcols < (K + 1) // 2))
         else:
             tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], v.to(OUT), mask=mask)
-
-    @triton.jit
-    def _e2m1_code(v):
-        # E2M1 magnitude code by thresholds (ties to even), sign in bit 3
-        a = tl.abs(v)
-        code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-                + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-                + (a > 5.0).to(tl.int32))
-        return code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
-
-    @triton.jit
-    def _mx_fp4_pairs_kernel(
-        x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
-        EMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-    ):
-        # MXFP4 with the even and odd elements loaded as two (BLOCK_M, BLOCK_P) tiles, so a packed
-        # byte's two nibbles are already in one thread (no register shuffle to pair them up); a
-        # 32-element block is 16 pairs. Same math as _mx_quant_kernel's FP4 branch.
-        pid_m = tl.program_id(0)
-        pid_p = tl.program_id(1)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-        mask = (rows[:, None] < M) & (pairs[None, :] < K // 2)
-        base = x_ptr + rows[:, None] * stride_xm + 2 * pairs[None, :]
-        xe = tl.reshape(tl.load(base, mask=mask, other=0.0).to(tl.float32), (BLOCK_M, BLOCK_P // 16, 16))
-        xo = tl.reshape(tl.load(base + 1, mask=mask, other=0.0).to(tl.float32), (BLOCK_M, BLOCK_P // 16, 16))
-        amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))
-        exp_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        shared = tl.minimum(tl.maximum(exp_field - 127 - EMAX, -127), 127)
-        finite = exp_field != 255
-        byte = tl.where(finite, shared + 127, 255)
-        used = tl.where(finite, shared, 127)
-        inv_exp = 127 - used
-        inv = tl.where(inv_exp > 0, inv_exp << 23, 1 << 22).to(tl.float32, bitcast=True)[:, :, None]
-        ve = tl.reshape(tl.minimum(tl.maximum(xe * inv, -6.0), 6.0), (BLOCK_M, BLOCK_P))
-        vo = tl.reshape(tl.minimum(tl.maximum(xo * inv, -6.0), 6.0), (BLOCK_M, BLOCK_P))
-        packed = (_e2m1_code(ve) | (_e2m1_code(vo) << 4)).to(tl.uint8)
-        tl.store(q_ptr + rows[:, None] * stride_qm + pairs[None, :], packed, mask=mask)
-        scols = pid_p * (BLOCK_P // 16) + tl.arange(0, BLOCK_P // 16)[None, :]
-        tl.store(s_ptr + rows[:, None] * stride_sm + scols, byte.to(tl.uint8),
-                 mask=(rows[:, None] < M) & (scols < K // 32))
 
     @triton.jit
     def _block_gemm_kernel(
@@ -356,15 +331,16 @@ def fp8_quantize_blocks(
     """Quantize ``w`` (N, K) in ``block x block`` tiles; scales ``(ceil(N/block), K/block)``.
 
     ``config`` overrides ``impl`` (``"tile"``: the tile held in registers, ``ng`` tiles per program;
-    ``"2pass"``: the tile walked in ``rows``-row slices, amax then cast), ``num_warps`` and
-    ``num_stages``."""
+    ``"2pass"``: the tile walked in ``rows``-row slices, amax then cast; ``hints``: L2 eviction
+    and streaming-store hints), ``num_warps`` and ``num_stages``."""
     _require(w)
     n, k = w.shape
     if k % block:
         raise ValueError(f"K={k} must be a multiple of block={block}")
     if block != _next_pow2(block):
         raise ValueError(f"block={block} must be a power of two")
-    cfg = _with({"impl": "2pass", "ng": 1, "rows": 64, "num_warps": 8, "num_stages": 3}, config)  # H200 --tune
+    cfg = _with({"impl": "2pass", "ng": 1, "rows": 64, "num_warps": 8, "num_stages": 3, "hints": 0},
+                config)  # H200 --tune
     if cfg["impl"] not in ("tile", "2pass"):
         raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['tile', '2pass']")
     if cfg["ng"] < 1 or cfg["ng"] != _next_pow2(cfg["ng"]):
@@ -377,7 +353,8 @@ def fp8_quantize_blocks(
             raise ValueError(f"config rows={cfg['rows']} must be a power of two dividing block={block}")
         _block_quant_2pass_kernel[(triton.cdiv(n, block), k // block)](
             w, q, s, n, k, w.stride(0), q.stride(0), s.stride(0), FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype),
-            BLOCK=block, ROWS=cfg["rows"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            BLOCK=block, ROWS=cfg["rows"], HINTS=bool(cfg["hints"]), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
         return q, s
     grid = (triton.cdiv(n, block), triton.cdiv(k // block, cfg["ng"]))
@@ -421,9 +398,7 @@ def mx_quantize(
     """MX-quantize ``x`` (M, K) with K % 32 == 0: ``(data, scale_bytes)`` as :func:`lumenrl_quant.mx.quantize_mx`
     stores them (fp8 elements, or E2M1 codes packed two per byte, low nibble first).
 
-    ``config`` overrides ``block_m``, ``block_k`` (a power of two >= 32), ``num_warps`` and, for
-    E2M1, ``impl`` (``"split"``: one tile, nibbles paired by a reshape; ``"pairs"``: even and odd
-    elements loaded as two tiles)."""
+    ``config`` overrides ``block_m``, ``block_k`` (a power of two >= 32) and ``num_warps``."""
     _require(x)
     if elem_format not in _MX_PARAMS:
         raise ValueError(f"elem_format={elem_format!r}; allowed: {sorted(_MX_PARAMS)}")
@@ -432,23 +407,13 @@ def mx_quantize(
         raise ValueError(f"K={k} must be a multiple of 32")
     emax, elem_max = _MX_PARAMS[elem_format]
     fp4 = elem_format == "e2m1"
-    cfg = _with({"impl": "split", "block_m": 2, "block_k": min(2048, _next_pow2(k)), "num_warps": 8},
-                config)  # H200 --tune
-    if cfg["impl"] not in ("split", "pairs"):
-        raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['split', 'pairs'] (pairs: e2m1 only)")
+    cfg = _with({"block_m": 2, "block_k": min(2048, _next_pow2(k)), "num_warps": 8}, config)  # H200 --tune
     if cfg["block_k"] < 32 or cfg["block_k"] != _next_pow2(cfg["block_k"]):
         raise ValueError(f"config block_k={cfg['block_k']} must be a power of two >= 32")
     x = x.contiguous()
     out_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(elem_format, torch.uint8)
     q = torch.empty((m, k // 2 if fp4 else k), dtype=out_dtype, device=x.device)
     s = torch.empty((m, k // 32), dtype=torch.uint8, device=x.device)
-    if fp4 and cfg["impl"] == "pairs":
-        grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(k, cfg["block_k"]))
-        _mx_fp4_pairs_kernel[grid](
-            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), EMAX=emax, BLOCK_M=cfg["block_m"],
-            BLOCK_P=cfg["block_k"] // 2, num_warps=cfg["num_warps"],
-        )
-        return q, s
     grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(k, cfg["block_k"]))
     _mx_quant_kernel[grid](
         x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), EMAX=emax, ELEM_MAX=elem_max, FP4=fp4,
