@@ -36,4 +36,7 @@ case "${1:-all}" in
   quant-tune2) run 90 python3 benchmarks/quant/bench_quantize.py --tune ;;
   fp8-full-row2) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row --modes full --no-exact-kl --out fp8_rollout2_full_row.json ;;
   s2call3) for part in quant-tune2 fp8-train decode-fused-full fp8-full-row2 fp8-full-bf16; do "$0" "$part"; done ;;
+  grpo-compiled) run 200 python3 benchmarks/gpu/bench_grpo_step.py --steps 3 --micro-batch 64 --out grpo_step_s2.json --override policy.rollout.compile=full --override policy.train.compile_layers=true ;;
+  fp8-full-rowkv) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv --modes full --no-exact-kl --out fp8_rollout2_full_rowkv.json ;;
+  s2call4) for part in quant-tune2 trl grpo-compiled fp8-full-bf16 fp8-full-rowkv; do "$0" "$part"; done ;;   # carry .whl too
 esac
