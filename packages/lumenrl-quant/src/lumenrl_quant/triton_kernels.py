@@ -235,6 +235,40 @@ if triton is not None:
             tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], v.to(OUT), mask=mask)
 
     @triton.jit
+    def _mx_fp4_kernel(
+        x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+        EMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    ):
+        # MXFP4 with x loaded as (BLOCK_M, BLOCK_P pairs, 2): a packed byte's two elements sit in
+        # one thread from the load on, and the nibbles are joined by an in-thread sum of shifted
+        # codes (disjoint bits). Same math as _mx_quant_kernel's FP4 branch.
+        pid_m = tl.program_id(0)
+        pid_p = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+        two = tl.arange(0, 2)
+        cols = 2 * pairs[None, :, None] + two[None, None, :]
+        mask = (rows[:, None, None] < M) & (cols < K)
+        x = tl.load(x_ptr + rows[:, None, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+        xb = tl.reshape(x, (BLOCK_M, BLOCK_P // 16, 32))
+        amax = tl.max(tl.abs(xb), axis=2)
+        exp_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        shared = tl.minimum(tl.maximum(exp_field - 127 - EMAX, -127), 127)
+        finite = exp_field != 255
+        byte = tl.where(finite, shared + 127, 255)
+        used = tl.where(finite, shared, 127)
+        inv_exp = 127 - used
+        inv = tl.where(inv_exp > 0, inv_exp << 23, 1 << 22).to(tl.float32, bitcast=True)
+        v = tl.minimum(tl.maximum(xb * inv[:, :, None], -6.0), 6.0)
+        code = _e2m1_code(tl.reshape(v, (BLOCK_M, BLOCK_P, 2)))
+        packed = tl.sum(code << (4 * two)[None, None, :], axis=2).to(tl.uint8)
+        pmask = (rows[:, None] < M) & (pairs[None, :] < (K + 1) // 2)
+        tl.store(q_ptr + rows[:, None] * stride_qm + pairs[None, :], packed, mask=pmask)
+        scols = pid_p * (BLOCK_P // 16) + tl.arange(0, BLOCK_P // 16)[None, :]
+        tl.store(s_ptr + rows[:, None] * stride_sm + scols, byte.to(tl.uint8),
+                 mask=(rows[:, None] < M) & (scols < tl.cdiv(K, 32)))
+
+    @triton.jit
     def _block_gemm_kernel(
         a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K: tl.constexpr,
         stride_am, stride_bn, stride_cm, stride_sam, stride_sbn,
@@ -339,7 +373,7 @@ def fp8_quantize_blocks(
         raise ValueError(f"K={k} must be a multiple of block={block}")
     if block != _next_pow2(block):
         raise ValueError(f"block={block} must be a power of two")
-    cfg = _with({"impl": "2pass", "ng": 1, "rows": 64, "num_warps": 8, "num_stages": 3, "hints": 0},
+    cfg = _with({"impl": "2pass", "ng": 1, "rows": 64, "num_warps": 8, "num_stages": 3, "hints": 1},
                 config)  # H200 --tune
     if cfg["impl"] not in ("tile", "2pass"):
         raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['tile', '2pass']")
@@ -398,7 +432,9 @@ def mx_quantize(
     """MX-quantize ``x`` (M, K) with K % 32 == 0: ``(data, scale_bytes)`` as :func:`lumenrl_quant.mx.quantize_mx`
     stores them (fp8 elements, or E2M1 codes packed two per byte, low nibble first).
 
-    ``config`` overrides ``block_m``, ``block_k`` (a power of two >= 32) and ``num_warps``."""
+    ``config`` overrides ``block_m``, ``block_k`` (a power of two >= 32), ``num_warps`` and, for
+    E2M1, ``impl`` (``"split"``: nibbles paired by a reshape + split of the codes; ``"pairs"``: x
+    loaded as element pairs, nibbles joined in-thread)."""
     _require(x)
     if elem_format not in _MX_PARAMS:
         raise ValueError(f"elem_format={elem_format!r}; allowed: {sorted(_MX_PARAMS)}")
@@ -407,7 +443,10 @@ def mx_quantize(
         raise ValueError(f"K={k} must be a multiple of 32")
     emax, elem_max = _MX_PARAMS[elem_format]
     fp4 = elem_format == "e2m1"
-    cfg = _with({"block_m": 2, "block_k": min(2048, _next_pow2(k)), "num_warps": 8}, config)  # H200 --tune
+    cfg = _with({"impl": "split", "block_m": 2, "block_k": min(2048, _next_pow2(k)), "num_warps": 8},
+                config)  # H200 --tune
+    if cfg["impl"] not in ("split", "pairs"):
+        raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['split', 'pairs']")
     if cfg["block_k"] < 32 or cfg["block_k"] != _next_pow2(cfg["block_k"]):
         raise ValueError(f"config block_k={cfg['block_k']} must be a power of two >= 32")
     x = x.contiguous()
@@ -415,6 +454,12 @@ def mx_quantize(
     q = torch.empty((m, k // 2 if fp4 else k), dtype=out_dtype, device=x.device)
     s = torch.empty((m, k // 32), dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(k, cfg["block_k"]))
+    if fp4 and cfg["impl"] == "pairs":
+        _mx_fp4_kernel[grid](
+            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), EMAX=emax, BLOCK_M=cfg["block_m"],
+            BLOCK_P=cfg["block_k"] // 2, num_warps=cfg["num_warps"],
+        )
+        return q, s
     _mx_quant_kernel[grid](
         x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), EMAX=emax, ELEM_MAX=elem_max, FP4=fp4,
         OUT=tl.uint8 if fp4 else _tl_fp8(out_dtype), BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"],
