@@ -184,6 +184,26 @@ def test_block_fp8_with_unaligned_heads_is_left_unfused(tmp_path):
     assert not fused.fusion_report.attention and len(fused.fusion_report.mlp) == 2  # k/v: 64 rows of 128-blocks
 
 
+@pytest.mark.parametrize("rows", [64, 192])
+def test_block_fp8_members_with_partial_blocks_are_not_fused(rows):
+    """Members of equal N that is not a multiple of 128 (e.g. q/k/v of 64 rows each) have equal
+    rows-per-scale-row, but their partial 128-row blocks cannot be concatenated."""
+    from torch import nn
+
+    from lumenrl_quant import QuantizedLinear
+
+    torch.manual_seed(0)
+    members = [QuantizedLinear.from_linear(nn.Linear(256, rows, bias=False), "fp8_block") for _ in range(3)]
+    assert isinstance(fusion._fuse_group(members), str)
+    aligned = [QuantizedLinear.from_linear(nn.Linear(256, 128 * n, bias=False), "fp8_block") for n in (2, 1, 1)]
+    x = torch.randn(4, 256)
+    expected = [m(x) for m in aligned]
+    fused = fusion._fuse_group(aligned)
+    assert not isinstance(fused, str)
+    for got, want in zip(fused(x), expected):
+        assert torch.equal(got, want)
+
+
 def test_speculative_step_keeps_results_bit_identical(tmp_path):
     """Rows stop at different steps (stop tokens, max_seq_len): the overlapped loop discards
     over-generated tokens and rolls back steps whose shape changed; results equal the synchronous loop."""

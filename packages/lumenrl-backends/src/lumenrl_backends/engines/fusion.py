@@ -13,7 +13,7 @@ small M). :func:`fuse_projections` does this at engine load, in place:
   sync path changes. Data pointers never move, so CUDA graphs stay valid across syncs.
 * quantized layers (lumenrl-quant ``QuantizedLinear``, after ``quant_scheme``): the group is fused
   when every member has the same scheme/FP8 dtype and row-aligned scales (``fp8_row``, MX schemes,
-  ``fp8_block`` when each part's N is a multiple of the 128-row block); the fused layer is a
+  ``fp8_block`` only when each part's N is a whole number of 128-row blocks); the fused layer is a
   ``QuantizedLinear`` whose ``weight``/``weight_scale`` are the concatenations, and each member's
   buffers become views of them. ``reload_`` (requantize-on-sync) copies into the member's buffers,
   i.e. into the fused ones. Per-tensor scales (``fp8_tensor``) are not fusable: left alone.
@@ -119,12 +119,21 @@ def _fuse_dense(linears: list[nn.Linear]) -> _FusedDense | str:
 
 
 def _scale_rows(linear: nn.Module) -> int | None:
-    """Weight rows per scale row, or None when the scale is not row-aligned (per-tensor)."""
-    scale = linear.weight_scale
-    if scale.dim() == 0 or scale.shape[0] == 0 or linear.out_features % scale.shape[0]:
+    """Weight rows per scale row, or None when the scale is not row-aligned.
+
+    Block schemes (``fp8_block``: 128x128 weight blocks) are row-aligned only when ``out_features``
+    is a whole number of blocks: a partial last block would not line up with the next member's
+    first one in the fused layer (whose scale rows are ``ceil(sum N / 128)``). Per-tensor scales
+    (``fp8_tensor``) are never row-aligned."""
+    from lumenrl_quant.linear import _FP8_LAYOUTS
+
+    scale, rows = linear.weight_scale, linear.out_features
+    block = _FP8_LAYOUTS.get(linear.scheme, (None, None))[1]
+    if block is not None:
+        return block[0] if rows % block[0] == 0 and scale.dim() and scale.shape[0] == rows // block[0] else None
+    if scale.dim() == 0 or scale.shape[0] == 0 or rows % scale.shape[0]:
         return None
-    rows = linear.out_features // scale.shape[0]
-    return rows if scale.shape[0] * rows == linear.out_features else None
+    return rows // scale.shape[0]
 
 
 def _fuse_quantized(linears: list[nn.Module]) -> _FusedQuantized | str:
