@@ -57,6 +57,8 @@ def test_torch_quantize_with_transpose_equals_quantize_fp8(dtype, src):
     assert torch.equal(_bits(qt), _bits(rq.t().contiguous()))
     zq, zqt, zs = quantize_with_transpose(torch.zeros(16, 32, dtype=src), dtype)  # all-zero: scale 1
     assert zs.item() == 1.0 and not zq.float().any() and zqt.shape == (32, 16)
+    eq, eqt, es = quantize_with_transpose(torch.zeros(0, 32, dtype=src), dtype)  # empty: unit scale
+    assert es.item() == 1.0 and eq.shape == (0, 32) and eqt.shape == (32, 0)
 
 
 _INTERPRET_SCRIPT = textwrap.dedent(

@@ -72,7 +72,10 @@ def triton_importable() -> bool:
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` in ``x``'s dtype (exact), one reduction, no ``abs`` temporary."""
+    """``max |x|`` in ``x``'s dtype (exact), one reduction, no ``abs`` temporary; 0 for an empty ``x``
+    (whose quantization then gets the unit scale)."""
+    if x.numel() == 0:  # the inf-norm of an empty tensor raises (no identity)
+        return x.new_zeros(())
     return torch.linalg.vector_norm(x, float("inf"))
 
 
@@ -136,12 +139,12 @@ def fp8_quantize_with_transpose_triton(
     if dtype not in table:
         raise ValueError(f"dtype={dtype} is not an FP8 dtype; allowed: {list(table)}")
     m, k = x.shape
-    amax = tensor_amax(x)
     q = torch.empty((m, k), dtype=dtype, device=x.device)
     qt = torch.empty((k, m), dtype=dtype, device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
         return q, qt, scale.fill_(1.0)
+    amax = tensor_amax(x)
     grid = (-(-m // BLOCK_M), -(-k // BLOCK_K))
     kernel[grid](
         x, amax, q, qt, scale, m, k, x.stride(0), x.stride(1),
