@@ -220,8 +220,9 @@ def gqa_decode_attention(
 
 def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Run the kernel once on fresh random inputs with a ``cache_dtype`` cache (scaled when FP8)
-    and compare with float32 attention over the same values; an error or a relative error above
-    2e-2 -> False with a warning (the engine then dequantizes before SDPA instead)."""
+    and per-row write columns ``last`` (the bounded walk the engine uses), and compare with float32
+    attention over the same values; an error or a relative error above 2e-2 -> False with a
+    warning (the engine then dequantizes before SDPA instead)."""
     import warnings
 
     if not available() or device.type != "cuda":
@@ -231,7 +232,10 @@ def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.d
         q = torch.randn((3, 2, 4, 128), generator=gen, device=device).to(dtype)
         k, v = (torch.randn((3, 2, 200, 128), generator=gen, device=device) for _ in range(2))
         allowed = torch.rand((3, 200), generator=gen, device=device) > 0.3
-        allowed[:, -1] = True
+        last = torch.tensor([199, 130, 17], device=device)  # rows end at, past and inside the first split
+        columns = torch.arange(200, device=device)
+        allowed &= columns <= last[:, None]
+        allowed[torch.arange(3, device=device), last] = True
         scales = None
         if cache_dtype in FP8_DTYPES:
             scales = (k.abs().amax() / 240.0).reshape(1), (v.abs().amax() / 240.0).reshape(1)
@@ -240,7 +244,7 @@ def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.d
         else:
             k, v = k.to(cache_dtype), v.to(cache_dtype)
             k_ref, v_ref = k.float(), v.float()
-        out = gqa_decode_attention(q, k, v, allowed, 128**-0.5, *(scales or (None, None)))
+        out = gqa_decode_attention(q, k, v, allowed, 128**-0.5, *(scales or (None, None)), last=last)
         mask = allowed[:, None, None, :]
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k_ref, v_ref, attn_mask=mask, scale=128**-0.5)
         error = float((out.float() - ref).norm() / ref.norm())
