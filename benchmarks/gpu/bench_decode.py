@@ -122,6 +122,11 @@ def fusion_check(model) -> dict:
     return res
 
 
+def native_label(mode: str, fuse: bool, overlap: bool) -> str:
+    """Row name of a native variant, e.g. ``native-graph``, ``native-full-unfused-sync``."""
+    return f"native-{mode}" + ("" if fuse else "-unfused") + ("" if overlap else "-sync")
+
+
 def run_native(model, batch_size: int, args, mode: str, fuse: bool = True, overlap: bool = True) -> dict:
     if mode == "full":
         torch._dynamo.reset()  # the model's modules change with ``fuse``: compile afresh, never reuse a variant
@@ -135,7 +140,7 @@ def run_native(model, batch_size: int, args, mode: str, fuse: bool = True, overl
     out, total = C.timed(lambda: engine.generate(batch, params))
     perf = out.meta_info["perf"]
     decode_s = total - perf["prefill_seconds"]
-    label = f"native-{mode}" + ("" if fuse else "-unfused") + ("" if overlap else "-sync")
+    label = native_label(mode, fuse, overlap)
     row = {"engine": label, "fuse": fuse, "overlap": overlap,
            "fused_groups": engine.fusion_report.fused if engine.fusion_report else 0,
            "speculation": dict(engine.speculation), "e2e_tok_s": batch_size * args.new / total,
@@ -244,14 +249,18 @@ def main() -> None:
                     try:
                         found.append(run_native(model, batch_size, args, mode, fuse, overlap))
                     except Exception as err:  # noqa: BLE001 - report and keep measuring the rest
-                        label = f"native-{mode}" + ("" if fuse else "-unfused") + ("" if overlap else "-sync")
+                        label = native_label(mode, fuse, overlap)
                         print(f"ERROR {shape} b{batch_size} {label}: {type(err).__name__}: {err}", flush=True)
                         found.append({"engine": label, "error": f"{type(err).__name__}: {err}"[:300]})
                     gc.collect()
                     torch.cuda.empty_cache()
             if batch_size in hf_batches:
                 for cache in (c for c in args.hf.split(",") if c and c != "none"):
-                    found.append(run_hf(model, batch_size, args, cache))
+                    try:
+                        found.append(run_hf(model, batch_size, args, cache))
+                    except Exception as err:  # noqa: BLE001 - report and keep measuring the rest
+                        print(f"ERROR {shape} b{batch_size} hf-{cache}: {type(err).__name__}: {err}", flush=True)
+                        found.append({"engine": f"hf-{cache}", "error": f"{type(err).__name__}: {err}"[:300]})
                     torch.cuda.empty_cache()
             hf_dyn = next((r["decode_tok_s"] for r in found if r["engine"] == "hf-dynamic"), None)
             for r in found:
