@@ -307,6 +307,9 @@ def main() -> None:
     ap.add_argument("--profile", default="1.7b/bf16", help="variants to profile one step of")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run of the code paths")
     args = ap.parse_args()
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: {unknown} unknown; allowed: {', '.join(VARIANTS)}")
     device = torch.device("cuda:0" if torch.cuda.is_available() and not args.smoke else "cpu")
     rows, seq = (ROWS, SEQ) if not args.smoke else (2, 64)
     if args.smoke:
