@@ -50,7 +50,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import environment, sqnr, table, time_ms  # noqa: E402
 
-from lumenrl_quant import triton_training  # noqa: E402
+from lumenrl_quant import sqnr_db, triton_training  # noqa: E402  (sqnr_db: 0 dB = zero or wrong gradient)
 from lumenrl_quant.training import (  # noqa: E402
     Fp8TrainingConfig,
     Fp8TrainingLinear,
@@ -179,13 +179,6 @@ def _check_params(model: TinyQwen3) -> dict[str, torch.Tensor]:
     return params
 
 
-def _sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    """SQNR on the device in float32 (0 dB: an all-zero or sign-flipped gradient)."""
-    ref, approx = ref.float(), approx.float()
-    err = (ref - approx).norm().item()
-    return math.inf if err == 0 else 20 * math.log10(ref.norm().item() / err)
-
-
 # ---------------------------------------------------------------- checks
 
 
@@ -253,14 +246,14 @@ def run_variant(name: str, shape: str, dev: torch.device, batch, ref, steps: int
     ref_loss, ref_grads = ref
     row["loss"], row["loss_rel_err"] = loss.item(), abs(loss.item() - ref_loss) / abs(ref_loss)
     grads = {k: p.grad for k, p in _check_params(model).items()}
-    row["grad_sqnr_db"] = {k: round(_sqnr_db(ref_grads[k], grads[k]), 2) for k in ref_grads}
+    row["grad_sqnr_db"] = {k: round(sqnr_db(ref_grads[k], grads[k]), 2) for k in ref_grads}
     print(f"[{name}] first-step grad SQNR vs bf16 eager (dB): {json.dumps(row['grad_sqnr_db'])}", flush=True)
     loss_tol, sqnr_floor = (0.005, 25.0) if recipe is None else (0.02, 10.0)
     bad = [k for k in _GATE_PARAMS if not row["grad_sqnr_db"][k] >= sqnr_floor]
     bad += [k for k, v in row["grad_sqnr_db"].items() if not v >= 3.0]  # 0 dB: zero / wrong gradient
     eager_grads = same_recipe_eager.get(recipe) if compiled else None
     if eager_grads is not None:  # compiled vs eager, same recipe: catches a broken compiled backward directly
-        row["grad_sqnr_vs_eager_db"] = {k: round(_sqnr_db(eager_grads[k], grads[k]), 2) for k in eager_grads}
+        row["grad_sqnr_vs_eager_db"] = {k: round(sqnr_db(eager_grads[k], grads[k]), 2) for k in eager_grads}
         print(f"[{name}] first-step grad SQNR vs eager {recipe or 'bf16'} (dB): "
               f"{json.dumps(row['grad_sqnr_vs_eager_db'])}", flush=True)
         bad += [f"{k} (vs eager)" for k, v in row["grad_sqnr_vs_eager_db"].items() if not v >= 15.0]
@@ -305,7 +298,6 @@ def run_variant(name: str, shape: str, dev: torch.device, batch, ref, steps: int
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if profile_dir is not None:
         row["profile"] = str(profile_step(name, step, dev, profile_dir))
-    triton_training.set_compiled_backend("inductor")
     return row
 
 
@@ -447,6 +439,8 @@ def main() -> int:
             traceback.print_exc()
             print(f"ERROR {name}: {type(exc).__name__}: {exc}", flush=True)
             row = {"variant": name, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        finally:  # a failed "+compile-tq" variant must not leave the Triton quantizer on for the next ones
+            triton_training.set_compiled_backend("inductor")
         row["wall_s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         print(f"[{name}] " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
