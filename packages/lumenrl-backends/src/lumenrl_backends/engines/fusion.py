@@ -263,6 +263,14 @@ def _cache_kwarg(cls: type) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
+# kind -> (member projections, other attributes the fused forward needs, the fused forward)
+_GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...], Any]] = {
+    "attention": (("q_proj", "k_proj", "v_proj"), ("head_dim",), _attention_forward),
+    "mlp": (("gate_proj", "up_proj"), ("down_proj", "act_fn"), _mlp_forward),
+}
+_ATTENTION_ATTRS = ("_lumenrl_family", "_lumenrl_window", "_lumenrl_cache_kwarg")
+
+
 @torch.no_grad()
 def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = True) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
@@ -276,33 +284,25 @@ def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = Tr
         if cls in _SUBCLASSES.values():  # fused by an earlier engine on the same model: keep it
             (report.attention if cls.forward is _attention_forward else report.mlp).append(name)
             continue
-        if attention and cls.__name__ in ATTENTION_CLASSES:
-            parts = [getattr(module, p, None) for p in ("q_proj", "k_proj", "v_proj")]
-            if any(p is None for p in parts) or not hasattr(module, "head_dim"):
-                report.skipped[name] = "no q_proj/k_proj/v_proj"
-                continue
-            fused = _fuse_group(parts)
-            if isinstance(fused, str):
-                report.skipped[name] = fused
-                continue
-            module.__dict__[_FUSED_ATTR] = fused
-            module.__dict__["_lumenrl_family"] = _family_module(cls)
-            module.__dict__["_lumenrl_window"] = ATTENTION_CLASSES[cls.__name__]
-            module.__dict__["_lumenrl_cache_kwarg"] = _cache_kwarg(cls)
-            module.__class__ = _fused_class(cls, _attention_forward)
-            report.attention.append(name)
-        elif mlp and cls.__name__ in MLP_CLASSES:
-            parts = [getattr(module, p, None) for p in ("gate_proj", "up_proj")]
-            if any(p is None for p in parts) or not hasattr(module, "down_proj") or not hasattr(module, "act_fn"):
-                report.skipped[name] = "no gate_proj/up_proj/down_proj"
-                continue
-            fused = _fuse_group(parts)
-            if isinstance(fused, str):
-                report.skipped[name] = fused
-                continue
-            module.__dict__[_FUSED_ATTR] = fused
-            module.__class__ = _fused_class(cls, _mlp_forward)
-            report.mlp.append(name)
+        kind = ("attention" if attention and cls.__name__ in ATTENTION_CLASSES
+                else "mlp" if mlp and cls.__name__ in MLP_CLASSES else None)
+        if kind is None:
+            continue
+        projections, needed, forward = _GROUPS[kind]
+        parts = [getattr(module, p, None) for p in projections]
+        if any(p is None for p in parts) or not all(hasattr(module, a) for a in needed):
+            report.skipped[name] = f"no {'/'.join(projections + needed)}"
+            continue
+        fused = _fuse_group(parts)
+        if isinstance(fused, str):
+            report.skipped[name] = fused
+            continue
+        module.__dict__[_FUSED_ATTR] = fused
+        if kind == "attention":  # what _attention_forward reads besides the fused linear
+            module.__dict__.update(zip(_ATTENTION_ATTRS, (
+                _family_module(cls), ATTENTION_CLASSES[cls.__name__], _cache_kwarg(cls))))
+        module.__class__ = _fused_class(cls, forward)
+        getattr(report, kind).append(name)
     return report
 
 
@@ -316,7 +316,7 @@ def unfuse_projections(model: nn.Module) -> int:
         if base is None:
             continue
         module.__class__ = base
-        for attr in (_FUSED_ATTR, "_lumenrl_family", "_lumenrl_window", "_lumenrl_cache_kwarg"):
+        for attr in (_FUSED_ATTR, *_ATTENTION_ATTRS):
             module.__dict__.pop(attr, None)
         count += 1
     return count
