@@ -96,6 +96,17 @@ def test_bad_modes_are_named():
         backend("on", fp8=fp8)
 
 
+def test_bad_weights_and_clip_are_named():
+    ints = torch.nn.Linear(2, 2)
+    ints.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+    with pytest.raises(ValueError, match="floating point.*torch.int64"):
+        SingleDeviceWeights(ints, torch.float32)
+    weights = SingleDeviceWeights(torch.nn.Linear(2, 2), torch.float32)
+    opt = torch.optim.AdamW(weights.trainable)
+    with pytest.raises(ValueError, match="max_norm=0.*> 0"):
+        weights.fused_clip_and_step(opt, 0.0)
+
+
 @pytest.mark.parametrize("micro", [4, 1])
 def test_steps_match_the_fully_shard_path(micro):
     """Same loss, grad norm and fp32 master update as fully_shard on one rank, over 3 steps."""

@@ -79,7 +79,9 @@ class SingleDeviceWeights:
             {str(p.dtype) for p in params if not p.is_floating_point()}
         )
         if bad:
-            raise ValueError(f"single-device weights need floating parameters on one device; also found {bad}")
+            raise ValueError(
+                f"model parameters must be floating point and on one device ({device}); also found {bad}"
+            )
         offsets, total = [], 0
         for p in params:
             offsets.append(total)
@@ -159,6 +161,8 @@ class SingleDeviceWeights:
         the step count), the attributes ``torch.amp.GradScaler`` sets on fused optimizers.
         Then :meth:`copy_back` (a no-op change when skipped).
         """
+        if not max_norm > 0:
+            raise ValueError(f"max_norm={max_norm} must be > 0 (float('inf') disables clipping)")
         grads = self.master_grads()
         if grads:
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
