@@ -120,13 +120,7 @@ def _kernel():
         if (pid_m == 0) & (pid_k == 0):
             tl.store(s_ptr, scale)
 
-    table = {
-        torch.float8_e4m3fn: tl.float8e4nv,
-        torch.float8_e5m2: tl.float8e5,
-        torch.float8_e4m3fnuz: tl.float8e4b8,
-        torch.float8_e5m2fnuz: tl.float8e5b16,
-    }
-    return _quant_t_kernel, table
+    return _quant_t_kernel
 
 
 def fp8_quantize_with_transpose_triton(
@@ -135,9 +129,9 @@ def fp8_quantize_with_transpose_triton(
     """Triton twin of :func:`quantize_with_transpose_torch` (2-D ``x``, any strides)."""
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (rows, cols); got shape {tuple(x.shape)}")
-    kernel, table = _kernel()
-    if dtype not in table:
-        raise ValueError(f"dtype={dtype} is not an FP8 dtype; allowed: {list(table)}")
+    from lumenrl_quant.triton_kernels import _tl_fp8  # the torch -> Triton FP8 dtype table
+
+    kernel, out_dtype = _kernel(), _tl_fp8(dtype)  # raises for a non-FP8 dtype
     m, k = x.shape
     q = torch.empty((m, k), dtype=dtype, device=x.device)
     qt = torch.empty((k, m), dtype=dtype, device=x.device)
@@ -148,7 +142,7 @@ def fp8_quantize_with_transpose_triton(
     grid = (-(-m // BLOCK_M), -(-k // BLOCK_K))
     kernel[grid](
         x, amax, q, qt, scale, m, k, x.stride(0), x.stride(1),
-        FP8_MAX=fp8_max(dtype), OUT=table[dtype], BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+        FP8_MAX=fp8_max(dtype), OUT=out_dtype, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
     )
     return q, qt, scale
 
