@@ -99,9 +99,6 @@ class DecodeGraphs:
             return
         self.graphs[key] = (graph, outputs)
 
-    def clear(self) -> None:
-        self.graphs.clear()
-
 
 def kv_bytes_per_token(config: Any, element_size: int) -> int:
     """Bytes of K + V one token occupies across all layers (GQA/MHA, or DeepSeek MLA's full K/V)."""
