@@ -193,7 +193,10 @@ def _family_module(cls: type) -> Any:
     for klass in cls.__mro__:
         if klass.__name__ in ATTENTION_CLASSES or klass.__name__ in MLP_CLASSES:
             return sys.modules[klass.__module__]
-    raise TypeError(f"{cls.__name__} is not a fusable transformers module")
+    raise TypeError(
+        f"{cls.__name__} is not a fusable transformers module; allowed: subclasses of "
+        f"{sorted(ATTENTION_CLASSES)} or {sorted(MLP_CLASSES)}"
+    )
 
 
 def _attention_forward(
