@@ -226,6 +226,40 @@ def test_speculative_step_keeps_results_bit_identical(tmp_path):
     assert sync.speculation["launched"] == 0
 
 
+def test_interrupt_from_another_thread_with_a_speculative_step_in_flight(tmp_path):
+    """interrupt() from a second thread while the overlapped loop has a step queued: the queued
+    step is dropped, kept tokens are unchanged, and resuming gives the uninterrupted result."""
+    import threading
+
+    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
+    overlap = engine(path)
+    batch = prompt_batch(overlap.tokenizer)
+    params = {**SAMPLED, "max_new_tokens": 20}
+    full = engine(path, overlap_sync=False).generate(batch, params)
+    original, steps = overlap._decode, []
+    in_flight = []
+
+    def decode_then_interrupt_from_a_thread(*args, **kwargs):
+        original(*args, **kwargs)
+        steps.append(1)
+        if len(steps) == 6:
+            in_flight.append(overlap._inflight is not None)
+            worker = threading.Thread(target=overlap.interrupt)
+            worker.start()
+            worker.join()
+
+    overlap._decode = decode_then_interrupt_from_a_thread
+    partial = overlap.generate(batch, params)
+    assert in_flight == [True] and overlap._inflight is None  # a queued step existed, and was dropped
+    assert partial.meta_info["interrupted"] is True
+    kept = partial.batch["response_mask"].bool()
+    assert int(kept.sum(1).max()) == 7  # prefill token + 6 decode steps
+    assert torch.equal(partial.batch["responses"][kept], full.batch["responses"][kept])
+    overlap._decode = original
+    overlap.resume()
+    assert_same(overlap.generate(partial, params), full, atol=1e-5)
+
+
 def test_engines_sharing_a_model_apply_their_own_fusion_setting(tmp_path, monkeypatch):
     path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
     model, tokenizer = load_model_and_tokenizer(str(path), dtype="float32")
