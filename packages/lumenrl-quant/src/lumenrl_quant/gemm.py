@@ -48,8 +48,9 @@ the 136 / 423 us "M = 1 anomaly" of RESULTS.md.)
 state: it is what a ``torch.compile``-d forward calls (dynamo traces it without graph breaks)
 after choosing the path once, outside the compiled region, with :func:`gemm_path`.
 
-If the fast path raises at runtime (an older torch that lacks a mode), the combination is
-remembered, a warning is emitted once, and the emulation runs instead.
+If a fast path raises at runtime (an older torch that lacks a mode), the combination is
+remembered (:func:`note_gemm_failure`, one warning) and the next best path runs instead (e.g. the
+rowwise kernel for the rowwise epilogue), finally the emulation.
 """
 
 from __future__ import annotations
