@@ -79,9 +79,9 @@ def _sweep_space() -> dict[str, list[dict]]:
         "fp8_block_128x128": [{"impl": "2pass", "rows": 64, "num_warps": 8, "num_stages": 3, "hints": 1}],
         "fp8_tensorwise": [{"amax_block": 32768, "amax_warps": 16, "cast_block": 4096, "cast_warps": 8}],
         "mx_e4m3": [{"block_m": 2, "block_k": 2048, "num_warps": 8}],
-        "mx_e2m1": [{"impl": "pairs", "block_m": bm, "block_k": bk, "num_warps": w} for bm, bk, w in
-                    [(2, 2048, 8), (4, 1024, 8), (1, 4096, 8), (4, 512, 4), (8, 256, 4), (1, 2048, 4)]]
-        + [{"impl": "split", "block_m": 4, "block_k": 1024, "num_warps": 8}],
+        "mx_e2m1": [{"impl": impl, "block_m": bm, "block_k": bk, "num_warps": w} for impl in ("split", "sum")
+                    for bm, bk, w in [(2, 2048, 8), (4, 1024, 8), (4, 512, 4), (1, 4096, 8)]]
+        + [{"impl": "pairs", "block_m": 1, "block_k": 4096, "num_warps": 8}],
     }
 
 

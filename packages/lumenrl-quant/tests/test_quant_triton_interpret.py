@@ -81,6 +81,7 @@ SCRIPT = textwrap.dedent(
     x4[1, :32] = -x4[0, :32]
     ref4 = quantize_mx(x4, "e2m1", backend="torch")
     for cfg in (None, {"block_m": 4, "block_k": 128, "num_warps": 4}, {"impl": "pairs", "block_m": 4, "block_k": 64},
+                {"impl": "sum", "block_m": 2, "block_k": 256, "num_warps": 4},
                 {"impl": "pairs", "block_m": 1, "block_k": 512, "num_warps": 8}):
         d, s = tk.mx_quantize(x4, "e2m1", config=cfg)
         assert torch.equal(s, ref4.scale) and torch.equal(d, ref4.data), f"mx e2m1 {cfg}: differs"
