@@ -39,4 +39,8 @@ case "${1:-all}" in
   grpo-compiled) run 200 python3 benchmarks/gpu/bench_grpo_step.py --steps 3 --micro-batch 64 --out grpo_step_s2.json --override policy.rollout.compile=full --override policy.train.compile_layers=true ;;
   fp8-full-rowkv) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv --modes full --no-exact-kl --out fp8_rollout2_full_rowkv.json ;;
   s2call4) for part in quant-tune2 trl grpo-compiled fp8-full-bf16 fp8-full-rowkv; do "$0" "$part"; done ;;   # carry .whl too
+  # next session, the three open goals first: MXFP4 packing options, a profile of the compiled 8B decode step
+  # (where the last 3% to 70% goes), FP8 rollout (compiled, with FP8 KV) against bf16 in the same job
+  decode-profile) run 200 python3 benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes full --fuse on --hf none --profile --out decode_profile.json ;;
+  next) for part in quant-tune2 decode-profile fp8-full-bf16 fp8-full-rowkv; do "$0" "$part"; done ;;
 esac
