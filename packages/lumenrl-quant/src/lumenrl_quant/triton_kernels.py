@@ -307,6 +307,11 @@ def _require(x: torch.Tensor) -> None:
         raise ValueError(f"Triton kernels need a GPU tensor; got device={x.device}")
 
 
+def _require_pow2(name: str, value: int, minimum: int = 1) -> None:
+    if value < minimum or value != _next_pow2(value):
+        raise ValueError(f"{name}={value} must be a power of two >= {minimum}")
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -346,8 +351,7 @@ def fp8_quantize_groups(
     cfg = _with(_group_defaults(m, k, group), config)
     block_k = _next_pow2(group) if group <= 16384 else 4096
     ng = cfg["ng"]
-    if ng < 1 or ng != _next_pow2(ng):
-        raise ValueError(f"config ng={ng} must be a power of two >= 1")
+    _require_pow2("config ng", ng)
     if ng > 1 and block_k != group:
         raise ValueError(f"config ng={ng} needs a power-of-two group; got group={group}")
     x = x.contiguous()
@@ -375,14 +379,12 @@ def fp8_quantize_blocks(
     n, k = w.shape
     if k % block:
         raise ValueError(f"K={k} must be a multiple of block={block}")
-    if block != _next_pow2(block):
-        raise ValueError(f"block={block} must be a power of two")
+    _require_pow2("block", block)
     cfg = _with({"impl": "2pass", "ng": 1, "rows": 64, "num_warps": 8, "num_stages": 3, "hints": 1},
                 config)  # H200 --tune
     if cfg["impl"] not in ("tile", "2pass"):
         raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['tile', '2pass']")
-    if cfg["ng"] < 1 or cfg["ng"] != _next_pow2(cfg["ng"]):
-        raise ValueError(f"config ng={cfg['ng']} must be a power of two >= 1")
+    _require_pow2("config ng", cfg["ng"])
     w = w.contiguous()
     q = torch.empty((n, k), dtype=dtype, device=w.device)
     s = torch.empty((triton.cdiv(n, block), k // block), dtype=torch.float32, device=w.device)
@@ -453,8 +455,7 @@ def mx_quantize(
                 config)  # H200 --tune
     if cfg["impl"] not in ("split", "sum", "pairs"):
         raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['split', 'sum', 'pairs']")
-    if cfg["block_k"] < 32 or cfg["block_k"] != _next_pow2(cfg["block_k"]):
-        raise ValueError(f"config block_k={cfg['block_k']} must be a power of two >= 32")
+    _require_pow2("config block_k", cfg["block_k"], 32)
     x = x.contiguous()
     out_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(elem_format, torch.uint8)
     q = torch.empty((m, k // 2 if fp4 else k), dtype=out_dtype, device=x.device)
