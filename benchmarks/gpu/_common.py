@@ -163,6 +163,85 @@ def merge_summary(entries: dict[str, dict[str, Any]], path: Path | None = None) 
     return path
 
 
+KERNEL_CLASSES = (  # first match wins; names of cuBLAS / CUTLASS / Triton / inductor kernels
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "_mm_", "matmul")),
+    ("attention", ("_split_kernel", "_merge_kernel", "attn", "attention", "flash", "sdpa")),
+    ("inductor", ("triton_",)),
+    ("copy", ("memcpy", "memset", "copy", "fill")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+
+
+def profile_engine(engine: Any, batch: Any, params: dict[str, Any], *, steps: int = 32,
+                   weight_bytes: float | None = None, kv_bytes: float | None = None) -> dict[str, Any]:
+    """Where a decode step's time goes, from the CUDA kernels of the engine as timed (graphs replayed,
+    compiled or not). Two profiled ``generate`` calls, ``max_new_tokens`` 1 (prefill + first token) and
+    ``1 + steps``; the first call's kernels (identical prefix) are dropped from the second, leaving the
+    decode steps. Per step: kernel busy time, kernel span (first start .. last end), idle = span - busy
+    (launch gaps, host syncs), busy time by kernel class, and the top kernels. CUPTI tracing adds some
+    host overhead per replay, so wall times here are a little above the unprofiled run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(n_new: int) -> tuple[list[Any], float]:
+        engine.generate(batch, {**params, "max_new_tokens": n_new})  # same length warm (graph buckets)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            engine.generate(batch, {**params, "max_new_tokens": n_new})
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
+        evs.sort(key=lambda e: e.time_range.start)
+        return evs, wall
+
+    head, wall_head = kernels(1)
+    full, wall_full = kernels(1 + steps)
+    decode = full[len(head):]
+    if not decode:
+        return {"error": "no decode kernels recorded"}
+    busy = sum(e.time_range.elapsed_us() for e in decode)
+    span = decode[-1].time_range.end - decode[0].time_range.start
+    by_class: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for e in decode:
+        us = e.time_range.elapsed_us()
+        by_class[kernel_class(e.name)] = by_class.get(kernel_class(e.name), 0.0) + us
+        slot = by_name.setdefault(e.name, [0, 0.0])
+        slot[0] += 1
+        slot[1] += us
+    per = 1e3 * steps  # us -> ms per step
+    out: dict[str, Any] = {
+        "steps": steps, "kernels_per_step": len(decode) / steps, "busy_ms_per_step": busy / per,
+        "span_ms_per_step": span / per, "idle_ms_per_step": (span - busy) / per,
+        "wall_ms_per_step_profiled": (wall_full - wall_head) * 1e3 / steps,
+        "busy_ms_by_class": {k: v / per for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n[:90], "class": kernel_class(n), "per_step": c / steps, "ms_per_step": us / per,
+                         "share": us / busy}
+                        for n, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]],
+    }
+    if weight_bytes is not None and by_class.get("gemm"):
+        out["gemm_weight_gbs"] = weight_bytes / (by_class["gemm"] / per * 1e-3) / 1e9
+    if kv_bytes is not None and by_class.get("attention"):
+        out["attention_kv_gbs"] = kv_bytes / (by_class["attention"] / per * 1e-3) / 1e9
+    return out
+
+
+def print_profile(prof: dict[str, Any], label: str) -> None:
+    if "error" in prof:
+        print(f"profile {label}: {prof['error']}")
+        return
+    print(f"profile {label}: {prof['kernels_per_step']:.0f} kernels/step, busy {prof['busy_ms_per_step']:.3f} ms, "
+          f"span {prof['span_ms_per_step']:.3f} ms, idle {prof['idle_ms_per_step']:.3f} ms, wall(profiled) "
+          f"{prof['wall_ms_per_step_profiled']:.3f} ms per step; gemm {prof.get('gemm_weight_gbs', 0):.0f} GB/s of "
+          f"weights, attention {prof.get('attention_kv_gbs', 0):.0f} GB/s of KV")
+    print("  by class (ms/step): " + ", ".join(f"{k} {v:.3f}" for k, v in prof["busy_ms_by_class"].items()))
+    print_table(prof["top_kernels"], ["name", "class", "per_step", "ms_per_step", "share"])
+
+
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     def fmt(v: Any) -> str:
         if isinstance(v, float):

@@ -17,8 +17,10 @@ teacher-forced forward of the original unfused modules).
 
 ``--validate`` first checks correctness on the GPU (1.7B shape, bf16): native greedy tokens vs HF
 greedy tokens, native graph vs eager (identical tokens and log-probs), and the engine's log-probs
-vs a teacher-forced forward of the same model. ``--profile`` prints the top CUDA kernels of a few
-eager decode steps (where time goes without graphs).
+vs a teacher-forced forward of the same model. ``--profile`` profiles every timed native engine as
+timed (graphs replayed, compiled or not; ``_common.profile_engine``): per decode step the kernel busy
+time, the idle time between kernels, busy time by kernel class (GEMM, attention, inductor, copy) with
+the GB/s the GEMMs reach over the weight bytes, and the top kernels.
 
     python benchmarks/gpu/bench_decode.py --models 8b --batches 64 --validate --profile
     python benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes graph,full --fuse on,off --hf ''
@@ -156,6 +158,12 @@ def run_native(model, batch_size: int, args, mode: str, fuse: bool = True, overl
               "(mean |d|)", flush=True)
     if engine.graphs.error is not None:
         print(f"ERROR {label} b{batch_size}: CUDA graph capture failed, timed eagerly: {engine.graphs.error}", flush=True)
+    if args.profile:
+        steps = 32
+        roof = C.decode_roofline(model, batch=batch_size, prompt_len=args.prompt, new_tokens=steps + 1, bandwidth_gbs=1.0)
+        row["profile"] = C.profile_engine(engine, batch, params, steps=steps, weight_bytes=roof["weight_gb"] * 1e9,
+                                          kv_bytes=roof["kv_gb_mean"] * 1e9)
+        C.print_profile(row["profile"], f"{label} b{batch_size}")
     return row
 
 
@@ -177,25 +185,6 @@ def run_hf(model, batch_size: int, args, cache: str) -> dict:
     return {"engine": f"hf-{cache}", "e2e_tok_s": batch_size * args.new / total,
             "decode_tok_s": batch_size * (args.new - 1) / max(total - prefill, 1e-9), "prefill_s": prefill,
             "total_s": total}
-
-
-def profile_decode(model, batch_size: int, prompt: int) -> list[dict]:
-    """Top CUDA kernels of 8 eager decode steps (no graphs)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=batch_size,
-                          max_seq_len=prompt + 16, cuda_graphs=False)
-    batch = C.prompt_batch(batch_size, prompt, seed=3)
-    engine.generate(batch, {**GREEDY, "max_new_tokens": 4})
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.generate(batch, {**GREEDY, "max_new_tokens": 9})  # 1 prefill + 8 decode steps
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: e.device_time_total, reverse=True)
-    total = sum(e.device_time_total for e in events)
-    kernels = sum(e.count for e in events)
-    print(f"profile: {kernels} kernel launches, {total / 1e3:.1f} ms device time (1 prefill + 8 decode steps)")
-    return [{"name": e.key[:60], "count": e.count, "device_ms": e.device_time_total / 1e3,
-             "share": e.device_time_total / total} for e in events[:15]]
 
 
 def main() -> None:
@@ -275,9 +264,6 @@ def main() -> None:
             C.write_json(args.out, result)
             C.print_table(found, ["model", "batch", "engine", "e2e_tok_s", "decode_tok_s", "roofline_frac",
                                   "x_hf_dynamic", "prefill_s", "total_s", "logprob_vs_forward_mean_absdiff", "error"])
-        if args.profile and shape == "8b":
-            result["profile_8b_b64_eager"] = profile_decode(model, 64, args.prompt)
-            C.print_table(result["profile_8b_b64_eager"], ["name", "count", "device_ms", "share"])
         del model
         gc.collect()
         torch.cuda.empty_cache()

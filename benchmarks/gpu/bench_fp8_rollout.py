@@ -146,6 +146,13 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         decode_s = total - out.meta_info["perf"]["prefill_seconds"]
         row.update(e2e_tok_s=args.batch * args.new / total, decode_tok_s=args.batch * (args.new - 1) / decode_s,
                    prefill_s=out.meta_info["perf"]["prefill_seconds"], graph_error=engine.graphs.error)
+        if args.profile:
+            steps = 32
+            roof = C.decode_roofline(engine.model, batch=args.batch, prompt_len=args.prompt, new_tokens=steps + 1,
+                                     bandwidth_gbs=1.0, kv_element=1 if name.endswith("+kv") else 2)
+            row["profile"] = C.profile_engine(engine, batch, params, steps=steps, weight_bytes=roof["weight_gb"] * 1e9,
+                                              kv_bytes=roof["kv_gb_mean"] * 1e9)
+            C.print_profile(row["profile"], f"{name}/{mode}")
         metrics = sampled_metrics(train_model, out)
         row.update(kl_k3_sampled=metrics.get("rollout_correction/kl_k3"),
                    kl_k1_sampled=metrics.get("rollout_correction/kl_k1"), sampled_metrics=metrics)
@@ -194,6 +201,7 @@ def main() -> None:
     ap.add_argument("--skip-last", type=int, default=0, help="decoder layers kept bf16 at the end")
     ap.add_argument("--kl-every-mode", action="store_true", help="recompute the exact KLs in every mode")
     ap.add_argument("--no-exact-kl", action="store_true", help="skip the exact (full-vocabulary) KLs (saves ~5 s/engine)")
+    ap.add_argument("--profile", action="store_true", help="profile each engine's decode steps as timed (see bench_decode)")
     ap.add_argument("--out", default="fp8_rollout.json")
     args = ap.parse_args()
     modes = (args.modes or args.mode).split(",")

@@ -43,4 +43,7 @@ case "${1:-all}" in
   # (where the last 3% to 70% goes), FP8 rollout (compiled, with FP8 KV) against bf16 in the same job
   decode-profile) run 200 python3 benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes full --fuse on --hf none --profile --out decode_profile.json ;;
   next) for part in quant-tune2 decode-profile fp8-full-bf16 fp8-full-rowkv; do "$0" "$part"; done ;;
+  # session 3 (2026-11-29 night): profiles of the compiled engines as timed (bf16 and fp8_row + FP8 KV)
+  fp8-profile-rowkv) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv --modes full --no-exact-kl --profile --out fp8_rollout3_profile_rowkv.json ;;
+  s3call1) for part in quant-tune2 decode-profile fp8-profile-rowkv; do "$0" "$part"; done ;;
 esac
