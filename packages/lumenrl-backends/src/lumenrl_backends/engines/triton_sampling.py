@@ -1,31 +1,56 @@
-"""Fused Gumbel-max sampling in Triton: one pass over the logits per row.
+"""Fused Gumbel-max sampling in Triton: one read of the logits, parallel over rows and vocab chunks.
 
 Computes what :func:`lumenrl_backends.engines.sampling.sample_tokens` computes without top-k/top-p
-(``greedy`` and ``plain`` modes), in one kernel instead of ~15 full-vocabulary torch ops (the
-counter-based noise alone is ~10 int64 passes over ``(B, V)``):
+(``greedy`` and ``plain`` modes), in two small kernels instead of ~15 full-vocabulary torch ops
+(the counter-based noise alone is ~10 int64 passes over ``(B, V)``):
 
-* ``scaled = logits / t`` (t = 1 for greedy rows), streamed in ``BLOCK_V`` chunks;
+* ``scaled = logits / t`` (t = 1 for greedy rows), streamed in ``BLOCK_V`` blocks;
 * the row's log-normaliser ``logsumexp(scaled)`` by an online max / sum;
 * ``argmax(scaled + g)`` with ``g = -log(-log(u))``, ``u`` the same counter-based hash of (seed,
   counter, vocab id) as the torch path (murmur3 finaliser in uint32 arithmetic; the per-row key
   is computed by the torch code and passed in), and ``argmax(scaled)`` for greedy rows;
 * output: the token and ``scaled[token] - logsumexp``.
 
+``impl="chunked"`` (default) splits the work in two launches:
+
+1. ``_chunk_kernel``, grid ``(B, n_chunks)``: each program reads ``CHUNK`` columns of one row and
+   writes, per (row, chunk), the max of ``scaled`` and ``sum(exp(scaled - max))`` (the partial
+   logsumexp), the index of that max (greedy) and the max of ``scaled + g`` with its index
+   (sampled) into float32 / int32 scratch ``(B, n_chunks)`` buffers. Within a chunk, blocks are
+   merged with a strict ``>`` so the earliest block wins a tie.
+2. ``_combine_kernel``, grid ``(B,)``: ``lse = M + log(sum_c s_c exp(m_c - M))``, the argmax over
+   chunks with ties to the LOWEST chunk (so, overall, to the lowest vocab id, as ``torch.argmax``),
+   then ``scaled[token]`` is re-read from the logits (one element; bit-identical to stage 1's
+   value) and ``token`` (int64) / ``scaled[token] - lse`` (float32) are written.
+
+With B = 64 and V = 151936 this is ~1200 programs instead of 64 walking 37 blocks each, so the
+read of the logits can run at memory bandwidth. ``chunk=None`` picks the largest power of two in
+[1024, 8192] that still gives ``>= _TARGET_PROGRAMS`` programs (smaller chunks for small batches).
+Everything is allocated with ``torch.empty`` from shapes only: no host sync, CUDA-graph safe.
+
+``impl="rowwise"`` keeps the previous one-program-per-row kernel (for benchmarks and as a check).
+
 The draws are the torch path's up to float rounding of ``log`` in the Gumbel transform (a token
-can differ only at a near-exact tie). Ties resolve to the lowest vocab id, as ``torch.argmax``.
+can differ only at a near-exact tie); the log-normaliser differs from torch's by float rounding.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["available", "fused_sample", "fused_sampler_agrees"]
+__all__ = ["available", "fused_sample", "fused_sampler_agrees", "default_chunk"]
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU environments without Triton
     triton = None
+
+IMPLS = ("chunked", "rowwise")
+_TARGET_PROGRAMS = 1024  # ~8 per SM of a 132-SM H100/H200: enough to keep the reads in flight
+_CHUNK_RANGE = (1024, 8192)  # auto chunk bounds (powers of two)
+_BLOCK_V_RANGE = (16, 16384)
+_MAX_CHUNK = 1 << 20
 
 
 def available() -> bool:
@@ -43,10 +68,83 @@ if triton is not None:
         return h ^ (h >> 16)
 
     @triton.jit
+    def _gumbel_scores(x, cols, ok, key):
+        """scaled + g, -inf outside the vocabulary; g from the counter-based hash of (key, col)."""
+        h = _fmix32(key ^ (cols.to(tl.uint32) * 0x27D4EB2F))
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        return tl.where(ok, x - tl.log(-tl.log(u)), float("-inf"))
+
+    @triton.jit
+    def _chunk_kernel(
+        LOGITS, TEMP, KEYS, PART_MAX, PART_SUM, PART_IDX, PART_C, PART_C_IDX, vocab, s_lb, n_chunks,
+        GREEDY_ONLY: tl.constexpr, BLOCK_V: tl.constexpr, BLOCKS_PER_CHUNK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        chunk = tl.program_id(1)
+        temp = tl.load(TEMP + row)
+        inv_t = 1.0 / tl.where(temp <= 0.0, 1.0, temp)
+        key = tl.load(KEYS + row).to(tl.uint32, bitcast=True)
+        offs = tl.arange(0, BLOCK_V)
+        start = chunk * (BLOCK_V * BLOCKS_PER_CHUNK)
+        run_max = tl.full([1], float("-inf"), tl.float32)  # also the greedy best value
+        run_sum = tl.zeros([1], tl.float32)
+        best_idx = tl.zeros([1], tl.int32) + start
+        best_c = tl.full([1], float("-inf"), tl.float32)  # sampled: max scaled + gumbel
+        best_c_idx = tl.zeros([1], tl.int32) + start
+        for block in range(0, BLOCKS_PER_CHUNK):
+            cols = start + block * BLOCK_V + offs
+            ok = cols < vocab
+            x = tl.load(LOGITS + row * s_lb + cols, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            blk_max, i_s = tl.max(x, 0, return_indices=True)  # ties -> lowest index
+            new_max = tl.maximum(run_max, blk_max)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # an all -inf prefix sums to 0, not nan
+            run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(x - shift), 0)
+            best_idx = tl.where(blk_max > run_max, start + block * BLOCK_V + i_s, best_idx)
+            run_max = new_max
+            if not GREEDY_ONLY:
+                blk_c, i_c = tl.max(_gumbel_scores(x, cols, ok, key), 0, return_indices=True)
+                best_c_idx = tl.where(blk_c > best_c, start + block * BLOCK_V + i_c, best_c_idx)
+                best_c = tl.maximum(best_c, blk_c)
+        at = row * n_chunks + chunk + tl.arange(0, 1)
+        tl.store(PART_MAX + at, run_max)
+        tl.store(PART_SUM + at, run_sum)
+        tl.store(PART_IDX + at, best_idx)
+        if not GREEDY_ONLY:
+            tl.store(PART_C + at, best_c)
+            tl.store(PART_C_IDX + at, best_c_idx)
+
+    @triton.jit
+    def _combine_kernel(
+        LOGITS, TEMP, PART_MAX, PART_SUM, PART_IDX, PART_C, PART_C_IDX, TOKENS, LOGPROBS, s_lb, n_chunks,
+        GREEDY_ONLY: tl.constexpr, CHUNKS_P2: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        temp = tl.load(TEMP + row)
+        greedy = temp <= 0.0
+        inv_t = 1.0 / tl.where(greedy, 1.0, temp)
+        ch = tl.arange(0, CHUNKS_P2)
+        ok = ch < n_chunks
+        base = row * n_chunks
+        m = tl.load(PART_MAX + base + ch, mask=ok, other=float("-inf"))
+        s = tl.load(PART_SUM + base + ch, mask=ok, other=0.0)
+        top, i_m = tl.max(m, 0, return_indices=True)  # ties -> lowest chunk -> lowest vocab id
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        lse = top + tl.log(tl.sum(s * tl.exp(m - shift), 0))
+        token = tl.load(PART_IDX + base + i_m)
+        if not GREEDY_ONLY:
+            c = tl.load(PART_C + base + ch, mask=ok, other=float("-inf"))
+            _, i_c = tl.max(c, 0, return_indices=True)
+            token = tl.where(greedy, token, tl.load(PART_C_IDX + base + i_c))
+        value = tl.load(LOGITS + row * s_lb + token).to(tl.float32) * inv_t  # == stage 1's scaled[token]
+        tl.store(TOKENS + row, token.to(tl.int64))
+        tl.store(LOGPROBS + row, value - lse)
+
+    @triton.jit
     def _sample_kernel(
         LOGITS, TEMP, KEYS, TOKENS, LOGPROBS, vocab, s_lb,
         GREEDY_ONLY: tl.constexpr, BLOCK_V: tl.constexpr, NUM_BLOCKS: tl.constexpr,
     ):
+        """impl="rowwise": one program per row walks the whole vocabulary."""
         row = tl.program_id(0)
         temp = tl.load(TEMP + row)
         greedy = temp <= 0.0
@@ -73,9 +171,7 @@ if triton is not None:
             best_s_idx = tl.where(take_s, block * BLOCK_V + i_s, best_s_idx)
             best_s = tl.where(take_s, blk_max, best_s)
             if not GREEDY_ONLY:
-                h = _fmix32(key ^ (cols.to(tl.uint32) * 0x27D4EB2F))
-                u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-                c = tl.where(ok, x - tl.log(-tl.log(u)), float("-inf"))
+                c = _gumbel_scores(x, cols, ok, key)
                 blk_c = tl.max(c, 0)
                 i_c = tl.argmax(c, 0)
                 take_c = blk_c > best_c
@@ -103,6 +199,43 @@ def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     return _fmix32(row ^ ((counters.to(torch.int64) * 0x9E3779B1) & _MASK32))
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def default_chunk(batch: int, vocab: int, block_v: int = _CHUNK_RANGE[0]) -> int:
+    """Largest power-of-two chunk in [1024, 8192] (and >= block_v) giving >= _TARGET_PROGRAMS programs."""
+    chunk = max(_CHUNK_RANGE[1], block_v)
+    while chunk > max(_CHUNK_RANGE[0], block_v) and batch * _cdiv(vocab, chunk) < _TARGET_PROGRAMS:
+        chunk //= 2
+    return chunk
+
+
+def _check_power_of_two(name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high or value & (value - 1):
+        raise ValueError(f"{name}={value!r}: must be a power of two in [{low}, {high}]")
+    return value
+
+
+def _launch_params(impl: str, batch: int, vocab: int, block_v: int | None, chunk: int | None) -> tuple[int, int]:
+    """Validated (block_v, chunk); chunk is 0 for impl="rowwise"."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: must be one of {', '.join(map(repr, IMPLS))}")
+    if impl == "rowwise":
+        if chunk is not None:
+            raise ValueError(f"chunk={chunk!r}: only impl='chunked' takes a chunk (impl='rowwise' walks whole rows)")
+        return _check_power_of_two("block_v", 4096 if block_v is None else block_v, *_BLOCK_V_RANGE), 0
+    if block_v is not None:
+        _check_power_of_two("block_v", block_v, *_BLOCK_V_RANGE)
+    if chunk is None:
+        chunk = default_chunk(batch, vocab, block_v or _CHUNK_RANGE[0])
+    _check_power_of_two("chunk", chunk, _BLOCK_V_RANGE[0], _MAX_CHUNK)
+    block_v = min(chunk, 2048) if block_v is None else block_v
+    if block_v > chunk:
+        raise ValueError(f"block_v={block_v}: must be <= chunk={chunk} (a chunk is a whole number of blocks)")
+    return block_v, chunk
+
+
 def fused_sample(
     logits: torch.Tensor,
     *,
@@ -110,19 +243,43 @@ def fused_sample(
     seeds: torch.Tensor,
     counters: torch.Tensor,
     greedy_only: bool = False,
-    block_v: int = 4096,
+    block_v: int | None = None,
+    chunk: int | None = None,
+    impl: str = "chunked",
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (B, V) -> tokens (B,) int64, float32 log-probs (B,); per-row temperature/seed/counter (B,)."""
+    """logits (B, V) -> tokens (B,) int64, float32 log-probs (B,); per-row temperature/seed/counter (B,).
+
+    ``chunk`` (columns per program, power of two, default :func:`default_chunk`) and ``block_v``
+    (columns per step inside a program, power of two <= chunk; default min(chunk, 2048), 4096 for
+    ``impl="rowwise"``) are launch parameters: they change the speed, never the tokens."""
     batch, vocab = logits.shape
+    block_v, chunk = _launch_params(impl, batch, vocab, block_v, chunk)
+    _check_power_of_two("num_warps", num_warps, 1, 16)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     keys = row_keys(seeds, counters)
     keys = torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32)  # same 32 bits, signed; bitcast in-kernel
+    temperature = temperature.to(torch.float32).contiguous()
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
     log_probs = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(batch,)](
-        logits, temperature.to(torch.float32).contiguous(), keys, tokens, log_probs, vocab, logits.stride(0),
-        GREEDY_ONLY=greedy_only, BLOCK_V=block_v, NUM_BLOCKS=triton.cdiv(vocab, block_v),
+    if impl == "rowwise":
+        _sample_kernel[(batch,)](
+            logits, temperature, keys, tokens, log_probs, vocab, logits.stride(0),
+            GREEDY_ONLY=greedy_only, BLOCK_V=block_v, NUM_BLOCKS=_cdiv(vocab, block_v), num_warps=num_warps,
+        )
+        return tokens, log_probs
+    n_chunks = _cdiv(vocab, chunk)
+    part_f = torch.empty((3, batch, n_chunks), dtype=torch.float32, device=logits.device)  # max, sum-exp, best c
+    part_i = torch.empty((2, batch, n_chunks), dtype=torch.int32, device=logits.device)  # argmax, argmax c
+    parts = (part_f[0], part_f[1], part_i[0], part_f[2], part_i[1])
+    _chunk_kernel[(batch, n_chunks)](
+        logits, temperature, keys, *parts, vocab, logits.stride(0), n_chunks,
+        GREEDY_ONLY=greedy_only, BLOCK_V=block_v, BLOCKS_PER_CHUNK=chunk // block_v, num_warps=num_warps,
+    )
+    _combine_kernel[(batch,)](
+        logits, temperature, *parts, tokens, log_probs, logits.stride(0), n_chunks,
+        GREEDY_ONLY=greedy_only, CHUNKS_P2=max(16, triton.next_power_of_2(n_chunks)), num_warps=1,
     )
     return tokens, log_probs
 

@@ -1,0 +1,124 @@
+"""The two-stage (rows x vocab chunks) fused sampler against the torch sampler, in Triton's CPU interpreter.
+
+One interpreted subprocess runs every case (fresh random logits each) and prints one JSON line per
+case; the tests check them: tokens identical to ``sample_tokens`` (and to the one-program-per-row
+kernel), log-probs within 1e-5. Launch-parameter validation and the default chunk run in-process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+_CASES = """
+import json
+import torch
+from lumenrl_backends.engines import triton_sampling
+from lumenrl_backends.engines.sampling import sample_tokens
+
+
+def case(name, logits, temperature, greedy_only=False, **launch):
+    batch = logits.shape[0]
+    gen = torch.Generator().manual_seed(len(name))
+    seeds = torch.randint(0, 2**62, (batch,), generator=gen)
+    counters = torch.randint(0, 5000, (batch,), generator=gen)
+    args = dict(temperature=temperature, seeds=seeds, counters=counters, greedy_only=greedy_only)
+    tokens, log_probs = triton_sampling.fused_sample(logits, **args, **launch)
+    row_tokens, _ = triton_sampling.fused_sample(logits, **args, impl="rowwise", block_v=1024)
+    ref_tokens, ref_log_probs = sample_tokens(logits, **args, top_k=torch.zeros_like(seeds),
+                                              top_p=torch.ones(batch), restrict=False)
+    print(json.dumps({"name": name, "tokens": tokens.tolist(), "ref_tokens": ref_tokens.tolist(),
+                      "rowwise_tokens": row_tokens.tolist(),
+                      "err": float((log_probs - ref_log_probs).abs().max())}))
+
+
+torch.manual_seed(11)
+case("greedy_only", torch.randn(5, 5000) * 3, torch.zeros(5), greedy_only=True, chunk=1024, block_v=512)
+case("temperature", torch.randn(5, 5000) * 3, torch.tensor([1.0, 0.7, 1.3, 0.5, 2.0]), chunk=1024, block_v=256)
+case("mixed", torch.randn(5, 4097) * 4, torch.tensor([0.0, 1.0, 0.0, 0.8, 1.2]), chunk=2048, block_v=1024)
+case("batch1_default_chunk", torch.randn(1, 3001) * 3, torch.ones(1))
+case("bf16", (torch.randn(5, 3000) * 3).bfloat16(), torch.tensor([1.0, 0.0, 0.9, 1.0, 1.1]), chunk=1024)
+masked = torch.randn(5, 5000) * 3
+masked[:, 3000:] = float("-inf")  # whole chunks of -inf (a padded vocabulary tail)
+masked[1, :1024] = float("-inf")  # and the first chunk of one row
+case("masked_chunks", masked, torch.tensor([1.0, 0.0, 1.0, 0.7, 0.0]), chunk=1024, block_v=512)
+tied = torch.randn(5, 6000)
+for row, cols in enumerate([(700, 2100, 4000), (5999, 3000), (1024, 1023), (10, 11, 5000), (2048, 4096)]):
+    tied[row, list(cols)] = 9.0  # equal maxima in different chunks (and blocks): the lowest id wins
+case("ties_greedy_only", tied, torch.zeros(5), greedy_only=True, chunk=1024, block_v=256)
+case("ties_mixed", tied, torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0]), chunk=1024, block_v=512)
+"""
+
+_EXPECTED_TIES = [700, 3000, 1023, 10, 2048]
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict]:
+    if not HAS_TRITON:
+        pytest.skip("needs triton (runs in its interpreter on CPU)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _CASES], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {row["name"]: row for row in rows}
+
+
+@pytest.mark.parametrize(
+    "name", ["greedy_only", "temperature", "mixed", "batch1_default_chunk", "bf16", "masked_chunks", "ties_greedy_only",
+             "ties_mixed"],
+)
+def test_chunked_sampler_matches_torch_sampler(interpreted, name):
+    case = interpreted[name]
+    assert case["tokens"] == case["ref_tokens"], case
+    assert case["tokens"] == case["rowwise_tokens"], case
+    assert case["err"] < 1e-5, case
+
+
+def test_ties_resolve_to_the_lowest_vocab_id(interpreted):
+    assert interpreted["ties_greedy_only"]["tokens"] == _EXPECTED_TIES
+    greedy_rows = [0, 1, 3, 4]
+    assert [interpreted["ties_mixed"]["tokens"][r] for r in greedy_rows] == [_EXPECTED_TIES[r] for r in greedy_rows]
+
+
+def test_masked_tail_never_drawn(interpreted):
+    case = interpreted["masked_chunks"]
+    assert all(t < 3000 for t in case["tokens"]) and case["tokens"][1] >= 1024
+
+
+def test_default_chunk_covers_the_gpu_and_shrinks_for_small_batches():
+    from lumenrl_backends.engines.triton_sampling import _TARGET_PROGRAMS, default_chunk
+
+    vocab = 151936
+    assert default_chunk(64, vocab) == 8192 and 64 * -(-vocab // 8192) >= _TARGET_PROGRAMS
+    assert default_chunk(256, vocab) == 8192
+    assert default_chunk(16, vocab) == 2048
+    assert default_chunk(1, vocab) == 1024  # never below 1024 columns per program
+    assert default_chunk(1, vocab, block_v=4096) == 4096  # a chunk is a whole number of blocks
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize(
+    ("launch", "match"),
+    [
+        ({"block_v": 1000}, r"block_v=1000: must be a power of two in \[16, 16384\]"),
+        ({"chunk": 3000}, r"chunk=3000: must be a power of two"),
+        ({"chunk": 1024, "block_v": 2048}, r"block_v=2048: must be <= chunk=1024"),
+        ({"impl": "fast"}, r"impl='fast': must be one of 'chunked', 'rowwise'"),
+        ({"impl": "rowwise", "chunk": 1024}, r"chunk=1024: only impl='chunked'"),
+        ({"num_warps": 3}, r"num_warps=3: must be a power of two in \[1, 16\]"),
+    ],
+)
+def test_bad_launch_parameters_raise(launch, match):
+    from lumenrl_backends.engines.triton_sampling import fused_sample
+
+    one = torch.ones(2)
+    with pytest.raises(ValueError, match=match):
+        fused_sample(torch.zeros(2, 100), temperature=one, seeds=one.long(), counters=one.long(), **launch)
