@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import weakref
@@ -140,8 +141,9 @@ for row, end in enumerate(last.tolist()):  # poison the tail: a column past ``la
     k[row, :, end + 1:] = float("nan")
     v[row, :, end + 1:] = float("nan")
 ref = reference_attention(q, k.nan_to_num(), v.nan_to_num(), allowed, 0.125)
-for splits in (1, 3):
-    out = triton_attention._run(q.reshape(4, 2, 4, 64), k, v, allowed, 0.125, splits=splits, last=last)
+tuned = {"block_n": 32, "chunk": 64, "num_warps": 2, "num_stages": 2}  # 4 splits of 64 columns, 2 loads each
+for splits, config in ((1, None), (3, None), (None, tuned), (None, {"chunk": 256})):  # the last: one split
+    out = triton_attention._run(q.reshape(4, 2, 4, 64), k, v, allowed, 0.125, splits=splits, last=last, config=config)
     assert torch.isfinite(out).all(), splits
     print(float((out.reshape(4, 1, 8, 64).double() - ref).norm() / ref.norm()))
 """
@@ -149,8 +151,19 @@ for splits in (1, 3):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
 def test_triton_kernel_stops_at_each_rows_last_column():
-    errors = [float(x) for x in _interpreted(_INTERPRETED_BOUNDED).strip().splitlines()[-2:]]
-    assert max(errors) < 1e-5
+    errors = [float(x) for x in _interpreted(_INTERPRETED_BOUNDED).strip().splitlines()[-4:]]
+    assert len(errors) == 4 and max(errors) < 1e-5
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    ({"block_n": 48}, "block_n=48"), ({"block_n": 8}, "block_n=8"), ({"chunk": 96}, "chunk=96"),
+    ({"num_stages": 0}, "num_stages=0"), ({"warps": 4}, "['warps']"),
+])
+def test_triton_attention_config_errors_name_the_bad_value(config, named):
+    from lumenrl_backends.engines import triton_attention
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        triton_attention._config(config)
 
 
 def test_write_columns_come_from_the_decode_view_only():

@@ -82,7 +82,7 @@ if triton is not None:
         s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_last,
         kv_len,
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_SCALE: tl.constexpr, HAS_LAST: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr,
+        HAS_SCALE: tl.constexpr, HAS_LAST: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr, DIRECT: tl.constexpr,
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_g, offs_d, offs_n = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
@@ -119,9 +119,14 @@ if triton is not None:
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         if HAS_SCALE:
             out = out * tl.load(V_SCALE)
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(PART + b * s_ob + h * s_oh + s * s_os + offs_g[:, None] * s_og + offs_d[None, :], out, mask=g_ok[:, None])
-        tl.store(LSE + b * s_lb + h * s_lh + s * s_ls + offs_g, lse, mask=g_ok)
+        if DIRECT:  # one split: the normalised output is final (no partials, no merge kernel)
+            tl.store(PART + b * s_ob + h * s_oh + offs_g[:, None] * s_og + offs_d[None, :],
+                     out.to(PART.dtype.element_ty), mask=g_ok[:, None])
+        else:
+            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(PART + b * s_ob + h * s_oh + s * s_os + offs_g[:, None] * s_og + offs_d[None, :], out,
+                     mask=g_ok[:, None])
+            tl.store(LSE + b * s_lb + h * s_lh + s * s_ls + offs_g, lse, mask=g_ok)
 
     @triton.jit
     def _merge_kernel(
@@ -145,6 +150,32 @@ if triton is not None:
         tl.store(OUT + b * s_outb + h * s_outh + g * s_outg + offs_d, res.to(OUT.dtype.element_ty))
 
 
+# Launch configuration: ``block_n`` key columns per loop iteration, ``chunk`` columns per split
+# program (0: split so that ``B * H_kv * splits`` covers the multiprocessors about twice, from the
+# attended length), ``num_warps``, ``num_stages`` (software pipelining of the K/V loads).
+# ``benchmarks/gpu/bench_attention.py --tune`` sweeps these on the GPU; see RESULTS.md.
+DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 3}
+_CONFIG_KEYS = frozenset(DEFAULT_CONFIG)
+
+
+def _config(config: dict[str, int] | None) -> dict[str, int]:
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    unknown = set(cfg) - _CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"config keys {sorted(unknown)}; allowed: {sorted(_CONFIG_KEYS)}")
+    for name in ("block_n", "num_warps"):
+        value = cfg[name]
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"config {name}={value!r}; allowed: a power of two >= 1")
+    if cfg["block_n"] < 16:
+        raise ValueError(f"config block_n={cfg['block_n']}; allowed: a power of two >= 16 (tl.dot)")
+    if not isinstance(cfg["chunk"], int) or cfg["chunk"] < 0 or cfg["chunk"] % cfg["block_n"]:
+        raise ValueError(f"config chunk={cfg['chunk']!r}; allowed: 0 (auto) or a multiple of block_n={cfg['block_n']}")
+    if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
+        raise ValueError(f"config num_stages={cfg['num_stages']!r}; allowed: an int >= 1")
+    return cfg
+
+
 def _splits(batch: int, kv_heads: int, kv_len: int, block_n: int) -> int:
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count if torch.cuda.is_available() else 1
     want = max(1, math.ceil(2 * sms / max(1, batch * kv_heads)))
@@ -154,16 +185,25 @@ def _splits(batch: int, kv_heads: int, kv_len: int, block_n: int) -> int:
 def _run(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
     splits: int | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    last: torch.Tensor | None = None,
+    last: torch.Tensor | None = None, config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     batch, kv_heads, groups, dim = query.shape
     kv_len = key.shape[2]
-    block_n = 64
-    splits = splits or _splits(batch, kv_heads, kv_len, block_n)
+    cfg = _config(config)
+    block_n = cfg["block_n"]
+    if splits is None:
+        splits = math.ceil(kv_len / cfg["chunk"]) if cfg["chunk"] else _splits(batch, kv_heads, kv_len, block_n)
     chunk = math.ceil(math.ceil(kv_len / splits) / block_n) * block_n
-    partial = torch.empty((batch, kv_heads, splits, groups, dim), dtype=torch.float32, device=query.device)
-    lse = torch.empty((batch, kv_heads, splits, groups), dtype=torch.float32, device=query.device)
+    splits = math.ceil(kv_len / chunk)  # no empty trailing split
     out = torch.empty((batch, kv_heads, groups, dim), dtype=query.dtype, device=query.device)
+    direct = splits == 1
+    if direct:
+        partial, lse = out.unsqueeze(2), out  # lse: an unused pointer
+        p_strides, l_strides = out.unsqueeze(2).stride()[:4], (0, 0, 0)
+    else:
+        partial = torch.empty((batch, kv_heads, splits, groups, dim), dtype=torch.float32, device=query.device)
+        lse = torch.empty((batch, kv_heads, splits, groups), dtype=torch.float32, device=query.device)
+        p_strides, l_strides = partial.stride()[:4], lse.stride()[:3]
     mask = allowed
     has_scale = k_scale is not None
     _split_kernel[(batch, kv_heads, splits)](
@@ -172,14 +212,17 @@ def _run(
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), mask.stride(0),
-        *partial.stride()[:4], *lse.stride()[:3], 0 if last is None else last.stride(0),
+        *p_strides, *l_strides, 0 if last is None else last.stride(0),
         kv_len,
         CHUNK=chunk, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
-        HAS_SCALE=has_scale, HAS_LAST=last is not None, RUNTIME_BOUNDS=not _INTERPRETED,
+        HAS_SCALE=has_scale, HAS_LAST=last is not None, RUNTIME_BOUNDS=not _INTERPRETED, DIRECT=direct,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    _merge_kernel[(batch, kv_heads, groups)](
-        partial, lse, out, *partial.stride()[:4], *lse.stride()[:3], *out.stride()[:3], SPLITS=splits, G=groups, D=dim,
-    )
+    if not direct:
+        _merge_kernel[(batch, kv_heads, groups)](
+            partial, lse, out, *partial.stride()[:4], *lse.stride()[:3], *out.stride()[:3], SPLITS=splits, G=groups,
+            D=dim,
+        )
     return out
 
 

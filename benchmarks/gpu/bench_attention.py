@@ -1,0 +1,135 @@
+"""Decode attention kernel alone: GB/s of K/V read, per launch configuration (``--tune``).
+
+The native engine's split-KV GQA decode kernel (``lumenrl_backends.engines.triton_attention``) at
+the engine's decode shape: Qwen3-8B heads (32 query / 8 KV heads, head dim 128), batch 64, a
+preallocated cache of ``--cache`` columns (prompt 256 + 256 new = 512 in the decode benchmarks),
+every row attending to ``--lengths`` columns (the bounded walk: the engine passes each row's last
+column). bf16 and FP8 (E4M3, per-layer scales) caches. Each configuration is first checked against
+float32 SDPA on the same (dequantized) values (relative error <= 2e-2), then timed as device time
+inside a CUDA graph (two K/V sets alternated so a call does not find the previous one's K/V in L2).
+GB/s = K + V bytes the rows attend to / time; ``pct_copy`` against the copy bandwidth measured in
+the same run. The best configuration per cache dtype is printed last; the kernel's default
+(``DEFAULT_CONFIG``) is always measured as the first row.
+
+    python benchmarks/gpu/bench_attention.py --tune --out attention_tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+
+def _quant_common():
+    """benchmarks/quant/_common.py (its CUDA-graph timer), loaded by path: the name ``_common`` is taken."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_quant_common", Path(__file__).resolve().parents[1] / "quant" / "_common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+time_graph_ms = _quant_common().time_graph_ms
+
+from lumenrl_backends.engines import triton_attention as ta  # noqa: E402
+
+
+def _sweep() -> list[dict[str, int]]:
+    configs = [dict(ta.DEFAULT_CONFIG)]
+    for block_n, chunk, warps, stages in itertools.product((32, 64, 128), (0, 128, 256), (4, 8), (2, 3, 4)):
+        if chunk and chunk < block_n:
+            continue
+        cfg = {"block_n": block_n, "chunk": chunk, "num_warps": warps, "num_stages": stages}
+        if cfg != configs[0]:
+            configs.append(cfg)
+    return configs
+
+
+def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn((batch, kv_heads, groups, dim), generator=gen, device="cuda").to(torch.bfloat16)
+    k = torch.randn((batch, kv_heads, cache, dim), generator=gen, device="cuda")
+    v = torch.randn((batch, kv_heads, cache, dim), generator=gen, device="cuda")
+    last = torch.full((batch,), length - 1, device="cuda", dtype=torch.int64)
+    allowed = torch.arange(cache, device="cuda")[None, :] <= last[:, None]
+    scales = (None, None)
+    if dtype == torch.bfloat16:
+        k, v = k.to(dtype), v.to(dtype)
+        ref_k, ref_v = k.float(), v.float()
+    else:
+        scales = (k.abs().amax() / 448.0).reshape(1), (v.abs().amax() / 448.0).reshape(1)
+        k, v = (k / scales[0]).to(dtype), (v / scales[1]).to(dtype)
+        ref_k, ref_v = k.float() * scales[0], v.float() * scales[1]
+    return q, k, v, allowed, last, scales, ref_k, ref_v
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--cache", type=int, default=512)
+    ap.add_argument("--lengths", default="384", help="columns each row attends to (comma separated)")
+    ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--tune", action="store_true", help="sweep launch configurations (else: the default only)")
+    ap.add_argument("--out", default="attention_tune.json")
+    args = ap.parse_args()
+    kv_heads, groups, dim = 8, 4, 128
+    result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
+    copy_gbs = C.copy_bandwidth_gbs()
+    result["copy_bandwidth_gbs"] = copy_gbs
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s; torch {torch.__version__}")
+    configs = _sweep() if args.tune else [dict(ta.DEFAULT_CONFIG)]
+    rows, best = [], {}
+    dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+    for name, length in itertools.product(args.dtypes.split(","), (int(x) for x in args.lengths.split(","))):
+        dtype = dtypes[name]
+        sets = [inputs(args.batch, kv_heads, groups, dim, args.cache, length, dtype, seed) for seed in (1, 2)]
+        q, _, _, allowed, _, _, ref_k, ref_v = sets[0]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), ref_k, ref_v, attn_mask=allowed[:, None, None, :], scale=dim**-0.5)
+        moved = 2 * args.batch * kv_heads * length * dim * (1 if name == "fp8" else 2)
+        for cfg in configs:
+            row = {"dtype": name, "length": length, **cfg}
+            try:
+                q, k, v, allowed, last, scales, _, _ = sets[0]
+                out = ta._run(q, k, v, allowed, dim**-0.5, k_scale=scales[0], v_scale=scales[1], last=last, config=cfg)
+                err = float((out.float() - ref).norm() / ref.norm())
+                row["rel_err"] = err
+                if not err <= 2e-2:
+                    raise RuntimeError(f"relative error {err:.3g} > 2e-2")
+                fns = [lambda s=s, c=cfg: ta._run(s[0], s[1], s[2], s[3], dim**-0.5, k_scale=s[5][0], v_scale=s[5][1],
+                                                 last=s[4], config=c) for s in sets]
+                ms, how = time_graph_ms(fns)
+                row.update(us=ms * 1e3, gbs=moved / (ms * 1e-3) / 1e9, timing=how)
+                row["pct_copy"] = 100 * row["gbs"] / copy_gbs
+            except Exception as err:  # noqa: BLE001 - report, keep sweeping
+                row["error"] = f"{type(err).__name__}: {err}"[:200]
+            rows.append(row)
+            key = f"{name}_L{length}"
+            if "gbs" in row and (key not in best or row["gbs"] > best[key]["gbs"]):
+                best[key] = row
+        del sets
+        torch.cuda.empty_cache()
+        result.update(rows=rows, best=best)
+        C.write_json(args.out, result)
+    default = [r for r in rows if all(r.get(k) == v for k, v in ta.DEFAULT_CONFIG.items())]
+    print("default configuration:")
+    C.print_table(default, ["dtype", "length", "block_n", "chunk", "num_warps", "num_stages", "us", "gbs", "pct_copy",
+                            "rel_err", "error"])
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        print(f"{len(errors)} configurations failed, first: {errors[0]}")
+    print("best configuration per cache dtype and length:")
+    C.print_table(list(best.values()), ["dtype", "length", "block_n", "chunk", "num_warps", "num_stages", "us", "gbs",
+                                        "pct_copy", "rel_err"])
+
+
+if __name__ == "__main__":
+    main()
