@@ -28,7 +28,7 @@ from lumenrl_backends.engines.sampling import sample_tokens
 def case(name, logits, temperature, greedy_only=False, **launch):
     batch = logits.shape[0]
     gen = torch.Generator().manual_seed(len(name))
-    seeds = torch.randint(0, 2**62, (batch,), generator=gen)
+    seeds = torch.randint(-2**62, 2**62, (batch,), generator=gen)  # negative seeds too
     counters = torch.randint(0, 5000, (batch,), generator=gen)
     args = dict(temperature=temperature, seeds=seeds, counters=counters, greedy_only=greedy_only)
     tokens, log_probs = triton_sampling.fused_sample(logits, **args, **launch)

@@ -8,7 +8,8 @@ Computes what :func:`lumenrl_backends.engines.sampling.sample_tokens` computes w
 * the row's log-normaliser ``logsumexp(scaled)`` by an online max / sum;
 * ``argmax(scaled + g)`` with ``g = -log(-log(u))``, ``u`` the same counter-based hash of (seed,
   counter, vocab id) as the torch path (murmur3 finaliser in uint32 arithmetic; the per-row key
-  is computed by the torch code and passed in), and ``argmax(scaled)`` for greedy rows;
+  of :func:`row_keys` is computed in-kernel from the int64 seed and counter by the chunked kernel,
+  by ~40 tiny torch ops before the launch by the rowwise one), and ``argmax(scaled)`` for greedy rows;
 * output: the token and ``scaled[token] - logsumexp``.
 
 ``impl="chunked"`` (default) splits the work in two launches:
@@ -68,6 +69,13 @@ if triton is not None:
         return h ^ (h >> 16)
 
     @triton.jit
+    def _row_key(SEEDS, COUNTERS, row):
+        """The torch sampler's per-row key (see :func:`row_keys`) from int64 seed and counter, in uint32."""
+        seed = tl.load(SEEDS + row)
+        key = _fmix32(seed.to(tl.uint32) ^ _fmix32((seed >> 32).to(tl.uint32)))
+        return _fmix32(key ^ (tl.load(COUNTERS + row).to(tl.uint32) * 0x9E3779B1))
+
+    @triton.jit
     def _gumbel_scores(x, cols, ok, key):
         """scaled + g, -inf outside the vocabulary; g from the counter-based hash of (key, col)."""
         h = _fmix32(key ^ (cols.to(tl.uint32) * 0x27D4EB2F))
@@ -76,14 +84,14 @@ if triton is not None:
 
     @triton.jit
     def _chunk_kernel(
-        LOGITS, TEMP, KEYS, PART_MAX, PART_SUM, PART_IDX, PART_C, PART_C_IDX, vocab, s_lb, n_chunks,
+        LOGITS, TEMP, SEEDS, COUNTERS, PART_MAX, PART_SUM, PART_IDX, PART_C, PART_C_IDX, vocab, s_lb, n_chunks,
         GREEDY_ONLY: tl.constexpr, BLOCK_V: tl.constexpr, BLOCKS_PER_CHUNK: tl.constexpr,
     ):
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         temp = tl.load(TEMP + row)
         inv_t = 1.0 / tl.where(temp <= 0.0, 1.0, temp)
-        key = tl.load(KEYS + row).to(tl.uint32, bitcast=True)
+        key = _row_key(SEEDS, COUNTERS, row)
         offs = tl.arange(0, BLOCK_V)
         start = chunk * (BLOCK_V * BLOCKS_PER_CHUNK)
         run_max = tl.full([1], float("-inf"), tl.float32)  # also the greedy best value
@@ -258,12 +266,12 @@ def fused_sample(
     _check_power_of_two("num_warps", num_warps, 1, 16)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    keys = row_keys(seeds, counters)
-    keys = torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32)  # same 32 bits, signed; bitcast in-kernel
     temperature = temperature.to(torch.float32).contiguous()
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
     log_probs = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    if impl == "rowwise":
+    if impl == "rowwise":  # as before: the keys by ~40 tiny torch ops, then one program per row
+        keys = row_keys(seeds, counters)
+        keys = torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32)  # same 32 bits, signed; bitcast in-kernel
         _sample_kernel[(batch,)](
             logits, temperature, keys, tokens, log_probs, vocab, logits.stride(0),
             GREEDY_ONLY=greedy_only, BLOCK_V=block_v, NUM_BLOCKS=_cdiv(vocab, block_v), num_warps=num_warps,
@@ -274,7 +282,7 @@ def fused_sample(
     part_i = torch.empty((2, batch, n_chunks), dtype=torch.int32, device=logits.device)  # argmax, argmax c
     parts = (part_f[0], part_f[1], part_i[0], part_f[2], part_i[1])
     _chunk_kernel[(batch, n_chunks)](
-        logits, temperature, keys, *parts, vocab, logits.stride(0), n_chunks,
+        logits, temperature, seeds.to(torch.int64).contiguous(), counters.to(torch.int64).contiguous(), *parts, vocab, logits.stride(0), n_chunks,
         GREEDY_ONLY=greedy_only, BLOCK_V=block_v, BLOCKS_PER_CHUNK=chunk // block_v, num_warps=num_warps,
     )
     _combine_kernel[(batch,)](
