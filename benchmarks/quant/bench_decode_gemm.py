@@ -1,0 +1,131 @@
+"""Rowwise FP8 GEMMs at the native engine's decode shapes: cuBLAS variants vs the Triton split-K kernel.
+
+The ``fp8_row`` rollout scheme's linears (per-token activation scales, per-channel weight scales)
+at the fused Qwen3-8B decode shapes, M = batch: q/k/v (N 6144, K 4096), o (4096, 4096), gate/up
+(24576, 4096), down (4096, 12288). Weights are cycled over enough copies that the working set is
+several times the L2, and a whole rotation is timed inside one CUDA graph (as in a decode step).
+
+Paths (all produce the scaled result, checked against the float32 emulation, rel. error <= 1e-2):
+
+* ``bf16``: ``torch.mm`` of the bf16 operands (the baseline; speedup = bf16 us / path us);
+* ``cublas_unit_fp32+epi``: the engine's current ``scaled_mm_rowwise_epilogue`` path as it runs in
+  graph mode: cuBLAS tensorwise with unit scales into float32, then the Triton scale epilogue;
+* ``cublas_unit_fp32``: the same GEMM alone (under ``torch.compile`` the epilogue fuses away);
+* ``cublas_unit_bf16``: cuBLAS tensorwise with unit scales into bf16 (a kernel-choice probe; the
+  result is not rowwise-scaled, so it is timed but not checked);
+* ``cublas_rowwise``: ``torch._scaled_mm`` with rowwise scales (CUTLASS sm90 kernel);
+* ``triton``: :func:`lumenrl_quant.triton_gemm.fp8_rowwise_gemm` per launch configuration
+  (``--tune`` sweeps tiles, split-K and stages; the default config otherwise).
+
+    python benchmarks/quant/bench_decode_gemm.py --tune
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import copies_for, table, time_graph_ms, write_json  # noqa: E402
+
+from lumenrl_quant import triton_gemm as tg  # noqa: E402
+from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
+from lumenrl_quant.gemm import _torch_scaled_mm, run_gemm_path  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+
+def _sweep() -> list[dict[str, int]]:
+    out = [dict(tg.DEFAULT_CONFIG)]
+    for bn, bk, split, stages in itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (3, 5)):
+        cfg = {**tg.DEFAULT_CONFIG, "block_n": bn, "block_k": bk, "split_k": split, "num_stages": stages}
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]]) -> list[dict]:
+    dev = torch.device("cuda")
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    a_q, sa = quantize_fp8(a, granularity="rowwise")
+    copies = copies_for(n * k)
+    weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    quantized = [quantize_fp8(w, granularity="rowwise") for w in weights]
+    ref = (a_q.float() * sa.float().reshape(-1, 1)) @ (quantized[0][0].float() * quantized[0][1].float().reshape(-1, 1)).T
+    one = torch.ones((), device=dev)
+    rows, base = [], None
+
+    def add(path: str, calls: list, bytes_per_call: int, check: bool = True, **extra) -> None:
+        nonlocal base
+        row = {"M": m, "N": n, "K": k, "path": path, **extra}
+        try:
+            if check:
+                out = calls[0]()
+                err = float((out.float() - ref).norm() / ref.norm())
+                row["rel_err"] = err
+                if not err <= 1e-2:
+                    raise RuntimeError(f"relative error {err:.3g} > 1e-2 vs the float32 emulation")
+            ms, how = time_graph_ms(calls)
+            row.update(us=ms * 1e3, weight_gbs=bytes_per_call / ms / 1e6, timing=how)
+            if path == "bf16":
+                base = ms
+            row["x_bf16"] = base / ms if base else None
+        except Exception as err:  # noqa: BLE001 - report, keep going
+            row["error"] = f"{type(err).__name__}: {err}"[:200]
+        rows.append(row)
+
+    add("bf16", [lambda w=w: torch.mm(a, w.t()) for w in weights[: copies_for(2 * n * k)]], 2 * n * k, check=False)
+    del weights
+    add("cublas_unit_fp32+epi", [lambda q=q: run_gemm_path("scaled_mm_rowwise_epilogue", a_q, sa, q[0], q[1],
+                                                           out_dtype=torch.bfloat16) for q in quantized], n * k)
+    add("cublas_unit_fp32", [lambda q=q: torch._scaled_mm(a_q, q[0].t(), scale_a=one, scale_b=one,
+                                                          out_dtype=torch.float32) for q in quantized], n * k, check=False)
+    add("cublas_unit_bf16", [lambda q=q: torch._scaled_mm(a_q, q[0].t(), scale_a=one, scale_b=one,
+                                                          out_dtype=torch.bfloat16) for q in quantized], n * k, check=False)
+    add("cublas_rowwise", [lambda q=q: _torch_scaled_mm("rowwise", a_q, sa, q[0], q[1], torch.bfloat16)
+                           for q in quantized], n * k)
+    for cfg in configs:
+        if not tg.supports(k, cfg):
+            continue
+        add("triton", [lambda q=q, c=cfg: tg.fp8_rowwise_gemm(a_q, sa, q[0], q[1], config=c) for q in quantized],
+            n * k, **{key: cfg[key] for key in ("block_n", "block_k", "split_k", "num_stages")})
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", default="64", help="decode batch sizes (comma separated)")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tune", action="store_true")
+    args = ap.parse_args()
+    configs = _sweep() if args.tune else [dict(tg.DEFAULT_CONFIG)]
+    rows, best = [], []
+    for m in (int(x) for x in args.m.split(",")):
+        for name in args.shapes.split(","):
+            n, k = SHAPES[name]
+            found = bench_shape(m, n, k, configs)
+            rows.extend(found)
+            timed = [r for r in found if "us" in r]
+            fixed = [r for r in timed if r["path"] != "triton"]
+            tri = [r for r in timed if r["path"] == "triton"]
+            if tri:
+                fixed.append(min(tri, key=lambda r: r["us"]))
+            for r in fixed:
+                r["shape"] = name
+            best.extend(fixed)
+            write_json("quant_decode_gemm", {"rows": rows, "summary": best})
+    cols = ["shape", "M", "N", "K", "path", "block_n", "block_k", "split_k", "num_stages", "us", "weight_gbs", "x_bf16",
+            "rel_err"]
+    print(table("decode GEMMs, fp8_row (cuBLAS variants; best Triton config per shape)", best, cols))
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        print(f"{len(errors)} variants failed; first: {errors[0]}")
+
+
+if __name__ == "__main__":
+    main()

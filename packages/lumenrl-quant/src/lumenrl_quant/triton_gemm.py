@@ -1,0 +1,135 @@
+"""Rowwise-scaled FP8 GEMM for decode-sized M in Triton, with split-K.
+
+``out[m, n] = sa[m] * sb[n] * sum_k a_q[m, k] * b_q[n, k]`` (W8A8 with per-token activation
+scales ``sa`` (M, 1) and per-channel weight scales ``sb`` (N, 1), the ``fp8_row`` scheme).
+
+Why: at decode, M (the batch) is 1..256 while N and K are the model's widths. A GEMM there reads
+the weight once and is bandwidth-bound; what matters is how many programs stream the weight at
+once. cuBLAS' FP8 kernels at M = 64 and N = 4096 (the 8B attention projections) run 48x64 tiles
+at ~1.6 TB/s on the H200 (engine profile, RESULTS.md), well under the ~3.4 TB/s its bf16 GEMMs reach
+on the MLP. This kernel tiles N by ``block_n`` and splits K into ``split_k`` slices, so that
+``N / block_n * split_k`` programs cover the multiprocessors several times:
+
+* ``split_k == 1``: one program per N tile walks all of K and applies the scales (and the output
+  cast) in its epilogue: one kernel, output in ``out_dtype``;
+* ``split_k > 1``: each program writes a float32 partial (split, M, N); the partials are summed and
+  scaled by :func:`lumenrl_quant.gemm.rowwise_epilogue` in plain torch ops, which
+  ``torch.compile`` fuses into one kernel with the op that follows.
+
+Accumulation is float32 (``tl.dot`` of FP8 operands), so the result equals the float32 emulation
+up to summation order. K must be a multiple of ``split_k * block_k`` (checked; the caller falls
+back to cuBLAS otherwise). Launch parameters come from ``config`` (``block_m``, ``block_n``,
+``block_k``, ``split_k``, ``num_warps``, ``num_stages``); ``benchmarks/quant/bench_decode_gemm.py``
+sweeps them against cuBLAS at the engine's shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+__all__ = ["DEFAULT_CONFIG", "fp8_rowwise_gemm", "supports"]
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU environments without Triton
+    triton = None
+
+DEFAULT_CONFIG: dict[str, int] = {"block_m": 64, "block_n": 64, "block_k": 128, "split_k": 1, "num_warps": 4,
+                                  "num_stages": 4}
+
+
+def supports(k: int, config: Mapping[str, int] | None = None) -> bool:
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    return triton is not None and k % (cfg["split_k"] * cfg["block_k"]) == 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rowwise_gemm_kernel(
+        a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N,
+        stride_am, stride_bn, stride_cs, stride_cm,
+        K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EPILOGUE: tl.constexpr,
+    ):
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mmask, nmask = offs_m < M, offs_n < N
+        k0 = pid_k * K_SPLIT
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :]
+        b_ptrs = b_ptr + offs_n[:, None] * stride_bn + (k0 + offs_k)[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K_SPLIT, BLOCK_K):
+            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=nmask[:, None], other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        c_ptrs = c_ptr + pid_k * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :]
+        if EPILOGUE:
+            sa = tl.load(sa_ptr + offs_m, mask=mmask, other=0.0)
+            sb = tl.load(sb_ptr + offs_n, mask=nmask, other=0.0)
+            out = acc * sa[:, None] * sb[None, :]
+            tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+        else:
+            tl.store(c_ptrs, acc, mask=mmask[:, None] & nmask[None, :])
+
+
+def _config(config: Mapping[str, int] | None) -> dict[str, int]:
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    unknown = set(cfg) - set(DEFAULT_CONFIG)
+    if unknown:
+        raise ValueError(f"config keys {sorted(unknown)}; allowed: {sorted(DEFAULT_CONFIG)}")
+    for name, low in (("block_m", 16), ("block_n", 16), ("block_k", 32), ("split_k", 1), ("num_warps", 1)):
+        value = cfg[name]
+        if not isinstance(value, int) or value < low or value & (value - 1):
+            raise ValueError(f"config {name}={value!r}; allowed: a power of two >= {low}")
+    if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
+        raise ValueError(f"config num_stages={cfg['num_stages']!r}; allowed: an int >= 1")
+    return cfg
+
+
+def fp8_rowwise_gemm(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    config: Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """``(a_q * a_scale) @ (b_q * b_scale).T (+ bias)`` for FP8 ``a_q`` (M, K), ``b_q`` (N, K), float32
+    ``a_scale`` (M, 1) or (M,), ``b_scale`` (N, 1) or (N,); ``config`` overrides the launch parameters."""
+    from lumenrl_quant.gemm import rowwise_epilogue
+
+    if triton is None:
+        raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
+    cfg = _config(config)
+    (m, k), n = a_q.shape, b_q.shape[0]
+    if b_q.shape[1] != k:
+        raise ValueError(f"need a (M, K), b (N, K); got {tuple(a_q.shape)}, {tuple(b_q.shape)}")
+    split, block_k = cfg["split_k"], cfg["block_k"]
+    if k % (split * block_k):
+        raise ValueError(f"K={k} must be a multiple of split_k * block_k = {split} * {block_k}")
+    a_q, b_q = a_q.contiguous(), b_q.contiguous()
+    sa, sb = a_scale.float().reshape(-1).contiguous(), b_scale.float().reshape(-1).contiguous()
+    if sa.numel() == 1 and m > 1:
+        sa = sa.expand(m).contiguous()
+    epilogue = split == 1
+    c = torch.empty((m, n) if epilogue else (split, m, n), dtype=out_dtype if epilogue else torch.float32,
+                    device=a_q.device)
+    grid = (triton.cdiv(n, cfg["block_n"]), split, triton.cdiv(m, cfg["block_m"]))
+    _rowwise_gemm_kernel[grid](
+        a_q, b_q, c, sa, sb, m, n, a_q.stride(0), b_q.stride(0), 0 if epilogue else c.stride(0),
+        c.stride(-2), K_SPLIT=k // split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EPILOGUE=epilogue,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if epilogue:
+        return c if bias is None else c + bias.to(out_dtype)
+    return rowwise_epilogue(c.sum(0), sa, sb, bias, out_dtype)

@@ -1,0 +1,76 @@
+"""The rowwise FP8 decode GEMM (``lumenrl_quant.triton_gemm``) under Triton's CPU interpreter.
+
+Every launch shape the benchmark sweeps (tile sizes, split-K with the torch epilogue, a fused
+epilogue) against a float64 product of the same FP8 codes and scales, on fresh random data with
+M not a multiple of the tile; bad configurations raise naming the key and value.
+Subprocess: ``TRITON_INTERPRET`` must be set before the kernels are decorated.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from lumenrl_quant import triton_gemm as tg
+    from lumenrl_quant.fp8 import quantize_fp8
+
+    torch.manual_seed(0)
+    worst = 0.0
+    for m, n, k in ((5, 96, 256), (20, 64, 512)):
+        x, w = torch.randn(m, k), torch.randn(n, k) * 0.05
+        a_q, a_s = quantize_fp8(x, granularity="rowwise", backend="torch")
+        b_q, b_s = quantize_fp8(w, granularity="rowwise", backend="torch")
+        ref = (a_q.double() * a_s.double().reshape(-1, 1)) @ (b_q.double() * b_s.double().reshape(-1, 1)).T
+        bias = torch.randn(n)
+        for cfg in ({"block_m": 16, "block_n": 32, "block_k": 64, "split_k": 1},
+                    {"block_m": 16, "block_n": 64, "block_k": 64, "split_k": 2},
+                    {"block_m": 32, "block_n": 32, "block_k": 128, "split_k": 2}):
+            for out_dtype in (torch.float32, torch.bfloat16):
+                out = tg.fp8_rowwise_gemm(a_q, a_s, b_q, b_s, out_dtype=out_dtype, bias=bias, config=cfg)
+                assert out.dtype == out_dtype and out.shape == (m, n), (out.dtype, out.shape)
+                err = float((out.double() - bias.double() - ref).norm() / ref.norm())
+                bound = 1e-6 if out_dtype == torch.float32 else 8e-3
+                assert err < bound, (m, n, k, cfg, out_dtype, err)
+                worst = max(worst, err if out_dtype == torch.float32 else 0.0)
+    print(worst)
+    """
+)
+
+
+def test_rowwise_gemm_matches_float64_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-6
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    ({"block_n": 48}, "block_n=48"), ({"split_k": 3}, "split_k=3"), ({"num_stages": 0}, "num_stages=0"),
+    ({"stages": 2}, "['stages']"),
+])
+def test_rowwise_gemm_config_errors_name_the_bad_value(config, named):
+    import re
+
+    from lumenrl_quant import triton_gemm
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        triton_gemm._config(config)
+
+
+def test_rowwise_gemm_refuses_k_not_a_multiple_of_the_split():
+    import torch
+
+    from lumenrl_quant import triton_gemm
+
+    a = torch.zeros(4, 200, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="K=200"):
+        triton_gemm.fp8_rowwise_gemm(a, torch.ones(4), a, torch.ones(4), config={"block_k": 64})
