@@ -67,7 +67,7 @@ __all__ = [
     "GemmPath", "ScaleLayout", "as_dtype", "emulated_scaled_mm", "gemm_path", "infer_scale_layout", "run_gemm_path", "scaled_mm",
 ]
 
-GemmPath = str  # "scaled_mm_<tensorwise|rowwise|rowwise_epilogue|blockwise>" | "triton_blockwise" | "emulated"
+GemmPath = str  # "scaled_mm_<tensorwise|rowwise|rowwise_epilogue|blockwise>" | "triton_<blockwise|rowwise>" | "emulated"
 
 # Blockwise GEMMs with M <= TRITON_BLOCKWISE_MAX_M and K <= TRITON_BLOCKWISE_MAX_K use the Triton
 # kernel instead of cuBLAS. Measured on H200 (benchmarks/RESULTS.md, CUDA-graph replay): Triton
@@ -82,6 +82,11 @@ CUBLAS_BLOCKWISE_MIN_M = 4
 # float32 plus a scale epilogue (see the module doc; 0 disables). At M = 256 the tensorwise GEMM is
 # still 11 vs 14.3 us (4096^2); training-sized M keeps the single rowwise kernel.
 ROWWISE_EPILOGUE_MAX_M = 256
+# Rowwise GEMMs with M <= TRITON_ROWWISE_MAX_M whose (N, K) has a tuned launch configuration in
+# ``TRITON_ROWWISE_CONFIGS`` run the Triton split-K kernel (:mod:`lumenrl_quant.triton_gemm`) where
+# it beat cuBLAS in ``benchmarks/quant/bench_decode_gemm.py --tune`` (RESULTS.md); 0 disables.
+TRITON_ROWWISE_MAX_M = 0
+TRITON_ROWWISE_CONFIGS: dict[tuple[int, int], dict[str, int]] = {}
 
 _FAILED: set[tuple] = set()
 
@@ -193,6 +198,8 @@ def gemm_path(
     prefer_triton = not cublas_ok or (m <= TRITON_BLOCKWISE_MAX_M and k <= TRITON_BLOCKWISE_MAX_K)
     if mode == "blockwise" and prefer_triton and _triton_blockwise_ok(a_q, b_q, k):
         return "triton_blockwise"
+    if mode == "rowwise" and m <= TRITON_ROWWISE_MAX_M and _triton_rowwise_ok(a_q, b_q, out_dtype):
+        return "triton_rowwise"
     if mode == "rowwise" and m <= ROWWISE_EPILOGUE_MAX_M and _epilogue_ok(a_q, b_q, out_dtype):
         return "scaled_mm_rowwise_epilogue"
     return f"scaled_mm_{mode}" if cublas_ok else "emulated"
@@ -207,6 +214,16 @@ def _failure_key(a_q: torch.Tensor, b_q: torch.Tensor, mode: str, out_dtype: tor
 def _epilogue_ok(a_q: torch.Tensor, b_q: torch.Tensor, out_dtype: torch.dtype) -> bool:
     key = _failure_key(a_q, b_q, "rowwise_epilogue", out_dtype)
     return key not in _FAILED and _device_supports("tensorwise", a_q.device, a_q.shape[1], torch.float32)
+
+
+def _triton_rowwise_ok(a_q: torch.Tensor, b_q: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    n, k = b_q.shape
+    config = TRITON_ROWWISE_CONFIGS.get((n, k))
+    if config is None or _failure_key(a_q, b_q, "triton_rowwise", out_dtype) in _FAILED:
+        return False
+    from lumenrl_quant import triton_gemm as tg
+
+    return _triton_blockwise_ok(a_q, b_q, k) and tg.supports(k, config)
 
 
 def _triton_blockwise_ok(a_q: torch.Tensor, b_q: torch.Tensor, k: int) -> bool:
@@ -375,6 +392,11 @@ def run_gemm_path(
 
         out = tk.fp8_blockwise_gemm(a_q, a_scale, b_q, b_scale, out_dtype=out_dtype)
         return out if bias is None else (out + bias.to(out_dtype))
+    if path == "triton_rowwise":
+        from lumenrl_quant import triton_gemm as tg
+
+        config = TRITON_ROWWISE_CONFIGS[tuple(b_q.shape)]
+        return tg.fp8_rowwise_gemm(a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, bias=bias, config=config)
     if path == "scaled_mm_rowwise_epilogue":
         one = unit_scale if unit_scale is not None else _unit_scale(a_q.device)
         acc = torch._scaled_mm(a_q.contiguous(), b_q.contiguous().t(), scale_a=one, scale_b=one,
@@ -385,7 +407,7 @@ def run_gemm_path(
         out = _torch_scaled_mm(mode, a_q.contiguous(), a_scale, b_q.contiguous(), b_scale, out_dtype)
         return out if bias is None else (out + bias.to(out_dtype))
     if path != "emulated":
-        raise ValueError(f"path={path!r} is not a GEMM path; allowed: scaled_mm_<mode>, triton_blockwise, emulated")
+        raise ValueError(f"path={path!r} is not a GEMM path; allowed: scaled_mm_<mode>, triton_blockwise, triton_rowwise, emulated")
     return emulated_scaled_mm(
         a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, bias=bias, a_block_size=a_block_size,
         b_block_size=b_block_size,
