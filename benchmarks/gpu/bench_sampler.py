@@ -4,7 +4,9 @@ For each batch (vocab 151936, Qwen3) and mode (``plain``: temperature 1 on every
 profile's case; ``greedy``: ``greedy_only``), times ``fused_sample`` with
 
 * ``torch``: the torch sampler (``sample_tokens``, restrict off), the fallback path;
-* ``rowwise``: the previous kernel, ``impl="rowwise"`` (row keys by torch ops, 64 programs at B 64);
+* ``rowwise``: the previous path, ``impl="rowwise"`` (row keys by ~40 tiny torch ops, then one
+  program per row: 64 programs at B 64); ``rowwise_kernel``: its kernel alone (keys precomputed),
+  what the decode profile's ``_sample_kernel`` line measured;
 * ``chunked``: the default two-stage launch (``default_chunk``), and a small sweep of
   ``chunk`` / ``block_v`` / ``num_warps`` (``--sweep``).
 
@@ -41,6 +43,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import VOCAB, command_line, copy_bandwidth_gbs, environment, print_table, write_json  # noqa: E402
 
+from lumenrl_backends.engines import triton_sampling  # noqa: E402
 from lumenrl_backends.engines.sampling import sample_tokens  # noqa: E402
 from lumenrl_backends.engines.triton_sampling import default_chunk, fused_sample  # noqa: E402
 
@@ -85,7 +88,7 @@ def graph_us(fns: list[Callable[[], Any]], iters: int = 20) -> tuple[float, str]
 
 
 def variants(sweep: bool) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {"torch": {}, "rowwise": {"impl": "rowwise"}, "chunked": {}}
+    out: dict[str, dict[str, Any]] = {"torch": {}, "rowwise": {"impl": "rowwise"}, "rowwise_kernel": {}, "chunked": {}}
     if sweep:
         for chunk, block_v, warps in SWEEP:
             out[f"chunked c{chunk}/b{block_v}/w{warps}"] = {"chunk": chunk, "block_v": block_v, "num_warps": warps}
@@ -99,6 +102,21 @@ def make_call(name: str, launch: dict[str, Any], args: dict[str, Any], greedy_on
             return sample_tokens(logits, **args, top_k=torch.zeros_like(seeds), top_p=torch.ones_like(args["temperature"]),
                                  restrict=False, greedy_only=greedy_only)
         return call
+    if name == "rowwise_kernel":  # the rowwise kernel alone (keys computed once, outside the timing)
+        keys = triton_sampling.row_keys(args["seeds"], args["counters"])
+        keys = torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32)
+        temperature = args["temperature"].float()
+
+        def kernel(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            batch, vocab = logits.shape
+            tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+            log_probs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+            triton_sampling._sample_kernel[(batch,)](
+                logits, temperature, keys, tokens, log_probs, vocab, logits.stride(0),
+                GREEDY_ONLY=greedy_only, BLOCK_V=4096, NUM_BLOCKS=-(-vocab // 4096),
+            )
+            return tokens, log_probs
+        return kernel
     return lambda logits: fused_sample(logits, **args, greedy_only=greedy_only, **launch)
 
 
@@ -163,7 +181,7 @@ def main() -> None:
             rows += bench_case(batch, args.vocab, mode, copies, args.sweep, copy_gbs)
     summary = {}
     for row in rows:
-        if row["variant"] in ("rowwise", "chunked") and "us" in row and row["mode"] == "plain":
+        if row["variant"] in ("rowwise", "rowwise_kernel", "chunked") and "us" in row and row["mode"] == "plain":
             summary[f"sampler/{row['variant']}_b{row['batch']}_us"] = {"value": round(row["us"], 2), "command": command_line()}
     write_json(args.out, {"command": command_line(), "environment": environment(), "copy_gbs": copy_gbs,
                           "vocab": args.vocab, "rows": rows, "summary": summary})
