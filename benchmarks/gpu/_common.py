@@ -164,9 +164,9 @@ def merge_summary(entries: dict[str, dict[str, Any]], path: Path | None = None) 
 
 
 KERNEL_CLASSES = (  # first match wins; names of cuBLAS / CUTLASS / Triton / inductor kernels
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "_mm_", "matmul")),
+    ("inductor", ("triton_poi", "triton_per", "triton_red")),  # fused elementwise (names may say _scaled_mm)
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul")),
     ("attention", ("_split_kernel", "_merge_kernel", "attn", "attention", "flash", "sdpa")),
-    ("inductor", ("triton_",)),
     ("copy", ("memcpy", "memset", "copy", "fill")),
 )
 
