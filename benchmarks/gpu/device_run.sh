@@ -46,4 +46,8 @@ case "${1:-all}" in
   # session 3 (2026-11-29 night): profiles of the compiled engines as timed (bf16 and fp8_row + FP8 KV)
   fp8-profile-rowkv) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv --modes full --no-exact-kl --profile --out fp8_rollout3_profile_rowkv.json ;;
   s3call1) for part in quant-tune2 decode-profile fp8-profile-rowkv; do "$0" "$part"; done ;;
+  attn-tune) run 170 python3 benchmarks/gpu/bench_attention.py --tune --out attention_tune.json ;;
+  gemm-tune) run 200 python3 benchmarks/quant/bench_decode_gemm.py --tune ;;
+  sampler) run 80 python3 benchmarks/gpu/bench_sampler.py --batches 16,64,256 --sweep ;;
+  s3call2) for part in attn-tune gemm-tune quant-tune2 sampler; do "$0" "$part"; done ;;
 esac
