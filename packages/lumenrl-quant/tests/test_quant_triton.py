@@ -73,6 +73,18 @@ def test_triton_mx_quantize_bit_identical_to_torch(elem_format):
     assert torch.equal(t.data.view(torch.uint8), r.data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("impl", ["words", "split"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_mxfp4_16bit_inputs_bit_identical_to_torch(dtype, impl):
+    x = (torch.randn(37, 1248) * torch.exp2(torch.randint(-12, 12, (37, 1248)).float())).to(dtype)
+    x[0, :32], x[1, :32], x[2, :32] = 0, torch.finfo(dtype).tiny / 4, 7.0  # zero, subnormal, all-equal blocks
+    x[3, :32:2], x[3, 1:32:2] = torch.finfo(dtype).max, -torch.finfo(dtype).max
+    x = x.cuda()
+    d, s = tk.mx_quantize(x, "e2m1", config={"impl": impl})
+    r = quantize_mx(x, "e2m1", backend="torch")
+    assert torch.equal(s, r.scale) and torch.equal(d, r.data)
+
+
 @pytest.mark.parametrize("granularity,block_size", CASES)
 def test_gpu_torch_quantize_matches_cpu_bit_for_bit(granularity, block_size):
     x = torch.randn(256, 512) * 2

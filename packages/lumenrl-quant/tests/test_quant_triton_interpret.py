@@ -80,11 +80,49 @@ SCRIPT = textwrap.dedent(
                                1.1, 2.2])
     x4[1, :32] = -x4[0, :32]
     ref4 = quantize_mx(x4, "e2m1", backend="torch")
-    for cfg in (None, {"block_m": 4, "block_k": 128, "num_warps": 4}, {"impl": "pairs", "block_m": 4, "block_k": 64},
-                {"impl": "sum", "block_m": 2, "block_k": 256, "num_warps": 4},
-                {"impl": "pairs", "block_m": 1, "block_k": 512, "num_warps": 8}):
+    for cfg in (None, {"block_m": 4, "block_k": 128, "num_warps": 4},
+                {"impl": "sum", "block_m": 2, "block_k": 256, "num_warps": 4}):
         d, s = tk.mx_quantize(x4, "e2m1", config=cfg)
         assert torch.equal(s, ref4.scale) and torch.equal(d, ref4.data), f"mx e2m1 {cfg}: differs"
+
+    def mx16(dtype, m, k, lo, hi):
+        # 32-element blocks of random 16-bit values spanning <= 15 binades under a random block
+        # exponent: every E2M1 code, ties of every kind, codes 0 below the grid, subnormal inputs
+        e = torch.randint(lo, hi, (m, k // 32, 1)) - torch.randint(0, 15, (m, k // 32, 32))
+        v = (1 + torch.randint(0, 1024, (m, k // 32, 32)) / 1024) * torch.exp2(e.double())
+        return (v * torch.where(torch.rand(v.shape) < 0.5, -1.0, 1.0)).reshape(m, k).to(dtype)
+
+    for dtype, lo, hi, big in ((torch.bfloat16, -140, 127, 3.3895e38), (torch.float16, -12, 16, 65504.0)):
+        xs = mx16(dtype, 37, 1248, lo, hi)  # odd M, K = 39 blocks: not a multiple of any block_k
+        xs[0, :32] = 0  # all-zero block
+        xs[1, :32] = torch.tensor(1e-40 if dtype == torch.bfloat16 else 6e-8).to(dtype)  # all-equal subnormals
+        xs[2, :32], xs[2, 32:64] = 7.0, -3.0  # all equal (7 saturates to 6)
+        xs[3, :32] = x4[0, :32].to(dtype)  # the E2M1 ties and thresholds, as far as the dtype holds them
+        xs[4, :32] = -x4[0, :32].to(dtype)
+        xs[5, :32:2], xs[5, 1:32:2] = big, -big  # the dtype's largest magnitude
+        xs[6, 5], xs[6, 40] = float("inf"), float("-inf")  # inf blocks: scale 0xFF, inf -> code 7
+        xs[6, 70] = torch.finfo(dtype).tiny * 3  # a block of one subnormal-range value and zeros
+        xs[6, 64:70] = 0
+        ref = quantize_mx(xs, "e2m1", backend="torch")
+        for cfg, rows, cols in ((None, 37, 1248), ({"impl": "words", "block_m": 1, "block_k": 32}, 7, 96),
+                                ({"impl": "words", "block_m": 4, "block_k": 512, "num_warps": 4}, 37, 1248),
+                                ({"impl": "words", "block_m": 2, "block_k": 2048, "num_warps": 8}, 37, 1248),
+                                ({"impl": "split", "block_m": 4, "block_k": 512, "num_warps": 4}, 37, 1248)):
+            # split gets the float32 copy: the interpreter widens subnormal bf16 wrongly (GPUs do not)
+            xi = xs[:rows, :cols].float() if cfg and cfg["impl"] == "split" else xs[:rows, :cols]
+            d, s = tk.mx_quantize(xi, "e2m1", config=cfg)
+            assert torch.equal(s, ref.scale[:rows, :cols // 32]), f"mx e2m1 {dtype} {cfg}: scales differ"
+            rd = ref.data[:rows, :cols // 2]
+            assert torch.equal(d, rd), f"mx e2m1 {dtype} {cfg}: {(d != rd).sum()} bytes differ"
+        odd = torch.empty(37 * 1248 + 1, dtype=dtype)[1:].view(37, 1248).copy_(xs)  # 2-byte aligned only
+        d, s = tk.mx_quantize(odd, "e2m1")
+        assert torch.equal(s, ref.scale) and torch.equal(d, ref.data), f"mx e2m1 {dtype} odd offset: differs"
+    try:
+        tk.mx_quantize(x, "e2m1", config={"impl": "words"})
+    except ValueError as err:
+        assert "words" in str(err) and "float32" in str(err)
+    else:
+        raise AssertionError("impl='words' accepted for float32 x")
     try:
         tk.fp8_quantize_groups(x, 128, config={"ng": 3})
     except ValueError as err:

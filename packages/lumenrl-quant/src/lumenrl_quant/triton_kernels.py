@@ -19,7 +19,9 @@ reference (:mod:`lumenrl_quant.fp8`, :mod:`lumenrl_quant.gemm`).
 * ``mx_quantize(x, elem_format)``: OCP MX (E4M3 / E5M2 / E2M1 packed) in one pass; the E8M0
   exponent is read off the amax's float exponent field, scaling is an exact power-of-two
   multiply, E2M1 rounding is integer rounding of the float32 bits to one mantissa bit (ties to
-  even; 8 integer ops instead of 7 compares), bit-identical to :mod:`lumenrl_quant.mx`.
+  even; 8 integer ops instead of 7 compares), bit-identical to :mod:`lumenrl_quant.mx`. MXFP4 of
+  16-bit x reads int32 words (the two elements of one output byte) so no thread exchanges codes,
+  and rounds in the float32 subnormal range so that all E2M1 codes come from one integer rounding.
 * ``fp8_blockwise_gemm(a_q, a_scale, b_q, b_scale)``: ``out = (a*sa) @ (b*sb).T`` with 1x128
   activation and 128x128 weight scales, fp32 accumulation, one ``tl.dot`` per 128-wide K block
   scaled by ``sa[:, None] * sb[None, :]``; tiles sized for small (decode) M.
@@ -196,13 +198,25 @@ if triton is not None:
         return code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
 
     @triton.jit
+    def _e8m0(amax, EMAX: tl.constexpr):
+        # OCP MX shared exponent floor(log2(amax)) - EMAX read off the float's exponent field (zero
+        # and subnormal amax give the clamped -127, as frexp does): (E8M0 byte, 2**-shared as float)
+        exp_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        shared = tl.minimum(tl.maximum(exp_field - 127 - EMAX, -127), 127)
+        finite = exp_field != 255
+        byte = tl.where(finite, shared + 127, 255)
+        used = tl.where(finite, shared, 127)  # the torch path scales NaN blocks by 2**-127 too
+        inv_exp = 127 - used  # 2**-used as float bits; 2**-127 is the subnormal 1 << 22
+        inv = tl.where(inv_exp > 0, inv_exp << 23, 1 << 22).to(tl.float32, bitcast=True)
+        return byte, inv
+
+    @triton.jit
     def _mx_quant_kernel(
         x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
         EMAX: tl.constexpr, ELEM_MAX: tl.constexpr, FP4: tl.constexpr, OUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PACK_SUM: tl.constexpr = False,
     ):
-        # OCP MX, 32-element blocks: shared_exp = floor(log2(amax)) - EMAX read off the float's
-        # exponent field (zero and subnormal amax give the clamped -127, as frexp does)
+        # OCP MX, 32-element blocks; any input dtype (loaded and widened to float32)
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -211,13 +225,7 @@ if triton is not None:
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         xb = tl.reshape(x, (BLOCK_M, BLOCK_K // 32, 32))
         amax = tl.max(tl.abs(xb), axis=2)  # (BLOCK_M, BLOCK_K // 32)
-        exp_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        shared = tl.minimum(tl.maximum(exp_field - 127 - EMAX, -127), 127)
-        finite = exp_field != 255
-        byte = tl.where(finite, shared + 127, 255)
-        used = tl.where(finite, shared, 127)  # the torch path scales NaN blocks by 2**-127 too
-        inv_exp = 127 - used  # 2**-used as float bits; 2**-127 is the subnormal 1 << 22
-        inv = tl.where(inv_exp > 0, inv_exp << 23, 1 << 22).to(tl.float32, bitcast=True)
+        byte, inv = _e8m0(amax, EMAX)
         v = xb * inv[:, :, None]
         v = tl.minimum(tl.maximum(v, -ELEM_MAX), ELEM_MAX)
         v = tl.reshape(v, (BLOCK_M, BLOCK_K))
@@ -239,38 +247,47 @@ if triton is not None:
             tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], v.to(OUT), mask=mask)
 
     @triton.jit
-    def _mx_fp4_kernel(
-        x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
-        EMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    def _e2m1_mag16(ax, inv):
+        # |E2M1 code| (0..7) of ax * inv, ax >= 0 from a 16-bit float (<= 11 significant
+        # bits), RNE, saturating at 6. Times 2**-126 the E2M1 grid lines up with float32's: its
+        # subnormal step 0.5 becomes float32's subnormal range and 1.0 the least normal, so one
+        # integer rounding of the bits to one mantissa bit (as _e2m1_code does above 1) gives every
+        # code. Exact: values < 1 land on the subnormal grid unrounded unless < 2**-12 (code 0 then).
+        bits = (ax * inv * 1.1754943508222875e-38).to(tl.int32, bitcast=True)
+        return tl.minimum((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22, 7)  # 8 (ax * inv >= 7) -> 7
+
+    @triton.jit
+    def _mx_fp4_words_kernel(
+        w_ptr, q_ptr, s_ptr, M, KW, stride_wm, stride_qm, stride_sm,
+        EMAX: tl.constexpr, FP16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
     ):
-        # MXFP4 with x loaded as (BLOCK_M, BLOCK_P pairs, 2): a packed byte's two elements sit in
-        # one thread from the load on, and the nibbles are joined by an in-thread sum of shifted
-        # codes (disjoint bits). Same math as _mx_quant_kernel's FP4 branch.
+        # MXFP4 for 16-bit x read as int32 words (M, K/2): word j holds element 2j in its low and
+        # 2j+1 in its high half (little endian), exactly the two elements of output byte j. Both
+        # halves are widened to float32 in registers, a 32-element block is 16 words (a plain
+        # reduction over the last axis of a (BLOCK_M, BLOCK_W/16, 16) view) and byte j is built in
+        # the thread that loaded word j: no reshuffle between load, pack and the (coalesced) store.
         pid_m = tl.program_id(0)
-        pid_p = tl.program_id(1)
+        pid_w = tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-        two = tl.arange(0, 2)
-        cols = 2 * pairs[None, :, None] + two[None, None, :]
-        mask = (rows[:, None, None] < M) & (cols < K)
-        x = tl.load(x_ptr + rows[:, None, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-        xb = tl.reshape(x, (BLOCK_M, BLOCK_P // 16, 32))
-        amax = tl.max(tl.abs(xb), axis=2)
-        exp_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        shared = tl.minimum(tl.maximum(exp_field - 127 - EMAX, -127), 127)
-        finite = exp_field != 255
-        byte = tl.where(finite, shared + 127, 255)
-        used = tl.where(finite, shared, 127)
-        inv_exp = 127 - used
-        inv = tl.where(inv_exp > 0, inv_exp << 23, 1 << 22).to(tl.float32, bitcast=True)
-        v = tl.minimum(tl.maximum(xb * inv[:, :, None], -6.0), 6.0)
-        code = _e2m1_code(tl.reshape(v, (BLOCK_M, BLOCK_P, 2)))
-        packed = tl.sum(code << (4 * two)[None, None, :], axis=2).to(tl.uint8)
-        pmask = (rows[:, None] < M) & (pairs[None, :] < (K + 1) // 2)
-        tl.store(q_ptr + rows[:, None] * stride_qm + pairs[None, :], packed, mask=pmask)
-        scols = pid_p * (BLOCK_P // 16) + tl.arange(0, BLOCK_P // 16)[None, :]
+        cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+        mask = (rows[:, None] < M) & (cols[None, :] < KW)
+        w = tl.load(w_ptr + rows[:, None] * stride_wm + cols[None, :], mask=mask, other=0)
+        if FP16:
+            even = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:  # bf16 is the top half of a float32
+            even = (w << 16).to(tl.float32, bitcast=True)
+            odd = (w & -65536).to(tl.float32, bitcast=True)
+        ae = tl.reshape(tl.abs(even), (BLOCK_M, BLOCK_W // 16, 16))  # one MX block per (row, 16 words)
+        ao = tl.reshape(tl.abs(odd), (BLOCK_M, BLOCK_W // 16, 16))
+        byte, inv = _e8m0(tl.max(tl.maximum(ae, ao), axis=2), EMAX)  # (BLOCK_M, BLOCK_W // 16)
+        mag = _e2m1_mag16(ae, inv[:, :, None]) | (_e2m1_mag16(ao, inv[:, :, None]) << 4)
+        sign = ((w >> 12) & 0x8) | ((w >> 24) & 0x80)  # sign bits 15 and 31 to the nibbles' bit 3
+        packed = (tl.reshape(mag, (BLOCK_M, BLOCK_W)) | sign).to(tl.uint8)
+        tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], packed, mask=mask)
+        scols = pid_w * (BLOCK_W // 16) + tl.arange(0, BLOCK_W // 16)[None, :]
         tl.store(s_ptr + rows[:, None] * stride_sm + scols, byte.to(tl.uint8),
-                 mask=(rows[:, None] < M) & (scols < tl.cdiv(K, 32)))
+                 mask=(rows[:, None] < M) & (scols < KW // 16))
 
     @triton.jit
     def _block_gemm_kernel(
@@ -438,11 +455,21 @@ def mx_quantize(
     """MX-quantize ``x`` (M, K) with K % 32 == 0: ``(data, scale_bytes)`` as :func:`lumenrl_quant.mx.quantize_mx`
     stores them (fp8 elements, or E2M1 codes packed two per byte, low nibble first).
 
-    ``config`` overrides ``block_m``, ``block_k`` (a power of two >= 32), ``num_warps`` and, for
-    E2M1, ``impl`` (``"split"``: nibbles paired by a reshape + split of the codes; ``"sum"``: the odd
-    codes shifted and each pair summed; ``"pairs"``: x loaded as element pairs, nibbles joined
-    in-thread). On the H200 "split" measured 41% of copy bandwidth, "pairs" 28-34%; "sum" is not yet
-    measured (``bench_quantize.py --tune`` sweeps all three)."""
+    ``config`` overrides ``block_m`` (rows per program), ``block_k`` (elements per program, a power
+    of two >= 32), ``num_warps`` and, for E2M1, ``impl`` - how the two codes of a byte meet:
+
+    * ``"words"`` (default for bf16 / fp16 x): x read as int32 words, each holding exactly the two
+      elements of one output byte; both halves are widened in the thread that loaded the word, so
+      loads, packing and the byte store share one register layout (sm_90: no shared-memory round
+      trip for the codes, 8-16 byte vector stores). Its E2M1 rounding is one integer rounding of
+      ``|x| * scale * 2**-126`` (exact for <= 11 significant bits): ~15 SASS ops per element vs
+      ~31 for "split" and ~10 for MXFP8;
+    * ``"split"`` (any dtype; the default for float32 x): the codes tile reshaped to pairs and
+      ``tl.split``; on sm_90 a layout conversion through shared memory (3 barrier-separated rounds
+      per tile) and byte-wise stores: 41% of copy bandwidth on the H200 (MXFP8: 101%);
+    * ``"sum"``: as split, odd codes shifted and each pair summed (39-41%).
+
+    All three share the scale math and give identical bytes (NaN inputs aside)."""
     _require(x)
     if elem_format not in _MX_PARAMS:
         raise ValueError(f"elem_format={elem_format!r}; allowed: {sorted(_MX_PARAMS)}")
@@ -451,20 +478,26 @@ def mx_quantize(
         raise ValueError(f"K={k} must be a multiple of 32")
     emax, elem_max = _MX_PARAMS[elem_format]
     fp4 = elem_format == "e2m1"
-    cfg = _with({"impl": "split", "block_m": 2, "block_k": min(2048, _next_pow2(k)), "num_warps": 8},
-                config)  # H200 --tune
-    if cfg["impl"] not in ("split", "sum", "pairs"):
-        raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['split', 'sum', 'pairs']")
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    cfg = _with({"impl": "words" if half else "split", "block_m": 2, "block_k": min(2048, _next_pow2(k)),
+                 "num_warps": 8}, config)  # H200 --tune (words: not yet measured)
+    if cfg["impl"] not in ("words", "split", "sum"):
+        raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['words', 'split', 'sum']")
+    if fp4 and cfg["impl"] == "words" and not half:
+        raise ValueError(f"config impl='words' needs bfloat16 / float16 x; got dtype={x.dtype} (use 'split')")
     _require_pow2("config block_k", cfg["block_k"], 32)
     x = x.contiguous()
     out_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(elem_format, torch.uint8)
     q = torch.empty((m, k // 2 if fp4 else k), dtype=out_dtype, device=x.device)
     s = torch.empty((m, k // 32), dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(k, cfg["block_k"]))
-    if fp4 and cfg["impl"] == "pairs":
-        _mx_fp4_kernel[grid](
-            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), EMAX=emax, BLOCK_M=cfg["block_m"],
-            BLOCK_P=cfg["block_k"] // 2, num_warps=cfg["num_warps"],
+    if fp4 and cfg["impl"] == "words":
+        if x.storage_offset() % 2:  # int32 words must start on a 4-byte boundary
+            x = x.clone()
+        w = x.view(torch.int32)  # (M, K/2), little endian: element 2j in the low half of word j
+        _mx_fp4_words_kernel[grid](
+            w, q, s, m, k // 2, w.stride(0), q.stride(0), s.stride(0), EMAX=emax, FP16=x.dtype == torch.float16,
+            BLOCK_M=cfg["block_m"], BLOCK_W=cfg["block_k"] // 2, num_warps=cfg["num_warps"],
         )
         return q, s
     _mx_quant_kernel[grid](
