@@ -52,8 +52,8 @@ TIS_CAP = 2.0
 
 def full_log_probs(model, ids: torch.Tensor, width: int, rows: slice) -> torch.Tensor:
     """(rows, width, V) float32 log-softmax predicting the last ``width`` tokens (full prompts: no padding)."""
-    with torch.no_grad():
-        logits = model(input_ids=ids[rows].cuda()).logits[:, -width - 1:-1].float()
+    with torch.no_grad():  # on the model's device (CPU runs: benchmarks/quant/bench_rollout_kl_trained.py)
+        logits = model(input_ids=ids[rows].to(next(model.parameters()).device)).logits[:, -width - 1:-1].float()
     return torch.log_softmax(logits, dim=-1)
 
 
@@ -80,7 +80,7 @@ def sampled_metrics(train_model, out) -> dict[str, float]:
     train_lp = []
     for s in range(0, ids.shape[0], 4):
         lp = full_log_probs(train_model, ids, width, slice(s, s + 4))
-        train_lp.append(lp.gather(-1, out.batch["responses"][s:s + 4, :, None].cuda()).squeeze(-1).cpu())
+        train_lp.append(lp.gather(-1, out.batch["responses"][s:s + 4, :, None].to(lp.device)).squeeze(-1).cpu())
         del lp
     old = torch.cat(train_lp)
     rollout, mask = out.batch["rollout_log_probs"], out.batch["response_mask"]

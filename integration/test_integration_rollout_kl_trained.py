@@ -1,0 +1,62 @@
+"""The trained-model rollout KL pipeline (benchmarks/quant/bench_rollout_kl_trained.py) on a tiny model.
+
+Not a benchmark: a few dozen training steps on the script's synthetic language, a save_pretrained /
+from_pretrained round trip, then the bf16 and fp8_row native engines against the bf16 trainer. The
+bf16 engine runs the trainer's own weights, so its KLs must be ~0; FP8's must be finite and > 0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 256, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location(
+        "bench_rollout_kl_trained", ROOT / "benchmarks" / "quant" / "bench_rollout_kl_trained.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_synthetic_language_probabilities_are_exact(bench):
+    lang = bench.SyntheticLanguage(vocab=64, seed=3)
+    ids, probs = lang.sample(8, 40, seed=5, with_probs=True)
+    assert ids.min() >= 2 and ids.max() < 64  # pad / eos never emitted
+    torch.testing.assert_close(probs.sum(-1), torch.ones(8, 39, dtype=torch.float64))
+    taken = probs.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    assert (taken > 0).all()  # every sampled token had positive probability under p_true
+    assert ((probs > 0).sum(-1) <= 4).all()  # sparse: the copy target is one of the K = 4 successors
+    with pytest.raises(ValueError, match="p_copy"):
+        bench.SyntheticLanguage(vocab=64, p_copy=1.5)
+
+
+def test_trained_pipeline_bf16_zero_fp8_positive(bench, tmp_path):
+    torch.manual_seed(0)
+    lang = bench.SyntheticLanguage(vocab=TINY["vocab_size"], seed=0)
+    model, log = bench.train(lang, steps=30, batch=8, seq=48, lr=3e-3, device="cpu", dims=TINY, log_every=0)
+    assert log["final_train_loss"] < log["first_train_loss"] - 0.3  # it learns
+    model.save_pretrained(tmp_path)
+    trained = bench.load_bf16(tmp_path, "cpu")
+    quality = bench.model_quality(trained, lang, batch=4, seq=48)
+    assert quality["model_entropy"] < quality["uniform_entropy"]
+    rows = bench.run_all(trained, lang, ["bf16", "fp8_row"], prompts=4, prompt_len=16, new=16,
+                         device="cpu", label="tiny")
+    by = {r["engine"]: r for r in rows}
+    assert "error" not in by["bf16"] and "error" not in by["fp8_row"], rows
+    for key in ("kl_exact_before", "kl_exact_after_tis"):
+        assert abs(by["bf16"][key]) < 1e-3, (key, by["bf16"][key])
+        assert math.isfinite(by["fp8_row"][key]) and by["fp8_row"][key] > 0, (key, by["fp8_row"][key])
+    assert abs(by["bf16"]["kl_k3_sampled"]) < 1e-3
