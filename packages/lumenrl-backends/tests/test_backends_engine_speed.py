@@ -221,13 +221,21 @@ qk, qv = (k / k_scale).to(torch.float8_e4m3fn), (v / v_scale).to(torch.float8_e4
 out = triton_attention._run(q.reshape(3, 2, 4, 64), qk, qv, allowed, 0.125, splits=2,
                             k_scale=k_scale.reshape(1), v_scale=v_scale.reshape(1))
 ref = reference_attention(q, qk.double() * k_scale.double(), qv.double() * v_scale.double(), allowed, 0.125)
+# a bf16 query (the engine's case) runs the dots in fp16: bounded by bf16's rounding of q and out
+out16 = triton_attention._run(q.reshape(3, 2, 4, 64).bfloat16(), qk, qv, allowed, 0.125, splits=2,
+                              k_scale=k_scale.reshape(1), v_scale=v_scale.reshape(1))
+ref16 = reference_attention(q.bfloat16().double(), qk.double() * k_scale.double(), qv.double() * v_scale.double(),
+                            allowed, 0.125)
+print(float((out16.reshape(3, 1, 8, 64).double() - ref16).norm() / ref16.norm()))
 print(float((out.reshape(3, 1, 8, 64).double() - ref).norm() / ref.norm()))
 """
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
 def test_triton_kernel_reads_fp8_cache_with_scales():
-    assert float(_interpreted(_INTERPRETED_FP8).strip().splitlines()[-1]) < 1e-5
+    bf16_query, fp32_query = (float(x) for x in _interpreted(_INTERPRETED_FP8).strip().splitlines()[-2:])
+    assert fp32_query < 1e-5
+    assert bf16_query < 4e-3  # bf16 output rounding (2**-9 relative) dominates
 
 
 def test_fp8_kv_raw_decode_equals_dequantized_cache(loaded):

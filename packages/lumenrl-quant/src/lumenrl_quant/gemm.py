@@ -85,8 +85,14 @@ ROWWISE_EPILOGUE_MAX_M = 256
 # Rowwise GEMMs with M <= TRITON_ROWWISE_MAX_M whose (N, K) has a tuned launch configuration in
 # ``TRITON_ROWWISE_CONFIGS`` run the Triton split-K kernel (:mod:`lumenrl_quant.triton_gemm`) where
 # it beat cuBLAS in ``benchmarks/quant/bench_decode_gemm.py --tune`` (RESULTS.md); 0 disables.
-TRITON_ROWWISE_MAX_M = 0
-TRITON_ROWWISE_CONFIGS: dict[tuple[int, int], dict[str, int]] = {}
+# H200, M = 64 (session 3, quant_decode_gemm.json): Triton 9.98 vs cuBLAS 10.5 us (+ the fp32 epilogue)
+# at the fused q/k/v shape of Qwen3-8B, 30.5 vs 32.1 us at its fused gate/up; cuBLAS stays faster at
+# its o (8.0 vs 8.2 us) and down (17.4 vs 18.2 us) shapes, which therefore have no entry.
+TRITON_ROWWISE_MIN_M, TRITON_ROWWISE_MAX_M = 33, 64  # measured at M = 64 only (one 64-row tile)
+TRITON_ROWWISE_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
+    (6144, 4096): {"block_m": 64, "block_n": 64, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 5},
+    (24576, 4096): {"block_m": 64, "block_n": 64, "block_k": 128, "split_k": 1, "num_warps": 4, "num_stages": 4},
+}
 
 _FAILED: set[tuple] = set()
 
@@ -198,7 +204,7 @@ def gemm_path(
     prefer_triton = not cublas_ok or (m <= TRITON_BLOCKWISE_MAX_M and k <= TRITON_BLOCKWISE_MAX_K)
     if mode == "blockwise" and prefer_triton and _triton_blockwise_ok(a_q, b_q, k):
         return "triton_blockwise"
-    if mode == "rowwise" and m <= TRITON_ROWWISE_MAX_M and _triton_rowwise_ok(a_q, b_q, out_dtype):
+    if mode == "rowwise" and TRITON_ROWWISE_MIN_M <= m <= TRITON_ROWWISE_MAX_M and _triton_rowwise_ok(a_q, b_q, out_dtype):
         return "triton_rowwise"
     if mode == "rowwise" and m <= ROWWISE_EPILOGUE_MAX_M and _epilogue_ok(a_q, b_q, out_dtype):
         return "scaled_mm_rowwise_epilogue"

@@ -62,13 +62,14 @@ _FP8_LAYOUTS: dict[str, tuple[str, tuple[int, int] | None, str, tuple[int, int] 
 _MX_ELEMS = {"mxfp8": "e4m3", "mxfp4": "e2m1"}
 LINEAR_SCHEMES: tuple[str, ...] = (*_FP8_LAYOUTS, *_MX_ELEMS)
 # representatives of the M classes gemm_path distinguishes (blockwise: M < 4 / <= 16 / more;
-# rowwise: <= 256 / more); _m_class maps an M to its representative
-_M_CLASSES: tuple[int, ...] = (1, 4, 17, 257)
+# rowwise: < 33 / 33..64 (the Triton rowwise kernel's tuned shapes) / <= 256 / more); _m_class maps an M
+# to its representative
+_M_CLASSES: tuple[int, ...] = (1, 4, 17, 33, 65, 257)
 _OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _m_class(m: int) -> int:
-    return 1 if m < 4 else 4 if m <= 16 else 17 if m <= 256 else 257
+    return next(c for c in reversed(_M_CLASSES) if m >= c)
 
 
 def _scheme_name(scheme: object) -> str:

@@ -21,7 +21,11 @@ computed. This matters under ``compile="full"``, where the attended length is fi
 ``max_seq_len``: rows at their mean length no longer pay for the whole cache.
 
 An FP8 cache is read as stored: one-element K/V dequant scales are folded into the scores and
-the output, so no dequantized copy of the cache is made. Exposed as the custom op ``lumenrl::gqa_decode_attention`` (opaque to ``torch.compile``, safe
+the output, so no dequantized copy of the cache is made. With a 16-bit query its dots run in fp16
+(query cast once; a float32 query keeps float32):
+E4M3/E5M2 -> fp16 is a single conversion on sm_89+/sm_90 while -> bf16 goes through float32,
+which left the FP8 kernel conversion-bound (1.7 TB/s, barely faster than bf16's 3.2 TB/s at half the
+bytes; ``bench_attention.py``). fp16 holds every E4M3/E5M2 value exactly and has the finer mantissa. Exposed as the custom op ``lumenrl::gqa_decode_attention`` (opaque to ``torch.compile``, safe
 inside CUDA-graph capture: no host sync, buffers from the caching allocator). Works in Triton's
 interpreter on CPU too (``TRITON_INTERPRET=1``), which the CPU tests use.
 """
@@ -88,6 +92,8 @@ if triton is not None:
         offs_g, offs_d, offs_n = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
         g_ok = offs_g < G
         q = tl.load(Q + b * s_qb + h * s_qh + offs_g[:, None] * s_qg + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+        if HAS_SCALE and Q.dtype.element_ty != tl.float32:  # FP8 cache, 16-bit query: dots in fp16 (see above)
+            q = q.to(tl.float16)
         if HAS_SCALE:  # FP8 cache: dequant scales folded into the scores and the output
             scale = scale * tl.load(K_SCALE)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -154,7 +160,9 @@ if triton is not None:
 # program (0: split so that ``B * H_kv * splits`` covers the multiprocessors about twice, from the
 # attended length), ``num_warps``, ``num_stages`` (software pipelining of the K/V loads).
 # ``benchmarks/gpu/bench_attention.py --tune`` sweeps these on the GPU; see RESULTS.md.
-DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 3}
+# H200, Qwen3-8B heads, batch 64, 384 of 512 columns (RESULTS.md, session 3): bf16 cache 3190 GB/s
+# with 2 stages vs 2435 with 3 (the previous default).
+DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 2}
 _CONFIG_KEYS = frozenset(DEFAULT_CONFIG)
 
 
