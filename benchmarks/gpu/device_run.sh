@@ -50,4 +50,9 @@ case "${1:-all}" in
   gemm-tune) run 200 python3 benchmarks/quant/bench_decode_gemm.py --tune ;;
   sampler) run 80 python3 benchmarks/gpu/bench_sampler.py --batches 16,64,256 --sweep ;;
   s3call2) for part in attn-tune gemm-tune quant-tune2 sampler; do "$0" "$part"; done ;;
+  attn-fp8) run 90 python3 benchmarks/gpu/bench_attention.py --tune --dtypes fp8,bf16 --out attention_tune2.json ;;
+  decode-s3) run 150 python3 benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes full --fuse on --hf none --profile --out decode_s3.json ;;
+  fp8-s3-bf16) run 120 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl --profile --out fp8_rollout3_full_bf16.json ;;
+  fp8-s3-rowkv) run 150 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv --modes full --no-exact-kl --profile --out fp8_rollout3_full_rowkv.json ;;
+  s3call3) for part in attn-fp8 decode-s3 fp8-s3-bf16 fp8-s3-rowkv; do "$0" "$part"; done ;;
 esac
