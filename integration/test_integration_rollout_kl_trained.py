@@ -23,12 +23,15 @@ TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "n
 @pytest.fixture(scope="module")
 def bench():
     pytest.importorskip("transformers")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small GEMMs: one thread is faster than two on a shared CPU
     spec = importlib.util.spec_from_file_location(
         "bench_rollout_kl_trained", ROOT / "benchmarks" / "quant" / "bench_rollout_kl_trained.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    return module
+    yield module
+    torch.set_num_threads(threads)
 
 
 def test_synthetic_language_probabilities_are_exact(bench):
