@@ -44,10 +44,8 @@ from lumenrl_backends.engines import triton_attention as ta  # noqa: E402
 
 def _sweep() -> list[dict[str, int]]:
     configs = [dict(ta.DEFAULT_CONFIG)]
-    for block_n, chunk, warps, stages in itertools.product((32, 64, 128), (0, 128, 256), (4, 8), (2, 3, 4)):
-        if chunk and chunk < block_n:
-            continue
-        cfg = {"block_n": block_n, "chunk": chunk, "num_warps": warps, "num_stages": stages}
+    for k_trans, block_n, chunk, warps, stages in itertools.product((0, 1), (32, 64, 128), (0, 256), (4, 8), (2, 3, 4)):
+        cfg = {"block_n": block_n, "chunk": chunk, "num_warps": warps, "num_stages": stages, "k_trans": k_trans}
         if cfg != configs[0]:
             configs.append(cfg)
     return configs
@@ -121,13 +119,13 @@ def main() -> None:
         C.write_json(args.out, result)
     default = [r for r in rows if all(r.get(k) == v for k, v in ta.DEFAULT_CONFIG.items())]
     print("default configuration:")
-    C.print_table(default, ["dtype", "length", "block_n", "chunk", "num_warps", "num_stages", "us", "gbs", "pct_copy",
+    C.print_table(default, ["dtype", "length", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "us", "gbs", "pct_copy",
                             "rel_err", "error"])
     errors = [r for r in rows if "error" in r]
     if errors:
         print(f"{len(errors)} configurations failed, first: {errors[0]}")
     print("best configuration per cache dtype and length:")
-    C.print_table(list(best.values()), ["dtype", "length", "block_n", "chunk", "num_warps", "num_stages", "us", "gbs",
+    C.print_table(list(best.values()), ["dtype", "length", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "us", "gbs",
                                         "pct_copy", "rel_err"])
 
 

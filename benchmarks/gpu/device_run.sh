@@ -55,4 +55,14 @@ case "${1:-all}" in
   fp8-s3-bf16) run 120 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl --profile --out fp8_rollout3_full_bf16.json ;;
   fp8-s3-rowkv) run 150 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv --modes full --no-exact-kl --profile --out fp8_rollout3_full_rowkv.json ;;
   s3call3) for part in attn-fp8 decode-s3 fp8-s3-bf16 fp8-s3-rowkv; do "$0" "$part"; done ;;
+  quant-tune3) run 130 python3 benchmarks/quant/bench_quantize.py --tune ;;
+  attn-tune3) run 120 python3 benchmarks/gpu/bench_attention.py --tune --dtypes fp8,bf16 --out attention_tune3.json ;;
+  gpu-tests3) run 150 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-quant/tests/test_quant_triton.py \
+                packages/lumenrl-quant/tests/test_quant_decode_path.py packages/lumenrl-backends/tests/test_backends_triton_sampling.py \
+                packages/lumenrl-backends/tests/test_backends_engine_speed.py packages/lumenrl-backends/tests/test_backends_engine_fusion.py ;;
+  kl-trained) run 120 python3 benchmarks/quant/bench_rollout_kl_trained.py --threads 8 --out rollout_kl_trained_h200.json
+              run 150 python3 benchmarks/quant/bench_rollout_kl_trained.py --threads 8 --no-untrained --steps 600 --train-batch 16 \
+                --dims '{"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128}' \
+                --out rollout_kl_trained_h200_1024x12.json ;;
+  s3call4) for part in quant-tune3 attn-tune3 gpu-tests3 kl-trained; do "$0" "$part"; done ;;
 esac

@@ -261,8 +261,16 @@ def main() -> None:
     ap.add_argument("--cache", default="/tmp/lumenrl_rollout_kl_cache")
     ap.add_argument("--retrain", action="store_true")
     ap.add_argument("--no-untrained", action="store_true", help="skip the random-init contrast")
+    ap.add_argument("--dims", default="", help='JSON overrides of the model dims, e.g. \'{"hidden_size": 1024, '
+                    '"num_hidden_layers": 12}\' (wider / deeper probes; the cache key includes them)')
     ap.add_argument("--out", default="rollout_kl_trained.json")
     args = ap.parse_args()
+    if args.dims:
+        extra = json.loads(args.dims)
+        unknown = set(extra) - set(MODEL_DIMS)
+        if unknown:
+            raise SystemExit(f"--dims keys {sorted(unknown)}; allowed: {sorted(MODEL_DIMS)}")
+        MODEL_DIMS.update(extra)
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engines = args.engines.split(",")

@@ -141,7 +141,7 @@ for row, end in enumerate(last.tolist()):  # poison the tail: a column past ``la
     k[row, :, end + 1:] = float("nan")
     v[row, :, end + 1:] = float("nan")
 ref = reference_attention(q, k.nan_to_num(), v.nan_to_num(), allowed, 0.125)
-tuned = {"block_n": 32, "chunk": 64, "num_warps": 2, "num_stages": 2}  # 4 splits of 64 columns, 2 loads each
+tuned = {"block_n": 32, "chunk": 64, "num_warps": 2, "num_stages": 2, "k_trans": 1}  # 4 splits of 64 columns
 for splits, config in ((1, None), (3, None), (None, tuned), (None, {"chunk": 256})):  # the last: one split
     out = triton_attention._run(q.reshape(4, 2, 4, 64), k, v, allowed, 0.125, splits=splits, last=last, config=config)
     assert torch.isfinite(out).all(), splits
@@ -157,7 +157,7 @@ def test_triton_kernel_stops_at_each_rows_last_column():
 
 @pytest.mark.parametrize(("config", "named"), [
     ({"block_n": 48}, "block_n=48"), ({"block_n": 8}, "block_n=8"), ({"chunk": 96}, "chunk=96"),
-    ({"num_stages": 0}, "num_stages=0"), ({"warps": 4}, "['warps']"),
+    ({"num_stages": 0}, "num_stages=0"), ({"warps": 4}, "['warps']"), ({"k_trans": 2}, "k_trans=2"),
 ])
 def test_triton_attention_config_errors_name_the_bad_value(config, named):
     from lumenrl_backends.engines import triton_attention

@@ -87,6 +87,7 @@ if triton is not None:
         kv_len,
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_SCALE: tl.constexpr, HAS_LAST: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr, DIRECT: tl.constexpr,
+        K_TRANS: tl.constexpr,
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_g, offs_d, offs_n = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
@@ -110,8 +111,14 @@ if triton is not None:
             cols = (n0 if RUNTIME_BOUNDS else start + n0) + offs_n
             in_range = cols < end
             allowed = tl.load(M + b * s_mb + cols, mask=in_range, other=0) != 0
-            k = tl.load(K + b * s_kb + h * s_kh + cols[:, None] * s_kl + offs_d[None, :], mask=in_range[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
+            if K_TRANS:  # K loaded as its (D, BLOCK_N) transpose: the dot's B operand without a tl.trans
+                kt = tl.load(K + b * s_kb + h * s_kh + cols[None, :] * s_kl + offs_d[:, None], mask=in_range[None, :],
+                             other=0.0)
+                qk = tl.dot(q, kt.to(q.dtype)).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
+            else:
+                k = tl.load(K + b * s_kb + h * s_kh + cols[:, None] * s_kl + offs_d[None, :], mask=in_range[:, None],
+                            other=0.0)
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
             qk = tl.where((allowed & in_range)[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -158,11 +165,12 @@ if triton is not None:
 
 # Launch configuration: ``block_n`` key columns per loop iteration, ``chunk`` columns per split
 # program (0: split so that ``B * H_kv * splits`` covers the multiprocessors about twice, from the
-# attended length), ``num_warps``, ``num_stages`` (software pipelining of the K/V loads).
+# attended length), ``num_warps``, ``num_stages`` (software pipelining of the K/V loads), ``k_trans``
+# (1: load K as its transpose instead of transposing the tile for the dot).
 # ``benchmarks/gpu/bench_attention.py --tune`` sweeps these on the GPU; see RESULTS.md.
 # H200, Qwen3-8B heads, batch 64, 384 of 512 columns (RESULTS.md, session 3): bf16 cache 3190 GB/s
 # with 2 stages vs 2435 with 3 (the previous default).
-DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 2}
+DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 2, "k_trans": 0}
 _CONFIG_KEYS = frozenset(DEFAULT_CONFIG)
 
 
@@ -179,6 +187,8 @@ def _config(config: dict[str, int] | None) -> dict[str, int]:
         raise ValueError(f"config block_n={cfg['block_n']}; allowed: a power of two >= 16 (tl.dot)")
     if not isinstance(cfg["chunk"], int) or cfg["chunk"] < 0 or cfg["chunk"] % cfg["block_n"]:
         raise ValueError(f"config chunk={cfg['chunk']!r}; allowed: 0 (auto) or a multiple of block_n={cfg['block_n']}")
+    if cfg["k_trans"] not in (0, 1):
+        raise ValueError(f"config k_trans={cfg['k_trans']!r}; allowed: 0 (K rows, transposed in registers) or 1")
     if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
         raise ValueError(f"config num_stages={cfg['num_stages']!r}; allowed: an int >= 1")
     return cfg
@@ -224,6 +234,7 @@ def _run(
         kv_len,
         CHUNK=chunk, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
         HAS_SCALE=has_scale, HAS_LAST=last is not None, RUNTIME_BOUNDS=not _INTERPRETED, DIRECT=direct,
+        K_TRANS=bool(cfg["k_trans"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not direct:
