@@ -65,4 +65,9 @@ case "${1:-all}" in
                 --dims '{"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128}' \
                 --out rollout_kl_trained_h200_1024x12.json ;;
   s3call4) for part in quant-tune3 attn-tune3 gpu-tests3 kl-trained; do "$0" "$part"; done ;;
+  gemm-paths) run 60 python3 -m pytest -q -p no:cacheprovider -rA packages/lumenrl-quant/tests/test_quant_gemm_paths_gpu.py 2>&1 | tail -8 ;;
+  quant-final3) run 60 python3 benchmarks/quant/bench_quantize.py ;;
+  fp8-s3b-bf16) run 110 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl --out fp8_rollout3b_full_bf16.json ;;
+  fp8-s3b-rowkv) run 140 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv --modes full --no-exact-kl --profile --out fp8_rollout3b_full_rowkv.json ;;
+  s3call5) for part in gemm-paths quant-final3 fp8-s3b-bf16 fp8-s3b-rowkv; do "$0" "$part"; done ;;
 esac

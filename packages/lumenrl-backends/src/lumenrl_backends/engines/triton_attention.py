@@ -168,14 +168,16 @@ if triton is not None:
 # attended length), ``num_warps``, ``num_stages`` (software pipelining of the K/V loads), ``k_trans``
 # (1: load K as its transpose instead of transposing the tile for the dot).
 # ``benchmarks/gpu/bench_attention.py --tune`` sweeps these on the GPU; see RESULTS.md.
-# H200, Qwen3-8B heads, batch 64, 384 of 512 columns (RESULTS.md, session 3): bf16 cache 3190 GB/s
-# with 2 stages vs 2435 with 3 (the previous default).
+# H200, Qwen3-8B heads, batch 64, 384 of 512 columns (RESULTS.md, session 3): bf16 cache 3105-3190 GB/s
+# with 64 columns x 2 stages (2435 with 3 stages, the previous default); an FP8 cache 1924 GB/s with 32
+# columns x 3 stages (1348 with the bf16 default). ``config`` keys override the cache dtype's default.
 DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 2, "k_trans": 0}
+FP8_CONFIG: dict[str, int] = {**DEFAULT_CONFIG, "block_n": 32, "num_stages": 3}
 _CONFIG_KEYS = frozenset(DEFAULT_CONFIG)
 
 
-def _config(config: dict[str, int] | None) -> dict[str, int]:
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
+def _config(config: dict[str, int] | None, fp8: bool = False) -> dict[str, int]:
+    cfg = {**(FP8_CONFIG if fp8 else DEFAULT_CONFIG), **(config or {})}
     unknown = set(cfg) - _CONFIG_KEYS
     if unknown:
         raise ValueError(f"config keys {sorted(unknown)}; allowed: {sorted(_CONFIG_KEYS)}")
@@ -207,7 +209,7 @@ def _run(
 ) -> torch.Tensor:
     batch, kv_heads, groups, dim = query.shape
     kv_len = key.shape[2]
-    cfg = _config(config)
+    cfg = _config(config, fp8=key.dtype in FP8_DTYPES)
     block_n = cfg["block_n"]
     if splits is None:
         splits = math.ceil(kv_len / cfg["chunk"]) if cfg["chunk"] else _splits(batch, kv_heads, kv_len, block_n)
