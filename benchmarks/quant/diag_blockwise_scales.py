@@ -47,7 +47,7 @@ def main() -> None:
                     w_q.double() * w_s.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).T
                 cells = []
                 for sa, sb in ((a_s.float().t().contiguous().t(), w_s.float().contiguous().t()),
-                               (padded_t(a_s.float().t().contiguous()).t(), padded_t(w_s.float()))):
+                               (padded_t(a_s.float()), padded_t(w_s.float().t()))):
                     try:
                         out = torch._scaled_mm(a_q, w_q.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
                         cells.append(f"{sqnr(ref, out):10.1f}")
