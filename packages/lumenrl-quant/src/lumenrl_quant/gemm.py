@@ -199,7 +199,7 @@ def gemm_path(
     m = a_q.shape[0]
     key = _failure_key(a_q, b_q, mode, out_dtype)
     cublas_ok = key not in _FAILED and _device_supports(mode, a_q.device, k, out_dtype)
-    if mode == "blockwise" and m < CUBLAS_BLOCKWISE_MIN_M:
+    if mode == "blockwise" and (m < CUBLAS_BLOCKWISE_MIN_M or not _cublas_blockwise_layout_ok(n, k)):
         cublas_ok = False
     prefer_triton = not cublas_ok or (m <= TRITON_BLOCKWISE_MAX_M and k <= TRITON_BLOCKWISE_MAX_K)
     if mode == "blockwise" and prefer_triton and _triton_blockwise_ok(a_q, b_q, k):
@@ -209,6 +209,14 @@ def gemm_path(
     if mode == "rowwise" and m <= ROWWISE_EPILOGUE_MAX_M and _epilogue_ok(a_q, b_q, out_dtype):
         return "scaled_mm_rowwise_epilogue"
     return f"scaled_mm_{mode}" if cublas_ok else "emulated"
+
+
+def _cublas_blockwise_layout_ok(n: int, k: int) -> bool:
+    """cuBLAS blockwise (torch 2.11, CUDA 13.0, H200) is silently wrong (-16 to -66 dB) when the weight
+    has more than one 128-row block and K / 128 is not a multiple of 4 (K = 128..768 except 512;
+    ``benchmarks/quant/diag_blockwise_scales.py``, RESULTS.md session 3); a padded scale stride is
+    refused by torch. Those shapes take the Triton kernel or the emulation instead."""
+    return -(-n // 128) == 1 or (-(-k // 128)) % 4 == 0
 
 
 def _failure_key(a_q: torch.Tensor, b_q: torch.Tensor, mode: str, out_dtype: torch.dtype) -> tuple:
