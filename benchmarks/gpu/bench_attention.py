@@ -5,7 +5,8 @@ the engine's decode shape: Qwen3-8B heads (32 query / 8 KV heads, head dim 128),
 preallocated cache of ``--cache`` columns (prompt 256 + 256 new = 512 in the decode benchmarks),
 every row attending to ``--lengths`` columns (the bounded walk: the engine passes each row's last
 column). bf16 and FP8 (E4M3, per-layer scales) caches. Each configuration is first checked against
-float32 SDPA on the same (dequantized) values (relative error <= 2e-2), then timed as device time
+float32 SDPA on the same (dequantized) values (relative error <= 2e-2; <= 1e-1 for the opt-in E4M3
+dots, listed under their own key), then timed as device time
 inside a CUDA graph (two K/V sets alternated so a call does not find the previous one's K/V in L2).
 GB/s = K + V bytes the rows attend to / time; ``pct_copy`` against the copy bandwidth measured in
 the same run. The best configuration per cache dtype is printed last; the kernel's default
@@ -48,6 +49,9 @@ def _sweep() -> list[dict[str, int]]:
         cfg = {"block_n": block_n, "chunk": chunk, "num_warps": warps, "num_stages": stages, "k_trans": k_trans}
         if cfg not in configs:
             configs.append(cfg)
+    for fp8_dots, k_trans, block_n, stages in itertools.product((1, 2), (0, 1), (32, 64, 128), (2, 3, 4)):
+        configs.append({"block_n": block_n, "chunk": 0, "num_warps": 4, "num_stages": stages, "k_trans": k_trans,
+                        "fp8_dots": fp8_dots})  # E4M3 caches only
     return configs
 
 
@@ -94,14 +98,17 @@ def main() -> None:
             q.float(), ref_k, ref_v, attn_mask=allowed[:, None, None, :], scale=dim**-0.5)
         moved = 2 * args.batch * kv_heads * length * dim * (1 if name == "fp8" else 2)
         for cfg in configs:
+            if cfg and cfg.get("fp8_dots") and name != "fp8":
+                continue
             row = {"dtype": name, "length": length, **ta._config(cfg, fp8=name == "fp8")}
             try:
                 q, k, v, allowed, last, scales, _, _ = sets[0]
                 out = ta._run(q, k, v, allowed, dim**-0.5, k_scale=scales[0], v_scale=scales[1], last=last, config=cfg)
                 err = float((out.float() - ref).norm() / ref.norm())
                 row["rel_err"] = err
-                if not err <= 2e-2:
-                    raise RuntimeError(f"relative error {err:.3g} > 2e-2")
+                bound = 1e-1 if row["fp8_dots"] else 2e-2  # E4M3 dots: timed, reported apart, never "best"
+                if not err <= bound:
+                    raise RuntimeError(f"relative error {err:.3g} > {bound}")
                 fns = [lambda s=s, c=cfg: ta._run(s[0], s[1], s[2], s[3], dim**-0.5, k_scale=s[5][0], v_scale=s[5][1],
                                                  last=s[4], config=c) for s in sets]
                 ms, how = time_graph_ms(fns)
@@ -110,7 +117,7 @@ def main() -> None:
             except Exception as err:  # noqa: BLE001 - report, keep sweeping
                 row["error"] = f"{type(err).__name__}: {err}"[:200]
             rows.append(row)
-            key = f"{name}_L{length}"
+            key = f"{name}_L{length}" + (f"_fp8dots{row['fp8_dots']}" if row["fp8_dots"] else "")
             if "gbs" in row and (key not in best or row["gbs"] > best[key]["gbs"]):
                 best[key] = row
         del sets
@@ -119,13 +126,13 @@ def main() -> None:
         C.write_json(args.out, result)
     default = [r for r in rows if all(r.get(k) == v for k, v in ta._config(None, fp8=r["dtype"] == "fp8").items())]
     print("default configuration:")
-    C.print_table(default, ["dtype", "length", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "us", "gbs", "pct_copy",
+    C.print_table(default, ["dtype", "length", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "fp8_dots", "us", "gbs", "pct_copy",
                             "rel_err", "error"])
     errors = [r for r in rows if "error" in r]
     if errors:
         print(f"{len(errors)} configurations failed, first: {errors[0]}")
     print("best configuration per cache dtype and length:")
-    C.print_table(list(best.values()), ["dtype", "length", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "us", "gbs",
+    C.print_table(list(best.values()), ["dtype", "length", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "fp8_dots", "us", "gbs",
                                         "pct_copy", "rel_err"])
 
 

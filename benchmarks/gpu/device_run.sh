@@ -70,4 +70,9 @@ case "${1:-all}" in
   fp8-s3b-bf16) run 110 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl --out fp8_rollout3b_full_bf16.json ;;
   fp8-s3b-rowkv) run 140 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv --modes full --no-exact-kl --profile --out fp8_rollout3b_full_rowkv.json ;;
   s3call5) for part in gemm-paths quant-final3 fp8-s3b-bf16 fp8-s3b-rowkv; do "$0" "$part"; done ;;
+  # next session first: the cuBLAS-blockwise fix on the GPU (test + the small trained model's fp8_block KL),
+  # the opt-in E4M3 attention dots in the sweep, the GPU tests of the new kernels
+  kl-block) run 120 python3 benchmarks/quant/bench_rollout_kl_trained.py --threads 8 --no-untrained --engines bf16,fp8_block,fp8_row --out rollout_kl_trained_h200_block.json ;;
+  attn-tune4) run 150 python3 benchmarks/gpu/bench_attention.py --tune --dtypes fp8,bf16 --out attention_tune4.json ;;
+  next4) for part in gemm-paths kl-block attn-tune4 gpu-tests3; do "$0" "$part"; done ;;
 esac

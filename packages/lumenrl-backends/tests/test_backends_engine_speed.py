@@ -158,6 +158,7 @@ def test_triton_kernel_stops_at_each_rows_last_column():
 @pytest.mark.parametrize(("config", "named"), [
     ({"block_n": 48}, "block_n=48"), ({"block_n": 8}, "block_n=8"), ({"chunk": 96}, "chunk=96"),
     ({"num_stages": 0}, "num_stages=0"), ({"warps": 4}, "['warps']"), ({"k_trans": 2}, "k_trans=2"),
+    ({"fp8_dots": 1, "block_n": 16}, "block_n=16"), ({"fp8_dots": 3}, "fp8_dots=3"),
 ])
 def test_triton_attention_config_errors_name_the_bad_value(config, named):
     from lumenrl_backends.engines import triton_attention
@@ -227,15 +228,23 @@ out16 = triton_attention._run(q.reshape(3, 2, 4, 64).bfloat16(), qk, qv, allowed
 ref16 = reference_attention(q.bfloat16().double(), qk.double() * k_scale.double(), qv.double() * v_scale.double(),
                             allowed, 0.125)
 print(float((out16.reshape(3, 1, 8, 64).double() - ref16).norm() / ref16.norm()))
+# opt-in E4M3 dots: q and p rounded to E4M3 as well (the interpreter's own FP8 casts)
+for level in (1, 2):
+    out8 = triton_attention._run(q.reshape(3, 2, 4, 64).bfloat16(), qk, qv, allowed, 0.125, splits=2,
+                                 k_scale=k_scale.reshape(1), v_scale=v_scale.reshape(1), config={"fp8_dots": level})
+    print(float((out8.reshape(3, 1, 8, 64).double() - ref16).norm() / ref16.norm()))
 print(float((out.reshape(3, 1, 8, 64).double() - ref).norm() / ref.norm()))
 """
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
 def test_triton_kernel_reads_fp8_cache_with_scales():
-    bf16_query, fp32_query = (float(x) for x in _interpreted(_INTERPRETED_FP8).strip().splitlines()[-2:])
+    lines = _interpreted(_INTERPRETED_FP8).strip().splitlines()[-4:]
+    bf16_query, fp8_qk, fp8_both, fp32_query = (float(x) for x in lines)
     assert fp32_query < 1e-5
     assert bf16_query < 4e-3  # bf16 output rounding (2**-9 relative) dominates
+    # opt-in E4M3 dots add E4M3 rounding (3 mantissa bits; the interpreter's casts round coarser than CUDA's)
+    assert bf16_query < fp8_qk < 5e-2 and fp8_both < 1e-1, (fp8_qk, fp8_both)
 
 
 def test_fp8_kv_raw_decode_equals_dequantized_cache(loaded):

@@ -87,7 +87,7 @@ if triton is not None:
         kv_len,
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_SCALE: tl.constexpr, HAS_LAST: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr, DIRECT: tl.constexpr,
-        K_TRANS: tl.constexpr,
+        K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr,
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_g, offs_d, offs_n = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
@@ -95,6 +95,10 @@ if triton is not None:
         q = tl.load(Q + b * s_qb + h * s_qh + offs_g[:, None] * s_qg + offs_d[None, :], mask=g_ok[:, None], other=0.0)
         if HAS_SCALE and Q.dtype.element_ty != tl.float32:  # FP8 cache, 16-bit query: dots in fp16 (see above)
             q = q.to(tl.float16)
+        if FP8_DOTS >= 1:  # E4M3 cache, opt-in: q in E4M3 (per-row scale), q.k on FP8 tensor cores
+            q_amax = tl.max(tl.abs(q.to(tl.float32)), 1)
+            q_scale = tl.where(q_amax > 0, q_amax / 448.0, 1.0)
+            q8 = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
         if HAS_SCALE:  # FP8 cache: dequant scales folded into the scores and the output
             scale = scale * tl.load(K_SCALE)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -114,11 +118,19 @@ if triton is not None:
             if K_TRANS:  # K loaded as its (D, BLOCK_N) transpose: the dot's B operand without a tl.trans
                 kt = tl.load(K + b * s_kb + h * s_kh + cols[None, :] * s_kl + offs_d[:, None], mask=in_range[None, :],
                              other=0.0)
-                qk = tl.dot(q, kt.to(q.dtype)).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
+                if FP8_DOTS >= 1:
+                    qk = tl.dot(q8, kt).to(tl.float32) * scale
+                else:
+                    qk = tl.dot(q, kt.to(q.dtype)).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
             else:
                 k = tl.load(K + b * s_kb + h * s_kh + cols[:, None] * s_kl + offs_d[None, :], mask=in_range[:, None],
                             other=0.0)
-                qk = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
+                if FP8_DOTS >= 1:
+                    qk = tl.dot(q8, tl.trans(k)).to(tl.float32) * scale
+                else:
+                    qk = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
+            if FP8_DOTS >= 1:
+                qk = qk * q_scale[:, None]
             qk = tl.where((allowed & in_range)[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -126,7 +138,11 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + b * s_vb + h * s_vh + cols[:, None] * s_vl + offs_d[None, :], mask=in_range[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)).to(tl.float32)
+            if FP8_DOTS == 2:  # p in [0, 1] scaled to E4M3's range: weights down to ~4e-6 survive the cast
+                pv = tl.dot((p * 448.0).to(tl.float8e4nv), v).to(tl.float32) * (1.0 / 448.0)
+            else:
+                pv = tl.dot(p.to(q.dtype), v.to(q.dtype)).to(tl.float32)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -166,12 +182,17 @@ if triton is not None:
 # Launch configuration: ``block_n`` key columns per loop iteration, ``chunk`` columns per split
 # program (0: split so that ``B * H_kv * splits`` covers the multiprocessors about twice, from the
 # attended length), ``num_warps``, ``num_stages`` (software pipelining of the K/V loads), ``k_trans``
-# (1: load K as its transpose instead of transposing the tile for the dot).
+# (1: load K as its transpose instead of transposing the tile for the dot), ``fp8_dots`` (E4M3 cache only,
+# opt-in, not yet measured: 1 casts the query (per-row scale) to E4M3 so q.k runs on FP8 tensor cores
+# without converting K, 2 also the probabilities (x 448) for p.v, as FlashAttention-3's FP8 mode; the
+# extra E4M3 rounding costs accuracy (CPU interpreter: ~1-6% relative error vs 0.4% for fp16 dots),
+# so the engine never turns it on by itself).
 # ``benchmarks/gpu/bench_attention.py --tune`` sweeps these on the GPU; see RESULTS.md.
 # H200, Qwen3-8B heads, batch 64, 384 of 512 columns (RESULTS.md, session 3): bf16 cache 3105-3190 GB/s
 # with 64 columns x 2 stages (2435 with 3 stages, the previous default); an FP8 cache 1924 GB/s with 32
 # columns x 3 stages (1348 with the bf16 default). ``config`` keys override the cache dtype's default.
-DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 2, "k_trans": 0}
+DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 2, "k_trans": 0,
+                                  "fp8_dots": 0}
 FP8_CONFIG: dict[str, int] = {**DEFAULT_CONFIG, "block_n": 32, "num_stages": 3}
 _CONFIG_KEYS = frozenset(DEFAULT_CONFIG)
 
@@ -189,6 +210,10 @@ def _config(config: dict[str, int] | None, fp8: bool = False) -> dict[str, int]:
         raise ValueError(f"config block_n={cfg['block_n']}; allowed: a power of two >= 16 (tl.dot)")
     if not isinstance(cfg["chunk"], int) or cfg["chunk"] < 0 or cfg["chunk"] % cfg["block_n"]:
         raise ValueError(f"config chunk={cfg['chunk']!r}; allowed: 0 (auto) or a multiple of block_n={cfg['block_n']}")
+    if cfg["fp8_dots"] not in (0, 1, 2):
+        raise ValueError(f"config fp8_dots={cfg['fp8_dots']!r}; allowed: 0 (fp16 dots), 1 (E4M3 q.k), 2 (and E4M3 p.v)")
+    if cfg["fp8_dots"] and cfg["block_n"] < 32:
+        raise ValueError(f"config block_n={cfg['block_n']} with fp8_dots={cfg['fp8_dots']}; allowed: >= 32 (FP8 MMA K step)")
     if cfg["k_trans"] not in (0, 1):
         raise ValueError(f"config k_trans={cfg['k_trans']!r}; allowed: 0 (K rows, transposed in registers) or 1")
     if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
@@ -210,6 +235,8 @@ def _run(
     batch, kv_heads, groups, dim = query.shape
     kv_len = key.shape[2]
     cfg = _config(config, fp8=key.dtype in FP8_DTYPES)
+    if cfg["fp8_dots"] and key.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"config fp8_dots={cfg['fp8_dots']} needs a float8_e4m3fn cache; got {key.dtype}")
     block_n = cfg["block_n"]
     if splits is None:
         splits = math.ceil(kv_len / cfg["chunk"]) if cfg["chunk"] else _splits(batch, kv_heads, kv_len, block_n)
@@ -236,7 +263,7 @@ def _run(
         kv_len,
         CHUNK=chunk, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
         HAS_SCALE=has_scale, HAS_LAST=last is not None, RUNTIME_BOUNDS=not _INTERPRETED, DIRECT=direct,
-        K_TRANS=bool(cfg["k_trans"]),
+        K_TRANS=bool(cfg["k_trans"]), FP8_DOTS=cfg["fp8_dots"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not direct:
