@@ -163,6 +163,17 @@ def merge_summary(entries: dict[str, dict[str, Any]], path: Path | None = None) 
     return path
 
 
+def time_graph_ms(fns: list[Any], iters: int = 20) -> tuple[float, str]:
+    """Median ms per call of ``fns`` captured in one CUDA graph and replayed: the timer of
+    ``benchmarks/quant/_common.py`` (loaded by path, the module name ``_common`` is this file's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_quant_common", Path(__file__).resolve().parents[1] / "quant" / "_common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.time_graph_ms(fns, iters=iters)
+
+
 KERNEL_CLASSES = (  # first match wins; names of cuBLAS / CUTLASS / Triton / inductor kernels
     ("inductor", ("triton_poi", "triton_per", "triton_red")),  # fused elementwise (names may say _scaled_mm)
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul")),

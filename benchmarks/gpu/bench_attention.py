@@ -27,19 +27,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-
-def _quant_common():
-    """benchmarks/quant/_common.py (its CUDA-graph timer), loaded by path: the name ``_common`` is taken."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_quant_common", Path(__file__).resolve().parents[1] / "quant" / "_common.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-time_graph_ms = _quant_common().time_graph_ms
-
 from lumenrl_backends.engines import triton_attention as ta  # noqa: E402
 
 
@@ -111,7 +98,7 @@ def main() -> None:
                     raise RuntimeError(f"relative error {err:.3g} > {bound}")
                 fns = [lambda s=s, c=cfg: ta._run(s[0], s[1], s[2], s[3], dim**-0.5, k_scale=s[5][0], v_scale=s[5][1],
                                                  last=s[4], config=c) for s in sets]
-                ms, how = time_graph_ms(fns)
+                ms, how = C.time_graph_ms(fns)
                 row.update(us=ms * 1e3, gbs=moved / (ms * 1e-3) / 1e9, timing=how)
                 row["pct_copy"] = 100 * row["gbs"] / copy_gbs
             except Exception as err:  # noqa: BLE001 - report, keep sweeping

@@ -41,7 +41,15 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import VOCAB, command_line, copy_bandwidth_gbs, environment, print_table, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    VOCAB,
+    command_line,
+    copy_bandwidth_gbs,
+    environment,
+    print_table,
+    time_graph_ms,
+    write_json,
+)
 
 from lumenrl_backends.engines import triton_sampling  # noqa: E402
 from lumenrl_backends.engines.sampling import sample_tokens  # noqa: E402
@@ -61,30 +69,8 @@ def graph_us(fns: list[Callable[[], Any]], iters: int = 20) -> tuple[float, str]
         for f in fns:
             f()
         return (time.perf_counter() - start) / len(fns) * 1e6, "eager"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (Triton compiles) off the capture
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    times.sort()
-    del graph
-    return times[len(times) // 2], "cuda_graph"
+    ms, how = time_graph_ms(fns, iters=iters)
+    return ms * 1e3, how
 
 
 def variants(sweep: bool) -> dict[str, dict[str, Any]]:
