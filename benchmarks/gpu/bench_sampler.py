@@ -155,8 +155,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in Triton's CPU interpreter")
     parser.add_argument("--out", default="sampler.json")
     args = parser.parse_args()
-    if args.smoke:
+    if args.smoke:  # never overwrite a GPU result with interpreter timings
         args.batches, args.vocab = "2,5", 3000
+        if args.out == "sampler.json":
+            args.out = "sampler_smoke.json"
     cuda = torch.cuda.is_available()
     copy_gbs = copy_bandwidth_gbs() if cuda else 0.0
     rows = []
