@@ -93,6 +93,37 @@ def test_masked_tail_never_drawn(interpreted):
     assert all(t < 3000 for t in case["tokens"]) and case["tokens"][1] >= 1024
 
 
+_BIG_STRIDE = """
+import json
+import torch
+from lumenrl_backends.engines import triton_sampling
+from lumenrl_backends.engines.sampling import sample_tokens
+
+stride = 2**30 + 64  # row 2 starts past element 2**31: int32 row offsets wrap there
+base = torch.empty(2 * stride + 1000, dtype=torch.bfloat16)  # virtual: only the 3 rows' pages are touched
+logits = base.as_strided((3, 1000), (stride, 1))
+logits.copy_(torch.randn(3, 1000) * 3)
+seeds = torch.tensor([1, -5, 2**40])
+args = dict(temperature=torch.tensor([0.0, 1.0, 0.8]), seeds=seeds, counters=torch.tensor([0, 3, 9]))
+ref, ref_lp = sample_tokens(logits, **args, top_k=torch.zeros_like(seeds), top_p=torch.ones(3), restrict=False)
+for impl in ("chunked", "rowwise"):
+    tokens, log_probs = triton_sampling.fused_sample(logits, **args, impl=impl)
+    print(json.dumps({"impl": impl, "same": tokens.tolist() == ref.tolist(),
+                      "err": float((log_probs - ref_lp).abs().max())}))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
+def test_row_offsets_past_int32_range():
+    """A (B, V) view whose row stride puts a row past element 2**31 (int64 offsets in the kernels)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _BIG_STRIDE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["impl"] for r in rows] == ["chunked", "rowwise"]
+    assert all(r["same"] and r["err"] < 1e-5 for r in rows), rows
+
+
 def test_default_chunk_covers_the_gpu_and_shrinks_for_small_batches():
     from lumenrl_backends.engines.triton_sampling import _TARGET_PROGRAMS, default_chunk
 

@@ -92,6 +92,7 @@ if triton is not None:
         temp = tl.load(TEMP + row)
         inv_t = 1.0 / tl.where(temp <= 0.0, 1.0, temp)
         key = _row_key(SEEDS, COUNTERS, row)
+        LOGITS += row.to(tl.int64) * s_lb  # int64: rows * s_lb may pass 2**31 (large B * V, strided views)
         offs = tl.arange(0, BLOCK_V)
         start = chunk * (BLOCK_V * BLOCKS_PER_CHUNK)
         run_max = tl.full([1], float("-inf"), tl.float32)  # also the greedy best value
@@ -102,7 +103,7 @@ if triton is not None:
         for block in range(0, BLOCKS_PER_CHUNK):
             cols = start + block * BLOCK_V + offs
             ok = cols < vocab
-            x = tl.load(LOGITS + row * s_lb + cols, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            x = tl.load(LOGITS + cols, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
             blk_max, i_s = tl.max(x, 0, return_indices=True)  # ties -> lowest index
             new_max = tl.maximum(run_max, blk_max)
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # an all -inf prefix sums to 0, not nan
@@ -143,7 +144,7 @@ if triton is not None:
             c = tl.load(PART_C + base + ch, mask=ok, other=float("-inf"))
             _, i_c = tl.max(c, 0, return_indices=True)
             token = tl.where(greedy, token, tl.load(PART_C_IDX + base + i_c))
-        value = tl.load(LOGITS + row * s_lb + token).to(tl.float32) * inv_t  # == stage 1's scaled[token]
+        value = tl.load(LOGITS + row.to(tl.int64) * s_lb + token).to(tl.float32) * inv_t  # == stage 1's scaled[token]
         tl.store(TOKENS + row, token.to(tl.int64))
         tl.store(LOGPROBS + row, value - lse)
 
@@ -158,6 +159,7 @@ if triton is not None:
         greedy = temp <= 0.0
         inv_t = 1.0 / tl.where(greedy, 1.0, temp)
         key = tl.load(KEYS + row).to(tl.uint32, bitcast=True)
+        LOGITS += row.to(tl.int64) * s_lb
         offs = tl.arange(0, BLOCK_V)
         run_max = tl.full([1], float("-inf"), tl.float32)
         run_sum = tl.zeros([1], tl.float32)
@@ -169,7 +171,7 @@ if triton is not None:
         for block in range(0, NUM_BLOCKS):
             cols = block * BLOCK_V + offs
             ok = cols < vocab
-            x = tl.load(LOGITS + row * s_lb + cols, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            x = tl.load(LOGITS + cols, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
             blk_max = tl.max(x, 0)
             new_max = tl.maximum(run_max, blk_max)
             run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
