@@ -174,7 +174,8 @@ if triton is not None:
             x = tl.load(LOGITS + cols, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
             blk_max = tl.max(x, 0)
             new_max = tl.maximum(run_max, blk_max)
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # an all -inf prefix sums to 0, not nan
+            run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(x - shift), 0)
             run_max = new_max
             i_s = tl.argmax(x, 0)
             take_s = blk_max > best_s
