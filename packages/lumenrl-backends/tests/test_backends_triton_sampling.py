@@ -155,3 +155,23 @@ def test_bad_launch_parameters_raise(launch, match):
     one = torch.ones(2)
     with pytest.raises(ValueError, match=match):
         fused_sample(torch.zeros(2, 100), temperature=one, seeds=one.long(), counters=one.long(), **launch)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize(
+    ("logits", "per_row", "match"),
+    [
+        (torch.zeros(3, 100), {"temperature": torch.ones(2)}, r"temperature must have shape \(B,\) = \(3,\).*got \(2,\)"),
+        (torch.zeros(3, 100), {"seeds": torch.ones(1, 3).long()}, r"seeds must have shape \(B,\) = \(3,\).*\(1, 3\)"),
+        (torch.zeros(3, 100), {"counters": torch.ones(4).long()}, r"counters must have shape .*got \(4,\)"),
+        (torch.zeros(1, 3, 100), {}, r"logits must be \(B, V\); got shape \(1, 3, 100\)"),
+    ],
+)
+def test_per_row_tensors_must_match_the_batch(logits, per_row, match):
+    """Checked on the host from shapes: a short per-row tensor would be read out of bounds by the kernels."""
+    from lumenrl_backends.engines.triton_sampling import fused_sample
+
+    one = torch.ones(logits.shape[0])
+    args = {"temperature": one, "seeds": one.long(), "counters": one.long(), **per_row}
+    with pytest.raises(ValueError, match=match):
+        fused_sample(logits, **args)

@@ -264,7 +264,13 @@ def fused_sample(
     ``chunk`` (columns per program, power of two, default :func:`default_chunk`) and ``block_v``
     (columns per step inside a program, power of two <= chunk; default min(chunk, 2048), 4096 for
     ``impl="rowwise"``) are launch parameters: they change the speed, never the tokens."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (B, V); got shape {tuple(logits.shape)}")
     batch, vocab = logits.shape
+    for name, value in (("temperature", temperature), ("seeds", seeds), ("counters", counters)):
+        if tuple(value.shape) != (batch,):  # the kernels read one value per row: a short tensor reads out of bounds
+            raise ValueError(f"{name} must have shape (B,) = ({batch},) for logits {tuple(logits.shape)}; "
+                             f"got {tuple(value.shape)}")
     block_v, chunk = _launch_params(impl, batch, vocab, block_v, chunk)
     _check_power_of_two("num_warps", num_warps, 1, 16)
     if logits.stride(-1) != 1:
