@@ -117,6 +117,14 @@ SCRIPT = textwrap.dedent(
         odd = torch.empty(37 * 1248 + 1, dtype=dtype)[1:].view(37, 1248).copy_(xs)  # 2-byte aligned only
         d, s = tk.mx_quantize(odd, "e2m1")
         assert torch.equal(s, ref.scale) and torch.equal(d, ref.data), f"mx e2m1 {dtype} odd offset: differs"
+        wide = torch.empty(37, 1280, dtype=dtype)
+        wide[:, :1248] = xs
+        d, s = tk.mx_quantize(wide[:, :1248], "e2m1")  # non-contiguous: copied, then words
+        assert torch.equal(s, ref.scale) and torch.equal(d, ref.data), f"mx e2m1 {dtype} non-contiguous: differs"
+        for start in (0, 1):  # one row of an odd-width tensor: "contiguous" with an odd row stride
+            one = torch.empty(1, 1249, dtype=dtype)[:, start:start + 1248].copy_(xs[:1])
+            d, s = tk.mx_quantize(one, "e2m1")
+            assert torch.equal(s, ref.scale[:1]) and torch.equal(d, ref.data[:1]), f"mx e2m1 {dtype} row {start}: differs"
     try:
         tk.mx_quantize(x, "e2m1", config={"impl": "words"})
     except ValueError as err:

@@ -501,8 +501,8 @@ def mx_quantize(
     s = torch.empty((m, k // 32), dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(k, cfg["block_k"]))
     if fp4 and cfg["impl"] == "words":
-        if x.storage_offset() % 2:  # int32 words must start on a 4-byte boundary
-            x = x.clone()
+        if x.storage_offset() % 2 or x.stride(0) % 2:  # words on 4-byte boundaries (an M=1 view of an
+            x = x.clone(memory_format=torch.contiguous_format)  # odd-width tensor is "contiguous", stride odd)
         w = x.view(torch.int32)  # (M, K/2), little endian: element 2j in the low half of word j
         _mx_fp4_words_kernel[grid](
             w, q, s, m, k // 2, w.stride(0), q.stride(0), s.stride(0), EMAX=emax, FP16=x.dtype == torch.float16,
