@@ -153,3 +153,48 @@ def test_triton_quantize_configs_under_interpreter():
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert out.stdout.strip().endswith("ok")
+
+
+BIG_ROWS = textwrap.dedent(
+    """
+    import torch
+    import triton.language as tl
+    from lumenrl_quant import triton_kernels as tk
+    from lumenrl_quant.mx import quantize_mx
+
+    # rows whose offsets pass 2**31 elements (as in an (M, K) tensor with M * K > 2**31), built as
+    # views with a huge row stride over lazily backed memory: only the 3 rows' pages are touched.
+    # BLOCK_M = 2: row 2 is the second program's first row (offsets inside a row block are int32)
+    x = torch.randn(3, 64).bfloat16()
+    ref = quantize_mx(x, "e2m1", backend="torch")
+    for kernel in ("split", "words"):
+        if kernel == "split":
+            stride = 2**30 + 64  # elements; row 2 at 2**31 + 128
+            base = torch.empty(2 * stride + 64, dtype=torch.bfloat16)
+            view = base.as_strided((3, 64), (stride, 1))
+        else:
+            stride = 2**30 + 32  # int32 words; row 2 at word 2**31 + 64
+            base = torch.empty(2 * stride + 32, dtype=torch.int32)
+            view = base.as_strided((3, 32), (stride, 1))
+        view.copy_(x.view(torch.int32) if kernel == "words" else x)
+        q = torch.empty(3, 32, dtype=torch.uint8)
+        s = torch.empty(3, 2, dtype=torch.uint8)
+        if kernel == "split":
+            tk._mx_quant_kernel[(2, 1)](view, q, s, 3, 64, stride, 32, 2, EMAX=2, ELEM_MAX=6.0, FP4=True,
+                                        OUT=tl.uint8, BLOCK_M=2, BLOCK_K=64)
+        else:
+            tk._mx_fp4_words_kernel[(2, 1)](view, q, s, 3, 32, stride, 32, 2, EMAX=2, FP16=False, BLOCK_M=2,
+                                            BLOCK_W=32)
+        assert torch.equal(q, ref.data) and torch.equal(s, ref.scale), f"{kernel}: differs"
+        del base, view
+    print("ok")
+    """
+)
+
+
+def test_mx_kernels_address_rows_past_int32_range():
+    """int64 row-block offsets: an int32 ``row * stride`` wrapped (out-of-bounds reads) past 2**31 elements."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", BIG_ROWS], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stdout[-2000:] + out.stderr[-4000:])
+    assert out.stdout.strip().endswith("ok")

@@ -216,10 +216,16 @@ if triton is not None:
         EMAX: tl.constexpr, ELEM_MAX: tl.constexpr, FP4: tl.constexpr, OUT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PACK_SUM: tl.constexpr = False,
     ):
-        # OCP MX, 32-element blocks; any input dtype (loaded and widened to float32)
+        # OCP MX, 32-element blocks; any input dtype (loaded and widened to float32). The row block's
+        # base offsets are int64 (M * K may pass 2**31); inside the block int32 (BLOCK_M * stride < 2**31).
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row0 = pid_m.to(tl.int64) * BLOCK_M
+        x_ptr += row0 * stride_xm
+        q_ptr += row0 * stride_qm
+        s_ptr += row0 * stride_sm
+        rows = tl.arange(0, BLOCK_M)
+        M = M - pid_m * BLOCK_M  # rows left from row0
         cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = (rows[:, None] < M) & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -271,7 +277,12 @@ if triton is not None:
         # the thread that loaded word j: no reshuffle between load, pack and the (coalesced) store.
         pid_m = tl.program_id(0)
         pid_w = tl.program_id(1)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row0 = pid_m.to(tl.int64) * BLOCK_M  # int64 base offsets (M * K / 2 may pass 2**31), int32 inside
+        w_ptr += row0 * stride_wm
+        q_ptr += row0 * stride_qm
+        s_ptr += row0 * stride_sm
+        rows = tl.arange(0, BLOCK_M)
+        M = M - pid_m * BLOCK_M  # rows left from row0
         cols = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
         mask = (rows[:, None] < M) & (cols[None, :] < KW)
         w = tl.load(w_ptr + rows[:, None] * stride_wm + cols[None, :], mask=mask, other=0)
