@@ -131,6 +131,14 @@ SCRIPT = textwrap.dedent(
         assert "words" in str(err) and "float32" in str(err)
     else:
         raise AssertionError("impl='words' accepted for float32 x")
+    for bad in ({"block_m": 3}, {"block_m": 0}, {"num_warps": 3}):
+        try:
+            tk.mx_quantize(x, "e4m3", config=bad)
+        except ValueError as err:
+            name, value = next(iter(bad.items()))
+            assert f"config {name}={value} must be a power of two" in str(err), err
+        else:
+            raise AssertionError(f"mx_quantize accepted config={bad}")
     try:
         tk.fp8_quantize_groups(x, 128, config={"ng": 3})
     except ValueError as err:

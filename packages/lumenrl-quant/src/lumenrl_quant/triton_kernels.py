@@ -506,6 +506,8 @@ def mx_quantize(
     if fp4 and cfg["impl"] == "words" and not half:
         raise ValueError(f"config impl='words' needs bfloat16 / float16 x; got dtype={x.dtype} (use 'split')")
     _require_pow2("config block_k", cfg["block_k"], 32)
+    _require_pow2("config block_m", cfg["block_m"])
+    _require_pow2("config num_warps", cfg["num_warps"])
     x = x.contiguous()
     out_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(elem_format, torch.uint8)
     q = torch.empty((m, k // 2 if fp4 else k), dtype=out_dtype, device=x.device)
