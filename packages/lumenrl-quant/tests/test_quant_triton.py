@@ -79,10 +79,20 @@ def test_triton_mxfp4_16bit_inputs_bit_identical_to_torch(dtype, impl):
     x = (torch.randn(37, 1248) * torch.exp2(torch.randint(-12, 12, (37, 1248)).float())).to(dtype)
     x[0, :32], x[1, :32], x[2, :32] = 0, torch.finfo(dtype).tiny / 4, 7.0  # zero, subnormal, all-equal blocks
     x[3, :32:2], x[3, 1:32:2] = torch.finfo(dtype).max, -torch.finfo(dtype).max
+    x[4, 5], x[4, 40] = float("inf"), float("-inf")  # inf blocks: scale 0xFF, inf -> code 7
     x = x.cuda()
     d, s = tk.mx_quantize(x, "e2m1", config={"impl": impl})
     r = quantize_mx(x, "e2m1", backend="torch")
     assert torch.equal(s, r.scale) and torch.equal(d, r.data)
+    views = {  # 2-byte aligned only; non-contiguous; one row of an odd-width tensor (odd row stride)
+        "odd offset": torch.empty(37 * 1248 + 1, dtype=dtype, device="cuda")[1:].view(37, 1248).copy_(x),
+        "non-contiguous": torch.empty(37, 1280, dtype=dtype, device="cuda")[:, :1248].copy_(x),
+        "one row, odd stride": torch.empty(1, 1249, dtype=dtype, device="cuda")[:, 1:].copy_(x[:1]),
+    }
+    for name, view in views.items():
+        d, s = tk.mx_quantize(view, "e2m1", config={"impl": impl})
+        rows = view.shape[0]
+        assert torch.equal(s, r.scale[:rows]) and torch.equal(d, r.data[:rows]), name
 
 
 @pytest.mark.parametrize("granularity,block_size", CASES)
