@@ -74,5 +74,7 @@ case "${1:-all}" in
   # the opt-in E4M3 attention dots in the sweep, the GPU tests of the new kernels
   kl-block) run 120 python3 benchmarks/quant/bench_rollout_kl_trained.py --threads 8 --no-untrained --engines bf16,fp8_block,fp8_row --out rollout_kl_trained_h200_block.json ;;
   attn-tune4) run 150 python3 benchmarks/gpu/bench_attention.py --tune --dtypes fp8,bf16 --out attention_tune4.json ;;
-  next4) for part in gemm-paths kl-block attn-tune4 gpu-tests3; do "$0" "$part"; done ;;
+  next4) for part in gemm-paths kl-block attn-tune4; do "$0" "$part"; done ;;
+  # then: W8A16 vs W8A8 decode GEMMs, MX kernels re-timed after the int64 row offsets, the GPU tests
+  next4b) for part in gemm-tune quant-tune3 gpu-tests3; do "$0" "$part"; done ;;
 esac

@@ -15,7 +15,10 @@ Paths (all produce the scaled result, checked against the float32 emulation, rel
   result is not rowwise-scaled, so it is timed but not checked);
 * ``cublas_rowwise``: ``torch._scaled_mm`` with rowwise scales (CUTLASS sm90 kernel);
 * ``triton``: :func:`lumenrl_quant.triton_gemm.fp8_rowwise_gemm` per launch configuration
-  (``--tune`` sweeps tiles, split-K and stages; the default config otherwise).
+  (``--tune`` sweeps tiles, split-K and stages; the default config otherwise);
+* ``triton_w8a16_<bfloat16|float16>``: :func:`lumenrl_quant.triton_gemm.fp8_weight_only_gemm`, bf16
+  activations against the FP8 weight widened in registers (no activation quantization; checked against
+  the bf16 x times the dequantized weight).
 
     python benchmarks/quant/bench_decode_gemm.py --tune
 """
@@ -48,7 +51,8 @@ def _sweep() -> list[dict[str, int]]:
     return out
 
 
-def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]]) -> list[dict]:
+def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]],
+                w8a16_configs: list[dict[str, int]]) -> list[dict]:
     dev = torch.device("cuda")
     a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     a_q, sa = quantize_fp8(a, granularity="rowwise")
@@ -56,16 +60,18 @@ def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]]) -> list[d
     weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     quantized = [quantize_fp8(w, granularity="rowwise") for w in weights]
     ref = (a_q.float() * sa.float().reshape(-1, 1)) @ (quantized[0][0].float() * quantized[0][1].float().reshape(-1, 1)).T
+    ref_w16 = a.float() @ (quantized[0][0].float() * quantized[0][1].float().reshape(-1, 1)).T  # W8A16
     one = torch.ones((), device=dev)
     rows, base = [], None
 
-    def add(path: str, calls: list, bytes_per_call: int, check: bool = True, **extra) -> None:
+    def add(path: str, calls: list, bytes_per_call: int, check: bool = True, against=None, **extra) -> None:
         nonlocal base
         row = {"M": m, "N": n, "K": k, "path": path, **extra}
+        want = ref if against is None else against
         try:
             if check:
                 out = calls[0]()
-                err = float((out.float() - ref).norm() / ref.norm())
+                err = float((out.float() - want).norm() / want.norm())
                 row["rel_err"] = err
                 if not err <= 1e-2:
                     raise RuntimeError(f"relative error {err:.3g} > 1e-2 vs the float32 emulation")
@@ -93,6 +99,14 @@ def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]]) -> list[d
             continue
         add("triton", [lambda q=q, c=cfg: tg.fp8_rowwise_gemm(a_q, sa, q[0], q[1], config=c) for q in quantized],
             n * k, **{key: cfg[key] for key in ("block_n", "block_k", "split_k", "num_stages")})
+    for dot in (torch.bfloat16, torch.float16):  # W8A16: no activation quantization at all
+        for cfg in w8a16_configs:
+            if not tg.supports(k, cfg):
+                continue
+            add(f"triton_w8a16_{str(dot).removeprefix('torch.')}",
+                [lambda q=q, c=cfg, d=dot: tg.fp8_weight_only_gemm(a, q[0], q[1], dot_dtype=d, config=c)
+                 for q in quantized], n * k, against=ref_w16,
+                **{key: cfg[key] for key in ("block_n", "block_k", "split_k", "num_stages")})
     torch.cuda.empty_cache()
     return rows
 
@@ -104,17 +118,18 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true")
     args = ap.parse_args()
     configs = _sweep() if args.tune else [dict(tg.DEFAULT_CONFIG)]
+    w8a16 = [{**tg.DEFAULT_CONFIG, "block_n": bn, "block_k": bk, "num_stages": st}
+             for bn, bk, st in itertools.product((32, 64), (128, 256), (3, 4, 5))] if args.tune else [dict(tg.DEFAULT_CONFIG)]
     rows, best = [], []
     for m in (int(x) for x in args.m.split(",")):
         for name in args.shapes.split(","):
             n, k = SHAPES[name]
-            found = bench_shape(m, n, k, configs)
+            found = bench_shape(m, n, k, configs, w8a16)
             rows.extend(found)
             timed = [r for r in found if "us" in r]
-            fixed = [r for r in timed if r["path"] != "triton"]
-            tri = [r for r in timed if r["path"] == "triton"]
-            if tri:
-                fixed.append(min(tri, key=lambda r: r["us"]))
+            fixed = [r for r in timed if not r["path"].startswith("triton")]
+            for kind in sorted({r["path"] for r in timed if r["path"].startswith("triton")}):
+                fixed.append(min((r for r in timed if r["path"] == kind), key=lambda r: r["us"]))
             for r in fixed:
                 r["shape"] = name
             best.extend(fixed)

@@ -41,6 +41,14 @@ SCRIPT = textwrap.dedent(
                 bound = 1e-6 if out_dtype == torch.float32 else 8e-3
                 assert err < bound, (m, n, k, cfg, out_dtype, err)
                 worst = max(worst, err if out_dtype == torch.float32 else 0.0)
+    # W8A16: bf16 activations against the same FP8 weight, bf16 and fp16 dots, fused and split-K epilogue
+    xb = x.bfloat16()
+    ref16 = xb.double() @ (b_q.double() * b_s.double().reshape(-1, 1)).T
+    for cfg in ({"block_m": 16, "block_n": 32, "block_k": 64}, {"block_m": 32, "block_n": 32, "block_k": 64, "split_k": 2}):
+        for dot in (torch.float16,):  # Triton 3.6's interpreter computes bf16 tl.dot wrongly (the GPU test has bf16)
+            out = tg.fp8_weight_only_gemm(xb, b_q, b_s, out_dtype=torch.float32, dot_dtype=dot, config=cfg)
+            err = float((out.double() - ref16).norm() / ref16.norm())
+            assert err < 1e-5, (cfg, dot, err)
     # the dispatcher's named path runs the tuned config of this (N, K)
     from lumenrl_quant import gemm
     gemm.TRITON_ROWWISE_CONFIGS[(n, k)] = {"block_m": 16, "block_n": 32, "block_k": 128, "split_k": 4}
@@ -69,6 +77,19 @@ def test_rowwise_gemm_config_errors_name_the_bad_value(config, named):
 
     with pytest.raises(ValueError, match=re.escape(named)):
         triton_gemm._config(config)
+
+
+def test_weight_only_gemm_names_bad_dtypes():
+    import torch
+
+    from lumenrl_quant import triton_gemm
+
+    w = torch.zeros(4, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="dot_dtype=torch.float32"):
+        triton_gemm.fp8_weight_only_gemm(torch.zeros(2, 128, dtype=torch.bfloat16), w, torch.ones(4),
+                                         dot_dtype=torch.float32)
+    with pytest.raises(ValueError, match="x dtype=torch.float32"):
+        triton_gemm.fp8_weight_only_gemm(torch.zeros(2, 128), w, torch.ones(4))
 
 
 def test_rowwise_gemm_refuses_k_not_a_multiple_of_the_split():

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["DEFAULT_CONFIG", "fp8_rowwise_gemm", "supports"]
+__all__ = ["DEFAULT_CONFIG", "fp8_rowwise_gemm", "fp8_weight_only_gemm", "supports"]
 
 try:
     import triton
@@ -53,7 +53,7 @@ if triton is not None:
         a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N,
         stride_am, stride_bn, stride_cs, stride_cm,
         K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        EPILOGUE: tl.constexpr,
+        EPILOGUE: tl.constexpr, WEIGHT_ONLY: tl.constexpr = False, DOT_FP16: tl.constexpr = False,
     ):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -67,14 +67,22 @@ if triton is not None:
         for _ in range(0, K_SPLIT, BLOCK_K):
             a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=nmask[:, None], other=0.0)
+            if WEIGHT_ONLY:  # 16-bit activations, FP8 weight widened in registers (E4M3 -> fp16: one cvt)
+                if DOT_FP16:
+                    a = a.to(tl.float16)
+                    b = b.to(tl.float16)
+                else:
+                    b = b.to(tl.float32).to(a.dtype)  # explicit: the interpreter miscasts E4M3 -> bf16
             acc = tl.dot(a, tl.trans(b), acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         c_ptrs = c_ptr + pid_k * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :]
         if EPILOGUE:
-            sa = tl.load(sa_ptr + offs_m, mask=mmask, other=0.0)
             sb = tl.load(sb_ptr + offs_n, mask=nmask, other=0.0)
-            out = acc * sa[:, None] * sb[None, :]
+            out = acc * sb[None, :]
+            if not WEIGHT_ONLY:
+                sa = tl.load(sa_ptr + offs_m, mask=mmask, other=0.0)
+                out = out * sa[:, None]
             tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
         else:
             tl.store(c_ptrs, acc, mask=mmask[:, None] & nmask[None, :])
@@ -133,3 +141,49 @@ def fp8_rowwise_gemm(
     if epilogue:
         return c if bias is None else c + bias.to(out_dtype)
     return rowwise_epilogue(c.sum(0), sa, sb, bias, out_dtype)
+
+
+def fp8_weight_only_gemm(
+    x: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
+    dot_dtype: torch.dtype = torch.bfloat16,
+    config: Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """W8A16: ``x @ (b_q * b_scale).T (+ bias)`` for 16-bit ``x`` (M, K) and an FP8 weight ``b_q`` (N, K)
+    with per-channel ``b_scale`` (N, 1) or (N,). The weight tile is widened to ``dot_dtype`` in registers
+    (``torch.bfloat16``, or ``torch.float16``: E4M3 -> fp16 is one conversion, but x must fit fp16's
+    range), so no activation is quantized. An experiment for decode (``bench_decode_gemm.py``): the
+    same weight bytes as W8A8 without the per-linear activation quantization or its rounding."""
+    if triton is None:
+        raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x dtype={x.dtype}; allowed: torch.bfloat16, torch.float16")
+    if dot_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dot_dtype={dot_dtype}; allowed: torch.bfloat16, torch.float16")
+    cfg = _config(config)
+    (m, k), n = x.shape, b_q.shape[0]
+    if b_q.shape[1] != k:
+        raise ValueError(f"need x (M, K), b (N, K); got {tuple(x.shape)}, {tuple(b_q.shape)}")
+    split, block_k = cfg["split_k"], cfg["block_k"]
+    if k % (split * block_k):
+        raise ValueError(f"K={k} must be a multiple of split_k * block_k = {split} * {block_k}")
+    out_dtype = out_dtype or x.dtype
+    x, b_q = x.contiguous(), b_q.contiguous()
+    sb = b_scale.float().reshape(-1).contiguous()
+    epilogue = split == 1
+    c = torch.empty((m, n) if epilogue else (split, m, n), dtype=out_dtype if epilogue else torch.float32,
+                    device=x.device)
+    grid = (triton.cdiv(n, cfg["block_n"]), split, triton.cdiv(m, cfg["block_m"]))
+    _rowwise_gemm_kernel[grid](
+        x, b_q, c, sb, sb, m, n, x.stride(0), b_q.stride(0), 0 if epilogue else c.stride(0), c.stride(-2),
+        K_SPLIT=k // split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EPILOGUE=epilogue,
+        WEIGHT_ONLY=True, DOT_FP16=dot_dtype == torch.float16, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if not epilogue:
+        c = (c.sum(0) * sb[None, :]).to(out_dtype)
+    return c if bias is None else c + bias.to(out_dtype)
