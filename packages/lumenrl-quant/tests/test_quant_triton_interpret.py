@@ -206,3 +206,62 @@ def test_mx_kernels_address_rows_past_int32_range():
     out = subprocess.run([sys.executable, "-c", BIG_ROWS], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, (out.returncode, out.stdout[-2000:] + out.stderr[-4000:])
     assert out.stdout.strip().endswith("ok")
+
+
+BIG_ROWS_FP8 = textwrap.dedent(
+    """
+    import torch
+    import triton.language as tl
+    from lumenrl_quant import triton_kernels as tk
+    from lumenrl_quant.fp8 import quantize_fp8
+
+    # FP8 row kernels at rows whose offsets pass 2**31 elements: views with a huge row stride over
+    # lazily backed memory (only the touched rows' pages are real); expected values from the same
+    # rows copied densely through the same kernels
+    out = tl.float8e4nv
+    # 1x128 groups / rowwise (the group kernel), BLOCK_M = 2: row 2 starts the second program, past 2**31
+    x = torch.randn(3, 256).bfloat16()
+    stride = 2**30 + 256
+    base = torch.empty(2 * stride + 256, dtype=torch.bfloat16)
+    view = base.as_strided((3, 256), (stride, 1))
+    view.copy_(x)
+    for group, block_k in ((128, 128), (256, 256)):
+        got, want = [], []
+        for src in (view, x):
+            q = torch.empty(3, 256, dtype=torch.float8_e4m3fn)
+            s = torch.empty(3, 256 // group, dtype=torch.float32)
+            tk._group_quant_kernel[(2, 256 // group)](src, q, s, 3, 256, src.stride(0), 256, s.stride(0), group,
+                                                      FP8_MAX=448.0, OUT=out, REDUCE_ROWS=False, BLOCK_M=2,
+                                                      BLOCK_K=block_k, NG=1)
+            (got if src is view else want).append((q.view(torch.uint8).clone(), s.clone()))
+        assert torch.equal(got[0][0], want[0][0]) and torch.equal(got[0][1], want[0][1]), group
+        ref_q, ref_s = quantize_fp8(x, granularity="block", block_size=(1, group), backend="torch")
+        assert torch.equal(want[0][1], ref_s.float().reshape(want[0][1].shape)), group
+    del base, view
+    # 128x128 weight tiles (two-pass kernel): the second 128-row tile starts past 2**31
+    w = torch.randn(256, 128).bfloat16()
+    stride = 2**24 + 128
+    base = torch.empty(255 * stride + 128, dtype=torch.bfloat16)
+    view = base.as_strided((256, 128), (stride, 1))
+    view.copy_(w)
+    got = []
+    for src in (view, w):
+        q = torch.empty(256, 128, dtype=torch.float8_e4m3fn)
+        s = torch.empty(2, 1, dtype=torch.float32)
+        tk._block_quant_2pass_kernel[(2, 1)](src, q, s, 256, 128, src.stride(0), 128, 1, FP8_MAX=448.0, OUT=out,
+                                             BLOCK=128, ROWS=64, HINTS=False)
+        got.append((q.view(torch.uint8).clone(), s.clone()))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), "128x128"
+    ref_q, ref_s = quantize_fp8(w, granularity="block", block_size=(128, 128), backend="torch")
+    assert torch.equal(got[1][1], ref_s.float().reshape(2, 1)), "128x128 scales"
+    print("ok")
+    """
+)
+
+
+def test_fp8_row_kernels_address_rows_past_int32_range():
+    """int64 row-block offsets in the FP8 group and 128x128 kernels (as in the MX kernels above)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", BIG_ROWS_FP8], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, (out.returncode, out.stdout[-2000:] + out.stderr[-4000:])
+    assert out.stdout.strip().endswith("ok")

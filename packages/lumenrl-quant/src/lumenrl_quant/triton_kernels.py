@@ -87,8 +87,11 @@ if triton is not None:
         # otherwise (NG == 1) two passes over the group (amax, then cast), the second mostly from L2.
         pid_m = tl.program_id(0)
         pid_g = tl.program_id(1)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rmask = rows < M
+        row0 = pid_m.to(tl.int64) * BLOCK_M  # int64 row-block base (M * K may pass 2**31), int32 inside
+        x_ptr += row0 * stride_xm
+        q_ptr += row0 * stride_qm
+        rows = tl.arange(0, BLOCK_M)
+        rmask = rows < M - pid_m * BLOCK_M
         k0 = pid_g * NG * GROUP
         n_groups = K // GROUP
         gidx = pid_g * NG + tl.arange(0, NG)  # this program's group indices
@@ -116,7 +119,7 @@ if triton is not None:
             scale = tl.zeros((BLOCK_M, NG), dtype=tl.float32) + scale_s[None, :]
         else:
             scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
-            tl.store(s_ptr + rows[:, None] * stride_sm + gidx[None, :], scale,
+            tl.store(s_ptr + row0 * stride_sm + rows[:, None] * stride_sm + gidx[None, :], scale,
                      mask=rmask[:, None] & (gidx[None, :] < n_groups))
         if BLOCK_K >= GROUP:
             q3 = tl.minimum(tl.maximum(tl.math.div_rn(x3, scale[:, :, None]), -FP8_MAX), FP8_MAX)
@@ -141,10 +144,14 @@ if triton is not None:
         # HINTS: keep the tile in L2 after the first read, drop it after the second, stream q out.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
+        row0 = pid_n.to(tl.int64) * BLOCK  # int64 tile base (N * K may pass 2**31), int32 inside the tile
+        w_ptr += row0 * stride_wn
+        q_ptr += row0 * stride_qn
+        N = N - pid_n * BLOCK  # rows left from row0
         cols = pid_k * BLOCK + tl.arange(0, BLOCK)
         acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for r in range(0, BLOCK, ROWS):
-            rows = pid_n * BLOCK + r + tl.arange(0, ROWS)
+            rows = r + tl.arange(0, ROWS)
             mask = (rows[:, None] < N) & (cols[None, :] < K)
             x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0,
                         eviction_policy="evict_last" if HINTS else "").to(tl.float32)
@@ -153,7 +160,7 @@ if triton is not None:
         scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
         tl.store(s_ptr + pid_n * stride_sn + pid_k, scale)
         for r in range(0, BLOCK, ROWS):
-            rows = pid_n * BLOCK + r + tl.arange(0, ROWS)
+            rows = r + tl.arange(0, ROWS)
             mask = (rows[:, None] < N) & (cols[None, :] < K)
             x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0,
                         eviction_policy="evict_first" if HINTS else "").to(tl.float32)
@@ -163,8 +170,9 @@ if triton is not None:
 
     @triton.jit
     def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        base = tl.program_id(0).to(tl.int64) * BLOCK  # int64: n may pass 2**31
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + base + offs, mask=offs < n - base, other=0.0).to(tl.float32)
         a = tl.max(tl.abs(x), axis=0)
         tl.atomic_max(amax_ptr, a.to(tl.int32, bitcast=True))  # non-negative floats order like ints
 
@@ -172,8 +180,11 @@ if triton is not None:
     def _scale_cast_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, n, FP8_MAX: tl.constexpr, OUT: tl.constexpr,
                            BLOCK: tl.constexpr):
         pid = tl.program_id(0)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        base = pid.to(tl.int64) * BLOCK  # int64: n may pass 2**31
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n - base
+        x_ptr += base
+        q_ptr += base
         amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
         if pid == 0:
