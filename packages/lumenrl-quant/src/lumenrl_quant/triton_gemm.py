@@ -102,6 +102,34 @@ def _config(config: Mapping[str, int] | None) -> dict[str, int]:
     return cfg
 
 
+def _launch(
+    a: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+    config: Mapping[str, int] | None, *, weight_only: bool = False, dot_fp16: bool = False,
+) -> torch.Tensor:
+    """Checks and one launch of the kernel: ``out_dtype`` (M, N) with the scales applied when
+    ``split_k`` is 1, else the float32 partial sums (split_k, M, N) for the caller's epilogue."""
+    if triton is None:
+        raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
+    cfg = _config(config)
+    (m, k), n = a.shape, b_q.shape[0]
+    if b_q.shape[1] != k:
+        raise ValueError(f"need a (M, K), b (N, K); got {tuple(a.shape)}, {tuple(b_q.shape)}")
+    split, block_k = cfg["split_k"], cfg["block_k"]
+    if k % (split * block_k):
+        raise ValueError(f"K={k} must be a multiple of split_k * block_k = {split} * {block_k}")
+    a, b_q = a.contiguous(), b_q.contiguous()
+    epilogue = split == 1
+    c = torch.empty((m, n) if epilogue else (split, m, n), dtype=out_dtype if epilogue else torch.float32,
+                    device=a.device)
+    grid = (triton.cdiv(n, cfg["block_n"]), split, triton.cdiv(m, cfg["block_m"]))
+    _rowwise_gemm_kernel[grid](
+        a, b_q, c, sa, sb, m, n, a.stride(0), b_q.stride(0), 0 if epilogue else c.stride(0), c.stride(-2),
+        K_SPLIT=k // split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EPILOGUE=epilogue,
+        WEIGHT_ONLY=weight_only, DOT_FP16=dot_fp16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return c
+
+
 def fp8_rowwise_gemm(
     a_q: torch.Tensor,
     a_scale: torch.Tensor,
@@ -116,29 +144,12 @@ def fp8_rowwise_gemm(
     ``a_scale`` (M, 1) or (M,), ``b_scale`` (N, 1) or (N,); ``config`` overrides the launch parameters."""
     from lumenrl_quant.gemm import rowwise_epilogue
 
-    if triton is None:
-        raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
-    cfg = _config(config)
-    (m, k), n = a_q.shape, b_q.shape[0]
-    if b_q.shape[1] != k:
-        raise ValueError(f"need a (M, K), b (N, K); got {tuple(a_q.shape)}, {tuple(b_q.shape)}")
-    split, block_k = cfg["split_k"], cfg["block_k"]
-    if k % (split * block_k):
-        raise ValueError(f"K={k} must be a multiple of split_k * block_k = {split} * {block_k}")
-    a_q, b_q = a_q.contiguous(), b_q.contiguous()
+    m = a_q.shape[0]
     sa, sb = a_scale.float().reshape(-1).contiguous(), b_scale.float().reshape(-1).contiguous()
     if sa.numel() == 1 and m > 1:
         sa = sa.expand(m).contiguous()
-    epilogue = split == 1
-    c = torch.empty((m, n) if epilogue else (split, m, n), dtype=out_dtype if epilogue else torch.float32,
-                    device=a_q.device)
-    grid = (triton.cdiv(n, cfg["block_n"]), split, triton.cdiv(m, cfg["block_m"]))
-    _rowwise_gemm_kernel[grid](
-        a_q, b_q, c, sa, sb, m, n, a_q.stride(0), b_q.stride(0), 0 if epilogue else c.stride(0),
-        c.stride(-2), K_SPLIT=k // split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EPILOGUE=epilogue,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if epilogue:
+    c = _launch(a_q, b_q, sa, sb, out_dtype, config)
+    if c.dim() == 2:
         return c if bias is None else c + bias.to(out_dtype)
     return rowwise_epilogue(c.sum(0), sa, sb, bias, out_dtype)
 
@@ -158,32 +169,13 @@ def fp8_weight_only_gemm(
     (``torch.bfloat16``, or ``torch.float16``: E4M3 -> fp16 is one conversion, but x must fit fp16's
     range), so no activation is quantized. An experiment for decode (``bench_decode_gemm.py``): the
     same weight bytes as W8A8 without the per-linear activation quantization or its rounding."""
-    if triton is None:
-        raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x dtype={x.dtype}; allowed: torch.bfloat16, torch.float16")
     if dot_dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dot_dtype={dot_dtype}; allowed: torch.bfloat16, torch.float16")
-    cfg = _config(config)
-    (m, k), n = x.shape, b_q.shape[0]
-    if b_q.shape[1] != k:
-        raise ValueError(f"need x (M, K), b (N, K); got {tuple(x.shape)}, {tuple(b_q.shape)}")
-    split, block_k = cfg["split_k"], cfg["block_k"]
-    if k % (split * block_k):
-        raise ValueError(f"K={k} must be a multiple of split_k * block_k = {split} * {block_k}")
     out_dtype = out_dtype or x.dtype
-    x, b_q = x.contiguous(), b_q.contiguous()
     sb = b_scale.float().reshape(-1).contiguous()
-    epilogue = split == 1
-    c = torch.empty((m, n) if epilogue else (split, m, n), dtype=out_dtype if epilogue else torch.float32,
-                    device=x.device)
-    grid = (triton.cdiv(n, cfg["block_n"]), split, triton.cdiv(m, cfg["block_m"]))
-    _rowwise_gemm_kernel[grid](
-        x, b_q, c, sb, sb, m, n, x.stride(0), b_q.stride(0), 0 if epilogue else c.stride(0), c.stride(-2),
-        K_SPLIT=k // split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EPILOGUE=epilogue,
-        WEIGHT_ONLY=True, DOT_FP16=dot_dtype == torch.float16, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
-    if not epilogue:
+    c = _launch(x, b_q, sb, sb, out_dtype, config, weight_only=True, dot_fp16=dot_dtype == torch.float16)
+    if c.dim() == 3:
         c = (c.sum(0) * sb[None, :]).to(out_dtype)
     return c if bias is None else c + bias.to(out_dtype)
