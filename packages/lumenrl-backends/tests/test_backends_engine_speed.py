@@ -167,6 +167,31 @@ def test_triton_attention_config_errors_name_the_bad_value(config, named):
         triton_attention._config(config)
 
 
+_INTERPRETED_BIG_ROWS = """
+import torch
+from lumenrl_backends.engines import triton_attention
+from test_backends_engine_speed import random_decode_inputs, reference_attention
+torch.manual_seed(8)
+q, k, v, allowed = random_decode_inputs(batch=3, dim=64, length=64)  # k, v: (3, 2, 64, 64)
+# row 2 of K/V starts past 2**31 elements with an int32 row stride (a long cache), lazily backed memory
+stride = 2**30 + 4096
+views = []
+for t in (k, v):
+    base = torch.empty(2 * stride + 2 * 64 * 64, dtype=t.dtype)
+    view = base.as_strided(t.shape, (stride, 64 * 64, 64, 1))
+    view.copy_(t)
+    views.append((base, view))
+out = triton_attention._run(q.reshape(3, 2, 4, 64), views[0][1], views[1][1], allowed, 0.125, splits=1)
+ref = reference_attention(q, k, v, allowed, 0.125)
+print(float((out.reshape(3, 1, 8, 64).double() - ref).norm() / ref.norm()))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
+def test_triton_kernel_addresses_cache_rows_past_int32_range():
+    assert float(_interpreted(_INTERPRETED_BIG_ROWS).strip().splitlines()[-1]) < 1e-5
+
+
 def test_write_columns_come_from_the_decode_view_only():
     from lumenrl_backends.engines.attention import _write_columns
     from lumenrl_backends.engines.kv_cache import CacheView, SlotKVCache
