@@ -111,6 +111,10 @@ def check_linear(model) -> dict:
         if lin.scheme not in _FP8_LAYOUTS:
             return {"path": "emulated", "sqnr_db": None}
         _, w_block, a_gran, a_block = _FP8_LAYOUTS[lin.scheme]
+        if a_gran is None:  # weight-only (fp8_w8a16): bf16 x times the dequantized weight
+            ref = x.float() @ lin.dequantized_weight(torch.float32).t()
+            ref = ref if lin.bias is None else ref + lin.bias.float()
+            return {"path": lin.gemm_path_for(64), "sqnr_db": sqnr_db(ref, out)}
         a_q, a_s = quantize_fp8(x, dtype=lin.fp8_dtype, granularity=a_gran, block_size=a_block, backend="torch")
         ref = run_gemm_path("emulated", a_q, a_s, lin.weight, lin.weight_scale, out_dtype=torch.float32,
                             bias=lin.bias, a_block_size=a_block, b_block_size=w_block)

@@ -77,4 +77,7 @@ case "${1:-all}" in
   next4) for part in gemm-paths kl-block attn-tune4; do "$0" "$part"; done ;;
   # then: W8A16 vs W8A8 decode GEMMs, MX kernels re-timed after the int64 row offsets, the GPU tests
   next4b) for part in gemm-tune quant-tune3 gpu-tests3; do "$0" "$part"; done ;;
+  # then the W8A16 scheme end to end against bf16 (compiled, FP8 KV), one process each
+  fp8-w8a16kv) run 150 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_w8a16+kv --modes full --no-exact-kl --profile --out fp8_rollout4_full_w8a16kv.json ;;
+  next4c) for part in fp8-s3b-bf16 fp8-w8a16kv fp8-s3b-rowkv; do "$0" "$part"; done ;;
 esac

@@ -146,7 +146,7 @@ def quant_dir(tmp_path_factory):
                             num_key_value_heads=4)
 
 
-@pytest.mark.parametrize("scheme", ["fp8_block", "fp8_row", "mxfp8"])
+@pytest.mark.parametrize("scheme", ["fp8_block", "fp8_row", "fp8_w8a16", "mxfp8"])
 def test_fp8_fusion_matches_unfused_and_requantizes_in_place(quant_dir, scheme, monkeypatch):
     plain = engine(quant_dir, quant_scheme=scheme, fuse_projections=False)
     fused = engine(quant_dir, quant_scheme=scheme)

@@ -46,7 +46,7 @@ def perturbed(model, scale: float, seed: int) -> dict[str, torch.Tensor]:
     return {n: p.detach() + scale * torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("scheme", ["fp8_block", "fp8_row", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("scheme", ["fp8_block", "fp8_row", "fp8_w8a16", "mxfp8", "mxfp4"])
 def test_quantized_weights_logprobs_are_self_consistent_and_close(model_dir, scheme):
     reference, tokenizer = load_model_and_tokenizer(str(model_dir))
     model, _ = load_model_and_tokenizer(str(model_dir))

@@ -64,3 +64,21 @@ def test_weight_only_gemm_matches_float64_on_the_gpu():
                 for cfg in ({"block_k": 128}, {"block_k": 128, "split_k": 2}):
                     out = tg.fp8_weight_only_gemm(x, w_q, w_s, dot_dtype=dot, config=cfg)
                     assert _sqnr(ref, out) >= 40.0, (n, k, m, dot, cfg, _sqnr(ref, out))
+
+
+def test_w8a16_linear_takes_the_triton_path_at_decode_and_matches_float64():
+    from torch import nn
+
+    from lumenrl_quant import QuantizedLinear
+
+    torch.manual_seed(13)
+    lin = nn.Linear(4096, 6144, bias=True).cuda()
+    with torch.no_grad():
+        lin.weight.normal_(0.0, 0.02)
+    q = QuantizedLinear.from_linear(lin, "fp8_w8a16")
+    assert q.gemm_path_for(64) == "triton_w8a16" and q.gemm_path_for(300) == "dequantize"
+    w = q.dequantized_weight(torch.float64)
+    for m in (1, 64, 300):
+        x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
+        ref = x.double() @ w.T + lin.bias.double()
+        assert _sqnr(ref, q(x)) >= 40.0, m

@@ -9,7 +9,7 @@ from torch import nn
 from lumenrl_quant import LINEAR_SCHEMES, QuantizedLinear
 from lumenrl_quant.error import sqnr_db
 
-BARS = {"fp8_block": 18.0, "fp8_row": 18.0, "fp8_tensor": 18.0, "mxfp8": 25.0, "mxfp4": 12.0}
+BARS = {"fp8_block": 18.0, "fp8_row": 18.0, "fp8_tensor": 18.0, "fp8_w8a16": 25.0, "mxfp8": 25.0, "mxfp4": 12.0}
 
 
 def fresh_linear(k: int, n: int, *, bias: bool = True) -> nn.Linear:

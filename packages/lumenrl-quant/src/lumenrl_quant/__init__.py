@@ -63,7 +63,16 @@ from lumenrl_quant.model import (
     reload_quantized_weights_,
 )
 from lumenrl_quant.mx import MXTensor, dequantize_mx, pack_fp4, quantize_mx, unpack_fp4
-from lumenrl_quant.schemes import MXFP4, MXFP8, QUANT_SCHEMES, Fp8Block, Fp8Row, Fp8Tensor, get_quant_scheme
+from lumenrl_quant.schemes import (
+    MXFP4,
+    MXFP8,
+    QUANT_SCHEMES,
+    Fp8Block,
+    Fp8Row,
+    Fp8Tensor,
+    Fp8W8A16,
+    get_quant_scheme,
+)
 from lumenrl_quant.training import (
     Fp8ConversionReport,
     Fp8TrainingConfig,
@@ -108,6 +117,7 @@ __all__ = [
     "FP8_FORMATS",
     "Fp8Block",
     "Fp8Row",
+    "Fp8W8A16",
     "Fp8Tensor",
     "KVScales",
     "LINEAR_SCHEMES",

@@ -11,6 +11,7 @@ fp8_block     fp8 ``(N, K)``, fp32 128x128     fp8, 1x128 per-token-group scales
               block scales ``(⌈N/128⌉, ⌈K/128⌉)``
 fp8_row       fp8, fp32 ``(N, 1)`` per channel  fp8, per-token ``(M, 1)``             ``scaled_mm``
 fp8_tensor    fp8, fp32 ``()``                  fp8, one scale per call               ``scaled_mm``
+fp8_w8a16     fp8, fp32 ``(N, 1)`` per channel  unquantized (weight-only)            Triton W8A16 / dequantize
 mxfp8         fp8 e4m3, E8M0 uint8 ``(N, ⌈K/32⌉)``  MXFP8 e4m3 (quantize-dequantize)   emulated (dequantize)
 mxfp4         packed uint8 ``(N, ⌈K/2⌉)``, E8M0  unquantized (weight-only)            emulated (dequantize)
 ============  ===============================  ===================================  ==================
@@ -34,6 +35,10 @@ of a separate Triton launch; the forward then has no ``.item()``, no Triton laun
 registered ops and no Python-side state change, so dynamo traces it with ``fullgraph=True``
 (tested on CPU). Eager / CUDA-graph mode uses the fused Triton quantize kernel (one launch).
 ``fp8_row`` at decode M runs the ``scaled_mm_rowwise_epilogue`` path (see :mod:`lumenrl_quant.gemm`).
+``fp8_w8a16`` keeps 16-bit activations (no per-call quantization, no activation rounding): at decode
+M (<= ``W8A16_MAX_M``) on CUDA with Triton its path is ``triton_w8a16`` (the FP8 weight widened in
+registers, :func:`lumenrl_quant.triton_gemm.fp8_weight_only_gemm`), otherwise ``dequantize`` (the
+weight dequantized to the activation dtype, then ``F.linear``: prefill, CPU, float32 activations).
 A fast path that raises at runtime (eager only) is remembered (:func:`~lumenrl_quant.gemm.note_gemm_failure`,
 one warning) and the next best path runs instead (e.g. the rowwise kernel for the rowwise
 epilogue, finally the emulation); every layer re-checks its paths while such a failure is recorded.
@@ -58,7 +63,9 @@ _FP8_LAYOUTS: dict[str, tuple[str, tuple[int, int] | None, str, tuple[int, int] 
     "fp8_block": ("block", (128, 128), "block", (1, 128)),
     "fp8_row": ("rowwise", None, "rowwise", None),
     "fp8_tensor": ("tensorwise", None, "tensorwise", None),
+    "fp8_w8a16": ("rowwise", None, None, None),  # weight-only: activations stay 16-bit
 }
+W8A16_MAX_M = 64  # decode M that takes the Triton W8A16 kernel (block_m 64); larger M dequantizes
 _MX_ELEMS = {"mxfp8": "e4m3", "mxfp4": "e2m1"}
 LINEAR_SCHEMES: tuple[str, ...] = (*_FP8_LAYOUTS, *_MX_ELEMS)
 # representatives of the M classes gemm_path distinguishes (blockwise: M < 4 / <= 16 / more;
@@ -66,6 +73,22 @@ LINEAR_SCHEMES: tuple[str, ...] = (*_FP8_LAYOUTS, *_MX_ELEMS)
 # to its representative
 _M_CLASSES: tuple[int, ...] = (1, 4, 17, 33, 65, 257)
 _OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# launch configurations of the W8A16 kernel per (N, K); others use triton_gemm.DEFAULT_CONFIG. Empty
+# until ``benchmarks/quant/bench_decode_gemm.py --tune`` has measured the kernel on a GPU.
+_W8A16_CONFIGS: dict[tuple[int, int], dict[str, int]] = {}
+
+
+def _w8a16_ok(weight: torch.Tensor, dtype: torch.dtype, m: int) -> bool:
+    """The Triton W8A16 kernel runs here: CUDA sm_89+, Triton, 16-bit activations, decode M, K % 128 == 0."""
+    if weight.device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or m > W8A16_MAX_M:
+        return False
+    if getattr(torch.version, "hip", None) is not None or weight.shape[1] % 128:
+        return False
+    from lumenrl_quant import triton_kernels as tk
+
+    return tk.triton_available(weight.device) and torch.cuda.get_device_capability(weight.device) >= (8, 9)
 
 
 def _m_class(m: int) -> int:
@@ -147,6 +170,8 @@ class QuantizedLinear(nn.Module):
         """:func:`gemm_path` for ``m`` rows of ``dtype`` activations, on zero-size stand-in operands."""
         _, w_block, a_gran, a_block = _FP8_LAYOUTS[self.scheme]
         dev = self.weight.device
+        if a_gran is None:  # weight-only
+            return "triton_w8a16" if _w8a16_ok(self.weight, dtype, m) else "dequantize"
         a_q = torch.empty((), dtype=self.fp8_dtype, device=dev).expand(m, self.in_features)  # no allocation
         a_scale = torch.empty((), device=dev)
         a_scale = a_scale.expand(m, 1) if a_gran == "rowwise" else a_scale  # block: a_block_size decides
@@ -183,7 +208,9 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if x2.shape[0] == 0:
             return x.new_zeros(*lead, self.out_features)
-        if self.scheme in _FP8_LAYOUTS:
+        if self.scheme in _FP8_LAYOUTS and _FP8_LAYOUTS[self.scheme][2] is None:
+            out = self._weight_only_forward(x2)
+        elif self.scheme in _FP8_LAYOUTS:
             out = self._fp8_forward(x2)
         else:
             if self.scheme == "mxfp8":
@@ -191,6 +218,16 @@ class QuantizedLinear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             out = F.linear(x2, self.dequantized_weight(x.dtype), bias)
         return out.reshape(*lead, self.out_features)
+
+    def _weight_only_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        path = self._paths.get((x2.dtype, _m_class(x2.shape[0])), "dequantize")
+        if path == "triton_w8a16" and x2.shape[0] <= W8A16_MAX_M:
+            from lumenrl_quant import triton_gemm
+
+            return triton_gemm.fp8_weight_only_gemm(x2, self.weight, self.weight_scale, out_dtype=x2.dtype,
+                                                    bias=self.bias, config=_W8A16_CONFIGS.get(tuple(self.weight.shape)))
+        bias = None if self.bias is None else self.bias.to(x2.dtype)
+        return F.linear(x2, self.dequantized_weight(x2.dtype), bias)
 
     def _fp8_forward(self, x2: torch.Tensor) -> torch.Tensor:
         _, w_block, a_gran, a_block = _FP8_LAYOUTS[self.scheme]

@@ -23,11 +23,16 @@ from lumenrl_quant.gemm import gemm_path
 from lumenrl_quant.linear import _FP8_LAYOUTS
 from lumenrl_quant.model import QuantizationReport, ReloadReport, quantize_model, reload_quantized_weights_
 
-__all__ = ["QUANT_SCHEMES", "Fp8Block", "Fp8Row", "Fp8Tensor", "MXFP4", "MXFP8", "get_quant_scheme"]
+__all__ = ["QUANT_SCHEMES", "Fp8Block", "Fp8Row", "Fp8Tensor", "Fp8W8A16", "MXFP4", "MXFP8", "get_quant_scheme"]
 
 def _fp8_fast_path(name: str, device: torch.device) -> str:
     """The GEMM path of a small probe GEMM laid out as scheme ``name``'s QuantizedLinear does it."""
     b_gran, b_block, a_gran, a_block = _FP8_LAYOUTS[name]
+    if a_gran is None:  # weight-only: the decode path of a 16-row bf16 probe
+        from lumenrl_quant.linear import _w8a16_ok
+
+        probe = torch.empty((128, 128), dtype=torch.float8_e4m3fn, device=device)
+        return "triton_w8a16" if _w8a16_ok(probe, torch.bfloat16, 16) else "emulated"
     a_q, a_s = quantize_fp8(torch.ones(16, 128, device=device), granularity=a_gran, block_size=a_block)
     b_q, b_s = quantize_fp8(torch.ones(128, 128, device=device), granularity=b_gran, block_size=b_block)
     return gemm_path(a_q, a_s, b_q, b_s, out_dtype=torch.bfloat16, a_block_size=a_block, b_block_size=b_block)
@@ -100,6 +105,19 @@ class Fp8Row(_RolloutScheme):
 
 
 @dataclass(kw_only=True, slots=True)
+class Fp8W8A16(_RolloutScheme):
+    """W8A16 FP8: per-output-channel weight scales (as ``fp8_row``), activations kept 16-bit.
+
+    No per-call activation quantization (and none of its rounding): at decode M the Triton kernel
+    widens the FP8 weight tile in registers (``triton_w8a16``); prefill dequantizes the weight and
+    runs the 16-bit GEMM. Half the weight bytes of bf16, like the W8A8 schemes.
+    """
+
+    name: ClassVar[str] = "fp8_w8a16"
+    capabilities: ClassVar[frozenset[str]] = frozenset({"fp8_weights", "weight_only", "inplace_reload"})
+
+
+@dataclass(kw_only=True, slots=True)
 class Fp8Tensor(_RolloutScheme):
     """W8A8 FP8, one weight scale and one dynamic activation scale per call."""
 
@@ -123,7 +141,9 @@ class MXFP4(_RolloutScheme):
     capabilities: ClassVar[frozenset[str]] = frozenset({"mx_weights", "weight_only", "inplace_reload"})
 
 
-QUANT_SCHEMES: dict[str, type[_RolloutScheme]] = {c.name: c for c in (Fp8Block, Fp8Row, Fp8Tensor, MXFP8, MXFP4)}
+QUANT_SCHEMES: dict[str, type[_RolloutScheme]] = {
+    c.name: c for c in (Fp8Block, Fp8Row, Fp8Tensor, Fp8W8A16, MXFP8, MXFP4)
+}
 
 
 def get_quant_scheme(name: str, **kwargs: object) -> _RolloutScheme:

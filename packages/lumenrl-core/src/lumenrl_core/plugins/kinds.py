@@ -45,7 +45,7 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     "rollout_corrections": {
         n: "lumenrl-quant" for n in ("tis_token", "tis_seq", "mis_token", "mis_seq", "mis_geo", "seq_mis")
     },
-    "quant_schemes": {n: "lumenrl-quant" for n in ("fp8_block", "fp8_tensor", "fp8_row", "mxfp8", "mxfp4")},
+    "quant_schemes": {n: "lumenrl-quant" for n in ("fp8_block", "fp8_tensor", "fp8_row", "fp8_w8a16", "mxfp8", "mxfp4")},
     "moe_routers": {n: "lumenrl-moe" for n in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")},
     "weight_syncs": {"inprocess": "lumenrl-async", "filesystem": "lumenrl-async"},
     "transfer_engines": {"inprocess": "lumenrl-sddd", "shm": "lumenrl-sddd", "mooncake": "lumenrl-sddd[mooncake]"},
