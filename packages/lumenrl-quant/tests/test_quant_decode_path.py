@@ -17,7 +17,7 @@ from lumenrl_quant.error import sqnr_db
 from lumenrl_quant.gemm import gemm_path, rowwise_epilogue, run_gemm_path
 from lumenrl_quant.schemes import Fp8Row, get_quant_scheme
 
-FP8_SCHEMES = ["fp8_row", "fp8_block", "fp8_tensor"]
+FP8_SCHEMES = ["fp8_row", "fp8_block", "fp8_tensor", "fp8_w8a16"]
 
 
 def fresh(*shape: int, seed: int) -> torch.Tensor:
