@@ -76,9 +76,10 @@ def test_w8a16_linear_takes_the_triton_path_at_decode_and_matches_float64():
     with torch.no_grad():
         lin.weight.normal_(0.0, 0.02)
     q = QuantizedLinear.from_linear(lin, "fp8_w8a16")
-    assert q.gemm_path_for(64) == "triton_w8a16" and q.gemm_path_for(300) == "dequantize"
+    assert q.gemm_path_for(64) == "triton_w8a16" and q.gemm_path_for(256) == "triton_w8a16"
+    assert q.gemm_path_for(300) == "dequantize"
     w = q.dequantized_weight(torch.float64)
-    for m in (1, 64, 300):
+    for m in (1, 64, 200, 300):
         x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
         ref = x.double() @ w.T + lin.bias.double()
         assert _sqnr(ref, q(x)) >= 40.0, m

@@ -36,7 +36,7 @@ registered ops and no Python-side state change, so dynamo traces it with ``fullg
 (tested on CPU). Eager / CUDA-graph mode uses the fused Triton quantize kernel (one launch).
 ``fp8_row`` at decode M runs the ``scaled_mm_rowwise_epilogue`` path (see :mod:`lumenrl_quant.gemm`).
 ``fp8_w8a16`` keeps 16-bit activations (no per-call quantization, no activation rounding): at decode
-M (<= ``W8A16_MAX_M``) on CUDA with Triton its path is ``triton_w8a16`` (the FP8 weight widened in
+M (<= ``W8A16_MAX_M`` = 256) on CUDA with Triton its path is ``triton_w8a16`` (the FP8 weight widened in
 registers, :func:`lumenrl_quant.triton_gemm.fp8_weight_only_gemm`), otherwise ``dequantize`` (the
 weight dequantized to the activation dtype, then ``F.linear``: prefill, CPU, float32 activations).
 A fast path that raises at runtime (eager only) is remembered (:func:`~lumenrl_quant.gemm.note_gemm_failure`,
@@ -65,7 +65,7 @@ _FP8_LAYOUTS: dict[str, tuple[str, tuple[int, int] | None, str, tuple[int, int] 
     "fp8_tensor": ("tensorwise", None, "tensorwise", None),
     "fp8_w8a16": ("rowwise", None, None, None),  # weight-only: activations stay 16-bit
 }
-W8A16_MAX_M = 64  # decode M that takes the Triton W8A16 kernel (block_m 64); larger M dequantizes
+W8A16_MAX_M = 256  # decode M that takes the Triton W8A16 kernel (64-row tiles to 64, then 128); larger M dequantizes
 _MX_ELEMS = {"mxfp8": "e4m3", "mxfp4": "e2m1"}
 LINEAR_SCHEMES: tuple[str, ...] = (*_FP8_LAYOUTS, *_MX_ELEMS)
 # representatives of the M classes gemm_path distinguishes (blockwise: M < 4 / <= 16 / more;
@@ -221,11 +221,13 @@ class QuantizedLinear(nn.Module):
 
     def _weight_only_forward(self, x2: torch.Tensor) -> torch.Tensor:
         path = self._paths.get((x2.dtype, _m_class(x2.shape[0])), "dequantize")
-        if path == "triton_w8a16" and x2.shape[0] <= W8A16_MAX_M:
+        m = x2.shape[0]
+        if path == "triton_w8a16" and m <= W8A16_MAX_M:
             from lumenrl_quant import triton_gemm
 
+            config = {**_W8A16_CONFIGS.get(tuple(self.weight.shape), {}), "block_m": 64 if m <= 64 else 128}
             return triton_gemm.fp8_weight_only_gemm(x2, self.weight, self.weight_scale, out_dtype=x2.dtype,
-                                                    bias=self.bias, config=_W8A16_CONFIGS.get(tuple(self.weight.shape)))
+                                                    bias=self.bias, config=config)
         bias = None if self.bias is None else self.bias.to(x2.dtype)
         return F.linear(x2, self.dequantized_weight(x2.dtype), bias)
 
