@@ -4,7 +4,7 @@
 set -u
 export PYTHONPATH=".benchmeta:$(ls -d packages/*/src | tr '\n' ':')" LUMENRL_BENCH_OUT="${OUT:-benchmarks/results}" PYTHONUNBUFFERED=1
 export TRANSFORMERS_VERBOSITY=error
-run() { echo "== $*"; timeout "$@" 2>&1 | grep -v -i "warn" ; }
+run() { echo "== $*"; timeout "$@" 2>&1 | grep -v -E "Warning:|warnings\.warn\(" ; }  # warning lines only (pytest's "N passed, M warnings" stays)
 case "${1:-all}" in
   tests) run 120 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_speed.py packages/lumenrl-backends/tests/test_backends_engine_native.py -k "cuda" ;;
   decode) run 200 python3 benchmarks/gpu/bench_decode.py --models 1.7b,8b --batches 16,64,256 --modes graph --hf dynamic --hf-batches 64 --out decode.json
