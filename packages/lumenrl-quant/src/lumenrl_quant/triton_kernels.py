@@ -138,35 +138,39 @@ if triton is not None:
     def _block_quant_2pass_kernel(
         w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_qn, stride_sn,
         FP8_MAX: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HINTS: tl.constexpr,
+        TILES: tl.constexpr = 1,
     ):
-        # One BLOCK x BLOCK weight tile per program, walked in ROWS-row slices twice: the amax
-        # pass reads HBM, the cast pass re-reads the tile (BLOCK^2 * 2 bytes, resident in L2).
-        # HINTS: keep the tile in L2 after the first read, drop it after the second, stream q out.
+        # TILES consecutive BLOCK x BLOCK weight tiles of one block row per program, each walked in
+        # ROWS-row slices twice: the amax pass reads HBM, the cast pass re-reads the tile (BLOCK^2 * 2
+        # bytes, resident in L2). HINTS: keep the tile in L2 after the first read, drop it after the
+        # second, stream q out. Tiles past K are fully masked (no loads; their scale is not stored).
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         row0 = pid_n.to(tl.int64) * BLOCK  # int64 tile base (N * K may pass 2**31), int32 inside the tile
         w_ptr += row0 * stride_wn
         q_ptr += row0 * stride_qn
         N = N - pid_n * BLOCK  # rows left from row0
-        cols = pid_k * BLOCK + tl.arange(0, BLOCK)
-        acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-        for r in range(0, BLOCK, ROWS):
-            rows = r + tl.arange(0, ROWS)
-            mask = (rows[:, None] < N) & (cols[None, :] < K)
-            x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_last" if HINTS else "").to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(x))
-        amax = tl.max(tl.max(acc, axis=1), axis=0)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
-        tl.store(s_ptr + pid_n * stride_sn + pid_k, scale)
-        for r in range(0, BLOCK, ROWS):
-            rows = r + tl.arange(0, ROWS)
-            mask = (rows[:, None] < N) & (cols[None, :] < K)
-            x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_first" if HINTS else "").to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-            tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(OUT), mask=mask,
-                     cache_modifier=".cs" if HINTS else "")
+        for t in tl.static_range(TILES):
+            kb = pid_k * TILES + t
+            cols = kb * BLOCK + tl.arange(0, BLOCK)
+            acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+            for r in range(0, BLOCK, ROWS):
+                rows = r + tl.arange(0, ROWS)
+                mask = (rows[:, None] < N) & (cols[None, :] < K)
+                x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_last" if HINTS else "").to(tl.float32)
+                acc = tl.maximum(acc, tl.abs(x))
+            amax = tl.max(tl.max(acc, axis=1), axis=0)
+            scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+            tl.store(s_ptr + pid_n * stride_sn + kb, scale, mask=kb < K // BLOCK)
+            for r in range(0, BLOCK, ROWS):
+                rows = r + tl.arange(0, ROWS)
+                mask = (rows[:, None] < N) & (cols[None, :] < K)
+                x = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_first" if HINTS else "").to(tl.float32)
+                q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+                tl.store(q_ptr + rows[:, None] * stride_qn + cols[None, :], q.to(OUT), mask=mask,
+                         cache_modifier=".cs" if HINTS else "")
 
     @triton.jit
     def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
@@ -418,13 +422,14 @@ def fp8_quantize_blocks(
 
     ``config`` overrides ``impl`` (``"tile"``: the tile held in registers, ``ng`` tiles per program;
     ``"2pass"``: the tile walked in ``rows``-row slices, amax then cast; ``hints``: L2 eviction
-    and streaming-store hints), ``num_warps`` and ``num_stages``."""
+    and streaming-store hints; ``tiles``: consecutive tiles of a block row per program, not yet
+    measured), ``num_warps`` and ``num_stages``."""
     _require(w)
     n, k = w.shape
     if k % block:
         raise ValueError(f"K={k} must be a multiple of block={block}")
     _require_pow2("block", block)
-    cfg = _with({"impl": "2pass", "ng": 1, "rows": 64, "num_warps": 8, "num_stages": 3, "hints": 1},
+    cfg = _with({"impl": "2pass", "ng": 1, "rows": 64, "num_warps": 8, "num_stages": 3, "hints": 1, "tiles": 1},
                 config)  # H200 --tune
     if cfg["impl"] not in ("tile", "2pass"):
         raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['tile', '2pass']")
@@ -435,9 +440,10 @@ def fp8_quantize_blocks(
     if cfg["impl"] == "2pass":
         if block % cfg["rows"] or cfg["rows"] != _next_pow2(cfg["rows"]):
             raise ValueError(f"config rows={cfg['rows']} must be a power of two dividing block={block}")
-        _block_quant_2pass_kernel[(triton.cdiv(n, block), k // block)](
+        _require_pow2("config tiles", cfg["tiles"])
+        _block_quant_2pass_kernel[(triton.cdiv(n, block), triton.cdiv(k // block, cfg["tiles"]))](
             w, q, s, n, k, w.stride(0), q.stride(0), s.stride(0), FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype),
-            BLOCK=block, ROWS=cfg["rows"], HINTS=bool(cfg["hints"]), num_warps=cfg["num_warps"],
+            BLOCK=block, ROWS=cfg["rows"], HINTS=bool(cfg["hints"]), TILES=cfg["tiles"], num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
         return q, s
