@@ -58,8 +58,8 @@ from lumenrl_quant.mx import MXTensor, dequantize_mx, quantize_mx
 
 __all__ = ["LINEAR_SCHEMES", "QuantizedLinear"]
 
-# scheme -> (weight granularity, weight block, activation granularity, activation block)
-_FP8_LAYOUTS: dict[str, tuple[str, tuple[int, int] | None, str, tuple[int, int] | None]] = {
+# scheme -> (weight granularity, weight block, activation granularity (None: weight-only), activation block)
+_FP8_LAYOUTS: dict[str, tuple[str, tuple[int, int] | None, str | None, tuple[int, int] | None]] = {
     "fp8_block": ("block", (128, 128), "block", (1, 128)),
     "fp8_row": ("rowwise", None, "rowwise", None),
     "fp8_tensor": ("tensorwise", None, "tensorwise", None),
