@@ -13,6 +13,7 @@ the same run. The best configuration per cache dtype is printed last; the kernel
 (``DEFAULT_CONFIG`` / ``FP8_CONFIG``) is printed first.
 
     python benchmarks/gpu/bench_attention.py --tune --out attention_tune.json
+    python benchmarks/gpu/bench_attention.py --tune --space fp8wide --dtypes fp8 --out attention_tune5.json
 """
 
 from __future__ import annotations
@@ -42,6 +43,18 @@ def _sweep() -> list[dict[str, int]]:
     return configs
 
 
+def _sweep_fp8_wide() -> list[dict[str, int]]:
+    """FP8 cache, fp16 dots: smaller programs and more of them (1-2 warps, 16-column blocks,
+    128-column splits) next to the default, deeper pipelines. Session 4 question: is the FP8 kernel
+    (45% of copy bandwidth against 75% for bf16) short of loads in flight or of issue slots?"""
+    configs = [dict(ta.FP8_CONFIG)]
+    for block_n, warps, stages, chunk in itertools.product((16, 32, 64), (1, 2, 4), (2, 3, 4, 5), (0, 128)):
+        cfg = {"block_n": block_n, "chunk": chunk, "num_warps": warps, "num_stages": stages, "k_trans": 0, "fp8_dots": 0}
+        if cfg not in configs:
+            configs.append(cfg)
+    return configs
+
+
 def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn((batch, kv_heads, groups, dim), generator=gen, device="cuda").to(torch.bfloat16)
@@ -67,6 +80,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="384", help="columns each row attends to (comma separated)")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--tune", action="store_true", help="sweep launch configurations (else: the default only)")
+    ap.add_argument("--space", default="default", choices=("default", "fp8wide"),
+                    help="--tune space: default (both dtypes, incl. E4M3 dots) or fp8wide (see _sweep_fp8_wide)")
     ap.add_argument("--out", default="attention_tune.json")
     args = ap.parse_args()
     kv_heads, groups, dim = 8, 4, 128
@@ -74,7 +89,8 @@ def main() -> None:
     copy_gbs = C.copy_bandwidth_gbs()
     result["copy_bandwidth_gbs"] = copy_gbs
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; torch {torch.__version__}")
-    configs = _sweep() if args.tune else [None]  # None: the kernel's default for the cache dtype
+    space = _sweep_fp8_wide if args.space == "fp8wide" else _sweep
+    configs = space() if args.tune else [None]  # None: the kernel's default for the cache dtype
     rows, best = [], {}
     dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
     for name, length in itertools.product(args.dtypes.split(","), (int(x) for x in args.lengths.split(","))):

@@ -6,7 +6,8 @@ scheme name as the engine's ``quant_scheme``: ``fp8_row`` (per-channel weight sc
 per-token activation scales; decode GEMM = cuBLAS tensorwise with unit scales + scale epilogue),
 ``fp8_block`` (128x128 weight blocks, 1x128 activation groups), ``fp8_tensor``; ``fp8`` is an alias
 of ``fp8_block``; a ``+kv`` suffix adds the FP8 KV cache (per-layer scales recalibrated at each
-prefill after an update). Modes (``--modes``): ``graph`` (CUDA graphs) and ``full``
+prefill after an update), ``+head`` quantizes the output head too (``quantize_lm_head``; off in
+the plain variants). ``--attn-fp8-config`` overrides the FP8-cache attention launch configuration. Modes (``--modes``): ``graph`` (CUDA graphs) and ``full``
 (``torch.compile`` + CUDA graphs, ~56 s of compilation per 8B engine): every engine runs in every
 mode, one engine at a time, with identical settings; ``x_bf16`` is against the bf16 row of the
 same mode. The trainer is the BF16 model itself: ``p_train`` comes from a teacher-forced forward
@@ -92,9 +93,38 @@ def sampled_metrics(train_model, out) -> dict[str, float]:
 SCHEME_ALIASES = {"fp8": "fp8_block"}
 
 
+def variant(name: str) -> tuple[str, frozenset[str]]:
+    """``fp8_row+kv+head`` -> ``("fp8_row", {"kv", "head"})``; suffixes: ``kv`` (FP8 KV cache), ``head``
+    (the output head quantized too, ``quantize_lm_head``)."""
+    base, *flags = name.split("+")
+    unknown = set(flags) - {"kv", "head"}
+    if unknown:
+        raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head")
+    return base, frozenset(flags)
+
+
 def scheme_of(name: str) -> str | None:
-    base = name.removesuffix("+kv")
+    base = variant(name)[0]
     return None if base == "bf16" else SCHEME_ALIASES.get(base, base)
+
+
+def attention_override(spec: str) -> dict:
+    """``--attn-fp8-config``: a JSON object, or a ``bench_attention.py --tune`` output whose best
+    default-accuracy FP8 row (``best["fp8_L<length>"]``) is taken."""
+    import json
+
+    from lumenrl_backends.engines import triton_attention as ta
+
+    path = Path(spec)
+    if path.is_file():
+        best = json.loads(path.read_text())["best"]
+        row = best[min(k for k in best if k.startswith("fp8_L") and "dots" not in k)]
+        cfg = {k: row[k] for k in ta.DEFAULT_CONFIG}
+    else:
+        cfg = json.loads(spec)
+    ta._config(cfg, fp8=True)  # validated before any model is built
+    ta.FP8_CONFIG.update(cfg)
+    return dict(ta.FP8_CONFIG)
 
 
 def check_linear(model) -> dict:
@@ -129,11 +159,13 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         # every engine gets its own copy: the trainer model stays untouched (engines attach fusion state
         # to the model they run, which deepcopy cannot copy), and all variants start from identical weights
         model = copy.deepcopy(train_model)
+        flags = variant(name)[1]
         quant = None if scheme is None else get_quant_scheme(
-            scheme, skip_first_n_layers=args.skip_first, skip_last_n_layers=args.skip_last)
+            scheme, skip_first_n_layers=args.skip_first, skip_last_n_layers=args.skip_last,
+            quantize_lm_head="head" in flags)
         engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=args.batch,
                               max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
-                              quant_scheme=quant, kv_cache_dtype="fp8" if name.endswith("+kv") else "auto")
+                              quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto")
         if scheme is not None:
             report = engine.quant_report
             row.update(quantized_linears=len(report.quantized), skipped_linears=len(report.skipped),
@@ -153,7 +185,7 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         if args.profile:
             steps = 32
             roof = C.decode_roofline(engine.model, batch=args.batch, prompt_len=args.prompt, new_tokens=steps + 1,
-                                     bandwidth_gbs=1.0, kv_element=1 if name.endswith("+kv") else 2)
+                                     bandwidth_gbs=1.0, kv_element=1 if "kv" in flags else 2)
             row["profile"] = C.profile_engine(engine, batch, params, steps=steps, weight_bytes=roof["weight_gb"] * 1e9,
                                               kv_bytes=roof["kv_gb_mean"] * 1e9)
             C.print_profile(row["profile"], f"{name}/{mode}")
@@ -206,13 +238,20 @@ def main() -> None:
     ap.add_argument("--kl-every-mode", action="store_true", help="recompute the exact KLs in every mode")
     ap.add_argument("--no-exact-kl", action="store_true", help="skip the exact (full-vocabulary) KLs (saves ~5 s/engine)")
     ap.add_argument("--profile", action="store_true", help="profile each engine's decode steps as timed (see bench_decode)")
+    ap.add_argument("--attn-fp8-config", default="", help="FP8-cache decode attention launch config: a JSON "
+                    "object, or a bench_attention.py --tune JSON (its best FP8 row)")
     ap.add_argument("--out", default="fp8_rollout.json")
     args = ap.parse_args()
     modes = (args.modes or args.mode).split(",")
     for mode in modes:
         if mode not in ("graph", "full"):
             ap.error(f"--modes: {mode!r} is not a mode; allowed: graph, full")
+    for name in args.engines.split(","):
+        variant(name)  # bad suffixes fail before the model is built
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
+    if args.attn_fp8_config:
+        result["attention_fp8_config"] = attention_override(args.attn_fp8_config)
+        print(f"FP8-cache attention config: {result['attention_fp8_config']}")
     train_model = C.random_model(args.model)
     batch = C.prompt_batch(args.batch, args.prompt, seed=4)
     params = {"temperature": 1.0, "max_new_tokens": args.new, "seed": 11, "ignore_eos": True}

@@ -80,4 +80,13 @@ case "${1:-all}" in
   # then the W8A16 scheme end to end against bf16 (compiled, FP8 KV), one process each
   fp8-w8a16kv) run 150 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_w8a16+kv --modes full --no-exact-kl --profile --out fp8_rollout4_full_w8a16kv.json ;;
   next4c) for part in fp8-s3b-bf16 fp8-w8a16kv fp8-s3b-rowkv; do "$0" "$part"; done ;;
+  # session 4 (2026-11-29 night): W8A16 measured slower than bf16 (next4b), so next4c was not run.
+  # FP8-cache attention: a wider sweep (small programs, splits); 128x128 quantize with a block-row-major
+  # grid; the FP8 engine with the output head quantized and the sweep's best attention config, next to bf16
+  attn-fp8wide) run 150 python3 benchmarks/gpu/bench_attention.py --tune --space fp8wide --dtypes fp8 --out attention_tune5.json ;;
+  quant-128) run 100 python3 benchmarks/quant/bench_quantize.py --tune --kernels fp8_block_128x128 ;;
+  fp8-s4-bf16) run 120 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl --out fp8_rollout4_full_bf16.json ;;
+  fp8-s4-rowkvhead) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head --modes full --no-exact-kl --profile \
+                      --attn-fp8-config "$LUMENRL_BENCH_OUT/attention_tune5.json" --out fp8_rollout4_full_rowkvhead.json ;;
+  s4call3) for part in attn-fp8wide quant-128 fp8-s4-bf16 fp8-s4-rowkvhead; do "$0" "$part"; done ;;
 esac

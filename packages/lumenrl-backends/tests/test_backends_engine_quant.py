@@ -132,3 +132,35 @@ def test_from_config_fp8_rollout(model_dir):
     assert {"fp8_weights", "mx_weights", "fp8_kv_cache"} <= NativeEngine.capabilities
     out = engine.generate(prompt_batch(engine.tokenizer), config.policy.rollout)
     assert out.batch["rollout_log_probs"].isfinite().all()
+
+
+def test_from_config_quantize_lm_head_runs_and_requantizes_the_head_on_sync(model_dir):
+    from lumenrl_core.config.schema import RunConfig
+
+    config = RunConfig()
+    config.policy.model_name = str(model_dir)
+    config.cluster.device = "cpu"
+    config.policy.rollout.max_batch_size = 4
+    config.quantization.rollout.precision = "fp8"
+    config.quantization.rollout.scheme = "fp8_row"
+    config.quantization.rollout.quantize_lm_head = True
+    engine = NativeEngine.from_config(config)
+    assert isinstance(engine.model.lm_head, QuantizedLinear) and engine.quant_report.quantized[-1] == "lm_head"
+    reference, _ = load_model_and_tokenizer(str(model_dir))
+    out = engine.generate(prompt_batch(engine.tokenizer), config.policy.rollout)
+    assert mean_delta(engine.model, out) < 1e-4  # log-probs of the engine's own (FP8-head) model
+    assert 1e-4 < mean_delta(reference, out) < 0.25
+    old_w = reference.lm_head.weight.detach().clone()
+    new = perturbed(reference, 0.05, seed=3)
+    head = engine.model.lm_head
+    storage = head.weight.data_ptr()
+    engine.update_weights(new.items(), version=1)
+    assert head.weight.data_ptr() == storage and engine.model.lm_head is head  # requantized in place
+
+    def sqnr(ref):
+        return float(10 * torch.log10(ref.pow(2).sum() / (head.dequantized_weight(torch.float32) - ref).pow(2).sum()))
+
+    assert sqnr(new["lm_head.weight"]) > 25 > sqnr(old_w)  # the new policy's head (FP8 ~30 dB), not the old
+    reference.load_state_dict(new)
+    out = engine.generate(prompt_batch(engine.tokenizer), config.policy.rollout)
+    assert mean_delta(engine.model, out) < 1e-4 and mean_delta(reference, out) < 0.25

@@ -403,3 +403,26 @@ def test_build_with_keywords_passes_only_accepted():
 
     assert build_with_keywords(Loss, {"clip_ratio_low": 0.2, "gamma": 1.0}).args == (0.2, "token-mean")
     assert build_with_keywords(Open, {"a": 1}).kwargs == {"a": 1}
+
+
+def test_quantize_lm_head_refused_for_a_tied_model_before_loading(cfg, reg, tmp_path):
+    from lumenrl_core.assembly.model_kind import ties_word_embeddings
+
+    cfg.quantization.rollout.quantize_lm_head = True
+    with pytest.warns(AssemblyWarning, match="quantize_lm_head=True has no effect with .*precision='bf16'"):
+        plan_run(cfg, registry=reg)
+    cfg.quantization.rollout.precision = "fp8"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": True}))
+    cfg.policy.model_name = str(tmp_path)
+    assert ties_word_embeddings(str(tmp_path)) == (True, f"tie_word_embeddings in {tmp_path / 'config.json'}")
+    msg = only(cfg, reg)
+    assert msg.startswith("quantization.rollout.quantize_lm_head=True: policy.model_name=")
+    assert "ties its output head to the input embeddings" in msg and "Allowed: false for a tied model" in msg
+    cfg.assembly.strict_policy = False  # still fatal: the run cannot be built correctly
+    with pytest.raises(AssemblyError, match="quantize_lm_head"):
+        plan_run(cfg, registry=reg)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "text_config": {"tie_word_embeddings": False}}))
+    assert plan_run(cfg, registry=reg).config.quantization.rollout.quantize_lm_head is True
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))  # unset: the engine decides
+    with pytest.warns(AssemblyWarning, match="cannot tell whether .* ties its embeddings"):
+        plan_run(cfg, registry=reg)

@@ -156,3 +156,36 @@ def test_scheme_plugins_registered_and_usable(qwen3):
     assert scheme.reload_weights_(model, qwen3.state_dict()).requantized
     with pytest.raises(ValueError, match="fp8_row"):
         get_quant_scheme("fp8_rows")
+
+
+def test_quantize_lm_head_untied_swaps_the_head_and_reloads_it_in_place(qwen3):
+    from lumenrl_quant.error import sqnr_db
+
+    model = copy.deepcopy(qwen3)
+    report = quantize_model(model, "fp8_row", quantize_lm_head=True)
+    assert report.quantized[-1] == "lm_head" and isinstance(model.lm_head, QuantizedLinear)
+    assert len(report.quantized) == 4 * 7 + 1 and type(model.model.embed_tokens) is nn.Embedding
+    x = torch.randn(6, 128)
+    w = qwen3.lm_head.weight.detach()
+    with torch.no_grad():
+        assert sqnr_db(x.double() @ w.double().t(), model.lm_head(x).double()) >= 25.0  # fp8 scaled_mm bar
+        ids = torch.randint(0, 256, (2, 12))
+        assert 0 < kl(qwen3(ids).logits, model(ids).logits) < KL_BARS["fp8_row"]
+    storage = model.lm_head.weight.data_ptr()
+    w2 = torch.randn_like(w) * 0.05  # a new policy's head: requantized into the same buffers
+    assert reload_quantized_weights_(model, {"lm_head.weight": w2}).requantized == ["lm_head.weight"]
+    assert model.lm_head.weight.data_ptr() == storage
+    with torch.no_grad():
+        assert sqnr_db(x.double() @ w2.double().t(), model.lm_head(x).double()) >= 25.0
+
+
+def test_quantize_lm_head_refuses_a_tied_head_before_swapping_anything():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="quantize_lm_head=True.*tie_word_embeddings.*Allowed: quantize_lm_head=False"):
+        quantize_model(model, "fp8_row", quantize_lm_head=True)
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())  # nothing half-done
+    scheme = get_quant_scheme("fp8_row", quantize_lm_head=True)
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        scheme.quantize_model(model)
+    report = get_quant_scheme("fp8_row").quantize_model(model)  # the default leaves the head alone
+    assert "lm_head" not in report.quantized and type(model.lm_head) is nn.Linear

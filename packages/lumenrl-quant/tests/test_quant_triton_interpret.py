@@ -64,7 +64,9 @@ SCRIPT = textwrap.dedent(
     for cfg in ({"impl": "tile", "ng": 1, "num_warps": 8}, {"impl": "tile", "ng": 2, "num_warps": 4},
                 {"impl": "tile", "ng": 4, "num_warps": 8}, None, {"impl": "2pass", "rows": 16, "num_warps": 4},
                 {"impl": "2pass", "rows": 64, "num_warps": 8, "hints": 1},
-                {"impl": "2pass", "rows": 32, "num_warps": 4, "tiles": 4}):  # 5 K blocks: a part-empty program
+                {"impl": "2pass", "rows": 32, "num_warps": 4, "tiles": 4},  # 5 K blocks: a part-empty program
+                {"impl": "2pass", "rows": 32, "num_warps": 4, "k_first": 1},  # block-row-major grid
+                {"impl": "2pass", "rows": 32, "num_warps": 4, "tiles": 2, "k_first": 1}):
         check(f"128x128 {cfg}", tk.fp8_quantize_blocks(w, 128, config=cfg), w, blocks)
     for cfg in ({"amax_block": 1024, "amax_warps": 4, "cast_block": 512, "cast_warps": 4},):
         check("tensorwise", tk.fp8_quantize_tensorwise(x, config=cfg), x, lambda s: s)

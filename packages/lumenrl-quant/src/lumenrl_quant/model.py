@@ -10,7 +10,12 @@ outside the decoder layers (embeddings, ``lm_head``, final norm), names in ``ski
 (matched against any dotted component or the full name), MoE routers (``gate``, ``router``,
 ``shared_expert_gate`` components, or classes named ``*Router*``), and non-``nn.Linear`` modules
 (norms, fused 3-D expert weights). ``skip_first_n_layers`` / ``skip_last_n_layers`` keep the
-most sensitive layers in high precision.
+most sensitive layers in high precision. ``quantize_lm_head=True`` also swaps the output projection
+(the model's ``get_output_embeddings()``, else ``lm_head``): at decode it is the largest single
+GEMM of a model with a big vocabulary (Qwen3-8B: 1.2 GB of 16.4 GB of bf16 weights read per step),
+at the cost of FP8 rounding in the logits. Opt-in, and refused for a head tied to the input
+embeddings: weight sync sends the shared tensor under the embedding's name only, so a quantized
+copy of the head would go stale.
 
 :func:`reload_quantized_weights_` takes the *original* parameter names (e.g.
 ``model.layers.0.mlp.up_proj.weight``), requantizes quantized weights in place through
@@ -120,11 +125,14 @@ def quantize_model(
     skip_last_n_layers: int = 0,
     skip_modules: Iterable[str] = ("lm_head",),
     fp8_dtype: torch.dtype | None = None,
+    quantize_lm_head: bool = False,
 ) -> QuantizationReport:
-    """Swap the decoder linears of ``model`` for :class:`QuantizedLinear` in place; return a report."""
+    """Swap the decoder linears of ``model`` for :class:`QuantizedLinear` in place; return a report.
+    ``quantize_lm_head`` also swaps the output projection (untied heads only; see the module doc)."""
     if skip_first_n_layers < 0 or skip_last_n_layers < 0:
         raise ValueError(f"skip_first_n_layers={skip_first_n_layers} and skip_last_n_layers={skip_last_n_layers} "
                          "must be >= 0")
+    head_name = _output_head_name(model) if quantize_lm_head else None  # checked before anything is swapped
     path, layers = find_decoder_layers(model)
     n = len(layers)
     keep = range(skip_first_n_layers, n - skip_last_n_layers)
@@ -144,7 +152,30 @@ def quantize_model(
             report.bytes_after += _weight_bytes(new)
             model.set_submodule(full, new)
             report.quantized.append(full)
+    if head_name is not None:
+        head = model.get_submodule(head_name)
+        new = QuantizedLinear.from_linear(head, scheme, fp8_dtype=fp8_dtype)
+        report.bytes_before += _weight_bytes(head)
+        report.bytes_after += _weight_bytes(new)
+        model.set_submodule(head_name, new)
+        report.quantized.append(head_name)
     return report
+
+
+def _output_head_name(model: nn.Module) -> str:
+    """The dotted name of the model's output projection, refused unless it is an untied ``nn.Linear``."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear) or isinstance(head, QuantizedLinear):
+        raise ValueError(f"quantize_lm_head=True: {type(model).__name__} has no unquantized nn.Linear output head "
+                         f"(found {type(head).__name__}); allowed: quantize_lm_head=False")
+    getter = getattr(model, "get_input_embeddings", None)
+    embed = getter() if callable(getter) else None
+    if embed is not None and getattr(embed, "weight", None) is head.weight:
+        raise ValueError("quantize_lm_head=True: the output head shares its weight with the input embeddings "
+                         "(tie_word_embeddings); weight sync updates the shared tensor under the embedding's name, "
+                         "so a quantized head would go stale. Allowed: quantize_lm_head=False for a tied model")
+    return next(name for name, module in model.named_modules() if module is head)
 
 
 @torch.no_grad()

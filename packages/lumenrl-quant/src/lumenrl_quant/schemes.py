@@ -45,6 +45,7 @@ class _RolloutScheme:
     skip_first_n_layers / skip_last_n_layers: decoder layers kept in high precision at each end.
     skip_modules: module names (dotted component or full name) never quantized.
     fp8_dtype: FP8 element dtype override (default: E4M3, fnuz on MI300).
+    quantize_lm_head: also quantize the (untied) output head; off by default (logit accuracy).
     """
 
     name: ClassVar[str] = ""
@@ -53,6 +54,7 @@ class _RolloutScheme:
     skip_last_n_layers: int = 0
     skip_modules: tuple[str, ...] = ("lm_head",)
     fp8_dtype: torch.dtype | None = None
+    quantize_lm_head: bool = False
 
     @classmethod
     def probe(cls) -> str | None:
@@ -74,6 +76,7 @@ class _RolloutScheme:
         return quantize_model(
             model, self.name, skip_first_n_layers=self.skip_first_n_layers,
             skip_last_n_layers=self.skip_last_n_layers, skip_modules=self.skip_modules, fp8_dtype=self.fp8_dtype,
+            quantize_lm_head=self.quantize_lm_head,
         )
 
     def reload_weights_(

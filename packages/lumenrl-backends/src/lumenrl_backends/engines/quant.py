@@ -3,7 +3,7 @@
 * Weights: ``quantization.rollout.precision`` fp8 / mxfp8 / mxfp4 picks a lumenrl-quant scheme
   (``quantization.rollout.scheme`` overrides; default ``fp8_block``, ``mxfp8``, ``mxfp4``), whose
   ``quantize_model`` swaps the decoder linears for ``QuantizedLinear`` in place (embeddings,
-  ``lm_head``, norms and MoE routers stay high precision). Weight sync requantizes in place
+  norms and MoE routers stay high precision; ``lm_head`` too unless ``quantize_lm_head``). Weight sync requantizes in place
   (see :mod:`~lumenrl_backends.engines.weights`).
 * KV cache: ``kv_cache_dtype="fp8"`` stores K/V as FP8 E4M3 with one static scale per layer and
   tensor (K, V), computed as ``percentile_99.9(|x|) * 1.05 / fp8_max`` from the first prefill
@@ -36,6 +36,7 @@ def rollout_scheme(rollout_quant: Any) -> Any | None:
         name,
         skip_first_n_layers=rollout_quant.skip_first_n_layers,
         skip_last_n_layers=rollout_quant.skip_last_n_layers,
+        quantize_lm_head=getattr(rollout_quant, "quantize_lm_head", False),
     )
 
 

@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MOE_MODEL_TYPES", "config_is_moe", "find_local_config", "is_moe_model", "model_type_of"]
+__all__ = ["MOE_MODEL_TYPES", "config_is_moe", "find_local_config", "is_moe_model", "model_type_of",
+           "ties_word_embeddings"]
 
 MOE_MODEL_TYPES = frozenset({
     "qwen2_moe", "qwen3_moe", "qwen3_next", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe",
@@ -109,3 +110,19 @@ def model_type_of(model_name: str) -> str | None:
         found = [t for t in MOE_MODEL_TYPES if t in short]
         return max(found, key=len) if found else None
     return None
+
+
+def ties_word_embeddings(model_name: str) -> tuple[bool | None, str]:
+    """``(tied, how_decided)``: whether the output head shares the input embedding's weight, from
+    ``tie_word_embeddings`` in a local ``config.json`` (or its ``text_config``); ``None`` when no
+    local config says so (``save_pretrained`` omits a value equal to the config class's default)."""
+    config_path = find_local_config(model_name)
+    if config_path is None:
+        return None, "no local config.json"
+    config, error = _read_config(config_path)
+    if config is None:
+        return None, error
+    for section in (config, config.get("text_config") or {}):
+        if isinstance(section.get("tie_word_embeddings"), bool):
+            return section["tie_word_embeddings"], f"tie_word_embeddings in {config_path}"
+    return None, f"{config_path} does not set tie_word_embeddings"

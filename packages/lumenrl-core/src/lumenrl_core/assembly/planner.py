@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from lumenrl_core.assembly.model_kind import is_moe_model, model_type_of
+from lumenrl_core.assembly.model_kind import is_moe_model, model_type_of, ties_word_embeddings
 from lumenrl_core.assembly.plan import AssemblyError, AssemblyWarning, RunPlan
 from lumenrl_core.assembly.requirements import (
     ROLLOUT_SCHEME_BY_PRECISION,
@@ -131,6 +131,25 @@ class _Planner:
             self.notes.append(f"moe.r3.router='': no lumenrl.moe_routers plugin for model_type={model_type!r}; "
                               "route replay relies on the training backend's own router handling")
 
+    def check_lm_head(self) -> None:
+        """``quantization.rollout.quantize_lm_head`` needs a quantized rollout and an untied head."""
+        rq = self.cfg.quantization.rollout
+        if not rq.quantize_lm_head:
+            return
+        key = "quantization.rollout.quantize_lm_head"
+        if rq.precision not in ROLLOUT_SCHEME_BY_PRECISION:
+            self.notes.append(f"{key}=True has no effect with quantization.rollout.precision={rq.precision!r}")
+            return
+        tied, how = ties_word_embeddings(self.cfg.policy.model_name)
+        if tied:
+            self.violations.append(Violation(key, True, (
+                f"policy.model_name={self.cfg.policy.model_name!r} ties its output head to the input embeddings "
+                f"({how}); weight sync would leave a quantized head stale. Allowed: false for a tied model"),
+                fatal=True))
+        elif tied is None:
+            self.notes.append(f"{key}=True: cannot tell whether policy.model_name={self.cfg.policy.model_name!r} "
+                              f"ties its embeddings ({how}); a tied head is refused when the engine loads it")
+
     def check_model(self) -> bool | None:
         cfg = self.cfg
         if not (cfg.moe.r3.enabled or cfg.moe.expert_parallel_size > 1):
@@ -180,6 +199,7 @@ def plan_run(cfg: RunConfig, *, registry: PluginRegistry | None = None) -> RunPl
         p.resolve(role, kind, key, name)
     p.resolve_router_by_model_type()
     required = p.check_capabilities()
+    p.check_lm_head()
     is_moe = p.check_model()
     return _finish(p, required, is_moe)
 

@@ -169,6 +169,7 @@ class RolloutQuantConfig:
     scheme: str = ""  # lumenrl.quant_schemes plugin name; empty = derived from precision
     skip_first_n_layers: int = 0
     skip_last_n_layers: int = 0
+    quantize_lm_head: bool = False  # also the (untied) output head: faster decode, FP8 rounding in the logits
     kv_cache_dtype: str = field(default="auto", metadata=choices("auto", "fp8"))
     kv_scale_recalibration: bool = True  # recompute KV scales after every weight sync
 
