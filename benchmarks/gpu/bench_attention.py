@@ -14,6 +14,7 @@ the same run. The best configuration per cache dtype is printed last; the kernel
 
     python benchmarks/gpu/bench_attention.py --tune --out attention_tune.json
     python benchmarks/gpu/bench_attention.py --tune --space fp8wide --dtypes fp8 --out attention_tune5.json
+    python benchmarks/gpu/bench_attention.py --tune --space layouts --v-layouts rows,columns --out attention_tune6.json
 """
 
 from __future__ import annotations
@@ -55,7 +56,18 @@ def _sweep_fp8_wide() -> list[dict[str, int]]:
     return configs
 
 
-def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length: int, dtype: torch.dtype, seed: int):
+def _sweep_layouts() -> list[dict[str, int]]:
+    """The V-layout comparison (``--v-layouts rows,columns``): a few configurations around each default."""
+    configs = [dict(ta.DEFAULT_CONFIG), dict(ta.FP8_CONFIG)]
+    for block_n, stages in itertools.product((32, 64, 128), (2, 3, 4)):
+        cfg = {**ta.DEFAULT_CONFIG, "block_n": block_n, "num_stages": stages}
+        if cfg not in configs:
+            configs.append(cfg)
+    return configs
+
+
+def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length: int, dtype: torch.dtype, seed: int,
+           v_columns: bool = False):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn((batch, kv_heads, groups, dim), generator=gen, device="cuda").to(torch.bfloat16)
     k = torch.randn((batch, kv_heads, cache, dim), generator=gen, device="cuda")
@@ -70,6 +82,8 @@ def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length:
         scales = (k.abs().amax() / 448.0).reshape(1), (v.abs().amax() / 448.0).reshape(1)
         k, v = (k / scales[0]).to(dtype), (v / scales[1]).to(dtype)
         ref_k, ref_v = k.float() * scales[0], v.float() * scales[1]
+    if v_columns:  # V stored (D, L) per head, as the engine's FP8 cache on CUDA (kv_v_layout)
+        v = v.transpose(-1, -2).contiguous().transpose(-1, -2)
     return q, k, v, allowed, last, scales, ref_k, ref_v
 
 
@@ -80,7 +94,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="384", help="columns each row attends to (comma separated)")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--tune", action="store_true", help="sweep launch configurations (else: the default only)")
-    ap.add_argument("--space", default="default", choices=("default", "fp8wide"),
+    ap.add_argument("--v-layouts", default="rows", help="V stored by rows (L, D) and/or columns (D, L), comma separated")
+    ap.add_argument("--space", default="default", choices=("default", "fp8wide", "layouts"),
                     help="--tune space: default (both dtypes, incl. E4M3 dots) or fp8wide (see _sweep_fp8_wide)")
     ap.add_argument("--out", default="attention_tune.json")
     args = ap.parse_args()
@@ -89,13 +104,15 @@ def main() -> None:
     copy_gbs = C.copy_bandwidth_gbs()
     result["copy_bandwidth_gbs"] = copy_gbs
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; torch {torch.__version__}")
-    space = _sweep_fp8_wide if args.space == "fp8wide" else _sweep
+    space = {"fp8wide": _sweep_fp8_wide, "layouts": _sweep_layouts}.get(args.space, _sweep)
     configs = space() if args.tune else [None]  # None: the kernel's default for the cache dtype
     rows, best = [], {}
     dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-    for name, length in itertools.product(args.dtypes.split(","), (int(x) for x in args.lengths.split(","))):
+    for name, length, layout in itertools.product(args.dtypes.split(","), (int(x) for x in args.lengths.split(",")),
+                                                  args.v_layouts.split(",")):
         dtype = dtypes[name]
-        sets = [inputs(args.batch, kv_heads, groups, dim, args.cache, length, dtype, seed) for seed in (1, 2)]
+        sets = [inputs(args.batch, kv_heads, groups, dim, args.cache, length, dtype, seed, layout == "columns")
+                for seed in (1, 2)]
         q, _, _, allowed, _, _, ref_k, ref_v = sets[0]
         ref = torch.nn.functional.scaled_dot_product_attention(
             q.float(), ref_k, ref_v, attn_mask=allowed[:, None, None, :], scale=dim**-0.5)
@@ -103,7 +120,7 @@ def main() -> None:
         for cfg in configs:
             if cfg and cfg.get("fp8_dots") and name != "fp8":
                 continue
-            row = {"dtype": name, "length": length, **ta._config(cfg, fp8=name == "fp8")}
+            row = {"dtype": name, "length": length, "v_layout": layout, **ta._config(cfg, fp8=name == "fp8")}
             try:
                 q, k, v, allowed, last, scales, _, _ = sets[0]
                 out = ta._run(q, k, v, allowed, dim**-0.5, k_scale=scales[0], v_scale=scales[1], last=last, config=cfg)
@@ -120,7 +137,8 @@ def main() -> None:
             except Exception as err:  # noqa: BLE001 - report, keep sweeping
                 row["error"] = f"{type(err).__name__}: {err}"[:200]
             rows.append(row)
-            key = f"{name}_L{length}" + (f"_fp8dots{row['fp8_dots']}" if row["fp8_dots"] else "")
+            key = (f"{name}_L{length}" + (f"_fp8dots{row['fp8_dots']}" if row["fp8_dots"] else "")
+                   + ("_vcolumns" if layout == "columns" else ""))
             if "gbs" in row and (key not in best or row["gbs"] > best[key]["gbs"]):
                 best[key] = row
         del sets
@@ -129,13 +147,13 @@ def main() -> None:
         C.write_json(args.out, result)
     default = [r for r in rows if all(r.get(k) == v for k, v in ta._config(None, fp8=r["dtype"] == "fp8").items())]
     print("default configuration:")
-    C.print_table(default, ["dtype", "length", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "fp8_dots", "us", "gbs", "pct_copy",
+    C.print_table(default, ["dtype", "length", "v_layout", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "fp8_dots", "us", "gbs", "pct_copy",
                             "rel_err", "error"])
     errors = [r for r in rows if "error" in r]
     if errors:
         print(f"{len(errors)} configurations failed, first: {errors[0]}")
     print("best configuration per cache dtype and length:")
-    C.print_table(list(best.values()), ["dtype", "length", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "fp8_dots", "us", "gbs",
+    C.print_table(list(best.values()), ["dtype", "length", "v_layout", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "fp8_dots", "us", "gbs",
                                         "pct_copy", "rel_err"])
 
 

@@ -89,4 +89,11 @@ case "${1:-all}" in
   fp8-s4-rowkvhead) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head --modes full --no-exact-kl --profile \
                       --attn-fp8-config "$LUMENRL_BENCH_OUT/attention_tune5.json" --out fp8_rollout4_full_rowkvhead.json ;;
   s4call3) for part in attn-fp8wide quant-128 fp8-s4-bf16 fp8-s4-rowkvhead; do "$0" "$part"; done ;;
+  # the sweep's best (1 warp, 128-column splits) lost in the engine (merge kernel); instead V stored (D, L)
+  attn-layouts) run 120 python3 benchmarks/gpu/bench_attention.py --tune --space layouts --v-layouts rows,columns --out attention_tune6.json ;;
+  gpu-tests4) run 120 python3 -m pytest -q -p no:cacheprovider -k "cuda and (fp8 or triton)" \
+                packages/lumenrl-backends/tests/test_backends_engine_speed.py packages/lumenrl-quant/tests/test_quant_gemm_paths_gpu.py ;;
+  fp8-s4-rowkvhead-vcol) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head --modes full --no-exact-kl --profile \
+                      --out fp8_rollout4_full_rowkvhead_vcol.json ;;
+  s4call4) for part in attn-layouts gpu-tests4 fp8-s4-bf16 fp8-s4-rowkvhead-vcol; do "$0" "$part"; done ;;
 esac

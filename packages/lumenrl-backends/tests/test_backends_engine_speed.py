@@ -272,6 +272,62 @@ def test_triton_kernel_reads_fp8_cache_with_scales():
     assert bf16_query < fp8_qk < 5e-2 and fp8_both < 1e-1, (fp8_qk, fp8_both)
 
 
+_INTERPRETED_V_COLUMNS = """
+import torch
+from lumenrl_backends.engines import triton_attention
+from test_backends_engine_speed import random_decode_inputs, reference_attention
+torch.manual_seed(8)
+q, k, v, allowed = random_decode_inputs(dim=64, length=130)
+last = torch.tensor([129, 70, 3])
+cols = torch.arange(130)
+allowed = (allowed & (cols[None, :] < last[:, None])) | (cols[None, :] == last[:, None])
+k_scale, v_scale = k.abs().max() / 448, v.abs().max() / 448
+qk, qv = (k / k_scale).to(torch.float8_e4m3fn), (v / v_scale).to(torch.float8_e4m3fn)
+columns = lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2)  # V stored (D, L) per head
+assert columns(qv).stride(-2) == 1 and torch.equal(columns(qv).float(), qv.float())
+scales = dict(k_scale=k_scale.reshape(1), v_scale=v_scale.reshape(1), last=last)
+ref = reference_attention(q.half(), qk.double() * k_scale.double(), qv.double() * v_scale.double(), allowed, 0.125)
+for splits, config in ((1, None), (2, {"block_n": 16})):
+    rows = triton_attention._run(q.reshape(3, 2, 4, 64).half(), qk, qv, allowed, 0.125, splits=splits, config=config,
+                                 **scales)
+    cols_out = triton_attention._run(q.reshape(3, 2, 4, 64).half(), qk, columns(qv), allowed, 0.125, splits=splits,
+                                     config=config, **scales)
+    assert torch.equal(rows, cols_out), splits  # same values, same order of operations
+    print(float((cols_out.reshape(3, 1, 8, 64).double() - ref).norm() / ref.norm()))
+# a 16-bit cache stored by columns too (the public wrapper keeps the layout instead of copying)
+out = triton_attention.gqa_decode_attention(q.reshape(3, 2, 4, 64), k, columns(v), allowed, 0.125, last=last)
+print(float((out.reshape(3, 1, 8, 64).double() - reference_attention(q, k, v, allowed, 0.125)).norm()))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
+def test_triton_kernel_reads_v_stored_by_columns():
+    errors = [float(x) for x in _interpreted(_INTERPRETED_V_COLUMNS).strip().splitlines()[-3:]]
+    assert errors[0] < 4e-3 and errors[1] < 4e-3  # fp16 output rounding, as the row layout
+    assert errors[2] < 1e-4
+
+
+def test_fp8_kv_cache_v_columns_layout_gives_identical_rollouts(loaded):
+    """V stored (D, L) per head (what the engine picks for its FP8 CUDA kernel) == stored (L, D)."""
+    model, tokenizer = loaded
+    batch = prompt_batch(tokenizer)
+    params = {"temperature": 1.0, "max_new_tokens": 8, "seed": 21}
+    outs = []
+    for layout in ("columns", "rows"):
+        engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=64, kv_cache_dtype="fp8",
+                              kv_v_layout=layout)
+        assert engine.cache.v_columns is (layout == "columns")
+        outs.append(engine.generate(batch, params))
+        values = engine.cache.layers[0].values
+        assert (values.stride(-2) == 1) is (layout == "columns") and values.shape[-2:] == (64, values.shape[-1])
+    assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
+    # same values; CPU matmul kernels sum a strided V in another order (float32 rounding only)
+    torch.testing.assert_close(outs[0].batch["rollout_log_probs"], outs[1].batch["rollout_log_probs"],
+                               atol=1e-5, rtol=0)
+    auto = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=64, kv_cache_dtype="fp8")
+    assert auto.cache.v_columns is False  # auto: columns only for the CUDA kernel
+
+
 def test_fp8_kv_raw_decode_equals_dequantized_cache(loaded):
     """The cache handing FP8 storage to the engine's attention (dequantized there) == the cache's own decode."""
     model, tokenizer = loaded
@@ -380,6 +436,8 @@ def test_engine_rejects_bad_speed_options(loaded):
         NativeEngine(model, tokenizer, compile="fast")
     with pytest.raises(ValueError, match="prefill_chunk_tokens=0"):
         NativeEngine(model, tokenizer, prefill_chunk_tokens=0)
+    with pytest.raises(ValueError, match="kv_v_layout='cols'.*'auto', 'rows' or 'columns'"):
+        NativeEngine(model, tokenizer, kv_v_layout="cols")
 
 
 def test_fp8_kv_recalibration_keeps_scale_storage():
@@ -430,8 +488,10 @@ def test_cuda_fp8_kv_kernel_path_close_to_dequantized_path(model_dir):
     outs = []
     for raw in (True, False):
         engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, kv_cache_dtype="fp8")
+        assert engine.cache.v_columns  # auto on CUDA: the kernel reads V stored by columns
         engine.cache.raw_fp8_decode = raw
         outs.append(engine.generate(batch, {"temperature": 0.0, "max_new_tokens": 12}))
+        assert engine.cache.layers[0].values.stride(-2) == 1
     mask = outs[0].batch["response_mask"].bool()
     diff = (outs[0].batch["rollout_log_probs"] - outs[1].batch["rollout_log_probs"])[mask].abs()
     assert float(diff.mean()) < 2e-2  # bf16 kernels differ; both read the same FP8 values

@@ -13,7 +13,10 @@ outside the decoder layers (embeddings, ``lm_head``, final norm), names in ``ski
 most sensitive layers in high precision. ``quantize_lm_head=True`` also swaps the output projection
 (the model's ``get_output_embeddings()``, else ``lm_head``): at decode it is the largest single
 GEMM of a model with a big vocabulary (Qwen3-8B: 1.2 GB of 16.4 GB of bf16 weights read per step),
-at the cost of FP8 rounding in the logits. Opt-in, and refused for a head tied to the input
+at the cost of FP8 rounding in the logits: a last-bit difference in the final hidden state (another
+batch composition, a teacher-forced recompute) can move an activation across an E4M3 rounding
+boundary, which shows directly in the logits, so recomputed log-probs agree per token in the
+median but not to float rounding everywhere. Opt-in, and refused for a head tied to the input
 embeddings: weight sync sends the shared tensor under the embedding's name only, so a quantized
 copy of the head would go stale.
 

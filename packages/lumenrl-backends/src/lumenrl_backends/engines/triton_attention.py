@@ -25,7 +25,11 @@ the output, so no dequantized copy of the cache is made. With a 16-bit query its
 (query cast once; a float32 query keeps float32):
 E4M3/E5M2 -> fp16 is a single conversion on sm_89+/sm_90 while -> bf16 goes through float32,
 which left the FP8 kernel conversion-bound (1.7 TB/s, barely faster than bf16's 3.2 TB/s at half the
-bytes; ``bench_attention.py``). fp16 holds every E4M3/E5M2 value exactly and has the finer mantissa. Exposed as the custom op ``lumenrl::gqa_decode_attention`` (opaque to ``torch.compile``, safe
+bytes; ``bench_attention.py``). fp16 holds every E4M3/E5M2 value exactly and has the finer mantissa. V may also be stored transposed, ``(D, L)`` per head (a view with ``stride(-2) == 1``): the p.v dot
+reduces over L, and an 8-bit tile cannot be transposed on its way to the MMA (``ldmatrix.trans``
+is 16-bit only), so an FP8 V stored ``(L, D)`` costs a register/shared-memory shuffle per tile
+that a column-stored one does not; the engine stores an FP8 cache's V that way (``kv_v_layout``).
+Exposed as the custom op ``lumenrl::gqa_decode_attention`` (opaque to ``torch.compile``, safe
 inside CUDA-graph capture: no host sync, buffers from the caching allocator). Works in Triton's
 interpreter on CPU too (``TRITON_INTERPRET=1``), which the CPU tests use.
 """
@@ -82,7 +86,7 @@ if triton is not None:
     @triton.jit
     def _split_kernel(
         Q, K, V, M, PART, LSE, K_SCALE, V_SCALE, LAST, scale,
-        s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_mb,
+        s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_mb,
         s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_last,
         kv_len,
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -138,7 +142,8 @@ if triton is not None:
             p = tl.exp(qk - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * s_vb + h * s_vh + cols[:, None] * s_vl + offs_d[None, :], mask=in_range[:, None], other=0.0)
+            v = tl.load(V + b * s_vb + h * s_vh + cols[:, None] * s_vl + offs_d[None, :] * s_vd, mask=in_range[:, None],
+                        other=0.0)
             if FP8_DOTS == 2:  # p in [0, 1] scaled to E4M3's range: weights down to ~4e-6 survive the cast
                 pv = tl.dot((p * 448.0).to(tl.float8e4nv), v).to(tl.float32) * (1.0 / 448.0)
             else:
@@ -259,7 +264,7 @@ def _run(
         lse if last is None else last, scale,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), mask.stride(0),
+        value.stride(0), value.stride(1), value.stride(2), value.stride(3), mask.stride(0),
         *p_strides, *l_strides, 0 if last is None else last.stride(0),
         kv_len,
         CHUNK=chunk, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
@@ -298,21 +303,26 @@ def gqa_decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, last: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """query (B, H_kv, G, D), key/value (B, H_kv, L, D) with unit last stride, allowed (B, L) bool
+    """query (B, H_kv, G, D), key/value (B, H_kv, L, D), allowed (B, L) bool; K with unit last stride, V
+    with a unit stride in either of its last two dims (a cache stored (D, L) per head, see the module doc)
     -> (B, H_kv, G, D) in the query dtype. FP8 key/value take one-element dequant scales
     ``k_scale``/``v_scale`` (``x = q * scale``), applied in-kernel (no dequantized copy).
     ``last`` (B,) int64, optional: each row's last column that ``allowed`` may mark (the engine's
     write column); later columns are neither read nor computed (bounded loop)."""
-    if key.stride(-1) != 1 or value.stride(-1) != 1:
-        key, value = key.contiguous(), value.contiguous()
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1 and value.stride(-2) != 1:  # rows (L, D) or columns (D, L) of V are read as stored
+        value = value.contiguous()
     if k_scale is not None:
         k_scale, v_scale = k_scale.reshape(1).float(), v_scale.reshape(1).float()
     return _OP(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last)
 
 
-def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> bool:
+def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,
+                  v_columns: bool = False) -> bool:
     """Run the kernel once on fresh random inputs with a ``cache_dtype`` cache (scaled when FP8)
-    and per-row write columns ``last`` (the bounded walk the engine uses), and compare with float32
+    and per-row write columns ``last`` (the bounded walk the engine uses; V stored ``(D, L)`` per head
+    with ``v_columns``), and compare with float32
     attention over the same values; an error or a relative error above 2e-2 -> False with a
     warning (the engine then dequantizes before SDPA instead)."""
     import warnings
@@ -336,6 +346,8 @@ def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.d
         else:
             k, v = k.to(cache_dtype), v.to(cache_dtype)
             k_ref, v_ref = k.float(), v.float()
+        if v_columns:
+            v = v.transpose(-1, -2).contiguous().transpose(-1, -2)
         out = gqa_decode_attention(q, k, v, allowed, 128**-0.5, *(scales or (None, None)), last=last)
         mask = allowed[:, None, None, :]
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k_ref, v_ref, attn_mask=mask, scale=128**-0.5)
