@@ -82,7 +82,7 @@ def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length:
         scales = (k.abs().amax() / 448.0).reshape(1), (v.abs().amax() / 448.0).reshape(1)
         k, v = (k / scales[0]).to(dtype), (v / scales[1]).to(dtype)
         ref_k, ref_v = k.float() * scales[0], v.float() * scales[1]
-    if v_columns:  # V stored (D, L) per head, as the engine's FP8 cache on CUDA (kv_v_layout)
+    if v_columns:  # V stored (D, L) per head (tried for the FP8 cache in session 4; the engine stores rows)
         v = v.transpose(-1, -2).contiguous().transpose(-1, -2)
     return q, k, v, allowed, last, scales, ref_k, ref_v
 

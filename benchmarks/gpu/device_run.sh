@@ -96,4 +96,9 @@ case "${1:-all}" in
   fp8-s4-rowkvhead-vcol) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head --modes full --no-exact-kl --profile \
                       --out fp8_rollout4_full_rowkvhead_vcol.json ;;
   s4call4) for part in attn-layouts gpu-tests4 fp8-s4-bf16 fp8-s4-rowkvhead-vcol; do "$0" "$part"; done ;;
+  # V by columns measured 3x slower (reverted); last: 128x128 k_first default, and bf16 / fp8+head / fp8 side by side
+  fp8-s4-rowkvhead2) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head --modes full --no-exact-kl --profile \
+                      --out fp8_rollout4_full_rowkvhead2.json ;;
+  fp8-s4-rowkv) run 150 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv --modes full --no-exact-kl --out fp8_rollout4_full_rowkv.json ;;
+  s4call5) for part in quant-128 fp8-s4-bf16 fp8-s4-rowkvhead2 fp8-s4-rowkv; do "$0" "$part"; done ;;
 esac

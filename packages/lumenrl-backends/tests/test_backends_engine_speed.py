@@ -307,27 +307,6 @@ def test_triton_kernel_reads_v_stored_by_columns():
     assert errors[2] < 1e-4
 
 
-def test_fp8_kv_cache_v_columns_layout_gives_identical_rollouts(loaded):
-    """V stored (D, L) per head (what the engine picks for its FP8 CUDA kernel) == stored (L, D)."""
-    model, tokenizer = loaded
-    batch = prompt_batch(tokenizer)
-    params = {"temperature": 1.0, "max_new_tokens": 8, "seed": 21}
-    outs = []
-    for layout in ("columns", "rows"):
-        engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=64, kv_cache_dtype="fp8",
-                              kv_v_layout=layout)
-        assert engine.cache.v_columns is (layout == "columns")
-        outs.append(engine.generate(batch, params))
-        values = engine.cache.layers[0].values
-        assert (values.stride(-2) == 1) is (layout == "columns") and values.shape[-2:] == (64, values.shape[-1])
-    assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
-    # same values; CPU matmul kernels sum a strided V in another order (float32 rounding only)
-    torch.testing.assert_close(outs[0].batch["rollout_log_probs"], outs[1].batch["rollout_log_probs"],
-                               atol=1e-5, rtol=0)
-    auto = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=64, kv_cache_dtype="fp8")
-    assert auto.cache.v_columns is False  # auto: columns only for the CUDA kernel
-
-
 def test_fp8_kv_raw_decode_equals_dequantized_cache(loaded):
     """The cache handing FP8 storage to the engine's attention (dequantized there) == the cache's own decode."""
     model, tokenizer = loaded
@@ -436,8 +415,6 @@ def test_engine_rejects_bad_speed_options(loaded):
         NativeEngine(model, tokenizer, compile="fast")
     with pytest.raises(ValueError, match="prefill_chunk_tokens=0"):
         NativeEngine(model, tokenizer, prefill_chunk_tokens=0)
-    with pytest.raises(ValueError, match="kv_v_layout='cols'.*'auto', 'rows' or 'columns'"):
-        NativeEngine(model, tokenizer, kv_v_layout="cols")
 
 
 def test_fp8_kv_recalibration_keeps_scale_storage():
@@ -488,10 +465,8 @@ def test_cuda_fp8_kv_kernel_path_close_to_dequantized_path(model_dir):
     outs = []
     for raw in (True, False):
         engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, kv_cache_dtype="fp8")
-        assert engine.cache.v_columns  # auto on CUDA: the kernel reads V stored by columns
         engine.cache.raw_fp8_decode = raw
         outs.append(engine.generate(batch, {"temperature": 0.0, "max_new_tokens": 12}))
-        assert engine.cache.layers[0].values.stride(-2) == 1
     mask = outs[0].batch["response_mask"].bool()
     diff = (outs[0].batch["rollout_log_probs"] - outs[1].batch["rollout_log_probs"])[mask].abs()
     assert float(diff.mean()) < 2e-2  # bf16 kernels differ; both read the same FP8 values

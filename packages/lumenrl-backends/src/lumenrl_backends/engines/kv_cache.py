@@ -27,10 +27,6 @@ precision. With ``raw_fp8_decode`` (set by the engine for its ``sdpa`` path) dec
 FP8 storage itself and leaves the layer's scales in ``current_scales``; the engine's attention
 (:mod:`~lumenrl_backends.engines.attention`) dequantizes in its kernel or just before SDPA.
 
-``v_columns`` stores each head's V as ``(D, L)`` (the layer still sees a ``(L, D)`` view, with
-unit stride along L): the engine sets it for an FP8 cache read by its Triton kernel, whose p.v
-product reduces over L and cannot transpose 8-bit tiles cheaply (see ``triton_attention``).
-
 Masks are explicit 4D tensors (bool for SDPA, additive float for eager) built from ``valid``,
 so transformers never needs a sequence length from the cache. A query always sees itself, so no
 row is fully masked (pad rows would otherwise produce NaN in SDPA).
@@ -74,11 +70,9 @@ class _SlotLayer(CacheLayerMixin):
         self.keys = torch.zeros(
             (slots, key_states.shape[1], length, key_states.shape[-1]), dtype=storage, device=self.device
         )
-        shape = (slots, value_states.shape[1], length, value_states.shape[-1])
-        if self._owner.v_columns:  # V stored (D, L) per head, seen through a (L, D) view (module doc)
-            self.values = torch.zeros(shape[:2] + shape[:1:-1], dtype=storage, device=self.device).transpose(2, 3)
-        else:
-            self.values = torch.zeros(shape, dtype=storage, device=self.device)
+        self.values = torch.zeros(
+            (slots, value_states.shape[1], length, value_states.shape[-1]), dtype=storage, device=self.device
+        )
         self.is_initialized = True
 
     def _encode(self, key_states: torch.Tensor, value_states: torch.Tensor, decode: bool):
@@ -141,7 +135,6 @@ class SlotKVCache(Cache):
         self.kv_dtype = kv_dtype  # None: the model's dtype; an FP8 dtype: quantized with per-layer scales
         self.recalibrate = False  # FP8: recompute scales during the next prefill
         self.raw_fp8_decode = False  # FP8 decode returns stored tensors; the engine's attention dequantizes
-        self.v_columns = False  # store V as (D, L) per head (set before the first write; module doc)
         self.current_scales = None  # FP8 scales of the layer whose K/V were returned last
         self.view: CacheView | None = None
         self.valid = torch.zeros((max_slots, max_len), dtype=torch.bool, device=device)  # (S, L)

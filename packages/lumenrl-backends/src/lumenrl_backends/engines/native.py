@@ -36,9 +36,7 @@ Design (what the GPU-speed work builds on without a rewrite):
 Low precision (lumenrl-quant, :mod:`~lumenrl_backends.engines.quant`): ``quant_scheme`` swaps
 the decoder linears for FP8/MX ``QuantizedLinear`` (requantized in place on every weight
 update) and ``kv_cache_dtype="fp8"`` stores the KV cache in FP8 with per-layer scales that are
-recalibrated at the first prefill after each update. ``kv_v_layout`` ("auto": columns for an FP8
-cache read by the CUDA kernel, else rows) picks how V is stored per head, ``(L, D)`` rows or
-``(D, L)`` columns (:mod:`~lumenrl_backends.engines.kv_cache`).
+recalibrated at the first prefill after each update.
 
 Interrupt/resume: :meth:`interrupt` (thread-safe) makes a running :meth:`generate` return at the
 next step with ``meta_info["interrupted"] = True`` and unfinished rows marked "interrupted";
@@ -156,12 +154,9 @@ class NativeEngine:
         fused_sampling: bool = True,
         fuse_projections: bool = True,
         overlap_sync: bool = True,
-        kv_v_layout: str = "auto",
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
-        if kv_v_layout not in ("auto", "rows", "columns"):
-            raise ValueError(f"kv_v_layout={kv_v_layout!r} is not supported; choose 'auto', 'rows' or 'columns'")
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         if max_batch_size < 1:
@@ -208,12 +203,8 @@ class NativeEngine:
         )
         # the engine's attention reads an FP8 cache as stored: in the Triton kernel (checked once here
         # on CUDA) or dequantized just before SDPA (CPU); a failed check keeps the dequantized cache
-        # auto: an FP8 cache read by the Triton kernel stores V as (D, L) per head (kv_cache module doc)
-        fp8_kernel = kv_dtype is not None and self.device.type == "cuda" and self._attn == "sdpa"
-        self.cache.v_columns = kv_v_layout == "columns" or (kv_v_layout == "auto" and fp8_kernel)
         self.cache.raw_fp8_decode = self._attn == "sdpa" and (
-            kv_dtype is None or self.device.type != "cuda"
-            or kernel_agrees(self.device, kv_dtype, v_columns=self.cache.v_columns)
+            kv_dtype is None or self.device.type != "cuda" or kernel_agrees(self.device, kv_dtype)
         )
         self.slots = SlotState.allocate(max_batch_size, self.device)
         self.buckets = batch_buckets(max_batch_size)

@@ -25,10 +25,10 @@ the output, so no dequantized copy of the cache is made. With a 16-bit query its
 (query cast once; a float32 query keeps float32):
 E4M3/E5M2 -> fp16 is a single conversion on sm_89+/sm_90 while -> bf16 goes through float32,
 which left the FP8 kernel conversion-bound (1.7 TB/s, barely faster than bf16's 3.2 TB/s at half the
-bytes; ``bench_attention.py``). fp16 holds every E4M3/E5M2 value exactly and has the finer mantissa. V may also be stored transposed, ``(D, L)`` per head (a view with ``stride(-2) == 1``): the p.v dot
-reduces over L, and an 8-bit tile cannot be transposed on its way to the MMA (``ldmatrix.trans``
-is 16-bit only), so an FP8 V stored ``(L, D)`` costs a register/shared-memory shuffle per tile
-that a column-stored one does not; the engine stores an FP8 cache's V that way (``kv_v_layout``).
+bytes; ``bench_attention.py``). fp16 holds every E4M3/E5M2 value exactly and has the finer mantissa. V may also be stored transposed, ``(D, L)`` per head (a view with ``stride(-2) == 1``), read as is.
+Tried for the FP8 cache (the p.v dot reduces over L, and ``ldmatrix.trans`` cannot transpose 8-bit
+tiles): on the H200 the strided column loads cost far more than they save (FP8 80 us vs 27 us per
+call at the 8B shape, ``bench_attention.py --space layouts``), so the engine stores rows.
 Exposed as the custom op ``lumenrl::gqa_decode_attention`` (opaque to ``torch.compile``, safe
 inside CUDA-graph capture: no host sync, buffers from the caching allocator). Works in Triton's
 interpreter on CPU too (``TRITON_INTERPRET=1``), which the CPU tests use.
@@ -318,11 +318,9 @@ def gqa_decode_attention(
     return _OP(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last)
 
 
-def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,
-                  v_columns: bool = False) -> bool:
+def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Run the kernel once on fresh random inputs with a ``cache_dtype`` cache (scaled when FP8)
-    and per-row write columns ``last`` (the bounded walk the engine uses; V stored ``(D, L)`` per head
-    with ``v_columns``), and compare with float32
+    and per-row write columns ``last`` (the bounded walk the engine uses), and compare with float32
     attention over the same values; an error or a relative error above 2e-2 -> False with a
     warning (the engine then dequantizes before SDPA instead)."""
     import warnings
@@ -346,8 +344,6 @@ def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.d
         else:
             k, v = k.to(cache_dtype), v.to(cache_dtype)
             k_ref, v_ref = k.float(), v.float()
-        if v_columns:
-            v = v.transpose(-1, -2).contiguous().transpose(-1, -2)
         out = gqa_decode_attention(q, k, v, allowed, 128**-0.5, *(scales or (None, None)), last=last)
         mask = allowed[:, None, None, :]
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k_ref, v_ref, attn_mask=mask, scale=128**-0.5)
