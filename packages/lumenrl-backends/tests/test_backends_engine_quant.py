@@ -120,7 +120,8 @@ def test_fp8_kv_scales_recalibrate_after_weight_update(model_dir):
     assert fresh_gap < 0.2 and stale_gap > 3 * fresh_gap, (fresh_gap, stale_gap)  # measured ~0.10 vs ~0.79
 
 
-def test_from_config_fp8_rollout(model_dir):
+def fp8_run_config(model_dir, **rollout_quant):
+    """A CPU run config of the tiny model with FP8 rollout and ``quantization.rollout`` overrides."""
     from lumenrl_core.config.schema import RunConfig
 
     config = RunConfig()
@@ -128,8 +129,13 @@ def test_from_config_fp8_rollout(model_dir):
     config.cluster.device = "cpu"
     config.policy.rollout.max_batch_size = 4
     config.quantization.rollout.precision = "fp8"
-    config.quantization.rollout.skip_last_n_layers = 1
-    config.quantization.rollout.kv_cache_dtype = "fp8"
+    for key, value in rollout_quant.items():
+        setattr(config.quantization.rollout, key, value)
+    return config
+
+
+def test_from_config_fp8_rollout(model_dir):
+    config = fp8_run_config(model_dir, skip_last_n_layers=1, kv_cache_dtype="fp8")
     engine = NativeEngine.from_config(config)
     assert engine.quant_report.scheme == "fp8_block"
     assert len(engine.quant_report.quantized) == 7 and len(engine.quant_report.skipped) == 7
@@ -140,15 +146,7 @@ def test_from_config_fp8_rollout(model_dir):
 
 
 def test_from_config_quantize_lm_head_runs_and_requantizes_the_head_on_sync(model_dir):
-    from lumenrl_core.config.schema import RunConfig
-
-    config = RunConfig()
-    config.policy.model_name = str(model_dir)
-    config.cluster.device = "cpu"
-    config.policy.rollout.max_batch_size = 4
-    config.quantization.rollout.precision = "fp8"
-    config.quantization.rollout.scheme = "fp8_row"
-    config.quantization.rollout.quantize_lm_head = True
+    config = fp8_run_config(model_dir, scheme="fp8_row", quantize_lm_head=True)
     engine = NativeEngine.from_config(config)
     assert isinstance(engine.model.lm_head, QuantizedLinear) and engine.quant_report.quantized[-1] == "lm_head"
     reference, _ = load_model_and_tokenizer(str(model_dir))
