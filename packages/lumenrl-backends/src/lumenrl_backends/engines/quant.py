@@ -3,8 +3,8 @@
 * Weights: ``quantization.rollout.precision`` fp8 / mxfp8 / mxfp4 picks a lumenrl-quant scheme
   (``quantization.rollout.scheme`` overrides; default ``fp8_block``, ``mxfp8``, ``mxfp4``), whose
   ``quantize_model`` swaps the decoder linears for ``QuantizedLinear`` in place (embeddings,
-  norms and MoE routers stay high precision; ``lm_head`` too unless ``quantize_lm_head``). Weight sync requantizes in place
-  (see :mod:`~lumenrl_backends.engines.weights`).
+  norms and MoE routers stay high precision; ``lm_head`` too unless ``quantize_lm_head``). Weight
+  sync requantizes in place (see :mod:`~lumenrl_backends.engines.weights`).
 * KV cache: ``kv_cache_dtype="fp8"`` stores K/V as FP8 E4M3 with one static scale per layer and
   tensor (K, V), computed as ``percentile_99.9(|x|) * 1.05 / fp8_max`` from the first prefill
   after construction and after every weight update (the policy moves every step, so scales are

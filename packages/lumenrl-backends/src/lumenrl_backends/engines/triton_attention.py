@@ -25,7 +25,9 @@ the output, so no dequantized copy of the cache is made. With a 16-bit query its
 (query cast once; a float32 query keeps float32):
 E4M3/E5M2 -> fp16 is a single conversion on sm_89+/sm_90 while -> bf16 goes through float32,
 which left the FP8 kernel conversion-bound (1.7 TB/s, barely faster than bf16's 3.2 TB/s at half the
-bytes; ``bench_attention.py``). fp16 holds every E4M3/E5M2 value exactly and has the finer mantissa. V may also be stored transposed, ``(D, L)`` per head (a view with ``stride(-2) == 1``), read as is.
+bytes; ``bench_attention.py``). fp16 holds every E4M3/E5M2 value exactly and has the finer mantissa.
+
+V may also be stored transposed, ``(D, L)`` per head (a view with ``stride(-2) == 1``), read as is.
 Tried for the FP8 cache (the p.v dot reduces over L, and ``ldmatrix.trans`` cannot transpose 8-bit
 tiles): on the H200 the strided column loads cost far more than they save (FP8 80 us vs 27 us per
 call at the 8B shape, ``bench_attention.py --space layouts``), so the engine stores rows.
