@@ -96,6 +96,70 @@ def test_engine_attention_restores_sdpa():
     assert AttentionInterface._global_mapping["sdpa"] is before
 
 
+def test_engine_attention_forwards_take_turns_across_threads_and_nest():
+    import threading
+
+    from lumenrl_backends.engines import attention
+
+    cache_a, cache_b, inner = object(), object(), object()
+    a_inside, a_release, b_entered = threading.Event(), threading.Event(), threading.Event()
+
+    def engine_a():
+        with engine_attention(cache_a):
+            a_inside.set()
+            a_release.wait(5)
+            assert attention._ACTIVE_CACHE[0] is cache_a  # B did not replace it meanwhile
+
+    def engine_b():
+        a_inside.wait(5)
+        with engine_attention(cache_b):
+            b_entered.set()
+            assert attention._ACTIVE_CACHE[0] is cache_b
+
+    threads = [threading.Thread(target=engine_a), threading.Thread(target=engine_b)]
+    for t in threads:
+        t.start()
+    assert a_inside.wait(5)
+    assert not b_entered.wait(0.3)  # B waits while A's forward runs
+    a_release.set()
+    for t in threads:
+        t.join(5)
+    assert b_entered.is_set() and attention._ACTIVE_CACHE[0] is None
+    with engine_attention(cache_a):  # a forward inside a forward restores the outer one's cache
+        with engine_attention(inner):
+            assert attention._ACTIVE_CACHE[0] is inner
+        assert attention._ACTIVE_CACHE[0] is cache_a
+
+
+def test_two_fp8_engines_in_two_threads_match_their_sequential_runs(model_dir):
+    import threading
+
+    runs = []
+    for seed in (1, 2):  # two models with different weights, so different FP8 KV scales
+        model, tokenizer = load_model_and_tokenizer(str(model_dir))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.0 + 0.5 * seed)
+        engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=64, kv_cache_dtype="fp8")
+        runs.append((engine, prompt_batch(tokenizer)))
+    params = {"temperature": 1.0, "max_new_tokens": 10, "seed": 5, "ignore_eos": True}
+    sequential = [engine.generate(batch, params) for engine, batch in runs]
+    concurrent: list = [None, None]
+
+    def go(i):
+        for _ in range(3):
+            concurrent[i] = runs[i][0].generate(runs[i][1], params)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for seq, con in zip(sequential, concurrent):
+        assert torch.equal(seq.batch["responses"], con.batch["responses"])
+        assert torch.equal(seq.batch["rollout_log_probs"], con.batch["rollout_log_probs"])
+
+
 _INTERPRETED_CHECK = """
 import torch
 from lumenrl_backends.engines import triton_attention

@@ -26,6 +26,8 @@ falls back to the original ``sdpa`` function for everything else (prefill, no GQ
 :func:`engine_attention` installs it as ``sdpa`` only around the engine's own forwards (inside
 a CUDA-graph capture the lookup happens once, at capture), so a trainer sharing the process
 keeps transformers' function; since the math is identical, a leak would change nothing either.
+Engine forwards in different threads take turns (a process-wide re-entrant lock): the installed
+function and the active cache are process-wide state. Graph replays do not enter it.
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ from lumenrl_backends.engines import triton_attention
 
 __all__ = ["packed_decode_attention", "engine_attention"]
 
-_LOCK = threading.Lock()
+# The ``sdpa`` entry and the active cache are process-wide, so engine forwards take turns: two engines
+# in two threads would otherwise read each other's FP8 scales and write columns, and the first to
+# finish would restore transformers' function under the other's remaining layers. Re-entrant: a
+# forward inside a forward (same thread) nests and restores the outer one's state.
+_FORWARDS = threading.RLock()
 _ACTIVE_CACHE: list = [None]  # the engine cache of the forward in progress (FP8 decode reads its scales)
 
 
@@ -111,13 +117,12 @@ def engine_attention(cache: Any = None) -> Iterator[None]:
     from transformers.modeling_utils import AttentionInterface
 
     mapping = AttentionInterface._global_mapping
-    with _LOCK:
-        previous = mapping.get("sdpa")
+    with _FORWARDS:
+        previous, previous_cache = mapping.get("sdpa"), _ACTIVE_CACHE[0]
         mapping["sdpa"] = packed_decode_attention
         _ACTIVE_CACHE[0] = cache
-    try:
-        yield
-    finally:
-        with _LOCK:
+        try:
+            yield
+        finally:
             mapping["sdpa"] = previous if previous is not None else _original_sdpa()
-            _ACTIVE_CACHE[0] = None
+            _ACTIVE_CACHE[0] = previous_cache
