@@ -8,8 +8,8 @@ per-token activation scales; decode GEMM = cuBLAS tensorwise with unit scales + 
 of ``fp8_block``; a ``+kv`` suffix adds the FP8 KV cache (per-layer scales recalibrated at each
 prefill after an update), ``+head`` quantizes the output head too (``quantize_lm_head``; off in
 the plain variants). ``--attn-fp8-config`` overrides the FP8-cache attention launch configuration.
-Modes (``--modes``): ``graph`` (CUDA graphs) and ``full`` (``torch.compile`` + CUDA graphs, ~56 s of compilation per 8B engine): every engine runs in every
-mode, one engine at a time, with identical settings; ``x_bf16`` is against the bf16 row of the
+Modes (``--modes``): ``graph`` (CUDA graphs) and ``full`` (``torch.compile`` + CUDA graphs, ~56 s
+of compilation per 8B engine): every engine runs in every mode, one engine at a time, with identical settings; ``x_bf16`` is against the bf16 row of the
 same mode. The trainer is the BF16 model itself: ``p_train`` comes from a teacher-forced forward
 over each rollout's prompt + response. Before timing, each quantized engine checks one of its
 linears against the float32 emulation on the GPU (``linear_check``); a failing variant prints an
