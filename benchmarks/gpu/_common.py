@@ -176,7 +176,7 @@ def time_graph_ms(fns: list[Any], iters: int = 20) -> tuple[float, str]:
 
 KERNEL_CLASSES = (  # first match wins; names of cuBLAS / CUTLASS / Triton / inductor kernels
     ("inductor", ("triton_poi", "triton_per", "triton_red")),  # fused elementwise (names may say _scaled_mm)
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas", "matmul", "swiglu")),
     ("attention", ("_split_kernel", "_merge_kernel", "attn", "attention", "flash", "sdpa")),
     ("copy", ("memcpy", "memset", "copy", "fill")),
 )

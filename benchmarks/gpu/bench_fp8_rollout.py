@@ -7,7 +7,10 @@ per-token activation scales; decode GEMM = cuBLAS tensorwise with unit scales + 
 ``fp8_block`` (128x128 weight blocks, 1x128 activation groups), ``fp8_tensor``; ``fp8`` is an alias
 of ``fp8_block``; a ``+kv`` suffix adds the FP8 KV cache (per-layer scales recalibrated at each
 prefill after an update), ``+head`` quantizes the output head too (``quantize_lm_head``; off in
-the plain variants). ``--attn-fp8-config`` overrides the FP8-cache attention launch configuration.
+the plain variants), ``+tokmlp`` keeps the unfused FP8 MLP (per-token scales on the down projection's
+input between separate kernels; without it ``fp8_row`` engines run lumenrl-quant's fused SwiGLU MLP,
+``quantization.rollout.fuse_mlp``). ``--attn-fp8-config`` overrides the FP8-cache attention launch
+configuration, ``--mlp-config`` the fused MLP's (a ``bench_fused_mlp.py --tune`` JSON).
 Modes (``--modes``): ``graph`` (CUDA graphs) and ``full`` (``torch.compile`` + CUDA graphs, ~56 s
 of compilation per 8B engine): every engine runs in every mode, one engine at a time, with identical settings; ``x_bf16`` is against the bf16 row of the
 same mode. The trainer is the BF16 model itself: ``p_train`` comes from a teacher-forced forward
@@ -97,9 +100,9 @@ def variant(name: str) -> tuple[str, frozenset[str]]:
     """``fp8_row+kv+head`` -> ``("fp8_row", {"kv", "head"})``; suffixes: ``kv`` (FP8 KV cache), ``head``
     (the output head quantized too, ``quantize_lm_head``)."""
     base, *flags = name.split("+")
-    unknown = set(flags) - {"kv", "head"}
+    unknown = set(flags) - {"kv", "head", "tokmlp"}
     if unknown:
-        raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head")
+        raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head, +tokmlp")
     return base, frozenset(flags)
 
 
@@ -125,6 +128,26 @@ def attention_override(spec: str) -> dict:
     ta._config(cfg, fp8=True)  # validated before any model is built
     ta.FP8_CONFIG.update(cfg)
     return dict(ta.FP8_CONFIG)
+
+
+def mlp_override(path: str) -> dict:
+    """``--mlp-config``: a ``bench_fused_mlp.py --tune`` JSON; its ``best`` launch configurations are
+    installed in ``lumenrl_quant.fused_mlp`` for their shapes (validated before any model is built)."""
+    import json
+
+    from lumenrl_quant import fused_mlp
+    from lumenrl_quant import triton_gemm as tg
+
+    best = json.loads(Path(path).read_text())["best"]
+    for entry in best.values():
+        k, inter = entry["shape"]["K"], entry["shape"]["I"]
+        up = {**entry["up"], "group": entry["group"]}
+        tg._swiglu_config(up)
+        tg._config(entry["down"])
+        fused_mlp.SWIGLU_CONFIGS[(inter, k)] = up
+        fused_mlp.DOWN_CONFIGS[(k, inter)] = dict(entry["down"])
+    return {"swiglu": {str(k): v for k, v in fused_mlp.SWIGLU_CONFIGS.items()},
+            "down": {str(k): v for k, v in fused_mlp.DOWN_CONFIGS.items()}}
 
 
 def check_linear(model) -> dict:
@@ -165,7 +188,10 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
             quantize_lm_head="head" in flags)
         engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=args.batch,
                               max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
-                              quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto")
+                              quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
+                              fuse_fp8_mlp="tokmlp" not in flags)
+        if engine.fusion_report is not None:
+            row["fused_fp8_mlps"] = len(engine.fusion_report.mlp_fp8)
         if scheme is not None:
             report = engine.quant_report
             row.update(quantized_linears=len(report.quantized), skipped_linears=len(report.skipped),
@@ -240,6 +266,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile each engine's decode steps as timed (see bench_decode)")
     ap.add_argument("--attn-fp8-config", default="", help="FP8-cache decode attention launch config: a JSON "
                     "object, or a bench_attention.py --tune JSON (its best FP8 row)")
+    ap.add_argument("--mlp-config", default="", help="fused FP8 MLP launch configs: a bench_fused_mlp.py --tune JSON")
     ap.add_argument("--out", default="fp8_rollout.json")
     args = ap.parse_args()
     modes = (args.modes or args.mode).split(",")
@@ -252,6 +279,9 @@ def main() -> None:
     if args.attn_fp8_config:
         result["attention_fp8_config"] = attention_override(args.attn_fp8_config)
         print(f"FP8-cache attention config: {result['attention_fp8_config']}")
+    if args.mlp_config:
+        result["mlp_config"] = mlp_override(args.mlp_config)
+        print(f"fused FP8 MLP configs: {result['mlp_config']}")
     train_model = C.random_model(args.model)
     batch = C.prompt_batch(args.batch, args.prompt, seed=4)
     params = {"temperature": 1.0, "max_new_tokens": args.new, "seed": 11, "ignore_eos": True}
@@ -272,7 +302,7 @@ def main() -> None:
     C.write_json(args.out, result)
     print("summary:", result["summary"])
     C.print_table(rows, ["engine", "mode", "e2e_tok_s", "decode_tok_s", "x_bf16", "kl_exact_before",
-                         "kl_exact_after_tis", "kl_k3_sampled", "lm_head", "linear_path", "linear_check_sqnr_db", "warmup_s",
+                         "kl_exact_after_tis", "kl_k3_sampled", "lm_head", "fused_fp8_mlps", "linear_path", "linear_check_sqnr_db", "warmup_s",
                          "prefill_s", "error"])
 
 

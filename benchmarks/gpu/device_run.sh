@@ -101,4 +101,13 @@ case "${1:-all}" in
                       --out fp8_rollout4_full_rowkvhead2.json ;;
   fp8-s4-rowkv) run 150 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv --modes full --no-exact-kl --out fp8_rollout4_full_rowkv.json ;;
   s4call5) for part in quant-128 fp8-s4-bf16 fp8-s4-rowkvhead2 fp8-s4-rowkv; do "$0" "$part"; done ;;
+  # session 5 (2026-11-29 late night): the fused FP8 SwiGLU MLP (SiLU * up + 1x64 group quantization in the
+  # gate/up GEMM epilogue, group-scaled down GEMM): GPU tests, kernel sweep, then the engines side by side
+  gpu-tests5) run 150 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-quant/tests/test_quant_fused_mlp.py \
+                packages/lumenrl-quant/tests/test_quant_gemm_paths_gpu.py packages/lumenrl-backends/tests/test_backends_engine_fusion.py ;;
+  mlp-tune) run 200 python3 benchmarks/quant/bench_fused_mlp.py --models 8b --tune --out fused_mlp_tune.json ;;
+  fp8-s5-fused) run 190 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head --modes full --profile \
+                  --mlp-config "$LUMENRL_BENCH_OUT/fused_mlp_tune.json" --out fp8_rollout5_full_rowkvhead.json ;;
+  fp8-s5-bf16) run 130 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl --out fp8_rollout5_full_bf16.json ;;
+  s5call1) for part in gpu-tests5 mlp-tune fp8-s5-fused fp8-s5-bf16; do "$0" "$part"; done ;;
 esac

@@ -148,10 +148,12 @@ def quant_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("scheme", ["fp8_block", "fp8_row", "fp8_w8a16", "mxfp8"])
 def test_fp8_fusion_matches_unfused_and_requantizes_in_place(quant_dir, scheme, monkeypatch):
+    """Projection fusion alone changes no number (the FP8 SwiGLU MLP, which does, is tested below)."""
     plain = engine(quant_dir, quant_scheme=scheme, fuse_projections=False)
-    fused = engine(quant_dir, quant_scheme=scheme)
+    fused = engine(quant_dir, quant_scheme=scheme, fuse_fp8_mlp=False)
     layers = plain.model.config.num_hidden_layers
     assert len(fused.fusion_report.attention) == layers and len(fused.fusion_report.mlp) == layers
+    assert not fused.fusion_report.mlp_fp8
     calls = fused_calls(monkeypatch)
     batch = prompt_batch(fused.tokenizer)
     for params in (GREEDY, SAMPLED):
@@ -167,6 +169,39 @@ def test_fp8_fusion_matches_unfused_and_requantizes_in_place(quant_dir, scheme, 
                        torch.cat([member.q_proj.weight, member.k_proj.weight, member.v_proj.weight]).float())
     for params in (GREEDY, SAMPLED):
         assert_same(fused.generate(batch, params), plain.generate(batch, params), atol=1e-5)
+
+
+def test_fp8_row_swiglu_mlp_runs_at_decode_and_follows_weight_sync(quant_dir, monkeypatch):
+    """``fp8_row`` MLPs take lumenrl-quant's fused SwiGLU (1 x 64 group scales on the down
+    input): its log-probs stay within FP8 noise of the per-token engine and of the float32 model, and
+    after a weight sync it generates exactly what an engine built from the new weights generates."""
+    from lumenrl_quant import fused_mlp
+
+    per_token = engine(quant_dir, quant_scheme="fp8_row", fuse_fp8_mlp=False)
+    fused = engine(quant_dir, quant_scheme="fp8_row")
+    layers = fused.model.config.num_hidden_layers
+    assert len(fused.fusion_report.mlp_fp8) == layers and not fused.fusion_report.mlp_fp8_skipped
+    calls = []
+    original = fused_mlp.swiglu_mlp_fp8
+    monkeypatch.setattr(fused_mlp, "swiglu_mlp_fp8", lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
+    batch = prompt_batch(fused.tokenizer)
+    a = fused.generate(batch, GREEDY)
+    assert len(calls) >= layers * GREEDY["max_new_tokens"]  # prefill and every decode step, every layer
+    b = per_token.generate(batch, GREEDY)
+    mask = a.batch["response_mask"].bool()
+    model32, _ = load_model_and_tokenizer(str(quant_dir), dtype="float32")
+    gap_fused = (forward_log_probs(model32, a) - a.batch["rollout_log_probs"])[mask].abs().mean()
+    gap_token = (forward_log_probs(model32, b) - b.batch["rollout_log_probs"])[mask].abs().mean()
+    assert 0 < gap_fused < 1.25 * gap_token + 1e-2, (gap_fused, gap_token)  # same FP8 noise as per-token scales
+    new = {n: t for n, t in perturbed(model32, 0.05, seed=2).items()}
+    fused.update_weights(new, version=1)
+    model32.load_state_dict(new)
+    fresh_dir = quant_dir.parent / "fresh_swiglu"
+    model32.save_pretrained(fresh_dir)
+    fused.tokenizer.save_pretrained(fresh_dir)
+    fresh = engine(fresh_dir, quant_scheme="fp8_row")
+    for params in (GREEDY, SAMPLED):
+        assert_same(fused.generate(batch, params), fresh.generate(batch, params), atol=1e-5)
 
 
 def test_per_tensor_fp8_is_left_unfused(quant_dir):

@@ -29,7 +29,10 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["DEFAULT_CONFIG", "fp8_rowwise_gemm", "fp8_weight_only_gemm", "supports"]
+__all__ = [
+    "DEFAULT_CONFIG", "SWIGLU_DEFAULT_CONFIG", "fp8_group_act_gemm", "fp8_rowwise_gemm", "fp8_swiglu_quant",
+    "fp8_weight_only_gemm", "supports",
+]
 
 try:
     import triton
@@ -54,6 +57,7 @@ if triton is not None:
         stride_am, stride_bn, stride_cs, stride_cm,
         K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EPILOGUE: tl.constexpr, WEIGHT_ONLY: tl.constexpr = False, DOT_FP16: tl.constexpr = False,
+        A_GROUP: tl.constexpr = 0, stride_sam=0,
     ):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -64,7 +68,7 @@ if triton is not None:
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :]
         b_ptrs = b_ptr + offs_n[:, None] * stride_bn + (k0 + offs_k)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K_SPLIT, BLOCK_K):
+        for kk in range(0, K_SPLIT, BLOCK_K):
             a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=nmask[:, None], other=0.0)
             if WEIGHT_ONLY:  # 16-bit activations, FP8 weight widened in registers (E4M3 -> fp16: one cvt)
@@ -73,14 +77,18 @@ if triton is not None:
                     b = b.to(tl.float16)
                 else:
                     b = b.to(tl.float32).to(a.dtype)  # explicit: the interpreter miscasts E4M3 -> bf16
-            acc = tl.dot(a, tl.trans(b), acc)
+            if A_GROUP > 0:  # 1 x A_GROUP activation scales (M, K / A_GROUP): applied per K block
+                sa_k = tl.load(sa_ptr + offs_m * stride_sam + (k0 + kk) // A_GROUP, mask=mmask, other=0.0)
+                acc += tl.dot(a, tl.trans(b)) * sa_k[:, None]
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         c_ptrs = c_ptr + pid_k * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :]
         if EPILOGUE:
             sb = tl.load(sb_ptr + offs_n, mask=nmask, other=0.0)
             out = acc * sb[None, :]
-            if not WEIGHT_ONLY:
+            if not WEIGHT_ONLY and A_GROUP == 0:
                 sa = tl.load(sa_ptr + offs_m, mask=mmask, other=0.0)
                 out = out * sa[:, None]
             tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
@@ -104,7 +112,7 @@ def _config(config: Mapping[str, int] | None) -> dict[str, int]:
 
 def _launch(
     a: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
-    config: Mapping[str, int] | None, *, weight_only: bool = False, dot_fp16: bool = False,
+    config: Mapping[str, int] | None, *, weight_only: bool = False, dot_fp16: bool = False, a_group: int = 0,
 ) -> torch.Tensor:
     """Checks and one launch of the kernel: ``out_dtype`` (M, N) with the scales applied when
     ``split_k`` is 1, else the float32 partial sums (split_k, M, N) for the caller's epilogue."""
@@ -117,6 +125,8 @@ def _launch(
     split, block_k = cfg["split_k"], cfg["block_k"]
     if k % (split * block_k):
         raise ValueError(f"K={k} must be a multiple of split_k * block_k = {split} * {block_k}")
+    if a_group and (a_group % block_k or (k // split) % a_group):
+        raise ValueError(f"group={a_group} must be a multiple of block_k={block_k} and divide K / split_k = {k // split}")
     a, b_q = a.contiguous(), b_q.contiguous()
     epilogue = split == 1
     c = torch.empty((m, n) if epilogue else (split, m, n), dtype=out_dtype if epilogue else torch.float32,
@@ -125,7 +135,8 @@ def _launch(
     _rowwise_gemm_kernel[grid](
         a, b_q, c, sa, sb, m, n, a.stride(0), b_q.stride(0), 0 if epilogue else c.stride(0), c.stride(-2),
         K_SPLIT=k // split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EPILOGUE=epilogue,
-        WEIGHT_ONLY=weight_only, DOT_FP16=dot_fp16, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        WEIGHT_ONLY=weight_only, DOT_FP16=dot_fp16, A_GROUP=a_group, stride_sam=sa.stride(0) if a_group else 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return c
 
@@ -179,3 +190,124 @@ def fp8_weight_only_gemm(
     if c.dim() == 3:
         c = (c.sum(0) * sb[None, :]).to(out_dtype)
     return c if bias is None else c + bias.to(out_dtype)
+
+
+def fp8_group_act_gemm(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    group: int,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    config: Mapping[str, int] | None = None,
+) -> torch.Tensor:
+    """``(a_q * a_scale) @ (b_q * b_scale).T (+ bias)`` with activations scaled per token group:
+    ``a_scale`` (M, K / group) (the 1 x ``group`` blocks :func:`fp8_swiglu_quant` writes), ``b_scale``
+    per output channel (N, 1) or (N,). ``group`` must be a multiple of ``config['block_k']``."""
+    m, k = a_q.shape
+    if group < 1 or k % group or tuple(a_scale.shape) != (m, k // group):
+        raise ValueError(f"a_scale shape {tuple(a_scale.shape)} with group={group}; need ({m}, {k} / group) "
+                         f"and K={k} divisible by group")
+    sa, sb = a_scale.float().contiguous(), b_scale.float().reshape(-1).contiguous()
+    c = _launch(a_q, b_q, sa, sb, out_dtype, config, a_group=group)
+    if c.dim() == 3:
+        c = (c.sum(0) * sb[None, :]).to(out_dtype)
+    return c if bias is None else c + bias.to(out_dtype)
+
+
+SWIGLU_DEFAULT_CONFIG: dict[str, int] = {"group": 64, "block_m": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_quant_kernel(
+        a_ptr, w_ptr, sa_ptr, sw_ptr, q_ptr, qs_ptr, M, I,
+        stride_am, stride_wn, stride_qm, stride_qsm,
+        K: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
+    ):
+        # one program: GROUP features of gate (rows f of w) and of up (rows I + f) for BLOCK_M tokens
+        pid_f, pid_m = tl.program_id(0), tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_f = pid_f * GROUP + tl.arange(0, GROUP)
+        offs_k = tl.arange(0, BLOCK_K)
+        mmask = offs_m < M
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+        g_ptrs = w_ptr + offs_f.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        u_ptrs = g_ptrs + I.to(tl.int64) * stride_wn
+        acc_g = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+            acc_g = tl.dot(a, tl.trans(tl.load(g_ptrs)), acc_g)
+            acc_u = tl.dot(a, tl.trans(tl.load(u_ptrs)), acc_u)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        sa = tl.load(sa_ptr + offs_m, mask=mmask, other=0.0)[:, None]
+        gate = acc_g * sa * tl.load(sw_ptr + offs_f)[None, :]
+        up = acc_u * sa * tl.load(sw_ptr + I + offs_f)[None, :]
+        h = gate / (1.0 + tl.exp(-gate)) * up  # SiLU(gate) * up, float32
+        amax = tl.max(tl.abs(h), axis=1)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_f[None, :], q.to(q_ptr.dtype.element_ty),
+                 mask=mmask[:, None])
+        tl.store(qs_ptr + offs_m * stride_qsm + pid_f, scale, mask=mmask)
+
+
+def _swiglu_config(config: Mapping[str, int] | None) -> dict[str, int]:
+    cfg = {**SWIGLU_DEFAULT_CONFIG, **(config or {})}
+    unknown = set(cfg) - set(SWIGLU_DEFAULT_CONFIG)
+    if unknown:
+        raise ValueError(f"config keys {sorted(unknown)}; allowed: {sorted(SWIGLU_DEFAULT_CONFIG)}")
+    for name, low in (("group", 16), ("block_m", 16), ("block_k", 32), ("num_warps", 1)):
+        value = cfg[name]
+        if not isinstance(value, int) or value < low or value & (value - 1):
+            raise ValueError(f"config {name}={value!r}; allowed: a power of two >= {low}")
+    if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
+        raise ValueError(f"config num_stages={cfg['num_stages']!r}; allowed: an int >= 1")
+    return cfg
+
+
+def fp8_swiglu_quant(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    config: Mapping[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate/up GEMM of a SwiGLU MLP with SiLU * up and the FP8 quantization of the result in its
+    epilogue: ``h = silu(a @ w[:I].T) * (a @ w[I:].T)`` for FP8 ``a_q`` (M, K) with per-token
+    ``a_scale`` (M, 1) and the fused gate/up weight ``w_q`` (2I, K) = cat([gate, up]) with per-channel
+    ``w_scale`` (2I, 1); returns ``h`` quantized to ``out_dtype`` in 1 x ``group`` blocks: codes (M, I)
+    and dequant scales (M, I / group) (``amax / fp8_max``, 1 for an all-zero block). Each program owns
+    ``group`` features of both halves, so the quantization needs no reduction across programs."""
+    if triton is None:
+        raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
+    from lumenrl_quant.formats import fp8_max
+
+    cfg = _swiglu_config(config)
+    (m, k), (n2, kw) = a_q.shape, w_q.shape
+    group, block_k = cfg["group"], cfg["block_k"]
+    if kw != k or n2 % 2:
+        raise ValueError(f"need a (M, K) and w (2I, K); got {tuple(a_q.shape)}, {tuple(w_q.shape)}")
+    inter = n2 // 2
+    if inter % group or k % block_k:
+        raise ValueError(f"I={inter} must be a multiple of group={group} and K={k} of block_k={block_k}")
+    a_q, w_q = a_q.contiguous(), w_q.contiguous()
+    sa, sw = a_scale.float().reshape(-1).contiguous(), w_scale.float().reshape(-1).contiguous()
+    if sa.numel() == 1 and m > 1:
+        sa = sa.expand(m).contiguous()
+    q = torch.empty((m, inter), dtype=out_dtype, device=a_q.device)
+    qs = torch.empty((m, inter // group), dtype=torch.float32, device=a_q.device)
+    grid = (inter // group, triton.cdiv(m, cfg["block_m"]))
+    _swiglu_quant_kernel[grid](
+        a_q, w_q, sa, sw, q, qs, m, inter, a_q.stride(0), w_q.stride(0), q.stride(0), qs.stride(0),
+        K=k, GROUP=group, BLOCK_M=cfg["block_m"], BLOCK_K=block_k, FP8_MAX=fp8_max(out_dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return q, qs

@@ -58,12 +58,15 @@ ATTENTION_CLASSES: dict[str, str | None] = {
 # dense MLPs (also MoE shared experts / dense layers) whose forward is down(act(gate(x)) * up(x))
 MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "Qwen3MoeMLP", "DeepseekV3MLP", "Glm4MoeMLP"})
 _FUSED_ATTR = "_lumenrl_fused"  # instance attribute (outside the module tree) holding the fused linear
+_SWIGLU_ATTR = "_lumenrl_swiglu_fp8"  # instance attribute: True when the MLP runs lumenrl-quant's fused FP8 SwiGLU
 
 
 @dataclass
 class FusionReport:
     attention: list[str] = field(default_factory=list)  # module names whose q/k/v were fused
     mlp: list[str] = field(default_factory=list)  # module names whose gate/up were fused
+    mlp_fp8: list[str] = field(default_factory=list)  # fused MLPs that run the FP8 SwiGLU kernels at decode
+    mlp_fp8_skipped: dict[str, str] = field(default_factory=dict)  # fused quantized MLP -> why not the FP8 SwiGLU
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> why not
 
     @property
@@ -246,8 +249,24 @@ def _attention_forward(
 def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled():  # training: the original forward on the member views (gradients flow)
         return self._lumenrl_original_forward(x)
-    gate, up = getattr(self, _FUSED_ATTR)(x)
+    fused = getattr(self, _FUSED_ATTR)
+    if self.__dict__.get(_SWIGLU_ATTR):  # every M (prefill too): one numerics for decode, prefill and rescoring
+        from lumenrl_quant.fused_mlp import swiglu_mlp_fp8
+
+        return swiglu_mlp_fp8(x, fused.linear, self.down_proj)
+    gate, up = fused(x)
     return self.down_proj(self.act_fn(gate) * up)
+
+
+def _swiglu_fp8_reason(module: nn.Module, fused: Any) -> str | None:
+    """None when the MLP can run lumenrl-quant's fused FP8 SwiGLU at decode, else why not."""
+    if not isinstance(fused, _FusedQuantized):
+        return "not quantized"
+    if type(module.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"activation {type(module.act_fn).__name__} is not SiLU"
+    from lumenrl_quant.fused_mlp import swiglu_mlp_fp8_supported
+
+    return swiglu_mlp_fp8_supported(fused.linear, module.down_proj)
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -275,8 +294,12 @@ _ATTENTION_ATTRS = ("_lumenrl_family", "_lumenrl_window", "_lumenrl_cache_kwarg"
 
 
 @torch.no_grad()
-def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = True) -> FusionReport:
+def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = True) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
+
+    ``fp8_mlp``: ``fp8_row`` SwiGLU MLPs run :func:`lumenrl_quant.fused_mlp.swiglu_mlp_fp8` at decode
+    (SiLU * up and the down projection's input quantization in the gate/up GEMM's epilogue, 1 x 64
+    group scales); off keeps the per-token quantization between separate kernels.
 
     Call after the model is on its device (and after quantization, if any): the fused storage is
     allocated where the members live, and later ``.to()`` calls would not move it.
@@ -286,6 +309,8 @@ def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = Tr
         cls = type(module)
         if cls in _SUBCLASSES.values():  # fused by an earlier engine on the same model: keep it
             (report.attention if cls.forward is _attention_forward else report.mlp).append(name)
+            if cls.forward is _mlp_forward:
+                _set_swiglu(module, name, fp8_mlp, report)
             continue
         kind = ("attention" if attention and cls.__name__ in ATTENTION_CLASSES
                 else "mlp" if mlp and cls.__name__ in MLP_CLASSES else None)
@@ -306,7 +331,18 @@ def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = Tr
                 _family_module(cls), ATTENTION_CLASSES[cls.__name__], _cache_kwarg(cls))))
         module.__class__ = _fused_class(cls, forward)
         getattr(report, kind).append(name)
+        if kind == "mlp":
+            _set_swiglu(module, name, fp8_mlp, report)
     return report
+
+
+def _set_swiglu(module: nn.Module, name: str, wanted: bool, report: FusionReport) -> None:
+    reason = _swiglu_fp8_reason(module, module.__dict__[_FUSED_ATTR]) if wanted else "off"
+    module.__dict__[_SWIGLU_ATTR] = reason is None
+    if reason is None:
+        report.mlp_fp8.append(name)
+    elif reason not in ("off", "not quantized"):
+        report.mlp_fp8_skipped[name] = reason
 
 
 def unfuse_projections(model: nn.Module) -> int:
@@ -319,7 +355,7 @@ def unfuse_projections(model: nn.Module) -> int:
         if base is None:
             continue
         module.__class__ = base
-        for attr in (_FUSED_ATTR, *_ATTENTION_ATTRS):
+        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, *_ATTENTION_ATTRS):
             module.__dict__.pop(attr, None)
         count += 1
     return count

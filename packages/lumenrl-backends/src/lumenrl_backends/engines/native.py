@@ -17,6 +17,8 @@ Design (what the GPU-speed work builds on without a rewrite):
   first bucket static, then one with a symbolic batch for all other buckets);
 * projection fusion at load (``fuse_projections``, :mod:`~lumenrl_backends.engines.fusion`): one
   q/k/v GEMM and one gate/up GEMM per layer over fused storage that the named parameters view;
+  ``fp8_row`` SwiGLU MLPs at decode run two kernels (``fuse_fp8_mlp``, lumenrl-quant
+  :mod:`~lumenrl_quant.fused_mlp`): SiLU * up and the down input's FP8 quantization in the gate/up epilogue;
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
   (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
@@ -154,6 +156,7 @@ class NativeEngine:
         fused_sampling: bool = True,
         fuse_projections: bool = True,
         overlap_sync: bool = True,
+        fuse_fp8_mlp: bool = True,
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
@@ -167,7 +170,7 @@ class NativeEngine:
         self.model = model.to(self.device).eval()
         self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
         # one q/k/v and one gate/up GEMM per layer; parameters become views of the fused storage
-        self.fusion_report = fuse_model_projections(self.model) if fuse_projections else None
+        self.fusion_report = fuse_model_projections(self.model, fp8_mlp=fuse_fp8_mlp) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
         self.tokenizer = tokenizer
@@ -248,6 +251,7 @@ class NativeEngine:
             gpu_memory_utilization=rollout.gpu_memory_utilization,
             fuse_projections=rollout.fuse_projections,
             overlap_sync=rollout.overlap_sync,
+            fuse_fp8_mlp=rollout_quant.fuse_mlp,
         )
 
     # ------------------------------------------------------------------ control

@@ -1,0 +1,187 @@
+"""The fused FP8 SwiGLU MLP (lumenrl_quant.fused_mlp) against the unfused FP8 MLP and bf16, at decode.
+
+One MLP of the fused-projection engine, M = batch rows: gate/up (2I x K) and down (K x I) as
+``fp8_row`` ``QuantizedLinear`` layers, Qwen3-8B (K 4096, I 12288) and Qwen3-1.7B (K 2048, I 6144).
+Weights are cycled over enough copies that the working set is several times the L2, and a whole
+rotation is timed inside one CUDA graph (as in a decode step). Variants:
+
+* ``bf16``: ``torch.compile`` of ``down(silu(gate) * up)`` on bf16 weights (fused gate/up weight);
+* ``fp8_unfused``: the same under ``torch.compile`` with the two ``QuantizedLinear`` layers (the
+  engine's path before: per-token quantization of the down input as inductor kernels between the GEMMs);
+* ``fp8_fused``: ``torch.compile`` of :func:`lumenrl_quant.fused_mlp.swiglu_mlp_fp8` (x's per-token
+  quantization fused into inductor's kernel, then the two Triton kernels), with the tuned or given
+  launch configurations;
+* ``--tune``: the two kernels alone over a sweep of launch configurations (x pre-quantized); the best
+  pair is written as ``best`` (``bench_fp8_rollout.py --mlp-config`` takes the JSON) and timed as
+  ``fp8_fused``.
+
+Every variant's output is compared with a float64 MLP on the same (dequantized where FP8) weights'
+originals: ``sqnr_db``.
+
+    python benchmarks/quant/bench_fused_mlp.py --tune --out fused_mlp_tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import copies_for, device, sqnr, table, time_graph_ms, write_json  # noqa: E402
+
+from lumenrl_quant import QuantizedLinear  # noqa: E402
+from lumenrl_quant import triton_gemm as tg  # noqa: E402
+from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
+from lumenrl_quant.fused_mlp import swiglu_mlp_fp8  # noqa: E402
+
+SHAPES = {"8b": (4096, 12288), "1.7b": (2048, 6144), "tiny": (256, 256)}  # tiny: CPU smoke run (TRITON_INTERPRET=1)
+
+
+def _up_sweep() -> list[dict[str, int]]:
+    out = []
+    for group, bk, stages in itertools.product((64, 128), (128, 256), (3, 4, 5)):
+        out.append({"group": group, "block_m": 64, "block_k": bk, "num_warps": 4, "num_stages": stages})
+    out += [{"group": 128, "block_m": 64, "block_k": 128, "num_warps": 8, "num_stages": s} for s in (3, 4)]
+    return out
+
+
+def _down_sweep(group: int) -> list[dict[str, int]]:
+    out = []
+    for bn, bk, split, stages in itertools.product((32, 64, 128), (64, 128), (1, 2), (4, 6)):
+        if bk <= group:
+            out.append({"block_m": 64, "block_n": bn, "block_k": bk, "split_k": split, "num_warps": 4,
+                        "num_stages": stages})
+    return out
+
+
+def bench(model: str, m: int, tune: bool, given: dict | None) -> tuple[list[dict], dict | None]:
+    k, inter = SHAPES[model]
+    dev = device()
+    copies = copies_for(3 * inter * k)  # FP8 bytes of one MLP
+    gen = torch.Generator(device=dev).manual_seed(0)
+    weights = [(torch.randn(2 * inter, k, generator=gen, device=dev) * 0.02,
+                torch.randn(k, inter, generator=gen, device=dev) * 0.02) for _ in range(copies)]
+    x = torch.randn(m, k, generator=gen, device=dev).bfloat16()
+    w_up0, w_down0 = weights[0]
+    xd = x.double()
+    gu = xd @ w_up0.double().T
+    exact = (F.silu(gu[:, :inter]) * gu[:, inter:]) @ w_down0.double().T
+    layers = [(QuantizedLinear(k, 2 * inter, scheme="fp8_row", bias=False, weight=wu, device=dev),
+               QuantizedLinear(inter, k, scheme="fp8_row", bias=False, weight=wd, device=dev)) for wu, wd in weights]
+    bf16 = [(wu.bfloat16(), wd.bfloat16()) for wu, wd in weights]
+    del weights
+    rows: list[dict] = []
+    base = None
+
+    def add(variant: str, calls: list, out0=None, **extra) -> dict:
+        nonlocal base
+        row = {"model": model, "M": m, "variant": variant, **extra}
+        try:
+            if out0 is not None:
+                row["sqnr_db"] = sqnr(exact, out0())
+            ms, how = time_graph_ms(calls)
+            row.update(us=ms * 1e3, timing=how, weight_gbs=3 * inter * k / ms / 1e6)
+            if variant == "bf16":
+                base = ms
+                row["weight_gbs"] *= 2  # 16-bit weights
+            row["x_bf16"] = base / ms if base else None
+        except Exception as err:  # noqa: BLE001 - report, keep going
+            row["error"] = f"{type(err).__name__}: {err}"[:300]
+        rows.append(row)
+        return row
+
+    def mlp_bf16(t, wu, wd):
+        g = F.linear(t, wu)
+        return F.linear(F.silu(g[:, :inter]) * g[:, inter:], wd)
+
+    def mlp_unfused(t, up, down):
+        g = up(t)
+        return down(F.silu(g[:, :inter]) * g[:, inter:])
+
+    c_bf16, c_unfused = torch.compile(mlp_bf16), torch.compile(mlp_unfused)
+    add("bf16", [lambda w=w: c_bf16(x, *w) for w in bf16], lambda: c_bf16(x, *bf16[0]))
+    add("fp8_unfused", [lambda lay=lay: c_unfused(x, *lay) for lay in layers], lambda: c_unfused(x, *layers[0]))
+    best = given
+    if tune:
+        a_q, a_s = quantize_fp8(x, granularity="rowwise")
+        up_rows = []
+        for cfg in _up_sweep():
+            row = add("swiglu_kernel", [lambda lay=lay, c=cfg: tg.fp8_swiglu_quant(
+                a_q, a_s, lay[0].weight, lay[0].weight_scale, out_dtype=lay[1].fp8_dtype, config=c) for lay in layers],
+                **cfg)
+            row["weight_gbs"] = 2 * inter * k / (row["us"] * 1e3) if "us" in row else None
+            up_rows.append(row)
+        best_up = {}
+        for group in (64, 128):
+            timed = [r for r in up_rows if "us" in r and r["group"] == group]
+            if timed:
+                best_up[group] = min(timed, key=lambda r: r["us"])
+        down_best = {}
+        for group, up_row in best_up.items():
+            cfg_up = {key: up_row[key] for key in ("group", "block_m", "block_k", "num_warps", "num_stages")}
+            h = tg.fp8_swiglu_quant(a_q, a_s, layers[0][0].weight, layers[0][0].weight_scale,
+                                    out_dtype=layers[0][1].fp8_dtype, config=cfg_up)
+            timed = []
+            for cfg in _down_sweep(group):
+                row = add("group_gemm_kernel", [lambda lay=lay, c=cfg: tg.fp8_group_act_gemm(
+                    h[0], h[1], lay[1].weight, lay[1].weight_scale, group=group, config=c) for lay in layers],
+                    group=group, **cfg)
+                if "us" in row:
+                    row["weight_gbs"] = inter * k / (row["us"] * 1e3)
+                    timed.append(row)
+            if timed:
+                down_best[group] = min(timed, key=lambda r: r["us"])
+        pairs = {g: best_up[g]["us"] + down_best[g]["us"] for g in down_best}
+        if pairs:
+            group = min(pairs, key=pairs.get)
+            keys_down = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
+            best = {"group": group,
+                    "up": {key: best_up[group][key] for key in ("block_m", "block_k", "num_warps", "num_stages")},
+                    "down": {key: down_best[group][key] for key in keys_down}, "kernels_us": pairs[group],
+                    "shape": {"K": k, "I": inter}}
+    group = best["group"] if best else 64
+    cfgs = (best["up"], best["down"]) if best else None
+
+    def fused(t, up, down):
+        return swiglu_mlp_fp8(t, up, down, group=group, configs=cfgs)
+
+    c_fused = torch.compile(fused)
+    add("fp8_fused", [lambda lay=lay: c_fused(x, *lay) for lay in layers], lambda: c_fused(x, *layers[0]),
+        group=group)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows, best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="8b")
+    ap.add_argument("--m", default="64", help="decode batch sizes (comma separated)")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--out", default="fused_mlp.json")
+    args = ap.parse_args()
+    rows, best_by = [], {}
+    for model in args.models.split(","):
+        for m in (int(v) for v in args.m.split(",")):
+            found, best = bench(model, m, args.tune and m == 64, None)
+            rows.extend(found)
+            if best:
+                best_by[f"{model}_M{m}"] = best
+            write_json(args.out.removesuffix(".json"), {"rows": rows, "best": best_by})
+    main_rows = [r for r in rows if r["variant"] in ("bf16", "fp8_unfused", "fp8_fused")]
+    print(table("SwiGLU MLP at decode (one CUDA graph over a weight rotation)", main_rows,
+                ["model", "M", "variant", "group", "us", "weight_gbs", "x_bf16", "sqnr_db", "error"]))
+    for key, best in best_by.items():
+        print(f"best {key}: {best}")
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        print(f"{len(errors)} variants failed; first: {errors[0]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""SwiGLU MLP in FP8 with the down projection's input quantized inside the gate/up GEMM.
+
+``down(silu(x @ W_gate.T) * (x @ W_up.T))`` where the gate/up projection is one ``fp8_row``
+:class:`~lumenrl_quant.QuantizedLinear` over ``cat([W_gate, W_up])`` (as the native engine fuses it)
+and ``down`` is another ``fp8_row`` layer.
+
+Why: at decode the unfused FP8 MLP is five kernels per layer: the gate/up GEMM writes (M, 2I) in
+bf16; SiLU * up, its per-token amax (a reduction over I = 12288 features that inductor splits in
+two kernels for M = 64 rows) and the FP8 cast follow; then the down GEMM. On the H200 those three
+middle kernels cost 6.4 us per Qwen3-8B layer (0.23 ms per decode step, RESULTS.md session 4).
+Here the gate/up kernel (:func:`lumenrl_quant.triton_gemm.fp8_swiglu_quant`) computes ``group``
+features of both halves per program, applies SiLU * up to its float32 accumulators and quantizes
+the result in 1 x ``group`` blocks, which need no reduction across programs; the down GEMM
+(:func:`~lumenrl_quant.triton_gemm.fp8_group_act_gemm`) applies those block scales in its K loop.
+Two kernels, and ``h`` never exists in 16 bits.
+
+Numerics: the down projection's input gets one scale per 1 x ``group`` block instead of one per
+token: never a coarser scale than per-token (each block's amax is at most the row's), and ``h`` is
+not rounded to bf16 before quantization. Tested against float64 (SQNR) and against the unfused
+per-token path (the fused one is at least as close to float64).
+
+Backends: ``triton`` (CUDA, sm_89+, Triton) or ``torch`` (the same math with dequantized operands:
+CPU, and the reference in tests); ``auto`` picks. Inside ``torch.compile`` the input's per-token
+quantization is plain torch ops (inductor fuses them into the RMSNorm that produces ``x``), as in
+:class:`~lumenrl_quant.QuantizedLinear`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from lumenrl_quant.fp8 import quantize_fp8
+
+__all__ = ["SWIGLU_GROUP", "swiglu_mlp_fp8", "swiglu_mlp_fp8_supported", "swiglu_quantize_reference"]
+
+SWIGLU_GROUP = 64  # features per activation scale of the down projection's input (the kernel's tile width)
+# launch configurations at decode M (<= 64) per (I, K) of the gate/up kernel (its "group" also sets the
+# down input's scale blocks, on every backend and M) and per (N, K) of the down GEMM; others take
+# _default_configs. Filled from benchmarks/quant/bench_fused_mlp.py --tune (RESULTS.md).
+SWIGLU_CONFIGS: dict[tuple[int, int], dict[str, int]] = {}
+DOWN_CONFIGS: dict[tuple[int, int], dict[str, int]] = {}
+
+
+def _default_configs(m: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Launch defaults by M: one 64-row tile at decode, 128-row tiles and 8 warps for prefill-sized M."""
+    block_m, warps = (64, 4) if m <= 64 else (128, 8)
+    return ({"block_m": block_m, "block_k": 128, "num_warps": warps, "num_stages": 4},
+            {"block_m": block_m, "block_n": 64, "block_k": 64, "split_k": 1, "num_warps": warps, "num_stages": 4})
+
+
+def swiglu_mlp_fp8_supported(gate_up: nn.Module, down: nn.Module, *, group: int | None = None) -> str | None:
+    """None when :func:`swiglu_mlp_fp8` can run these layers, else why not (for reports)."""
+    for name, layer in (("gate_up", gate_up), ("down", down)):
+        if getattr(layer, "scheme", None) != "fp8_row":
+            return f"{name} scheme={getattr(layer, 'scheme', type(layer).__name__)!r}; the fused MLP needs 'fp8_row'"
+        if layer.bias is not None:
+            return f"{name} has a bias"
+    inter = gate_up.out_features // 2
+    group = group or SWIGLU_CONFIGS.get((inter, gate_up.in_features), {}).get("group", SWIGLU_GROUP)
+    if gate_up.out_features % 2 or down.in_features != inter:
+        return f"gate_up out_features={gate_up.out_features} is not 2 x down in_features={down.in_features}"
+    if inter % group:
+        return f"intermediate size {inter} is not a multiple of group={group}"
+    if gate_up.fp8_dtype != down.fp8_dtype:
+        return "gate_up and down use different FP8 dtypes"
+    return None
+
+
+def swiglu_quantize_reference(
+    gate: torch.Tensor, up: torch.Tensor, *, group: int = SWIGLU_GROUP, dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu(gate) * up`` in float32, quantized in 1 x ``group`` blocks: ``(codes (M, I), scales (M, I / group))``."""
+    gate, up = gate.float(), up.float()
+    h = gate * torch.sigmoid(gate) * up
+    return quantize_fp8(h, dtype=dtype, granularity="block", block_size=(1, group), backend="torch")
+
+
+def _triton_ok(x: torch.Tensor, k: int, inter: int, group: int) -> bool:
+    if x.device.type != "cuda" or getattr(torch.version, "hip", None) is not None:
+        return False
+    from lumenrl_quant import triton_kernels as tk
+
+    return (tk.triton_available(x.device) and torch.cuda.get_device_capability(x.device) >= (8, 9)
+            and k % 128 == 0 and inter % 128 == 0)
+
+
+def swiglu_mlp_fp8(
+    x: torch.Tensor,
+    gate_up: nn.Module,
+    down: nn.Module,
+    *,
+    group: int | None = None,
+    backend: str = "auto",
+    configs: tuple[Mapping[str, int] | None, Mapping[str, int] | None] | None = None,
+) -> torch.Tensor:
+    """``down(silu(gate) * up)`` with ``gate, up = gate_up(x).chunk(2, -1)``, both ``fp8_row``
+    :class:`~lumenrl_quant.QuantizedLinear` (see module doc). ``x`` (..., K) in bf16/fp16/fp32;
+    ``backend``: ``auto``, ``triton`` or ``torch``; ``configs``: launch configurations of the two
+    kernels (benchmarks), else the tuned ones of this shape; ``group``: features per scale of the down
+    input, else the tuned one of this shape (``SWIGLU_CONFIGS``) or ``SWIGLU_GROUP``, on every backend."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend={backend!r}; allowed: auto, triton, torch")
+    k, inter = x.shape[-1], down.in_features
+    group = group or SWIGLU_CONFIGS.get((inter, k), {}).get("group", SWIGLU_GROUP)
+    reason = swiglu_mlp_fp8_supported(gate_up, down, group=group)
+    if reason is not None:
+        raise ValueError(f"swiglu_mlp_fp8: {reason}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if backend == "auto":
+        backend = "triton" if _triton_ok(x2, k, inter, group) else "torch"
+    compiling = torch.compiler.is_compiling()
+    a_q, a_scale = quantize_fp8(x2, dtype=gate_up.fp8_dtype, granularity="rowwise",
+                                backend="torch" if compiling or backend == "torch" else "auto")
+    if backend == "triton":
+        from lumenrl_quant import triton_gemm as tg
+
+        up_cfg, down_cfg = configs if configs is not None else (None, None)
+        up_base, down_base = _default_configs(x2.shape[0])
+        tuned = x2.shape[0] <= 64  # the tuned configurations are for decode M
+        up_cfg = {**up_base, **(SWIGLU_CONFIGS.get((inter, k), {}) if tuned else {}), **(up_cfg or {}), "group": group}
+        down_cfg = {**down_base, **(DOWN_CONFIGS.get((down.out_features, inter), {}) if tuned else {}),
+                    **(down_cfg or {})}
+        h_q, h_scale = tg.fp8_swiglu_quant(a_q, a_scale, gate_up.weight, gate_up.weight_scale,
+                                           out_dtype=down.fp8_dtype, config=up_cfg)
+        out = tg.fp8_group_act_gemm(h_q, h_scale, down.weight, down.weight_scale, group=group, out_dtype=x.dtype,
+                                    config=down_cfg)
+    else:
+        from lumenrl_quant.gemm import emulated_scaled_mm
+
+        gu = emulated_scaled_mm(a_q, a_scale, gate_up.weight, gate_up.weight_scale, out_dtype=torch.float32)
+        h_q, h_scale = swiglu_quantize_reference(gu[:, :inter], gu[:, inter:], group=group, dtype=down.fp8_dtype)
+        out = emulated_scaled_mm(h_q, h_scale, down.weight, down.weight_scale, out_dtype=x.dtype,
+                                 a_block_size=(1, group))
+    return out.reshape(*lead, down.out_features)
