@@ -110,4 +110,13 @@ case "${1:-all}" in
                   --mlp-config "$LUMENRL_BENCH_OUT/fused_mlp_tune.json" --out fp8_rollout5_full_rowkvhead.json ;;
   fp8-s5-bf16) run 130 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl --out fp8_rollout5_full_bf16.json ;;
   s5call1) for part in gpu-tests5 mlp-tune fp8-s5-fused fp8-s5-bf16; do "$0" "$part"; done ;;
+  # call 1: the group-scaled down GEMM ran 32 us (its per-K-block scale load, strided, was not pipelined) and
+  # dynamo could not analyse the gate/up kernel (clone kernels); fixed: group-major scales loaded one block
+  # ahead, no .to() on a scalar argument
+  gpu-tests5b) run 100 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-quant/tests/test_quant_fused_mlp.py \
+                packages/lumenrl-quant/tests/test_quant_gemm_paths_gpu.py ;;
+  fp8-s5b-fused) run 190 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head --modes full --profile \
+                  --mlp-config "$LUMENRL_BENCH_OUT/fused_mlp_tune.json" --out fp8_rollout5b_full_rowkvhead.json ;;
+  fp8-s5b-bf16) run 130 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl --out fp8_rollout5b_full_bf16.json ;;
+  s5call2) for part in gpu-tests5b mlp-tune fp8-s5b-fused fp8-s5b-bf16; do "$0" "$part"; done ;;
 esac

@@ -119,6 +119,7 @@ SCRIPT = textwrap.dedent(
         q, s = tg.fp8_swiglu_quant(a_q, a_s, w_q, w_s, out_dtype=torch.float8_e4m3fn,
                                    config={"group": group, "block_m": block_m, "block_k": block_k})
         assert q.shape == (m, inter) and q.dtype == torch.float8_e4m3fn and s.shape == (m, inter // group)
+        assert s.stride(0) == 1  # group-major storage
         amax = h.reshape(m, inter // group, group).abs().amax(-1)
         assert float(((s.double() - amax / 448.0).abs() / (amax / 448.0)).max()) < 1e-5, group
         deq = q.double() * s.double().repeat_interleave(group, 1)
@@ -129,10 +130,11 @@ SCRIPT = textwrap.dedent(
         ref = deq @ (d_q.double() * d_s.double()).T
         for cfg in ({"block_m": 16, "block_n": 32, "block_k": 32, "split_k": 1},
                     {"block_m": 32, "block_n": 64, "block_k": group, "split_k": 2}):
-            out = tg.fp8_group_act_gemm(q, s, d_q, d_s, group=group, out_dtype=torch.float32, config=cfg)
-            e = float((out.double() - ref).norm() / ref.norm())
-            assert e < 1e-6, (group, cfg, e)
-            worst = max(worst, e)
+            for scales in (s, s.contiguous()):  # group-major (the kernel's) and row-major scale storage
+                out = tg.fp8_group_act_gemm(q, scales, d_q, d_s, group=group, out_dtype=torch.float32, config=cfg)
+                e = float((out.double() - ref).norm() / ref.norm())
+                assert e < 1e-6, (group, cfg, e)
+                worst = max(worst, e)
     try:
         tg.fp8_group_act_gemm(q, s, d_q, d_s, group=64, config={"block_k": 128})
         raise SystemExit("block_k > group was accepted")
@@ -173,8 +175,8 @@ def test_fused_mlp_gpu_matches_torch_backend(m):
     assert sqnr_db(ref.double(), tri.double()) >= 35.0
     exact = _reference(x.float().cpu(), wg, wu, wd)
     assert sqnr_db(exact, tri.double().cpu()) >= 22.0
-    # the kernel's codes equal the torch reference's but where float32 summation order moves h across
-    # a rounding boundary
+    # Hopper's FP8 MMA accumulates with fewer mantissa bits than float32 (~1e-3 relative): block scales
+    # agree to that, the dequantized blocks by SQNR
     from lumenrl_quant import triton_gemm as tg
     from lumenrl_quant.fp8 import quantize_fp8
 
@@ -182,5 +184,6 @@ def test_fused_mlp_gpu_matches_torch_backend(m):
     q, s = tg.fp8_swiglu_quant(a_q, a_s, gate_up.weight, gate_up.weight_scale, out_dtype=down.fp8_dtype)
     gu = (a_q.double() * a_s.double()) @ (gate_up.weight.double() * gate_up.weight_scale.double()).T
     rq, rs = swiglu_quantize_reference(gu[:, :2048], gu[:, 2048:], group=64)
-    assert torch.allclose(s, rs.float(), rtol=1e-5)
-    assert float((q.float() != rq.float()).float().mean()) < 1e-2
+    assert s.shape == (m, 2048 // 64) and s.stride(0) == 1  # group-major, as the down GEMM reads it
+    assert torch.allclose(s, rs.float(), rtol=5e-3)
+    assert sqnr_db(rq.double() * rs.double().repeat_interleave(64, 1), q.double() * s.double().repeat_interleave(64, 1)) >= 30

@@ -231,7 +231,9 @@ class QuantizedLinear(nn.Module):
         if path == "triton_w8a16" and m <= W8A16_MAX_M:
             from lumenrl_quant import triton_gemm
 
-            config = {**_W8A16_CONFIGS.get(tuple(self.weight.shape), {}), "block_m": 64 if m <= 64 else 128}
+            # the tuned configs are for one 64-row tile; 128-row tiles take the default (their shared memory
+            # at block_k 256 x 4 stages passes the H200's 227 KiB: measured OutOfResources)
+            config = _W8A16_CONFIGS.get(tuple(self.weight.shape), {}) if m <= 64 else {"block_m": 128}
             return triton_gemm.fp8_weight_only_gemm(x2, self.weight, self.weight_scale, out_dtype=x2.dtype,
                                                     bias=self.bias, config=config)
         bias = None if self.bias is None else self.bias.to(x2.dtype)

@@ -57,7 +57,7 @@ if triton is not None:
         stride_am, stride_bn, stride_cs, stride_cm,
         K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EPILOGUE: tl.constexpr, WEIGHT_ONLY: tl.constexpr = False, DOT_FP16: tl.constexpr = False,
-        A_GROUP: tl.constexpr = 0, stride_sam=0,
+        A_GROUP: tl.constexpr = 0, stride_sam=0, stride_sag=0,
     ):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -68,6 +68,8 @@ if triton is not None:
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :]
         b_ptrs = b_ptr + offs_n[:, None] * stride_bn + (k0 + offs_k)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if A_GROUP > 0:  # group scales stored group-major (stride_sam 1): one contiguous load per K block
+            sa_next = tl.load(sa_ptr + (k0 // A_GROUP) * stride_sag + offs_m * stride_sam, mask=mmask, other=0.0)
         for kk in range(0, K_SPLIT, BLOCK_K):
             a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=nmask[:, None], other=0.0)
@@ -78,7 +80,10 @@ if triton is not None:
                 else:
                     b = b.to(tl.float32).to(a.dtype)  # explicit: the interpreter miscasts E4M3 -> bf16
             if A_GROUP > 0:  # 1 x A_GROUP activation scales (M, K / A_GROUP): applied per K block
-                sa_k = tl.load(sa_ptr + offs_m * stride_sam + (k0 + kk) // A_GROUP, mask=mmask, other=0.0)
+                sa_k = sa_next  # loaded one iteration ahead: its latency hides behind this block's MMA
+                ahead = kk + BLOCK_K < K_SPLIT
+                sa_next = tl.load(sa_ptr + ((k0 + kk + BLOCK_K) // A_GROUP) * stride_sag + offs_m * stride_sam,
+                                  mask=mmask & ahead, other=0.0)
                 acc += tl.dot(a, tl.trans(b)) * sa_k[:, None]
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
@@ -136,6 +141,7 @@ def _launch(
         a, b_q, c, sa, sb, m, n, a.stride(0), b_q.stride(0), 0 if epilogue else c.stride(0), c.stride(-2),
         K_SPLIT=k // split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EPILOGUE=epilogue,
         WEIGHT_ONLY=weight_only, DOT_FP16=dot_fp16, A_GROUP=a_group, stride_sam=sa.stride(0) if a_group else 0,
+        stride_sag=sa.stride(1) if a_group else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return c
@@ -205,12 +211,14 @@ def fp8_group_act_gemm(
 ) -> torch.Tensor:
     """``(a_q * a_scale) @ (b_q * b_scale).T (+ bias)`` with activations scaled per token group:
     ``a_scale`` (M, K / group) (the 1 x ``group`` blocks :func:`fp8_swiglu_quant` writes), ``b_scale``
-    per output channel (N, 1) or (N,). ``group`` must be a multiple of ``config['block_k']``."""
+    per output channel (N, 1) or (N,). ``group`` must be a multiple of ``config['block_k']``. Fastest with
+    ``a_scale`` stored group-major (``a_scale.stride(0) == 1``, as :func:`fp8_swiglu_quant` returns it):
+    each K block then loads its BLOCK_M scales contiguously."""
     m, k = a_q.shape
     if group < 1 or k % group or tuple(a_scale.shape) != (m, k // group):
         raise ValueError(f"a_scale shape {tuple(a_scale.shape)} with group={group}; need ({m}, {k} / group) "
                          f"and K={k} divisible by group")
-    sa, sb = a_scale.float().contiguous(), b_scale.float().reshape(-1).contiguous()
+    sa, sb = a_scale.float(), b_scale.float().reshape(-1).contiguous()
     c = _launch(a_q, b_q, sa, sb, out_dtype, config, a_group=group)
     if c.dim() == 3:
         c = (c.sum(0) * sb[None, :]).to(out_dtype)
@@ -224,7 +232,7 @@ if triton is not None:
     @triton.jit
     def _swiglu_quant_kernel(
         a_ptr, w_ptr, sa_ptr, sw_ptr, q_ptr, qs_ptr, M, I,
-        stride_am, stride_wn, stride_qm, stride_qsm,
+        stride_am, stride_wn, stride_qm, stride_qsg,
         K: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
     ):
         # one program: GROUP features of gate (rows f of w) and of up (rows I + f) for BLOCK_M tokens
@@ -235,7 +243,7 @@ if triton is not None:
         mmask = offs_m < M
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
         g_ptrs = w_ptr + offs_f.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-        u_ptrs = g_ptrs + I.to(tl.int64) * stride_wn
+        u_ptrs = w_ptr + (offs_f + I).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         acc_g = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
         for _ in range(0, K, BLOCK_K):
@@ -254,7 +262,7 @@ if triton is not None:
         q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_f[None, :], q.to(q_ptr.dtype.element_ty),
                  mask=mmask[:, None])
-        tl.store(qs_ptr + offs_m * stride_qsm + pid_f, scale, mask=mmask)
+        tl.store(qs_ptr + pid_f * stride_qsg + offs_m, scale, mask=mmask)
 
 
 def _swiglu_config(config: Mapping[str, int] | None) -> dict[str, int]:
@@ -284,7 +292,8 @@ def fp8_swiglu_quant(
     epilogue: ``h = silu(a @ w[:I].T) * (a @ w[I:].T)`` for FP8 ``a_q`` (M, K) with per-token
     ``a_scale`` (M, 1) and the fused gate/up weight ``w_q`` (2I, K) = cat([gate, up]) with per-channel
     ``w_scale`` (2I, 1); returns ``h`` quantized to ``out_dtype`` in 1 x ``group`` blocks: codes (M, I)
-    and dequant scales (M, I / group) (``amax / fp8_max``, 1 for an all-zero block). Each program owns
+    and dequant scales (M, I / group) (``amax / fp8_max``, 1 for an all-zero block; stored group-major,
+    i.e. the transpose of a contiguous (I / group, M), for :func:`fp8_group_act_gemm`). Each program owns
     ``group`` features of both halves, so the quantization needs no reduction across programs."""
     if triton is None:
         raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
@@ -303,11 +312,11 @@ def fp8_swiglu_quant(
     if sa.numel() == 1 and m > 1:
         sa = sa.expand(m).contiguous()
     q = torch.empty((m, inter), dtype=out_dtype, device=a_q.device)
-    qs = torch.empty((m, inter // group), dtype=torch.float32, device=a_q.device)
+    qs = torch.empty((inter // group, m), dtype=torch.float32, device=a_q.device)  # group-major
     grid = (inter // group, triton.cdiv(m, cfg["block_m"]))
     _swiglu_quant_kernel[grid](
         a_q, w_q, sa, sw, q, qs, m, inter, a_q.stride(0), w_q.stride(0), q.stride(0), qs.stride(0),
         K=k, GROUP=group, BLOCK_M=cfg["block_m"], BLOCK_K=block_k, FP8_MAX=fp8_max(out_dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return q, qs
+    return q, qs.t()
