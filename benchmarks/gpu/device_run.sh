@@ -119,4 +119,14 @@ case "${1:-all}" in
                   --mlp-config "$LUMENRL_BENCH_OUT/fused_mlp_tune.json" --out fp8_rollout5b_full_rowkvhead.json ;;
   fp8-s5b-bf16) run 130 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl --out fp8_rollout5b_full_bf16.json ;;
   s5call2) for part in gpu-tests5b mlp-tune fp8-s5b-fused fp8-s5b-bf16; do "$0" "$part"; done ;;
+  # call 2: 1.440x (tuned configs now in lumenrl_quant.fused_mlp). Call 3: inductor's programmatic dependent
+  # launch (TORCHINDUCTOR_ENABLE_PDL=1: its kernels start while the previous kernel drains) for both engines,
+  # and the unfused MLP (+tokmlp) for the A/B
+  fp8-s5c-fused-pdl) run 190 env TORCHINDUCTOR_ENABLE_PDL=1 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head \
+                       --modes full --no-exact-kl --profile --out fp8_rollout5c_full_rowkvhead_pdl.json ;;
+  fp8-s5c-bf16-pdl) run 130 env TORCHINDUCTOR_ENABLE_PDL=1 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full \
+                      --no-exact-kl --out fp8_rollout5c_full_bf16_pdl.json ;;
+  fp8-s5c-tokmlp) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head+tokmlp --modes full --no-exact-kl \
+                    --out fp8_rollout5c_full_rowkvhead_tokmlp.json ;;
+  s5call3) for part in fp8-s5c-fused-pdl fp8-s5c-bf16-pdl fp8-s5c-tokmlp; do "$0" "$part"; done ;;
 esac

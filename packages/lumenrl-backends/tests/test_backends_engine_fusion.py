@@ -172,7 +172,7 @@ def test_fp8_fusion_matches_unfused_and_requantizes_in_place(quant_dir, scheme, 
 
 
 def test_fp8_row_swiglu_mlp_runs_at_decode_and_follows_weight_sync(quant_dir, monkeypatch):
-    """``fp8_row`` MLPs take lumenrl-quant's fused SwiGLU (1 x 64 group scales on the down
+    """``fp8_row`` MLPs take lumenrl-quant's fused SwiGLU (1 x 128 group scales on the down
     input): its log-probs stay within FP8 noise of the per-token engine and of the float32 model, and
     after a weight sync it generates exactly what an engine built from the new weights generates."""
     from lumenrl_quant import fused_mlp

@@ -225,7 +225,7 @@ def fp8_group_act_gemm(
     return c if bias is None else c + bias.to(out_dtype)
 
 
-SWIGLU_DEFAULT_CONFIG: dict[str, int] = {"group": 64, "block_m": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
+SWIGLU_DEFAULT_CONFIG: dict[str, int] = {"group": 128, "block_m": 64, "block_k": 128, "num_warps": 8, "num_stages": 4}
 
 if triton is not None:
 

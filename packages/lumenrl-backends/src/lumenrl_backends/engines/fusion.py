@@ -298,7 +298,7 @@ def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = Tr
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
     ``fp8_mlp``: ``fp8_row`` SwiGLU MLPs run :func:`lumenrl_quant.fused_mlp.swiglu_mlp_fp8` at decode
-    (SiLU * up and the down projection's input quantization in the gate/up GEMM's epilogue, 1 x 64
+    (SiLU * up and the down projection's input quantization in the gate/up GEMM's epilogue, 1 x 128
     group scales); off keeps the per-token quantization between separate kernels.
 
     Call after the model is on its device (and after quantization, if any): the fused storage is

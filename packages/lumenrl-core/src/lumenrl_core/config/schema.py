@@ -170,7 +170,7 @@ class RolloutQuantConfig:
     skip_first_n_layers: int = 0
     skip_last_n_layers: int = 0
     quantize_lm_head: bool = False  # also the (untied) output head: faster decode, FP8 rounding in the logits
-    # fp8_row SwiGLU MLPs at decode: SiLU * up and the down input's FP8 quantization (1 x 64 group scales) in the
+    # fp8_row SwiGLU MLPs at decode: SiLU * up and the down input's FP8 quantization (1 x 128 group scales) in the
     # gate/up GEMM's epilogue (lumenrl_quant.fused_mlp); off: per-token scales between separate kernels
     fuse_mlp: bool = True
     kv_cache_dtype: str = field(default="auto", metadata=choices("auto", "fp8"))
