@@ -129,4 +129,11 @@ case "${1:-all}" in
   fp8-s5c-tokmlp) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head+tokmlp --modes full --no-exact-kl \
                     --out fp8_rollout5c_full_rowkvhead_tokmlp.json ;;
   s5call3) for part in fp8-s5c-fused-pdl fp8-s5c-bf16-pdl fp8-s5c-tokmlp; do "$0" "$part"; done ;;
+  # call 3 mixed PDL and non-PDL engines; call 4: the clean A/B, no PDL, all three in one job
+  fp8-s5d-bf16) run 130 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl --out fp8_rollout5d_full_bf16.json ;;
+  fp8-s5d-fused) run 180 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head --modes full --no-exact-kl --profile \
+                   --out fp8_rollout5d_full_rowkvhead.json ;;
+  fp8-s5d-tokmlp) run 180 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head+tokmlp --modes full --no-exact-kl \
+                    --profile --out fp8_rollout5d_full_rowkvhead_tokmlp.json ;;
+  s5call4) for part in fp8-s5d-bf16 fp8-s5d-fused fp8-s5d-tokmlp; do "$0" "$part"; done ;;
 esac
