@@ -7,9 +7,11 @@ per-token activation scales; decode GEMM = cuBLAS tensorwise with unit scales + 
 ``fp8_block`` (128x128 weight blocks, 1x128 activation groups), ``fp8_tensor``; ``fp8`` is an alias
 of ``fp8_block``; a ``+kv`` suffix adds the FP8 KV cache (per-layer scales recalibrated at each
 prefill after an update), ``+head`` quantizes the output head too (``quantize_lm_head``; off in
-the plain variants), ``+tokmlp`` keeps the unfused FP8 MLP (per-token scales on the down projection's
-input between separate kernels; without it ``fp8_row`` engines run lumenrl-quant's fused SwiGLU MLP,
-``quantization.rollout.fuse_mlp``). ``--attn-fp8-config`` overrides the FP8-cache attention launch
+the plain variants), ``+fusedmlp`` runs lumenrl-quant's fused SwiGLU MLP (``quantization.rollout.fuse_mlp``;
+1 x 128 group scales on the down projection's input, quantized in the gate/up GEMM's epilogue), ``+tokmlp``
+the unfused one (per-token scales between separate kernels), which is the default since session 5's
+measurements (during session 5's calls 1-4 the fused MLP was the default: engine names without
+``+tokmlp`` there ran it). ``--attn-fp8-config`` overrides the FP8-cache attention launch
 configuration, ``--mlp-config`` the fused MLP's (a ``bench_fused_mlp.py --tune`` JSON).
 Modes (``--modes``): ``graph`` (CUDA graphs) and ``full`` (``torch.compile`` + CUDA graphs, ~56 s
 of compilation per 8B engine): every engine runs in every mode, one engine at a time, with identical settings; ``x_bf16`` is against the bf16 row of the
@@ -100,9 +102,12 @@ def variant(name: str) -> tuple[str, frozenset[str]]:
     """``fp8_row+kv+head`` -> ``("fp8_row", {"kv", "head"})``; suffixes: ``kv`` (FP8 KV cache), ``head``
     (the output head quantized too, ``quantize_lm_head``)."""
     base, *flags = name.split("+")
-    unknown = set(flags) - {"kv", "head", "tokmlp"}
+    unknown = set(flags) - {"kv", "head", "fusedmlp", "tokmlp"}
     if unknown:
-        raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head, +tokmlp")
+        raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head, +fusedmlp, "
+                         "+tokmlp")
+    if {"fusedmlp", "tokmlp"} <= set(flags):
+        raise SystemExit(f"--engines {name!r}: +fusedmlp and +tokmlp exclude each other")
     return base, frozenset(flags)
 
 
@@ -189,7 +194,7 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=args.batch,
                               max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
                               quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
-                              fuse_fp8_mlp="tokmlp" not in flags)
+                              fuse_fp8_mlp="fusedmlp" in flags)
         if engine.fusion_report is not None:
             row["fused_fp8_mlps"] = len(engine.fusion_report.mlp_fp8)
         if scheme is not None:

@@ -177,8 +177,9 @@ def test_fp8_row_swiglu_mlp_runs_at_decode_and_follows_weight_sync(quant_dir, mo
     after a weight sync it generates exactly what an engine built from the new weights generates."""
     from lumenrl_quant import fused_mlp
 
-    per_token = engine(quant_dir, quant_scheme="fp8_row", fuse_fp8_mlp=False)
-    fused = engine(quant_dir, quant_scheme="fp8_row")
+    per_token = engine(quant_dir, quant_scheme="fp8_row")  # the default: per-token scales
+    assert not per_token.fusion_report.mlp_fp8
+    fused = engine(quant_dir, quant_scheme="fp8_row", fuse_fp8_mlp=True)
     layers = fused.model.config.num_hidden_layers
     assert len(fused.fusion_report.mlp_fp8) == layers and not fused.fusion_report.mlp_fp8_skipped
     calls = []
@@ -199,7 +200,7 @@ def test_fp8_row_swiglu_mlp_runs_at_decode_and_follows_weight_sync(quant_dir, mo
     fresh_dir = quant_dir.parent / "fresh_swiglu"
     model32.save_pretrained(fresh_dir)
     fused.tokenizer.save_pretrained(fresh_dir)
-    fresh = engine(fresh_dir, quant_scheme="fp8_row")
+    fresh = engine(fresh_dir, quant_scheme="fp8_row", fuse_fp8_mlp=True)
     for params in (GREEDY, SAMPLED):
         assert_same(fused.generate(batch, params), fresh.generate(batch, params), atol=1e-5)
 

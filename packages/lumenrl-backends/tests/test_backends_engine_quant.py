@@ -145,6 +145,17 @@ def test_from_config_fp8_rollout(model_dir):
     assert out.batch["rollout_log_probs"].isfinite().all()
 
 
+def test_from_config_fuse_mlp_switches_the_fused_fp8_swiglu(model_dir):
+    layers = NativeEngine.from_config(fp8_run_config(model_dir, scheme="fp8_row")).fusion_report
+    assert layers.mlp and not layers.mlp_fp8  # off by default
+    engine = NativeEngine.from_config(fp8_run_config(model_dir, scheme="fp8_row", fuse_mlp=True))
+    assert engine.fusion_report.mlp_fp8 == engine.fusion_report.mlp
+    out = engine.generate(prompt_batch(engine.tokenizer), PARAMS)
+    assert out.batch["rollout_log_probs"].isfinite().all()
+    block = NativeEngine.from_config(fp8_run_config(model_dir, scheme="fp8_block", fuse_mlp=True)).fusion_report
+    assert not block.mlp_fp8 and all("'fp8_row'" in why for why in block.mlp_fp8_skipped.values())
+
+
 def test_from_config_quantize_lm_head_runs_and_requantizes_the_head_on_sync(model_dir):
     config = fp8_run_config(model_dir, scheme="fp8_row", quantize_lm_head=True)
     engine = NativeEngine.from_config(config)

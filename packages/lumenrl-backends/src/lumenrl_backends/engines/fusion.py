@@ -294,12 +294,14 @@ _ATTENTION_ATTRS = ("_lumenrl_family", "_lumenrl_window", "_lumenrl_cache_kwarg"
 
 
 @torch.no_grad()
-def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = True) -> FusionReport:
+def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
-    ``fp8_mlp``: ``fp8_row`` SwiGLU MLPs run :func:`lumenrl_quant.fused_mlp.swiglu_mlp_fp8` at decode
+    ``fp8_mlp`` (opt-in): ``fp8_row`` SwiGLU MLPs run :func:`lumenrl_quant.fused_mlp.swiglu_mlp_fp8`
     (SiLU * up and the down projection's input quantization in the gate/up GEMM's epilogue, 1 x 128
-    group scales); off keeps the per-token quantization between separate kernels.
+    group scales, every M); off keeps the per-token quantization between separate kernels. Measured
+    on the H200 (RESULTS.md, session 5): three fewer kernels per layer but a slower group-scaled down
+    GEMM, the same decode speed; hence not the default.
 
     Call after the model is on its device (and after quantization, if any): the fused storage is
     allocated where the members live, and later ``.to()`` calls would not move it.

@@ -17,7 +17,7 @@ Design (what the GPU-speed work builds on without a rewrite):
   first bucket static, then one with a symbolic batch for all other buckets);
 * projection fusion at load (``fuse_projections``, :mod:`~lumenrl_backends.engines.fusion`): one
   q/k/v GEMM and one gate/up GEMM per layer over fused storage that the named parameters view;
-  ``fp8_row`` SwiGLU MLPs at decode run two kernels (``fuse_fp8_mlp``, lumenrl-quant
+  opt-in (``fuse_fp8_mlp``), ``fp8_row`` SwiGLU MLPs run two kernels (lumenrl-quant
   :mod:`~lumenrl_quant.fused_mlp`): SiLU * up and the down input's FP8 quantization in the gate/up epilogue;
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
   (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache;
@@ -156,7 +156,7 @@ class NativeEngine:
         fused_sampling: bool = True,
         fuse_projections: bool = True,
         overlap_sync: bool = True,
-        fuse_fp8_mlp: bool = True,
+        fuse_fp8_mlp: bool = False,
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
