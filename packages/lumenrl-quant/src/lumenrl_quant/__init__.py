@@ -54,6 +54,7 @@ from lumenrl_quant.kv_cache import (
     percentile_amax,
     quantize_kv,
 )
+from lumenrl_quant.fused_mlp import swiglu_mlp_fp8
 from lumenrl_quant.linear import LINEAR_SCHEMES, QuantizedLinear
 from lumenrl_quant.model import (
     QuantizationReport,
@@ -154,5 +155,6 @@ __all__ = [
     "reload_quantized_weights_",
     "scaled_mm",
     "sqnr_db",
+    "swiglu_mlp_fp8",
     "unpack_fp4",
 ]

@@ -14,6 +14,13 @@ the result in 1 x ``group`` blocks, which need no reduction across programs; the
 (:func:`~lumenrl_quant.triton_gemm.fp8_group_act_gemm`) applies those block scales in its K loop.
 Two kernels, and ``h`` never exists in 16 bits.
 
+Measured (H200, Qwen3-8B, M = 64, benchmarks/RESULTS.md session 5): the fusion removes the three
+kernels and 0.21 ms of elementwise work per decode step, but the gate/up kernel with two accumulators
+runs 30.8 us against 27.3 us and the group-scaled down GEMM 20.3 us against cuBLAS' 16.3 us (the
+per-K-block scale multiply breaks the MMA accumulate chain), so the engine decodes at the same speed
+(14,294 vs 14,400 tok/s, one job). The native engine therefore uses it only when asked
+(``quantization.rollout.fuse_mlp``).
+
 Numerics: the down projection's input gets one scale per 1 x ``group`` block instead of one per
 token: never a coarser scale than per-token (each block's amax is at most the row's), and ``h`` is
 not rounded to bf16 before quantization. Tested against float64 (SQNR) and against the unfused
