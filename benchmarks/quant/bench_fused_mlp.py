@@ -128,8 +128,8 @@ def bench(model: str, m: int, tune: bool, given: dict | None) -> tuple[list[dict
                                     out_dtype=layers[0][1].fp8_dtype, config=cfg_up)
             timed = []
             for cfg in _down_sweep(group):
-                row = add("group_gemm_kernel", [lambda lay=lay, c=cfg: tg.fp8_group_act_gemm(
-                    h[0], h[1], lay[1].weight, lay[1].weight_scale, group=group, config=c) for lay in layers],
+                row = add("group_gemm_kernel", [lambda lay=lay, c=cfg, h=h, g=group: tg.fp8_group_act_gemm(
+                    h[0], h[1], lay[1].weight, lay[1].weight_scale, group=g, config=c) for lay in layers],
                     group=group, **cfg)
                 if "us" in row:
                     row["weight_gbs"] = inter * k / (row["us"] * 1e3)

@@ -19,7 +19,6 @@ import textwrap
 
 import pytest
 import torch
-from torch import nn
 
 from lumenrl_quant import QuantizedLinear, sqnr_db
 from lumenrl_quant.fused_mlp import swiglu_mlp_fp8, swiglu_mlp_fp8_supported, swiglu_quantize_reference

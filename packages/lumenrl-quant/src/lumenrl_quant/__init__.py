@@ -45,6 +45,7 @@ from lumenrl_quant.fp8 import (
     quantize_fp8,
     quantize_fp8_with_scale,
 )
+from lumenrl_quant.fused_mlp import swiglu_mlp_fp8
 from lumenrl_quant.gemm import emulated_scaled_mm, gemm_path, scaled_mm
 from lumenrl_quant.kv_cache import (
     KVScales,
@@ -54,7 +55,6 @@ from lumenrl_quant.kv_cache import (
     percentile_amax,
     quantize_kv,
 )
-from lumenrl_quant.fused_mlp import swiglu_mlp_fp8
 from lumenrl_quant.linear import LINEAR_SCHEMES, QuantizedLinear
 from lumenrl_quant.model import (
     QuantizationReport,

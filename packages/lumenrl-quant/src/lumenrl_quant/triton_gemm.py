@@ -16,6 +16,10 @@ on the MLP. This kernel tiles N by ``block_n`` and splits K into ``split_k`` sli
   scaled by :func:`lumenrl_quant.gemm.rowwise_epilogue` in plain torch ops, which
   ``torch.compile`` fuses into one kernel with the op that follows.
 
+Also here, for the fused SwiGLU MLP (:mod:`lumenrl_quant.fused_mlp`): :func:`fp8_swiglu_quant` (the
+gate/up GEMM with SiLU * up and a 1 x ``group`` FP8 quantization in its epilogue) and
+:func:`fp8_group_act_gemm` (this kernel with per-(token, group) activation scales applied per K block).
+
 Accumulation is float32 (``tl.dot`` of FP8 operands), so the result equals the float32 emulation
 up to summation order. K must be a multiple of ``split_k * block_k`` (checked; the caller falls
 back to cuBLAS otherwise). Launch parameters come from ``config`` (``block_m``, ``block_n``,
@@ -101,18 +105,26 @@ if triton is not None:
             tl.store(c_ptrs, acc, mask=mmask[:, None] & nmask[None, :])
 
 
-def _config(config: Mapping[str, int] | None) -> dict[str, int]:
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
-    unknown = set(cfg) - set(DEFAULT_CONFIG)
+_POWER_OF_TWO_MIN = {"block_m": 16, "block_n": 16, "block_k": 32, "split_k": 1, "num_warps": 1, "group": 16}
+
+
+def _checked(config: Mapping[str, int] | None, defaults: Mapping[str, int]) -> dict[str, int]:
+    """``defaults`` overridden by ``config``; unknown keys and bad values raise, naming them."""
+    cfg = {**defaults, **(config or {})}
+    unknown = set(cfg) - set(defaults)
     if unknown:
-        raise ValueError(f"config keys {sorted(unknown)}; allowed: {sorted(DEFAULT_CONFIG)}")
-    for name, low in (("block_m", 16), ("block_n", 16), ("block_k", 32), ("split_k", 1), ("num_warps", 1)):
-        value = cfg[name]
-        if not isinstance(value, int) or value < low or value & (value - 1):
+        raise ValueError(f"config keys {sorted(unknown)}; allowed: {sorted(defaults)}")
+    for name, value in cfg.items():
+        low = _POWER_OF_TWO_MIN.get(name)
+        if low is not None and (not isinstance(value, int) or value < low or value & (value - 1)):
             raise ValueError(f"config {name}={value!r}; allowed: a power of two >= {low}")
     if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
         raise ValueError(f"config num_stages={cfg['num_stages']!r}; allowed: an int >= 1")
     return cfg
+
+
+def _config(config: Mapping[str, int] | None) -> dict[str, int]:
+    return _checked(config, DEFAULT_CONFIG)
 
 
 def _launch(
@@ -231,11 +243,11 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_quant_kernel(
-        a_ptr, w_ptr, sa_ptr, sw_ptr, q_ptr, qs_ptr, M, I,
+        a_ptr, w_ptr, sa_ptr, sw_ptr, q_ptr, qs_ptr, M, INTER,
         stride_am, stride_wn, stride_qm, stride_qsg,
         K: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr,
     ):
-        # one program: GROUP features of gate (rows f of w) and of up (rows I + f) for BLOCK_M tokens
+        # one program: GROUP features of gate (rows f of w) and of up (rows INTER + f) for BLOCK_M tokens
         pid_f, pid_m = tl.program_id(0), tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_f = pid_f * GROUP + tl.arange(0, GROUP)
@@ -243,7 +255,7 @@ if triton is not None:
         mmask = offs_m < M
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
         g_ptrs = w_ptr + offs_f.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-        u_ptrs = w_ptr + (offs_f + I).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        u_ptrs = w_ptr + (offs_f + INTER).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         acc_g = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, GROUP), dtype=tl.float32)
         for _ in range(0, K, BLOCK_K):
@@ -255,7 +267,7 @@ if triton is not None:
             u_ptrs += BLOCK_K
         sa = tl.load(sa_ptr + offs_m, mask=mmask, other=0.0)[:, None]
         gate = acc_g * sa * tl.load(sw_ptr + offs_f)[None, :]
-        up = acc_u * sa * tl.load(sw_ptr + I + offs_f)[None, :]
+        up = acc_u * sa * tl.load(sw_ptr + INTER + offs_f)[None, :]
         h = gate / (1.0 + tl.exp(-gate)) * up  # SiLU(gate) * up, float32
         amax = tl.max(tl.abs(h), axis=1)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
@@ -266,17 +278,7 @@ if triton is not None:
 
 
 def _swiglu_config(config: Mapping[str, int] | None) -> dict[str, int]:
-    cfg = {**SWIGLU_DEFAULT_CONFIG, **(config or {})}
-    unknown = set(cfg) - set(SWIGLU_DEFAULT_CONFIG)
-    if unknown:
-        raise ValueError(f"config keys {sorted(unknown)}; allowed: {sorted(SWIGLU_DEFAULT_CONFIG)}")
-    for name, low in (("group", 16), ("block_m", 16), ("block_k", 32), ("num_warps", 1)):
-        value = cfg[name]
-        if not isinstance(value, int) or value < low or value & (value - 1):
-            raise ValueError(f"config {name}={value!r}; allowed: a power of two >= {low}")
-    if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
-        raise ValueError(f"config num_stages={cfg['num_stages']!r}; allowed: an int >= 1")
-    return cfg
+    return _checked(config, SWIGLU_DEFAULT_CONFIG)
 
 
 def fp8_swiglu_quant(
