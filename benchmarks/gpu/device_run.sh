@@ -136,4 +136,12 @@ case "${1:-all}" in
   fp8-s5d-tokmlp) run 180 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head+tokmlp --modes full --no-exact-kl \
                     --profile --out fp8_rollout5d_full_rowkvhead_tokmlp.json ;;
   s5call4) for part in fp8-s5d-bf16 fp8-s5d-fused fp8-s5d-tokmlp; do "$0" "$part"; done ;;
+  # call 5 (a probe for next time): inductor multi-kernel (persistent reductions up to 16384 columns, the faster of
+  # persistent / looped picked by timing) on both engines, profiled: the RMSNorm + quantize kernels of the FP8
+  # engine are looped ("red") kernels of 3.6-4.1 us at 4096 columns
+  fp8-s5e-bf16-mk) run 150 env TORCHINDUCTOR_MULTI_KERNEL=1 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full \
+                     --no-exact-kl --profile --out fp8_rollout5e_full_bf16_multikernel.json ;;
+  fp8-s5e-rowkvhead-mk) run 180 env TORCHINDUCTOR_MULTI_KERNEL=1 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head \
+                          --modes full --no-exact-kl --profile --out fp8_rollout5e_full_rowkvhead_multikernel.json ;;
+  s5call5) for part in fp8-s5e-rowkvhead-mk fp8-s5e-bf16-mk; do "$0" "$part"; done ;;
 esac
