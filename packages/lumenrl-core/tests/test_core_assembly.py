@@ -405,6 +405,19 @@ def test_build_with_keywords_passes_only_accepted():
     assert build_with_keywords(Open, {"a": 1}).kwargs == {"a": 1}
 
 
+def test_fuse_mlp_needs_the_fp8_row_scheme(cfg, reg):
+    cfg.quantization.rollout.fuse_mlp = True
+    with pytest.warns(AssemblyWarning, match="fuse_mlp=True has no effect with .*precision='bf16'"):
+        plan_run(cfg, registry=reg)
+    cfg.quantization.rollout.precision = "fp8"  # default scheme fp8_block
+    msg = only(cfg, reg)
+    assert msg.startswith("quantization.rollout.fuse_mlp=True: ") and "resolves to 'fp8_block'" in msg
+    assert "Allowed: false, or quantization.rollout.scheme='fp8_row'" in msg
+    reg.register("quant_schemes", "fp8_row", plugin("Fp8Row"))
+    cfg.quantization.rollout.scheme = "fp8_row"
+    assert plan_run(cfg, registry=reg).config.quantization.rollout.fuse_mlp is True
+
+
 def test_quantize_lm_head_refused_for_a_tied_model_before_loading(cfg, reg, tmp_path):
     from lumenrl_core.assembly.model_kind import ties_word_embeddings
 

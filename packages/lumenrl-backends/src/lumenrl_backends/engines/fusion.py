@@ -65,7 +65,7 @@ _SWIGLU_ATTR = "_lumenrl_swiglu_fp8"  # instance attribute: True when the MLP ru
 class FusionReport:
     attention: list[str] = field(default_factory=list)  # module names whose q/k/v were fused
     mlp: list[str] = field(default_factory=list)  # module names whose gate/up were fused
-    mlp_fp8: list[str] = field(default_factory=list)  # fused MLPs that run the FP8 SwiGLU kernels at decode
+    mlp_fp8: list[str] = field(default_factory=list)  # fused MLPs that run lumenrl-quant's FP8 SwiGLU (opt-in)
     mlp_fp8_skipped: dict[str, str] = field(default_factory=dict)  # fused quantized MLP -> why not the FP8 SwiGLU
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> why not
 
@@ -259,7 +259,7 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _swiglu_fp8_reason(module: nn.Module, fused: Any) -> str | None:
-    """None when the MLP can run lumenrl-quant's fused FP8 SwiGLU at decode, else why not."""
+    """None when the MLP can run lumenrl-quant's fused FP8 SwiGLU, else why not."""
     if not isinstance(fused, _FusedQuantized):
         return "not quantized"
     if type(module.act_fn).__name__ not in ("SiLU", "SiLUActivation"):

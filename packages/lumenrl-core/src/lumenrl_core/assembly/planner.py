@@ -150,6 +150,21 @@ class _Planner:
             self.notes.append(f"{key}=True: cannot tell whether policy.model_name={self.cfg.policy.model_name!r} "
                               f"ties its embeddings ({how}); a tied head is refused when the engine loads it")
 
+    def check_fuse_mlp(self) -> None:
+        """``quantization.rollout.fuse_mlp`` fuses ``fp8_row`` MLPs only: any other scheme would ignore it."""
+        rq = self.cfg.quantization.rollout
+        if not rq.fuse_mlp:
+            return
+        key = "quantization.rollout.fuse_mlp"
+        if rq.precision not in ROLLOUT_SCHEME_BY_PRECISION:
+            self.notes.append(f"{key}=True has no effect with quantization.rollout.precision={rq.precision!r}")
+            return
+        scheme = rq.scheme or ROLLOUT_SCHEME_BY_PRECISION[rq.precision]
+        if scheme != "fp8_row":
+            self.violations.append(Violation(key, True, (
+                f"the fused FP8 SwiGLU MLP needs the fp8_row scheme; quantization.rollout.scheme resolves to "
+                f"{scheme!r}. Allowed: false, or quantization.rollout.scheme='fp8_row'")))
+
     def check_model(self) -> bool | None:
         cfg = self.cfg
         if not (cfg.moe.r3.enabled or cfg.moe.expert_parallel_size > 1):
@@ -200,6 +215,7 @@ def plan_run(cfg: RunConfig, *, registry: PluginRegistry | None = None) -> RunPl
     p.resolve_router_by_model_type()
     required = p.check_capabilities()
     p.check_lm_head()
+    p.check_fuse_mlp()
     is_moe = p.check_model()
     return _finish(p, required, is_moe)
 
