@@ -131,14 +131,22 @@ class _Planner:
             self.notes.append(f"moe.r3.router='': no lumenrl.moe_routers plugin for model_type={model_type!r}; "
                               "route replay relies on the training backend's own router handling")
 
-    def check_lm_head(self) -> None:
-        """``quantization.rollout.quantize_lm_head`` needs a quantized rollout and an untied head."""
+    def _rollout_quant_option(self, name: str) -> str | None:
+        """The config key of the set ``quantization.rollout.<name>`` flag when the rollout is quantized;
+        None when the flag is off, or (with a note) when the rollout precision gives it nothing to act on."""
         rq = self.cfg.quantization.rollout
-        if not rq.quantize_lm_head:
-            return
-        key = "quantization.rollout.quantize_lm_head"
+        if not getattr(rq, name):
+            return None
+        key = f"quantization.rollout.{name}"
         if rq.precision not in ROLLOUT_SCHEME_BY_PRECISION:
             self.notes.append(f"{key}=True has no effect with quantization.rollout.precision={rq.precision!r}")
+            return None
+        return key
+
+    def check_lm_head(self) -> None:
+        """``quantization.rollout.quantize_lm_head`` needs a quantized rollout and an untied head."""
+        key = self._rollout_quant_option("quantize_lm_head")
+        if key is None:
             return
         tied, how = ties_word_embeddings(self.cfg.policy.model_name)
         if tied:
@@ -152,13 +160,10 @@ class _Planner:
 
     def check_fuse_mlp(self) -> None:
         """``quantization.rollout.fuse_mlp`` fuses ``fp8_row`` MLPs only: any other scheme would ignore it."""
+        key = self._rollout_quant_option("fuse_mlp")
+        if key is None:
+            return
         rq = self.cfg.quantization.rollout
-        if not rq.fuse_mlp:
-            return
-        key = "quantization.rollout.fuse_mlp"
-        if rq.precision not in ROLLOUT_SCHEME_BY_PRECISION:
-            self.notes.append(f"{key}=True has no effect with quantization.rollout.precision={rq.precision!r}")
-            return
         scheme = rq.scheme or ROLLOUT_SCHEME_BY_PRECISION[rq.precision]
         if scheme != "fp8_row":
             self.violations.append(Violation(key, True, (
