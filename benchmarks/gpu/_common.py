@@ -182,6 +182,28 @@ KERNEL_CLASSES = (  # first match wins; names of cuBLAS / CUTLASS / Triton / ind
 )
 
 
+def persistent_reductions_up_to(limit: int) -> None:
+    """Make inductor hold inner reductions of up to ``limit`` columns in registers (one read, no loop)
+    for the rest of the process. Its own limit is 1024 columns (``InductorChoices.should_use_persistent_reduction``);
+    installed through the documented extension point ``V.set_choices_handler``."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    class Choices(InductorChoices):
+        @staticmethod
+        def should_use_persistent_reduction(features: Any, cooperative_reduction: bool) -> bool:
+            if (inductor_config.triton.persistent_reductions and not cooperative_reduction
+                    and features.get_reduction_hint() == ReductionHint.INNER
+                    and V.graph.sizevars.statically_known_leq(features.reduction_numel, limit)):
+                return True
+            return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
+
+    V.set_choices_handler(Choices())
+    print(f"inductor: persistent inner reductions up to {limit} columns")
+
+
 def kernel_class(name: str) -> str:
     low = name.lower()
     return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")

@@ -11,7 +11,11 @@ the plain variants), ``+fusedmlp`` runs lumenrl-quant's fused SwiGLU MLP (``quan
 1 x 128 group scales on the down projection's input, quantized in the gate/up GEMM's epilogue), ``+tokmlp``
 the unfused one (per-token scales between separate kernels), which is the default since session 5's
 measurements (during session 5's calls 1-4 the fused MLP was the default: engine names without
-``+tokmlp`` there ran it). ``--attn-fp8-config`` overrides the FP8-cache attention launch
+``+tokmlp`` there ran it). Since session 6 the per-token MLP runs SiLU * up and the down input's
+quantization as one lumenrl-quant kernel (``NativeEngine(fp8_act_kernel=True)``, the default);
+``+inductmlp`` keeps inductor's kernels there (the path before). ``--persistent-rnumel N`` lets inductor
+hold reductions of up to N columns in registers (persistent) instead of looping (its default limit is
+1024; the FP8 engine's RMSNorm + quantize kernels reduce 4096). ``--attn-fp8-config`` overrides the FP8-cache attention launch
 configuration, ``--mlp-config`` the fused MLP's (a ``bench_fused_mlp.py --tune`` JSON).
 Modes (``--modes``): ``graph`` (CUDA graphs) and ``full`` (``torch.compile`` + CUDA graphs, ~56 s
 of compilation per 8B engine): every engine runs in every mode, one engine at a time, with identical settings; ``x_bf16`` is against the bf16 row of the
@@ -102,12 +106,12 @@ def variant(name: str) -> tuple[str, frozenset[str]]:
     """``fp8_row+kv+head`` -> ``("fp8_row", {"kv", "head"})``; suffixes: ``kv`` (FP8 KV cache), ``head``
     (the output head quantized too, ``quantize_lm_head``)."""
     base, *flags = name.split("+")
-    unknown = set(flags) - {"kv", "head", "fusedmlp", "tokmlp"}
+    unknown = set(flags) - {"kv", "head", "fusedmlp", "tokmlp", "inductmlp"}
     if unknown:
         raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head, +fusedmlp, "
-                         "+tokmlp")
-    if {"fusedmlp", "tokmlp"} <= set(flags):
-        raise SystemExit(f"--engines {name!r}: +fusedmlp and +tokmlp exclude each other")
+                         "+tokmlp, +inductmlp")
+    if len({"fusedmlp", "tokmlp", "inductmlp"} & set(flags)) > 1:
+        raise SystemExit(f"--engines {name!r}: +fusedmlp, +tokmlp and +inductmlp exclude each other")
     return base, frozenset(flags)
 
 
@@ -194,9 +198,10 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=args.batch,
                               max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
                               quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
-                              fuse_fp8_mlp="fusedmlp" in flags)
+                              fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags)
         if engine.fusion_report is not None:
             row["fused_fp8_mlps"] = len(engine.fusion_report.mlp_fp8)
+            row["act_kernel_mlps"] = len(engine.fusion_report.mlp_fp8_token)
         if scheme is not None:
             report = engine.quant_report
             row.update(quantized_linears=len(report.quantized), skipped_linears=len(report.skipped),
@@ -272,8 +277,12 @@ def main() -> None:
     ap.add_argument("--attn-fp8-config", default="", help="FP8-cache decode attention launch config: a JSON "
                     "object, or a bench_attention.py --tune JSON (its best FP8 row)")
     ap.add_argument("--mlp-config", default="", help="fused FP8 MLP launch configs: a bench_fused_mlp.py --tune JSON")
+    ap.add_argument("--persistent-rnumel", type=int, default=0,
+                    help="inductor: persistent (in-register) inner reductions up to this many columns (0: its default)")
     ap.add_argument("--out", default="fp8_rollout.json")
     args = ap.parse_args()
+    if args.persistent_rnumel:
+        C.persistent_reductions_up_to(args.persistent_rnumel)
     modes = (args.modes or args.mode).split(",")
     for mode in modes:
         if mode not in ("graph", "full"):
@@ -307,7 +316,7 @@ def main() -> None:
     C.write_json(args.out, result)
     print("summary:", result["summary"])
     C.print_table(rows, ["engine", "mode", "e2e_tok_s", "decode_tok_s", "x_bf16", "kl_exact_before",
-                         "kl_exact_after_tis", "kl_k3_sampled", "lm_head", "fused_fp8_mlps", "linear_path", "linear_check_sqnr_db", "warmup_s",
+                         "kl_exact_after_tis", "kl_k3_sampled", "lm_head", "fused_fp8_mlps", "act_kernel_mlps", "linear_path", "linear_check_sqnr_db", "warmup_s",
                          "prefill_s", "error"])
 
 

@@ -144,4 +144,13 @@ case "${1:-all}" in
   fp8-s5e-rowkvhead-mk) run 180 env TORCHINDUCTOR_MULTI_KERNEL=1 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head \
                           --modes full --no-exact-kl --profile --out fp8_rollout5e_full_rowkvhead_multikernel.json ;;
   s5call5) for part in fp8-s5e-rowkvhead-mk fp8-s5e-bf16-mk; do "$0" "$part"; done ;;
+  # session 6: SiLU * up + per-token FP8 quantize as one lumenrl-quant kernel (the default per-token MLP now)
+  gpu-tests6) run 150 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-quant/tests/test_quant_fused_mlp.py \
+                packages/lumenrl-backends/tests/test_backends_engine_fusion.py ;;
+  mlp-s6) run 150 python3 benchmarks/quant/bench_fused_mlp.py --models 8b --m 64 --out fused_mlp_s6.json ;;
+  fp8-s6-row) run 190 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head --modes full --no-exact-kl \
+                --profile --out fp8_rollout6_full_rowkvhead.json ;;
+  fp8-s6-bf16) run 150 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl \
+                 --out fp8_rollout6_full_bf16.json ;;
+  s6call1) for part in gpu-tests6 mlp-s6 fp8-s6-row fp8-s6-bf16; do "$0" "$part"; done ;;
 esac

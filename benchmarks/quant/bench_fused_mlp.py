@@ -11,6 +11,12 @@ rotation is timed inside one CUDA graph (as in a decode step). Variants:
 * ``fp8_fused``: ``torch.compile`` of :func:`lumenrl_quant.fused_mlp.swiglu_mlp_fp8` (x's per-token
   quantization fused into inductor's kernel, then the two Triton kernels), with the tuned or given
   launch configurations;
+* ``fp8_token``: ``torch.compile`` of :func:`lumenrl_quant.fused_mlp.swiglu_mlp_fp8_tokenwise` (the engine's
+  default since session 6): the per-token GEMMs of ``fp8_unfused`` with SiLU * up and the down input's
+  quantization as one Triton kernel between them;
+* ``silu_inductor`` / ``silu_kernel``: that step alone on a ``(M, 2I)`` bf16 gate/up output, as inductor
+  compiles the torch ops (the ``fp8_unfused`` path) and as the Triton kernel over a sweep of its launch
+  parameters (``block``, ``num_warps``);
 * ``--tune``: the two kernels alone over a sweep of launch configurations (x pre-quantized); the best
   pair is written as ``best`` (``bench_fp8_rollout.py --mlp-config`` takes the JSON) and timed as
   ``fp8_fused``.
@@ -36,8 +42,9 @@ from _common import copies_for, device, sqnr, table, time_graph_ms, write_json  
 
 from lumenrl_quant import QuantizedLinear  # noqa: E402
 from lumenrl_quant import triton_gemm as tg  # noqa: E402
+from lumenrl_quant import triton_kernels as tk  # noqa: E402
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
-from lumenrl_quant.fused_mlp import swiglu_mlp_fp8  # noqa: E402
+from lumenrl_quant.fused_mlp import _silu_mul_quantize_torch, swiglu_mlp_fp8, swiglu_mlp_fp8_tokenwise  # noqa: E402
 
 SHAPES = {"8b": (4096, 12288), "1.7b": (2048, 6144), "tiny": (256, 256)}  # tiny: CPU smoke run (TRITON_INTERPRET=1)
 
@@ -104,8 +111,19 @@ def bench(model: str, m: int, tune: bool, given: dict | None) -> tuple[list[dict
         return down(F.silu(g[:, :inter]) * g[:, inter:])
 
     c_bf16, c_unfused = torch.compile(mlp_bf16), torch.compile(mlp_unfused)
+    c_token = torch.compile(swiglu_mlp_fp8_tokenwise)
     add("bf16", [lambda w=w: c_bf16(x, *w) for w in bf16], lambda: c_bf16(x, *bf16[0]))
     add("fp8_unfused", [lambda lay=lay: c_unfused(x, *lay) for lay in layers], lambda: c_unfused(x, *layers[0]))
+    add("fp8_token", [lambda lay=lay: c_token(x, *lay) for lay in layers], lambda: c_token(x, *layers[0]))
+    if dev.type == "cuda":  # the SiLU * up + per-token quantize step alone, on an L2-resident gate/up output
+        gu = layers[0][0](x)
+        fp8 = layers[0][1].fp8_dtype
+        c_silu = torch.compile(_silu_mul_quantize_torch)
+        add("silu_inductor", [lambda: c_silu(gu, fp8)] * 8)
+        for block, warps in itertools.product((4096, 8192, 16384), (4, 8, 16, 32)):
+            if block * 4 >= inter:
+                add("silu_kernel", [lambda c={"block": block, "num_warps": warps}: tk.fp8_silu_mul_quantize(
+                    gu, fp8, config=c)] * 8, block=block, num_warps=warps)
     best = given
     if tune:
         a_q, a_s = quantize_fp8(x, granularity="rowwise")
@@ -173,9 +191,13 @@ def main() -> None:
             if best:
                 best_by[f"{model}_M{m}"] = best
             write_json(args.out.removesuffix(".json"), {"rows": rows, "best": best_by})
-    main_rows = [r for r in rows if r["variant"] in ("bf16", "fp8_unfused", "fp8_fused")]
+    main_rows = [r for r in rows if r["variant"] in ("bf16", "fp8_unfused", "fp8_token", "fp8_fused")]
     print(table("SwiGLU MLP at decode (one CUDA graph over a weight rotation)", main_rows,
                 ["model", "M", "variant", "group", "us", "weight_gbs", "x_bf16", "sqnr_db", "error"]))
+    silu_rows = [r for r in rows if r["variant"].startswith("silu_")]
+    if silu_rows:
+        print(table("SiLU * up + per-token FP8 quantize alone, (M, 2I) bf16 in L2 (us per call)", silu_rows,
+                    ["model", "M", "variant", "block", "num_warps", "us", "error"]))
     for key, best in best_by.items():
         print(f"best {key}: {best}")
     errors = [r for r in rows if "error" in r]

@@ -179,6 +179,7 @@ def test_fp8_row_swiglu_mlp_runs_at_decode_and_follows_weight_sync(quant_dir, mo
 
     per_token = engine(quant_dir, quant_scheme="fp8_row")  # the default: per-token scales
     assert not per_token.fusion_report.mlp_fp8
+    assert len(per_token.fusion_report.mlp_fp8_token) == per_token.model.config.num_hidden_layers
     fused = engine(quant_dir, quant_scheme="fp8_row", fuse_fp8_mlp=True)
     layers = fused.model.config.num_hidden_layers
     assert len(fused.fusion_report.mlp_fp8) == layers and not fused.fusion_report.mlp_fp8_skipped
@@ -203,6 +204,29 @@ def test_fp8_row_swiglu_mlp_runs_at_decode_and_follows_weight_sync(quant_dir, mo
     fresh = engine(fresh_dir, quant_scheme="fp8_row", fuse_fp8_mlp=True)
     for params in (GREEDY, SAMPLED):
         assert_same(fused.generate(batch, params), fresh.generate(batch, params), atol=1e-5)
+
+
+def test_fp8_row_mlp_activation_kernel_is_the_unfused_math(quant_dir, monkeypatch):
+    """The default ``fp8_row`` MLP (SiLU * up and the per-token quantization of the down input in one
+    lumenrl-quant kernel) computes what the plain modules compute (float32 model: the same numbers),
+    at prefill and every decode step; ``fp8_act_kernel=False`` keeps the modules' own ops."""
+    from lumenrl_quant import fused_mlp
+
+    kernel = engine(quant_dir, quant_scheme="fp8_row")
+    plain = engine(quant_dir, quant_scheme="fp8_row", fp8_act_kernel=False)
+    layers = kernel.model.config.num_hidden_layers
+    assert len(kernel.fusion_report.mlp_fp8_token) == layers and not plain.fusion_report.mlp_fp8_token
+    calls = []
+    original = fused_mlp.swiglu_mlp_fp8_tokenwise
+    monkeypatch.setattr(fused_mlp, "swiglu_mlp_fp8_tokenwise",
+                        lambda *a, **k: calls.append(a[0].shape) or original(*a, **k))
+    batch = prompt_batch(kernel.tokenizer)
+    for params in (GREEDY, SAMPLED):
+        out = kernel.generate(batch, params)
+        assert_same(out, plain.generate(batch, params), atol=1e-5)
+    assert len(calls) >= 2 * layers * GREEDY["max_new_tokens"]  # only the kernel engine calls it
+    mixed = engine(quant_dir, quant_scheme="fp8_block")  # not per-token activations: left alone
+    assert not mixed.fusion_report.mlp_fp8_token
 
 
 def test_per_tensor_fp8_is_left_unfused(quant_dir):

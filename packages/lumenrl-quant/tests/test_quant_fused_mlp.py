@@ -8,6 +8,9 @@
   products of the same FP8 codes, M not a multiple of the tile, split-K, and the whole MLP against
   the torch backend. The interpreter's own FP8 cast does not round like CUDA, so codes are compared
   on the GPU (test at the end), dequantized values here.
+* The per-token variant (``silu_mul_quantize``, ``swiglu_mlp_fp8_tokenwise``): float64 bounds, the
+  same numbers as the unfused modules, compile, ``QuantizedLinear.forward_quantized``'s checks, and
+  its Triton kernel in the interpreter (one pass and two passes per row) and on the GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ import pytest
 import torch
 
 from lumenrl_quant import QuantizedLinear, sqnr_db
-from lumenrl_quant.fused_mlp import swiglu_mlp_fp8, swiglu_mlp_fp8_supported, swiglu_quantize_reference
+from lumenrl_quant.fused_mlp import (
+    silu_mul_quantize,
+    swiglu_mlp_fp8,
+    swiglu_mlp_fp8_supported,
+    swiglu_mlp_fp8_tokenwise,
+    swiglu_quantize_reference,
+)
 
 
 def _mlp(k: int, inter: int, *, seed: int, scheme: str = "fp8_row", device: str = "cpu"):
@@ -94,6 +103,103 @@ def test_unsupported_layers_and_bad_arguments_are_named():
         triton_gemm._swiglu_config({"group": 48})
     with pytest.raises(ValueError, match=r"\['split'\]"):
         triton_gemm._swiglu_config({"split": 2})
+
+
+def test_silu_mul_quantize_per_token_against_float64():
+    gen = torch.Generator().manual_seed(11)
+    gu = torch.randn(2, 9, 2 * 160, generator=gen, dtype=torch.float64) * 2.0
+    gu[0, 3] *= 50.0  # an outlier token: its scale is its own
+    gu[1, 4] = 0.0  # an all-zero token: scale 1, codes 0
+    codes, scales = silu_mul_quantize(gu.float(), backend="torch")
+    assert codes.shape == (2, 9, 160) and codes.dtype == torch.float8_e4m3fn and scales.shape == (2, 9, 1)
+    g, u = gu[..., :160], gu[..., 160:]
+    h = torch.nn.functional.silu(g) * u
+    amax = h.abs().amax(-1, keepdim=True)
+    ok = amax > 0
+    assert float(((scales.double() - amax / 448.0).abs() / amax.clamp_min(1e-30) * 448.0)[ok].max()) < 1e-6
+    assert torch.equal(scales[1, 4], torch.ones(1)) and not codes[1, 4].float().any()
+    deq = codes.double() * scales.double()
+    assert sqnr_db(h, deq) >= 28.0  # E4M3 per token (3 mantissa bits): ~31 dB on Gaussian-like rows
+    with pytest.raises(ValueError, match="odd"):
+        silu_mul_quantize(torch.randn(3, 7))
+    with pytest.raises(ValueError, match="backend='gpu'"):
+        silu_mul_quantize(torch.randn(3, 8), backend="gpu")
+
+
+def test_tokenwise_mlp_is_the_unfused_per_token_math_and_compiles():
+    (wg, wu, wd), gate_up, down = _mlp(256, 512, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(3, 5, 256, generator=gen)
+    x[1, 2] *= 40.0
+    out = swiglu_mlp_fp8_tokenwise(x, gate_up, down, backend="torch")
+    gu = gate_up(x)
+    unfused = down(torch.nn.functional.silu(gu[..., :512]) * gu[..., 512:])  # float32 h: the same quantization
+    assert out.shape == (3, 5, 256) and torch.allclose(out, unfused, rtol=1e-5, atol=1e-6)
+    assert sqnr_db(_reference(x.reshape(-1, 256), wg, wu, wd), out.reshape(-1, 256).double()) >= 20.0  # 23.0 measured
+    compiled = torch.compile(lambda t: swiglu_mlp_fp8_tokenwise(t, gate_up, down), fullgraph=True, backend="eager")
+    assert torch.allclose(compiled(x), out, rtol=1e-5, atol=1e-6)
+    # a bias is fine here (the GEMM epilogues add it); other schemes and shapes are refused by name
+    biased = QuantizedLinear(512, 256, scheme="fp8_row", bias=True, weight=wd)
+    assert swiglu_mlp_fp8_supported(gate_up, biased, tokenwise=True) is None
+    blocky = QuantizedLinear(512, 256, scheme="fp8_block", bias=False, weight=wd)
+    with pytest.raises(ValueError, match="down scheme='fp8_block'"):
+        swiglu_mlp_fp8_tokenwise(x, gate_up, blocky)
+
+
+def test_forward_quantized_matches_forward_and_names_bad_operands():
+    _, gate_up, down = _mlp(128, 256, seed=14)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(15))
+    from lumenrl_quant.fp8 import quantize_fp8
+
+    a_q, a_s = quantize_fp8(x, granularity="rowwise", backend="torch")
+    assert torch.equal(down.forward_quantized(a_q, a_s, torch.float32), down(x))
+    assert down.forward_quantized(a_q[:0], a_s[:0], torch.float32).shape == (0, 128)
+    with pytest.raises(ValueError, match=r"a_scale shape \(6, 2\)"):
+        down.forward_quantized(a_q, a_s.expand(6, 2), torch.float32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        down.forward_quantized(a_q.to(torch.float8_e5m2), a_s, torch.float32)
+    blocky = QuantizedLinear(256, 128, scheme="fp8_block", bias=False, weight=torch.randn(128, 256))
+    with pytest.raises(ValueError, match="scheme='fp8_block'"):
+        blocky.forward_quantized(a_q, a_s, torch.float32)
+
+
+SILU_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from lumenrl_quant import triton_kernels as tk
+    from lumenrl_quant.fused_mlp import silu_mul_quantize
+
+    torch.manual_seed(0)
+    worst = 0.0
+    for m, inter, cfg in ((7, 96, None), (3, 300, {"block": 64, "num_warps": 4}), (4, 256, {"block": 128})):
+        gu = torch.randn(m, 2 * inter) * 3.0
+        gu[1] *= 20.0
+        q, s = tk.fp8_silu_mul_quantize(gu, config=cfg)
+        assert q.shape == (m, inter) and s.shape == (m, 1), (q.shape, s.shape)
+        g, u = gu.double().chunk(2, -1)
+        h = torch.nn.functional.silu(g) * u
+        amax = h.abs().amax(-1, keepdim=True)
+        worst = max(worst, float(((s.double() - amax / 448.0) / (amax / 448.0)).abs().max()))
+        err = float((q.double() * s.double() - h).norm() / h.norm())
+        assert err < 0.1, (m, inter, err)  # the interpreter's FP8 cast is coarser than CUDA's
+        ref_q, ref_s = silu_mul_quantize(gu, backend="torch")
+        assert torch.allclose(s, ref_s, rtol=1e-6), (s, ref_s)
+    try:
+        tk.fp8_silu_mul_quantize(torch.randn(2, 7))
+        raise SystemExit("an odd width was accepted")
+    except ValueError as e:
+        assert "(2, 7)" in str(e), e
+    print(worst)
+    """
+)
+
+
+def test_silu_mul_quantize_kernel_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", SILU_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.strip().splitlines()[-1]) < 1e-6
 
 
 SCRIPT = textwrap.dedent(
@@ -187,3 +293,34 @@ def test_fused_mlp_gpu_matches_torch_backend(m):
     assert torch.allclose(s, rs.float(), rtol=5e-3)
     assert sqnr_db(rq.double() * rs.double().repeat_interleave(128, 1),
                    q.double() * s.double().repeat_interleave(128, 1)) >= 30
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs an FP8 GPU (sm_89+)")
+@pytest.mark.parametrize(("m", "inter"), [(1, 2048), (64, 12288), (5, 20000)])
+def test_silu_mul_quantize_gpu_matches_torch(m, inter):
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    gu = (torch.randn(m, 2 * inter, device="cuda", generator=gen) * 2.0).bfloat16()
+    q, s = silu_mul_quantize(gu, backend="triton")
+    rq, rs = silu_mul_quantize(gu, backend="torch")
+    assert torch.allclose(s, rs, rtol=1e-6)  # amax / 448 rounded the same way (div_rn)
+    # exp in the kernel and in torch may differ by an ulp: a code can flip at a rounding tie
+    assert float((q.float() != rq.float()).float().mean()) < 1e-3
+    g, u = gu.double().chunk(2, -1)
+    assert sqnr_db(torch.nn.functional.silu(g) * u, q.double() * s.double()) >= 28.0
+    compiled = torch.compile(lambda t: silu_mul_quantize(t), fullgraph=True)
+    cq, cs = compiled(gu)
+    assert torch.equal(cq.float(), q.float()) and torch.equal(cs, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs an FP8 GPU (sm_89+)")
+def test_tokenwise_mlp_gpu_matches_torch_backend():
+    (wg, wu, wd), gate_up, down = _mlp(1024, 2048, seed=8, device="cuda")
+    x = torch.randn(64, 1024, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)).bfloat16()
+    tri = swiglu_mlp_fp8_tokenwise(x, gate_up, down, backend="triton")
+    ref = swiglu_mlp_fp8_tokenwise(x, gate_up, down, backend="torch")
+    assert sqnr_db(ref.double(), tri.double()) >= 35.0
+    assert sqnr_db(_reference(x.float().cpu(), wg, wu, wd), tri.double().cpu()) >= 22.0

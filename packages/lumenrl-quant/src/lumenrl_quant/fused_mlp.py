@@ -26,6 +26,12 @@ token: never a coarser scale than per-token (each block's amax is at most the ro
 not rounded to bf16 before quantization. Tested against float64 (SQNR) and against the unfused
 per-token path (the fused one is at least as close to float64).
 
+Per-token variant, :func:`swiglu_mlp_fp8_tokenwise`: the two GEMMs stay the per-token ``fp8_row``
+ones (the tuned Triton rowwise kernel / cuBLAS), and only the three elementwise kernels between them
+become one: :func:`silu_mul_quantize` (``triton_kernels.fp8_silu_mul_quantize``, a program per row
+holding the row in registers, so the per-token amax needs no second kernel). Its numerics are those
+of the unfused compiled path (``h`` in float32, one scale per token), with ``h`` never rounded to 16 bits.
+
 Backends: ``triton`` (CUDA, sm_89+, Triton) or ``torch`` (the same math with dequantized operands:
 CPU, and the reference in tests); ``auto`` picks. Inside ``torch.compile`` the input's per-token
 quantization is plain torch ops (inductor fuses them into the RMSNorm that produces ``x``), as in
@@ -41,7 +47,14 @@ from torch import nn
 
 from lumenrl_quant.fp8 import quantize_fp8
 
-__all__ = ["SWIGLU_GROUP", "swiglu_mlp_fp8", "swiglu_mlp_fp8_supported", "swiglu_quantize_reference"]
+__all__ = [
+    "SWIGLU_GROUP",
+    "silu_mul_quantize",
+    "swiglu_mlp_fp8",
+    "swiglu_mlp_fp8_supported",
+    "swiglu_mlp_fp8_tokenwise",
+    "swiglu_quantize_reference",
+]
 
 SWIGLU_GROUP = 128  # features per activation scale of the down projection's input (the kernel's tile width)
 # launch configurations at decode M (<= 64) per (I, K) of the gate/up kernel (its "group" also sets the
@@ -64,22 +77,94 @@ def _default_configs(m: int, group: int) -> tuple[dict[str, int], dict[str, int]
              "num_warps": 4 if m <= 64 else 8, "num_stages": 4})
 
 
-def swiglu_mlp_fp8_supported(gate_up: nn.Module, down: nn.Module, *, group: int | None = None) -> str | None:
-    """None when :func:`swiglu_mlp_fp8` can run these layers, else why not (for reports)."""
+def swiglu_mlp_fp8_supported(
+    gate_up: nn.Module, down: nn.Module, *, group: int | None = None, tokenwise: bool = False
+) -> str | None:
+    """None when :func:`swiglu_mlp_fp8` (``tokenwise``: :func:`swiglu_mlp_fp8_tokenwise`) can run these
+    layers, else why not (for reports)."""
     for name, layer in (("gate_up", gate_up), ("down", down)):
         if getattr(layer, "scheme", None) != "fp8_row":
             return f"{name} scheme={getattr(layer, 'scheme', type(layer).__name__)!r}; the fused MLP needs 'fp8_row'"
-        if layer.bias is not None:
+        if layer.bias is not None and not tokenwise:
             return f"{name} has a bias"
     inter = gate_up.out_features // 2
-    group = group or SWIGLU_CONFIGS.get((inter, gate_up.in_features), {}).get("group", SWIGLU_GROUP)
     if gate_up.out_features % 2 or down.in_features != inter:
         return f"gate_up out_features={gate_up.out_features} is not 2 x down in_features={down.in_features}"
+    if tokenwise:
+        return None
+    group = group or SWIGLU_CONFIGS.get((inter, gate_up.in_features), {}).get("group", SWIGLU_GROUP)
     if inter % group:
         return f"intermediate size {inter} is not a multiple of group={group}"
     if gate_up.fp8_dtype != down.fp8_dtype:
         return "gate_up and down use different FP8 dtypes"
     return None
+
+
+def _silu_triton_ok(t: torch.Tensor) -> bool:
+    if t.device.type != "cuda" or getattr(torch.version, "hip", None) is not None:
+        return False
+    from lumenrl_quant import triton_kernels as tk
+
+    return tk.triton_available(t.device) and torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
+def _silu_mul_quantize_torch(gate_up: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return quantize_fp8(torch.nn.functional.silu(gate) * up, dtype=dtype, granularity="rowwise", backend="torch")
+
+
+def _silu_mul_quantize_impl(gate_up: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from lumenrl_quant import triton_kernels as tk
+
+    return tk.fp8_silu_mul_quantize(gate_up, dtype)
+
+
+def _silu_mul_quantize_fake(gate_up: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    return gate_up.new_empty((m, inter), dtype=dtype), gate_up.new_empty((m, 1), dtype=torch.float32)
+
+
+# the Triton kernel as an opaque op (inductor would otherwise trace into the launch); registered at
+# import, once per process
+_SILU_OP = getattr(getattr(torch.ops, "lumenrl_quant", None), "silu_mul_quantize", None)
+if _SILU_OP is None:
+    _SILU_OP = torch.library.custom_op("lumenrl_quant::silu_mul_quantize", mutates_args=())(_silu_mul_quantize_impl)
+    _SILU_OP.register_fake(_silu_mul_quantize_fake)
+
+
+def silu_mul_quantize(
+    gate_up: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU activation straight to FP8: ``h = silu(gate) * up`` with ``gate, up = gate_up.chunk(2, -1)``,
+    in float32, quantized with one scale per token. ``gate_up`` (..., 2I) -> ``(codes (..., I), scales
+    (..., 1))``, dequant scales (``h ≈ codes * scales``), the activations :meth:`QuantizedLinear.forward_quantized`
+    of an ``fp8_row`` layer takes. ``backend``: ``auto`` (the Triton kernel on CUDA sm_89+, an opaque
+    custom op under ``torch.compile``; else torch), ``triton`` or ``torch``."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend={backend!r}; allowed: auto, triton, torch")
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up last dim {gate_up.shape[-1]} is odd; allowed: 2 x the intermediate size")
+    lead, inter = gate_up.shape[:-1], gate_up.shape[-1] // 2
+    g2 = gate_up.reshape(-1, 2 * inter)
+    if backend == "auto":
+        backend = "triton" if _silu_triton_ok(g2) else "torch"
+    if backend == "triton":
+        codes, scales = _SILU_OP(g2, dtype)
+    else:
+        codes, scales = _silu_mul_quantize_torch(g2, dtype)
+    return codes.reshape(*lead, inter), scales.reshape(*lead, 1)
+
+
+def swiglu_mlp_fp8_tokenwise(x: torch.Tensor, gate_up: nn.Module, down: nn.Module, *, backend: str = "auto") -> torch.Tensor:
+    """``down(silu(gate) * up)`` with ``gate, up = gate_up(x).chunk(2, -1)``, both ``fp8_row``
+    :class:`~lumenrl_quant.QuantizedLinear`, the down input quantized per token by
+    :func:`silu_mul_quantize` (one kernel between the two GEMMs; see the module doc). ``backend``
+    applies to that kernel; the GEMMs take their layers' paths."""
+    reason = swiglu_mlp_fp8_supported(gate_up, down, tokenwise=True)
+    if reason is not None:
+        raise ValueError(f"swiglu_mlp_fp8_tokenwise: {reason}")
+    codes, scales = silu_mul_quantize(gate_up(x), dtype=down.fp8_dtype, backend=backend)
+    return down.forward_quantized(codes, scales, x.dtype)
 
 
 def swiglu_quantize_reference(

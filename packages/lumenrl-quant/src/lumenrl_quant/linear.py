@@ -240,26 +240,47 @@ class QuantizedLinear(nn.Module):
         return F.linear(x2, self.dequantized_weight(x2.dtype), bias)
 
     def _fp8_forward(self, x2: torch.Tensor) -> torch.Tensor:
-        _, w_block, a_gran, a_block = _FP8_LAYOUTS[self.scheme]
-        compiling = torch.compiler.is_compiling()
-        backend = "torch" if compiling else "auto"  # plain torch ops fuse into the producer under compile
+        _, _, a_gran, a_block = _FP8_LAYOUTS[self.scheme]
+        backend = "torch" if torch.compiler.is_compiling() else "auto"  # plain torch ops fuse into the producer
         a_q, a_scale = quantize_fp8(x2, dtype=self.fp8_dtype, granularity=a_gran, block_size=a_block, backend=backend)
-        key = (x2.dtype, _m_class(x2.shape[0]))
+        return self._fp8_gemm(a_q, a_scale, x2.dtype)
+
+    def forward_quantized(self, a_q: torch.Tensor, a_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``forward`` for activations the caller already quantized as this scheme's activations are:
+        ``fp8_row`` only, ``a_q`` (..., K) in this layer's FP8 dtype and ``a_scale`` (..., 1) per-token
+        dequant scales (e.g. :func:`lumenrl_quant.fused_mlp.silu_mul_quantize` of the layer before)."""
+        if self.scheme != "fp8_row":
+            raise ValueError(f"forward_quantized: scheme={self.scheme!r}; allowed: 'fp8_row' (per-token activations)")
+        if a_q.dtype != self.fp8_dtype or a_q.shape[-1] != self.in_features:
+            raise ValueError(f"forward_quantized: a_q {a_q.dtype} (..., {a_q.shape[-1]}); this layer takes "
+                             f"{self.fp8_dtype} (..., {self.in_features})")
+        if tuple(a_scale.shape) != (*a_q.shape[:-1], 1):
+            raise ValueError(f"forward_quantized: a_scale shape {tuple(a_scale.shape)}; allowed: "
+                             f"{(*a_q.shape[:-1], 1)} (one scale per token)")
+        lead = a_q.shape[:-1]
+        a2, s2 = a_q.reshape(-1, self.in_features), a_scale.reshape(-1, 1)
+        if a2.shape[0] == 0:
+            return torch.zeros(*lead, self.out_features, dtype=out_dtype, device=a_q.device)
+        return self._fp8_gemm(a2, s2, out_dtype).reshape(*lead, self.out_features)
+
+    def _fp8_gemm(self, a_q: torch.Tensor, a_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        _, w_block, _, a_block = _FP8_LAYOUTS[self.scheme]
+        key = (out_dtype, _m_class(a_q.shape[0]))
         path = self._paths.get(key, "emulated")
-        kw = {"out_dtype": x2.dtype, "bias": self.bias, "a_block_size": a_block, "b_block_size": w_block,
+        kw = {"out_dtype": out_dtype, "bias": self.bias, "a_block_size": a_block, "b_block_size": w_block,
               "unit_scale": self._unit}
-        if compiling:
+        if torch.compiler.is_compiling():
             return run_gemm_path(path, a_q, a_scale, self.weight, self.weight_scale, **kw)
         if gemm._FAILED and path != "emulated":  # a fast path failed somewhere: re-check (slow, rare, correct)
-            path = self._paths[key] = self._path_now(x2.dtype, x2.shape[0])
+            path = self._paths[key] = self._path_now(out_dtype, a_q.shape[0])
         for _ in range(3):  # a failing path is remembered; gemm_path then names the next best one
             if path == "emulated":
                 break
             try:
                 return run_gemm_path(path, a_q, a_scale, self.weight, self.weight_scale, **kw)
             except (RuntimeError, NotImplementedError) as err:
-                note_gemm_failure(path, a_q, self.weight, x2.dtype, err)
-                path = self._paths[key] = self._path_now(x2.dtype, x2.shape[0])
+                note_gemm_failure(path, a_q, self.weight, out_dtype, err)
+                path = self._paths[key] = self._path_now(out_dtype, a_q.shape[0])
         return run_gemm_path("emulated", a_q, a_scale, self.weight, self.weight_scale, **kw)
 
     def extra_repr(self) -> str:

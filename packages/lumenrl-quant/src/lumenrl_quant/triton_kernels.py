@@ -12,6 +12,11 @@ reference (:mod:`lumenrl_quant.fp8`, :mod:`lumenrl_quant.gemm`).
   ``group=K`` rowwise ``(M, 1)``. Division is IEEE round-to-nearest (``div_rn``) and the cast
   rounds to nearest even, so results are bit-identical to the torch path (checked on GPU by
   ``benchmarks/quant``); NaN inputs are not propagated into scales as torch does.
+* ``fp8_silu_mul_quantize(gate_up)``: the SwiGLU activation of a fused gate/up output ``(M, 2I)``,
+  ``silu(gate) * up`` in float32, quantized to FP8 with one scale per token: a program per row holds
+  the whole row in registers (up to 16384 features; wider rows take two passes, the second from L2),
+  so the row amax needs no reduction across programs. One launch where inductor emits three (a split
+  amax, its combine, the cast that recomputes ``h``).
 * ``fp8_quantize_blocks(w, 128)``: 128x128 weight blocks, scales ``(N/128, K/128)``.
 * ``fp8_quantize_tensorwise(x)``: an amax pass (atomic max on the float bits, valid because
   magnitudes are non-negative) and a cast pass that derives the scale itself (no host round trip,
@@ -50,6 +55,7 @@ __all__ = [
     "fp8_quantize_blocks",
     "fp8_quantize_groups",
     "fp8_quantize_tensorwise",
+    "fp8_silu_mul_quantize",
     "mx_quantize",
     "triton_available",
 ]
@@ -133,6 +139,45 @@ if triton is not None:
                 x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale1[:, None]), -FP8_MAX), FP8_MAX)
                 tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(OUT), mask=mask)
+
+    @triton.jit
+    def _silu_mul_quant_kernel(
+        gu_ptr, q_ptr, s_ptr, INTER, stride_gm, stride_qm,
+        FP8_MAX: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr, CHUNKS: tl.constexpr,
+    ):
+        # one program per row: gate = gu[row, :INTER], up = gu[row, INTER:]; h = silu(gate) * up in float32
+        row = tl.program_id(0).to(tl.int64)
+        gu_ptr += row * stride_gm
+        q_ptr += row * stride_qm
+        cols = tl.arange(0, BLOCK)
+        if SINGLE:  # BLOCK >= INTER: the row stays in registers, one read
+            mask = cols < INTER
+            g = tl.load(gu_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(gu_ptr + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+            h = g * tl.sigmoid(g) * u
+            amax = tl.max(tl.abs(h), axis=0)
+        else:  # amax pass, then a cast pass that reloads (from L2) and recomputes h
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for c in range(CHUNKS):
+                k0 = c * BLOCK
+                mask = k0 + cols < INTER
+                g = tl.load(gu_ptr + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(gu_ptr + INTER + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+                acc = tl.maximum(acc, tl.abs(g * tl.sigmoid(g) * u))
+            amax = tl.max(acc, axis=0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+        tl.store(s_ptr + row, scale)
+        if SINGLE:
+            q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale), -FP8_MAX), FP8_MAX)
+            tl.store(q_ptr + cols, q.to(OUT), mask=mask)
+        else:
+            for c in range(CHUNKS):
+                k0 = c * BLOCK
+                mask = k0 + cols < INTER
+                g = tl.load(gu_ptr + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(gu_ptr + INTER + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+                q = tl.minimum(tl.maximum(tl.math.div_rn(g * tl.sigmoid(g) * u, scale), -FP8_MAX), FP8_MAX)
+                tl.store(q_ptr + k0 + cols, q.to(OUT), mask=mask)
 
     @triton.jit
     def _block_quant_2pass_kernel(
@@ -415,6 +460,36 @@ def fp8_quantize_groups(
         FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype), REDUCE_ROWS=False, BLOCK_M=cfg["block_m"], BLOCK_K=block_k,
         NG=ng, num_warps=cfg["num_warps"],
     )
+    return q, s
+
+
+def _silu_defaults(inter: int) -> dict:
+    block = min(_next_pow2(inter), 16384)
+    return {"block": block, "num_warps": 16 if block >= 8192 else 8 if block >= 2048 else 4}
+
+
+def fp8_silu_mul_quantize(
+    gate_up: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *, config: Mapping[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = silu(gate) * up`` with ``gate, up = gate_up.chunk(2, -1)`` (``gate_up`` (M, 2I), any float
+    dtype), computed in float32 and quantized with one scale per row: ``(codes (M, I), scales (M, 1))``.
+
+    ``config`` overrides ``block`` (features per pass, a power of two; the whole row in one pass when
+    ``block >= I``) and ``num_warps``."""
+    _require(gate_up)
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up shape {tuple(gate_up.shape)}; allowed: (M, 2 * I)")
+    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    cfg = _with(_silu_defaults(inter), config)
+    _require_pow2("config block", cfg["block"], 16)
+    gate_up = gate_up if gate_up.stride(1) == 1 else gate_up.contiguous()
+    q = torch.empty((m, inter), dtype=dtype, device=gate_up.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=gate_up.device)
+    if m:
+        _silu_mul_quant_kernel[(m,)](
+            gate_up, q, s, inter, gate_up.stride(0), q.stride(0), FP8_MAX=fp8_max(dtype), OUT=_tl_fp8(dtype),
+            BLOCK=cfg["block"], SINGLE=cfg["block"] >= inter, CHUNKS=-(-inter // cfg["block"]), num_warps=cfg["num_warps"],
+        )
     return q, s
 
 

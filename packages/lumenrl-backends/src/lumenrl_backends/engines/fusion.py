@@ -58,7 +58,7 @@ ATTENTION_CLASSES: dict[str, str | None] = {
 # dense MLPs (also MoE shared experts / dense layers) whose forward is down(act(gate(x)) * up(x))
 MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "Qwen3MoeMLP", "DeepseekV3MLP", "Glm4MoeMLP"})
 _FUSED_ATTR = "_lumenrl_fused"  # instance attribute (outside the module tree) holding the fused linear
-_SWIGLU_ATTR = "_lumenrl_swiglu_fp8"  # instance attribute: True when the MLP runs lumenrl-quant's fused FP8 SwiGLU
+_SWIGLU_ATTR = "_lumenrl_swiglu_fp8"  # instance attribute: "group" / "token" when the MLP runs a lumenrl-quant FP8 SwiGLU
 
 
 @dataclass
@@ -66,6 +66,7 @@ class FusionReport:
     attention: list[str] = field(default_factory=list)  # module names whose q/k/v were fused
     mlp: list[str] = field(default_factory=list)  # module names whose gate/up were fused
     mlp_fp8: list[str] = field(default_factory=list)  # fused MLPs that run lumenrl-quant's FP8 SwiGLU (opt-in)
+    mlp_fp8_token: list[str] = field(default_factory=list)  # MLPs whose SiLU * up + per-token quantize is one kernel
     mlp_fp8_skipped: dict[str, str] = field(default_factory=dict)  # fused quantized MLP -> why not the FP8 SwiGLU
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> why not
 
@@ -250,23 +251,29 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled():  # training: the original forward on the member views (gradients flow)
         return self._lumenrl_original_forward(x)
     fused = getattr(self, _FUSED_ATTR)
-    if self.__dict__.get(_SWIGLU_ATTR):  # every M (prefill too): one numerics for decode, prefill and rescoring
+    mode = self.__dict__.get(_SWIGLU_ATTR)  # every M (prefill too): one numerics for decode, prefill and rescoring
+    if mode == "group":
         from lumenrl_quant.fused_mlp import swiglu_mlp_fp8
 
         return swiglu_mlp_fp8(x, fused.linear, self.down_proj)
+    if mode == "token":
+        from lumenrl_quant.fused_mlp import swiglu_mlp_fp8_tokenwise
+
+        return swiglu_mlp_fp8_tokenwise(x, fused.linear, self.down_proj)
     gate, up = fused(x)
     return self.down_proj(self.act_fn(gate) * up)
 
 
-def _swiglu_fp8_reason(module: nn.Module, fused: Any) -> str | None:
-    """None when the MLP can run lumenrl-quant's fused FP8 SwiGLU, else why not."""
+def _swiglu_fp8_reason(module: nn.Module, fused: Any, tokenwise: bool = False) -> str | None:
+    """None when the MLP can run lumenrl-quant's fused FP8 SwiGLU (``tokenwise``: its per-token
+    variant), else why not."""
     if not isinstance(fused, _FusedQuantized):
         return "not quantized"
     if type(module.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
         return f"activation {type(module.act_fn).__name__} is not SiLU"
     from lumenrl_quant.fused_mlp import swiglu_mlp_fp8_supported
 
-    return swiglu_mlp_fp8_supported(fused.linear, module.down_proj)
+    return swiglu_mlp_fp8_supported(fused.linear, module.down_proj, tokenwise=tokenwise)
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -294,7 +301,9 @@ _ATTENTION_ATTRS = ("_lumenrl_family", "_lumenrl_window", "_lumenrl_cache_kwarg"
 
 
 @torch.no_grad()
-def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False) -> FusionReport:
+def fuse_projections(
+    model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False, fp8_act_kernel: bool = True,
+) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
     ``fp8_mlp`` (opt-in): ``fp8_row`` SwiGLU MLPs run :func:`lumenrl_quant.fused_mlp.swiglu_mlp_fp8`
@@ -302,6 +311,10 @@ def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = Tr
     group scales, every M); off keeps the per-token quantization between separate kernels. Measured
     on the H200 (RESULTS.md, session 5): three fewer kernels per layer but a slower group-scaled down
     GEMM, the same decode speed; hence not the default.
+
+    ``fp8_act_kernel`` (default on; when ``fp8_mlp`` is off or does not apply): ``fp8_row`` SwiGLU MLPs
+    keep per-token scales and both GEMMs, and SiLU * up with the down input's quantization runs as one
+    kernel (:func:`lumenrl_quant.fused_mlp.swiglu_mlp_fp8_tokenwise`) instead of three inductor kernels.
 
     Call after the model is on its device (and after quantization, if any): the fused storage is
     allocated where the members live, and later ``.to()`` calls would not move it.
@@ -312,7 +325,7 @@ def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = Tr
         if cls in _SUBCLASSES.values():  # fused by an earlier engine on the same model: keep it
             (report.attention if cls.forward is _attention_forward else report.mlp).append(name)
             if cls.forward is _mlp_forward:
-                _set_swiglu(module, name, fp8_mlp, report)
+                _set_swiglu(module, name, fp8_mlp, fp8_act_kernel, report)
             continue
         kind = ("attention" if attention and cls.__name__ in ATTENTION_CLASSES
                 else "mlp" if mlp and cls.__name__ in MLP_CLASSES else None)
@@ -334,17 +347,22 @@ def fuse_projections(model: nn.Module, *, attention: bool = True, mlp: bool = Tr
         module.__class__ = _fused_class(cls, forward)
         getattr(report, kind).append(name)
         if kind == "mlp":
-            _set_swiglu(module, name, fp8_mlp, report)
+            _set_swiglu(module, name, fp8_mlp, fp8_act_kernel, report)
     return report
 
 
-def _set_swiglu(module: nn.Module, name: str, wanted: bool, report: FusionReport) -> None:
-    reason = _swiglu_fp8_reason(module, module.__dict__[_FUSED_ATTR]) if wanted else "off"
-    module.__dict__[_SWIGLU_ATTR] = reason is None
+def _set_swiglu(module: nn.Module, name: str, group: bool, token: bool, report: FusionReport) -> None:
+    fused = module.__dict__[_FUSED_ATTR]
+    reason = _swiglu_fp8_reason(module, fused) if group else "off"
+    mode = "group" if reason is None else None
     if reason is None:
         report.mlp_fp8.append(name)
     elif reason not in ("off", "not quantized"):
         report.mlp_fp8_skipped[name] = reason
+    if mode is None and token and _swiglu_fp8_reason(module, fused, tokenwise=True) is None:
+        mode = "token"
+        report.mlp_fp8_token.append(name)
+    module.__dict__[_SWIGLU_ATTR] = mode
 
 
 def unfuse_projections(model: nn.Module) -> int:

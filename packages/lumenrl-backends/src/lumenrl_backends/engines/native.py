@@ -19,6 +19,8 @@ Design (what the GPU-speed work builds on without a rewrite):
   q/k/v GEMM and one gate/up GEMM per layer over fused storage that the named parameters view;
   opt-in (``fuse_fp8_mlp``), ``fp8_row`` SwiGLU MLPs run two kernels (lumenrl-quant
   :mod:`~lumenrl_quant.fused_mlp`): SiLU * up and the down input's FP8 quantization in the gate/up epilogue;
+  otherwise (``fp8_act_kernel``, default on) their SiLU * up and per-token FP8 quantization of the down
+  input run as one lumenrl-quant kernel between the two GEMMs instead of three inductor kernels;
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
   (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
@@ -157,6 +159,7 @@ class NativeEngine:
         fuse_projections: bool = True,
         overlap_sync: bool = True,
         fuse_fp8_mlp: bool = False,
+        fp8_act_kernel: bool = True,
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
@@ -170,7 +173,8 @@ class NativeEngine:
         self.model = model.to(self.device).eval()
         self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
         # one q/k/v and one gate/up GEMM per layer; parameters become views of the fused storage
-        self.fusion_report = fuse_model_projections(self.model, fp8_mlp=fuse_fp8_mlp) if fuse_projections else None
+        self.fusion_report = fuse_model_projections(self.model, fp8_mlp=fuse_fp8_mlp,
+                                                    fp8_act_kernel=fp8_act_kernel) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
         self.tokenizer = tokenizer
