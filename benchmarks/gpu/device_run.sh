@@ -153,4 +153,15 @@ case "${1:-all}" in
   fp8-s6-bf16) run 150 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl \
                  --out fp8_rollout6_full_bf16.json ;;
   s6call1) for part in gpu-tests6 mlp-s6 fp8-s6-row fp8-s6-bf16; do "$0" "$part"; done ;;
+  # call 2: the SiLU kernel split over several programs per row (barrier-shared amax), and inductor's
+  # persistent reductions up to 16384 columns on both engines (the FP8 RMSNorm + quantize kernels loop at 4096)
+  gpu-tests6b) run 120 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-quant/tests/test_quant_fused_mlp.py ;;
+  mlp-s6b) run 150 python3 benchmarks/quant/bench_fused_mlp.py --models 8b --m 64 --out fused_mlp_s6b.json ;;
+  fp8-s6b-row-pr) run 180 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head --modes full --no-exact-kl \
+                    --profile --persistent-rnumel 16384 --out fp8_rollout6b_full_rowkvhead_persistent.json ;;
+  fp8-s6b-bf16-pr) run 140 python3 benchmarks/gpu/bench_fp8_rollout.py --engines bf16 --modes full --no-exact-kl \
+                     --persistent-rnumel 16384 --out fp8_rollout6b_full_bf16_persistent.json ;;
+  fp8-s6b-row) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head --modes full --no-exact-kl \
+                 --profile --out fp8_rollout6b_full_rowkvhead.json ;;
+  s6call2) for part in gpu-tests6b mlp-s6b fp8-s6b-row-pr fp8-s6b-bf16-pr fp8-s6b-row; do "$0" "$part"; done ;;
 esac

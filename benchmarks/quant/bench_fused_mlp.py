@@ -16,7 +16,7 @@ rotation is timed inside one CUDA graph (as in a decode step). Variants:
   quantization as one Triton kernel between them;
 * ``silu_inductor`` / ``silu_kernel``: that step alone on a ``(M, 2I)`` bf16 gate/up output, as inductor
   compiles the torch ops (the ``fp8_unfused`` path) and as the Triton kernel over a sweep of its launch
-  parameters (``block``, ``num_warps``);
+  parameters (``block``, ``num_warps``, ``split``: programs per row);
 * ``--tune``: the two kernels alone over a sweep of launch configurations (x pre-quantized); the best
   pair is written as ``best`` (``bench_fp8_rollout.py --mlp-config`` takes the JSON) and timed as
   ``fp8_fused``.
@@ -120,10 +120,12 @@ def bench(model: str, m: int, tune: bool, given: dict | None) -> tuple[list[dict
         fp8 = layers[0][1].fp8_dtype
         c_silu = torch.compile(_silu_mul_quantize_torch)
         add("silu_inductor", [lambda: c_silu(gu, fp8)] * 8)
-        for block, warps in itertools.product((4096, 8192, 16384), (4, 8, 16, 32)):
-            if block * 4 >= inter:
-                add("silu_kernel", [lambda c={"block": block, "num_warps": warps}: tk.fp8_silu_mul_quantize(
-                    gu, fp8, config=c)] * 8, block=block, num_warps=warps)
+        add("silu_kernel_default", [lambda: tk.fp8_silu_mul_quantize(gu, fp8)] * 8)
+        sweep = [(16384, 16, 1), (16384, 32, 1)]  # session 6 call 1's best single-program forms
+        sweep += list(itertools.product((1024, 2048, 4096), (4, 8, 16), (2, 4, 8)))
+        for block, warps, split in sweep:
+            add("silu_kernel", [lambda c={"block": block, "num_warps": warps, "split": split}: tk.fp8_silu_mul_quantize(
+                gu, fp8, config=c)] * 8, block=block, num_warps=warps, split=split)
     best = given
     if tune:
         a_q, a_s = quantize_fp8(x, granularity="rowwise")
@@ -197,7 +199,7 @@ def main() -> None:
     silu_rows = [r for r in rows if r["variant"].startswith("silu_")]
     if silu_rows:
         print(table("SiLU * up + per-token FP8 quantize alone, (M, 2I) bf16 in L2 (us per call)", silu_rows,
-                    ["model", "M", "variant", "block", "num_warps", "us", "error"]))
+                    ["model", "M", "variant", "block", "num_warps", "split", "us", "error"]))
     for key, best in best_by.items():
         print(f"best {key}: {best}")
     errors = [r for r in rows if "error" in r]
