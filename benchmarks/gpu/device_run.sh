@@ -164,4 +164,17 @@ case "${1:-all}" in
   fp8-s6b-row) run 170 python3 benchmarks/gpu/bench_fp8_rollout.py --engines fp8_row+kv+head --modes full --no-exact-kl \
                  --profile --out fp8_rollout6b_full_rowkvhead.json ;;
   s6call2) for part in gpu-tests6b mlp-s6b fp8-s6b-row-pr fp8-s6b-bf16-pr fp8-s6b-row; do "$0" "$part"; done ;;
+  # call 3: decode attention hands o_proj FP8 codes in V's units (fp8_attn_out); SiLU kernel one program per
+  # row at M >= 32; each engine process with its own inductor cache (call 2's second FP8 run reused the
+  # first one's compiled kernels)
+  gpu-tests6c) run 150 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_fusion.py \
+                 packages/lumenrl-backends/tests/test_backends_engine_speed.py -k "fp8 or cuda" ;;
+  fp8-s6c-row) run 180 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s6c_row python3 benchmarks/gpu/bench_fp8_rollout.py \
+                 --engines fp8_row+kv+head --modes full --no-exact-kl --profile --out fp8_rollout6c_full_rowkvhead.json ;;
+  fp8-s6c-bf16) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s6c_bf16 python3 benchmarks/gpu/bench_fp8_rollout.py \
+                  --engines bf16 --modes full --no-exact-kl --out fp8_rollout6c_full_bf16.json ;;
+  fp8-s6c-row-pr) run 180 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s6c_row_pr python3 benchmarks/gpu/bench_fp8_rollout.py \
+                    --engines fp8_row+kv+head --modes full --no-exact-kl --persistent-rnumel 16384 \
+                    --out fp8_rollout6c_full_rowkvhead_persistent.json ;;
+  s6call3) for part in gpu-tests6c fp8-s6c-row fp8-s6c-bf16 fp8-s6c-row-pr; do "$0" "$part"; done ;;
 esac

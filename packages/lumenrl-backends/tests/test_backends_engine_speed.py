@@ -536,6 +536,38 @@ def test_cuda_fp8_kv_kernel_path_close_to_dequantized_path(model_dir):
     assert float(diff.mean()) < 2e-2  # bf16 kernels differ; both read the same FP8 values
 
 
+_INTERPRETED_FP8_OUT = """
+import torch
+from lumenrl_backends.engines import triton_attention
+from test_backends_engine_speed import random_decode_inputs, reference_attention
+torch.manual_seed(9)
+q, k, v, allowed = random_decode_inputs(dim=64, length=150)
+last = torch.tensor([149, 60, 2])
+cols = torch.arange(150)
+allowed = (allowed & (cols[None, :] < last[:, None])) | (cols[None, :] == last[:, None])
+k_scale, v_scale = (k.abs().max() / 448).reshape(1), (v.abs().max() / 448).reshape(1)
+qk, qv = (k / k_scale).to(torch.float8_e4m3fn), (v / v_scale).to(torch.float8_e4m3fn)
+ref = reference_attention(q.half(), qk.double() * k_scale.double(), qv.double() * v_scale.double(), allowed, 0.125)
+for splits in (1, 2):  # direct store and the merge kernel
+    codes = triton_attention._run(q.reshape(3, 2, 4, 64).half(), qk, qv, allowed, 0.125, splits=splits, k_scale=k_scale,
+                                  v_scale=v_scale, last=last, out_dtype=torch.float8_e4m3fn)
+    assert codes.dtype == torch.float8_e4m3fn and codes.float().abs().max() <= 448
+    out = codes.double() * v_scale.double()  # V's scale is the codes' scale
+    print(float((out.reshape(3, 1, 8, 64) - ref).norm() / ref.norm()))
+try:
+    triton_attention._run(q.reshape(3, 2, 4, 64), k, v, allowed, 0.125, out_dtype=torch.float8_e4m3fn)
+    raise SystemExit("a 16-bit cache was accepted")
+except ValueError as err:
+    assert "needs an FP8 cache" in str(err), err
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
+def test_triton_kernel_writes_fp8_codes_in_v_units():
+    errors = [float(x) for x in _interpreted(_INTERPRETED_FP8_OUT).strip().splitlines()[-2:]]
+    assert max(errors) < 0.1, errors  # E4M3 rounding of the output (the interpreter's cast is coarser than CUDA's)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
 def test_cuda_triton_decode_attention_matches_reference():
@@ -594,3 +626,22 @@ def test_cuda_two_compiled_engines_in_one_process_both_capture(model_dir):
         agree = (out.batch["responses"] == ref.batch["responses"]).float().mean()
         assert agree > 0.9, agree  # bf16 compiled vs eager kernels: rare near-tie flips only
         del engine, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+@pytest.mark.parametrize("batch", [5, 64])
+def test_cuda_triton_attention_fp8_codes_match_the_bf16_output(batch):
+    os.environ.pop("TRITON_INTERPRET", None)
+    from lumenrl_backends.engines import triton_attention
+
+    torch.manual_seed(batch)
+    q, k, v, allowed = (t.cuda() for t in random_decode_inputs(batch=batch, dim=128, length=300))
+    k_scale, v_scale = (k.abs().max() / 448).reshape(1), (v.abs().max() / 448).reshape(1)
+    qk, qv = (k / k_scale).to(torch.float8_e4m3fn), (v / v_scale).to(torch.float8_e4m3fn)
+    packed = q.bfloat16().reshape(batch, 2, 4, 128)
+    out = triton_attention.gqa_decode_attention(packed, qk, qv, allowed, 128**-0.5, k_scale, v_scale)
+    codes = triton_attention.gqa_decode_attention_fp8(packed, qk, qv, allowed, 128**-0.5, k_scale, v_scale)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == out.shape
+    deq = codes.double() * v_scale.double()
+    assert float((deq - out.double()).norm() / out.double().norm()) < 4e-2  # one E4M3 rounding (~2-3%)

@@ -68,13 +68,22 @@ def packed_decode_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """query (B, H, 1, D), key/value (B, H_kv, L, D), mask (B, 1, 1, L) -> (B, 1, H, D_v)."""
+    """query (B, H, 1, D), key/value (B, H_kv, L, D), mask (B, 1, 1, L) -> (B, 1, H, D_v).
+
+    ``lumenrl_fp8_out`` (keyword, an FP8 dtype; the engine's fused attention passes it when the output
+    projection takes per-token FP8 input): over the engine's FP8 cache with one V scale, the output is
+    returned as FP8 codes in V's code units (``out ≈ codes * v_scale``, see
+    :func:`~lumenrl_backends.engines.triton_attention.gqa_decode_attention_fp8`), on every device;
+    otherwise it is ignored and the output is in the query's dtype."""
+    fp8_out = kwargs.pop("lumenrl_fp8_out", None)
     batch, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
-    kv_scales = None
+    kv_scales = v_scale = None
     if key.dtype in triton_attention.FP8_DTYPES:  # the engine's FP8 cache, as stored (decode only)
         kv_scales = _ACTIVE_CACHE[0].current_scales
         kernel_scales = kv_scales.k_scale.numel() == 1 and kv_scales.v_scale.numel() == 1
+        if fp8_out is not None and kernel_scales and q_len == 1 and torch.finfo(fp8_out).max >= torch.finfo(key.dtype).max:
+            v_scale = kv_scales.v_scale
         if not (query.is_cuda and kernel_scales and q_len == 1 and kv_heads < heads
                 and triton_attention.supports(query, key, attention_mask)):
             from lumenrl_quant import dequantize_kv
@@ -83,11 +92,18 @@ def packed_decode_attention(
             kv_scales = None
     mask_ok = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
     if q_len != 1 or kv_heads == heads or not mask_ok or kwargs.get("softcap") is not None or dropout:
-        return _original_sdpa()(
+        out, weights = _original_sdpa()(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+        return (out if v_scale is None else _codes(out, v_scale, fp8_out)), weights
     packed = query.reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])  # (B, H_kv, G, D)
-    if query.is_cuda and triton_attention.supports(query, key, attention_mask):
+    if v_scale is not None and kv_scales is not None:  # the kernel writes the codes
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = triton_attention.gqa_decode_attention_fp8(
+            packed, key, value, attention_mask[:, 0, 0, :], scale, kv_scales.k_scale, v_scale,
+            last=_write_columns(batch), out_dtype=fp8_out,
+        )
+    elif query.is_cuda and triton_attention.supports(query, key, attention_mask):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = triton_attention.gqa_decode_attention(
             packed, key, value, attention_mask[:, 0, 0, :], scale,
@@ -97,7 +113,15 @@ def packed_decode_attention(
         )
     else:
         out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    if v_scale is not None and out.dtype != fp8_out:  # dequantized path: the same codes, from the float output
+        out = _codes(out, v_scale, fp8_out)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _codes(out: torch.Tensor, v_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float attention output over an FP8 cache as codes in V's units (what the kernel writes)."""
+    limit = torch.finfo(dtype).max
+    return (out.float() / v_scale.float().reshape(1)).clamp(-limit, limit).to(dtype)
 
 
 def _write_columns(batch: int) -> torch.Tensor | None:

@@ -67,6 +67,7 @@ class FusionReport:
     mlp: list[str] = field(default_factory=list)  # module names whose gate/up were fused
     mlp_fp8: list[str] = field(default_factory=list)  # fused MLPs that run lumenrl-quant's FP8 SwiGLU (opt-in)
     mlp_fp8_token: list[str] = field(default_factory=list)  # MLPs whose SiLU * up + per-token quantize is one kernel
+    attention_fp8_out: list[str] = field(default_factory=list)  # attentions whose decode output goes to o_proj as FP8
     mlp_fp8_skipped: dict[str, str] = field(default_factory=dict)  # fused quantized MLP -> why not the FP8 SwiGLU
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> why not
 
@@ -239,11 +240,21 @@ def _attention_forward(
         kwargs["sliding_window"] = self.sliding_window
     elif window == "config":
         kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
+    fp8_out = self.__dict__.get(_FP8_OUT_ATTR)
+    if fp8_out is not None:
+        from lumenrl_backends.engines.attention import packed_decode_attention
+
+        if attention is packed_decode_attention:
+            kwargs["lumenrl_fp8_out"] = fp8_out
     out, weights = attention(
         self, query, key, value, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
     )
     out = out.reshape(*input_shape, -1).contiguous()
+    if out.dtype == fp8_out:  # codes in V's units over the FP8 cache: its V scale is their static scale
+        a_scale = cache.current_scales.v_scale.float().reshape(1, 1).expand(out.shape[:-1].numel(), 1)
+        return self.o_proj.forward_quantized(out.reshape(-1, out.shape[-1]), a_scale, hidden_states.dtype).reshape(
+            *input_shape, -1), weights
     return self.o_proj(out), weights
 
 
@@ -298,11 +309,13 @@ _GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...], Any]] = {
     "mlp": (("gate_proj", "up_proj"), ("down_proj", "act_fn"), _mlp_forward),
 }
 _ATTENTION_ATTRS = ("_lumenrl_family", "_lumenrl_window", "_lumenrl_cache_kwarg")
+_FP8_OUT_ATTR = "_lumenrl_fp8_out"  # instance attribute: the o_proj's FP8 dtype when decode attention hands it codes
 
 
 @torch.no_grad()
 def fuse_projections(
     model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False, fp8_act_kernel: bool = True,
+    fp8_attn_out: bool = True,
 ) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
@@ -316,6 +329,12 @@ def fuse_projections(
     keep per-token scales and both GEMMs, and SiLU * up with the down input's quantization runs as one
     kernel (:func:`lumenrl_quant.fused_mlp.swiglu_mlp_fp8_tokenwise`) instead of three inductor kernels.
 
+    ``fp8_attn_out`` (default on): attentions whose ``o_proj`` is an ``fp8_row`` layer ask the engine's
+    decode attention for FP8 codes when the KV cache is FP8 with one V scale per layer
+    (:func:`~lumenrl_backends.engines.triton_attention.gqa_decode_attention_fp8`): the output is a
+    convex combination of V codes, so the V scale is a static scale for it, and the per-token amax
+    and cast kernel before ``o_proj`` disappear. Elsewhere (bf16 cache, prefill) nothing changes.
+
     Call after the model is on its device (and after quantization, if any): the fused storage is
     allocated where the members live, and later ``.to()`` calls would not move it.
     """
@@ -326,6 +345,8 @@ def fuse_projections(
             (report.attention if cls.forward is _attention_forward else report.mlp).append(name)
             if cls.forward is _mlp_forward:
                 _set_swiglu(module, name, fp8_mlp, fp8_act_kernel, report)
+            else:
+                _set_fp8_out(module, name, fp8_attn_out, report)
             continue
         kind = ("attention" if attention and cls.__name__ in ATTENTION_CLASSES
                 else "mlp" if mlp and cls.__name__ in MLP_CLASSES else None)
@@ -348,7 +369,17 @@ def fuse_projections(
         getattr(report, kind).append(name)
         if kind == "mlp":
             _set_swiglu(module, name, fp8_mlp, fp8_act_kernel, report)
+        else:
+            _set_fp8_out(module, name, fp8_attn_out, report)
     return report
+
+
+def _set_fp8_out(module: nn.Module, name: str, wanted: bool, report: FusionReport) -> None:
+    o_proj = getattr(module, "o_proj", None)
+    ok = wanted and getattr(o_proj, "scheme", None) == "fp8_row" and hasattr(o_proj, "forward_quantized")
+    module.__dict__[_FP8_OUT_ATTR] = o_proj.fp8_dtype if ok else None
+    if ok:
+        report.attention_fp8_out.append(name)
 
 
 def _set_swiglu(module: nn.Module, name: str, group: bool, token: bool, report: FusionReport) -> None:
@@ -375,7 +406,7 @@ def unfuse_projections(model: nn.Module) -> int:
         if base is None:
             continue
         module.__class__ = base
-        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, *_ATTENTION_ATTRS):
+        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, *_ATTENTION_ATTRS):
             module.__dict__.pop(attr, None)
         count += 1
     return count

@@ -43,7 +43,7 @@ import os
 
 import torch
 
-__all__ = ["FP8_DTYPES", "available", "gqa_decode_attention", "kernel_agrees", "supports"]
+__all__ = ["FP8_DTYPES", "available", "gqa_decode_attention", "gqa_decode_attention_fp8", "kernel_agrees", "supports"]
 
 FP8_DTYPES = frozenset(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
@@ -93,7 +93,7 @@ if triton is not None:
         kv_len,
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_SCALE: tl.constexpr, HAS_LAST: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr, DIRECT: tl.constexpr,
-        K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr,
+        K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b = b.to(tl.int64)  # row offsets: a long cache's b * s_kb passes 2**31 elements (int32 wrapped)
@@ -154,7 +154,9 @@ if triton is not None:
             m_i = m_new
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
-        if HAS_SCALE:
+        if OUT_FP8:  # in V's code units: a convex combination of FP8 codes, within +-FP8_MAX
+            out = tl.minimum(tl.maximum(out, -FP8_MAX), FP8_MAX)
+        elif HAS_SCALE:
             out = out * tl.load(V_SCALE)
         if DIRECT:  # one split: the normalised output is final (no partials, no merge kernel)
             tl.store(PART + b * s_ob + h * s_oh + offs_g[:, None] * s_og + offs_d[None, :],
@@ -168,7 +170,7 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(
         PART, LSE, OUT, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_outb, s_outh, s_outg,
-        SPLITS: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+        SPLITS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     ):
         b, h, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_d = tl.arange(0, D)
@@ -184,6 +186,8 @@ if triton is not None:
             acc += part * w
             total += w
         res = acc / tl.where(total > 0, total, 1.0)
+        if OUT_FP8:
+            res = tl.minimum(tl.maximum(res, -FP8_MAX), FP8_MAX)
         tl.store(OUT + b * s_outb + h * s_outh + g * s_outg + offs_d, res.to(OUT.dtype.element_ty))
 
 
@@ -238,9 +242,12 @@ def _splits(batch: int, kv_heads: int, kv_len: int, block_n: int) -> int:
 def _run(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
     splits: int | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    last: torch.Tensor | None = None, config: dict[str, int] | None = None,
+    last: torch.Tensor | None = None, config: dict[str, int] | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     batch, kv_heads, groups, dim = query.shape
+    out_fp8 = out_dtype is not None and out_dtype in FP8_DTYPES
+    if out_fp8 and (k_scale is None or torch.finfo(out_dtype).max < torch.finfo(key.dtype).max):
+        raise ValueError(f"out_dtype={out_dtype} needs an FP8 cache whose codes it can hold; got a {key.dtype} cache")
     kv_len = key.shape[2]
     cfg = _config(config, fp8=key.dtype in FP8_DTYPES)
     if cfg["fp8_dots"] and key.dtype != torch.float8_e4m3fn:
@@ -250,7 +257,7 @@ def _run(
         splits = math.ceil(kv_len / cfg["chunk"]) if cfg["chunk"] else _splits(batch, kv_heads, kv_len, block_n)
     chunk = math.ceil(math.ceil(kv_len / splits) / block_n) * block_n
     splits = math.ceil(kv_len / chunk)  # no empty trailing split
-    out = torch.empty((batch, kv_heads, groups, dim), dtype=query.dtype, device=query.device)
+    out = torch.empty((batch, kv_heads, groups, dim), dtype=out_dtype if out_fp8 else query.dtype, device=query.device)
     direct = splits == 1
     if direct:
         partial, lse = out.unsqueeze(2), out  # lse: an unused pointer
@@ -271,13 +278,14 @@ def _run(
         kv_len,
         CHUNK=chunk, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
         HAS_SCALE=has_scale, HAS_LAST=last is not None, RUNTIME_BOUNDS=not _INTERPRETED, DIRECT=direct,
-        K_TRANS=bool(cfg["k_trans"]), FP8_DOTS=cfg["fp8_dots"],
+        K_TRANS=bool(cfg["k_trans"]), FP8_DOTS=cfg["fp8_dots"], OUT_FP8=out_fp8,
+        FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not direct:
         _merge_kernel[(batch, kv_heads, groups)](
             partial, lse, out, *partial.stride()[:4], *lse.stride()[:3], *out.stride()[:3], SPLITS=splits, G=groups,
-            D=dim,
+            D=dim, OUT_FP8=out_fp8, FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0,
         )
     return out
 
@@ -289,6 +297,13 @@ def _op_impl(
     return _run(query, key, value, allowed, scale, k_scale=k_scale, v_scale=v_scale, last=last)
 
 
+def _op_fp8_impl(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, last: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return _run(query, key, value, allowed, scale, k_scale=k_scale, v_scale=v_scale, last=last, out_dtype=out_dtype)
+
+
 # registered at import (a registration inside a torch.compile'd region would break the graph);
 # only where Triton exists, and once per process (a second import of this file reuses it)
 _OP = None
@@ -298,6 +313,15 @@ if triton is not None:
         _OP = torch.library.custom_op("lumenrl::gqa_decode_attention", mutates_args=())(_op_impl)
         _OP.register_fake(
             lambda query, key, value, allowed, scale, k_scale=None, v_scale=None, last=None: torch.empty_like(query)
+        )
+_OP_FP8 = None
+if triton is not None:
+    _OP_FP8 = getattr(torch.ops.lumenrl, "gqa_decode_attention_fp8", None)
+    if _OP_FP8 is None:
+        _OP_FP8 = torch.library.custom_op("lumenrl::gqa_decode_attention_fp8", mutates_args=())(_op_fp8_impl)
+        _OP_FP8.register_fake(
+            lambda query, key, value, allowed, scale, k_scale, v_scale, last, out_dtype: torch.empty_like(
+                query, dtype=out_dtype)
         )
 
 
@@ -318,6 +342,26 @@ def gqa_decode_attention(
     if k_scale is not None:
         k_scale, v_scale = k_scale.reshape(1).float(), v_scale.reshape(1).float()
     return _OP(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last)
+
+
+def gqa_decode_attention_fp8(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, last: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float8_e4m3fn,
+) -> torch.Tensor:
+    """:func:`gqa_decode_attention` over an FP8 cache that returns the output as FP8 codes in V's code
+    units: ``out ≈ codes * v_scale``. Each output is a convex combination of V codes (the softmax
+    weights sum to 1), so it lies within the cache format's range and ``v_scale`` is a valid static
+    scale for it: no amax pass, and the output projection takes the codes directly. ``out_dtype``
+    must hold the cache's codes (the same FP8 format, or a wider one)."""
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1 and value.stride(-2) != 1:
+        value = value.contiguous()
+    if key.dtype not in FP8_DTYPES:
+        raise ValueError(f"gqa_decode_attention_fp8 needs an FP8 cache; got key dtype {key.dtype}")
+    k_scale, v_scale = k_scale.reshape(1).float(), v_scale.reshape(1).float()
+    return _OP_FP8(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last, out_dtype)
 
 
 def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> bool:
