@@ -15,7 +15,9 @@ measurements (during session 5's calls 1-4 the fused MLP was the default: engine
 quantization as one lumenrl-quant kernel (``NativeEngine(fp8_act_kernel=True)``, the default);
 ``+inductmlp`` keeps inductor's kernels there (the path before). With the FP8 KV cache, decode attention
 hands ``o_proj`` its output as FP8 codes in V's units (``fp8_attn_out``, default since session 6);
-``+tokattn`` quantizes it per token instead (the path before). ``--persistent-rnumel N`` lets inductor
+``+tokattn`` quantizes it per token instead (the path before). The RMSNorms hand their ``fp8_row``
+consumers FP8 input in one pass (``fp8_norm_quant``, default since session 6); ``+tokln`` normalises first
+and quantizes the normalised rows (the path before). ``--persistent-rnumel N`` lets inductor
 hold reductions of up to N columns in registers (persistent) instead of looping (its default limit is
 1024; the FP8 engine's RMSNorm + quantize kernels reduce 4096). ``--attn-fp8-config`` overrides the FP8-cache attention launch
 configuration, ``--mlp-config`` the fused MLP's (a ``bench_fused_mlp.py --tune`` JSON).
@@ -108,10 +110,10 @@ def variant(name: str) -> tuple[str, frozenset[str]]:
     """``fp8_row+kv+head`` -> ``("fp8_row", {"kv", "head"})``; suffixes: ``kv`` (FP8 KV cache), ``head``
     (the output head quantized too, ``quantize_lm_head``)."""
     base, *flags = name.split("+")
-    unknown = set(flags) - {"kv", "head", "fusedmlp", "tokmlp", "inductmlp", "tokattn"}
+    unknown = set(flags) - {"kv", "head", "fusedmlp", "tokmlp", "inductmlp", "tokattn", "tokln"}
     if unknown:
         raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head, +fusedmlp, "
-                         "+tokmlp, +inductmlp, +tokattn")
+                         "+tokmlp, +inductmlp, +tokattn, +tokln")
     if len({"fusedmlp", "tokmlp", "inductmlp"} & set(flags)) > 1:
         raise SystemExit(f"--engines {name!r}: +fusedmlp, +tokmlp and +inductmlp exclude each other")
     return base, frozenset(flags)
@@ -201,7 +203,7 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
                               max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
                               quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
                               fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
-                              fp8_attn_out="tokattn" not in flags)
+                              fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags)
         if engine.fusion_report is not None:
             row["fused_fp8_mlps"] = len(engine.fusion_report.mlp_fp8)
             row["act_kernel_mlps"] = len(engine.fusion_report.mlp_fp8_token)

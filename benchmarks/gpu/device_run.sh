@@ -177,4 +177,18 @@ case "${1:-all}" in
                     --engines fp8_row+kv+head --modes full --no-exact-kl --persistent-rnumel 16384 \
                     --out fp8_rollout6c_full_rowkvhead_persistent.json ;;
   s6call3) for part in gpu-tests6c fp8-s6c-row fp8-s6c-bf16 fp8-s6c-row-pr; do "$0" "$part"; done ;;
+  # call 4: the RMSNorms emit per-token FP8 in one pass (fp8_norm_quant, default); both engines with and
+  # without inductor's persistent reductions up to 16384 columns, each process with its own inductor cache
+  gpu-tests6d) run 150 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_fusion.py \
+                 packages/lumenrl-quant/tests/test_quant_fused_mlp.py ;;
+  fp8-s6d-row) run 180 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s6d_row python3 benchmarks/gpu/bench_fp8_rollout.py \
+                 --engines fp8_row+kv+head --modes full --no-exact-kl --profile --out fp8_rollout6d_full_rowkvhead.json ;;
+  fp8-s6d-bf16) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s6d_bf16 python3 benchmarks/gpu/bench_fp8_rollout.py \
+                  --engines bf16 --modes full --no-exact-kl --out fp8_rollout6d_full_bf16.json ;;
+  fp8-s6d-row-pr) run 180 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s6d_row_pr python3 benchmarks/gpu/bench_fp8_rollout.py \
+                    --engines fp8_row+kv+head --modes full --no-exact-kl --persistent-rnumel 16384 \
+                    --out fp8_rollout6d_full_rowkvhead_persistent.json ;;
+  fp8-s6d-bf16-pr) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s6d_bf16_pr python3 benchmarks/gpu/bench_fp8_rollout.py \
+                     --engines bf16 --modes full --no-exact-kl --persistent-rnumel 16384 --out fp8_rollout6d_full_bf16_persistent.json ;;
+  s6call4) for part in gpu-tests6d fp8-s6d-row fp8-s6d-bf16 fp8-s6d-row-pr fp8-s6d-bf16-pr; do "$0" "$part"; done ;;
 esac

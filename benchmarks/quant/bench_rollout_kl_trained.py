@@ -31,7 +31,8 @@ engine is ``lumenrl_backends.engines.NativeEngine`` over a copy of it: ``bf16`` 
 output head quantized too), ``+fusedmlp`` (``fp8_row`` with the fused SwiGLU MLP: 1 x 128 group scales on
 the down projection's input; ``+tokmlp``: without, the default), ``+tokattn`` (with an FP8 cache: the
 attention output quantized per token before ``o_proj`` instead of handed over as FP8 codes in V's units,
-the default since session 6; this shows in the sampled k1/k3 only, see below). The engine
+the default since session 6; this shows in the sampled k1/k3 only, see below), ``+tokln`` (the RMSNorm
+output normalised, then quantized, instead of ``rmsnorm_quantize_fp8``'s one pass). The engine
 samples at temperature 1 ``--prompts`` (32) prompts of 64 tokens from the language, 64 new tokens
 each (EOS ignored). KLs per response position, averaged (definitions in bench_fp8_rollout):
 ``kl_k1``/``kl_k3`` sampled from the engine's own log-probs, and exact over the vocabulary
@@ -211,7 +212,7 @@ def measure_engine(name: str, train_model: Any, batch: Any, params: dict, *, dev
                               max_batch_size=batch.batch["input_ids"].shape[0], max_seq_len=max_seq_len,
                               quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
                               fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
-                              fp8_attn_out="tokattn" not in flags)
+                              fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags)
         if scheme is not None:
             row.update(quantized_linears=len(engine.quant_report.quantized),
                        skipped_linears=len(engine.quant_report.skipped),

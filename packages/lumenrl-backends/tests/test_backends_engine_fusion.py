@@ -150,7 +150,7 @@ def quant_dir(tmp_path_factory):
 def test_fp8_fusion_matches_unfused_and_requantizes_in_place(quant_dir, scheme, monkeypatch):
     """Projection fusion alone changes no number (the FP8 SwiGLU MLP, which does, is tested below)."""
     plain = engine(quant_dir, quant_scheme=scheme, fuse_projections=False)
-    fused = engine(quant_dir, quant_scheme=scheme, fuse_fp8_mlp=False)
+    fused = engine(quant_dir, quant_scheme=scheme, fuse_fp8_mlp=False, fp8_norm_quant=False)
     layers = plain.model.config.num_hidden_layers
     assert len(fused.fusion_report.attention) == layers and len(fused.fusion_report.mlp) == layers
     assert not fused.fusion_report.mlp_fp8
@@ -212,7 +212,7 @@ def test_fp8_row_mlp_activation_kernel_is_the_unfused_math(quant_dir, monkeypatc
     at prefill and every decode step; ``fp8_act_kernel=False`` keeps the modules' own ops."""
     from lumenrl_quant import fused_mlp
 
-    kernel = engine(quant_dir, quant_scheme="fp8_row")
+    kernel = engine(quant_dir, quant_scheme="fp8_row", fp8_norm_quant=False)
     plain = engine(quant_dir, quant_scheme="fp8_row", fp8_act_kernel=False)
     layers = kernel.model.config.num_hidden_layers
     assert len(kernel.fusion_report.mlp_fp8_token) == layers and not plain.fusion_report.mlp_fp8_token
@@ -262,6 +262,40 @@ def test_fp8_attention_output_feeds_o_proj_as_codes(quant_dir, monkeypatch):
     gap = (forward_log_probs(model32, out) - out.batch["rollout_log_probs"])[mask].abs().mean()
     gap_ref = (forward_log_probs(model32, ref) - ref.batch["rollout_log_probs"])[mask].abs().mean()
     assert 0 < gap < 1.5 * gap_ref + 1e-2, (gap, gap_ref)  # 0.144 vs 0.152 measured (MHA model: SDPA path)
+
+
+def test_fp8_norms_hand_their_consumers_fp8_input(quant_dir, monkeypatch):
+    """``fp8_norm_quant`` (default): each decoder layer's RMSNorms emit the per-token FP8 input of
+    q/k/v and gate/up (lumenrl-quant ``rmsnorm_quantize_fp8``) at prefill and every decode step. The
+    log-probs stay within FP8 noise of the engine that quantizes the normalised rows (the same
+    quantization up to float32 rounding), and training-mode forwards run the HF layer unchanged."""
+    import lumenrl_quant
+
+    on = engine(quant_dir, quant_scheme="fp8_row")
+    off = engine(quant_dir, quant_scheme="fp8_row", fp8_norm_quant=False)
+    layers = on.model.config.num_hidden_layers
+    assert len(on.fusion_report.layers_fp8_norm) == layers and not off.fusion_report.layers_fp8_norm
+    assert not engine(quant_dir, quant_scheme="fp8_block").fusion_report.layers_fp8_norm  # 1 x 128 groups: no
+    calls = []
+    original = lumenrl_quant.rmsnorm_quantize_fp8
+    monkeypatch.setattr(lumenrl_quant, "rmsnorm_quantize_fp8", lambda *a, **k: calls.append(1) or original(*a, **k))
+    batch = prompt_batch(on.tokenizer)
+    a = on.generate(batch, GREEDY)
+    assert len(calls) >= 2 * layers * GREEDY["max_new_tokens"]
+    b = off.generate(batch, GREEDY)
+    mask = a.batch["response_mask"].bool()
+    model32, _ = load_model_and_tokenizer(str(quant_dir), dtype="float32")
+    gap_on = (forward_log_probs(model32, a) - a.batch["rollout_log_probs"])[mask].abs().mean()
+    gap_off = (forward_log_probs(model32, b) - b.batch["rollout_log_probs"])[mask].abs().mean()
+    assert 0 < gap_on < 1.25 * gap_off + 1e-2, (gap_on, gap_off)
+    # a gradient-enabled forward of the same (fused) model is the HF layer: the trainer's numbers
+    ids = batch.batch["input_ids"][:2]
+    with torch.enable_grad():
+        fused_logits = on.model(input_ids=ids).logits
+    calls.clear()
+    with torch.no_grad():
+        plain_logits = on.model(input_ids=ids).logits  # no engine cache: the HF forward as well
+    assert not calls and torch.allclose(fused_logits, plain_logits, atol=1e-5)
 
 
 def test_per_tensor_fp8_is_left_unfused(quant_dir):

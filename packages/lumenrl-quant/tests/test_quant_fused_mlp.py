@@ -343,3 +343,32 @@ def test_tokenwise_mlp_gpu_matches_torch_backend():
     ref = swiglu_mlp_fp8_tokenwise(x, gate_up, down, backend="torch")
     assert sqnr_db(ref.double(), tri.double()) >= 35.0
     assert sqnr_db(_reference(x.float().cpu(), wg, wu, wd), tri.double().cpu()) >= 22.0
+
+
+def test_rmsnorm_quantize_matches_normalise_then_quantize_and_float64():
+    from lumenrl_quant import rmsnorm_quantize_fp8
+    from lumenrl_quant.fused_norm import rmsnorm_quantize_reference
+
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 7, 512, generator=gen) * 3.0
+    x[0, 2] *= 100.0  # an outlier token
+    x[1, 4] = 0.0  # an all-zero token: scale 1, codes 0
+    w = torch.rand(512, generator=gen) * 2.0 + 0.1
+    w[5] = 40.0  # an outlier channel of the norm weight
+    codes, scales = rmsnorm_quantize_fp8(x, w, 1e-6)
+    ref_codes, ref_scales = rmsnorm_quantize_reference(x, w, 1e-6)
+    assert codes.shape == x.shape and scales.shape == (3, 7, 1) and codes.dtype == torch.float8_e4m3fn
+    assert torch.allclose(scales, ref_scales, rtol=1e-5)
+    assert float((codes.float() != ref_codes.float()).float().mean()) < 1e-3  # float32 rounding at ties only
+    assert torch.equal(scales[1, 4], torch.ones(1)) and not codes[1, 4].float().any()
+    xd = x.double()
+    exact = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    ok = x.abs().amax(-1) > 0
+    assert sqnr_db(exact[ok], (codes.double() * scales.double())[ok]) >= 28.0
+    with pytest.raises(ValueError, match=r"weight shape \(511,\)"):
+        rmsnorm_quantize_fp8(x, w[:511], 1e-6)
+    with pytest.raises(ValueError, match="eps=-1"):
+        rmsnorm_quantize_fp8(x, w, -1.0)
+    compiled = torch.compile(lambda t: rmsnorm_quantize_fp8(t, w, 1e-6), fullgraph=True, backend="eager")
+    c2, s2 = compiled(x)
+    assert torch.equal(c2.float(), codes.float()) and torch.equal(s2, scales)

@@ -46,6 +46,7 @@ from lumenrl_quant.fp8 import (
     quantize_fp8_with_scale,
 )
 from lumenrl_quant.fused_mlp import silu_mul_quantize, swiglu_mlp_fp8, swiglu_mlp_fp8_tokenwise
+from lumenrl_quant.fused_norm import rmsnorm_quantize_fp8
 from lumenrl_quant.gemm import emulated_scaled_mm, gemm_path, scaled_mm
 from lumenrl_quant.kv_cache import (
     KVScales,
@@ -155,6 +156,7 @@ __all__ = [
     "reload_quantized_weights_",
     "scaled_mm",
     "sqnr_db",
+    "rmsnorm_quantize_fp8",
     "silu_mul_quantize",
     "swiglu_mlp_fp8",
     "swiglu_mlp_fp8_tokenwise",

@@ -155,15 +155,21 @@ def silu_mul_quantize(
     return codes.reshape(*lead, inter), scales.reshape(*lead, 1)
 
 
-def swiglu_mlp_fp8_tokenwise(x: torch.Tensor, gate_up: nn.Module, down: nn.Module, *, backend: str = "auto") -> torch.Tensor:
+def swiglu_mlp_fp8_tokenwise(
+    x: torch.Tensor, gate_up: nn.Module, down: nn.Module, *, backend: str = "auto",
+    x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``down(silu(gate) * up)`` with ``gate, up = gate_up(x).chunk(2, -1)``, both ``fp8_row``
     :class:`~lumenrl_quant.QuantizedLinear`, the down input quantized per token by
     :func:`silu_mul_quantize` (one kernel between the two GEMMs; see the module doc). ``backend``
-    applies to that kernel; the GEMMs take their layers' paths."""
+    applies to that kernel; the GEMMs take their layers' paths. ``x_quantized``: ``x`` already as
+    per-token FP8 ``(codes, scales)`` (e.g. :func:`lumenrl_quant.rmsnorm_quantize_fp8`); ``x`` then
+    gives only the output dtype."""
     reason = swiglu_mlp_fp8_supported(gate_up, down, tokenwise=True)
     if reason is not None:
         raise ValueError(f"swiglu_mlp_fp8_tokenwise: {reason}")
-    codes, scales = silu_mul_quantize(gate_up(x), dtype=down.fp8_dtype, backend=backend)
+    gu = gate_up(x) if x_quantized is None else gate_up.forward_quantized(*x_quantized, x.dtype)
+    codes, scales = silu_mul_quantize(gu, dtype=down.fp8_dtype, backend=backend)
     return down.forward_quantized(codes, scales, x.dtype)
 
 

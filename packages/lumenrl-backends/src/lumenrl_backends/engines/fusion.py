@@ -68,6 +68,7 @@ class FusionReport:
     mlp_fp8: list[str] = field(default_factory=list)  # fused MLPs that run lumenrl-quant's FP8 SwiGLU (opt-in)
     mlp_fp8_token: list[str] = field(default_factory=list)  # MLPs whose SiLU * up + per-token quantize is one kernel
     attention_fp8_out: list[str] = field(default_factory=list)  # attentions whose decode output goes to o_proj as FP8
+    layers_fp8_norm: list[str] = field(default_factory=list)  # decoder layers whose norms emit per-token FP8
     mlp_fp8_skipped: dict[str, str] = field(default_factory=dict)  # fused quantized MLP -> why not the FP8 SwiGLU
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> why not
 
@@ -221,7 +222,13 @@ def _attention_forward(
     family = self._lumenrl_family
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    query, key, value = getattr(self, _FUSED_ATTR)(hidden_states)
+    fused = getattr(self, _FUSED_ATTR)
+    prequantized = kwargs.pop("lumenrl_prequantized", None)  # (codes, scales) of the normed input (layer forward)
+    if prequantized is None:
+        query, key, value = fused(hidden_states)
+    else:
+        qkv = fused.linear.forward_quantized(*prequantized, hidden_states.dtype)
+        query, key, value = qkv.reshape(*input_shape, -1).split(fused.sizes, dim=-1)
     query, key = query.view(hidden_shape), key.view(hidden_shape)
     if hasattr(self, "q_norm"):  # Qwen3 / Qwen3-MoE: RMSNorm over the head dim before RoPE
         query, key = self.q_norm(query), self.k_norm(key)
@@ -258,7 +265,9 @@ def _attention_forward(
     return self.o_proj(out), weights
 
 
-def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _mlp_forward(
+    self: nn.Module, x: torch.Tensor, lumenrl_prequantized: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     if torch.is_grad_enabled():  # training: the original forward on the member views (gradients flow)
         return self._lumenrl_original_forward(x)
     fused = getattr(self, _FUSED_ATTR)
@@ -270,9 +279,84 @@ def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if mode == "token":
         from lumenrl_quant.fused_mlp import swiglu_mlp_fp8_tokenwise
 
-        return swiglu_mlp_fp8_tokenwise(x, fused.linear, self.down_proj)
+        return swiglu_mlp_fp8_tokenwise(x, fused.linear, self.down_proj, x_quantized=lumenrl_prequantized)
     gate, up = fused(x)
     return self.down_proj(self.act_fn(gate) * up)
+
+
+# decoder layers whose forward is: x + attn(norm1(x)), then + mlp(norm2(.)) (HF 5.x: returns the tensor)
+DECODER_CLASSES = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer"})
+RMSNORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
+_NORM_QUANT_ATTR = "_lumenrl_norm_quant"  # instance attribute: True when the layer quantizes in its norms
+
+
+def _layer_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache: Any = None,
+    past_key_values: Any = None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """The HF decoder layer, with each RMSNorm producing its consumer's per-token FP8 input directly
+    (:func:`lumenrl_quant.rmsnorm_quantize_fp8`: one pass with two parallel reductions instead of the
+    normalised row and then its amax). Engine forwards only; everything else runs the HF forward."""
+    cache = cache if cache is not None else past_key_values
+    if not (self.__dict__.get(_NORM_QUANT_ATTR) and _engine_forward(cache)):
+        return self._lumenrl_original_forward(
+            hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+            **{self._lumenrl_layer_cache_kwarg: cache}, use_cache=use_cache, position_embeddings=position_embeddings,
+            **kwargs)
+    from lumenrl_quant import rmsnorm_quantize_fp8
+
+    attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
+    residual = hidden_states
+    normed = rmsnorm_quantize_fp8(hidden_states, norm1.weight, norm1.variance_epsilon,
+                                  dtype=getattr(attn, _FUSED_ATTR).linear.fp8_dtype)
+    hidden_states, _ = attn(
+        hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+        use_cache=use_cache, position_embeddings=position_embeddings, lumenrl_prequantized=normed, **kwargs)
+    hidden_states = residual + hidden_states
+    residual = hidden_states
+    normed = rmsnorm_quantize_fp8(hidden_states, norm2.weight, norm2.variance_epsilon,
+                                  dtype=getattr(mlp, _FUSED_ATTR).linear.fp8_dtype)
+    return residual + mlp(hidden_states, lumenrl_prequantized=normed)
+
+
+def _norm_quant_reason(layer: nn.Module) -> str | None:
+    """None when :func:`_layer_forward` can quantize in this layer's norms, else why not."""
+    import inspect
+
+    if inspect.signature(type(layer)._lumenrl_original_forward if type(layer) in _SUBCLASSES.values()
+                         else type(layer).forward).return_annotation not in (torch.Tensor, "torch.Tensor"):
+        return "the HF layer forward does not return a tensor (older transformers)"
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(attn).forward is not _attention_forward or type(mlp).forward is not _mlp_forward:
+        return "attention or MLP not fused"
+    fused = attn.__dict__.get(_FUSED_ATTR)
+    if not isinstance(fused, _FusedQuantized) or fused.linear.scheme != "fp8_row":
+        return "q/k/v not fp8_row"
+    if mlp.__dict__.get(_SWIGLU_ATTR) != "token":
+        return "MLP not on the per-token FP8 path"
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        norm = getattr(layer, name, None)
+        if type(norm).__name__ not in RMSNORM_CLASSES or not hasattr(norm, "variance_epsilon"):
+            return f"{name} is {type(norm).__name__}, not a known RMSNorm"
+    return None
+
+
+def _set_norm_quant(layer: nn.Module, name: str, wanted: bool, report: FusionReport) -> None:
+    reason = _norm_quant_reason(layer) if wanted else "off"
+    if reason is None and type(layer) not in _SUBCLASSES.values():
+        layer.__dict__["_lumenrl_layer_cache_kwarg"] = _cache_kwarg(type(layer))
+        layer.__class__ = _fused_class(type(layer), _layer_forward)
+    if type(layer) in _SUBCLASSES.values():
+        layer.__dict__[_NORM_QUANT_ATTR] = reason is None
+    if reason is None:
+        report.layers_fp8_norm.append(name)
 
 
 def _swiglu_fp8_reason(module: nn.Module, fused: Any, tokenwise: bool = False) -> str | None:
@@ -315,7 +399,7 @@ _FP8_OUT_ATTR = "_lumenrl_fp8_out"  # instance attribute: the o_proj's FP8 dtype
 @torch.no_grad()
 def fuse_projections(
     model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False, fp8_act_kernel: bool = True,
-    fp8_attn_out: bool = True,
+    fp8_attn_out: bool = True, fp8_norm_quant: bool = True,
 ) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
@@ -335,12 +419,18 @@ def fuse_projections(
     convex combination of V codes, so the V scale is a static scale for it, and the per-token amax
     and cast kernel before ``o_proj`` disappear. Elsewhere (bf16 cache, prefill) nothing changes.
 
+    ``fp8_norm_quant`` (default on): decoder layers whose attention and MLP both take per-token FP8
+    input (``fp8_row``, the MLP on the per-token path) run their RMSNorms as
+    :func:`lumenrl_quant.rmsnorm_quantize_fp8`, which hands the consumer its FP8 codes and scales.
+
     Call after the model is on its device (and after quantization, if any): the fused storage is
     allocated where the members live, and later ``.to()`` calls would not move it.
     """
     report = FusionReport()
     for name, module in list(model.named_modules()):
         cls = type(module)
+        if cls in _SUBCLASSES.values() and cls.forward is _layer_forward:
+            continue  # decoder layers: below, once their attention and MLP are settled
         if cls in _SUBCLASSES.values():  # fused by an earlier engine on the same model: keep it
             (report.attention if cls.forward is _attention_forward else report.mlp).append(name)
             if cls.forward is _mlp_forward:
@@ -371,6 +461,9 @@ def fuse_projections(
             _set_swiglu(module, name, fp8_mlp, fp8_act_kernel, report)
         else:
             _set_fp8_out(module, name, fp8_attn_out, report)
+    for name, module in model.named_modules():
+        if type(module).__name__ in DECODER_CLASSES:
+            _set_norm_quant(module, name, fp8_norm_quant and attention and mlp, report)
     return report
 
 
@@ -406,7 +499,8 @@ def unfuse_projections(model: nn.Module) -> int:
         if base is None:
             continue
         module.__class__ = base
-        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, *_ATTENTION_ATTRS):
+        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, _NORM_QUANT_ATTR, "_lumenrl_layer_cache_kwarg",
+                     *_ATTENTION_ATTRS):
             module.__dict__.pop(attr, None)
         count += 1
     return count

@@ -22,7 +22,8 @@ Design (what the GPU-speed work builds on without a rewrite):
   otherwise (``fp8_act_kernel``, default on) their SiLU * up and per-token FP8 quantization of the down
   input run as one lumenrl-quant kernel between the two GEMMs instead of three inductor kernels;
   with an FP8 KV cache and ``fp8_row`` layers, decode attention writes its output as FP8 codes in V's
-  code units for ``o_proj`` (``fp8_attn_out``, default on; the V scale is their static scale);
+  code units for ``o_proj`` (``fp8_attn_out``, default on; the V scale is their static scale), and each
+  RMSNorm hands its ``fp8_row`` consumer per-token FP8 input in one pass (``fp8_norm_quant``, default on);
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
   (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
@@ -163,6 +164,7 @@ class NativeEngine:
         fuse_fp8_mlp: bool = False,
         fp8_act_kernel: bool = True,
         fp8_attn_out: bool = True,
+        fp8_norm_quant: bool = True,
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
@@ -177,7 +179,8 @@ class NativeEngine:
         self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
         # one q/k/v and one gate/up GEMM per layer; parameters become views of the fused storage
         self.fusion_report = fuse_model_projections(self.model, fp8_mlp=fuse_fp8_mlp,
-                                                    fp8_act_kernel=fp8_act_kernel, fp8_attn_out=fp8_attn_out) if fuse_projections else None
+                                                    fp8_act_kernel=fp8_act_kernel, fp8_attn_out=fp8_attn_out,
+                                                    fp8_norm_quant=fp8_norm_quant) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
         self.tokenizer = tokenizer
