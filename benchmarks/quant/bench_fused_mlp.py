@@ -44,7 +44,13 @@ from lumenrl_quant import QuantizedLinear  # noqa: E402
 from lumenrl_quant import triton_gemm as tg  # noqa: E402
 from lumenrl_quant import triton_kernels as tk  # noqa: E402
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
-from lumenrl_quant.fused_mlp import _silu_mul_quantize_torch, swiglu_mlp_fp8, swiglu_mlp_fp8_tokenwise  # noqa: E402
+from lumenrl_quant.fused_mlp import (  # noqa: E402
+    SWIGLU_CONFIGS,
+    SWIGLU_GROUP,
+    _silu_mul_quantize_torch,
+    swiglu_mlp_fp8,
+    swiglu_mlp_fp8_tokenwise,
+)
 
 SHAPES = {"8b": (4096, 12288), "1.7b": (2048, 6144), "tiny": (256, 256)}  # tiny: CPU smoke run (TRITON_INTERPRET=1)
 
@@ -164,7 +170,9 @@ def bench(model: str, m: int, tune: bool, given: dict | None) -> tuple[list[dict
                     "up": {key: best_up[group][key] for key in ("block_m", "block_k", "num_warps", "num_stages")},
                     "down": {key: down_best[group][key] for key in keys_down}, "kernels_us": pairs[group],
                     "shape": {"K": k, "I": inter}}
-    group = best["group"] if best else 64
+    # untuned: the engine's group and launch configurations (SWIGLU_CONFIGS / DOWN_CONFIGS). Session 6's
+    # calls 1-2 ran group 64 here with default launch configs (115.8 us): not what the engine runs
+    group = best["group"] if best else SWIGLU_CONFIGS.get((inter, k), {}).get("group", SWIGLU_GROUP)
     cfgs = (best["up"], best["down"]) if best else None
 
     def fused(t, up, down):
