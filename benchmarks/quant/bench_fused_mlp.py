@@ -42,7 +42,7 @@ from _common import copies_for, device, sqnr, table, time_graph_ms, write_json  
 
 from lumenrl_quant import QuantizedLinear  # noqa: E402
 from lumenrl_quant import triton_gemm as tg  # noqa: E402
-from lumenrl_quant import triton_kernels as tk  # noqa: E402
+from lumenrl_quant import triton_swiglu as ts  # noqa: E402
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
 from lumenrl_quant.fused_mlp import (  # noqa: E402
     SWIGLU_CONFIGS,
@@ -126,11 +126,11 @@ def bench(model: str, m: int, tune: bool, given: dict | None) -> tuple[list[dict
         fp8 = layers[0][1].fp8_dtype
         c_silu = torch.compile(_silu_mul_quantize_torch)
         add("silu_inductor", [lambda: c_silu(gu, fp8)] * 8)
-        add("silu_kernel_default", [lambda: tk.fp8_silu_mul_quantize(gu, fp8)] * 8)
+        add("silu_kernel_default", [lambda: ts.fp8_silu_mul_quantize(gu, fp8)] * 8)
         sweep = [(16384, 16, 1), (16384, 32, 1)]  # session 6 call 1's best single-program forms
         sweep += list(itertools.product((1024, 2048, 4096), (4, 8, 16), (2, 4, 8)))
         for block, warps, split in sweep:
-            add("silu_kernel", [lambda c={"block": block, "num_warps": warps, "split": split}: tk.fp8_silu_mul_quantize(
+            add("silu_kernel", [lambda c={"block": block, "num_warps": warps, "split": split}: ts.fp8_silu_mul_quantize(
                 gu, fp8, config=c)] * 8, block=block, num_warps=warps, split=split)
     best = given
     if tune:

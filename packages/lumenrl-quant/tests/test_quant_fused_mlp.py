@@ -166,7 +166,7 @@ def test_forward_quantized_matches_forward_and_names_bad_operands():
 SILU_SCRIPT = textwrap.dedent(
     """
     import torch
-    from lumenrl_quant import triton_kernels as tk
+    from lumenrl_quant import triton_swiglu as ts
     from lumenrl_quant.fused_mlp import silu_mul_quantize
 
     torch.manual_seed(0)
@@ -174,7 +174,7 @@ SILU_SCRIPT = textwrap.dedent(
     for m, inter, cfg in ((7, 96, None), (3, 300, {"block": 64, "num_warps": 4}), (4, 256, {"block": 128})):
         gu = torch.randn(m, 2 * inter) * 3.0
         gu[1] *= 20.0
-        q, s = tk.fp8_silu_mul_quantize(gu, config=cfg)
+        q, s = ts.fp8_silu_mul_quantize(gu, config=cfg)
         assert q.shape == (m, inter) and s.shape == (m, 1), (q.shape, s.shape)
         g, u = gu.double().chunk(2, -1)
         h = torch.nn.functional.silu(g) * u
@@ -185,7 +185,7 @@ SILU_SCRIPT = textwrap.dedent(
         ref_q, ref_s = silu_mul_quantize(gu, backend="torch")
         assert torch.allclose(s, ref_s, rtol=1e-6), (s, ref_s)
     try:
-        tk.fp8_silu_mul_quantize(torch.randn(2, 7))
+        ts.fp8_silu_mul_quantize(torch.randn(2, 7))
         raise SystemExit("an odd width was accepted")
     except ValueError as e:
         assert "(2, 7)" in str(e), e
@@ -194,12 +194,18 @@ SILU_SCRIPT = textwrap.dedent(
 )
 
 
-def test_silu_mul_quantize_kernel_in_the_interpreter():
+def _interpreted_last_line(script: str) -> float:
+    """Run ``script`` in a fresh process under Triton's interpreter (``TRITON_INTERPRET`` is read when
+    kernels are decorated); its last printed line as a float."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", SILU_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-6
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def test_silu_mul_quantize_kernel_in_the_interpreter():
+    assert _interpreted_last_line(SILU_SCRIPT) < 1e-6
 
 
 SCRIPT = textwrap.dedent(
@@ -261,11 +267,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_fused_mlp_kernels_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.strip().splitlines()[-1]) < 1e-6
+    assert _interpreted_last_line(SCRIPT) < 1e-6
 
 
 @pytest.mark.gpu
@@ -303,12 +305,12 @@ def test_fused_mlp_gpu_matches_torch_backend(m):
     (64, 12288, {"split": 2, "block": 2048}), (3, 6144, {"split": 8, "block": 256}), (300, 1024, None),
 ])
 def test_silu_mul_quantize_gpu_matches_torch(m, inter, config):
-    from lumenrl_quant import triton_kernels as tk
+    from lumenrl_quant import triton_swiglu as ts
 
     gen = torch.Generator(device="cuda").manual_seed(m)
     gu = (torch.randn(m, 2 * inter, device="cuda", generator=gen) * 2.0).bfloat16()
     gu[m // 2] *= 30.0  # an outlier row
-    q, s = tk.fp8_silu_mul_quantize(gu, config=config)
+    q, s = ts.fp8_silu_mul_quantize(gu, config=config)
     rq, rs = silu_mul_quantize(gu, backend="torch")
     assert torch.allclose(s, rs, rtol=1e-6)  # amax / 448 rounded the same way (div_rn)
     # exp and the reciprocal in the kernel may differ from torch's by an ulp: a code can flip at a tie
@@ -320,10 +322,10 @@ def test_silu_mul_quantize_gpu_matches_torch(m, inter, config):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        tk.fp8_silu_mul_quantize(gu, config=config)
+        ts.fp8_silu_mul_quantize(gu, config=config)
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
-        gq, gs = tk.fp8_silu_mul_quantize(gu, config=config)
+        gq, gs = ts.fp8_silu_mul_quantize(gu, config=config)
     for _ in range(50):
         graph.replay()
     torch.cuda.synchronize()

@@ -114,9 +114,9 @@ def _silu_mul_quantize_torch(gate_up: torch.Tensor, dtype: torch.dtype) -> tuple
 
 
 def _silu_mul_quantize_impl(gate_up: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    from lumenrl_quant import triton_kernels as tk
+    from lumenrl_quant.triton_swiglu import fp8_silu_mul_quantize
 
-    return tk.fp8_silu_mul_quantize(gate_up, dtype)
+    return fp8_silu_mul_quantize(gate_up, dtype)
 
 
 def _silu_mul_quantize_fake(gate_up: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

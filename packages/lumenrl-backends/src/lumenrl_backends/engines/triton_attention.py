@@ -304,25 +304,32 @@ def _op_fp8_impl(
     return _run(query, key, value, allowed, scale, k_scale=k_scale, v_scale=v_scale, last=last, out_dtype=out_dtype)
 
 
-# registered at import (a registration inside a torch.compile'd region would break the graph);
-# only where Triton exists, and once per process (a second import of this file reuses it)
-_OP = None
-if triton is not None:
-    _OP = getattr(torch.ops.lumenrl, "gqa_decode_attention", None)
-    if _OP is None:
-        _OP = torch.library.custom_op("lumenrl::gqa_decode_attention", mutates_args=())(_op_impl)
-        _OP.register_fake(
-            lambda query, key, value, allowed, scale, k_scale=None, v_scale=None, last=None: torch.empty_like(query)
-        )
-_OP_FP8 = None
-if triton is not None:
-    _OP_FP8 = getattr(torch.ops.lumenrl, "gqa_decode_attention_fp8", None)
-    if _OP_FP8 is None:
-        _OP_FP8 = torch.library.custom_op("lumenrl::gqa_decode_attention_fp8", mutates_args=())(_op_fp8_impl)
-        _OP_FP8.register_fake(
-            lambda query, key, value, allowed, scale, k_scale, v_scale, last, out_dtype: torch.empty_like(
-                query, dtype=out_dtype)
-        )
+def _register(name: str, impl, fake):  # noqa: ANN001, ANN202 - torch.library callables
+    """The custom op ``lumenrl::<name>``: registered at import (a registration inside a torch.compile'd
+    region would break the graph), only where Triton exists, once per process (a re-import reuses it)."""
+    if triton is None:
+        return None
+    op = getattr(torch.ops.lumenrl, name, None)
+    if op is None:
+        op = torch.library.custom_op(f"lumenrl::{name}", mutates_args=())(impl)
+        op.register_fake(fake)
+    return op
+
+
+_OP = _register("gqa_decode_attention", _op_impl,
+                lambda query, key, value, allowed, scale, k_scale=None, v_scale=None, last=None: torch.empty_like(query))
+_OP_FP8 = _register("gqa_decode_attention_fp8", _op_fp8_impl,
+                    lambda query, key, value, allowed, scale, k_scale, v_scale, last, out_dtype: torch.empty_like(
+                        query, dtype=out_dtype))
+
+
+def _kernel_layout(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K with a unit last stride; V rows (L, D) or columns (D, L), read as stored; else contiguous copies."""
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1 and value.stride(-2) != 1:
+        value = value.contiguous()
+    return key, value
 
 
 def gqa_decode_attention(
@@ -335,10 +342,7 @@ def gqa_decode_attention(
     ``k_scale``/``v_scale`` (``x = q * scale``), applied in-kernel (no dequantized copy).
     ``last`` (B,) int64, optional: each row's last column that ``allowed`` may mark (the engine's
     write column); later columns are neither read nor computed (bounded loop)."""
-    if key.stride(-1) != 1:
-        key = key.contiguous()
-    if value.stride(-1) != 1 and value.stride(-2) != 1:  # rows (L, D) or columns (D, L) of V are read as stored
-        value = value.contiguous()
+    key, value = _kernel_layout(key, value)
     if k_scale is not None:
         k_scale, v_scale = k_scale.reshape(1).float(), v_scale.reshape(1).float()
     return _OP(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last)
@@ -354,10 +358,7 @@ def gqa_decode_attention_fp8(
     weights sum to 1), so it lies within the cache format's range and ``v_scale`` is a valid static
     scale for it: no amax pass, and the output projection takes the codes directly. ``out_dtype``
     must hold the cache's codes (the same FP8 format, or a wider one)."""
-    if key.stride(-1) != 1:
-        key = key.contiguous()
-    if value.stride(-1) != 1 and value.stride(-2) != 1:
-        value = value.contiguous()
+    key, value = _kernel_layout(key, value)
     if key.dtype not in FP8_DTYPES:
         raise ValueError(f"gqa_decode_attention_fp8 needs an FP8 cache; got key dtype {key.dtype}")
     k_scale, v_scale = k_scale.reshape(1).float(), v_scale.reshape(1).float()
