@@ -28,7 +28,7 @@ per-token path (the fused one is at least as close to float64).
 
 Per-token variant, :func:`swiglu_mlp_fp8_tokenwise`: the two GEMMs stay the per-token ``fp8_row``
 ones (the tuned Triton rowwise kernel / cuBLAS), and only the three elementwise kernels between them
-become one: :func:`silu_mul_quantize` (``triton_kernels.fp8_silu_mul_quantize``, a program per row
+become one: :func:`silu_mul_quantize` (``triton_swiglu.fp8_silu_mul_quantize``, a program per row
 holding the row in registers, so the per-token amax needs no second kernel). Its numerics are those
 of the unfused compiled path (``h`` in float32, one scale per token), with ``h`` never rounded to 16 bits.
 
