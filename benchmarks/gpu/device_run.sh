@@ -191,7 +191,4 @@ case "${1:-all}" in
   fp8-s6d-bf16-pr) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s6d_bf16_pr python3 benchmarks/gpu/bench_fp8_rollout.py \
                      --engines bf16 --modes full --no-exact-kl --persistent-rnumel 16384 --out fp8_rollout6d_full_bf16_persistent.json ;;
   s6call4) for part in gpu-tests6d fp8-s6d-row fp8-s6d-bf16 fp8-s6d-row-pr fp8-s6d-bf16-pr; do "$0" "$part"; done ;;
-  # call 5 (after moving the SiLU kernel to lumenrl_quant.triton_swiglu): its GPU tests
-  gpu-tests6e) run 120 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-quant/tests/test_quant_fused_mlp.py -k gpu ;;
-  s6call5) "$0" gpu-tests6e ;;
 esac
