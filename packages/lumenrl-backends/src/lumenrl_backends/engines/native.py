@@ -23,7 +23,8 @@ Design (what the GPU-speed work builds on without a rewrite):
   input run as one lumenrl-quant kernel between the two GEMMs instead of three inductor kernels;
   with an FP8 KV cache and ``fp8_row`` layers, decode attention writes its output as FP8 codes in V's
   code units for ``o_proj`` (``fp8_attn_out``, default on; the V scale is their static scale), and each
-  RMSNorm hands its ``fp8_row`` consumer per-token FP8 input in one pass (``fp8_norm_quant``, default on);
+  RMSNorm hands its ``fp8_row`` consumer per-token FP8 input in one pass (``fp8_norm_quant``, default on
+  with ``compile="full"`` and off the GPU: as eager CUDA ops it is more kernels than the norm it replaces);
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
   (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
@@ -128,6 +129,14 @@ def sliding_window_of(config: Any) -> tuple[int | None, bool]:
     return None, False
 
 
+def _norm_quant_pays(compile: str, device: torch.device) -> bool:
+    """RMSNorm + quantize in one pass (``fp8_norm_quant``) is one inductor kernel under ``compile="full"``;
+    run eagerly on a GPU it is a dozen small torch kernels, more than the HF norm plus the Triton quantize
+    kernel it replaces, so CUDA engines without compile keep the two-step form. CPU engines use it (same
+    numerics as the compiled GPU engine; no launch cost to speak of)."""
+    return compile == "full" or device.type != "cuda"
+
+
 class NativeEngine:
     """Embedded rollout engine over an HF causal LM (see module docstring)."""
 
@@ -180,7 +189,8 @@ class NativeEngine:
         # one q/k/v and one gate/up GEMM per layer; parameters become views of the fused storage
         self.fusion_report = fuse_model_projections(self.model, fp8_mlp=fuse_fp8_mlp,
                                                     fp8_act_kernel=fp8_act_kernel, fp8_attn_out=fp8_attn_out,
-                                                    fp8_norm_quant=fp8_norm_quant) if fuse_projections else None
+                                                    fp8_norm_quant=fp8_norm_quant and _norm_quant_pays(compile, self.device),
+                                                    ) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
         self.tokenizer = tokenizer
