@@ -63,3 +63,20 @@ def test_trained_pipeline_bf16_zero_fp8_positive(bench, tmp_path):
         assert abs(by["bf16"][key]) < 1e-3, (key, by["bf16"][key])
         assert math.isfinite(by["fp8_row"][key]) and by["fp8_row"][key] > 0, (key, by["fp8_row"][key])
     assert abs(by["bf16"]["kl_k3_sampled"]) < 1e-3
+
+
+def test_bf16_training_on_a_smaller_language_vocab(bench):
+    """The 8B recipe on a tiny model: bf16 weights and AdamW states, a language that uses only the first
+    64 of the model's 256 ids; the model learns to move its mass onto the language's ids."""
+    torch.manual_seed(0)
+    lang = bench.SyntheticLanguage(vocab=64, seed=1)
+    untrained = bench.random_bf16("cpu", dims=TINY)
+    before = bench.model_quality(untrained, lang, batch=4, seq=48)
+    model, log = bench.train(lang, steps=40, batch=8, seq=48, lr=3e-3, device="cpu", dims=TINY, log_every=0,
+                             dtype=torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.bfloat16 and log["dtype"] == "bfloat16"
+    assert log["final_train_loss"] < log["first_train_loss"] - 1.0, log
+    after = bench.model_quality(model, lang, batch=4, seq=48)
+    assert before["mass_outside_language"] > 0.6  # 192 of 256 ids are outside: ~3/4 of a near-uniform model
+    assert after["mass_outside_language"] < 0.1, after
+    assert after["kl_true_model"] < before["kl_true_model"] - 1.0, (before, after)

@@ -191,4 +191,11 @@ case "${1:-all}" in
   fp8-s6d-bf16-pr) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s6d_bf16_pr python3 benchmarks/gpu/bench_fp8_rollout.py \
                      --engines bf16 --modes full --no-exact-kl --persistent-rnumel 16384 --out fp8_rollout6d_full_bf16_persistent.json ;;
   s6call4) for part in gpu-tests6d fp8-s6d-row fp8-s6d-bf16 fp8-s6d-row-pr fp8-s6d-bf16-pr; do "$0" "$part"; done ;;
+  # session 7 call 1: the SiLU kernel's GPU tests after its move to triton_swiglu.py; an 8B-shaped Qwen3 TRAINED in the
+  # job (bf16 AdamW, synthetic language over 4096 ids) and the FP8 rollout/train KL on it, with a random-init contrast
+  gpu-tests7a) run 120 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-quant/tests/test_quant_fused_mlp.py ;;
+  kl-8b) run 450 python3 benchmarks/quant/bench_rollout_kl_trained.py --preset qwen3-8b --cache '' --train-dtype bfloat16 \
+           --lang-vocab 4096 --steps 300 --train-batch 16 --lr 2e-4 --engines bf16,fp8_row+kv+head,fp8_block \
+           --untrained-engines fp8_row+kv+head --out rollout_kl_trained_8b.json ;;
+  s7call1) for part in gpu-tests7a kl-8b; do "$0" "$part"; done ;;
 esac

@@ -44,8 +44,20 @@ the FP8 KV cache shows only in the sampled k1/k3. Note on the after-TIS number: 
 unless some token's train probability exceeds twice its rollout probability; ``kl_exact_before``
 is the stricter measure of the mismatch.
 
+An 8B (``--preset qwen3-8b``, GPU): Qwen3-8B's dimensions (36 layers, hidden 4096, intermediate 12288,
+32 / 8 heads of 128, the 151,936-token untied head, RoPE theta 1e6), trained in the job from random
+init on the same kind of language over its first ``--lang-vocab`` ids (the model also learns to give
+the other ids ~no mass: ``mass_outside_language``). Weights and AdamW states are bf16 (8 bytes per
+parameter: ~66 GB with the gradients, what fits one H200 next to the activations), initialised on the
+GPU, and the model stays in the process (``--cache ''``: no 16 GB checkpoint write). It is an
+8B-shaped network with learned structure, not a pretrained LLM: what it shows is whether FP8 noise
+through 36 trained layers stays small, which random-init weights cannot show (their near-tied logits
+move with any rounding).
+
     python benchmarks/quant/bench_rollout_kl_trained.py            # ~5 min on 1 CPU thread
     python benchmarks/quant/bench_rollout_kl_trained.py --retrain --steps 600
+    python benchmarks/quant/bench_rollout_kl_trained.py --preset qwen3-8b --cache '' --train-dtype bfloat16 \
+        --lang-vocab 4096 --steps 300 --train-batch 16 --lr 2e-4 --engines bf16,fp8_row+kv+head,fp8_block
 """
 
 from __future__ import annotations
@@ -72,7 +84,13 @@ from lumenrl_quant import get_quant_scheme  # noqa: E402
 
 KL_GOAL = 1e-3  # issue #5: KL(rollout || train) <= 1e-3 after TIS
 MODEL_DIMS = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512, "tie_word_embeddings": False}
+              "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512, "tie_word_embeddings": False,
+              "rope_theta": 10_000.0}
+# --preset qwen3-8b: Qwen3-8B's own dimensions (every decoder linear, the 151,936-token head); the synthetic
+# language then uses only the first --lang-vocab ids and the model learns to give the rest ~no mass
+PRESETS = {"small": {}, "qwen3-8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                                     "vocab_size": 151936, "rope_theta": 1_000_000.0}}
 
 
 class SyntheticLanguage:
@@ -117,7 +135,7 @@ class SyntheticLanguage:
 def qwen3_small(dims: dict | None = None) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.for_model("qwen3", **(dims or MODEL_DIMS), max_position_embeddings=512, rope_theta=10_000.0,
+    return AutoConfig.for_model("qwen3", **(dims or MODEL_DIMS), max_position_embeddings=512,
                                 attn_implementation="sdpa", pad_token_id=0, eos_token_id=1)
 
 
@@ -126,12 +144,18 @@ class SynthTokenizer(StubTokenizer):
 
 
 def train(lang: SyntheticLanguage, *, steps: int, batch: int, seq: int, lr: float, device: str,
-          seed: int = 0, log_every: int = 25, dims: dict | None = None) -> tuple[Any, dict]:
+          seed: int = 0, log_every: int = 25, dims: dict | None = None,
+          dtype: torch.dtype = torch.float32) -> tuple[Any, dict]:
+    """AdamW on fresh sequences every step. ``dtype=bfloat16`` keeps weights and AdamW states in bf16
+    (what fits an 8B model with its optimizer on one GPU: 8 bytes per parameter); the weights are
+    initialised on ``device`` directly."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(qwen3_small(dims), dtype=torch.float32).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(qwen3_small(dims), dtype=dtype).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95),
+                            fused=torch.device(device).type == "cuda")
     warm = 20
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, steps - warm))))))
@@ -140,6 +164,8 @@ def train(lang: SyntheticLanguage, *, steps: int, batch: int, seq: int, lr: floa
         ids = lang.sample(batch, seq, seed=1_000_000 + step).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
+        if not torch.isfinite(loss):
+            raise SystemExit(f"training diverged at step {step}: loss {float(loss)}; lower --lr (now {lr})")
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -148,8 +174,11 @@ def train(lang: SyntheticLanguage, *, steps: int, batch: int, seq: int, lr: floa
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"train step {step:4d} loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     tail = losses[-max(1, steps // 20):]
-    return model.eval(), {"steps": steps, "batch": batch, "seq": seq, "lr": lr, "train_seconds": time.perf_counter() - t0,
-                          "final_train_loss": sum(tail) / len(tail), "first_train_loss": losses[0]}
+    del opt
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda" else None
+    return model.eval(), {"peak_gpu_gib": peak, "steps": steps, "batch": batch, "seq": seq, "lr": lr, "dtype": str(dtype).removeprefix("torch."),
+                          "train_seconds": time.perf_counter() - t0, "final_train_loss": sum(tail) / len(tail),
+                          "first_train_loss": losses[0], "loss_every_25": losses[::25]}
 
 
 def model_quality(model: Any, lang: SyntheticLanguage, *, batch: int = 32, seq: int = 128, seed: int = 7) -> dict:
@@ -157,27 +186,53 @@ def model_quality(model: Any, lang: SyntheticLanguage, *, batch: int = 32, seq: 
     ids, p_true = lang.sample(batch, seq, seed=seed, with_probs=True)
     dev = next(model.parameters()).device
     with torch.no_grad():
-        lp = torch.log_softmax(model(input_ids=ids.to(dev)).logits[:, :-1].double().cpu(), dim=-1)
+        lp = torch.cat([torch.log_softmax(model(input_ids=ids[s:s + 4].to(dev)).logits[:, :-1].double(), dim=-1).cpu()
+                        for s in range(0, batch, 4)])
+    entropy = float(-(lp.exp() * lp).sum(-1).mean())
+    outside = float(lp[..., lang.vocab:].exp().sum(-1).mean()) if lp.shape[-1] > lang.vocab else 0.0
+    lp = lp[..., :lang.vocab]  # p_true is 0 beyond the language's ids (a model vocabulary may be larger)
     log_true = torch.log(p_true.clamp_min(1e-300))
     return {
         "source_entropy": float(-(p_true * torch.where(p_true > 0, log_true, 0.0)).sum(-1).mean()),
         "heldout_loss": float(-lp.gather(-1, ids[:, 1:, None]).mean()),
         "kl_true_model": float((p_true * torch.where(p_true > 0, log_true - lp, 0.0)).sum(-1).mean()),
-        "model_entropy": float(-(lp.exp() * lp).sum(-1).mean()),
+        "model_entropy": entropy,
         "uniform_entropy": math.log(lang.vocab),
+        "mass_outside_language": outside,
     }
+
+
+def train_kwargs(args: argparse.Namespace) -> dict:
+    return {"steps": args.steps, "batch": args.train_batch, "seq": args.seq, "lr": args.lr,
+            "dtype": getattr(torch, args.train_dtype)}
+
+
+def trained_model(args: argparse.Namespace, lang: SyntheticLanguage, device: str) -> tuple[Any, dict]:
+    """The trained model in bf16 and its train log: reloaded from a ``save_pretrained`` checkpoint
+    (trained now unless cached) or, with ``--cache ''`` (an 8B), trained in this process and kept."""
+    if not args.cache:
+        model, log = train(lang, device=device, **train_kwargs(args))
+        model = model.to(torch.bfloat16)
+        model.generation_config.eos_token_id = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return model, {**log, "cached": False, "saved": False}
+    path, log = trained_checkpoint(args, lang, device)
+    return load_bf16(path, device), log
 
 
 def trained_checkpoint(args: argparse.Namespace, lang: SyntheticLanguage, device: str) -> tuple[Path, dict]:
     """save_pretrained'd checkpoint dir for these settings (trained now unless cached) and its train log."""
     key = json.dumps({"dims": MODEL_DIMS, "steps": args.steps, "batch": args.train_batch, "seq": args.seq,
-                      "lr": args.lr, "lang_seed": args.lang_seed, "v": 1}, sort_keys=True)
+                      "lr": args.lr, "lang_seed": args.lang_seed, "lang_vocab": lang.vocab,
+                      "dtype": args.train_dtype, "v": 2}, sort_keys=True)
     path = Path(args.cache) / ("qwen3_synth_" + hashlib.sha1(key.encode()).hexdigest()[:12])
     log_file = path / "train_log.json"
     if log_file.exists() and not args.retrain:
         print(f"reusing trained checkpoint {path}", flush=True)
         return path, {**json.loads(log_file.read_text()), "cached": True}
-    model, log = train(lang, steps=args.steps, batch=args.train_batch, seq=args.seq, lr=args.lr, device=device)
+    model, log = train(lang, device=device, **train_kwargs(args))
     model.save_pretrained(path)
     log_file.write_text(json.dumps(log, indent=2) + "\n")
     return path, {**log, "cached": False}
@@ -195,7 +250,8 @@ def random_bf16(device: str, seed: int = 0, dims: dict | None = None) -> Any:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(qwen3_small(dims), dtype=torch.bfloat16).to(device).eval()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(qwen3_small(dims), dtype=torch.bfloat16).eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -262,17 +318,25 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128, help="training sequence length")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--lang-seed", type=int, default=0)
+    ap.add_argument("--lang-vocab", type=int, default=0, help="ids of the synthetic language (0: the model's vocab)")
+    ap.add_argument("--train-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights and AdamW states while training (bfloat16 for an 8B on one GPU)")
+    ap.add_argument("--preset", default="small", choices=sorted(PRESETS),
+                    help="model dims: small (hidden 256 x 4 layers) or qwen3-8b (Qwen3-8B's dims)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ap.add_argument("--cache", default="/tmp/lumenrl_rollout_kl_cache")
+    ap.add_argument("--cache", default="/tmp/lumenrl_rollout_kl_cache",
+                    help="checkpoint cache dir; '' trains in this process without saving (an 8B)")
     ap.add_argument("--retrain", action="store_true")
     ap.add_argument("--no-untrained", action="store_true", help="skip the random-init contrast")
+    ap.add_argument("--untrained-engines", default="", help="engines of the random-init contrast (default: --engines)")
     ap.add_argument("--dims", default="", help='JSON overrides of the model dims, e.g. \'{"hidden_size": 1024, '
                     '"num_hidden_layers": 12}\' (wider / deeper probes; the cache key includes them)')
     ap.add_argument("--out", default="rollout_kl_trained.json")
     args = ap.parse_args()
+    MODEL_DIMS.update(PRESETS[args.preset])
     if args.dims:
         extra = json.loads(args.dims)
         unknown = set(extra) - set(MODEL_DIMS)
@@ -282,24 +346,32 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engines = args.engines.split(",")
-    lang = SyntheticLanguage(vocab=MODEL_DIMS["vocab_size"], seed=args.lang_seed)
+    lang_vocab = args.lang_vocab or MODEL_DIMS["vocab_size"]
+    if not 6 < lang_vocab <= MODEL_DIMS["vocab_size"]:
+        raise SystemExit(f"--lang-vocab={args.lang_vocab}; allowed: 0 (the model's) or 7..{MODEL_DIMS['vocab_size']}")
+    lang = SyntheticLanguage(vocab=lang_vocab, seed=args.lang_seed)
     result: dict[str, Any] = {"command": command_line(), "env": environment(), "args": vars(args),
                               "model_dims": MODEL_DIMS, "kl_goal": KL_GOAL,
-                              "language": {"successors": 4, "dirichlet_alpha": 1.0, "p_copy": lang.p_copy},
+                              "language": {"successors": 4, "dirichlet_alpha": 1.0, "p_copy": lang.p_copy,
+                                           "vocab": lang.vocab},
                               "train_forward_dtype": "bfloat16"}
-    path, result["training"] = trained_checkpoint(args, lang, device)
-    trained = load_bf16(path, device)
+    trained, result["training"] = trained_model(args, lang, device)
     result["quality_trained_bf16"] = model_quality(trained, lang)
-    print("trained (bf16 reload):", result["quality_trained_bf16"], flush=True)
+    print("trained (bf16):", result["quality_trained_bf16"], flush=True)
     rows = run_all(trained, lang, engines, prompts=args.prompts, prompt_len=args.prompt_len, new=args.new,
                    device=device, label="trained")
     result["rows"] = rows
     write_json(args.out, result)
     if not args.no_untrained:
+        del trained
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         untrained = random_bf16(device)
         result["quality_untrained_bf16"] = model_quality(untrained, lang)
         print("untrained:", result["quality_untrained_bf16"], flush=True)
-        rows += run_all(untrained, lang, engines, prompts=args.prompts, prompt_len=args.prompt_len, new=args.new,
+        rows += run_all(untrained, lang, args.untrained_engines.split(",") if args.untrained_engines else engines,
+                        prompts=args.prompts, prompt_len=args.prompt_len, new=args.new,
                         device=device, label="untrained")
     result["summary"] = {f"{r['model']}/{r['engine']}": {k: r.get(k) for k in (
         "kl_exact_before", "kl_exact_after_tis", "kl_k3_sampled", "meets_goal_after_tis")} for r in rows}
