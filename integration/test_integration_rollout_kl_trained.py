@@ -80,3 +80,41 @@ def test_bf16_training_on_a_smaller_language_vocab(bench):
     assert before["mass_outside_language"] > 0.6  # 192 of 256 ids are outside: ~3/4 of a near-uniform model
     assert after["mass_outside_language"] < 0.1, after
     assert after["kl_true_model"] < before["kl_true_model"] - 1.0, (before, after)
+
+
+def test_stochastic_rounding_is_unbiased_and_brackets(bench):
+    torch.manual_seed(1)
+    x = torch.randn(4096, dtype=torch.float32) * 0.05
+    down = x.to(torch.bfloat16)  # round to nearest: one neighbour
+    rounds = torch.stack([bench.stochastic_round_bf16(x).float() for _ in range(400)])
+    lo = torch.minimum(rounds.min(0).values, x)
+    hi = torch.maximum(rounds.max(0).values, x)
+    ulp = (down.float().abs() * 2.0 ** -7).clamp_min(1e-12)
+    assert ((hi - lo) <= 1.01 * ulp).all()  # every result is one of the two bf16 neighbours of x
+    bias = (rounds.double().mean(0) - x.double()).abs() / ulp.double()
+    assert bias.mean() < 0.02 and bias.max() < 0.25, (bias.mean(), bias.max())  # round-to-nearest: mean ~0.25
+
+
+def test_adamw_bf16_tracks_float32_adamw(bench):
+    """Updates below half a bf16 ulp (lr 1e-3 on weights ~1.4, half an ulp there is 3.9e-3): torch's AdamW
+    on bf16 weights (round to nearest) never moves them; AdamWBF16 follows float32 AdamW to the optimum."""
+    torch.manual_seed(2)
+    target = torch.randn(64, 32)
+    inputs = torch.randn(256, 64)
+    start = (1.4 + 0.05 * torch.randn(32)).to(torch.bfloat16)
+    ref, w, nearest = (torch.nn.Parameter(start.clone().to(dtype)) for dtype in
+                       (torch.float32, torch.bfloat16, torch.bfloat16))
+    opts = [(ref, torch.optim.AdamW([ref], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)),
+            (w, bench.AdamWBF16([w], lr=1e-3, betas=(0.9, 0.95))),
+            (nearest, torch.optim.AdamW([nearest], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0))]
+    for _ in range(500):
+        for param, opt in opts:
+            loss = ((inputs @ (target * param.float()[None]) - inputs @ target) ** 2).mean()  # optimum: param = 1
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    travel = (ref.detach().double() - start.double()).abs()
+    assert travel.mean() > 0.3, travel.mean()  # float32 AdamW went most of the way to 1 (~0.4)
+    assert torch.equal(nearest.detach(), start)  # round to nearest: stuck at the start
+    err = (w.detach().double() - ref.detach().double()).abs()
+    assert err.mean() < 0.05 * travel.mean(), (err.mean(), travel.mean())

@@ -198,4 +198,10 @@ case "${1:-all}" in
            --lang-vocab 4096 --steps 300 --train-batch 16 --lr 2e-4 --engines bf16,fp8_row+kv+head,fp8_block \
            --untrained-engines fp8_row+kv+head --out rollout_kl_trained_8b.json ;;
   s7call1) for part in gpu-tests7a kl-8b; do "$0" "$part"; done ;;
+  # call 2: plain bf16 AdamW stalled at the unigram loss in call 1 (updates under half an ulp are lost);
+  # now float32 moments + stochastic rounding (AdamWBF16), a 1024-id language, lr 3e-4
+  kl-8b-sr) run 540 python3 benchmarks/quant/bench_rollout_kl_trained.py --preset qwen3-8b --cache '' --train-dtype bfloat16 \
+              --lang-vocab 1024 --steps 400 --train-budget-s 250 --train-batch 16 --lr 3e-4 \
+              --engines bf16,fp8_row+kv+head,fp8_row,fp8_block --untrained-engines fp8_row+kv+head --out rollout_kl_trained_8b_sr.json ;;
+  s7call2) for part in kl-8b-sr; do "$0" "$part"; done ;;
 esac

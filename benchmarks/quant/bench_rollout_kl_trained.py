@@ -47,9 +47,10 @@ is the stricter measure of the mismatch.
 An 8B (``--preset qwen3-8b``, GPU): Qwen3-8B's dimensions (36 layers, hidden 4096, intermediate 12288,
 32 / 8 heads of 128, the 151,936-token untied head, RoPE theta 1e6), trained in the job from random
 init on the same kind of language over its first ``--lang-vocab`` ids (the model also learns to give
-the other ids ~no mass: ``mass_outside_language``). Weights and AdamW states are bf16 (8 bytes per
-parameter: ~66 GB with the gradients, what fits one H200 next to the activations), initialised on the
-GPU, and the model stays in the process (``--cache ''``: no 16 GB checkpoint write). It is an
+the other ids ~no mass: ``mass_outside_language``). Weights are bf16, with float32 AdamW moments and
+each update written back with stochastic rounding (``AdamWBF16``; 12 bytes per parameter, ~100 GB with
+the gradients: what fits one H200 next to the activations; plain bf16 AdamW stalled at the unigram loss),
+initialised on the GPU, and the model stays in the process (``--cache ''``: no 16 GB checkpoint write). It is an
 8B-shaped network with learned structure, not a pretrained LLM: what it shows is whether FP8 noise
 through 36 trained layers stays small, which random-init weights cannot show (their near-tied logits
 move with any rounding).
@@ -143,19 +144,61 @@ class SynthTokenizer(StubTokenizer):
     pad_token_id, eos_token_id = 0, 1
 
 
+def stochastic_round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16 rounding up or down with probability proportional to the distance (unbiased):
+    random low 16 bits are added to the float32 pattern, then truncated (sign-magnitude, so negative
+    values round their magnitude the same way)."""
+    bits = x.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+class AdamWBF16(torch.optim.Optimizer):
+    """AdamW for bfloat16 weights: float32 moments, the update computed in float32 and written back with
+    stochastic rounding. Round-to-nearest would drop every update under half a bf16 ulp (an update of
+    2e-4 is lost on any weight above 0.064, and on every RMSNorm gain), which stalled an 8B run at the
+    language's unigram loss; stochastic rounding keeps the expected update exact (12 bytes / parameter)."""
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, m=torch.zeros_like(p, dtype=torch.float32),
+                                 v=torch.zeros_like(p, dtype=torch.float32))
+                state["step"] += 1
+                g = p.grad.float()
+                state["m"].lerp_(g, 1 - beta1)
+                state["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = (state["v"] / (1 - beta2 ** state["step"])).sqrt_().add_(eps)
+                new = p.float().mul_(1 - lr * decay).addcdiv_(state["m"], denom, value=-lr / (1 - beta1 ** state["step"]))
+                p.copy_(stochastic_round_bf16(new) if p.dtype == torch.bfloat16 else new)
+                del g, denom, new
+
+
 def train(lang: SyntheticLanguage, *, steps: int, batch: int, seq: int, lr: float, device: str,
           seed: int = 0, log_every: int = 25, dims: dict | None = None,
-          dtype: torch.dtype = torch.float32) -> tuple[Any, dict]:
-    """AdamW on fresh sequences every step. ``dtype=bfloat16`` keeps weights and AdamW states in bf16
-    (what fits an 8B model with its optimizer on one GPU: 8 bytes per parameter); the weights are
-    initialised on ``device`` directly."""
+          dtype: torch.dtype = torch.float32, budget_s: float = 0.0) -> tuple[Any, dict]:
+    """AdamW on fresh sequences every step. ``dtype=bfloat16`` keeps the weights in bf16 with float32
+    moments and stochastic rounding (:class:`AdamWBF16`: what fits an 8B model with its optimizer on one
+    GPU); the weights are initialised on ``device`` directly."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(qwen3_small(dims), dtype=dtype).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95),
-                            fused=torch.device(device).type == "cuda")
+    if dtype == torch.bfloat16:
+        opt: torch.optim.Optimizer = AdamWBF16(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     warm = 20
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0, s - warm) / max(1, steps - warm))))))
@@ -173,10 +216,14 @@ def train(lang: SyntheticLanguage, *, steps: int, batch: int, seq: int, lr: floa
         losses.append(float(loss.detach()))
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"train step {step:4d} loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    tail = losses[-max(1, steps // 20):]
+        if budget_s and time.perf_counter() - t0 > budget_s:  # keep time for the measurement (device jobs)
+            print(f"train: stopped after {step + 1} of {steps} steps (--train-budget-s {budget_s:g})", flush=True)
+            break
+    tail = losses[-max(1, len(losses) // 20):]
     del opt
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.device(device).type == "cuda" else None
-    return model.eval(), {"peak_gpu_gib": peak, "steps": steps, "batch": batch, "seq": seq, "lr": lr, "dtype": str(dtype).removeprefix("torch."),
+    return model.eval(), {"peak_gpu_gib": peak, "steps": len(losses), "steps_planned": steps, "batch": batch, "seq": seq,
+                          "lr": lr, "dtype": str(dtype).removeprefix("torch."),
                           "train_seconds": time.perf_counter() - t0, "final_train_loss": sum(tail) / len(tail),
                           "first_train_loss": losses[0], "loss_every_25": losses[::25]}
 
@@ -204,7 +251,7 @@ def model_quality(model: Any, lang: SyntheticLanguage, *, batch: int = 32, seq: 
 
 def train_kwargs(args: argparse.Namespace) -> dict:
     return {"steps": args.steps, "batch": args.train_batch, "seq": args.seq, "lr": args.lr,
-            "dtype": getattr(torch, args.train_dtype)}
+            "dtype": getattr(torch, args.train_dtype), "budget_s": args.train_budget_s}
 
 
 def trained_model(args: argparse.Namespace, lang: SyntheticLanguage, device: str) -> tuple[Any, dict]:
@@ -226,7 +273,7 @@ def trained_checkpoint(args: argparse.Namespace, lang: SyntheticLanguage, device
     """save_pretrained'd checkpoint dir for these settings (trained now unless cached) and its train log."""
     key = json.dumps({"dims": MODEL_DIMS, "steps": args.steps, "batch": args.train_batch, "seq": args.seq,
                       "lr": args.lr, "lang_seed": args.lang_seed, "lang_vocab": lang.vocab,
-                      "dtype": args.train_dtype, "v": 2}, sort_keys=True)
+                      "dtype": args.train_dtype, "budget_s": args.train_budget_s, "v": 2}, sort_keys=True)
     path = Path(args.cache) / ("qwen3_synth_" + hashlib.sha1(key.encode()).hexdigest()[:12])
     log_file = path / "train_log.json"
     if log_file.exists() and not args.retrain:
@@ -315,6 +362,7 @@ def main() -> None:
     ap.add_argument("--engines", default="bf16,fp8_row,fp8_block,fp8_row+kv")
     ap.add_argument("--steps", type=int, default=400, help="training steps")
     ap.add_argument("--train-batch", type=int, default=8)
+    ap.add_argument("--train-budget-s", type=float, default=0.0, help="stop training after this many seconds (0: off)")
     ap.add_argument("--seq", type=int, default=128, help="training sequence length")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--lang-seed", type=int, default=0)
