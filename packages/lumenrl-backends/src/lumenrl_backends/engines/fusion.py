@@ -27,6 +27,15 @@ small M). :func:`fuse_projections` does this at engine load, in place:
   gradient-enabled forward) runs the original forward on the member views, so gradients and other
   caches behave exactly as before.
 
+Opt-in (``fused_qk_rope``): in the engine's decode step (one token per row, rows ``0..b-1``) the
+q/k RMSNorms (Qwen3), RoPE and the KV-cache write run as one kernel,
+:func:`~lumenrl_backends.engines.triton_rope.decode_qk_rope_kv_write`, instead of the norm modules,
+``apply_rotary_pos_emb`` and ``cache.update`` (same rounding sequence; see that module). It is set
+per attention only where the HF pieces compute what the op computes (checked at fusion on small
+inputs: the family's ``apply_rotary_pos_emb`` and the module's own q/k norms); at run time it falls
+back to the HF sequence for prefill, cos/sin not ``(b, 1, D)`` in the model dtype, and an FP8 cache
+without per-tensor scales yet (the first prefill calibrates them through ``update``).
+
 The fused modules are kept outside the module tree (a plain attribute), so ``named_modules``,
 ``named_parameters`` and ``state_dict`` are unchanged. DeepSeek MLA (no separate q/k/v), MoE
 expert banks and any unknown class are left untouched (DeepSeek-V3 / GLM-4-MoE: their dense and
@@ -68,6 +77,8 @@ class FusionReport:
     mlp_fp8: list[str] = field(default_factory=list)  # fused MLPs that run lumenrl-quant's FP8 SwiGLU (opt-in)
     mlp_fp8_token: list[str] = field(default_factory=list)  # MLPs whose SiLU * up + per-token quantize is one kernel
     attention_fp8_out: list[str] = field(default_factory=list)  # attentions whose decode output goes to o_proj as FP8
+    attention_fused_rope: list[str] = field(default_factory=list)  # decode q/k norm + RoPE + KV write in one kernel
+    attention_fused_rope_skipped: dict[str, str] = field(default_factory=dict)  # asked for, but why not
     layers_fp8_norm: list[str] = field(default_factory=list)  # decoder layers whose norms emit per-token FP8
     mlp_fp8_skipped: dict[str, str] = field(default_factory=dict)  # fused quantized MLP -> why not the FP8 SwiGLU
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> why not
@@ -229,13 +240,18 @@ def _attention_forward(
     else:
         qkv = fused.linear.forward_quantized(*prequantized, hidden_states.dtype)
         query, key, value = qkv.reshape(*input_shape, -1).split(fused.sizes, dim=-1)
-    query, key = query.view(hidden_shape), key.view(hidden_shape)
-    if hasattr(self, "q_norm"):  # Qwen3 / Qwen3-MoE: RMSNorm over the head dim before RoPE
-        query, key = self.q_norm(query), self.k_norm(key)
-    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.view(hidden_shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    query, key = family.apply_rotary_pos_emb(query, key, cos, sin)
-    key, value = cache.update(key, value, self.layer_idx)
+    query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
+    written = _decode_qk_rope(self, cache, query, key, value, position_embeddings) if self.__dict__.get(
+        _QK_ROPE_ATTR) else None
+    if written is not None:
+        query, key, value = written
+    else:
+        if hasattr(self, "q_norm"):  # Qwen3 / Qwen3-MoE: RMSNorm over the head dim before RoPE
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = family.apply_rotary_pos_emb(query, key, cos, sin)
+        key, value = cache.update(key, value, self.layer_idx)
     functions = family.ALL_ATTENTION_FUNCTIONS
     implementation = self.config._attn_implementation
     if hasattr(functions, "get_interface"):
@@ -263,6 +279,34 @@ def _attention_forward(
         return self.o_proj.forward_quantized(out.reshape(-1, out.shape[-1]), a_scale, hidden_states.dtype).reshape(
             *input_shape, -1), weights
     return self.o_proj(out), weights
+
+
+def _decode_qk_rope(
+    self: nn.Module, cache: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``fused_qk_rope``: q/k norms, RoPE and the KV-cache write of a decode step as one op. query
+    (b, 1, H, D), key/value (b, 1, H_kv, D) -> (query (b, H, 1, D), key, value as ``cache.update``
+    returns them), or None where the HF sequence runs instead (see the module doc)."""
+    from lumenrl_backends.engines.triton_rope import decode_qk_rope_kv_write
+
+    batch, q_len, _, dim = query.shape
+    if q_len != 1 or position_embeddings is None or value.shape[-1] != dim:
+        return None
+    cos, sin = position_embeddings
+    if cos.shape != (batch, 1, dim) or sin.shape != cos.shape or cos.dtype != query.dtype or sin.dtype != cos.dtype:
+        return None
+    norms = (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else None
+    if norms is not None and (norms[0].weight.dtype != query.dtype or norms[1].weight.dtype != query.dtype):
+        return None
+    target = cache.decode_write_target(self.layer_idx, key.transpose(1, 2), value.transpose(1, 2))
+    if target is None:
+        return None
+    query = decode_qk_rope_kv_write(
+        query[:, 0], key[:, 0], value[:, 0], cos[:, 0], sin[:, 0], target.keys, target.values, target.columns,
+        q_weight=None if norms is None else norms[0].weight, k_weight=None if norms is None else norms[1].weight,
+        eps=1e-6 if norms is None else norms[0].variance_epsilon, k_scale=target.k_scale, v_scale=target.v_scale)
+    return (query, *cache.decode_read(self.layer_idx))
 
 
 def _mlp_forward(
@@ -394,12 +438,13 @@ _GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...], Any]] = {
 }
 _ATTENTION_ATTRS = ("_lumenrl_family", "_lumenrl_window", "_lumenrl_cache_kwarg")
 _FP8_OUT_ATTR = "_lumenrl_fp8_out"  # instance attribute: the o_proj's FP8 dtype when decode attention hands it codes
+_QK_ROPE_ATTR = "_lumenrl_qk_rope"  # instance attribute: True when decode runs q/k norm + RoPE + KV write as one op
 
 
 @torch.no_grad()
 def fuse_projections(
     model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False, fp8_act_kernel: bool = True,
-    fp8_attn_out: bool = True, fp8_norm_quant: bool = True,
+    fp8_attn_out: bool = True, fp8_norm_quant: bool = True, fused_qk_rope: bool = False,
 ) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
@@ -423,6 +468,11 @@ def fuse_projections(
     input (``fp8_row``, the MLP on the per-token path) run their RMSNorms as
     :func:`lumenrl_quant.rmsnorm_quantize_fp8`, which hands the consumer its FP8 codes and scales.
 
+    ``fused_qk_rope`` (opt-in until measured on the GPU): attentions run their decode step's q/k norms,
+    RoPE and KV-cache write as one op (:mod:`~lumenrl_backends.engines.triton_rope`), where the
+    module's norms and its family's RoPE compute what the op computes (else ``attention_fused_rope_skipped``
+    says why not).
+
     Call after the model is on its device (and after quantization, if any): the fused storage is
     allocated where the members live, and later ``.to()`` calls would not move it.
     """
@@ -437,6 +487,7 @@ def fuse_projections(
                 _set_swiglu(module, name, fp8_mlp, fp8_act_kernel, report)
             else:
                 _set_fp8_out(module, name, fp8_attn_out, report)
+                _set_qk_rope(module, name, fused_qk_rope, report)
             continue
         kind = ("attention" if attention and cls.__name__ in ATTENTION_CLASSES
                 else "mlp" if mlp and cls.__name__ in MLP_CLASSES else None)
@@ -461,6 +512,7 @@ def fuse_projections(
             _set_swiglu(module, name, fp8_mlp, fp8_act_kernel, report)
         else:
             _set_fp8_out(module, name, fp8_attn_out, report)
+            _set_qk_rope(module, name, fused_qk_rope, report)
     for name, module in model.named_modules():
         if type(module).__name__ in DECODER_CLASSES:
             _set_norm_quant(module, name, fp8_norm_quant and attention and mlp, report)
@@ -473,6 +525,18 @@ def _set_fp8_out(module: nn.Module, name: str, wanted: bool, report: FusionRepor
     module.__dict__[_FP8_OUT_ATTR] = o_proj.fp8_dtype if ok else None
     if ok:
         report.attention_fp8_out.append(name)
+
+
+def _set_qk_rope(module: nn.Module, name: str, wanted: bool, report: FusionReport) -> None:
+    from lumenrl_backends.engines.triton_rope import hf_mismatch
+
+    reason = hf_mismatch(module._lumenrl_family.apply_rotary_pos_emb, getattr(module, "q_norm", None),
+                         getattr(module, "k_norm", None), module.head_dim) if wanted else "off"
+    module.__dict__[_QK_ROPE_ATTR] = reason is None
+    if reason is None:
+        report.attention_fused_rope.append(name)
+    elif reason != "off":
+        report.attention_fused_rope_skipped[name] = reason
 
 
 def _set_swiglu(module: nn.Module, name: str, group: bool, token: bool, report: FusionReport) -> None:
@@ -499,7 +563,7 @@ def unfuse_projections(model: nn.Module) -> int:
         if base is None:
             continue
         module.__class__ = base
-        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, _NORM_QUANT_ATTR, "_lumenrl_layer_cache_kwarg",
+        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, _QK_ROPE_ATTR, _NORM_QUANT_ATTR, "_lumenrl_layer_cache_kwarg",
                      *_ATTENTION_ATTRS):
             module.__dict__.pop(attr, None)
         count += 1

@@ -19,6 +19,9 @@ before each forward:
   returned as-is, since a fresh prompt attends only to itself (no gather of the cache);
 * decode view (rows ``0..b-1``, one new token each): the token is written at each row's own
   column and the layer gets the first ``kv_len`` columns of rows ``0..b-1`` (a view, no copy).
+  A layer whose decode kernel writes K/V itself (``fused_qk_rope``:
+  :mod:`~lumenrl_backends.engines.triton_rope`) takes the buffers from :meth:`SlotKVCache.decode_write_target`
+  and then reads what ``update`` would have returned from :meth:`SlotKVCache.decode_read`.
 
 With an FP8 ``kv_dtype`` the cache stores FP8 K/V with static per-layer scales (calibrated
 from a prefill, recalibrated after weight updates: :class:`~lumenrl_backends.engines.quant.FP8KVCodec`)
@@ -35,13 +38,14 @@ row is fully masked (pad rows would otherwise produce NaN in SDPA).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lumenrl_backends.engines.quant import FP8KVCodec
 
-__all__ = ["CacheView", "SlotKVCache", "prefill_mask", "decode_mask", "to_attention_mask"]
+__all__ = ["CacheView", "DecodeWrite", "SlotKVCache", "prefill_mask", "decode_mask", "to_attention_mask"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,6 +56,16 @@ class CacheView:
     columns: torch.Tensor  # (b, q) int64 cache column of each new token
     decode: bool  # True: read back rows 0..b-1 (rows must be arange(b)); False: fresh prefill
     kv_len: int  # decode: number of cache columns visible to attention
+
+
+class DecodeWrite(NamedTuple):
+    """What a fused decode kernel needs to write one layer's new K/V itself (a NamedTuple: traceable)."""
+
+    keys: torch.Tensor  # (S, H_kv, L, D_k) the layer's key storage: FP8 codes or the model dtype
+    values: torch.Tensor  # (S, H_kv, L, D_v)
+    columns: torch.Tensor  # (b,) int64 write column of rows 0..b-1
+    k_scale: torch.Tensor | None  # FP8 cache: one-element dequant scales (x ≈ code * scale); else None
+    v_scale: torch.Tensor | None
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -93,14 +107,40 @@ class _SlotLayer(CacheLayerMixin):
         self.keys[rows, :, view.columns] = stored_k.transpose(1, 2).to(self.keys.dtype)  # (b, q, H, D)
         self.values[rows, :, view.columns] = stored_v.transpose(1, 2).to(self.values.dtype)
         if view.decode:
-            batch = view.rows.shape[0]
-            stored_k, stored_v = self.keys[:batch, :, : view.kv_len], self.values[:batch, :, : view.kv_len]
-            if self.codec is not None and self._owner.raw_fp8_decode:  # the engine's attention dequantizes
-                self._owner.current_scales = self.codec.scales
-                return stored_k, stored_v
+            return self.decode_read()
         if self.codec is not None:  # attention sees exactly what the cache holds
             return self.codec.decode(stored_k, stored_v, self.dtype)
         return stored_k, stored_v
+
+    def decode_read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update`` returns in decode, without writing: the first ``kv_len`` columns of rows
+        0..b-1 (views); FP8: as stored with the scales in ``current_scales`` (``raw_fp8_decode``), or
+        dequantized."""
+        view = self._owner.view
+        batch = view.rows.shape[0]
+        stored_k, stored_v = self.keys[:batch, :, : view.kv_len], self.values[:batch, :, : view.kv_len]
+        if self.codec is None:
+            return stored_k, stored_v
+        if self._owner.raw_fp8_decode:  # the engine's attention dequantizes
+            self._owner.current_scales = self.codec.scales
+            return stored_k, stored_v
+        return self.codec.decode(stored_k, stored_v, self.dtype)
+
+    def decode_write_target(self, key_states: torch.Tensor, value_states: torch.Tensor) -> DecodeWrite | None:
+        """The buffers and scales for a kernel that writes this decode step's K/V itself, or None where
+        ``update`` must write (no decode view; an FP8 cache before its first calibration, which only a
+        prefill's ``update`` does, or with scales that are not one per tensor). key/value_states
+        (b, H_kv, 1, D) size the buffers on first use, as ``update`` does."""
+        view = self._owner.view
+        if view is None or not view.decode or view.columns.shape != (view.rows.shape[0], 1):
+            return None
+        scales = None if self.codec is None else self.codec.scales
+        if self.codec is not None and (scales is None or scales.k_scale.numel() != 1 or scales.v_scale.numel() != 1):
+            return None
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return DecodeWrite(self.keys, self.values, view.columns[:, 0], None if scales is None else scales.k_scale,
+                           None if scales is None else scales.v_scale)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         view = self._owner.view
@@ -142,6 +182,16 @@ class SlotKVCache(Cache):
 
     def set_view(self, view: CacheView | None) -> None:
         self.view = view
+
+    def decode_write_target(
+        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> DecodeWrite | None:
+        """Layer ``layer_idx``'s buffers for a decode kernel that writes K/V itself (see ``_SlotLayer``)."""
+        return self.layers[layer_idx].decode_write_target(key_states, value_states)
+
+    def decode_read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``update(k, v, layer_idx)`` returns in decode, after a kernel wrote K/V itself."""
+        return self.layers[layer_idx].decode_read()
 
     def clear_slots(self, rows: torch.Tensor) -> None:
         self.valid[rows] = False

@@ -25,6 +25,8 @@ Design (what the GPU-speed work builds on without a rewrite):
   code units for ``o_proj`` (``fp8_attn_out``, default on; the V scale is their static scale), and each
   RMSNorm hands its ``fp8_row`` consumer per-token FP8 input in one pass (``fp8_norm_quant``, default on
   with ``compile="full"`` and off the GPU: as eager CUDA ops it is more kernels than the norm it replaces);
+  opt-in (``fused_qk_rope``), each decode step's q/k norms, RoPE and KV-cache write (FP8 quantization
+  included) run as one op (:mod:`~lumenrl_backends.engines.triton_rope`; a Triton kernel on CUDA);
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
   (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
@@ -174,6 +176,7 @@ class NativeEngine:
         fp8_act_kernel: bool = True,
         fp8_attn_out: bool = True,
         fp8_norm_quant: bool = True,
+        fused_qk_rope: bool = False,
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
@@ -190,7 +193,7 @@ class NativeEngine:
         self.fusion_report = fuse_model_projections(self.model, fp8_mlp=fuse_fp8_mlp,
                                                     fp8_act_kernel=fp8_act_kernel, fp8_attn_out=fp8_attn_out,
                                                     fp8_norm_quant=fp8_norm_quant and _norm_quant_pays(compile, self.device),
-                                                    ) if fuse_projections else None
+                                                    fused_qk_rope=fused_qk_rope) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
         self.tokenizer = tokenizer
