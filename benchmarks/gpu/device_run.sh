@@ -204,4 +204,16 @@ case "${1:-all}" in
               --lang-vocab 1024 --steps 400 --train-budget-s 250 --train-batch 16 --lr 3e-4 \
               --engines bf16,fp8_row+kv+head,fp8_row,fp8_block --untrained-engines fp8_row+kv+head --out rollout_kl_trained_8b_sr.json ;;
   s7call2) for part in kl-8b-sr; do "$0" "$part"; done ;;
+  # call 3: the fused decode q/k-norm + RoPE + KV-write kernel (fused_qk_rope), A/B on both engines, each process
+  # with its own inductor cache
+  gpu-tests7c) run 120 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_rope.py -k cuda ;;
+  fp8-s7c-row) run 180 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s7c_row python3 benchmarks/gpu/bench_fp8_rollout.py \
+                 --engines fp8_row+kv+head --modes full --no-exact-kl --out fp8_rollout7c_full_rowkvhead.json ;;
+  fp8-s7c-rowq) run 180 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s7c_rowq python3 benchmarks/gpu/bench_fp8_rollout.py \
+                  --engines fp8_row+kv+head+qkrope --modes full --no-exact-kl --profile --out fp8_rollout7c_full_rowkvhead_qkrope.json ;;
+  fp8-s7c-bf16) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s7c_bf16 python3 benchmarks/gpu/bench_fp8_rollout.py \
+                  --engines bf16 --modes full --no-exact-kl --out fp8_rollout7c_full_bf16.json ;;
+  fp8-s7c-bf16q) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s7c_bf16q python3 benchmarks/gpu/bench_fp8_rollout.py \
+                   --engines bf16+qkrope --modes full --no-exact-kl --out fp8_rollout7c_full_bf16_qkrope.json ;;
+  s7call3) for part in gpu-tests7c fp8-s7c-rowq fp8-s7c-row fp8-s7c-bf16 fp8-s7c-bf16q; do "$0" "$part"; done ;;
 esac
