@@ -218,4 +218,7 @@ case "${1:-all}" in
   s7call3) for part in gpu-tests7c fp8-s7c-rowq fp8-s7c-row fp8-s7c-bf16 fp8-s7c-bf16q; do "$0" "$part"; done ;;
   # call 4: the rope kernel's bit-exactness tests failed on the GPU in call 3; where do kernel and reference part?
   s7call4) run 90 python3 benchmarks/gpu/diag_rope_numerics.py ;;
+  # call 5: the same with the kernel compiled without mul + add -> fma contraction (enable_fp_fusion=False)
+  s7call5) run 90 python3 benchmarks/gpu/diag_rope_numerics.py
+           run 120 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_rope.py -k cuda ;;
 esac

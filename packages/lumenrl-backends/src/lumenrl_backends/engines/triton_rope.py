@@ -245,6 +245,7 @@ def _launch(
         G=group, BLOCK_G=block_g, D=dim, HAS_NORM=q_weight is not None, FP8=fp8,
         FP8_MAX=_fp8_max(key_cache.dtype) if fp8 else 0.0, EMULATED=_INTERPRETED,
         num_warps=_num_warps(block_g, dim),
+        enable_fp_fusion=False,  # no a * b + c -> fma: every product is rounded to the model dtype, as in torch
     )
     return out
 
