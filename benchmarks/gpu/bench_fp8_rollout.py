@@ -17,9 +17,10 @@ quantization as one lumenrl-quant kernel (``NativeEngine(fp8_act_kernel=True)``,
 hands ``o_proj`` its output as FP8 codes in V's units (``fp8_attn_out``, default since session 6);
 ``+tokattn`` quantizes it per token instead (the path before). The RMSNorms hand their ``fp8_row``
 consumers FP8 input in one pass (``fp8_norm_quant``, default since session 6); ``+tokln`` normalises first
-and quantizes the normalised rows (the path before). ``+qkrope`` runs each decode step's q/k norms, RoPE and
-KV-cache write (FP8 quantize included) as one Triton kernel (``NativeEngine(fused_qk_rope=True)``, opt-in;
-any base, ``bf16+qkrope`` too). ``--persistent-rnumel N`` lets inductor
+and quantizes the normalised rows (the path before). Each decode step's q/k norms, RoPE and
+KV-cache write (FP8 quantize included) run as one Triton kernel (``NativeEngine(fused_qk_rope=True)``, the
+default since session 7; ``+qkrope`` names it explicitly, as call 3 of session 7 did); ``+unfusedrope`` runs
+the norm modules, RoPE and the cache update instead (the path before; any base, ``bf16+unfusedrope`` too). ``--persistent-rnumel N`` lets inductor
 hold reductions of up to N columns in registers (persistent) instead of looping (its default limit is
 1024; the FP8 engine's RMSNorm + quantize kernels reduce 4096). ``--attn-fp8-config`` overrides the FP8-cache attention launch
 configuration, ``--mlp-config`` the fused MLP's (a ``bench_fused_mlp.py --tune`` JSON).
@@ -112,12 +113,14 @@ def variant(name: str) -> tuple[str, frozenset[str]]:
     """``fp8_row+kv+head`` -> ``("fp8_row", {"kv", "head"})``; suffixes: ``kv`` (FP8 KV cache), ``head``
     (the output head quantized too, ``quantize_lm_head``)."""
     base, *flags = name.split("+")
-    unknown = set(flags) - {"kv", "head", "fusedmlp", "tokmlp", "inductmlp", "tokattn", "tokln", "qkrope"}
+    unknown = set(flags) - {"kv", "head", "fusedmlp", "tokmlp", "inductmlp", "tokattn", "tokln", "qkrope", "unfusedrope"}
     if unknown:
         raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head, +fusedmlp, "
-                         "+tokmlp, +inductmlp, +tokattn, +tokln, +qkrope")
+                         "+tokmlp, +inductmlp, +tokattn, +tokln, +qkrope, +unfusedrope")
     if len({"fusedmlp", "tokmlp", "inductmlp"} & set(flags)) > 1:
         raise SystemExit(f"--engines {name!r}: +fusedmlp, +tokmlp and +inductmlp exclude each other")
+    if {"qkrope", "unfusedrope"} <= set(flags):
+        raise SystemExit(f"--engines {name!r}: +qkrope and +unfusedrope exclude each other")
     return base, frozenset(flags)
 
 
@@ -206,7 +209,7 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
                               quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
                               fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
                               fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags,
-                              fused_qk_rope="qkrope" in flags)
+                              fused_qk_rope="unfusedrope" not in flags)
         if engine.fusion_report is not None:
             row["fused_fp8_mlps"] = len(engine.fusion_report.mlp_fp8)
             row["act_kernel_mlps"] = len(engine.fusion_report.mlp_fp8_token)
@@ -255,7 +258,7 @@ def summarize(rows: list[dict], command: str) -> dict:
         src = next((s for s in rows if s["engine"] == r["engine"] and "kl_exact_after_tis" in s), None)
         if src and "kl_exact_after_tis" not in r:
             r.update(kl_exact_before=src["kl_exact_before"], kl_exact_after_tis=src["kl_exact_after_tis"])
-    fp8 = [r for r in rows if scheme_of(r["engine"]) is not None and "x_bf16" in r]  # not bf16+qkrope etc.
+    fp8 = [r for r in rows if scheme_of(r["engine"]) is not None and "x_bf16" in r]  # not bf16+qkrope / bf16+unfusedrope
     summary = {}
     if fp8:
         best = max(fp8, key=lambda r: r["x_bf16"])

@@ -221,4 +221,10 @@ case "${1:-all}" in
   # call 5: the same with the kernel compiled without mul + add -> fma contraction (enable_fp_fusion=False)
   s7call5) run 90 python3 benchmarks/gpu/diag_rope_numerics.py
            run 120 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_rope.py -k cuda ;;
+  # call 6: the final defaults (fused_qk_rope on, the kernel without fma contraction), FP8 and bf16 in one job
+  fp8-s7f-row) run 170 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s7f_row python3 benchmarks/gpu/bench_fp8_rollout.py \
+                 --engines fp8_row+kv+head --modes full --no-exact-kl --profile --out fp8_rollout7f_full_rowkvhead.json ;;
+  fp8-s7f-bf16) run 140 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s7f_bf16 python3 benchmarks/gpu/bench_fp8_rollout.py \
+                  --engines bf16 --modes full --no-exact-kl --out fp8_rollout7f_full_bf16.json ;;
+  s7call6) for part in fp8-s7f-row fp8-s7f-bf16; do "$0" "$part"; done ;;
 esac

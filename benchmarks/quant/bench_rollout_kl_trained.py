@@ -32,7 +32,9 @@ output head quantized too), ``+fusedmlp`` (``fp8_row`` with the fused SwiGLU MLP
 the down projection's input; ``+tokmlp``: without, the default), ``+tokattn`` (with an FP8 cache: the
 attention output quantized per token before ``o_proj`` instead of handed over as FP8 codes in V's units,
 the default since session 6; this shows in the sampled k1/k3 only, see below), ``+tokln`` (the RMSNorm
-output normalised, then quantized, instead of ``rmsnorm_quantize_fp8``'s one pass). The engine
+output normalised, then quantized, instead of ``rmsnorm_quantize_fp8``'s one pass), ``+unfusedrope``
+(q/k norms, RoPE and the KV-cache write as HF modules and ``cache.update`` instead of the fused decode
+op, which is bit-identical: only speed differs). The engine
 samples at temperature 1 ``--prompts`` (32) prompts of 64 tokens from the language, 64 new tokens
 each (EOS ignored). KLs per response position, averaged (definitions in bench_fp8_rollout):
 ``kl_k1``/``kl_k3`` sampled from the engine's own log-probs, and exact over the vocabulary
@@ -315,7 +317,8 @@ def measure_engine(name: str, train_model: Any, batch: Any, params: dict, *, dev
                               max_batch_size=batch.batch["input_ids"].shape[0], max_seq_len=max_seq_len,
                               quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
                               fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
-                              fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags)
+                              fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags,
+                              fused_qk_rope="unfusedrope" not in flags)
         if scheme is not None:
             row.update(quantized_linears=len(engine.quant_report.quantized),
                        skipped_linears=len(engine.quant_report.skipped),

@@ -272,9 +272,13 @@ def test_engine_with_the_op_generates_what_it_generates_without(tiny_models, fam
     assert result["plain_runs"] == result["kernel_runs"] == 0
 
 
-def test_engine_default_leaves_the_op_off(tiny_models):
+def test_engine_default_runs_the_op_and_the_switch_turns_it_off(tiny_models):
     model, tokenizer = load_model_and_tokenizer(str(tiny_models["qwen3"]), dtype="float32")
     report = NativeEngine(model, tokenizer, max_batch_size=2, max_seq_len=16).fusion_report
+    assert len(report.attention_fused_rope) == model.config.num_hidden_layers
+    assert not report.attention_fused_rope_skipped
+    model, tokenizer = load_model_and_tokenizer(str(tiny_models["qwen3"]), dtype="float32")
+    report = NativeEngine(model, tokenizer, max_batch_size=2, max_seq_len=16, fused_qk_rope=False).fusion_report
     assert not report.attention_fused_rope and not report.attention_fused_rope_skipped
 
 

@@ -27,7 +27,7 @@ small M). :func:`fuse_projections` does this at engine load, in place:
   gradient-enabled forward) runs the original forward on the member views, so gradients and other
   caches behave exactly as before.
 
-Opt-in (``fused_qk_rope``): in the engine's decode step (one token per row, rows ``0..b-1``) the
+``fused_qk_rope`` (default on): in the engine's decode step (one token per row, rows ``0..b-1``) the
 q/k RMSNorms (Qwen3), RoPE and the KV-cache write run as one kernel,
 :func:`~lumenrl_backends.engines.triton_rope.decode_qk_rope_kv_write`, instead of the norm modules,
 ``apply_rotary_pos_emb`` and ``cache.update`` (same rounding sequence; see that module). It is set
@@ -444,7 +444,7 @@ _QK_ROPE_ATTR = "_lumenrl_qk_rope"  # instance attribute: True when decode runs 
 @torch.no_grad()
 def fuse_projections(
     model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False, fp8_act_kernel: bool = True,
-    fp8_attn_out: bool = True, fp8_norm_quant: bool = True, fused_qk_rope: bool = False,
+    fp8_attn_out: bool = True, fp8_norm_quant: bool = True, fused_qk_rope: bool = True,
 ) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
@@ -468,7 +468,7 @@ def fuse_projections(
     input (``fp8_row``, the MLP on the per-token path) run their RMSNorms as
     :func:`lumenrl_quant.rmsnorm_quantize_fp8`, which hands the consumer its FP8 codes and scales.
 
-    ``fused_qk_rope`` (opt-in until measured on the GPU): attentions run their decode step's q/k norms,
+    ``fused_qk_rope`` (default on): attentions run their decode step's q/k norms,
     RoPE and KV-cache write as one op (:mod:`~lumenrl_backends.engines.triton_rope`), where the
     module's norms and its family's RoPE compute what the op computes (else ``attention_fused_rope_skipped``
     says why not).

@@ -25,8 +25,9 @@ Design (what the GPU-speed work builds on without a rewrite):
   code units for ``o_proj`` (``fp8_attn_out``, default on; the V scale is their static scale), and each
   RMSNorm hands its ``fp8_row`` consumer per-token FP8 input in one pass (``fp8_norm_quant``, default on
   with ``compile="full"`` and off the GPU: as eager CUDA ops it is more kernels than the norm it replaces);
-  opt-in (``fused_qk_rope``), each decode step's q/k norms, RoPE and KV-cache write (FP8 quantization
-  included) run as one op (:mod:`~lumenrl_backends.engines.triton_rope`; a Triton kernel on CUDA);
+  each decode step's q/k norms, RoPE and KV-cache write (FP8 quantization included) run as one op
+  (``fused_qk_rope``, default on; :mod:`~lumenrl_backends.engines.triton_rope`: a Triton kernel on CUDA,
+  bit-identical to the HF sequence; 8B b64 compiled: +1.7% decode tokens/s on both bf16 and FP8);
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
   (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
@@ -176,7 +177,7 @@ class NativeEngine:
         fp8_act_kernel: bool = True,
         fp8_attn_out: bool = True,
         fp8_norm_quant: bool = True,
-        fused_qk_rope: bool = False,
+        fused_qk_rope: bool = True,
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
