@@ -6,7 +6,7 @@ export PYTHONPATH=".benchmeta:$(ls -d packages/*/src | tr '\n' ':')" LUMENRL_BEN
 export TRANSFORMERS_VERBOSITY=error
 run() { echo "== $*"; timeout "$@" 2>&1 | grep -v -E "Warning:|warnings\.warn\(" ; }  # warning lines only (pytest's "N passed, M warnings" stays)
 case "${1:-all}" in
-  tests) run 120 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_speed.py packages/lumenrl-backends/tests/test_backends_engine_native.py -k "cuda" ;;
+  tests) run 150 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_speed.py packages/lumenrl-backends/tests/test_backends_engine_kernels.py packages/lumenrl-backends/tests/test_backends_engine_rope.py packages/lumenrl-backends/tests/test_backends_engine_native.py -k "cuda" ;;  # (kernel tests split off the speed file in session 7)
   decode) run 200 python3 benchmarks/gpu/bench_decode.py --models 1.7b,8b --batches 16,64,256 --modes graph --hf dynamic --hf-batches 64 --out decode.json
           "$0" decode-full ;;
   decode-full) run 200 python3 benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes full --hf dynamic --out decode_full.json ;;
