@@ -60,7 +60,8 @@ move with any rounding).
     python benchmarks/quant/bench_rollout_kl_trained.py            # ~5 min on 1 CPU thread
     python benchmarks/quant/bench_rollout_kl_trained.py --retrain --steps 600
     python benchmarks/quant/bench_rollout_kl_trained.py --preset qwen3-8b --cache '' --train-dtype bfloat16 \
-        --lang-vocab 4096 --steps 300 --train-batch 16 --lr 2e-4 --engines bf16,fp8_row+kv+head,fp8_block
+        --lang-vocab 1024 --steps 400 --train-budget-s 250 --train-batch 16 --lr 3e-4 \
+        --engines bf16,fp8_row+kv+head,fp8_row,fp8_block --untrained-engines fp8_row+kv+head   # H200: ~6 min
 """
 
 from __future__ import annotations
@@ -371,7 +372,7 @@ def main() -> None:
     ap.add_argument("--lang-seed", type=int, default=0)
     ap.add_argument("--lang-vocab", type=int, default=0, help="ids of the synthetic language (0: the model's vocab)")
     ap.add_argument("--train-dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="weights and AdamW states while training (bfloat16 for an 8B on one GPU)")
+                    help="training weights; bfloat16: float32 AdamW moments, stochastic rounding (an 8B on one GPU)")
     ap.add_argument("--preset", default="small", choices=sorted(PRESETS),
                     help="model dims: small (hidden 256 x 4 layers) or qwen3-8b (Qwen3-8B's dims)")
     ap.add_argument("--prompts", type=int, default=32)
