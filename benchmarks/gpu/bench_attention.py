@@ -15,6 +15,8 @@ the same run. The best configuration per cache dtype is printed last; the kernel
     python benchmarks/gpu/bench_attention.py --tune --out attention_tune.json
     python benchmarks/gpu/bench_attention.py --tune --space fp8wide --dtypes fp8 --out attention_tune5.json
     python benchmarks/gpu/bench_attention.py --tune --space layouts --v-layouts rows,columns --out attention_tune6.json
+    python benchmarks/gpu/bench_attention.py --tune --space vblocks --dtypes fp8 --v-layouts rows,blocks64,blocks128 \
+        --out attention_tune7.json
 """
 
 from __future__ import annotations
@@ -66,8 +68,32 @@ def _sweep_layouts() -> list[dict[str, int]]:
     return configs
 
 
+def _sweep_vblocks() -> list[dict[str, int]]:
+    """V stored in (D, T) tiles (``--v-layouts rows,blocks64,blocks128``): the p.v product reads each tile
+    K-major (no 8-bit transpose), for fp16 and E4M3 dots. Session 8 question: is the FP8 kernel bound by
+    the V tile's layout shuffle?"""
+    configs = [dict(ta.FP8_CONFIG)]
+    for block_n, stages, warps, dots, chunk in itertools.product((32, 64), (2, 3, 4), (4, 8), (0, 2), (0, 128)):
+        cfg = {"block_n": block_n, "chunk": chunk, "num_warps": warps, "num_stages": stages, "k_trans": 0,
+               "fp8_dots": dots}
+        if cfg not in configs:
+            configs.append(cfg)
+    return configs
+
+
+def _v_layout(v: torch.Tensor, layout: str) -> torch.Tensor:
+    """rows: (B, H, L, D) as made; columns: (D, L) per head, viewed (B, H, L, D); blocksT: (B, H, L / T, D, T)."""
+    if layout == "columns":  # tried for the FP8 cache in session 4; the engine stores rows
+        return v.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if layout.startswith("blocks"):
+        t = int(layout.removeprefix("blocks"))
+        b, h, length, d = v.shape
+        return v.reshape(b, h, length // t, t, d).transpose(-1, -2).contiguous()
+    return v
+
+
 def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length: int, dtype: torch.dtype, seed: int,
-           v_columns: bool = False):
+           v_layout: str = "rows"):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn((batch, kv_heads, groups, dim), generator=gen, device="cuda").to(torch.bfloat16)
     k = torch.randn((batch, kv_heads, cache, dim), generator=gen, device="cuda")
@@ -82,8 +108,7 @@ def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length:
         scales = (k.abs().amax() / 448.0).reshape(1), (v.abs().amax() / 448.0).reshape(1)
         k, v = (k / scales[0]).to(dtype), (v / scales[1]).to(dtype)
         ref_k, ref_v = k.float() * scales[0], v.float() * scales[1]
-    if v_columns:  # V stored (D, L) per head (tried for the FP8 cache in session 4; the engine stores rows)
-        v = v.transpose(-1, -2).contiguous().transpose(-1, -2)
+    v = _v_layout(v, v_layout)
     return q, k, v, allowed, last, scales, ref_k, ref_v
 
 
@@ -94,8 +119,9 @@ def main() -> None:
     ap.add_argument("--lengths", default="384", help="columns each row attends to (comma separated)")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--tune", action="store_true", help="sweep launch configurations (else: the default only)")
-    ap.add_argument("--v-layouts", default="rows", help="V stored by rows (L, D) and/or columns (D, L), comma separated")
-    ap.add_argument("--space", default="default", choices=("default", "fp8wide", "layouts"),
+    ap.add_argument("--v-layouts", default="rows",
+                    help="V stored by rows (L, D), columns (D, L) and/or (D, T) tiles (blocks64, ...), comma separated")
+    ap.add_argument("--space", default="default", choices=("default", "fp8wide", "layouts", "vblocks"),
                     help="--tune space: default (both dtypes, incl. E4M3 dots) or fp8wide (see _sweep_fp8_wide)")
     ap.add_argument("--out", default="attention_tune.json")
     args = ap.parse_args()
@@ -104,14 +130,14 @@ def main() -> None:
     copy_gbs = C.copy_bandwidth_gbs()
     result["copy_bandwidth_gbs"] = copy_gbs
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; torch {torch.__version__}")
-    space = {"fp8wide": _sweep_fp8_wide, "layouts": _sweep_layouts}.get(args.space, _sweep)
+    space = {"fp8wide": _sweep_fp8_wide, "layouts": _sweep_layouts, "vblocks": _sweep_vblocks}.get(args.space, _sweep)
     configs = space() if args.tune else [None]  # None: the kernel's default for the cache dtype
     rows, best = [], {}
     dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
     for name, length, layout in itertools.product(args.dtypes.split(","), (int(x) for x in args.lengths.split(",")),
                                                   args.v_layouts.split(",")):
         dtype = dtypes[name]
-        sets = [inputs(args.batch, kv_heads, groups, dim, args.cache, length, dtype, seed, layout == "columns")
+        sets = [inputs(args.batch, kv_heads, groups, dim, args.cache, length, dtype, seed, layout)
                 for seed in (1, 2)]
         q, _, _, allowed, _, _, ref_k, ref_v = sets[0]
         ref = torch.nn.functional.scaled_dot_product_attention(
@@ -120,6 +146,8 @@ def main() -> None:
         for cfg in configs:
             if cfg and cfg.get("fp8_dots") and name != "fp8":
                 continue
+            if layout.startswith("blocks") and int(layout.removeprefix("blocks")) % ta._config(cfg, name == "fp8")["block_n"]:
+                continue  # a tile must hold whole column blocks
             row = {"dtype": name, "length": length, "v_layout": layout, **ta._config(cfg, fp8=name == "fp8")}
             try:
                 q, k, v, allowed, last, scales, _, _ = sets[0]
@@ -138,7 +166,7 @@ def main() -> None:
                 row["error"] = f"{type(err).__name__}: {err}"[:200]
             rows.append(row)
             key = (f"{name}_L{length}" + (f"_fp8dots{row['fp8_dots']}" if row["fp8_dots"] else "")
-                   + ("_vcolumns" if layout == "columns" else ""))
+                   + ("" if layout == "rows" else f"_v{layout}"))
             if "gbs" in row and (key not in best or row["gbs"] > best[key]["gbs"]):
                 best[key] = row
         del sets

@@ -227,4 +227,8 @@ case "${1:-all}" in
   fp8-s7f-bf16) run 140 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s7f_bf16 python3 benchmarks/gpu/bench_fp8_rollout.py \
                   --engines bf16 --modes full --no-exact-kl --out fp8_rollout7f_full_bf16.json ;;
   s7call6) for part in fp8-s7f-row fp8-s7f-bf16; do "$0" "$part"; done ;;
+  # session 8: V stored in (D, T) tiles for the FP8 decode attention
+  attn-vblocks) run 400 python3 benchmarks/gpu/bench_attention.py --tune --space vblocks --dtypes fp8 --v-layouts rows,blocks64,blocks128 --out attention_tune7.json ;;
+  attn-ref8) run 90 python3 benchmarks/gpu/bench_attention.py --dtypes bf16,fp8 --out attention_default_s8.json ;;
+  s8call1) for part in attn-ref8 attn-vblocks; do "$0" "$part"; done ;;
 esac

@@ -89,11 +89,12 @@ if triton is not None:
     def _split_kernel(
         Q, K, V, M, PART, LSE, K_SCALE, V_SCALE, LAST, scale,
         s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_mb,
-        s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_last,
+        s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_last, s_vt,
         kv_len,
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_SCALE: tl.constexpr, HAS_LAST: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr, DIRECT: tl.constexpr,
         K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+        V_BLOCK: tl.constexpr = 0,
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b = b.to(tl.int64)  # row offsets: a long cache's b * s_kb passes 2**31 elements (int32 wrapped)
@@ -144,8 +145,18 @@ if triton is not None:
             p = tl.exp(qk - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * s_vb + h * s_vh + cols[:, None] * s_vl + offs_d[None, :] * s_vd, mask=in_range[:, None],
-                        other=0.0)
+            if V_BLOCK > 0:  # V in (D, V_BLOCK) tiles: unmasked (in the allocation; p is 0 past ``end``)
+                col0 = tl.multiple_of(n0 if RUNTIME_BOUNDS else start + n0, BLOCK_N)
+                within = tl.multiple_of(col0 % V_BLOCK, BLOCK_N)
+                v_ptrs = (V + b * s_vb + h * s_vh + (col0 // V_BLOCK) * s_vt + offs_d[None, :] * V_BLOCK
+                          + (within + offs_n)[:, None])
+                if RUNTIME_BOUNDS:  # a tile that starts before ``end`` lies inside the cache
+                    v = tl.load(v_ptrs)
+                else:  # the interpreter walks the whole chunk, past the cache's end
+                    v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+            else:
+                v = tl.load(V + b * s_vb + h * s_vh + cols[:, None] * s_vl + offs_d[None, :] * s_vd,
+                            mask=in_range[:, None], other=0.0)
             if FP8_DOTS == 2:  # p in [0, 1] scaled to E4M3's range: weights down to ~4e-6 survive the cast
                 pv = tl.dot((p * 448.0).to(tl.float8e4nv), v).to(tl.float32) * (1.0 / 448.0)
             else:
@@ -268,19 +279,27 @@ def _run(
         p_strides, l_strides = partial.stride()[:4], lse.stride()[:3]
     mask = allowed
     has_scale = k_scale is not None
+    v_block = value.shape[-1] if value.dim() == 5 else 0
+    if v_block:
+        if v_block % block_n or value.shape[2] * v_block < kv_len or value.stride(-1) != 1:
+            raise ValueError(f"value tiles {tuple(value.shape)} (B, H_kv, L / T, D, T): T={v_block} must be a multiple "
+                             f"of block_n={block_n}, cover kv_len={kv_len}, with a unit last stride")
+        v_strides = (value.stride(0), value.stride(1), 1, v_block)
+    else:
+        v_strides = (value.stride(0), value.stride(1), value.stride(2), value.stride(3))
     _split_kernel[(batch, kv_heads, splits)](
         query, key, value, mask, partial, lse, k_scale if has_scale else lse, v_scale if has_scale else lse,
         lse if last is None else last, scale,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2), value.stride(3), mask.stride(0),
-        *p_strides, *l_strides, 0 if last is None else last.stride(0),
+        *v_strides, mask.stride(0),
+        *p_strides, *l_strides, 0 if last is None else last.stride(0), value.stride(2) if v_block else 0,
         kv_len,
         CHUNK=chunk, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
         HAS_SCALE=has_scale, HAS_LAST=last is not None, RUNTIME_BOUNDS=not _INTERPRETED, DIRECT=direct,
         K_TRANS=bool(cfg["k_trans"]), FP8_DOTS=cfg["fp8_dots"], OUT_FP8=out_fp8,
         FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        V_BLOCK=v_block, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not direct:
         _merge_kernel[(batch, kv_heads, groups)](
@@ -327,6 +346,8 @@ def _kernel_layout(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor
     """K with a unit last stride; V rows (L, D) or columns (D, L), read as stored; else contiguous copies."""
     if key.stride(-1) != 1:
         key = key.contiguous()
+    if value.dim() == 5:  # (B, H_kv, L / T, D, T) tiles: read as stored (their unit last stride is checked)
+        return key, value
     if value.stride(-1) != 1 and value.stride(-2) != 1:
         value = value.contiguous()
     return key, value
