@@ -231,4 +231,6 @@ case "${1:-all}" in
   attn-vblocks) run 400 python3 benchmarks/gpu/bench_attention.py --tune --space vblocks --dtypes fp8 --v-layouts rows,blocks64,blocks128 --out attention_tune7.json ;;
   attn-ref8) run 90 python3 benchmarks/gpu/bench_attention.py --dtypes bf16,fp8 --out attention_default_s8.json ;;
   s8call1) for part in attn-ref8 attn-vblocks; do "$0" "$part"; done ;;
+  attn-prefetch) run 400 python3 benchmarks/gpu/bench_attention.py --tune --space prefetch --v-layouts rows,blocks64 --out attention_tune8.json ;;
+  s8call2) for part in attn-prefetch; do "$0" "$part"; done ;;
 esac

@@ -86,6 +86,61 @@ def supports(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) 
 if triton is not None:
 
     @triton.jit
+    def _kv_tile(K, V, M, b, h, col0, end, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_vt, s_mb, offs_n, offs_d,
+                 RUNTIME_BOUNDS: tl.constexpr, K_TRANS: tl.constexpr, V_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Columns ``col0 .. col0 + BLOCK_N`` of one row and KV head: K (or its transpose), V, visible."""
+        cols = col0 + offs_n
+        in_range = cols < end
+        allowed = (tl.load(M + b * s_mb + cols, mask=in_range, other=0) != 0) & in_range
+        if K_TRANS:  # K loaded as its (D, BLOCK_N) transpose: the dot's B operand without a tl.trans
+            k = tl.load(K + b * s_kb + h * s_kh + cols[None, :] * s_kl + offs_d[:, None], mask=in_range[None, :],
+                        other=0.0)
+        else:
+            k = tl.load(K + b * s_kb + h * s_kh + cols[:, None] * s_kl + offs_d[None, :], mask=in_range[:, None],
+                        other=0.0)
+        if V_BLOCK > 0:  # V in (D, V_BLOCK) tiles: unmasked (in the allocation; p is 0 past ``end``)
+            col0 = tl.multiple_of(col0, BLOCK_N)
+            within = tl.multiple_of(col0 % V_BLOCK, BLOCK_N)
+            v_ptrs = (V + b * s_vb + h * s_vh + (col0 // V_BLOCK) * s_vt + offs_d[None, :] * V_BLOCK
+                      + (within + offs_n)[:, None])
+            if RUNTIME_BOUNDS:  # a tile that starts before ``end`` lies inside the cache
+                v = tl.load(v_ptrs)
+            else:  # the interpreter walks the whole chunk, past the cache's end
+                v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            v = tl.load(V + b * s_vb + h * s_vh + cols[:, None] * s_vl + offs_d[None, :] * s_vd,
+                        mask=in_range[:, None], other=0.0)
+        return k, v, allowed
+
+    @triton.jit
+    def _attend(q, q8, q_scale, k, v, allowed, m_i, l_i, acc, scale, K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr):
+        """One tile of the online softmax: scores, running max / sum, accumulator."""
+        if K_TRANS:
+            if FP8_DOTS >= 1:
+                qk = tl.dot(q8, k).to(tl.float32) * scale
+            else:
+                qk = tl.dot(q, k.to(q.dtype)).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
+        else:
+            if FP8_DOTS >= 1:
+                qk = tl.dot(q8, tl.trans(k)).to(tl.float32) * scale
+            else:
+                qk = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
+        if FP8_DOTS >= 1:
+            qk = qk * q_scale[:, None]
+        qk = tl.where(allowed[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8_DOTS == 2:  # p in [0, 1] scaled to E4M3's range: weights down to ~4e-6 survive the cast
+            pv = tl.dot((p * 448.0).to(tl.float8e4nv), v).to(tl.float32) * (1.0 / 448.0)
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype)).to(tl.float32)
+        acc = acc * alpha[:, None] + pv
+        return m_new, l_i, acc
+
+    @triton.jit
     def _split_kernel(
         Q, K, V, M, PART, LSE, K_SCALE, V_SCALE, LAST, scale,
         s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_mb,
@@ -94,7 +149,7 @@ if triton is not None:
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_SCALE: tl.constexpr, HAS_LAST: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr, DIRECT: tl.constexpr,
         K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-        V_BLOCK: tl.constexpr = 0,
+        V_BLOCK: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b = b.to(tl.int64)  # row offsets: a long cache's b * s_kb passes 2**31 elements (int32 wrapped)
@@ -103,6 +158,7 @@ if triton is not None:
         q = tl.load(Q + b * s_qb + h * s_qh + offs_g[:, None] * s_qg + offs_d[None, :], mask=g_ok[:, None], other=0.0)
         if HAS_SCALE and Q.dtype.element_ty != tl.float32:  # FP8 cache, 16-bit query: dots in fp16 (see above)
             q = q.to(tl.float16)
+        q8, q_scale = q, tl.full([BLOCK_G], 1.0, tl.float32)
         if FP8_DOTS >= 1:  # E4M3 cache, opt-in: q in E4M3 (per-row scale), q.k on FP8 tensor cores
             q_amax = tl.max(tl.abs(q.to(tl.float32)), 1)
             q_scale = tl.where(q_amax > 0, q_amax / 448.0, 1.0)
@@ -119,50 +175,24 @@ if triton is not None:
         # compiled: the loop ends at ``end``; the interpreter (CPU tests) cannot take run-time bounds,
         # so it walks the whole chunk with masked (never performed) loads past ``end``: same values
         lo, hi = (start, end) if RUNTIME_BOUNDS else (0, CHUNK)
-        for n0 in range(lo, hi, BLOCK_N):
-            cols = (n0 if RUNTIME_BOUNDS else start + n0) + offs_n
-            in_range = cols < end
-            allowed = tl.load(M + b * s_mb + cols, mask=in_range, other=0) != 0
-            if K_TRANS:  # K loaded as its (D, BLOCK_N) transpose: the dot's B operand without a tl.trans
-                kt = tl.load(K + b * s_kb + h * s_kh + cols[None, :] * s_kl + offs_d[:, None], mask=in_range[None, :],
-                             other=0.0)
-                if FP8_DOTS >= 1:
-                    qk = tl.dot(q8, kt).to(tl.float32) * scale
-                else:
-                    qk = tl.dot(q, kt.to(q.dtype)).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
-            else:
-                k = tl.load(K + b * s_kb + h * s_kh + cols[:, None] * s_kl + offs_d[None, :], mask=in_range[:, None],
-                            other=0.0)
-                if FP8_DOTS >= 1:
-                    qk = tl.dot(q8, tl.trans(k)).to(tl.float32) * scale
-                else:
-                    qk = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
-            if FP8_DOTS >= 1:
-                qk = qk * q_scale[:, None]
-            qk = tl.where((allowed & in_range)[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(qk - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if V_BLOCK > 0:  # V in (D, V_BLOCK) tiles: unmasked (in the allocation; p is 0 past ``end``)
-                col0 = tl.multiple_of(n0 if RUNTIME_BOUNDS else start + n0, BLOCK_N)
-                within = tl.multiple_of(col0 % V_BLOCK, BLOCK_N)
-                v_ptrs = (V + b * s_vb + h * s_vh + (col0 // V_BLOCK) * s_vt + offs_d[None, :] * V_BLOCK
-                          + (within + offs_n)[:, None])
-                if RUNTIME_BOUNDS:  # a tile that starts before ``end`` lies inside the cache
-                    v = tl.load(v_ptrs)
-                else:  # the interpreter walks the whole chunk, past the cache's end
-                    v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
-            else:
-                v = tl.load(V + b * s_vb + h * s_vh + cols[:, None] * s_vl + offs_d[None, :] * s_vd,
-                            mask=in_range[:, None], other=0.0)
-            if FP8_DOTS == 2:  # p in [0, 1] scaled to E4M3's range: weights down to ~4e-6 survive the cast
-                pv = tl.dot((p * 448.0).to(tl.float8e4nv), v).to(tl.float32) * (1.0 / 448.0)
-            else:
-                pv = tl.dot(p.to(q.dtype), v.to(q.dtype)).to(tl.float32)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        if PREFETCH:  # the next tile's loads are issued before this tile's math (double buffer in registers)
+            last_start = tl.maximum(((end - 1) // BLOCK_N) * BLOCK_N, start)  # clamp: every load in the cache
+            col0 = start
+            k, v, allowed = _kv_tile(K, V, M, b, h, col0, end, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_vt, s_mb,
+                                     offs_n, offs_d, RUNTIME_BOUNDS, K_TRANS, V_BLOCK, BLOCK_N)
+            for n0 in range(lo, hi, BLOCK_N):
+                col0 = n0 if RUNTIME_BOUNDS else start + n0
+                nxt = tl.minimum(col0 + BLOCK_N, last_start) if RUNTIME_BOUNDS else col0 + BLOCK_N
+                k_n, v_n, allowed_n = _kv_tile(K, V, M, b, h, nxt, end, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd,
+                                               s_vt, s_mb, offs_n, offs_d, RUNTIME_BOUNDS, K_TRANS, V_BLOCK, BLOCK_N)
+                m_i, l_i, acc = _attend(q, q8, q_scale, k, v, allowed, m_i, l_i, acc, scale, K_TRANS, FP8_DOTS)
+                k, v, allowed = k_n, v_n, allowed_n
+        else:
+            for n0 in range(lo, hi, BLOCK_N):
+                col0 = n0 if RUNTIME_BOUNDS else start + n0
+                k, v, allowed = _kv_tile(K, V, M, b, h, col0, end, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_vt,
+                                         s_mb, offs_n, offs_d, RUNTIME_BOUNDS, K_TRANS, V_BLOCK, BLOCK_N)
+                m_i, l_i, acc = _attend(q, q8, q_scale, k, v, allowed, m_i, l_i, acc, scale, K_TRANS, FP8_DOTS)
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         if OUT_FP8:  # in V's code units: a convex combination of FP8 codes, within +-FP8_MAX
@@ -215,7 +245,7 @@ if triton is not None:
 # with 64 columns x 2 stages (2435 with 3 stages, the previous default); an FP8 cache 1924 GB/s with 32
 # columns x 3 stages (1348 with the bf16 default). ``config`` keys override the cache dtype's default.
 DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 2, "k_trans": 0,
-                                  "fp8_dots": 0}
+                                  "fp8_dots": 0, "prefetch": 0}
 FP8_CONFIG: dict[str, int] = {**DEFAULT_CONFIG, "block_n": 32, "num_stages": 3}
 _CONFIG_KEYS = frozenset(DEFAULT_CONFIG)
 
@@ -237,6 +267,9 @@ def _config(config: dict[str, int] | None, fp8: bool = False) -> dict[str, int]:
         raise ValueError(f"config fp8_dots={cfg['fp8_dots']!r}; allowed: 0 (fp16 dots), 1 (E4M3 q.k), 2 (and E4M3 p.v)")
     if cfg["fp8_dots"] and cfg["block_n"] < 32:
         raise ValueError(f"config block_n={cfg['block_n']} with fp8_dots={cfg['fp8_dots']}; allowed: >= 32 (FP8 MMA K step)")
+    if cfg["prefetch"] not in (0, 1):
+        raise ValueError(f"config prefetch={cfg['prefetch']!r}; allowed: 0 (Triton's pipeliner only) or 1 (next tile "
+                         "loaded before this tile's math)")
     if cfg["k_trans"] not in (0, 1):
         raise ValueError(f"config k_trans={cfg['k_trans']!r}; allowed: 0 (K rows, transposed in registers) or 1")
     if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
@@ -299,7 +332,7 @@ def _run(
         HAS_SCALE=has_scale, HAS_LAST=last is not None, RUNTIME_BOUNDS=not _INTERPRETED, DIRECT=direct,
         K_TRANS=bool(cfg["k_trans"]), FP8_DOTS=cfg["fp8_dots"], OUT_FP8=out_fp8,
         FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0,
-        V_BLOCK=v_block, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        V_BLOCK=v_block, PREFETCH=bool(cfg["prefetch"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not direct:
         _merge_kernel[(batch, kv_heads, groups)](
