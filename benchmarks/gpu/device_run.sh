@@ -231,6 +231,8 @@ case "${1:-all}" in
   attn-vblocks) run 400 python3 benchmarks/gpu/bench_attention.py --tune --space vblocks --dtypes fp8 --v-layouts rows,blocks64,blocks128 --out attention_tune7.json ;;
   attn-ref8) run 90 python3 benchmarks/gpu/bench_attention.py --dtypes bf16,fp8 --out attention_default_s8.json ;;
   s8call1) for part in attn-ref8 attn-vblocks; do "$0" "$part"; done ;;
-  attn-prefetch) run 400 python3 benchmarks/gpu/bench_attention.py --tune --space prefetch --v-layouts rows,blocks64 --out attention_tune8.json ;;
-  s8call2) for part in attn-prefetch; do "$0" "$part"; done ;;
+  # s8call2 ran commit 67eb8b6's `bench_attention.py --tune --space prefetch --v-layouts rows,blocks64 --out attention_tune8.json`
+  # (a register prefetch of the next tile: slower, 33-35 vs 23.5 us FP8; removed after)
+  attn-diag) run 200 python3 benchmarks/gpu/diag_attention_kernel.py --dump "${OUT:-/tmp}/ptx" --out attention_diag_s8.json ;;
+  s8call3) for part in attn-diag; do "$0" "$part"; done ;;
 esac
