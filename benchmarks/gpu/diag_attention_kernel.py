@@ -69,8 +69,8 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             sets = [inputs(batch, 8, 4, 128, 512, 384, dtype, seed, layout) for seed in (1, 2)]
             before = {id(k) for k in _compiled()}
-            fns = [lambda s=s: ta._run(s[0], s[1], s[2], s[3], 128**-0.5, k_scale=s[5][0], v_scale=s[5][1], last=s[4],
-                                       config=cfg) for s in sets]
+            fns = [lambda s=s, c=cfg: ta._run(s[0], s[1], s[2], s[3], 128**-0.5, k_scale=s[5][0], v_scale=s[5][1], last=s[4],
+                                       config=c) for s in sets]
             fns[0]()
             new = [k for k in _compiled() if id(k) not in before]
             if new and "n_regs" not in row:
