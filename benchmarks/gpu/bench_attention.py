@@ -17,6 +17,7 @@ the same run. The best configuration per cache dtype is printed last; the kernel
     python benchmarks/gpu/bench_attention.py --tune --space layouts --v-layouts rows,columns --out attention_tune6.json
     python benchmarks/gpu/bench_attention.py --tune --space vblocks --dtypes fp8 --v-layouts rows,blocks64,blocks128 \
         --out attention_tune7.json
+    python benchmarks/gpu/bench_attention.py --tune --space structure --v-layouts rows,blocks128 --out attention_tune9.json
 """
 
 from __future__ import annotations
@@ -81,6 +82,19 @@ def _sweep_vblocks() -> list[dict[str, int]]:
     return configs
 
 
+def _sweep_structure() -> list[dict[str, int]]:
+    """Fewer, larger tiles (each tile pays two cross-warp reductions and a layout change of p through
+    shared memory, 8 barriers in the FP8 kernel's SASS, ``diag_attention_kernel.py``) and the visibility
+    mask loaded one tile ahead (``mask_ahead``: Triton leaves that load synchronous). Session 8."""
+    configs = [dict(ta.DEFAULT_CONFIG), dict(ta.FP8_CONFIG)]
+    for block_n, warps, stages, ahead, k_trans in itertools.product((64, 128), (2, 4, 8), (2, 3), (0, 1), (0, 1)):
+        cfg = {"block_n": block_n, "chunk": 0, "num_warps": warps, "num_stages": stages, "k_trans": k_trans,
+               "fp8_dots": 0, "mask_ahead": ahead}
+        if cfg not in configs:
+            configs.append(cfg)
+    return configs
+
+
 def _v_layout(v: torch.Tensor, layout: str) -> torch.Tensor:
     """rows: (B, H, L, D) as made; columns: (D, L) per head, viewed (B, H, L, D); blocksT: (B, H, L / T, D, T)."""
     if layout == "columns":  # tried for the FP8 cache in session 4; the engine stores rows
@@ -121,7 +135,7 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="sweep launch configurations (else: the default only)")
     ap.add_argument("--v-layouts", default="rows",
                     help="V stored by rows (L, D), columns (D, L) and/or (D, T) tiles (blocks64, ...), comma separated")
-    ap.add_argument("--space", default="default", choices=("default", "fp8wide", "layouts", "vblocks"),
+    ap.add_argument("--space", default="default", choices=("default", "fp8wide", "layouts", "vblocks", "structure"),
                     help="--tune space: default (both dtypes, incl. E4M3 dots) or fp8wide (see _sweep_fp8_wide)")
     ap.add_argument("--out", default="attention_tune.json")
     args = ap.parse_args()
@@ -130,7 +144,8 @@ def main() -> None:
     copy_gbs = C.copy_bandwidth_gbs()
     result["copy_bandwidth_gbs"] = copy_gbs
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; torch {torch.__version__}")
-    space = {"fp8wide": _sweep_fp8_wide, "layouts": _sweep_layouts, "vblocks": _sweep_vblocks}.get(args.space, _sweep)
+    space = {"fp8wide": _sweep_fp8_wide, "layouts": _sweep_layouts, "vblocks": _sweep_vblocks,
+             "structure": _sweep_structure}.get(args.space, _sweep)
     configs = space() if args.tune else [None]  # None: the kernel's default for the cache dtype
     rows, best = [], {}
     dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -166,7 +181,7 @@ def main() -> None:
                 row["error"] = f"{type(err).__name__}: {err}"[:200]
             rows.append(row)
             key = (f"{name}_L{length}" + (f"_fp8dots{row['fp8_dots']}" if row["fp8_dots"] else "")
-                   + ("" if layout == "rows" else f"_v{layout}"))
+                   + ("" if layout == "rows" else f"_v{layout}") + ("_ahead" if row["mask_ahead"] else ""))
             if "gbs" in row and (key not in best or row["gbs"] > best[key]["gbs"]):
                 best[key] = row
         del sets
@@ -175,14 +190,14 @@ def main() -> None:
         C.write_json(args.out, result)
     default = [r for r in rows if all(r.get(k) == v for k, v in ta._config(None, fp8=r["dtype"] == "fp8").items())]
     print("default configuration:")
-    C.print_table(default, ["dtype", "length", "v_layout", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "fp8_dots", "us", "gbs",
-                            "pct_copy", "rel_err", "error"])
+    C.print_table(default, ["dtype", "length", "v_layout", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "fp8_dots", "mask_ahead", "us",
+                            "gbs", "pct_copy", "rel_err", "error"])
     errors = [r for r in rows if "error" in r]
     if errors:
         print(f"{len(errors)} configurations failed, first: {errors[0]}")
     print("best configuration per cache dtype and length:")
-    C.print_table(list(best.values()), ["dtype", "length", "v_layout", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "fp8_dots", "us",
-                                        "gbs", "pct_copy", "rel_err"])
+    C.print_table(list(best.values()), ["dtype", "length", "v_layout", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "fp8_dots", "mask_ahead",
+                                        "us", "gbs", "pct_copy", "rel_err"])
 
 
 if __name__ == "__main__":

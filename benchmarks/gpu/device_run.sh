@@ -235,4 +235,6 @@ case "${1:-all}" in
   # (a register prefetch of the next tile: slower, 33-35 vs 23.5 us FP8; removed after)
   attn-diag) run 200 python3 benchmarks/gpu/diag_attention_kernel.py --dump "${OUT:-/tmp}/ptx" --out attention_diag_s8.json ;;
   s8call3) for part in attn-diag; do "$0" "$part"; done ;;
+  attn-structure) run 400 python3 benchmarks/gpu/bench_attention.py --tune --space structure --v-layouts rows,blocks128 --out attention_tune9.json ;;
+  s8call4) for part in attn-structure; do "$0" "$part"; done ;;
 esac

@@ -86,12 +86,11 @@ def supports(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) 
 if triton is not None:
 
     @triton.jit
-    def _kv_tile(K, V, M, b, h, col0, end, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_vt, s_mb, offs_n, offs_d,
+    def _kv_tile(K, V, b, h, col0, end, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_vt, offs_n, offs_d,
                  RUNTIME_BOUNDS: tl.constexpr, K_TRANS: tl.constexpr, V_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Columns ``col0 .. col0 + BLOCK_N`` of one row and KV head: K (or its transpose), V, visible."""
+        """Columns ``col0 .. col0 + BLOCK_N`` of one row and KV head: K (or its transpose) and V."""
         cols = col0 + offs_n
         in_range = cols < end
-        allowed = (tl.load(M + b * s_mb + cols, mask=in_range, other=0) != 0) & in_range
         if K_TRANS:  # K loaded as its (D, BLOCK_N) transpose: the dot's B operand without a tl.trans
             k = tl.load(K + b * s_kb + h * s_kh + cols[None, :] * s_kl + offs_d[:, None], mask=in_range[None, :],
                         other=0.0)
@@ -110,7 +109,14 @@ if triton is not None:
         else:
             v = tl.load(V + b * s_vb + h * s_vh + cols[:, None] * s_vl + offs_d[None, :] * s_vd,
                         mask=in_range[:, None], other=0.0)
-        return k, v, allowed
+        return k, v
+
+    @triton.jit
+    def _visible(M, b, s_mb, col0, end, offs_n):
+        """Which of columns ``col0 .. col0 + BLOCK_N`` the row may attend to (False past ``end``)."""
+        cols = col0 + offs_n
+        in_range = cols < end
+        return (tl.load(M + b * s_mb + cols, mask=in_range, other=0) != 0) & in_range
 
     @triton.jit
     def _attend(q, q8, q_scale, k, v, allowed, m_i, l_i, acc, scale, K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr):
@@ -149,7 +155,7 @@ if triton is not None:
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_SCALE: tl.constexpr, HAS_LAST: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr, DIRECT: tl.constexpr,
         K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-        V_BLOCK: tl.constexpr = 0,
+        V_BLOCK: tl.constexpr = 0, MASK_AHEAD: tl.constexpr = False,
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b = b.to(tl.int64)  # row offsets: a long cache's b * s_kb passes 2**31 elements (int32 wrapped)
@@ -175,11 +181,20 @@ if triton is not None:
         # compiled: the loop ends at ``end``; the interpreter (CPU tests) cannot take run-time bounds,
         # so it walks the whole chunk with masked (never performed) loads past ``end``: same values
         lo, hi = (start, end) if RUNTIME_BOUNDS else (0, CHUNK)
+        # MASK_AHEAD: the next tile's visibility (a small load that feeds no dot, so Triton's pipeliner
+        # leaves it synchronous) is loaded one iteration early, in registers
+        allowed = _visible(M, b, s_mb, start, end, offs_n)
         for n0 in range(lo, hi, BLOCK_N):
             col0 = n0 if RUNTIME_BOUNDS else start + n0
-            k, v, allowed = _kv_tile(K, V, M, b, h, col0, end, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_vt,
-                                     s_mb, offs_n, offs_d, RUNTIME_BOUNDS, K_TRANS, V_BLOCK, BLOCK_N)
+            if MASK_AHEAD:
+                allowed_next = _visible(M, b, s_mb, col0 + BLOCK_N, end, offs_n)
+            else:
+                allowed = _visible(M, b, s_mb, col0, end, offs_n)
+            k, v = _kv_tile(K, V, b, h, col0, end, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_vt,
+                            offs_n, offs_d, RUNTIME_BOUNDS, K_TRANS, V_BLOCK, BLOCK_N)
             m_i, l_i, acc = _attend(q, q8, q_scale, k, v, allowed, m_i, l_i, acc, scale, K_TRANS, FP8_DOTS)
+            if MASK_AHEAD:
+                allowed = allowed_next
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         if OUT_FP8:  # in V's code units: a convex combination of FP8 codes, within +-FP8_MAX
@@ -232,7 +247,7 @@ if triton is not None:
 # with 64 columns x 2 stages (2435 with 3 stages, the previous default); an FP8 cache 1924 GB/s with 32
 # columns x 3 stages (1348 with the bf16 default). ``config`` keys override the cache dtype's default.
 DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 2, "k_trans": 0,
-                                  "fp8_dots": 0}
+                                  "fp8_dots": 0, "mask_ahead": 0}
 FP8_CONFIG: dict[str, int] = {**DEFAULT_CONFIG, "block_n": 32, "num_stages": 3}
 _CONFIG_KEYS = frozenset(DEFAULT_CONFIG)
 
@@ -254,6 +269,8 @@ def _config(config: dict[str, int] | None, fp8: bool = False) -> dict[str, int]:
         raise ValueError(f"config fp8_dots={cfg['fp8_dots']!r}; allowed: 0 (fp16 dots), 1 (E4M3 q.k), 2 (and E4M3 p.v)")
     if cfg["fp8_dots"] and cfg["block_n"] < 32:
         raise ValueError(f"config block_n={cfg['block_n']} with fp8_dots={cfg['fp8_dots']}; allowed: >= 32 (FP8 MMA K step)")
+    if cfg["mask_ahead"] not in (0, 1):
+        raise ValueError(f"config mask_ahead={cfg['mask_ahead']!r}; allowed: 0 or 1 (load the next tile's mask early)")
     if cfg["k_trans"] not in (0, 1):
         raise ValueError(f"config k_trans={cfg['k_trans']!r}; allowed: 0 (K rows, transposed in registers) or 1")
     if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
@@ -316,7 +333,7 @@ def _run(
         HAS_SCALE=has_scale, HAS_LAST=last is not None, RUNTIME_BOUNDS=not _INTERPRETED, DIRECT=direct,
         K_TRANS=bool(cfg["k_trans"]), FP8_DOTS=cfg["fp8_dots"], OUT_FP8=out_fp8,
         FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0,
-        V_BLOCK=v_block, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        V_BLOCK=v_block, MASK_AHEAD=bool(cfg["mask_ahead"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not direct:
         _merge_kernel[(batch, kv_heads, groups)](
