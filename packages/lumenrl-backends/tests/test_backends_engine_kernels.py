@@ -322,6 +322,48 @@ def test_triton_kernel_reads_v_stored_by_columns():
     assert errors[2] < 1e-4
 
 
+_INTERPRETED_V_TILES = """
+import torch
+from lumenrl_backends.engines import triton_attention
+from lumenrl_backends.engines.kv_cache import value_rows
+from test_backends_engine_kernels import random_decode_inputs, reference_attention
+torch.manual_seed(12)
+q, k, v, allowed = random_decode_inputs(dim=64, length=130)
+last = torch.tensor([129, 70, 3])
+cols = torch.arange(130)
+allowed = (allowed & (cols[None, :] < last[:, None])) | (cols[None, :] == last[:, None])
+k_scale, v_scale = k.abs().max() / 448, v.abs().max() / 448
+qk, qv = (k / k_scale).to(torch.float8_e4m3fn), (v / v_scale).to(torch.float8_e4m3fn)
+padded = torch.zeros((3, 2, 192, 64), dtype=qv.dtype)
+padded[:, :, :130] = qv
+tiles = padded.reshape(3, 2, 3, 64, 64).transpose(-1, -2).contiguous()  # (B, H_kv, L / 64, D, 64)
+assert torch.equal(value_rows(tiles, 130).float(), qv.float())
+scales = dict(k_scale=k_scale.reshape(1), v_scale=v_scale.reshape(1), last=last)
+ref = reference_attention(q.half(), qk.double() * k_scale.double(), qv.double() * v_scale.double(), allowed, 0.125)
+for splits, config in ((1, None), (2, {"block_n": 16}), (3, {"block_n": 32, "mask_ahead": 0}), (1, {"block_n": 64})):
+    rows = triton_attention._run(q.reshape(3, 2, 4, 64).half(), qk, qv, allowed, 0.125, splits=splits, config=config,
+                                 **scales)
+    out = triton_attention._run(q.reshape(3, 2, 4, 64).half(), qk, tiles, allowed, 0.125, splits=splits,
+                                config=config, **scales)
+    assert torch.equal(rows, out), (splits, config)  # same values, same order of operations
+    print(float((out.reshape(3, 1, 8, 64).double() - ref).norm() / ref.norm()))
+try:
+    triton_attention._run(q.reshape(3, 2, 4, 64).half(), qk, tiles, allowed, 0.125, config={"block_n": 128}, **scales)
+except ValueError as err:
+    print("refused:", err)
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
+def test_triton_kernel_reads_v_tiles_as_rows():
+    """V in (D, 64) tiles (the slot cache's FP8 layout) gives the rows layout's output bit for bit, with the
+    mask loaded ahead or not, one split or several; a block wider than a tile is refused by name."""
+    lines = _interpreted(_INTERPRETED_V_TILES).strip().splitlines()
+    errors = [float(x) for x in lines[-5:-1]]
+    assert all(e < 4e-3 for e in errors), errors  # fp16 output rounding, as the row layout
+    assert lines[-1].startswith("refused:") and "block_n=128" in lines[-1] and "T=64" in lines[-1]
+
+
 _INTERPRETED_FP8_OUT = """
 import torch
 from lumenrl_backends.engines import triton_attention
@@ -385,3 +427,30 @@ def test_cuda_triton_attention_fp8_codes_match_the_bf16_output(batch):
     assert codes.dtype == torch.float8_e4m3fn and codes.shape == out.shape
     deq = codes.double() * v_scale.double()
     assert float((deq - out.double()).norm() / out.double().norm()) < 4e-2  # one E4M3 rounding (~2-3%)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_cuda_triton_attention_reads_v_tiles():
+    """The engine's FP8 layout on CUDA at the 8B decode shape (64 rows, 8 KV heads of 4 queries, 512
+    columns in 128-column tiles, rows of different lengths): against float64 and against V by rows."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    from lumenrl_backends.engines import triton_attention
+    from lumenrl_backends.engines.kv_cache import V_TILE
+
+    assert triton_attention.kernel_agrees(torch.device("cuda"), torch.float8_e4m3fn, v_tile=V_TILE)
+    torch.manual_seed(21)
+    q, k, v, allowed = (t.cuda() for t in random_decode_inputs(batch=64, heads=32, kv_heads=8, dim=128, length=512))
+    last = torch.randint(200, 512, (64,), device="cuda")
+    cols = torch.arange(512, device="cuda")
+    allowed = (allowed & (cols[None, :] < last[:, None])) | (cols[None, :] == last[:, None])
+    k_scale, v_scale = (k.abs().max() / 448).reshape(1), (v.abs().max() / 448).reshape(1)
+    qk, qv = (k / k_scale).to(torch.float8_e4m3fn), (v / v_scale).to(torch.float8_e4m3fn)
+    tiles = qv.reshape(64, 8, 4, V_TILE, 128).transpose(-1, -2).contiguous()
+    packed = q.bfloat16().reshape(64, 8, 4, 128)
+    rows = triton_attention.gqa_decode_attention(packed, qk, qv, allowed, 128**-0.5, k_scale, v_scale, last=last)
+    out = triton_attention.gqa_decode_attention(packed, qk, tiles, allowed, 128**-0.5, k_scale, v_scale, last=last)
+    ref = reference_attention(q.bfloat16(), qk.double() * k_scale.double(), qv.double() * v_scale.double(), allowed,
+                              128**-0.5)
+    assert float((out.reshape(64, 1, 32, 128).double() - ref).norm() / ref.norm()) < 4e-3
+    assert float((out.double() - rows.double()).norm() / rows.double().norm()) < 2e-3

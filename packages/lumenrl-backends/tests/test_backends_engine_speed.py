@@ -231,6 +231,24 @@ def test_cuda_fp8_kv_kernel_path_close_to_dequantized_path(model_dir):
     assert float(diff.mean()) < 2e-2  # bf16 kernels differ; both read the same FP8 values
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_cuda_fp8_kv_stores_v_in_tiles_by_default_and_generates_as_rows(model_dir):
+    from lumenrl_backends.engines.kv_cache import V_TILE
+
+    model, tokenizer = load_model_and_tokenizer(str(model_dir), dtype="bfloat16", device="cuda")
+    batch = prompt_batch(tokenizer)
+    outs = []
+    for tiles in (None, False):  # the default (tiles where the kernel reads FP8), then rows
+        engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, kv_cache_dtype="fp8",
+                              kv_v_tiles=tiles)
+        assert engine.cache.v_tile == (V_TILE if tiles is None else 0)
+        outs.append(engine.generate(batch, {"temperature": 0.0, "max_new_tokens": 12}))
+    mask = outs[0].batch["response_mask"].bool()
+    diff = (outs[0].batch["rollout_log_probs"] - outs[1].batch["rollout_log_probs"])[mask].abs()
+    assert float(diff.mean()) < 1e-2  # the same FP8 values; only the kernel's V layout differs
+
+
 def test_compile_full_traces_decode_in_one_graph(loaded, monkeypatch):
     """compile="full": dynamo captures the whole decode forward (slot cache, packed attention) with no
     graph break, and generation equals the eager engine (eager backend: tracing only, no codegen)."""

@@ -19,7 +19,9 @@ FP8 KV cache: in decode the slot cache returns its FP8 storage as is (no dequant
 cache per layer and step) and records the layer's scales on itself (``current_scales``); this
 function reads them through the cache passed to :func:`engine_attention`, and either hands the
 FP8 tensors and scales to the kernel or dequantizes them here (CPU, per-head scales, other shapes)
-with lumenrl-quant's ``dequantize_kv``, the same math as the cache's own decode.
+with lumenrl-quant's ``dequantize_kv``, the same math as the cache's own decode. A cache that stores V
+in tiles (:data:`~lumenrl_backends.engines.kv_cache.V_TILE`) hands them over 5-D: the kernel reads them as
+stored, every other path here takes rows (:func:`~lumenrl_backends.engines.kv_cache.value_rows`).
 
 :func:`packed_decode_attention` keeps the signature of transformers' attention functions and
 falls back to the original ``sdpa`` function for everything else (prefill, no GQA, no mask).
@@ -41,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from lumenrl_backends.engines import triton_attention
+from lumenrl_backends.engines.kv_cache import value_rows
 
 __all__ = ["packed_decode_attention", "engine_attention"]
 
@@ -78,6 +81,7 @@ def packed_decode_attention(
     fp8_out = kwargs.pop("lumenrl_fp8_out", None)
     batch, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
+    d_v = value.shape[-2] if value.dim() == 5 else value.shape[-1]  # 5-D: the cache's V tiles (B, H_kv, n, D, T)
     kv_scales = v_scale = None
     if key.dtype in triton_attention.FP8_DTYPES:  # the engine's FP8 cache, as stored (decode only)
         kv_scales = _ACTIVE_CACHE[0].current_scales
@@ -88,12 +92,13 @@ def packed_decode_attention(
                 and triton_attention.supports(query, key, attention_mask)):
             from lumenrl_quant import dequantize_kv
 
-            key, value = dequantize_kv(key, value, kv_scales, dtype=query.dtype)
+            key, value = dequantize_kv(key, value_rows(value, key.shape[2]), kv_scales, dtype=query.dtype)
             kv_scales = None
     mask_ok = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
     if q_len != 1 or kv_heads == heads or not mask_ok or kwargs.get("softcap") is not None or dropout:
         out, weights = _original_sdpa()(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            module, query, key, value_rows(value, key.shape[2]), attention_mask, dropout=dropout, scaling=scaling,
+            **kwargs
         )
         return (out if v_scale is None else _codes(out, v_scale, fp8_out)), weights
     packed = query.reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])  # (B, H_kv, G, D)
@@ -112,10 +117,11 @@ def packed_decode_attention(
             last=_write_columns(batch),
         )
     else:
-        out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+        out = F.scaled_dot_product_attention(packed, key, value_rows(value, key.shape[2]), attn_mask=attention_mask,
+                                             scale=scaling)
     if v_scale is not None and out.dtype != fp8_out:  # dequantized path: the same codes, from the float output
         out = _codes(out, v_scale, fp8_out)
-    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+    return out.reshape(batch, heads, 1, d_v).transpose(1, 2).contiguous(), None
 
 
 def _codes(out: torch.Tensor, v_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -30,6 +30,14 @@ precision. With ``raw_fp8_decode`` (set by the engine for its ``sdpa`` path) dec
 FP8 storage itself and leaves the layer's scales in ``current_scales``; the engine's attention
 (:mod:`~lumenrl_backends.engines.attention`) dequantizes in its kernel or just before SDPA.
 
+V in tiles (``v_tile`` T > 0; the engine's default for an FP8 cache read by its Triton decode
+kernel): ``values`` is (S, H_kv, L / T, D, T), column ``c`` of a head at ``[..., c // T, :, c % T]``.
+Each T-column block of a head is one contiguous (D, T) tile, so the kernel's p.v product reads V
+with the reduction dim (columns) contiguous: the layout the MMA wants for its B operand, which
+8-bit rows cannot give (no 8-bit ``ldmatrix.trans``). Measured on the H200 (``bench_attention.py``,
+session 8): FP8 decode attention 23.0 -> 20.8 us per call at the 8B shape. Decode returns the tiles
+as stored (5-D) to the engine's attention; every other reader gets rows from :func:`value_rows`.
+
 Masks are explicit 4D tensors (bool for SDPA, additive float for eager) built from ``valid``,
 so transformers never needs a sequence length from the cache. A query always sees itself, so no
 row is fully masked (pad rows would otherwise produce NaN in SDPA).
@@ -45,7 +53,20 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lumenrl_backends.engines.quant import FP8KVCodec
 
-__all__ = ["CacheView", "DecodeWrite", "SlotKVCache", "prefill_mask", "decode_mask", "to_attention_mask"]
+__all__ = ["CacheView", "DecodeWrite", "SlotKVCache", "V_TILE", "decode_mask", "prefill_mask", "to_attention_mask",
+           "value_rows"]
+
+V_TILE = 128  # columns per V tile where the cache stores V in tiles (a multiple of the kernel's block_n)
+
+
+def value_rows(values: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """V as (B, H_kv, L, D) rows: a tiled (B, H_kv, L / T, D, T) tensor is copied out (first ``length``
+    columns); a 4-D one is returned as is."""
+    if values.dim() != 5:
+        return values
+    b, h, n, d, t = values.shape
+    rows = values.transpose(-1, -2).reshape(b, h, n * t, d)
+    return rows if length is None else rows[:, :, :length]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,7 +83,7 @@ class DecodeWrite(NamedTuple):
     """What a fused decode kernel needs to write one layer's new K/V itself (a NamedTuple: traceable)."""
 
     keys: torch.Tensor  # (S, H_kv, L, D_k) the layer's key storage: FP8 codes or the model dtype
-    values: torch.Tensor  # (S, H_kv, L, D_v)
+    values: torch.Tensor  # (S, H_kv, L, D_v), or (S, H_kv, L / T, D_v, T) tiles
     columns: torch.Tensor  # (b,) int64 write column of rows 0..b-1
     k_scale: torch.Tensor | None  # FP8 cache: one-element dequant scales (x ≈ code * scale); else None
     v_scale: torch.Tensor | None
@@ -84,9 +105,10 @@ class _SlotLayer(CacheLayerMixin):
         self.keys = torch.zeros(
             (slots, key_states.shape[1], length, key_states.shape[-1]), dtype=storage, device=self.device
         )
-        self.values = torch.zeros(
-            (slots, value_states.shape[1], length, value_states.shape[-1]), dtype=storage, device=self.device
-        )
+        tile = self._owner.v_tile
+        shape = ((slots, value_states.shape[1], -(-length // tile), value_states.shape[-1], tile) if tile
+                 else (slots, value_states.shape[1], length, value_states.shape[-1]))
+        self.values = torch.zeros(shape, dtype=storage, device=self.device)
         self.is_initialized = True
 
     def _encode(self, key_states: torch.Tensor, value_states: torch.Tensor, decode: bool):
@@ -105,7 +127,12 @@ class _SlotLayer(CacheLayerMixin):
         stored_k, stored_v = self._encode(key_states, value_states, view.decode)
         rows = view.rows[:, None]  # (b, 1)
         self.keys[rows, :, view.columns] = stored_k.transpose(1, 2).to(self.keys.dtype)  # (b, q, H, D)
-        self.values[rows, :, view.columns] = stored_v.transpose(1, 2).to(self.values.dtype)
+        if self._owner.v_tile:
+            tile = self._owner.v_tile
+            self.values[rows, :, view.columns // tile, :, view.columns % tile] = stored_v.transpose(1, 2).to(
+                self.values.dtype)
+        else:
+            self.values[rows, :, view.columns] = stored_v.transpose(1, 2).to(self.values.dtype)
         if view.decode:
             return self.decode_read()
         if self.codec is not None:  # attention sees exactly what the cache holds
@@ -118,13 +145,16 @@ class _SlotLayer(CacheLayerMixin):
         dequantized."""
         view = self._owner.view
         batch = view.rows.shape[0]
-        stored_k, stored_v = self.keys[:batch, :, : view.kv_len], self.values[:batch, :, : view.kv_len]
+        tile = self._owner.v_tile
+        stored_k = self.keys[:batch, :, : view.kv_len]
+        # tiles: the ones holding the first kv_len columns, as stored (the engine's attention reads them)
+        stored_v = self.values[:batch, :, : -(-view.kv_len // tile)] if tile else self.values[:batch, :, : view.kv_len]
         if self.codec is None:
             return stored_k, stored_v
         if self._owner.raw_fp8_decode:  # the engine's attention dequantizes
             self._owner.current_scales = self.codec.scales
             return stored_k, stored_v
-        return self.codec.decode(stored_k, stored_v, self.dtype)
+        return self.codec.decode(stored_k, value_rows(stored_v, view.kv_len), self.dtype)
 
     def decode_write_target(self, key_states: torch.Tensor, value_states: torch.Tensor) -> DecodeWrite | None:
         """The buffers and scales for a kernel that writes this decode step's K/V itself, or None where
@@ -170,8 +200,12 @@ class SlotKVCache(Cache):
         max_len: int,
         device: torch.device,
         kv_dtype: torch.dtype | None = None,
+        v_tile: int = 0,
     ) -> None:
+        if v_tile < 0 or v_tile & (v_tile - 1):
+            raise ValueError(f"v_tile={v_tile!r}; allowed: 0 (V by rows) or a power of two (columns per V tile)")
         self.max_slots, self.max_len = max_slots, max_len
+        self.v_tile = v_tile  # > 0: V stored in (D, v_tile) tiles (module docstring); decode returns them 5-D
         self.kv_dtype = kv_dtype  # None: the model's dtype; an FP8 dtype: quantized with per-layer scales
         self.recalibrate = False  # FP8: recompute scales during the next prefill
         self.raw_fp8_decode = False  # FP8 decode returns stored tensors; the engine's attention dequantizes

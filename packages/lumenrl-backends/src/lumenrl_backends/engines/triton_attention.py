@@ -30,7 +30,12 @@ bytes; ``bench_attention.py``). fp16 holds every E4M3/E5M2 value exactly and has
 V may also be stored transposed, ``(D, L)`` per head (a view with ``stride(-2) == 1``), read as is.
 Tried for the FP8 cache (the p.v dot reduces over L, and ``ldmatrix.trans`` cannot transpose 8-bit
 tiles): on the H200 the strided column loads cost far more than they save (FP8 80 us vs 27 us per
-call at the 8B shape, ``bench_attention.py --space layouts``), so the engine stores rows.
+call at the 8B shape, ``bench_attention.py --space layouts``), so the engine does not use it.
+What it uses instead for an FP8 cache: V in (D, T) tiles, a 5-D ``(B, H_kv, L / T, D, T)`` tensor
+(:mod:`~lumenrl_backends.engines.kv_cache`): within a tile the columns are contiguous, so the p.v
+operand is K-major (what the MMA's B operand wants, no 8-bit transpose) and each tile is one
+contiguous 8 KB (FP8, T = 64) or 16 KB read. ``block_n`` must divide T. Session 8 (H200, 8B shape,
+batch 64): FP8 23.0 us per call by rows, 20.8 us in 128-column tiles (``--space structure``).
 Exposed as the custom op ``lumenrl::gqa_decode_attention`` (opaque to ``torch.compile``, safe
 inside CUDA-graph capture: no host sync, buffers from the caching allocator). Works in Triton's
 interpreter on CPU too (``TRITON_INTERPRET=1``), which the CPU tests use.
@@ -237,18 +242,21 @@ if triton is not None:
 # Launch configuration: ``block_n`` key columns per loop iteration, ``chunk`` columns per split
 # program (0: split so that ``B * H_kv * splits`` covers the multiprocessors about twice, from the
 # attended length), ``num_warps``, ``num_stages`` (software pipelining of the K/V loads), ``k_trans``
-# (1: load K as its transpose instead of transposing the tile for the dot), ``fp8_dots`` (E4M3 cache only,
-# opt-in, not yet measured: 1 casts the query (per-row scale) to E4M3 so q.k runs on FP8 tensor cores
-# without converting K, 2 also the probabilities (x 448) for p.v, as FlashAttention-3's FP8 mode; the
-# extra E4M3 rounding costs accuracy (CPU interpreter: ~1-6% relative error vs 0.4% for fp16 dots),
-# so the engine never turns it on by itself).
+# (1: load K as its transpose instead of transposing the tile for the dot), ``mask_ahead`` (1: load the
+# next tile's visibility mask one iteration early; Triton's pipeliner leaves that load, which feeds no
+# dot, synchronous: one exposed memory latency per tile otherwise), ``fp8_dots`` (E4M3 cache only,
+# opt-in: 1 casts the query (per-row scale) to E4M3 so q.k runs on FP8 tensor cores without converting
+# K, 2 also the probabilities (x 448) for p.v, as FlashAttention-3's FP8 mode; the extra E4M3 rounding
+# costs accuracy (2.6e-2 / 3.4e-2 relative error vs 1.7e-3) and measured no faster, so the engine never
+# turns it on by itself).
 # ``benchmarks/gpu/bench_attention.py --tune`` sweeps these on the GPU; see RESULTS.md.
-# H200, Qwen3-8B heads, batch 64, 384 of 512 columns (RESULTS.md, session 3): bf16 cache 3105-3190 GB/s
-# with 64 columns x 2 stages (2435 with 3 stages, the previous default); an FP8 cache 1924 GB/s with 32
-# columns x 3 stages (1348 with the bf16 default). ``config`` keys override the cache dtype's default.
-DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 2, "k_trans": 0,
-                                  "fp8_dots": 0, "mask_ahead": 0}
-FP8_CONFIG: dict[str, int] = {**DEFAULT_CONFIG, "block_n": 32, "num_stages": 3}
+# H200, Qwen3-8B heads, batch 64, 384 of 512 columns (session 8, ``--space structure``, one job): bf16
+# cache 34.6 -> 30.2 us per call (k_trans + mask_ahead); FP8 cache 27.5 -> 23.0 us by rows (64 columns,
+# 2 warps, 3 stages, mask_ahead) and 20.8 us with V in (D, 128) tiles (the engine's FP8 layout).
+# ``config`` keys override the cache dtype's default.
+DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 2, "k_trans": 1,
+                                  "fp8_dots": 0, "mask_ahead": 1}
+FP8_CONFIG: dict[str, int] = {**DEFAULT_CONFIG, "num_warps": 2, "num_stages": 3, "k_trans": 0}
 _CONFIG_KEYS = frozenset(DEFAULT_CONFIG)
 
 
@@ -392,7 +400,8 @@ def gqa_decode_attention(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query (B, H_kv, G, D), key/value (B, H_kv, L, D), allowed (B, L) bool; K with unit last stride, V
-    with a unit stride in either of its last two dims (a cache stored (D, L) per head, see the module doc)
+    with a unit stride in either of its last two dims (a cache stored (D, L) per head, see the module doc),
+    or V in (B, H_kv, L / T, D, T) tiles
     -> (B, H_kv, G, D) in the query dtype. FP8 key/value take one-element dequant scales
     ``k_scale``/``v_scale`` (``x = q * scale``), applied in-kernel (no dequantized copy).
     ``last`` (B,) int64, optional: each row's last column that ``allowed`` may mark (the engine's
@@ -420,11 +429,12 @@ def gqa_decode_attention_fp8(
     return _OP_FP8(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last, out_dtype)
 
 
-def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Run the kernel once on fresh random inputs with a ``cache_dtype`` cache (scaled when FP8)
-    and per-row write columns ``last`` (the bounded walk the engine uses), and compare with float32
-    attention over the same values; an error or a relative error above 2e-2 -> False with a
-    warning (the engine then dequantizes before SDPA instead)."""
+def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,
+                  v_tile: int = 0) -> bool:
+    """Run the kernel once on fresh random inputs with a ``cache_dtype`` cache (scaled when FP8), V
+    by rows or (``v_tile`` > 0) in (D, v_tile) tiles, and per-row write columns ``last`` (the bounded
+    walk the engine uses), and compare with float32 attention over the same values; an error or a
+    relative error above 2e-2 -> False with a warning (the engine then dequantizes before SDPA instead)."""
     import warnings
 
     if not available() or device.type != "cuda":
@@ -446,7 +456,13 @@ def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.d
         else:
             k, v = k.to(cache_dtype), v.to(cache_dtype)
             k_ref, v_ref = k.float(), v.float()
-        out = gqa_decode_attention(q, k, v, allowed, 128**-0.5, *(scales or (None, None)), last=last)
+        v_in = v
+        if v_tile:  # the cache's tile layout, columns past 200 zero
+            n = -(-200 // v_tile)
+            v_in = torch.zeros((3, 2, n * v_tile, 128), dtype=v.dtype, device=device)
+            v_in[:, :, :200] = v
+            v_in = v_in.reshape(3, 2, n, v_tile, 128).transpose(-1, -2).contiguous()
+        out = gqa_decode_attention(q, k, v_in, allowed, 128**-0.5, *(scales or (None, None)), last=last)
         mask = allowed[:, None, None, :]
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k_ref, v_ref, attn_mask=mask, scale=128**-0.5)
         error = float((out.float() - ref).norm() / ref.norm())

@@ -132,7 +132,11 @@ def reference_decode_qk_rope_kv_write(
         value = quantize_fp8_with_scale(value, v_scale.reshape(()), dtype=value_cache.dtype)
     rows = torch.arange(query.shape[0], device=columns.device)
     key_cache[rows, :, columns] = key.to(key_cache.dtype)  # (b, H_kv, D) at [i, :, columns[i]]
-    value_cache[rows, :, columns] = value.to(value_cache.dtype)
+    if value_cache.dim() == 5:  # (S, H_kv, L / T, D, T) tiles: column c is [..., c // T, :, c % T]
+        tile = value_cache.shape[-1]
+        value_cache[rows, :, columns // tile, :, columns % tile] = value.to(value_cache.dtype)
+    else:
+        value_cache[rows, :, columns] = value.to(value_cache.dtype)
     return query.unsqueeze(2).contiguous()  # (b, H, 1, D)
 
 
@@ -180,9 +184,9 @@ if triton is not None:
     def _decode_qk_rope_kv_kernel(
         Q, K, V, Q_W, K_W, COS, SIN, K_CACHE, V_CACHE, COLUMNS, K_SCALE, V_SCALE, Q_OUT,
         s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_cos, s_sin, s_col, s_kcb, s_kch, s_kcl, s_vcb, s_vch, s_vcl,
-        s_ob, s_oh, eps,
+        s_ob, s_oh, eps, s_vct,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr,
-        FP8_MAX: tl.constexpr, EMULATED: tl.constexpr,
+        FP8_MAX: tl.constexpr, EMULATED: tl.constexpr, V_TILE: tl.constexpr = 0,
     ):
         row, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64: row * cache stride > 2**31
         offs_h = tl.arange(0, D // 2)[None, :]  # (1, D/2): columns of the first half; + D/2: the second
@@ -207,9 +211,14 @@ if triton is not None:
         _store_kv(k1, k_cache, K_SCALE, FP8, FP8_MAX)
         _store_kv(k2, k_cache + D // 2, K_SCALE, FP8, FP8_MAX)
         v_ptrs = V + row * s_vb + kv_head * s_vh + offs_h
-        v_cache = V_CACHE + row * s_vcb + kv_head * s_vch + column * s_vcl + offs_h
-        _store_kv(tl.load(v_ptrs), v_cache, V_SCALE, FP8, FP8_MAX)
-        _store_kv(tl.load(v_ptrs + D // 2), v_cache + D // 2, V_SCALE, FP8, FP8_MAX)
+        if V_TILE > 0:  # (D, V_TILE) tiles: the column's D values are V_TILE apart
+            v_cache = V_CACHE + row * s_vcb + kv_head * s_vch + (column // V_TILE) * s_vct + column % V_TILE
+            _store_kv(tl.load(v_ptrs), v_cache + offs_h * V_TILE, V_SCALE, FP8, FP8_MAX)
+            _store_kv(tl.load(v_ptrs + D // 2), v_cache + (D // 2 + offs_h) * V_TILE, V_SCALE, FP8, FP8_MAX)
+        else:
+            v_cache = V_CACHE + row * s_vcb + kv_head * s_vch + column * s_vcl + offs_h
+            _store_kv(tl.load(v_ptrs), v_cache, V_SCALE, FP8, FP8_MAX)
+            _store_kv(tl.load(v_ptrs + D // 2), v_cache + D // 2, V_SCALE, FP8, FP8_MAX)
 
 
 def _num_warps(block_g: int, dim: int) -> int:
@@ -241,9 +250,10 @@ def _launch(
         cos.stride(0), sin.stride(0), columns.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        out.stride(0), out.stride(1), float(eps),
+        out.stride(0), out.stride(1), float(eps), value_cache.stride(2) if value_cache.dim() == 5 else 0,
         G=group, BLOCK_G=block_g, D=dim, HAS_NORM=q_weight is not None, FP8=fp8,
         FP8_MAX=_fp8_max(key_cache.dtype) if fp8 else 0.0, EMULATED=_INTERPRETED,
+        V_TILE=value_cache.shape[-1] if value_cache.dim() == 5 else 0,
         num_warps=_num_warps(block_g, dim),
         enable_fp_fusion=False,  # no a * b + c -> fma: every product is rounded to the model dtype, as in torch
     )
@@ -309,10 +319,12 @@ def _checked(
         if w is not None and (w.shape != (dim,) or w.dtype != query.dtype):
             raise ValueError(f"{name}: ({dim},) in {query.dtype} expected; got {tuple(w.shape)} {w.dtype}")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if (cache.dim() != 4 or cache.shape[0] < batch or cache.shape[1] != key.shape[1] or cache.shape[3] != dim
-                or cache.stride(-1) != 1):
-            raise ValueError(f"{name}: (S >= {batch}, {key.shape[1]}, L, {dim}) with unit last stride expected; got "
-                             f"{tuple(cache.shape)} strides {cache.stride()}")
+        tiles = name == "value_cache" and cache.dim() == 5  # (S, H_kv, L / T, D, T): V in (D, T) tiles
+        if (cache.dim() != (5 if tiles else 4) or cache.shape[0] < batch or cache.shape[1] != key.shape[1]
+                or cache.shape[3 if not tiles else -2] != dim or cache.stride(-1) != 1):
+            raise ValueError(f"{name}: (S >= {batch}, {key.shape[1]}, L, {dim}) with unit last stride expected"
+                             f"{' (value_cache also (S, H_kv, L / T, D, T) tiles)' if name == 'value_cache' else ''}; "
+                             f"got {tuple(cache.shape)} strides {cache.stride()}")
     if columns.shape != (batch,) or columns.dtype != torch.int64:
         raise ValueError(f"columns: ({batch},) int64 expected; got {tuple(columns.shape)} {columns.dtype}")
     fp8 = key_cache.dtype in FP8_DTYPES
@@ -340,7 +352,8 @@ def decode_qk_rope_kv_write(
     query (b, H, D), key/value (b, H_kv, D): any strides with a unit last one (e.g. the q/k/v
     slices of one fused projection output; no copy); cos/sin (b, D) in the query's dtype;
     key_cache/value_cache (S, H_kv, L, D), S >= b, written in place at ``[i, :, columns[i]]`` for
-    rows ``i = 0..b-1``; columns (b,) int64. An FP8 cache takes one-element float32 dequant scales
+    rows ``i = 0..b-1`` (value_cache may instead be (S, H_kv, L / T, D, T) tiles, written at
+    ``[i, :, c // T, :, c % T]``, see :mod:`~lumenrl_backends.engines.kv_cache`); columns (b,) int64. An FP8 cache takes one-element float32 dequant scales
     ``k_scale``/``v_scale`` and stores ``clamp(x / scale)`` codes; a cache in the model dtype takes
     neither. See the module docstring for the rounding (the HF sequence)."""
     _checked(query, key, value, cos, sin, key_cache, value_cache, columns, q_weight, k_weight, k_scale, v_scale)
