@@ -237,4 +237,11 @@ case "${1:-all}" in
   s8call3) for part in attn-diag; do "$0" "$part"; done ;;
   attn-structure) run 400 python3 benchmarks/gpu/bench_attention.py --tune --space structure --v-layouts rows,blocks128 --out attention_tune9.json ;;
   s8call4) for part in attn-structure; do "$0" "$part"; done ;;
+  # call 5: the engines with the retuned attention (mask_ahead) and the FP8 cache's V tiles, FP8 and bf16 in one job
+  gpu-tests8) run 200 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_speed.py packages/lumenrl-backends/tests/test_backends_engine_kernels.py packages/lumenrl-backends/tests/test_backends_engine_rope.py packages/lumenrl-backends/tests/test_backends_engine_native.py -k cuda ;;
+  fp8-s8e-row) run 180 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8e_row python3 benchmarks/gpu/bench_fp8_rollout.py \
+                 --engines fp8_row+kv+head --modes full --no-exact-kl --profile --out fp8_rollout8e_full_rowkvhead.json ;;
+  fp8-s8e-bf16) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8e_bf16 python3 benchmarks/gpu/bench_fp8_rollout.py \
+                  --engines bf16 --modes full --no-exact-kl --profile --out fp8_rollout8e_full_bf16.json ;;
+  s8call5) for part in gpu-tests8 fp8-s8e-row fp8-s8e-bf16; do "$0" "$part"; done ;;
 esac
