@@ -18,6 +18,7 @@ the same run. The best configuration per cache dtype is printed last; the kernel
     python benchmarks/gpu/bench_attention.py --tune --space vblocks --dtypes fp8 --v-layouts rows,blocks64,blocks128 \
         --out attention_tune7.json
     python benchmarks/gpu/bench_attention.py --tune --space structure --v-layouts rows,blocks128 --out attention_tune9.json
+    python benchmarks/gpu/bench_attention.py --tune --space warp1 --dtypes fp8 --v-layouts blocks128 --out attention_tune10.json
 """
 
 from __future__ import annotations
@@ -95,6 +96,18 @@ def _sweep_structure() -> list[dict[str, int]]:
     return configs
 
 
+def _sweep_warp1() -> list[dict[str, int]]:
+    """One- and two-warp programs over (D, 128) tiles, with splits (``chunk``) to fill the machine: a
+    one-warp program needs no cross-warp reductions (no barriers in its loop). Session 8."""
+    configs = [dict(ta.FP8_CONFIG)]
+    for warps, block_n, stages, chunk in itertools.product((1, 2), (64, 128), (2, 3, 4), (0, 128, 256)):
+        cfg = {"block_n": block_n, "chunk": chunk, "num_warps": warps, "num_stages": stages, "k_trans": 0,
+               "fp8_dots": 0, "mask_ahead": 1}
+        if cfg not in configs:
+            configs.append(cfg)
+    return configs
+
+
 def _v_layout(v: torch.Tensor, layout: str) -> torch.Tensor:
     """rows: (B, H, L, D) as made; columns: (D, L) per head, viewed (B, H, L, D); blocksT: (B, H, L / T, D, T)."""
     if layout == "columns":  # tried for the FP8 cache in session 4; the engine stores rows
@@ -135,7 +148,7 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="sweep launch configurations (else: the default only)")
     ap.add_argument("--v-layouts", default="rows",
                     help="V stored by rows (L, D), columns (D, L) and/or (D, T) tiles (blocks64, ...), comma separated")
-    ap.add_argument("--space", default="default", choices=("default", "fp8wide", "layouts", "vblocks", "structure"),
+    ap.add_argument("--space", default="default", choices=("default", "fp8wide", "layouts", "vblocks", "structure", "warp1"),
                     help="--tune space: default (both dtypes, incl. E4M3 dots) or fp8wide (see _sweep_fp8_wide)")
     ap.add_argument("--out", default="attention_tune.json")
     args = ap.parse_args()
@@ -145,7 +158,7 @@ def main() -> None:
     result["copy_bandwidth_gbs"] = copy_gbs
     print(f"copy bandwidth {copy_gbs:.0f} GB/s; torch {torch.__version__}")
     space = {"fp8wide": _sweep_fp8_wide, "layouts": _sweep_layouts, "vblocks": _sweep_vblocks,
-             "structure": _sweep_structure}.get(args.space, _sweep)
+             "structure": _sweep_structure, "warp1": _sweep_warp1}.get(args.space, _sweep)
     configs = space() if args.tune else [None]  # None: the kernel's default for the cache dtype
     rows, best = [], {}
     dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}

@@ -133,8 +133,8 @@ def scheme_of(name: str) -> str | None:
 
 
 def attention_override(spec: str) -> dict:
-    """``--attn-fp8-config``: a JSON object, or a ``bench_attention.py --tune`` output whose best
-    default-accuracy FP8 row (``best["fp8_L<length>"]``) is taken."""
+    """``--attn-fp8-config``: a JSON object, or a ``bench_attention.py --tune`` output whose fastest
+    default-accuracy FP8 row is taken (among the (D, 128)-tile rows, the engine's layout, where it has them)."""
     import json
 
     from lumenrl_backends.engines import triton_attention as ta
@@ -142,7 +142,9 @@ def attention_override(spec: str) -> dict:
     path = Path(spec)
     if path.is_file():
         best = json.loads(path.read_text())["best"]
-        row = best[min(k for k in best if k.startswith("fp8_L") and "dots" not in k)]
+        fp8 = [k for k in best if k.startswith("fp8_L") and "dots" not in k]
+        tiled = [k for k in fp8 if "_vblocks128" in k]  # the engine's FP8 layout, where the sweep had it
+        row = min((best[k] for k in tiled or fp8), key=lambda r: r["us"])
         cfg = {k: row[k] for k in ta.DEFAULT_CONFIG}
     else:
         cfg = json.loads(spec)

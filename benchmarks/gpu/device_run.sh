@@ -244,4 +244,14 @@ case "${1:-all}" in
   fp8-s8e-bf16) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8e_bf16 python3 benchmarks/gpu/bench_fp8_rollout.py \
                   --engines bf16 --modes full --no-exact-kl --profile --out fp8_rollout8e_full_bf16.json ;;
   s8call5) for part in gpu-tests8 fp8-s8e-row fp8-s8e-bf16; do "$0" "$part"; done ;;
+  # call 6: one-warp FP8 attention over tiles; the engines with the default and with the sweep's fastest FP8 config
+  attn-warp1) run 150 python3 benchmarks/gpu/bench_attention.py --tune --space warp1 --dtypes fp8 --v-layouts blocks128 --out attention_tune10.json ;;
+  fp8-s8f-row) run 180 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8f_row python3 benchmarks/gpu/bench_fp8_rollout.py \
+                 --engines fp8_row+kv+head --modes full --no-exact-kl --out fp8_rollout8f_full_rowkvhead.json ;;
+  fp8-s8f-rowbest) run 180 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8f_rowbest python3 benchmarks/gpu/bench_fp8_rollout.py \
+                     --engines fp8_row+kv+head --modes full --no-exact-kl --attn-fp8-config "${LUMENRL_BENCH_OUT}/attention_tune10.json" \
+                     --out fp8_rollout8f_full_rowkvhead_attnbest.json ;;
+  fp8-s8f-bf16) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8f_bf16 python3 benchmarks/gpu/bench_fp8_rollout.py \
+                  --engines bf16 --modes full --no-exact-kl --out fp8_rollout8f_full_bf16.json ;;
+  s8call6) for part in attn-warp1 fp8-s8f-row fp8-s8f-rowbest fp8-s8f-bf16; do "$0" "$part"; done ;;
 esac
