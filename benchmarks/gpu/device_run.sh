@@ -254,4 +254,12 @@ case "${1:-all}" in
   fp8-s8f-bf16) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8f_bf16 python3 benchmarks/gpu/bench_fp8_rollout.py \
                   --engines bf16 --modes full --no-exact-kl --out fp8_rollout8f_full_bf16.json ;;
   s8call6) for part in attn-warp1 fp8-s8f-row fp8-s8f-rowbest fp8-s8f-bf16; do "$0" "$part"; done ;;
+  # call 7: the GPU tests on the final code, then a third FP8 / bf16 pair, and the rows layout last (A/B of the tiles)
+  fp8-s8g-row) run 180 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8g_row python3 benchmarks/gpu/bench_fp8_rollout.py \
+                 --engines fp8_row+kv+head --modes full --no-exact-kl --out fp8_rollout8g_full_rowkvhead.json ;;
+  fp8-s8g-bf16) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8g_bf16 python3 benchmarks/gpu/bench_fp8_rollout.py \
+                  --engines bf16 --modes full --no-exact-kl --out fp8_rollout8g_full_bf16.json ;;
+  fp8-s8g-vrows) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8g_vrows python3 benchmarks/gpu/bench_fp8_rollout.py \
+                   --engines fp8_row+kv+head+vrows --modes full --no-exact-kl --out fp8_rollout8g_full_rowkvhead_vrows.json ;;
+  s8call7) for part in gpu-tests8 fp8-s8g-row fp8-s8g-bf16 fp8-s8g-vrows; do "$0" "$part"; done ;;
 esac
