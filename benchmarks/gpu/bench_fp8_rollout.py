@@ -21,8 +21,8 @@ and quantizes the normalised rows (the path before). Each decode step's q/k norm
 KV-cache write (FP8 quantize included) run as one Triton kernel (``NativeEngine(fused_qk_rope=True)``, the
 default since session 7; ``+qkrope`` names it explicitly, as call 3 of session 7 did); ``+unfusedrope`` runs
 the norm modules, RoPE and the cache update instead (the path before; any base, ``bf16+unfusedrope`` too).
-With the FP8 KV cache, V is stored in (D, 128) tiles for the decode kernel (``NativeEngine(kv_v_tiles=None)``,
-default since session 8); ``+vrows`` stores rows (the layout before). ``--persistent-rnumel N`` lets inductor
+``+vtiles`` stores V in (D, 128) tiles (``NativeEngine(kv_v_tiles=True)``; the default in session 8 calls 5-7,
+opt-in since, as the whole step measured no faster); ``+vrows`` names rows, the default, explicitly (call 7). ``--persistent-rnumel N`` lets inductor
 hold reductions of up to N columns in registers (persistent) instead of looping (its default limit is
 1024; the FP8 engine's RMSNorm + quantize kernels reduce 4096). ``--attn-fp8-config`` overrides the FP8-cache attention launch
 configuration, ``--mlp-config`` the fused MLP's (a ``bench_fused_mlp.py --tune`` JSON).
@@ -116,10 +116,10 @@ def variant(name: str) -> tuple[str, frozenset[str]]:
     (the output head quantized too, ``quantize_lm_head``)."""
     base, *flags = name.split("+")
     unknown = set(flags) - {"kv", "head", "fusedmlp", "tokmlp", "inductmlp", "tokattn", "tokln", "qkrope", "unfusedrope",
-                            "vrows"}
+                            "vrows", "vtiles"}
     if unknown:
         raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head, +fusedmlp, "
-                         "+tokmlp, +inductmlp, +tokattn, +tokln, +qkrope, +unfusedrope, +vrows")
+                         "+tokmlp, +inductmlp, +tokattn, +tokln, +qkrope, +unfusedrope, +vrows, +vtiles")
     if len({"fusedmlp", "tokmlp", "inductmlp"} & set(flags)) > 1:
         raise SystemExit(f"--engines {name!r}: +fusedmlp, +tokmlp and +inductmlp exclude each other")
     if {"qkrope", "unfusedrope"} <= set(flags):
@@ -214,7 +214,7 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
                               quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
                               fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
                               fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags,
-                              fused_qk_rope="unfusedrope" not in flags, kv_v_tiles=False if "vrows" in flags else None)
+                              fused_qk_rope="unfusedrope" not in flags, kv_v_tiles="vtiles" in flags)
         if engine.fusion_report is not None:
             row["fused_fp8_mlps"] = len(engine.fusion_report.mlp_fp8)
             row["act_kernel_mlps"] = len(engine.fusion_report.mlp_fp8_token)

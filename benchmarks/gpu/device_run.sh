@@ -237,7 +237,8 @@ case "${1:-all}" in
   s8call3) for part in attn-diag; do "$0" "$part"; done ;;
   attn-structure) run 400 python3 benchmarks/gpu/bench_attention.py --tune --space structure --v-layouts rows,blocks128 --out attention_tune9.json ;;
   s8call4) for part in attn-structure; do "$0" "$part"; done ;;
-  # call 5: the engines with the retuned attention (mask_ahead) and the FP8 cache's V tiles, FP8 and bf16 in one job
+  # call 5: the engines with the retuned attention (mask_ahead) and the FP8 cache's V tiles (the default until
+  # call 7; `+vtiles` since), FP8 and bf16 in one job
   gpu-tests8) run 200 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_speed.py packages/lumenrl-backends/tests/test_backends_engine_kernels.py packages/lumenrl-backends/tests/test_backends_engine_rope.py packages/lumenrl-backends/tests/test_backends_engine_native.py -k cuda ;;
   fp8-s8e-row) run 180 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8e_row python3 benchmarks/gpu/bench_fp8_rollout.py \
                  --engines fp8_row+kv+head --modes full --no-exact-kl --profile --out fp8_rollout8e_full_rowkvhead.json ;;
@@ -254,7 +255,8 @@ case "${1:-all}" in
   fp8-s8f-bf16) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8f_bf16 python3 benchmarks/gpu/bench_fp8_rollout.py \
                   --engines bf16 --modes full --no-exact-kl --out fp8_rollout8f_full_bf16.json ;;
   s8call6) for part in attn-warp1 fp8-s8f-row fp8-s8f-rowbest fp8-s8f-bf16; do "$0" "$part"; done ;;
-  # call 7: the GPU tests on the final code, then a third FP8 / bf16 pair, and the rows layout last (A/B of the tiles)
+  # call 7: the GPU tests on the final code, then a third FP8 / bf16 pair, and the rows layout last (A/B of the tiles).
+  # fp8-s8e-row, fp8-s8f-row(best) and fp8-s8g-row ran V tiles, the default then: rerun them with +vtiles
   fp8-s8g-row) run 180 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8g_row python3 benchmarks/gpu/bench_fp8_rollout.py \
                  --engines fp8_row+kv+head --modes full --no-exact-kl --out fp8_rollout8g_full_rowkvhead.json ;;
   fp8-s8g-bf16) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8g_bf16 python3 benchmarks/gpu/bench_fp8_rollout.py \
@@ -262,4 +264,6 @@ case "${1:-all}" in
   fp8-s8g-vrows) run 150 env TORCHINDUCTOR_CACHE_DIR=/tmp/ind_s8g_vrows python3 benchmarks/gpu/bench_fp8_rollout.py \
                    --engines fp8_row+kv+head+vrows --modes full --no-exact-kl --out fp8_rollout8g_full_rowkvhead_vrows.json ;;
   s8call7) for part in gpu-tests8 fp8-s8g-row fp8-s8g-bf16 fp8-s8g-vrows; do "$0" "$part"; done ;;
+  # call 8 (what was left of the device time): the tiles-vs-rows engine test with rows the default again
+  s8call8) run 100 python3 -m pytest -q -p no:cacheprovider packages/lumenrl-backends/tests/test_backends_engine_speed.py -k "cuda_fp8_kv" ;;
 esac

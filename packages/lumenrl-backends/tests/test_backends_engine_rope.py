@@ -589,13 +589,13 @@ def test_interpreted_kernel_writes_v_tiles_as_rows(interpreted, name):
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 def test_engine_with_v_tiles_generates_what_it_generates_by_rows(tiny_models, kv):
-    """``kv_v_tiles`` on and off, the same greedy generation (CPU: attention reads the tiles back as rows;
-    the fused op's reference writes them); the default stays rows off the GPU."""
+    """``kv_v_tiles`` off (the default) and on, the same greedy generation (CPU: attention reads the tiles back
+    as rows; the fused op's reference writes them)."""
     model, tokenizer = load_model_and_tokenizer(str(tiny_models["qwen3"]), dtype="float32")
     enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
     batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     outs = []
-    for tiles in (None, True):
+    for tiles in (False, True):
         engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=40, kv_cache_dtype=kv, kv_v_tiles=tiles)
         outs.append(engine.generate(batch, GREEDY).batch)
         assert engine.cache.v_tile == (V_TILE if tiles else 0)

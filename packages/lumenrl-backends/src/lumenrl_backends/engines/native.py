@@ -29,9 +29,10 @@ Design (what the GPU-speed work builds on without a rewrite):
   (``fused_qk_rope``, default on; :mod:`~lumenrl_backends.engines.triton_rope`: a Triton kernel on CUDA,
   bit-identical to the HF sequence; 8B b64 compiled: +1.7% decode tokens/s on both bf16 and FP8);
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
-  (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache; an FP8 cache read by the
-  Triton kernel stores V in (D, 128) tiles (``kv_v_tiles``, default on there; the kernel's p.v product
-  then reads V as the MMA wants it; 8B b64: FP8 attention 23.0 -> 20.8 us per layer call);
+  (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache; ``kv_v_tiles`` (opt-in)
+  stores V in (D, 128) tiles, which the kernel's p.v product reads as the MMA wants it (8B b64: FP8
+  attention 23.0 -> 20.8 us per call) but the decode step writes scattered; whole 8B steps measured
+  the same (16,299 vs 16,379 tok/s, session 8), so rows stay the default;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
   memory); ``gpu_memory_utilization`` sizes the number of KV slots from free device memory;
 * sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with
@@ -181,7 +182,7 @@ class NativeEngine:
         fp8_attn_out: bool = True,
         fp8_norm_quant: bool = True,
         fused_qk_rope: bool = True,
-        kv_v_tiles: bool | None = None,
+        kv_v_tiles: bool = False,
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
@@ -232,8 +233,10 @@ class NativeEngine:
         # on CUDA) or dequantized just before SDPA (CPU); a failed check keeps the dequantized cache
         kernel_fp8 = (self._attn == "sdpa" and kv_dtype is not None and self.device.type == "cuda"
                       and kernel_agrees(self.device, kv_dtype))
-        # V in (D, V_TILE) tiles (kv_cache module doc): by default where the Triton kernel reads an FP8 cache
-        v_tiles = kernel_fp8 and kernel_agrees(self.device, kv_dtype, v_tile=V_TILE) if kv_v_tiles is None else kv_v_tiles
+        # V in (D, V_TILE) tiles (kv_cache module doc), opt-in: the kernel reads them faster (23.0 -> 20.8 us per
+        # call at the 8B shape) but the decode write scatters, and whole steps measured no faster (session 8)
+        cache_dtype = kv_dtype or next(self.model.parameters()).dtype
+        v_tiles = kv_v_tiles and (self.device.type != "cuda" or kernel_agrees(self.device, cache_dtype, v_tile=V_TILE))
         self.cache = SlotKVCache(
             num_layers=model.config.num_hidden_layers,
             max_slots=max_batch_size,
