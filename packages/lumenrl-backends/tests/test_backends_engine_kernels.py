@@ -31,6 +31,22 @@ def reference_attention(q, k, v, allowed, scale):
     return (scores.softmax(-1) @ v64).transpose(1, 2)
 
 
+def fp8_bounded_case(seed: int):
+    """An FP8 cache (E4M3 codes, one scale each for K and V) with rows ending at their write columns
+    ``last`` (the engine's bounded walk), batch 3, 2 KV heads x 4 queries, head dim 64, 130 columns, and
+    float64 attention over the dequantized values for a half-precision query."""
+    torch.manual_seed(seed)
+    q, k, v, allowed = random_decode_inputs(dim=64, length=130)
+    last = torch.tensor([129, 70, 3])
+    cols = torch.arange(130)
+    allowed = (allowed & (cols[None, :] < last[:, None])) | (cols[None, :] == last[:, None])
+    k_scale, v_scale = k.abs().max() / 448, v.abs().max() / 448
+    qk, qv = (k / k_scale).to(torch.float8_e4m3fn), (v / v_scale).to(torch.float8_e4m3fn)
+    scales = dict(k_scale=k_scale.reshape(1), v_scale=v_scale.reshape(1), last=last)
+    ref = reference_attention(q.half(), qk.double() * k_scale.double(), qv.double() * v_scale.double(), allowed, 0.125)
+    return q, k, v, qk, qv, allowed, last, scales, ref
+
+
 class _Module(torch.nn.Module):
     num_key_value_groups = 4
     is_causal = True
@@ -290,18 +306,10 @@ def test_triton_kernel_reads_fp8_cache_with_scales():
 _INTERPRETED_V_COLUMNS = """
 import torch
 from lumenrl_backends.engines import triton_attention
-from test_backends_engine_kernels import random_decode_inputs, reference_attention
-torch.manual_seed(8)
-q, k, v, allowed = random_decode_inputs(dim=64, length=130)
-last = torch.tensor([129, 70, 3])
-cols = torch.arange(130)
-allowed = (allowed & (cols[None, :] < last[:, None])) | (cols[None, :] == last[:, None])
-k_scale, v_scale = k.abs().max() / 448, v.abs().max() / 448
-qk, qv = (k / k_scale).to(torch.float8_e4m3fn), (v / v_scale).to(torch.float8_e4m3fn)
+from test_backends_engine_kernels import fp8_bounded_case, reference_attention
+q, k, v, qk, qv, allowed, last, scales, ref = fp8_bounded_case(8)
 columns = lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2)  # V stored (D, L) per head
 assert columns(qv).stride(-2) == 1 and torch.equal(columns(qv).float(), qv.float())
-scales = dict(k_scale=k_scale.reshape(1), v_scale=v_scale.reshape(1), last=last)
-ref = reference_attention(q.half(), qk.double() * k_scale.double(), qv.double() * v_scale.double(), allowed, 0.125)
 for splits, config in ((1, None), (2, {"block_n": 16})):
     rows = triton_attention._run(q.reshape(3, 2, 4, 64).half(), qk, qv, allowed, 0.125, splits=splits, config=config,
                                  **scales)
@@ -325,21 +333,11 @@ def test_triton_kernel_reads_v_stored_by_columns():
 _INTERPRETED_V_TILES = """
 import torch
 from lumenrl_backends.engines import triton_attention
-from lumenrl_backends.engines.kv_cache import value_rows
-from test_backends_engine_kernels import random_decode_inputs, reference_attention
-torch.manual_seed(12)
-q, k, v, allowed = random_decode_inputs(dim=64, length=130)
-last = torch.tensor([129, 70, 3])
-cols = torch.arange(130)
-allowed = (allowed & (cols[None, :] < last[:, None])) | (cols[None, :] == last[:, None])
-k_scale, v_scale = k.abs().max() / 448, v.abs().max() / 448
-qk, qv = (k / k_scale).to(torch.float8_e4m3fn), (v / v_scale).to(torch.float8_e4m3fn)
-padded = torch.zeros((3, 2, 192, 64), dtype=qv.dtype)
-padded[:, :, :130] = qv
-tiles = padded.reshape(3, 2, 3, 64, 64).transpose(-1, -2).contiguous()  # (B, H_kv, L / 64, D, 64)
-assert torch.equal(value_rows(tiles, 130).float(), qv.float())
-scales = dict(k_scale=k_scale.reshape(1), v_scale=v_scale.reshape(1), last=last)
-ref = reference_attention(q.half(), qk.double() * k_scale.double(), qv.double() * v_scale.double(), allowed, 0.125)
+from lumenrl_backends.engines.kv_cache import value_rows, value_tiles
+from test_backends_engine_kernels import fp8_bounded_case
+q, k, v, qk, qv, allowed, last, scales, ref = fp8_bounded_case(12)
+tiles = value_tiles(qv, 64)  # (B, H_kv, L / 64, D, 64), the last tile partly past the 130 columns
+assert tiles.shape == (3, 2, 3, 64, 64) and torch.equal(value_rows(tiles, 130).float(), qv.float())
 for splits, config in ((1, None), (2, {"block_n": 16}), (3, {"block_n": 32, "mask_ahead": 0}), (1, {"block_n": 64})):
     rows = triton_attention._run(q.reshape(3, 2, 4, 64).half(), qk, qv, allowed, 0.125, splits=splits, config=config,
                                  **scales)
@@ -436,7 +434,7 @@ def test_cuda_triton_attention_reads_v_tiles():
     columns in 128-column tiles, rows of different lengths): against float64 and against V by rows."""
     os.environ.pop("TRITON_INTERPRET", None)
     from lumenrl_backends.engines import triton_attention
-    from lumenrl_backends.engines.kv_cache import V_TILE
+    from lumenrl_backends.engines.kv_cache import V_TILE, value_tiles
 
     assert triton_attention.kernel_agrees(torch.device("cuda"), torch.float8_e4m3fn, v_tile=V_TILE)
     torch.manual_seed(21)
@@ -446,7 +444,7 @@ def test_cuda_triton_attention_reads_v_tiles():
     allowed = (allowed & (cols[None, :] < last[:, None])) | (cols[None, :] == last[:, None])
     k_scale, v_scale = (k.abs().max() / 448).reshape(1), (v.abs().max() / 448).reshape(1)
     qk, qv = (k / k_scale).to(torch.float8_e4m3fn), (v / v_scale).to(torch.float8_e4m3fn)
-    tiles = qv.reshape(64, 8, 4, V_TILE, 128).transpose(-1, -2).contiguous()
+    tiles = value_tiles(qv, V_TILE)
     packed = q.bfloat16().reshape(64, 8, 4, 128)
     rows = triton_attention.gqa_decode_attention(packed, qk, qv, allowed, 128**-0.5, k_scale, v_scale, last=last)
     out = triton_attention.gqa_decode_attention(packed, qk, tiles, allowed, 128**-0.5, k_scale, v_scale, last=last)

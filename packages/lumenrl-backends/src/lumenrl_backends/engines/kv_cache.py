@@ -54,9 +54,19 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from lumenrl_backends.engines.quant import FP8KVCodec
 
 __all__ = ["CacheView", "DecodeWrite", "SlotKVCache", "V_TILE", "decode_mask", "prefill_mask", "to_attention_mask",
-           "value_rows"]
+           "value_rows", "value_tiles"]
 
 V_TILE = 128  # columns per V tile where the cache stores V in tiles (a multiple of the kernel's block_n)
+
+
+def value_tiles(values: torch.Tensor, tile: int) -> torch.Tensor:
+    """(B, H_kv, L, D) rows -> (B, H_kv, ceil(L / tile), D, tile) tiles (a copy; columns past L are zero):
+    the inverse of :func:`value_rows`."""
+    b, h, length, d = values.shape
+    n = -(-length // tile)
+    padded = values.new_zeros((b, h, n * tile, d))
+    padded[:, :, :length] = values
+    return padded.reshape(b, h, n, tile, d).transpose(-1, -2).contiguous()
 
 
 def value_rows(values: torch.Tensor, length: int | None = None) -> torch.Tensor:

@@ -229,24 +229,16 @@ class NativeEngine:
         if kv_v_tiles and self._attn != "sdpa":
             raise ValueError(f"kv_v_tiles=True needs the engine's attention (attn_implementation 'sdpa'); the model "
                              f"uses {self._attn!r}")
-        # the engine's attention reads an FP8 cache as stored: in the Triton kernel (checked once here
-        # on CUDA) or dequantized just before SDPA (CPU); a failed check keeps the dequantized cache
-        kernel_fp8 = (self._attn == "sdpa" and kv_dtype is not None and self.device.type == "cuda"
-                      and kernel_agrees(self.device, kv_dtype))
-        # V in (D, V_TILE) tiles (kv_cache module doc), opt-in: the kernel reads them faster (23.0 -> 20.8 us per
-        # call at the 8B shape) but the decode write scatters, and whole steps measured no faster (session 8)
+        # V in (D, V_TILE) tiles, opt-in (kv_cache module doc; the kernel checked once on CUDA, as below)
         cache_dtype = kv_dtype or next(self.model.parameters()).dtype
         v_tiles = kv_v_tiles and (self.device.type != "cuda" or kernel_agrees(self.device, cache_dtype, v_tile=V_TILE))
-        self.cache = SlotKVCache(
-            num_layers=model.config.num_hidden_layers,
-            max_slots=max_batch_size,
-            max_len=max_seq_len,
-            device=self.device,
-            kv_dtype=kv_dtype,
-            v_tile=V_TILE if v_tiles else 0,
-        )
+        self.cache = SlotKVCache(num_layers=model.config.num_hidden_layers, max_slots=max_batch_size,
+                                 max_len=max_seq_len, device=self.device, kv_dtype=kv_dtype,
+                                 v_tile=V_TILE if v_tiles else 0)
+        # the engine's attention reads an FP8 cache as stored: in the Triton kernel (checked once here
+        # on CUDA) or dequantized just before SDPA (CPU); a failed check keeps the dequantized cache
         self.cache.raw_fp8_decode = self._attn == "sdpa" and (
-            kv_dtype is None or self.device.type != "cuda" or kernel_fp8
+            kv_dtype is None or self.device.type != "cuda" or kernel_agrees(self.device, kv_dtype)
         )
         self.slots = SlotState.allocate(max_batch_size, self.device)
         self.buckets = batch_buckets(max_batch_size)

@@ -456,12 +456,12 @@ def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.d
         else:
             k, v = k.to(cache_dtype), v.to(cache_dtype)
             k_ref, v_ref = k.float(), v.float()
-        v_in = v
-        if v_tile:  # the cache's tile layout, columns past 200 zero
-            n = -(-200 // v_tile)
-            v_in = torch.zeros((3, 2, n * v_tile, 128), dtype=v.dtype, device=device)
-            v_in[:, :, :200] = v
-            v_in = v_in.reshape(3, 2, n, v_tile, 128).transpose(-1, -2).contiguous()
+        if v_tile:  # the cache's tile layout (kv_cache imports nothing from here: no cycle)
+            from lumenrl_backends.engines.kv_cache import value_tiles
+
+            v_in = value_tiles(v, v_tile)
+        else:
+            v_in = v
         out = gqa_decode_attention(q, k, v_in, allowed, 128**-0.5, *(scales or (None, None)), last=last)
         mask = allowed[:, None, None, :]
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k_ref, v_ref, attn_mask=mask, scale=128**-0.5)
