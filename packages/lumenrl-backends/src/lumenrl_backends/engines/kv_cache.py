@@ -30,13 +30,14 @@ precision. With ``raw_fp8_decode`` (set by the engine for its ``sdpa`` path) dec
 FP8 storage itself and leaves the layer's scales in ``current_scales``; the engine's attention
 (:mod:`~lumenrl_backends.engines.attention`) dequantizes in its kernel or just before SDPA.
 
-V in tiles (``v_tile`` T > 0; the engine's default for an FP8 cache read by its Triton decode
-kernel): ``values`` is (S, H_kv, L / T, D, T), column ``c`` of a head at ``[..., c // T, :, c % T]``.
-Each T-column block of a head is one contiguous (D, T) tile, so the kernel's p.v product reads V
-with the reduction dim (columns) contiguous: the layout the MMA wants for its B operand, which
-8-bit rows cannot give (no 8-bit ``ldmatrix.trans``). Measured on the H200 (``bench_attention.py``,
-session 8): FP8 decode attention 23.0 -> 20.8 us per call at the 8B shape. Decode returns the tiles
-as stored (5-D) to the engine's attention; every other reader gets rows from :func:`value_rows`.
+V in tiles (``v_tile`` T > 0; the engine's opt-in ``kv_v_tiles``): ``values`` is (S, H_kv, L / T, D, T),
+column ``c`` of a head at ``[..., c // T, :, c % T]``. Each T-column block of a head is one contiguous
+(D, T) tile, so the kernel's p.v product reads V with the reduction dim (columns) contiguous: the
+layout the MMA wants for its B operand, which 8-bit rows cannot give (no 8-bit ``ldmatrix.trans``).
+Measured on the H200 (session 8): FP8 decode attention 23.0 -> 20.8 us per call at the 8B shape, but
+the decode step's V write scatters (one byte per D row), and whole 8B steps measured the same. Decode
+returns the tiles as stored (5-D) to the engine's attention; every other reader gets rows from
+:func:`value_rows`.
 
 Masks are explicit 4D tensors (bool for SDPA, additive float for eager) built from ``valid``,
 so transformers never needs a sequence length from the cache. A query always sees itself, so no

@@ -31,11 +31,12 @@ V may also be stored transposed, ``(D, L)`` per head (a view with ``stride(-2) =
 Tried for the FP8 cache (the p.v dot reduces over L, and ``ldmatrix.trans`` cannot transpose 8-bit
 tiles): on the H200 the strided column loads cost far more than they save (FP8 80 us vs 27 us per
 call at the 8B shape, ``bench_attention.py --space layouts``), so the engine does not use it.
-What it uses instead for an FP8 cache: V in (D, T) tiles, a 5-D ``(B, H_kv, L / T, D, T)`` tensor
-(:mod:`~lumenrl_backends.engines.kv_cache`): within a tile the columns are contiguous, so the p.v
-operand is K-major (what the MMA's B operand wants, no 8-bit transpose) and each tile is one
-contiguous 8 KB (FP8, T = 64) or 16 KB read. ``block_n`` must divide T. Session 8 (H200, 8B shape,
-batch 64): FP8 23.0 us per call by rows, 20.8 us in 128-column tiles (``--space structure``).
+What does pay in the kernel: V in (D, T) tiles, a 5-D ``(B, H_kv, L / T, D, T)`` tensor (the engine's
+opt-in ``kv_v_tiles``, :mod:`~lumenrl_backends.engines.kv_cache`): within a tile the columns are
+contiguous, so the p.v operand is K-major (what the MMA's B operand wants, no 8-bit transpose) and
+each tile is one contiguous 8 KB (FP8, T = 64) or 16 KB read. ``block_n`` must divide T. Session 8
+(H200, 8B shape, batch 64): FP8 23.0 us per call by rows, 20.8 us in 128-column tiles (``--space
+structure``); whole engine steps measured the same, since the decode write then scatters.
 Exposed as the custom op ``lumenrl::gqa_decode_attention`` (opaque to ``torch.compile``, safe
 inside CUDA-graph capture: no host sync, buffers from the caching allocator). Works in Triton's
 interpreter on CPU too (``TRITON_INTERPRET=1``), which the CPU tests use.
