@@ -194,6 +194,9 @@ class _SlotLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self._owner.max_len
 
+    def get_max_cache_shape(self) -> int:  # transformers < 5.11 names get_max_length so (abstract there)
+        return self._owner.max_len
+
     def reset(self) -> None:
         if self.is_initialized:
             self.keys.zero_()

@@ -295,6 +295,9 @@ class TrainerConfig:
     warm_start_sft_lr: float = field(default=3e-3, metadata={"gt": 0})  # constant lr of the warm-start SFT
     warm_start_sft_batch_size: int = field(default=64, metadata={"ge": 1})  # examples per SFT step
     cpu_threads: int = field(default=0, metadata={"ge": 0})  # torch intra-op threads when on CPU; 0 = torch default
+    # output_dir holding another config's run (its config.yaml differs): refused unless true, which first
+    # removes that run's outputs (the same config: resumed with checkpointing.resume=true, else replaced)
+    overwrite: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
