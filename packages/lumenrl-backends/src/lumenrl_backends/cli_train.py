@@ -37,7 +37,11 @@ def plan_from_args(config: str | None, overrides: Sequence[str]) -> Any:
     from lumenrl_core.config import ConfigError, load_config
 
     try:
-        return plan_run(load_config(config, list(overrides)))
+        cfg = load_config(config, list(overrides))
+    except ConfigError as exc:  # one line per problem
+        raise CLIError(str(exc)) from None
+    try:
+        return plan_run(cfg)
     except (ConfigError, AssemblyError, FileNotFoundError) as exc:
         raise CLIError(one_line(exc)) from None
 
