@@ -180,4 +180,8 @@ MACHINE_CHECKS = (_models, _device)
 def semantic_errors(cfg: RunConfig, source: Source, *, machine: bool = True) -> list[ConfigError]:
     """Every semantic problem of ``cfg`` (``source(key)``: where a key was set); machine checks optional."""
     checks = MEANING_CHECKS + (MACHINE_CHECKS if machine else ())
-    return [e for check in checks for e in check(cfg, source)]
+    out: dict[str | None, ConfigError] = {}
+    for check in checks:
+        for err in check(cfg, source):
+            out.setdefault(err.key, err)  # one line per key (temperature=inf: the first reason)
+    return list(out.values())
