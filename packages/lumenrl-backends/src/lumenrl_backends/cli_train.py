@@ -48,6 +48,12 @@ def plan_from_args(config: str | None, overrides: Sequence[str]) -> Any:
 
 def run_train(args: argparse.Namespace) -> int:
     plan = plan_from_args(args.config, args.overrides)
+    from lumenrl_backends.cli import CLIError
+    from lumenrl_backends.training.nonfinite import NonFiniteError
+
     trainer = plan.trainer_cls.from_plan(plan)
-    trainer.fit()
+    try:
+        trainer.fit()
+    except NonFiniteError as exc:  # a streak of skipped steps, or non-finite weights at a save: one line
+        raise CLIError(f"training stopped: {exc}") from None
     return 0
