@@ -147,14 +147,10 @@ def _norm_quant_pays(compile: str, device: torch.device) -> bool:
 class NativeEngine:
     """Embedded rollout engine over an HF causal LM (see module docstring)."""
 
+    kv_scale_recalibration = True  # from_config: quantization.rollout.kv_scale_recalibration
     capabilities = frozenset(
         {
-            "logprobs",
-            "interrupt_resume",
-            "weight_update",
-            "continuous_batching",
-            "fp8_weights",
-            "mx_weights",
+            "logprobs", "interrupt_resume", "weight_update", "continuous_batching", "fp8_weights", "mx_weights",
             "fp8_kv_cache",
         }
     )
@@ -284,7 +280,7 @@ class NativeEngine:
             overlap_sync=rollout.overlap_sync,
             fuse_fp8_mlp=rollout_quant.fuse_mlp,
         )
-        engine.kv_scale_recalibration = rollout_quant.kv_scale_recalibration  # false: keep the first scales
+        engine.kv_scale_recalibration = rollout_quant.kv_scale_recalibration
         return engine
 
     # ------------------------------------------------------------------ control
@@ -306,8 +302,8 @@ class NativeEngine:
         """Copy weights into the engine model in place (no reallocation); returns tensors copied."""
         count = copy_weights_(self.model, named_tensors)  # requantizes quantized linears in place
         self.weight_version = int(version)
-        # FP8 KV scales follow the new policy (unless quantization.rollout.kv_scale_recalibration=false)
-        self.cache.recalibrate = self.cache.kv_dtype is not None and getattr(self, "kv_scale_recalibration", True)
+        # FP8 KV scales follow the new policy unless quantization.rollout.kv_scale_recalibration=false
+        self.cache.recalibrate = self.cache.kv_dtype is not None and self.kv_scale_recalibration
         return count
 
     # ------------------------------------------------------------------ generation

@@ -56,7 +56,7 @@ from lumenrl_backends.training.modeling import (
     response_logits,
     token_log_probs,
 )
-from lumenrl_backends.training.nonfinite import NonFiniteError, NonFiniteGuard, first_nonfinite
+from lumenrl_backends.training.nonfinite import NonFiniteGuard, refuse_nonfinite
 from lumenrl_backends.training.packing import (
     PackPlan,
     TrimPlan,
@@ -402,9 +402,8 @@ class FSDP2Backend:
         collected = dist_utils.as_floats(collected)  # the step's only device->host copy of metrics
         flags = collected.pop(f"{self.prefix}/skipped_steps", [])
         guard = self.nonfinite.observe(flags)  # raises NonFiniteError after too many skips in a row
-        skipped = [v for v in flags if v]
-        if skipped:  # the key is there only when some step was skipped (non-finite grad norm)
-            collected[f"{self.prefix}/skipped_steps"] = skipped
+        if any(flags):  # the key is there only when some step was skipped (non-finite loss or grad norm)
+            collected[f"{self.prefix}/skipped_steps"] = [v for v in flags if v]
         metrics = dist_utils.all_reduce_mean_dict(
             {k: sum(v) / len(v) for k, v in collected.items() if k != f"{self.prefix}/lr"}, self.device
         )
@@ -462,8 +461,7 @@ class FSDP2Backend:
         if self.single is not None:  # bf16 module grads -> fp32 master grads (two foreach launches)
             self.single.accumulate_grads()
 
-    def _clip_and_step(self, optimizer, scheduler, collected: dict[str, list[float]], prefix: str,
-                       loss: Any = 0.0) -> None:
+    def _clip_and_step(self, optimizer, scheduler, collected: dict, prefix: str, loss: Any = 0.0) -> None:
         """Clip and step; a non-finite grad norm or ``loss`` skips the step (weights and moments untouched)."""
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
         if self.single is not None and optimizer.defaults.get("fused"):  # clip inside fused AdamW, no sync
@@ -565,11 +563,8 @@ class FSDP2Backend:
             self.weights_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
 
-    def _check_finite(self, what: str) -> None:
-        """Refuse (NonFiniteError, on every rank) to write weights holding NaN/inf. Collective."""
-        bad = first_nonfinite(self.weights_module.state_dict().items())
-        if dist_utils.all_reduce_sum(float(bad is not None), self.device) > 0:
-            raise NonFiniteError(f"refusing to write {what}: weight {bad or '(on another rank)'} is not finite")
+    def _check_finite(self, what: str) -> None:  # collective: every rank refuses together
+        refuse_nonfinite(self.weights_module.state_dict().items(), what, self.device)
 
     def save_hf(self, path: str, tokenizer: Any = None) -> None:
         """``save_pretrained`` of the full model into ``path`` (rank 0 writes). Collective.

@@ -15,7 +15,9 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["NonFiniteError", "NonFiniteGuard", "first_nonfinite"]
+from lumenrl_backends.training import distributed as dist_utils
+
+__all__ = ["NonFiniteError", "NonFiniteGuard", "first_nonfinite", "refuse_nonfinite"]
 
 
 class NonFiniteError(RuntimeError):
@@ -55,3 +57,10 @@ def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
         if local.is_floating_point() and not bool(torch.isfinite(local).all()):
             return name
     return None
+
+
+def refuse_nonfinite(named: Iterable[tuple[str, torch.Tensor]], what: str, device: torch.device) -> None:
+    """Raise :class:`NonFiniteError` on every rank if any rank holds a NaN/inf weight. Collective."""
+    bad = first_nonfinite(named)
+    if dist_utils.all_reduce_sum(float(bad is not None), device) > 0:
+        raise NonFiniteError(f"refusing to write {what}: weight {bad or '(on another rank)'} is not finite")
