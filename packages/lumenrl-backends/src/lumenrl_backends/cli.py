@@ -192,7 +192,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except errors as exc:
         message = str(exc).strip() or type(exc).__name__
-        for line in message.splitlines():  # several config problems: one line each
+        lines = message.splitlines()
+        if not all(line.startswith("config") for line in lines):  # e.g. an assembly list: one message
+            lines = [message]
+        for line in lines:  # several config problems: one line each
             print(f"lumenrl {args.command}: error: {line}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `lumenrl plugins | head`
