@@ -384,9 +384,11 @@ def test_config_is_moe_and_names(tmp_path, monkeypatch):
     is_moe, how = is_moe_model(str(tmp_path))
     assert is_moe is None and how.startswith(f"cannot read {tmp_path / 'config.json'}")
     assert model_type_of(str(tmp_path)) is None
-    built = tmp_path / "cache" / "tiny-custom"  # a materialised built-in: its config.json decides
+    built = tmp_path / "cache" / "tiny-custom" / "0123abcd"  # a materialised built-in (<name>/<key>/): its config decides
     built.mkdir(parents=True)
     (built / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4}))
+    assert is_moe_model("lumenrl:tiny-custom")[0] is not True  # no manifest: an unfinished build is not read
+    (built / "lumenrl-build.json").write_text(json.dumps({"key": "0123abcd"}))
     assert is_moe_model("lumenrl:tiny-custom")[0] is True
     assert model_type_of("lumenrl:tiny-custom") == "qwen3_moe"  # from the cached config.json
     assert model_type_of("lumenrl:tiny-glm4_moe") == "glm4_moe" and model_type_of("org/unknown") is None
