@@ -90,8 +90,10 @@ def check_run_dir(output_dir: str | os.PathLike[str], config: Any) -> None:
         return  # continue it
     if not same and not config.trainer.overwrite:
         raise ConfigError(
-            f"trainer.output_dir={str(out)!r} holds another config's run (its config.yaml differs); allowed: "
-            "a new output_dir, or trainer.overwrite=true (removes the old run's outputs first)"
+            "trainer.output_dir",
+            str(out),
+            problem="holds another config's run (its config.yaml differs)",
+            allowed="a new output_dir, or trainer.overwrite=true (removes the old run's outputs first)",
         )
     for name in RUN_OUTPUTS:  # overwrite, or the same config started again: the new run replaces the old
         path = out / name
