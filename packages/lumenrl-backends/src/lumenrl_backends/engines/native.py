@@ -109,6 +109,8 @@ from lumenrl_backends.engines.slots import SlotState, batch_buckets
 from lumenrl_backends.engines.triton_attention import kernel_agrees
 from lumenrl_backends.engines.triton_sampling import fused_sample, fused_sampler_agrees
 from lumenrl_backends.engines.weights import copy_weights_
+from lumenrl_backends.exact import ATTN_NAME, enable_exact, exact_token_log_probs
+from lumenrl_backends.exact.patch import check_engine_settings
 
 __all__ = ["NativeEngine", "sliding_window_of"]
 
@@ -183,6 +185,7 @@ class NativeEngine:
         fp8_norm_quant: bool = True,
         fused_qk_rope: bool = True,
         kv_v_tiles: bool = False,
+        exact_logprobs: bool = False,
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
@@ -194,6 +197,11 @@ class NativeEngine:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 2 (one prompt token + one new token)")
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
+        self.exact = exact_logprobs  # batch-invariant operators (lumenrl_backends.exact); fusions off
+        if exact_logprobs:
+            check_engine_settings(quant_scheme, kv_cache_dtype, compile)
+            fuse_projections = False  # the HF modules as the trainer runs them
+            enable_exact(self.model)
         self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
         # one q/k/v and one gate/up GEMM per layer; parameters become views of the fused storage
         self.fusion_report = fuse_model_projections(self.model, fp8_mlp=fuse_fp8_mlp,
@@ -223,6 +231,7 @@ class NativeEngine:
         self.pad_token_id = pad_token_id(tokenizer, self.eos_token_ids)
         self.window, self._mixed_layers = sliding_window_of(model.config)
         self._attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        self._attn = "sdpa" if self._attn == ATTN_NAME else self._attn  # its masks: sdpa's boolean ones
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
@@ -283,6 +292,7 @@ class NativeEngine:
             fuse_projections=rollout.fuse_projections,
             overlap_sync=rollout.overlap_sync,
             fuse_fp8_mlp=rollout_quant.fuse_mlp,
+            exact_logprobs=rollout.exact_logprobs,
         )
 
     # ------------------------------------------------------------------ control
@@ -400,6 +410,12 @@ class NativeEngine:
         return "restrict" if params.top_k > 0 or params.top_p < 1.0 else "plain"
 
     def _sample(self, logits: torch.Tensor, rows: torch.Tensor | slice, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, log_probs = self._sample_any(logits, rows, mode)
+        if self.exact:  # the trainer's batch-invariant log-softmax (greedy rows: temperature 1)
+            log_probs = exact_token_log_probs(logits, tokens, self.slots.temperature[rows])
+        return tokens, log_probs
+
+    def _sample_any(self, logits: torch.Tensor, rows: torch.Tensor | slice, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.slots
         if mode != "restrict" and self._fused_sampling_ok():
             try:

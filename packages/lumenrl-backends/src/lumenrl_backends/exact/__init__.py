@@ -1,0 +1,9 @@
+"""Bitwise on-policy mode (``policy.rollout.exact_logprobs``): batch-invariant operators shared by
+the native engine and the training backend; see :mod:`~lumenrl_backends.exact.ops`."""
+
+from lumenrl_backends.exact.attention import ATTN_NAME, exact_attention
+from lumenrl_backends.exact.ops import exact_linear, exact_rms_norm, exact_token_log_probs
+from lumenrl_backends.exact.patch import enable_exact, is_exact
+
+__all__ = ["ATTN_NAME", "enable_exact", "exact_attention", "exact_linear", "exact_rms_norm",
+           "exact_token_log_probs", "is_exact"]
