@@ -188,7 +188,7 @@ class RLTrainer:
         return self.parts.evaluator is not None and (last or (every > 0 and step % every == 0))
 
     def _record(self, metrics: Mapping[str, float], step: int) -> None:
-        for key in ("reward/mean", "eval/accuracy"):
+        for key in ("reward/mean", "eval/accuracy", "actor/logprob_max_abs_diff"):
             if key in metrics:
                 self.history.setdefault(key, []).append(float(metrics[key]))
         for logger in self.parts.loggers:
