@@ -27,6 +27,7 @@ Attention (keys in rank order) is in :mod:`~lumenrl_backends.exact.attention`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -42,11 +43,13 @@ __all__ = [
 
 _PIECE = 32768  # elements per CPU call of an elementwise op: below torch's parallel grain (one thread)
 _ALIGN = 64  # a multiple of every SIMD loop step (2 vectors of up to 16 floats, doubled)
-_CPU_CHUNK = 1 << 22  # float32 elements of the (rows, N, K) product per CPU linear chunk
+_CPU_CHUNK = 1 << 22
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does  # float32 elements of the (rows, N, K) product per CPU linear chunk
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    if not t.is_cuda:
+    """CUDA tensors, or any tensor under ``TRITON_INTERPRET=1`` (the CPU tests of the kernels)."""
+    if not (t.is_cuda or _INTERPRETED):
         return False
     from lumenrl_backends.exact import triton_ops
 
