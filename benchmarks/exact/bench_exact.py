@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import statistics
 import sys
 import tempfile

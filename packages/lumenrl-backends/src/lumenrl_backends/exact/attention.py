@@ -75,14 +75,14 @@ def _attention_cpu(q, k, v, start, count, scale: float) -> torch.Tensor:
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = vector_safe(torch.exp, s - m)  # masked: exactly 0
     vt = vv.transpose(-1, -2)  # (B, Hkv, Lq, Dv, NK)
-    l = acc = None
+    total = acc = None
     for j in range(nb):
         blk = slice(j * BLOCK_KEYS, (j + 1) * BLOCK_KEYS)
         pb = p[..., blk].contiguous()  # (B, Hkv, G, Lq, BK)
         lb = pb.sum(-1)
         ab = (pb[..., None, :] * vt[:, :, None, :, :, blk]).sum(-1)  # (B, Hkv, G, Lq, Dv)
-        l, acc = (lb, ab) if l is None else (l + lb, acc + ab)
-    out = acc / torch.where(l > 0, l, torch.ones_like(l))[..., None]
+        total, acc = (lb, ab) if total is None else (total + lb, acc + ab)
+    out = acc / torch.where(total > 0, total, torch.ones_like(total))[..., None]
     return out.reshape(B, H, Lq, Dv).to(q.dtype)
 
 

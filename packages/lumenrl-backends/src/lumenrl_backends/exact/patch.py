@@ -55,8 +55,24 @@ def model_type_of(model: nn.Module) -> str:
     return str(getattr(config, "model_type", type(model).__name__))
 
 
-def enable_exact(model: nn.Module) -> nn.Module:
-    """Rebind ``model``'s operators to the batch-invariant ones (idempotent); returns ``model``."""
+def enable_exact(
+    model: nn.Module,
+    engine_settings: tuple[Any, Any, str] | None = None,
+    trainer_settings: tuple[Any, Any] | None = None,
+) -> nn.Module:
+    """Rebind ``model``'s operators to the batch-invariant ones (idempotent); returns ``model``.
+    Checked first: ``engine_settings``, the native engine's (quant_scheme, kv_cache_dtype, compile);
+    ``trainer_settings``, the training backend's (FP8 report, compile_layers)."""
+    if engine_settings is not None:
+        check_engine_settings(*engine_settings)
+    if trainer_settings is not None:
+        fp8_report, compile_layers = trainer_settings
+        if fp8_report is not None:
+            raise ValueError("policy.rollout.exact_logprobs=true needs full-precision training linears; "
+                             "quantization.training FP8/MX GEMMs are not batch invariant")
+        if compile_layers:
+            raise ValueError("policy.train.compile_layers cannot be combined with policy.rollout.exact_logprobs=true "
+                             "(the batch-invariant kernels run eagerly)")
     family = model_type_of(model)
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(

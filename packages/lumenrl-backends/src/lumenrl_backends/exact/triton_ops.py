@@ -104,7 +104,7 @@ if AVAILABLE:
         return m_new, l_i, acc
 
     @triton.jit
-    def _attn_kernel(Q, K, V, O, START, COUNT, Lq, scale,
+    def _attn_kernel(Q, K, V, OUT, START, COUNT, Lq, scale,
                      s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_ob, s_ol, s_oh,
                      G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                      BLOCK_N: tl.constexpr, MAX_KEYS: tl.constexpr):
@@ -135,8 +135,8 @@ if AVAILABLE:
             for r0 in range(0, count, BLOCK_N):
                 m_i, l_i, acc = _attn_block(qt, kbase, vbase, r0, n, d, dv, start, count, s_kl, s_vl, scale, m_i, l_i, acc)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(O + b * s_ob + q * s_ol + heads[:, None].to(tl.int64) * s_oh + dv[None, :],
-                 out.to(O.dtype.element_ty), mask=g[:, None] < G)
+        tl.store(OUT + b * s_ob + q * s_ol + heads[:, None].to(tl.int64) * s_oh + dv[None, :],
+                 out.to(OUT.dtype.element_ty), mask=g[:, None] < G)
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

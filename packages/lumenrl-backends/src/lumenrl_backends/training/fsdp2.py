@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from functools import partial
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lumenrl_backends.controllers.dispatch import DISPATCH_DP_SIZE_KEY
-from lumenrl_backends.exact import enable_exact, exact_token_log_probs
+from lumenrl_backends.exact import enable_exact
 from lumenrl_backends.training import checkpoint as ckpt
 from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training.batching import (
@@ -92,14 +91,6 @@ def optimizer_steps_per_training_step(cfg: Any) -> int:
     return train.ppo_epochs * math.ceil(rows / mini)
 
 
-def _exact_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool):
-    """Exact mode: the engine's batch-invariant log-softmax; the entropy (a metric/bonus, not compared)
-    by the plain formula."""
-    log_probs = exact_token_log_probs(logits, tokens, temperature)
-    entropy = token_log_probs(logits, tokens, temperature, True)[1] if with_entropy else None
-    return log_probs, entropy
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -144,14 +135,11 @@ class FSDP2Backend:
         if self.is_critic and not isinstance(model, CriticModel):
             model = CriticModel(model)
         self.hf_config = model.config
-        # bitwise on-policy mode: the engine's batch-invariant operators (lumenrl_backends.exact), actor only
-        self.exact = exact_logprobs and role == "actor"
+        self.exact = exact_logprobs and role == "actor"  # bitwise on-policy mode (lumenrl_backends.exact)
         self.fp8_report = apply_fp8(model, fp8)
-        if self.exact:
-            if self.fp8_report is not None:
-                raise ValueError("policy.rollout.exact_logprobs=true needs full-precision training linears; "
-                                 "quantization.training FP8 is not batch invariant")
-            enable_exact(model)
+        if self.exact:  # the engine's batch-invariant operators; refuses FP8 linears and compiled layers
+            enable_exact(model, trainer_settings=(self.fp8_report, train.compile_layers if compile_layers is None
+                                                  else compile_layers))
         if train.gradient_checkpointing and role != "ref":
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
@@ -166,9 +154,6 @@ class FSDP2Backend:
         self._logprob_backend = None  # torch.compile backend of the fused log-prob kernels
         if compile_layers is None:
             compile_layers = train.compile_layers
-        if compile_layers and self.exact:
-            raise ValueError("policy.train.compile_layers cannot be combined with policy.rollout.exact_logprobs=true "
-                             "(the batch-invariant kernels run eagerly)")
         if compile_layers:
             compile_decoder_layers(self.model, compile_layers)
             self._logprob_backend = "inductor" if compile_layers is True else str(compile_layers)
@@ -305,10 +290,9 @@ class FSDP2Backend:
             values = self.model(**model_in)  # (b, P+T)
             return values[:, -T - 1 : -1], None
         logits = response_logits(self.model, **model_in, response_len=T)  # (b, T, V)
-        if self.exact:
-            return _exact_log_probs(logits, inputs["responses"], temperature, with_entropy)
         return token_log_probs(
-            logits, inputs["responses"], temperature, with_entropy, compile_backend=self._logprob_backend
+            logits, inputs["responses"], temperature, with_entropy, compile_backend=self._logprob_backend,
+            exact=self.exact,
         )
 
     def _forward_packed(self, plan: PackPlan, inputs: Mapping[str, torch.Tensor], temperature, with_entropy):
@@ -323,8 +307,10 @@ class FSDP2Backend:
         )
         logits = out.logits[plan.pred_row, plan.pred_k]  # (N, V): only the predicting positions
         tokens = inputs["responses"][plan.out_row, plan.out_col]  # (N,)
-        log_probs, entropy = (_exact_log_probs if self.exact else partial(
-            token_log_probs, compile_backend=self._logprob_backend))(logits[None], tokens[None], temperature, with_entropy)
+        log_probs, entropy = token_log_probs(
+            logits[None], tokens[None], temperature, with_entropy, compile_backend=self._logprob_backend,
+            exact=self.exact,
+        )
         first = unpack_tokens(plan, log_probs[0], shape)
         return first, (unpack_tokens(plan, entropy[0], shape) if entropy is not None else None)
 
