@@ -42,8 +42,16 @@ if AVAILABLE:
 
     @triton.jit
     def _matmul_kernel(A, B, C, BIAS, M, N, K: tl.constexpr, s_am, s_bn, s_cm, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        # grouped tile order (L2 reuse of A and B across neighbouring programs); the arithmetic of a tile
+        # does not depend on which program computes it
+        pid = tl.program_id(0)
+        num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        group = GROUP_M * num_n
+        first_m = (pid // group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % group) % size_m
+        pid_n = (pid % group) // size_m
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -145,10 +153,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     N = w.shape[0]
     w = w if w.stride(-1) == 1 else w.contiguous()
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, MM_BLOCK_M), triton.cdiv(N, MM_BLOCK_N))
+    grid = (triton.cdiv(M, MM_BLOCK_M) * triton.cdiv(N, MM_BLOCK_N),)
     _matmul_kernel[grid](x, w, out, bias if bias is not None else out, M, N, K, x.stride(0), w.stride(0),
                          out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=MM_BLOCK_M, BLOCK_N=MM_BLOCK_N,
-                         BLOCK_K=MM_BLOCK_K, num_warps=MM_WARPS, num_stages=MM_STAGES)
+                         BLOCK_K=MM_BLOCK_K, GROUP_M=8, num_warps=MM_WARPS, num_stages=MM_STAGES)
     return out
 
 
