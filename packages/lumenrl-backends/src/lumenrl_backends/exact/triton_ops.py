@@ -207,7 +207,9 @@ def _attention_forward(q, k, v, start, count, scale: float) -> torch.Tensor:
 def _dense_mask(start: torch.Tensor, count: torch.Tensor, kv_len: int) -> torch.Tensor:
     cols = torch.arange(kv_len, device=start.device)
     rel = cols - start[..., None].long()
-    return ((rel >= 0) & (rel < count[..., None].long()))[:, None]  # (B, 1, Lq, Lk)
+    allowed = (rel >= 0) & (rel < count[..., None].long())
+    allowed |= (count[..., None] == 0) & (cols == 0)  # a query that sees nothing (padding): finite gradients
+    return allowed[:, None]  # (B, 1, Lq, Lk)
 
 
 class _Attention(torch.autograd.Function):
