@@ -146,3 +146,23 @@ def test_config_refuses_low_precision_and_compile():
             load_config(None, [on, bad])
     with pytest.raises(ConfigError):
         load_config(None, ["policy.rollout.exact_logprobs_check=sometimes"])
+
+
+def test_nonzero_difference_raises_warns_or_passes_per_check_setting():
+    from types import SimpleNamespace
+
+    from lumenrl_backends.trainers.loop import _mismatch_metrics, check_exact
+
+    mask = torch.tensor([[1, 1, 0]])
+    batch = DataProto.from_dict(tensors={"response_mask": mask, "old_log_probs": torch.tensor([[-1.0, -2.0, -9.0]]),
+                                         "rollout_log_probs": torch.tensor([[-1.0, -2.5, 0.0]])})
+    metrics = _mismatch_metrics(batch)
+    assert metrics["actor/logprob_max_abs_diff"] == 0.5  # the padded position does not count
+    rollout = lambda check, on=True: SimpleNamespace(exact_logprobs=on, exact_logprobs_check=check)  # noqa: E731
+    with pytest.raises(RuntimeError, match="differ"):
+        check_exact(metrics, rollout("error"), step=3)
+    with pytest.warns(UserWarning, match="differ"):
+        check_exact(metrics, rollout("warn"), step=3)
+    check_exact(metrics, rollout("off"), step=3)
+    check_exact(metrics, rollout("error", on=False), step=3)  # the default mode only reports
+    check_exact({"actor/logprob_max_abs_diff": 0.0}, rollout("error"), step=3)
