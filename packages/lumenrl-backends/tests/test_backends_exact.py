@@ -141,7 +141,8 @@ def test_config_refuses_low_precision_and_compile():
     on = "policy.rollout.exact_logprobs=true"
     assert load_config(None, [on]).policy.rollout.exact_logprobs
     for bad in ("quantization.rollout.precision=fp8", "quantization.rollout.kv_cache_dtype=fp8",
-                "policy.rollout.compile=full", "quantization.training.precision=fp8"):
+                "policy.rollout.compile=full", "quantization.training.precision=fp8", "policy.dtype=float16",
+                "policy.rollout_engine=hf"):
         with pytest.raises(ConfigError, match="exact_logprobs"):
             load_config(None, [on, bad])
     with pytest.raises(ConfigError):

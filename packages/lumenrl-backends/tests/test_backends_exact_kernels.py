@@ -122,3 +122,4 @@ def test_cuda_engine_log_probs_equal_training_bitwise_bf16(family, tmp_path):
         log_probs, _ = backend.compute_log_probs(out, temperature=1.0)
         mask = out.batch["response_mask"].bool()
         assert torch.equal(log_probs.cpu()[mask], out.batch["rollout_log_probs"][mask]), rows
+    assert engine.graphs.error is None  # the decode steps ran as captured CUDA graphs

@@ -186,6 +186,10 @@ def _check_exact_logprobs(cfg: s.RunConfig, key: str, source: Callable[[str], st
         (rollout.compile != "none", f"policy.rollout.compile={rollout.compile!r}: the batch-invariant kernels run eagerly"),
         (bool(cfg.policy.train.compile_layers), "policy.train.compile_layers: the batch-invariant kernels run eagerly"),
         (cfg.policy.rollout_engine != "native", f"policy.rollout_engine={cfg.policy.rollout_engine!r}: only 'native' runs the trainer's kernels"),
+        ((cfg.policy.dtype, cfg.policy.train.mixed_precision) in (("float16", "auto"), ("float16", "bf16"), ("float16", "fp32"),
+                                                                  ("float32", "bf16"), ("bfloat16", "fp32")),
+         f"policy.dtype={cfg.policy.dtype!r} and policy.train.mixed_precision={cfg.policy.train.mixed_precision!r}: "
+         "the engine would compute in another dtype than the trainer"),
     ]
     for bad, why in problems:
         if bad:
