@@ -29,6 +29,7 @@ never skipped for ``is_causal``). A missing mask means causal with the queries a
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -41,8 +42,25 @@ ATTN_NAME = "lumenrl_exact"
 BLOCK_KEYS = 16
 
 
+_LOCAL = threading.local()  # per thread (engine and trainer may run at once): (mask, its version, runs)
+
+
 def key_runs(mask: torch.Tensor | None, q_len: int, kv_len: int, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(start, count) (B, Lq) int32: first allowed key column and number of allowed keys per query."""
+    """(start, count) (B, Lq) int32: first allowed key column and number of allowed keys per query.
+
+    Computed once per mask: the layers of one forward share the mask tensor, so the result is kept for
+    the same object at the same version (an in-place change of the mask recomputes; a CUDA graph
+    records the computation at its first layer and replays it)."""
+    last = getattr(_LOCAL, "runs", None)
+    if mask is not None and last is not None and last[0] is mask and last[1] == mask._version:
+        return last[2]
+    runs = _key_runs(mask, q_len, kv_len, batch, device)
+    if mask is not None:
+        _LOCAL.runs = (mask, mask._version, runs)
+    return runs
+
+
+def _key_runs(mask: torch.Tensor | None, q_len: int, kv_len: int, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     if mask is None:
         q = torch.arange(q_len, device=device)
         count = (kv_len - q_len + q + 1).to(torch.int32)
