@@ -21,7 +21,7 @@ from torch import nn
 from lumenrl_backends.exact.attention import ATTN_NAME, register
 from lumenrl_backends.exact.ops import exact_linear, exact_rms_norm, exact_silu, vector_safe
 
-__all__ = ["SUPPORTED_FAMILIES", "check_engine_settings", "enable_exact", "is_exact"]
+__all__ = ["SUPPORTED_FAMILIES", "check_engine_settings", "enable_exact", "exact_actor", "is_exact"]
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 _NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
@@ -126,3 +126,11 @@ def check_engine_settings(quant_scheme: Any, kv_cache_dtype: Any, compile: str) 
     if compile != "none":
         raise ValueError(f"exact_logprobs=True runs the batch-invariant kernels eagerly; compile={compile!r} is not "
                          "supported (use 'none'; CUDA graphs stay on)")
+
+
+def exact_actor(model: nn.Module, enabled: bool, fp8_report: Any, compile_layers: Any) -> bool:
+    """The training backend's switch: ``enabled`` (exact mode and the actor role) rebinds ``model`` to the
+    engine's batch-invariant operators, refusing FP8/MX training linears and compiled layers; returns it."""
+    if enabled:
+        enable_exact(model, trainer_settings=(fp8_report, compile_layers))
+    return enabled

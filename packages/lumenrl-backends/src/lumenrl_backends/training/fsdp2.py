@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lumenrl_backends.controllers.dispatch import DISPATCH_DP_SIZE_KEY
-from lumenrl_backends.exact import enable_exact
+from lumenrl_backends.exact import EXACT_BACKEND, exact_actor
 from lumenrl_backends.training import checkpoint as ckpt
 from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training.batching import (
@@ -122,8 +122,7 @@ class FSDP2Backend:
         optimizer_steps_per_training_step: int = 1,
         packing: str | None = None,
         compile_layers: bool | str | None = None,
-        single_device: str | None = None,
-        exact_logprobs: bool = False,
+        single_device: str | None = None, exact_logprobs: bool = False,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -137,11 +136,9 @@ class FSDP2Backend:
         if self.is_critic and not isinstance(model, CriticModel):
             model = CriticModel(model)
         self.hf_config = model.config
-        self.exact = exact_logprobs and role == "actor"  # bitwise on-policy mode (lumenrl_backends.exact)
         self.fp8_report = apply_fp8(model, fp8)
-        if self.exact:  # the engine's batch-invariant operators; refuses FP8 linears and compiled layers
-            enable_exact(model, trainer_settings=(self.fp8_report, train.compile_layers if compile_layers is None
-                                                  else compile_layers))
+        compile_layers = train.compile_layers if compile_layers is None else compile_layers
+        self.exact = exact_actor(model, exact_logprobs and role == "actor", self.fp8_report, compile_layers)
         if train.gradient_checkpointing and role != "ref":
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
@@ -153,9 +150,7 @@ class FSDP2Backend:
             self.model = shard(model, mixed_precision(train.mixed_precision, self.device))
         self.packing = check_packing_mode(packing if packing is not None else train.packing)
         self._pack_align = 64 if self.device.type == "cuda" else 8
-        self._logprob_backend = None  # torch.compile backend of the fused log-prob kernels
-        if compile_layers is None:
-            compile_layers = train.compile_layers
+        self._logprob_backend = EXACT_BACKEND if self.exact else None  # exact log-softmax or torch.compile
         if compile_layers:
             compile_decoder_layers(self.model, compile_layers)
             self._logprob_backend = "inductor" if compile_layers is True else str(compile_layers)
@@ -194,8 +189,7 @@ class FSDP2Backend:
             value_head=role == "critic",
             fp8=cfg.quantization.training if role == "actor" else None,
             optimizer_steps_per_training_step=optimizer_steps_per_training_step(cfg),
-            exact_logprobs=cfg.policy.rollout.exact_logprobs,
-        )
+            exact_logprobs=cfg.policy.rollout.exact_logprobs)
 
     def _use_single_device(self, mode: str) -> bool:
         """``auto``: one rank and no FP8 linears; ``on`` insists; ``off``: always ``fully_shard``."""
@@ -293,8 +287,7 @@ class FSDP2Backend:
             return values[:, -T - 1 : -1], None
         logits = response_logits(self.model, **model_in, response_len=T)  # (b, T, V)
         return token_log_probs(
-            logits, inputs["responses"], temperature, with_entropy, compile_backend=self._logprob_backend,
-            exact=self.exact,
+            logits, inputs["responses"], temperature, with_entropy, compile_backend=self._logprob_backend
         )
 
     def _forward_packed(self, plan: PackPlan, inputs: Mapping[str, torch.Tensor], temperature, with_entropy):
@@ -310,8 +303,7 @@ class FSDP2Backend:
         logits = out.logits[plan.pred_row, plan.pred_k]  # (N, V): only the predicting positions
         tokens = inputs["responses"][plan.out_row, plan.out_col]  # (N,)
         log_probs, entropy = token_log_probs(
-            logits[None], tokens[None], temperature, with_entropy, compile_backend=self._logprob_backend,
-            exact=self.exact,
+            logits[None], tokens[None], temperature, with_entropy, compile_backend=self._logprob_backend
         )
         first = unpack_tokens(plan, log_probs[0], shape)
         return first, (unpack_tokens(plan, entropy[0], shape) if entropy is not None else None)
