@@ -113,6 +113,10 @@ def read_history(path: Path = HISTORY) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _row(*cells: str) -> str:
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+
 def render_results(history: list[dict[str, Any]]) -> str:
     """RESULTS.md: one row per goal, from the latest history record of its entry."""
     latest: dict[str, dict[str, Any]] = {}
@@ -133,16 +137,15 @@ def render_results(history: list[dict[str, Any]]) -> str:
         if not entry.goal:
             continue
         rec = latest.get(entry.name)
+        target = f"{entry.metric} {entry.bound}"
         if rec is None:
-            lines.append(f"| {entry.goal} | `{entry.name}` | {entry.metric} {entry.bound} | not measured | | | | | |")
+            lines.append(_row(entry.goal, f"`{entry.name}`", target, "not measured", "", "", "", "", ""))
             continue
         value = rec["numbers"].get(entry.metric)
         met = entry.met(value)
-        lines.append(
-            f"| {entry.goal} | `{entry.name}` | {entry.metric} {entry.bound} | {_fmt(value)} | "
-            f"{'yes' if met else 'no' if met is False else '?'} | {rec['date'][:10]} | {rec['commit']} | "
-            f"{rec['hardware']} | `{rec['command']}` |"
-        )
+        lines.append(_row(entry.goal, f"`{entry.name}`", target, _fmt(value),
+                          "yes" if met else "no" if met is False else "?", rec["date"][:10], rec["commit"],
+                          rec["hardware"], f"`{rec['command']}`"))
     others = sorted({r["entry"] for r in history} - {e.name for e in ENTRIES if e.goal})
     if others:
         lines += ["", "Measurements without a goal (latest): " + ", ".join(

@@ -60,8 +60,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import benchmarks.gpu._common as C  # noqa: E402
 
 from lumenrl_backends.engines import NativeEngine  # noqa: E402
 from lumenrl_quant import get_quant_scheme  # noqa: E402

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import benchmarks.gpu._common as C  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TRL_BASELINE_S = 8.2  # issue 5: TRL 1.16 GRPOTrainer, no vLLM, 0.6B shape, 16 x 8 x 256, this H200

@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-from bench_grpo_step import add_workload_args, save_random_model  # noqa: E402
+import benchmarks.gpu._common as C  # noqa: E402
+from benchmarks.gpu.bench_grpo_step import add_workload_args, save_random_model  # noqa: E402
 
 
 def step_timer():

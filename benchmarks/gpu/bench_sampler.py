@@ -40,8 +40,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from benchmarks.gpu._common import (  # noqa: E402
     VOCAB,
     command_line,
     copy_bandwidth_gbs,

@@ -47,8 +47,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OUT_DIR, command_line, environment, print_table, write_json  # noqa: E402
+from benchmarks.gpu._common import OUT_DIR, command_line, environment, print_table, write_json  # noqa: E402
 
 from lumenrl_backends.training.fsdp2 import FSDP2Backend  # noqa: E402
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, TrainingQuantConfig  # noqa: E402

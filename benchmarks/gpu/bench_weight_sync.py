@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import StubTokenizer, command_line, copy_bandwidth_gbs, environment, print_table, write_json  # noqa: E402
+from benchmarks.gpu._common import StubTokenizer, command_line, copy_bandwidth_gbs, environment, print_table, write_json  # noqa: E402
 
 from lumenrl_async import FilesystemWeightSync  # noqa: E402
 from lumenrl_backends.engines import NativeEngine  # noqa: E402

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import device, sqnr, table, write_json  # noqa: E402
+from benchmarks.quant._common import device, sqnr, table, write_json  # noqa: E402
 
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
 from lumenrl_quant.gemm import emulated_scaled_mm, gemm_path, scaled_mm  # noqa: E402

@@ -32,8 +32,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import copies_for, table, time_graph_ms, write_json  # noqa: E402
+from benchmarks.quant._common import copies_for, table, time_graph_ms, write_json  # noqa: E402
 
 from lumenrl_quant import triton_gemm as tg  # noqa: E402
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402

@@ -37,8 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import copies_for, device, sqnr, table, time_graph_ms, write_json  # noqa: E402
+from benchmarks.quant._common import copies_for, device, sqnr, table, time_graph_ms, write_json  # noqa: E402
 
 from lumenrl_quant import QuantizedLinear  # noqa: E402
 from lumenrl_quant import triton_gemm as tg  # noqa: E402

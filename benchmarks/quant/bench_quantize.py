@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import device, table, time_graph_ms, time_ms, write_json  # noqa: E402
+from benchmarks.quant._common import device, table, time_graph_ms, time_ms, write_json  # noqa: E402
 
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
 from lumenrl_quant.mx import quantize_mx  # noqa: E402

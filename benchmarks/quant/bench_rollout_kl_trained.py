@@ -79,9 +79,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-import bench_fp8_rollout as R  # noqa: E402  (loads benchmarks/gpu/_common as ``_common``)
-from _common import StubTokenizer, command_line, environment, print_table, write_json  # noqa: E402
+import benchmarks.gpu.bench_fp8_rollout as R  # noqa: E402
+from benchmarks.gpu._common import StubTokenizer, command_line, environment, print_table, write_json  # noqa: E402
 
 from lumenrl_backends.engines import NativeEngine  # noqa: E402
 from lumenrl_quant import get_quant_scheme  # noqa: E402
