@@ -23,7 +23,7 @@ OUT_DIR = Path(os.environ.get("LUMENRL_BENCH_OUT") or RESULTS_DIR)  # the device
 
 __all__ = [
     "RESULTS_DIR", "SHAPES", "StubTokenizer", "environment", "qwen3_config", "random_model", "prompt_batch",
-    "copy_bandwidth_gbs", "decode_roofline", "write_json", "merge_summary", "print_table", "command_line",
+    "copy_bandwidth_gbs", "decode_roofline", "write_json", "print_table", "command_line",
 ]
 
 # hidden, intermediate, layers, heads, kv heads, head_dim, tied embeddings
@@ -148,18 +148,11 @@ def timed(fn: Any) -> tuple[Any, float]:
 
 
 def write_json(name: str, payload: dict[str, Any]) -> Path:
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    path = OUT_DIR / name
+    """Detail rows to ``$LUMENRL_BENCH_OUT/<name>`` (default ``benchmarks/results/``, git-ignored)."""
+    out_dir = Path(os.environ.get("LUMENRL_BENCH_OUT") or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
     path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
-    return path
-
-
-def merge_summary(entries: dict[str, dict[str, Any]], path: Path | None = None) -> Path:
-    """Merge ``{key: {"value": ..., "command": ...}}`` into gpu_summary.json (other keys kept)."""
-    path = path or RESULTS_DIR / "gpu_summary.json"
-    current = json.loads(path.read_text()) if path.exists() else {}
-    current.update(entries)
-    path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
     return path
 
 
@@ -287,10 +280,3 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
     sys.stdout.flush()
-
-
-if __name__ == "__main__":  # python benchmarks/gpu/_common.py merge results/a.json ...: headline keys -> gpu_summary
-    if len(sys.argv) > 2 and sys.argv[1] == "merge":
-        for name in sys.argv[2:]:
-            summary = json.loads(Path(name).read_text()).get("summary", {})
-            print(name, "->", merge_summary(summary), sorted(summary))

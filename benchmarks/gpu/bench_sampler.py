@@ -145,7 +145,7 @@ def bench_case(batch: int, vocab: int, mode: str, copies: int, sweep: bool, copy
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="16,64,256")
     parser.add_argument("--vocab", type=int, default=VOCAB)
@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time a few chunk/block_v/num_warps settings")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in Triton's CPU interpreter")
     parser.add_argument("--out", default="sampler.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:  # never overwrite a GPU result with interpreter timings
         args.batches, args.vocab = "2,5", 3000
         if args.out == "sampler.json":
@@ -170,10 +170,23 @@ def main() -> None:
     for row in rows:
         if row["variant"] in ("rowwise", "rowwise_kernel", "chunked") and "us" in row and row["mode"] == "plain":
             summary[f"sampler/{row['variant']}_b{row['batch']}_us"] = {"value": round(row["us"], 2), "command": command_line()}
-    write_json(args.out, {"command": command_line(), "environment": environment(), "copy_gbs": copy_gbs,
-                          "vocab": args.vocab, "rows": rows, "summary": summary})
+    payload = {"command": command_line(), "environment": environment(), "copy_gbs": copy_gbs,
+               "vocab": args.vocab, "rows": rows, "summary": summary}
+    write_json(args.out, payload)
     print_table(rows, ["batch", "mode", "variant", "chunk", "us", "gbs", "pct_copy", "token_mismatch_vs_torch",
                        "max_logprob_diff", "timing", "error"])
+    return payload
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: microseconds of the default sampler kernel (plain and greedy) at batch 64 (smoke: 5)."""
+    rows = main(["--smoke"] if smoke else ["--batches", "64"])["rows"]
+    errors = [r["error"] for r in rows if "error" in r]
+    if errors:
+        raise RuntimeError(f"sampler variants failed: {errors}")
+    batch = 5 if smoke else 64
+    us = {r["mode"]: r["us"] for r in rows if r["batch"] == batch and r["variant"] == "rowwise_kernel"}
+    return {"plain_us": us["plain"], "greedy_us": us["greedy"], "batch": batch}
 
 
 if __name__ == "__main__":

@@ -131,6 +131,15 @@ def run(smoke: bool = False) -> dict:
     return payload
 
 
+def bench(smoke: bool) -> dict:
+    """Suite entry: how many GPU-vs-CPU-emulation checks ran and how many disagreed (or raised)."""
+    rows = run(smoke)["rows"]
+    flags = ("q_identical", "scale_identical", "weights_identical")
+    bad = [r for r in rows if "error" in r or any(r.get(f) is False for f in flags)]
+    sqnrs = [r["sqnr_vs_float64_db"] for r in rows if isinstance(r.get("sqnr_vs_float64_db"), (int, float))]
+    return {"cases": len(rows), "disagreements": len(bad), "min_sqnr_vs_float64_db": min(sqnrs, default=float("nan"))}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")

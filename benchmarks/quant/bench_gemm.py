@@ -107,6 +107,13 @@ def run(smoke: bool = False) -> dict:
     return payload
 
 
+def bench(smoke: bool) -> dict:
+    """Suite entry: the best low-precision speedup over bf16 at the decode shapes (and where it is)."""
+    rows = [r for r in run(smoke)["decode"] if r.get("path", "bf16") != "bf16" and "speedup_vs_bf16" in r]
+    best = max(rows, key=lambda r: r["speedup_vs_bf16"])
+    return {"best_fp8_speedup": best["speedup_vs_bf16"], "best_path": f"{best['path']} M={best['M']} N={best['N']} K={best['K']}"}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
