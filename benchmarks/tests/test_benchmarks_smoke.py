@@ -1,0 +1,54 @@
+"""Every suite entry in smoke mode (tiny shapes, CPU): it runs and returns its declared numbers, finite.
+
+Also: the suite's names are unique and well formed, RESULTS.md renders from a history, and smoke
+runs are not recorded in the history.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.history import check_numbers, render_results
+from benchmarks.suite import ENTRIES, entries
+
+
+@pytest.fixture(autouse=True)
+def _bench_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("LUMENRL_BENCH_OUT", str(tmp_path))  # detail JSON into the test's folder
+    monkeypatch.setenv("LUMENRL_CACHE", str(tmp_path / "cache"))
+
+
+def test_suite_is_well_formed():
+    names = [e.name for e in ENTRIES]
+    assert len(names) == len(set(names))
+    for e in ENTRIES:
+        assert e.device in ("cuda", "cpu") and e.suites and e.target.startswith("benchmarks.")
+        if e.goal:
+            assert e.metric and e.bound.split(" ")[0] in (">=", "<=")
+            float(e.bound.split(" ")[1])
+    assert {e.name for e in entries("smoke")} == set(names)
+    assert all("gpu" in e.suites for e in entries("gpu"))
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_entry_smoke(entry):
+    numbers = entry.load()(True)
+    assert check_numbers(entry, numbers) == []
+    assert numbers, f"{entry.name} returned nothing"
+
+
+def test_results_render_current_figure_per_goal():
+    goal = next(e for e in ENTRIES if e.goal)
+    value = float(goal.bound.split(" ")[1])
+    history = [
+        {"date": "2026-01-01T00:00:00Z", "commit": "aaa", "hardware": "H", "command": "old", "entry": goal.name,
+         "numbers": {goal.metric: value * 0.5}},
+        {"date": "2026-02-01T00:00:00Z", "commit": "bbb", "hardware": "H", "command": "a | b", "entry": goal.name,
+         "numbers": {goal.metric: value}},
+    ]
+    text = render_results(json.loads(json.dumps(history)))
+    row = next(line for line in text.splitlines() if f"`{goal.name}`" in line)
+    assert "bbb" in row and "aaa" not in row and "| yes |" in row and "a \\| b" in row
+    assert text.count("not measured") == sum(1 for e in ENTRIES if e.goal) - 1
