@@ -150,8 +150,8 @@ def verdicts(records: Sequence[dict[str, Any]]) -> list[Verdict]:
 
 
 def _nonfinite(records: Sequence[dict[str, Any]]) -> Verdict:
-    bad = sorted({int(r["step"]) for r in records for v in r.values()
-                  if isinstance(v, float) and not math.isfinite(v)})
+    bad = sorted({int(r["step"]) for r in records for v in r.values()  # the JSONL logger writes NaN/inf as null
+                  if v is None or (isinstance(v, float) and not math.isfinite(v))})
     return Verdict(not bad, "finite metrics", f"non-finite values at steps {bad[:10]}" if bad else "every logged value finite")
 
 
@@ -224,7 +224,7 @@ def write_report(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | 
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(f"LumenRL run: {Path(run_dir).resolve().name}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))  # room for the suptitle
     path = Path(out) if out is not None else Path(run_dir) / "report.png"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
