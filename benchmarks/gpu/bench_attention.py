@@ -138,7 +138,7 @@ def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length:
     return q, k, v, allowed, last, scales, ref_k, ref_v
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--cache", type=int, default=512)
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--space", default="default", choices=("default", "fp8wide", "layouts", "vblocks", "structure", "warp1"),
                     help="--tune space: default (both dtypes, incl. E4M3 dots) or fp8wide (see _sweep_fp8_wide)")
     ap.add_argument("--out", default="attention_tune.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     kv_heads, groups, dim = 8, 4, 128
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
     copy_gbs = C.copy_bandwidth_gbs()
@@ -210,6 +210,15 @@ def main() -> None:
     print("best configuration per cache dtype and length:")
     C.print_table(list(best.values()), ["dtype", "length", "v_layout", "block_n", "chunk", "num_warps", "num_stages", "k_trans", "fp8_dots", "mask_ahead",
                                         "us", "gbs", "pct_copy", "rel_err"])
+    return {"rows": rows, "default": default}
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: decode attention microseconds per call, default configuration (8B heads, batch 64)."""
+    if smoke:
+        raise NotImplementedError("attention: no CPU smoke path yet (CUDA-only code: Triton kernels / CUDA graphs)")
+    us = {r["dtype"]: r["us"] for r in main(["--out", "attention.json"])["default"] if "us" in r}
+    return {"bf16_us": us["bf16"], "fp8_us": us["fp8"]}
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ def run_hf(model, batch_size: int, args, cache: str) -> dict:
             "total_s": total}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="1.7b,8b")
     ap.add_argument("--batches", default="16,64,256")
@@ -200,7 +200,7 @@ def main() -> None:
     ap.add_argument("--validate", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default="decode.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
     bandwidth = C.copy_bandwidth_gbs()
     result["copy_bandwidth_gbs"] = bandwidth
@@ -290,6 +290,31 @@ def main() -> None:
     print("\nsummary:", summary)
     C.print_table(rows, ["model", "batch", "engine", "e2e_tok_s", "decode_tok_s", "roofline_frac", "x_hf_dynamic",
                          "warmup_s", "error"])
+    return result
+
+
+def _best_8b_b64(rows: list[dict]) -> dict:
+    native = [r for r in rows if r["engine"].startswith("native") and "decode_tok_s" in r]
+    return max(native, key=lambda r: r["decode_tok_s"])
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: native decode tok/s and its fraction of the bandwidth roofline (8B, batch 64)."""
+    if smoke:
+        raise NotImplementedError("decode: no CPU smoke path yet (CUDA-only code: Triton kernels / CUDA graphs)")
+    best = _best_8b_b64(main(["--models", "8b", "--batches", "64", "--modes", "full", "--hf", "none"])["rows"])
+    return {"native_decode_tok_s": best["decode_tok_s"], "roofline_tok_s": best["roofline_tok_s"],
+            "roofline_frac": best["roofline_frac"], "engine": best["engine"]}
+
+
+def run_vs_hf(smoke: bool) -> dict:
+    """Suite entry: native decode vs HF generate (dynamic cache), same job (8B, batch 64)."""
+    if smoke:
+        raise NotImplementedError("decode_vs_hf: no CPU smoke path yet (CUDA-only code: Triton kernels / CUDA graphs)")
+    rows = main(["--models", "8b", "--batches", "64", "--modes", "full", "--hf", "dynamic", "--out", "decode_vs_hf.json"])["rows"]
+    best = _best_8b_b64(rows)
+    hf = next(r["decode_tok_s"] for r in rows if r["engine"] == "hf-dynamic")
+    return {"native_decode_tok_s": best["decode_tok_s"], "hf_decode_tok_s": hf, "speedup": best["decode_tok_s"] / hf}
 
 
 if __name__ == "__main__":
