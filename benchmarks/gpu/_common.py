@@ -34,6 +34,7 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "8b": (4096, 12288, 36, 32, 8, 128, False),
 }
 VOCAB = 151936
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # smoke runs (tiny shapes) go to the CPU
 
 
 class StubTokenizer:
@@ -80,10 +81,11 @@ def qwen3_config(shape: str) -> Any:
     )
 
 
-def random_model(shape: str, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Any:
-    """Random-init causal LM of ``shape`` directly on ``device`` (bf16)."""
+def random_model(shape: str, *, device: str = DEVICE, dtype: torch.dtype | None = None, seed: int = 0) -> Any:
+    """Random-init causal LM of ``shape`` directly on ``device`` (bf16 on CUDA, else float32)."""
     from transformers import AutoModelForCausalLM
 
+    dtype = dtype or (torch.bfloat16 if device != "cpu" else torch.float32)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(qwen3_config(shape), dtype=dtype)
@@ -104,6 +106,10 @@ def prompt_batch(batch: int, prompt_len: int, *, seed: int = 0, device: str = "c
 
 def copy_bandwidth_gbs(size_bytes: int = 2 << 30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second), median of ``iters`` copies."""
+    if DEVICE == "cpu":  # smoke runs: a small host copy
+        src = torch.randn(1 << 22)
+        _, seconds = timed(lambda: src.clone())
+        return 2 * src.numel() * 4 / seconds / 1e9
     src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -139,11 +145,16 @@ def decode_roofline(model: Any, *, batch: int, prompt_len: int, new_tokens: int,
             "tokens_per_s": batch / step_s}
 
 
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def timed(fn: Any) -> tuple[Any, float]:
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    sync()
     return out, time.perf_counter() - start
 
 

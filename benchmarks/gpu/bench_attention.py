@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 
 import benchmarks.gpu._common as C  # noqa: E402
-
 from lumenrl_backends.engines import triton_attention as ta  # noqa: E402
 
 

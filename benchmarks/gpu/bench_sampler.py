@@ -32,7 +32,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 if "--smoke" in sys.argv:
@@ -49,7 +48,6 @@ from benchmarks.gpu._common import (  # noqa: E402
     time_graph_ms,
     write_json,
 )
-
 from lumenrl_backends.engines import triton_sampling  # noqa: E402
 from lumenrl_backends.engines.sampling import sample_tokens  # noqa: E402
 from lumenrl_backends.engines.triton_sampling import default_chunk, fused_sample  # noqa: E402

@@ -39,16 +39,13 @@ import argparse
 import gc
 import signal
 import statistics
-import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.gpu._common import OUT_DIR, command_line, environment, print_table, write_json  # noqa: E402
-
 from lumenrl_backends.training.fsdp2 import FSDP2Backend  # noqa: E402
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, TrainingQuantConfig  # noqa: E402
 from lumenrl_core.data_proto import DataProto  # noqa: E402

@@ -24,7 +24,6 @@ import argparse
 import gc
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,8 +31,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu._common import StubTokenizer, command_line, copy_bandwidth_gbs, environment, print_table, write_json  # noqa: E402
-
+from benchmarks.gpu._common import (  # noqa: E402
+    StubTokenizer,
+    command_line,
+    copy_bandwidth_gbs,
+    environment,
+    print_table,
+    write_json,
+)
 from lumenrl_async import FilesystemWeightSync  # noqa: E402
 from lumenrl_backends.engines import NativeEngine  # noqa: E402
 from lumenrl_backends.sync import apply_latest_snapshot, publish_snapshot, sync_to_engine  # noqa: E402

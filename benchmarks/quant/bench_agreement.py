@@ -10,13 +10,10 @@ quantized bytes and scales are identical, and the SQNR of GEMM outputs against t
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
 from benchmarks.quant._common import device, sqnr, table, write_json  # noqa: E402
-
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
 from lumenrl_quant.gemm import emulated_scaled_mm, gemm_path, scaled_mm  # noqa: E402
 from lumenrl_quant.linear import LINEAR_SCHEMES, QuantizedLinear  # noqa: E402

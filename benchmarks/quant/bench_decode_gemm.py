@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 
 from benchmarks.quant._common import copies_for, table, time_graph_ms, write_json  # noqa: E402
-
 from lumenrl_quant import triton_gemm as tg  # noqa: E402
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
 from lumenrl_quant.gemm import _torch_scaled_mm, run_gemm_path  # noqa: E402

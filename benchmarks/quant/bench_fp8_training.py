@@ -48,7 +48,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.quant._common import environment, sqnr, table, time_ms  # noqa: E402
-
 from lumenrl_quant import sqnr_db, triton_training  # noqa: E402  (sqnr_db: 0 dB = zero or wrong gradient)
 from lumenrl_quant.training import (  # noqa: E402
     Fp8TrainingConfig,

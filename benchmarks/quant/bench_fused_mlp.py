@@ -31,14 +31,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.quant._common import copies_for, device, sqnr, table, time_graph_ms, write_json  # noqa: E402
-
 from lumenrl_quant import QuantizedLinear  # noqa: E402
 from lumenrl_quant import triton_gemm as tg  # noqa: E402
 from lumenrl_quant import triton_swiglu as ts  # noqa: E402

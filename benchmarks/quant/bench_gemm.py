@@ -11,13 +11,18 @@ the Triton blockwise kernel. Speedup = bf16 time / path time.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-from benchmarks.quant._common import copies_for, device, table, time_graph_ms, time_ms, time_rotating_ms, write_json  # noqa: E402
-
+from benchmarks.quant._common import (  # noqa: E402
+    copies_for,
+    device,
+    table,
+    time_graph_ms,
+    time_ms,
+    time_rotating_ms,
+    write_json,
+)
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
 from lumenrl_quant.gemm import _torch_scaled_mm  # noqa: E402
 

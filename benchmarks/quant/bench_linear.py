@@ -14,14 +14,19 @@ The ``path`` column names the GEMM path each row ran.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from benchmarks.quant._common import copies_for, device, table, time_graph_ms, time_ms, time_rotating_ms, write_json  # noqa: E402
-
+from benchmarks.quant._common import (  # noqa: E402
+    copies_for,
+    device,
+    table,
+    time_graph_ms,
+    time_ms,
+    time_rotating_ms,
+    write_json,
+)
 from lumenrl_quant import gemm  # noqa: E402
 from lumenrl_quant.linear import LINEAR_SCHEMES, QuantizedLinear  # noqa: E402
 

@@ -19,13 +19,10 @@ are bit-identical to the torch path.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
 from benchmarks.quant._common import device, table, time_graph_ms, time_ms, write_json  # noqa: E402
-
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
 from lumenrl_quant.mx import quantize_mx  # noqa: E402
 

@@ -72,7 +72,6 @@ import gc
 import hashlib
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -81,7 +80,6 @@ import torch
 
 import benchmarks.gpu.bench_fp8_rollout as R  # noqa: E402
 from benchmarks.gpu._common import StubTokenizer, command_line, environment, print_table, write_json  # noqa: E402
-
 from lumenrl_backends.engines import NativeEngine  # noqa: E402
 from lumenrl_quant import get_quant_scheme  # noqa: E402
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from benchmarks.history import check_numbers, render_results
 from benchmarks.suite import ENTRIES, entries
 
@@ -34,7 +33,7 @@ def test_suite_is_well_formed():
 
 # CUDA-only entries without a CPU smoke path yet (Triton kernels / CUDA graphs hard-wired to "cuda"):
 # listed so that the gap is visible; strict, so giving one a smoke path fails here until it is removed.
-NO_SMOKE_YET = {"decode", "decode_vs_hf", "fp8_rollout", "attention", "decode_gemm", "fused_mlp"}
+NO_SMOKE_YET = {"attention", "decode_gemm", "fused_mlp"}
 
 
 @pytest.mark.parametrize("entry", [

@@ -20,8 +20,8 @@ def register_cli(subparsers: Any) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     from lumenrl_backends.cli import CLIError
-    from lumenrl_backends.report import verdicts, write_html, write_report
     from lumenrl_backends.loggers import read_metrics
+    from lumenrl_backends.report import verdicts, write_html, write_report
 
     try:
         png = write_report(args.run_dir, args.out)
