@@ -168,14 +168,10 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
 
 
 def time_graph_ms(fns: list[Any], iters: int = 20) -> tuple[float, str]:
-    """Median ms per call of ``fns`` captured in one CUDA graph and replayed: the timer of
-    ``benchmarks/quant/_common.py`` (loaded by path, the module name ``_common`` is this file's)."""
-    import importlib.util
+    """Median ms per call of ``fns`` captured in one CUDA graph and replayed (eager on the CPU)."""
+    from benchmarks.quant._common import time_graph_ms as timer
 
-    spec = importlib.util.spec_from_file_location("_quant_common", Path(__file__).resolve().parents[1] / "quant" / "_common.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.time_graph_ms(fns, iters=iters)
+    return timer(fns, iters=iters)
 
 
 KERNEL_CLASSES = (  # first match wins; names of cuBLAS / CUTLASS / Triton / inductor kernels

@@ -117,12 +117,12 @@ def _v_layout(v: torch.Tensor, layout: str) -> torch.Tensor:
 
 def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length: int, dtype: torch.dtype, seed: int,
            v_layout: str = "rows"):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn((batch, kv_heads, groups, dim), generator=gen, device="cuda").to(torch.bfloat16)
-    k = torch.randn((batch, kv_heads, cache, dim), generator=gen, device="cuda")
-    v = torch.randn((batch, kv_heads, cache, dim), generator=gen, device="cuda")
-    last = torch.full((batch,), length - 1, device="cuda", dtype=torch.int64)
-    allowed = torch.arange(cache, device="cuda")[None, :] <= last[:, None]
+    gen = torch.Generator(device=C.DEVICE).manual_seed(seed)
+    q = torch.randn((batch, kv_heads, groups, dim), generator=gen, device=C.DEVICE).to(torch.bfloat16)
+    k = torch.randn((batch, kv_heads, cache, dim), generator=gen, device=C.DEVICE)
+    v = torch.randn((batch, kv_heads, cache, dim), generator=gen, device=C.DEVICE)
+    last = torch.full((batch,), length - 1, device=C.DEVICE, dtype=torch.int64)
+    allowed = torch.arange(cache, device=C.DEVICE)[None, :] <= last[:, None]
     scales = (None, None)
     if dtype == torch.bfloat16:
         k, v = k.to(dtype), v.to(dtype)
@@ -210,11 +210,20 @@ def main(argv: list[str] | None = None) -> dict:
     return {"rows": rows, "default": default}
 
 
+SMOKE_ARGS = ["--batch", "2", "--cache", "64", "--lengths", "40", "--out", "attention_smoke.json"]
+
+
 def run(smoke: bool) -> dict:
     """Suite entry: decode attention microseconds per call, default configuration (8B heads, batch 64)."""
-    if smoke:
-        raise NotImplementedError("attention: no CPU smoke path yet (CUDA-only code: Triton kernels / CUDA graphs)")
-    us = {r["dtype"]: r["us"] for r in main(["--out", "attention.json"])["default"] if "us" in r}
+    if smoke and not torch.cuda.is_available():
+        # Triton's interpreter (C.run_interpreted) takes minutes here and its bf16 result is off (rel err ~1e9
+        # at cache 64, length 40, while FP8 agrees to 3e-3): no CPU smoke path until that is understood
+        raise NotImplementedError("attention: no CPU smoke path yet (Triton kernel; the interpreter's bf16 run disagrees)")
+    rows = main(SMOKE_ARGS if smoke else ["--out", "attention.json"])["rows"]
+    failed = [r["error"] for r in rows if "error" in r]
+    if failed:
+        raise RuntimeError(f"attention configurations failed: {failed}")
+    us = {r["dtype"]: r["us"] for r in rows}
     return {"bf16_us": us["bf16"], "fp8_us": us["fp8"]}
 
 
