@@ -58,3 +58,38 @@ def test_results_render_current_figure_per_goal():
     row = next(line for line in text.splitlines() if f"`{goal.name}`" in line)
     assert "bbb" in row and "aaa" not in row and "| yes |" in row and "a \\| b" in row
     assert text.count("not measured") == sum(1 for e in ENTRIES if e.goal) - 1
+
+
+def _fake_bench(smoke: bool) -> dict:
+    return {"value": 1.0 if smoke else 2.0}
+
+
+def test_smoke_runs_are_not_recorded_full_runs_are(tmp_path, monkeypatch):
+    from benchmarks import history
+    from benchmarks.suite import Entry
+
+    monkeypatch.setattr(history, "HISTORY", tmp_path / "history.jsonl")
+    fake = Entry(name="fake", target=f"{__name__}:_fake_bench", suites=("cpu",), numbers=("value",), device="cpu")
+    assert history.run_entries([fake], smoke=True, command="smoke") == 0
+    assert history.read_history(tmp_path / "history.jsonl") == []
+    assert history.run_entries([fake], smoke=False, command="python -m benchmarks run cpu") == 0
+    (rec,) = history.read_history(tmp_path / "history.jsonl")
+    assert rec["entry"] == "fake" and rec["numbers"] == {"value": 2.0} and rec["command"].startswith("python -m")
+    assert {"date", "commit", "hardware", "seconds"} <= set(rec)
+
+
+def test_seeded_history_covers_every_goal():
+    from benchmarks.history import read_history
+
+    recorded = {r["entry"] for r in read_history()}
+    assert {e.name for e in ENTRIES if e.goal} <= recorded
+
+
+def test_lumenrl_bench_forwards_inside_a_checkout_and_refuses_outside(tmp_path, monkeypatch, capsys):
+    from lumenrl_backends.cli import main as lumenrl_main
+
+    assert lumenrl_main(["bench", "list"]) == 0  # pytest runs from the repository root
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LUMENRL_REPO", raising=False)
+    assert lumenrl_main(["bench", "list"]) == 2
+    assert "checkout" in capsys.readouterr().err

@@ -30,9 +30,9 @@ Design (what the GPU-speed work builds on without a rewrite):
   bit-identical to the HF sequence; 8B b64 compiled: +1.7% decode tokens/s on both bf16 and FP8);
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
   (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache; ``kv_v_tiles`` (opt-in)
-  stores V in (D, 128) tiles, which the kernel's p.v product reads as the MMA wants it (8B b64: FP8
-  attention 23.0 -> 20.8 us per call) but the decode step writes scattered; whole 8B steps measured
-  the same (16,299 vs 16,379 tok/s, session 8), so rows stay the default;
+  stores V in (D, 128) tiles, which the kernel's p.v product reads as the MMA wants it (a faster
+  attention call) but the decode step writes scattered; whole decode steps were no faster
+  (benchmarks/RESULTS.md, entry ``attention`` / ``fp8_rollout``), so rows stay the default;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
   memory); ``gpu_memory_utilization`` sizes the number of KV slots from free device memory;
 * sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with
