@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from typing import Any
 
 from benchmarks.suite import ENTRIES, Entry
 
-__all__ = ["HISTORY", "RESULTS", "check_numbers", "read_history", "render_results", "run_entries"]
+__all__ = ["HISTORY", "RESULTS", "check_numbers", "merge", "read_history", "render_results", "run_entries"]
 
 ROOT = Path(__file__).resolve().parent
 HISTORY = ROOT / "history.jsonl"
@@ -84,8 +85,21 @@ def append(entry: Entry, numbers: dict[str, Any], *, command: str, seconds: floa
     rec = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": commit(),
            "hardware": hardware(), "command": command, "entry": entry.name, "seconds": round(seconds, 1),
            "numbers": numbers}
+    line = json.dumps(rec, sort_keys=True) + "\n"
     with HISTORY.open("a") as f:
-        f.write(json.dumps(rec, sort_keys=True) + "\n")
+        f.write(line)
+    if os.environ.get("LUMENRL_BENCH_OUT"):  # a copy beside the detail JSON (a GPU job's $OUT comes back)
+        with (Path(os.environ["LUMENRL_BENCH_OUT"]) / "history_new.jsonl").open("a") as f:
+            f.write(line)
+
+
+def merge(path: Path) -> int:
+    """Append the records of ``path`` (e.g. a GPU job's history_new.jsonl) not already in the history."""
+    have = {json.dumps(r, sort_keys=True) for r in read_history()}
+    new = [r for r in read_history(path) if json.dumps(r, sort_keys=True) not in have]
+    with HISTORY.open("a") as f:
+        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in new)
+    return len(new)
 
 
 def _headline(entry: Entry, numbers: dict[str, Any]) -> str:
@@ -107,7 +121,8 @@ def _print_table(rows: list[tuple[str, str, str]]) -> None:
     sys.stdout.flush()
 
 
-def read_history(path: Path = HISTORY) -> list[dict[str, Any]]:
+def read_history(path: Path | None = None) -> list[dict[str, Any]]:
+    path = path or HISTORY
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -69,6 +69,8 @@ def test_smoke_runs_are_not_recorded_full_runs_are(tmp_path, monkeypatch):
     from benchmarks.suite import Entry
 
     monkeypatch.setattr(history, "HISTORY", tmp_path / "history.jsonl")
+    monkeypatch.setenv("LUMENRL_BENCH_OUT", str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
     fake = Entry(name="fake", target=f"{__name__}:_fake_bench", suites=("cpu",), numbers=("value",), device="cpu")
     assert history.run_entries([fake], smoke=True, command="smoke") == 0
     assert history.read_history(tmp_path / "history.jsonl") == []
@@ -76,6 +78,10 @@ def test_smoke_runs_are_not_recorded_full_runs_are(tmp_path, monkeypatch):
     (rec,) = history.read_history(tmp_path / "history.jsonl")
     assert rec["entry"] == "fake" and rec["numbers"] == {"value": 2.0} and rec["command"].startswith("python -m")
     assert {"date", "commit", "hardware", "seconds"} <= set(rec)
+    # the copy a GPU job brings back merges once
+    monkeypatch.setattr(history, "HISTORY", tmp_path / "other.jsonl")
+    assert history.merge(tmp_path / "out" / "history_new.jsonl") == 1
+    assert history.merge(tmp_path / "out" / "history_new.jsonl") == 0
 
 
 def test_seeded_history_covers_every_goal():
