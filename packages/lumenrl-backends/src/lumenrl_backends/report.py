@@ -150,9 +150,11 @@ def verdicts(records: Sequence[dict[str, Any]]) -> list[Verdict]:
 
 
 def _nonfinite(records: Sequence[dict[str, Any]]) -> Verdict:
-    bad = sorted({int(r["step"]) for r in records for v in r.values()  # the JSONL logger writes NaN/inf as null
-                  if v is None or (isinstance(v, float) and not math.isfinite(v))})
-    return Verdict(not bad, "finite metrics", f"non-finite values at steps {bad[:10]}" if bad else "every logged value finite")
+    bad = sorted({int(r["step"]) for r in records for k, v in r.items()  # the JSONL logger writes NaN/inf as null
+                  if v is None or (isinstance(v, float) and not math.isfinite(v))
+                  or (k.endswith("/nonfinite_skipped") and isinstance(v, (int, float)) and v > 0)})
+    return Verdict(not bad, "finite metrics", f"non-finite values or skipped non-finite updates at steps {bad[:10]}"
+                   if bad else "every logged value finite, no update skipped")
 
 
 def _reward_rising(records: Sequence[dict[str, Any]]) -> Verdict | None:
