@@ -47,6 +47,12 @@ def _write(path, records) -> None:
     logger.close()
 
 
+def test_skipped_nonfinite_update_is_flagged_at_its_step():
+    records = [{"step": s, "actor/nonfinite_skipped": float(t), "reward/mean": 0.1} for s, t in ((1, 0), (2, 1), (3, 1))]
+    (finite,) = [v for v in verdicts(records) if v.check == "finite metrics"]
+    assert not finite.ok and "[2]" in finite.detail
+
+
 def test_every_key_in_one_panel_at_most():
     keys = list(_records(1, moe=True, collapse=False)[0])
     seen = [k for _, ks in assign_panels(keys) for k in ks]

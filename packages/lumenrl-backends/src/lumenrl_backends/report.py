@@ -150,9 +150,18 @@ def verdicts(records: Sequence[dict[str, Any]]) -> list[Verdict]:
 
 
 def _nonfinite(records: Sequence[dict[str, Any]]) -> Verdict:
-    bad = sorted({int(r["step"]) for r in records for k, v in r.items()  # the JSONL logger writes NaN/inf as null
-                  if v is None or (isinstance(v, float) and not math.isfinite(v))
-                  or (k.endswith("/nonfinite_skipped") and isinstance(v, (int, float)) and v > 0)})
+    """Steps with a NaN/inf value (the JSONL logger writes them as null) or a new skipped non-finite update
+    (``<prefix>/nonfinite_skipped`` is a running total)."""
+    bad, totals = set(), {}
+    for r in records:
+        for k, v in r.items():
+            if v is None or (isinstance(v, float) and not math.isfinite(v)):
+                bad.add(int(r["step"]))
+            elif k.endswith("/nonfinite_skipped") and isinstance(v, (int, float)):
+                if v > totals.get(k, 0):
+                    bad.add(int(r["step"]))
+                totals[k] = v
+    bad = sorted(bad)
     return Verdict(not bad, "finite metrics", f"non-finite values or skipped non-finite updates at steps {bad[:10]}"
                    if bad else "every logged value finite, no update skipped")
 
