@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 SMOKE_ARGS = ["--models", "tiny", "--batches", "2", "--prompt", "8", "--new", "6", "--modes", "eager",
-              "--out", "decode_smoke.json"]
+              "--fuse", "off", "--out", "decode_smoke.json"]  # unfused: no fusion check (two more engines)
 
 
 def _best_8b_b64(rows: list[dict]) -> dict:
