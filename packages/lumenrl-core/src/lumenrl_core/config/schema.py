@@ -179,8 +179,8 @@ class RolloutQuantConfig:
     skip_last_n_layers: int = 0
     quantize_lm_head: bool = False  # also the (untied) output head: faster decode, FP8 rounding in the logits
     # fp8_row SwiGLU MLPs: SiLU * up and the down input's FP8 quantization (1 x 128 group scales) in the gate/up
-    # GEMM's epilogue (lumenrl_quant.fused_mlp). Off by default: same decode speed on the H200 (8B b64: 14,294 vs
-    # 14,400 tok/s, benchmarks/RESULTS.md session 5), slightly lower KL; off = per-token scales, separate kernels
+    # GEMM's epilogue (lumenrl_quant.fused_mlp). Off by default: no faster decode on the H200 (figures: benchmarks/RESULTS.md,
+    # entry fused_mlp), slightly lower KL; off = per-token scales, separate kernels
     fuse_mlp: bool = False
     kv_cache_dtype: str = field(default="auto", metadata=choices("auto", "fp8"))
     kv_scale_recalibration: bool = True  # recompute KV scales after every weight sync
