@@ -74,6 +74,8 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
     if cfg.moe.r3.enabled:
         needs.append(Need("rollout_engine", "route_recording", "moe.r3.enabled", True))
         needs.append(Need("training_backend", "route_replay", "moe.r3.enabled", True))
+    if cfg.async_training.enabled:
+        needs.append(Need("trainer", "async", "async_training.enabled", True))
     if cfg.async_training.partial_rollout:
         needs.append(Need("rollout_engine", "interrupt_resume", "async_training.partial_rollout", True))
     if cfg.trainer.name == "sddd":
@@ -134,6 +136,11 @@ def config_violations(cfg: RunConfig) -> list[Violation]:
     if a.partial_rollout and not a.enabled:
         out.append(Violation("async_training.partial_rollout", True,
                              "partial rollout only exists in async training; set async_training.enabled=true"))
+    if a.enabled and cfg.trainer.name != "async_rl":
+        out.append(Violation("async_training.enabled", True,
+                             f"trainer.name={cfg.trainer.name!r} is synchronous; set trainer.name=async_rl"))
+    if cfg.trainer.name == "async_rl" and not a.enabled:
+        out.append(Violation("trainer.name", "async_rl", "needs async_training.enabled=true"))
     if cfg.reward.function:
         problem = check_reward_function(cfg.reward.function)
         if problem:
