@@ -131,7 +131,7 @@ class AsyncRLTrainer(RLTrainer):
             from lumenrl_backends.trainers.rollouter_process import start_process
 
             self._channel, self._worker = start_process(self, cfg)
-            self._channel.pump(self.queue, DataProto.from_bytes, self._done)
+            self._pump = self._channel.pump(self.queue, DataProto.from_bytes, self._done)
             return
         hooks = RolloutHooks(
             sink=lambda g: self.queue.put(g),
@@ -156,8 +156,16 @@ class AsyncRLTrainer(RLTrainer):
     def _alive(self) -> bool:
         return self._worker is not None and self._worker.is_alive()
 
-    def _stop_rollouter(self) -> None:
+    _pump: threading.Thread | None = None
+
+    def _stop_pump(self) -> None:
+        """Stop the pump thread: from now on only this thread reads the channel."""
         self._done.set()
+        if self._pump is not None:
+            self._pump.join()
+
+    def _stop_rollouter(self) -> None:
+        self._stop_pump()
         if self._rollouter is not None:
             self._rollouter.hooks.stop.set()
             self.parts.engine.interrupt()
@@ -165,14 +173,18 @@ class AsyncRLTrainer(RLTrainer):
             self.parts.engine.resume()
         elif self._channel is not None:
             self._channel.stop.set()
-            self._worker.join(timeout=60)
+            deadline = time.monotonic() + 60
+            while self._worker.is_alive() and time.monotonic() < deadline:  # the child flushes its pipe at exit
+                self._channel.drain(self.queue, DataProto.from_bytes, closing=True)
+                self._worker.join(timeout=0.05)
             if self._worker.is_alive():
                 self._worker.kill()
-            self._channel.drain(self.queue, DataProto.from_bytes)
+            self._channel.drain(self.queue, DataProto.from_bytes, closing=True)
             self._channel.settle(self.queue, "shutdown")
         self.queue.close()
         self.queue.drop_queued("shutdown")
         self.queue.check()
+        self.parts.announce(f"async ledger: {_fmt_ledger(self.queue.metrics())}")
 
     def rollouter_stats(self) -> dict[str, float]:
         if self._channel is not None:
@@ -187,7 +199,8 @@ class AsyncRLTrainer(RLTrainer):
         self.trainer_wait_s += time.perf_counter() - start
         if groups is None:
             if self._channel is not None:
-                self._channel.drain(self.queue, DataProto.from_bytes)
+                self._stop_pump()
+                self._channel.drain(self.queue, DataProto.from_bytes, closing=True)
                 self._channel.settle(self.queue, "rollouter_crash")
             self.queue.check()
             raise RuntimeError(f"async_rl: the rollouter stopped (exit {getattr(self._worker, 'exitcode', None)}, "
@@ -286,6 +299,11 @@ class AsyncRLTrainer(RLTrainer):
 
     def _loader_state(self) -> dict[str, Any]:
         return self.queue.last_meta.get("loader_state") or self.parts.train_loader.state_dict()
+
+
+def _fmt_ledger(m: dict[str, float]) -> str:
+    drops = ", ".join(f"{k.split('dropped_')[1]} {int(v)}" for k, v in m.items() if "dropped_" in k) or "none"
+    return f"produced {int(m['async/produced'])} = consumed {int(m['async/consumed'])} + dropped {int(m['async/dropped'])} ({drops})"
 
 
 def make_rollouter(cfg: Any, engine: Any, loader: Any, hooks: RolloutHooks, *, start_round: int) -> Rollouter:

@@ -23,12 +23,13 @@ __all__ = ["start_process", "rollouter_main"]
 def start_process(trainer: Any, cfg: Any) -> tuple[ProcessChannel, Any]:
     """Spawn the rollouter process for ``trainer``; returns (channel, process)."""
     ctx = mp.get_context("spawn")
-    channel = ProcessChannel(ctx, maxsize=0)
+    channel = ProcessChannel(ctx)
     start = {"round": trainer.start_round, "loader_state": trainer.parts.train_loader.state_dict(),
              "snapshot_dir": str(trainer.weight_sync.root), "model_path": trainer.model_path,
              "crash_after": int(os.environ.get("LUMENRL_ASYNC_CRASH_AFTER", "0"))}
     proc = ctx.Process(target=rollouter_main, args=(cfg, channel, start), daemon=True, name="lumenrl-rollouter")
     proc.start()
+    channel.started()
     return channel, proc
 
 
