@@ -33,7 +33,13 @@ class ProcessChannel:
         self.produced = ctx.Value("q", 0)
         self.taken = ctx.Value("q", 0)
         self.stats = ctx.Array("d", len(STAT_KEYS))
-        self.stop = ctx.Event()
+        self._stop = ctx.Value("b", 0)  # a flag, not an Event: a waiter dying inside Event.wait hangs set()
+
+    def request_stop(self) -> None:
+        self._stop.value = 1
+
+    def stop_requested(self) -> bool:
+        return bool(self._stop.value)
 
     # ------------------------------------------------------------------ producer (child)
     def send(self, group: SampleGroup) -> None:

@@ -24,6 +24,10 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("response length", ("response_length/mean", "response_length/max")),
     ("throughput (tokens/s)", ("perf/rollout_tokens_per_s", "perf/train_tokens_per_s")),
     ("losses", ("actor/pg_loss", "critic/vf_loss")),
+    ("async idle ratio", ("async/trainer_idle_ratio", "async/rollouter_idle_ratio")),
+    ("async queue / staleness", ("async/queue_depth", "async/staleness_mean", "async/staleness_max",
+                                 "async/partial_rollouts")),
+    ("samples/s", ("perf/samples_per_s",)),
 )
 
 

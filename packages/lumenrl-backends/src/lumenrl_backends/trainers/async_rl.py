@@ -172,7 +172,7 @@ class AsyncRLTrainer(RLTrainer):
             self._worker.join(timeout=60)
             self.parts.engine.resume()
         elif self._channel is not None:
-            self._channel.stop.set()
+            self._channel.request_stop()
             deadline = time.monotonic() + 60
             while self._worker.is_alive() and time.monotonic() < deadline:  # the child flushes its pipe at exit
                 self._channel.drain(self.queue, DataProto.from_bytes, closing=True)

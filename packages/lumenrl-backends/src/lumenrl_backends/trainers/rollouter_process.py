@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -72,7 +73,8 @@ def rollouter_main(cfg: Any, channel: ProcessChannel, start: dict[str, Any]) -> 
     rollouter = make_rollouter(cfg, engine, loader, hooks, start_round=start["round"])
 
     def watch_stop() -> None:
-        channel.stop.wait()
+        while not channel.stop_requested():
+            time.sleep(0.01)
         stop.set()
         engine.interrupt()
 
