@@ -50,6 +50,7 @@ def test_async_run_resumes_with_its_ledger_and_never_trains_a_group_twice(train,
     assert all(r["async/staleness_max"] <= 1 for r in records)
 
 
+@pytest.mark.slow  # the spawned child imports torch/transformers and plans the run: ~20 s idle, minutes when loaded
 def test_rollouter_process_crash_is_accounted_and_raised(train, tmp_path, monkeypatch):
     monkeypatch.setenv("LUMENRL_ASYNC_CRASH_AFTER", "6")  # the child exits abruptly after 6 groups
     with pytest.raises(RuntimeError, match="rollouter stopped") as info:

@@ -8,8 +8,9 @@ whole groups, scores them, recomputes log-probs and updates exactly as the synch
 (:mod:`~lumenrl_backends.trainers.rollouter`) runs beside it:
 
 * ``weight_sync.method=inprocess``: a thread of this process with this process's engine;
-* ``weight_sync.method=filesystem``: its own process (``torch.multiprocessing`` spawn) with its
-  own engine, fed by a :class:`lumenrl_async.ProcessChannel`, reading atomic snapshots.
+* ``weight_sync.method=filesystem`` / ``cuda_ipc``: its own process (``torch.multiprocessing``
+  spawn) with its own engine, fed by a :class:`lumenrl_async.ProcessChannel`, reading atomic
+  snapshots or (one GPU) the trainer's shared CUDA buffers under a seqlock.
 
 Staleness (``async_training.staleness_threshold`` s): the rollouter's production per window is
 bounded by the StalenessController; a sample more than ``ceil(s)`` syncs behind the trainer
@@ -63,9 +64,9 @@ def check_async_config(cfg: Any) -> None:
         raise ConfigError("async_training.enabled=false: trainer.name=async_rl needs async_training.enabled=true")
     if cfg.algorithm.dynamic_sampling:
         raise ConfigError("algorithm.dynamic_sampling=true: not supported by async_rl yet; allowed: false")
-    if cfg.weight_sync.method not in ("inprocess", "filesystem"):
+    if cfg.weight_sync.method not in ("inprocess", "filesystem", "cuda_ipc"):
         raise ConfigError(f"weight_sync.method={cfg.weight_sync.method!r}: async_rl supports 'inprocess' "
-                          "(rollouter thread) or 'filesystem' (rollouter process)")
+                          "(rollouter thread), 'filesystem' or 'cuda_ipc' (rollouter process)")
     mini = cfg.policy.train.mini_batch_size or cfg.dataset.train_batch_size * cfg.policy.rollout.n
     if mini % cfg.policy.rollout.n:
         raise ConfigError(f"policy.train.mini_batch_size={mini}: must be a multiple of policy.rollout.n "
@@ -88,7 +89,7 @@ class AsyncRLTrainer(RLTrainer):
         self.groups_per_step = a.require_batches * sc.mini_batch_size // cfg.policy.rollout.n
         capacity = a.queue_size or sc.window_capacity() + sc.window_samples()
         self.queue = SampleQueue(capacity, sync_step=self.sync_step)
-        self.process_mode = cfg.weight_sync.method == "filesystem"
+        self.process_mode = cfg.weight_sync.method in ("filesystem", "cuda_ipc")
         self.weight_sync = plan.weight_sync_cls.from_config(cfg) if plan is not None else None
         self.model_path = model_path
         self.published: int | None = None

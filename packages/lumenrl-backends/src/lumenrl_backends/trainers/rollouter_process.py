@@ -26,8 +26,12 @@ def start_process(trainer: Any, cfg: Any) -> tuple[ProcessChannel, Any]:
     ctx = mp.get_context("spawn")
     channel = ProcessChannel(ctx)
     start = {"round": trainer.start_round, "loader_state": trainer.parts.train_loader.state_dict(),
-             "snapshot_dir": str(trainer.weight_sync.root), "model_path": trainer.model_path,
+             "model_path": trainer.model_path,
              "crash_after": int(os.environ.get("LUMENRL_ASYNC_CRASH_AFTER", "0"))}
+    if hasattr(trainer.weight_sync, "reader_handle"):  # cuda_ipc: the shared buffers' IPC handles
+        start["cuda_ipc"] = trainer.weight_sync.reader_handle()
+    else:
+        start["snapshot_dir"] = str(trainer.weight_sync.root)
     proc = ctx.Process(target=rollouter_main, args=(cfg, channel, start), daemon=True, name="lumenrl-rollouter")
     proc.start()
     channel.started()
@@ -58,7 +62,14 @@ def rollouter_main(cfg: Any, channel: ProcessChannel, start: dict[str, Any]) -> 
     loader = make_loader(cfg, train_records, tokenizer, batch_size=cfg.dataset.train_batch_size, seed=cfg.seed,
                          shuffle=cfg.dataset.shuffle)
     loader.load_state_dict(start["loader_state"])
-    sync = FilesystemWeightSync(start["snapshot_dir"])
+    if "cuda_ipc" in start:
+        from lumenrl_async.cuda_ipc import CudaIpcReader
+
+        reader = CudaIpcReader(start["cuda_ipc"])
+        newest, load = reader.latest_version, reader.load_into
+    else:
+        sync = FilesystemWeightSync(start["snapshot_dir"])
+        newest, load = sync.latest_version, (lambda eng: load_newest(sync, eng))
     stop = threading.Event()
     sent = [0]
 
@@ -68,8 +79,8 @@ def rollouter_main(cfg: Any, channel: ProcessChannel, start: dict[str, Any]) -> 
         if start["crash_after"] and sent[0] >= start["crash_after"]:
             os._exit(3)  # injected crash (tests): no cleanup, messages may be lost
 
-    hooks = RolloutHooks(sink=sink, outstanding=channel.outstanding, newest_version=sync.latest_version,
-                         load_weights=lambda eng: load_newest(sync, eng), stop=stop)
+    hooks = RolloutHooks(sink=sink, outstanding=channel.outstanding, newest_version=newest, load_weights=load,
+                         stop=stop)
     rollouter = make_rollouter(cfg, engine, loader, hooks, start_round=start["round"])
 
     def watch_stop() -> None:
