@@ -63,3 +63,10 @@ def test_rollouter_process_crash_is_accounted_and_raised(train, tmp_path, monkey
 def test_async_training_with_the_synchronous_trainer_is_refused(train, tmp_path):
     with pytest.raises(AssemblyError, match="async_training.enabled"):
         train("grpo_dense_bf16.yaml", tmp_path, "async_training.enabled=true", *FAST)
+
+
+def test_async_keys_without_async_training_are_refused(train, tmp_path):
+    with pytest.raises(AssemblyError, match="async_training.staleness_threshold"):
+        train("grpo_dense_bf16.yaml", tmp_path, "async_training.staleness_threshold=0.5", *FAST)
+    with pytest.raises(AssemblyError, match="trainer.name"):
+        train("grpo_async_stale.yaml", tmp_path, "async_training.enabled=false", *FAST)

@@ -72,6 +72,7 @@ def reg() -> PluginRegistry:
     add("controllers", "local", plugin("Local"))
     add("trainers", "rl", Trainer)
     add("trainers", "sddd", plugin("SDDDTrainer"))
+    add("trainers", "async_rl", plugin("AsyncRL", {"async"}))
     add("weight_syncs", "inprocess", plugin("InProc"))
     add("loggers", "jsonl", plugin("Jsonl"))
     add("quant_schemes", "fp8_block", plugin("Fp8Block"))
@@ -268,7 +269,17 @@ def test_partial_rollout_needs_interrupt_resume_and_async(cfg, reg):
     assert found[0].startswith("async_training.partial_rollout=True: partial rollout only exists in async")
     assert "lacks capability 'interrupt_resume' required by async_training.partial_rollout=True" in found[1]
     cfg.async_training.enabled, cfg.policy.rollout_engine = True, "native"
+    assert "trainer lacks capability 'async' required by async_training.enabled=True" in only(cfg, reg)
+    cfg.trainer.name = "async_rl"
     plan_run(cfg, registry=reg)
+
+
+def test_async_trainer_needs_the_async_capability_and_enabled(cfg, reg):
+    cfg.trainer.name = "async_rl"
+    assert "needs async_training.enabled=true" in only(cfg, reg)
+    cfg.async_training.enabled, cfg.trainer.name = False, "rl"
+    cfg.async_training.require_batches = 2
+    assert "async_training.require_batches=2: has no effect unless" in only(cfg, reg)
 
 
 def test_sddd_trainer_needs_hidden_state_capture(cfg, reg):
