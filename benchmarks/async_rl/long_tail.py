@@ -76,10 +76,13 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
     return {"wall_s": wall, "samples_per_s": samples / wall,
             "reward": [round(r["reward/mean"], 4) for r in records],
             "staleness_max": max((r.get("async/staleness_max", 0.0) for r in records), default=0.0),
+            "response_length_mean": sum(r["response_length/mean"] for r in records) / len(records),
+            "dropped_stale": records[-1].get("async/dropped_stale", 0.0),
+            "partial_rollouts": records[-1].get("async/partial_rollouts_total", 0.0),
             "trainer_idle": records[-1].get("async/trainer_idle_ratio", float("nan"))}
 
 
-def bench(smoke: bool, *, gpu: bool = False) -> dict:
+def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = None) -> dict:
     """``fn(smoke) -> dict``: samples/s and time to N steps per mode, and each speed-up vs sync."""
     if gpu:
         shape = {"steps": 8, "prompts": 32, "n": 8, "median": 64}
@@ -88,7 +91,9 @@ def bench(smoke: bool, *, gpu: bool = False) -> dict:
         shape, extra = {"steps": 2, "prompts": 4, "n": 4, "median": 4}, ("trainer.warm_start_sft_steps=0",)
     else:
         shape, extra = {"steps": 6, "prompts": 8, "n": 4, "median": 8}, ("trainer.warm_start_sft_steps=0",)
-    modes = ("sync", "partial") if smoke else tuple(MODES)
+    modes = modes or (("sync", "partial") if smoke else tuple(MODES))
+    if modes[0] != "sync":
+        modes = ("sync", *[m for m in modes if m != "sync"])
     results: dict[str, Any] = {"shape": " ".join(f"{k}={v}" for k, v in shape.items())}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("LUMENRL_CACHE", str(Path(tmp) / "cache"))
@@ -99,6 +104,9 @@ def bench(smoke: bool, *, gpu: bool = False) -> dict:
             results[f"{mode}/reward_last"] = got["reward"][-1]
             results[f"{mode}/reward_curve"] = " ".join(f"{r:.3f}" for r in got["reward"])
             results[f"{mode}/staleness_max"] = got["staleness_max"]
+            results[f"{mode}/response_length_mean"] = round(got["response_length_mean"], 2)
+            results[f"{mode}/dropped_stale"] = got["dropped_stale"]
+            results[f"{mode}/partial_rollouts"] = got["partial_rollouts"]
     for mode in modes[1:]:
         results[f"{mode}/speedup_vs_sync"] = round(results[f"{mode}/samples_per_s"] / results["sync/samples_per_s"], 3)
     return results
@@ -112,13 +120,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--modes", default="", help="comma-separated subset of: " + ", ".join(MODES))
     args = parser.parse_args()
-    results = bench(args.smoke, gpu=args.gpu)
-    print(f"{'mode':<10}{'samples/s':>12}{'time to N (s)':>15}{'speed-up':>10}  reward curve")
+    results = bench(args.smoke, gpu=args.gpu, modes=tuple(args.modes.split(",")) if args.modes else None)
+    print(f"{'mode':<10}{'samples/s':>12}{'time to N (s)':>15}{'speed-up':>10}{'resp len':>10}{'stale drop':>11}"
+          f"{'partial':>9}  reward curve")
     for mode in MODES:
         if f"{mode}/samples_per_s" in results:
             print(f"{mode:<10}{results[f'{mode}/samples_per_s']:>12.2f}{results[f'{mode}/time_to_n_steps_s']:>15.2f}"
-                  f"{results.get(f'{mode}/speedup_vs_sync', 1.0):>10.2f}  {results[f'{mode}/reward_curve']}")
+                  f"{results.get(f'{mode}/speedup_vs_sync', 1.0):>10.2f}{results[f'{mode}/response_length_mean']:>10.1f}"
+                  f"{results[f'{mode}/dropped_stale']:>11.0f}{results[f'{mode}/partial_rollouts']:>9.0f}"
+                  f"  {results[f'{mode}/reward_curve']}")
     print(results["shape"])
 
 
