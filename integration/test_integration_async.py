@@ -9,7 +9,7 @@ import json
 import pytest
 
 from lumenrl_backends.loggers import read_metrics
-from lumenrl_core.assembly import AssemblyError
+from lumenrl_core.config import ConfigError
 
 FAST = ("eval.enabled=false", "dataset.train_batch_size=4", "policy.rollout.n=4", "trainer.warm_start_sft_steps=0",
         "logger.backends=[jsonl]", "policy.rollout.max_new_tokens=6")
@@ -61,12 +61,12 @@ def test_rollouter_process_crash_is_accounted_and_raised(train, tmp_path, monkey
 
 
 def test_async_training_with_the_synchronous_trainer_is_refused(train, tmp_path):
-    with pytest.raises(AssemblyError, match="async_training.enabled"):
+    with pytest.raises(ConfigError, match="async_training.enabled"):
         train("grpo_dense_bf16.yaml", tmp_path, "async_training.enabled=true", *FAST)
 
 
 def test_async_keys_without_async_training_are_refused(train, tmp_path):
-    with pytest.raises(AssemblyError, match="async_training.staleness_threshold"):
+    with pytest.raises(ConfigError, match="async_training.staleness_threshold"):
         train("grpo_dense_bf16.yaml", tmp_path, "async_training.staleness_threshold=0.5", *FAST)
-    with pytest.raises(AssemblyError, match="trainer.name"):
+    with pytest.raises(ConfigError, match="trainer.name"):
         train("grpo_async_stale.yaml", tmp_path, "async_training.enabled=false", *FAST)

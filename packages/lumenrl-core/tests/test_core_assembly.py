@@ -274,14 +274,6 @@ def test_partial_rollout_needs_interrupt_resume_and_async(cfg, reg):
     plan_run(cfg, registry=reg)
 
 
-def test_async_trainer_needs_the_async_capability_and_enabled(cfg, reg):
-    cfg.trainer.name = "async_rl"
-    assert "needs async_training.enabled=true" in only(cfg, reg)
-    cfg.async_training.enabled, cfg.trainer.name = False, "rl"
-    cfg.async_training.require_batches = 2
-    assert "async_training.require_batches=2: has no effect unless" in only(cfg, reg)
-
-
 def test_sddd_trainer_needs_hidden_state_capture(cfg, reg):
     cfg.trainer.name, cfg.policy.rollout_engine = "sddd", "hf"
     assert "lacks capability 'hidden_state_capture' required by trainer.name='sddd'" in only(cfg, reg)

@@ -136,17 +136,6 @@ def config_violations(cfg: RunConfig) -> list[Violation]:
     if a.partial_rollout and not a.enabled:
         out.append(Violation("async_training.partial_rollout", True,
                              "partial rollout only exists in async training; set async_training.enabled=true"))
-    if not a.enabled:
-        from lumenrl_core.config.schema import AsyncTrainingConfig
-
-        default = AsyncTrainingConfig()
-        for key in ("staleness_threshold", "trigger_parameter_sync_step", "require_batches", "queue_size",
-                    "recompute_proximal_log_probs"):
-            if getattr(a, key) != getattr(default, key):
-                out.append(Violation(f"async_training.{key}", getattr(a, key),
-                                     "has no effect unless async_training.enabled=true (trainer.name=async_rl)"))
-    if cfg.trainer.name == "async_rl" and not a.enabled:
-        out.append(Violation("trainer.name", "async_rl", "needs async_training.enabled=true"))
     if cfg.reward.function:
         problem = check_reward_function(cfg.reward.function)
         if problem:
