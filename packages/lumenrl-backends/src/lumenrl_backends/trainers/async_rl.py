@@ -187,6 +187,25 @@ class AsyncRLTrainer(RLTrainer):
         self.queue.check()
         self.parts.announce(f"async ledger: {_fmt_ledger(self.queue.metrics())}")
 
+    def _evaluate(self) -> dict[str, float]:
+        """Greedy eval on this process's engine with the newest published weights: in thread mode
+        the rollouter is interrupted and paused meanwhile (its in-flight rows resume after)."""
+        if self.parts.evaluator is None:
+            return {}
+        engine = self.parts.engine
+        if self._rollouter is None:
+            if self.process_mode and self.published is not None:  # this engine serves eval only
+                from lumenrl_backends.trainers.sync import sync_weights
+
+                sync_weights(self.parts.actor[0].backend, engine, self.published,
+                             bucket_size_mb=self.config.weight_sync.bucket_size_mb)
+            return super()._evaluate()
+        engine.interrupt()
+        with self._rollouter.lock:
+            engine.resume()
+            load_newest(self.weight_sync, engine)
+            return super()._evaluate()
+
     def rollouter_stats(self) -> dict[str, float]:
         if self._channel is not None:
             return self._channel.read_stats()
@@ -221,7 +240,7 @@ class AsyncRLTrainer(RLTrainer):
         self._log_probs(batch, timer)
         metrics.update(_mismatch_metrics(batch))
         metrics.update(self._update(batch, timer))
-        if step % self.sync_step == 0:
+        if step % self.sync_step == 0 or step == self.total_steps:  # the last step too: eval sees it
             metrics.update(self._sync(step))
         self.queue.check()
         self._samples_trained += len(batch)

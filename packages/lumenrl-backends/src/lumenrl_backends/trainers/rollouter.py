@@ -117,6 +117,7 @@ class Rollouter:
                       "samples": 0, "tokens": 0}
         self._call_rows = 0
         self._interrupt_reason: str | None = None
+        self.lock = threading.Lock()  # held while this rollouter uses the engine (others: interrupt, then take it)
 
     # ------------------------------------------------------------------ windows
     def _maybe_new_window(self) -> None:
@@ -181,6 +182,10 @@ class Rollouter:
 
     def step(self) -> bool:
         """One generate call (or nothing to do); returns whether work was done."""
+        with self.lock:
+            return self._step()
+
+    def _step(self) -> bool:
         self._maybe_new_window()
         batch = self._call_batch()
         if batch is None:
