@@ -72,6 +72,7 @@ def reg() -> PluginRegistry:
     add("controllers", "local", plugin("Local"))
     add("trainers", "rl", Trainer)
     add("trainers", "sddd", plugin("SDDDTrainer"))
+    add("trainers", "async_rl", plugin("AsyncRL", {"async"}))
     add("weight_syncs", "inprocess", plugin("InProc"))
     add("loggers", "jsonl", plugin("Jsonl"))
     add("quant_schemes", "fp8_block", plugin("Fp8Block"))
@@ -268,6 +269,8 @@ def test_partial_rollout_needs_interrupt_resume_and_async(cfg, reg):
     assert found[0].startswith("async_training.partial_rollout=True: partial rollout only exists in async")
     assert "lacks capability 'interrupt_resume' required by async_training.partial_rollout=True" in found[1]
     cfg.async_training.enabled, cfg.policy.rollout_engine = True, "native"
+    assert "trainer lacks capability 'async' required by async_training.enabled=True" in only(cfg, reg)
+    cfg.trainer.name = "async_rl"
     plan_run(cfg, registry=reg)
 
 

@@ -42,7 +42,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "eval/response_length_mean")),
     ("truncation (clip_ratio: hit max_new_tokens)", ("response_length/clip_ratio", "response_length/stop_frac")),
     ("grad norm", ("*/grad_norm",)),
-    ("throughput (tokens/s)", ("perf/*tokens_per_s",)),
+    ("throughput (tokens/s, samples/s)", ("perf/*tokens_per_s", "perf/samples_per_s")),
     ("seconds per phase", ("timing/*", "perf/step_s")),
     ("losses", ("actor/pg_loss", "critic/vf_loss", "actor/*loss*", "sft/loss")),
     ("MoE routing", ("moe/*",)),

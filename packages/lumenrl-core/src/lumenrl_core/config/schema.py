@@ -262,12 +262,15 @@ class WeightSyncConfig:
 
 @dataclass(kw_only=True, slots=True)
 class AsyncTrainingConfig:
+    # Read by trainer.name=async_rl (docs/decisions/0012-async-rl.md); with trainer.name=rl,
+    # enabled=true is refused by assembly.
     enabled: bool = False
-    staleness_threshold: float = 0.0
-    trigger_parameter_sync_step: int = 1
-    require_batches: int = 1
-    partial_rollout: bool = False
-    queue_size: int = 0  # 0: derived from the staleness bound
+    staleness_threshold: float = field(default=0.0, metadata={"ge": 0})  # extra window fraction produced ahead
+    trigger_parameter_sync_step: int = field(default=1, metadata={"ge": 1})  # local updates per weight sync
+    require_batches: int = field(default=1, metadata={"ge": 1})  # mini-batches per local update
+    partial_rollout: bool = False  # interrupt in-flight sequences at a sync, resume under the new weights
+    queue_size: int = field(default=0, metadata={"ge": 0})  # samples; 0: window capacity + one window
+    recompute_proximal_log_probs: bool = True  # decoupled PPO: old_log_probs = current policy before update
 
 
 @dataclass(kw_only=True, slots=True)
