@@ -98,6 +98,18 @@ ENTRIES: tuple[Entry, ...] = (
           suites=("gpu", "quant", "rollout"), numbers=("kl_before_tis", "kl_after_tis"),
           goal="KL(FP8 rollout || train) after TIS <= 1e-3 (trained 8B-shaped model)", metric="kl_after_tis",
           bound="<= 1e-3"),
+    # exact (batch-invariant) log-probs: the cost of bitwise on-policy RL
+    Entry(name="exact_decode", target="benchmarks.exact.bench_exact:run", suites=("gpu", "rollout", "exact"),
+          numbers=("decode_ratio_exact_over_default", "train_ratio_exact_over_default", "logprob_max_abs_diff_decode"),
+          goal="exact-logprobs decode >= 0.8x the default fast path (8B, batch 64)",
+          metric="decode_ratio_exact_over_default", bound=">= 0.8"),
+    # fully asynchronous RL under long-tail response lengths
+    Entry(name="async_long_tail", target="benchmarks.async_rl.long_tail:bench", suites=("async_rl",),
+          numbers=("sync/samples_per_s", "partial/samples_per_s", "partial/speedup_vs_sync"), device="cpu"),
+    Entry(name="async_long_tail_gpu", target="benchmarks.async_rl.long_tail:bench_gpu", suites=("gpu", "async_rl"),
+          numbers=("sync/samples_per_s", "partial/samples_per_s", "partial/speedup_vs_sync"),
+          goal="async + partial rollout >= 2.0x synchronous samples/s (one H200, long-tail lengths)",
+          metric="partial/speedup_vs_sync", bound=">= 2.0"),
 )
 
 
