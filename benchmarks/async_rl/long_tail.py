@@ -84,7 +84,7 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
 
 def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = None) -> dict:
     """``fn(smoke) -> dict``: samples/s and time to N steps per mode, and each speed-up vs sync."""
-    if gpu:
+    if gpu and not smoke:
         shape = {"steps": 8, "prompts": 32, "n": 8, "median": 64}
         extra: tuple[str, ...] = ("cluster.device=cuda", "trainer.warm_start_sft_steps=50")
     elif smoke:
