@@ -170,9 +170,21 @@ def _check_mask_band(cfg: s.RolloutCorrectionConfig, key: str, source: Callable[
         )
 
 
+def _check_controller(cfg: s.ControllerConfig, key: str, source: Callable[[str], str | None]) -> None:
+    """The original LumenRL key ``controller.ray.enabled: true`` selects the Ray controller."""
+    if not cfg.ray.enabled:
+        return
+    if cfg.name not in ("local", "ray"):
+        k = join_key(key, "ray.enabled")
+        raise ConfigError(k, True, problem=f"contradicts controller.name={cfg.name!r}; "
+                          "allowed: controller.name=ray (or local, which ray.enabled turns into ray)", source=source(k))
+    cfg.name = "ray"
+
+
 CROSS_CHECKS: dict[type, Callable[[Any, str, Callable[[str], str | None]], None]] = {
     s.OptimConfig: _check_betas,
     s.RolloutCorrectionConfig: _check_mask_band,
+    s.ControllerConfig: _check_controller,
 }
 
 
