@@ -28,6 +28,8 @@ from lumenrl_backends.controllers.worker_group import WorkerGroup
 
 __all__ = ["RayController", "WorkerDiedError", "Pending"]
 
+_PASSED_ENV = ("LUMENRL_CACHE", "HF_HOME", "TRITON_INTERPRET")
+
 
 class WorkerDiedError(RuntimeError):
     """A worker of a group died during a call (the message names role, rank and method)."""
@@ -75,6 +77,7 @@ class RayController:
         self.rollout_workers = rollout_workers or num_workers
         self.release_rollout_memory = release_rollout_memory
         self.placement_strategy = placement_strategy
+        self._placement_groups: list[Any] = []
         if not ray.is_initialized():
             ray.init(address=address or None, ignore_reinit_error=True)
 
@@ -99,6 +102,7 @@ class RayController:
         bundle = {"CPU": self.num_cpus_per_worker, **({"GPU": gpus} if gpus else {})}
         pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy or self.placement_strategy)
         self.ray.get(pg.ready(), timeout=300)
+        self._placement_groups.append(pg)
         return pg
 
     def _options(self, pg: Any, rank: int, gpus: float) -> dict[str, Any]:
@@ -110,8 +114,12 @@ class RayController:
 
     def _rank_env(self, world_size: int, gpus: float, addr: str, port: int) -> list[dict[str, str]]:
         # Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPU(s): local rank 0 inside the actor
-        return [{"WORLD_SIZE": str(world_size), "MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(r),
-                 "LOCAL_RANK": "0" if gpus else str(r), "OMP_NUM_THREADS": "1"} for r in range(world_size)]
+        import os
+
+        shared = {k: os.environ[k] for k in _PASSED_ENV if k in os.environ}  # e.g. the driver's model cache
+        return [{**shared, "WORLD_SIZE": str(world_size), "MASTER_ADDR": addr, "MASTER_PORT": str(port),
+                 "RANK": str(r), "LOCAL_RANK": "0" if gpus else str(r), "OMP_NUM_THREADS": "1"}
+                for r in range(world_size)]
 
     def _master(self, pg: Any) -> tuple[str, int]:
         """An address and free port on the node of bundle 0 (where rank 0 will run)."""
@@ -184,10 +192,14 @@ class RayController:
         return self.wait(self.submit(group, method, *args, dispatch=dispatch, **kwargs))
 
     def shutdown(self, *groups: WorkerGroup) -> None:
-        """Kill the groups' actors (their processes exit)."""
+        """Kill the groups' actors (their processes exit) and release this controller's placement groups."""
+        from ray.util.placement_group import remove_placement_group
+
         for group in groups:
             for actor in group.workers:
                 self.ray.kill(actor)
+        while self._placement_groups:
+            remove_placement_group(self._placement_groups.pop())
 
 
 def _node_address_and_port() -> tuple[str, int]:

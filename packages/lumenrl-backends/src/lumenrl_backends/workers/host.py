@@ -61,6 +61,12 @@ class RoleHost:
         return sync_weights(self.roles["actor"].backend, self.roles["rollout"].engine, version,
                             bucket_size_mb=bucket_size_mb)
 
+    def free_address(self) -> tuple[str, int]:
+        """This node's address and a free port (the weight channel's store runs here)."""
+        from lumenrl_backends.controllers.ray import _node_address_and_port
+
+        return _node_address_and_port()
+
     def open_channel(self, host: str, port: int, member: int, size: int) -> None:
         """Join the weight channel as ``member`` (0: training rank 0; 1..R: rollout replicas)."""
         from lumenrl_backends.sync.channel import WeightChannel
