@@ -138,8 +138,10 @@ def ray_roles(plan: Any, model_path: str) -> Roles:
             return controller.call(train, "sync_local", version, bucket, dispatch="one_to_all")[0]
     else:
         sync = _channel_sync(controller, train, rollout_hosts, bucket)
+    nodes = {info["node_id"] for pool in pools for info in controller.call(pool, "info", dispatch="one_to_all")}
     client = GroupRollout(controller.view(rollout_hosts, "rollout", RolloutWorker),
-                          release=controller.colocate and controller.release_rollout_memory)
+                          release=controller.colocate and controller.release_rollout_memory,
+                          dispatch=cfg.controller.ray.roles.get("rollout", {}).get("dispatch_mode", "dp_compute_proto"))
     return Roles(
         actor=controller.view(train, "actor", ActorWorker),
         ref=controller.view(train, "ref", RefWorker) if _needs_reference(cfg) else None,
@@ -147,7 +149,7 @@ def ray_roles(plan: Any, model_path: str) -> Roles:
         engine=client, tokenizer=load_tokenizer(cfg, model_path), sync=sync,
         release_rollout=client.release_memory, close=lambda: controller.shutdown(*pools),
         placement={"controller": "ray", "colocate": controller.colocate, "train_ranks": train.world_size,
-                   "rollout_replicas": rollout_hosts.world_size},
+                   "rollout_replicas": rollout_hosts.world_size, "nodes": len(nodes)},
     )
 
 

@@ -114,9 +114,10 @@ class RolloutWorker:
 class GroupRollout:
     """Data-parallel rollout over a worker group of :class:`RolloutWorker` (any controller)."""
 
-    def __init__(self, group: Any, *, release: bool = False) -> None:
+    def __init__(self, group: Any, *, release: bool = False, dispatch: str = "dp_compute_proto") -> None:
         self.group = group
         self.release = release
+        self.dispatch = dispatch  # controller.ray.roles.rollout.dispatch_mode: dp_compute_proto or rank_zero
 
     @property
     def replicas(self) -> int:
@@ -125,7 +126,7 @@ class GroupRollout:
     def generate(self, batch: DataProto, sampling: Mapping[str, Any]) -> DataProto:
         params = dict(sampling)
         rows = with_row_seeds(batch, params.get("seed"))
-        return trim_responses(self.group.call("generate", rows, params))
+        return trim_responses(self.group.call("generate", rows, params, dispatch=self.dispatch))
 
     def release_memory(self) -> dict[str, float]:
         if not self.release:

@@ -272,6 +272,9 @@ class RayConfig:
     num_gpus_per_worker: float = field(default=0.0, metadata={"ge": 0})  # 0: CPU actors (gloo)
     placement_strategy: str = field(default="PACK", metadata=choices("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
     release_rollout_memory: bool = True  # colocated: free the engine KV cache while training runs
+    # per-role groups (original LumenRL: controller.ray.<role>.{dispatch_mode, num_workers}); roles
+    # actor/ref/critic/rollout; checked and normalized at load (config/rules.py _check_ray_roles)
+    roles: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)
