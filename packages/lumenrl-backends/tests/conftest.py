@@ -13,10 +13,11 @@ os.environ.setdefault("RAY_agent_register_timeout_ms", "300000")  # slow agent s
 
 
 def _start_cluster(node: dict):
-    try:
-        cluster = _start_cluster(node)
-    except Exception:  # Ray gives a raylet 30 s to register: a loaded machine can miss that once
-        cluster = _start_cluster(node)
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    cluster.add_node(**node)
+    cluster.wait_for_nodes()
     return cluster
 
 

@@ -74,9 +74,10 @@ def test_killed_actor_names_role_and_rank_and_the_run_resumes(reference, tmp_pat
     release = t.parts.release_rollout
 
     def kill_in_step_two() -> dict:  # mid-step: after generation, before the training phases
+        out = release()
         if t.step == 1:
             ray.kill(t.parts.actor[0], no_restart=True)
-        return release()
+        return out
 
     t.parts.release_rollout = kill_in_step_two
     with pytest.raises(WorkerDiedError, match=r"'actor' rank 0 died during 'compute_log_prob'"):
