@@ -78,6 +78,9 @@ def local_roles(plan: Any, model_path: str) -> Roles:
 
     cfg, cls = plan.config, plan.training_backend_cls
     controller = plan.controller_cls.from_config(cfg)
+    if cfg.cluster.num_nodes > 1 and dist_utils.world_size() == 1:
+        raise RuntimeError(f"cluster.num_nodes={cfg.cluster.num_nodes} with one process: launch with torchrun "
+                           "--nnodes (controller.name=local) or use controller.name=ray (scripts/launch_slurm.sh)")
 
     def group(worker_cls: type, path: str) -> WorkerGroup:
         worker = worker_cls.from_config(cfg, model_path=path, backend_cls=cls)
@@ -118,6 +121,7 @@ def ray_roles(plan: Any, model_path: str) -> Roles:
     if not hasattr(controller, "hosts"):
         raise TypeError(f"controller {cfg.controller.name!r} cannot place roles in worker processes")
     threads = cfg.trainer.cpu_threads
+    _check_nodes(controller, cfg.cluster.num_nodes)
     train = controller.hosts(controller.num_workers, name="train", cpu_threads=threads)
     pools = [train]
     backend = {"backend_cls": plan.training_backend_cls}
@@ -151,6 +155,14 @@ def ray_roles(plan: Any, model_path: str) -> Roles:
         placement={"controller": "ray", "colocate": controller.colocate, "train_ranks": train.world_size,
                    "rollout_replicas": rollout_hosts.world_size, "nodes": len(nodes)},
     )
+
+
+def _check_nodes(controller: Any, wanted: int) -> None:
+    """``cluster.num_nodes``: the Ray cluster must have that many live nodes."""
+    alive = sum(1 for node in controller.ray.nodes() if node.get("Alive"))
+    if alive < wanted:
+        raise RuntimeError(f"cluster.num_nodes={wanted} but the Ray cluster has {alive} live node(s); "
+                           "start the workers first (scripts/launch_slurm.sh waits for them)")
 
 
 def _channel_sync(controller: Any, train: WorkerGroup, rollout: WorkerGroup, bucket: int):

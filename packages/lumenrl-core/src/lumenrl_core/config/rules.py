@@ -105,7 +105,7 @@ RULES: dict[type, dict[str, Range]] = {
         "extreme_tau": Range(ge=1),
     },
     s.MoEConfig: {"expert_parallel_size": POSITIVE},
-    s.CriticConfig: {"cliprange_value": NON_NEGATIVE, "value_loss_coef": NON_NEGATIVE},
+    s.CriticConfig: {"cliprange_value": STRICTLY_POSITIVE, "value_loss_coef": NON_NEGATIVE},
     s.CheckpointingConfig: {"save_every": NON_NEGATIVE, "keep_last": NON_NEGATIVE},
     s.LoggerConfig: {"log_every": POSITIVE},
     s.WeightSyncConfig: {"bucket_size_mb": POSITIVE},
@@ -210,21 +210,9 @@ def _check_ray_roles(cfg: s.RayConfig, key: str, source: Callable[[str], str | N
                                   allowed=str(want), source=source(nk))
 
 
-def _check_controller(cfg: s.ControllerConfig, key: str, source: Callable[[str], str | None]) -> None:
-    """The original LumenRL key ``controller.ray.enabled: true`` selects the Ray controller."""
-    if not cfg.ray.enabled:
-        return
-    if cfg.name not in ("local", "ray"):
-        k = join_key(key, "ray.enabled")
-        raise ConfigError(k, True, problem=f"contradicts controller.name={cfg.name!r}; "
-                          "allowed: controller.name=ray (or local, which ray.enabled turns into ray)", source=source(k))
-    cfg.name = "ray"
-
-
 CROSS_CHECKS: dict[type, Callable[[Any, str, Callable[[str], str | None]], None]] = {
     s.OptimConfig: _check_betas,
     s.RolloutCorrectionConfig: _check_mask_band,
-    s.ControllerConfig: _check_controller,
     s.RayConfig: _check_ray_roles,
 }
 
