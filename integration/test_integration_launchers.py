@@ -105,3 +105,14 @@ def test_single_node_launcher_runs_the_driver_and_stops_ray(stubs):
     assert lines[0].startswith("ray start --head --node-ip-address=127.0.0.1 --port=6380")
     assert lines[1] == f"driver --config {CONFIG} controller.name=ray controller.ray.address=127.0.0.1:6380 seed=3"
     assert lines[2] == "ray stop --force"
+
+
+def test_ray_recipe_loads_with_the_original_keys():
+    from lumenrl_core.config import load_config
+
+    cfg = load_config(REPO / "configs" / "recipes" / "ray_controller_dispatch_modes_1n8g.yaml")
+    assert cfg.controller.name == "ray"  # controller.ray.enabled: true
+    assert cfg.controller.ray.num_workers == 8 and cfg.controller.ray.roles["rollout"]["dispatch_mode"] == "dp_compute_proto"
+    legacy = load_config(REPO / "configs" / "recipes" / "ray_controller_dispatch_modes_1n8g.yaml",
+                         ["controller.ray.rollout.dispatch_mode=rank_zero"])  # original per-role key layout
+    assert legacy.controller.ray.roles["rollout"]["dispatch_mode"] == "rank_zero"
