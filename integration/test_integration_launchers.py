@@ -110,9 +110,9 @@ def test_single_node_launcher_runs_the_driver_and_stops_ray(stubs):
 def test_ray_recipe_loads_with_the_original_keys():
     from lumenrl_core.config import load_config
 
-    cfg = load_config(REPO / "configs" / "recipes" / "ray_controller_dispatch_modes_1n8g.yaml")
+    cfg = load_config(REPO / "configs" / "recipes" / "ray_controller_dispatch_modes_1n8g.yaml", machine=False)  # a GPU preset
     assert cfg.controller.name == "ray"  # controller.ray.enabled: true
     assert cfg.controller.ray.num_workers == 8 and cfg.controller.ray.roles["rollout"]["dispatch_mode"] == "dp_compute_proto"
     legacy = load_config(REPO / "configs" / "recipes" / "ray_controller_dispatch_modes_1n8g.yaml",
-                         ["controller.ray.rollout.dispatch_mode=rank_zero"])  # original per-role key layout
+                         ["controller.ray.rollout.dispatch_mode=rank_zero"], machine=False)  # original per-role layout
     assert legacy.controller.ray.roles["rollout"]["dispatch_mode"] == "rank_zero"
