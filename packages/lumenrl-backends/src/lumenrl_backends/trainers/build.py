@@ -22,8 +22,8 @@ import torch
 from lumenrl_backends.models import is_builtin, resolve_model_path
 from lumenrl_backends.trainers.data import EVAL_TASK_SEED, make_loader, split_records
 from lumenrl_backends.trainers.evaluation import Evaluator
-from lumenrl_backends.trainers.placement import local_roles, ray_roles
 from lumenrl_backends.trainers.outputs import write_run_record
+from lumenrl_backends.trainers.placement import local_roles, ray_roles
 from lumenrl_backends.trainers.scoring import Scorer
 from lumenrl_backends.training import distributed as dist_utils
 
