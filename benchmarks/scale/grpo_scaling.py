@@ -55,7 +55,8 @@ def run(smoke: bool) -> dict[str, Any]:
     prompts, new_tokens, steps = (16, 256, 3) if gpu else (2, 8, 1)
     started = not ray.is_initialized()
     if started:
-        ray.init(include_dashboard=False, **({} if gpu else {"num_cpus": 4}))
+        # "local": a fresh instance even when another Ray runs on this machine
+        ray.init(address="local", include_dashboard=False, **({} if gpu else {"num_cpus": 4}))
     tmp = tempfile.TemporaryDirectory()
     try:
         model = "lumenrl:tiny-qwen3-arith"
