@@ -110,6 +110,13 @@ ENTRIES: tuple[Entry, ...] = (
           numbers=("sync/samples_per_s", "partial/samples_per_s", "partial/speedup_vs_sync"),
           goal="async + partial rollout >= 2.0x synchronous samples/s (one H200, long-tail lengths)",
           metric="partial/speedup_vs_sync", bound=">= 2.0"),
+    # scale-out: data-parallel rollout and the GRPO step over ranks
+    Entry(name="rollout_dp", target="benchmarks.scale.rollout_dp:run", suites=("scale",),
+          numbers=("tok_s_1proc", "tok_s_2proc", "speedup_2proc"), device="cpu"),
+    Entry(name="grpo_scaling", target="benchmarks.scale.grpo_scaling:run", suites=("scale",),
+          numbers=("step_s_1", "efficiency_2"),
+          goal="GRPO step (rollout + training) scaling efficiency at 8 GPUs (1.7B shape)",
+          metric="efficiency_8", bound=">= 0.85"),
 )
 
 
