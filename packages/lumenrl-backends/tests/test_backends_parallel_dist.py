@@ -1,4 +1,5 @@
-"""Tensor + sequence parallel (composed with FSDP2) on gloo ranks == one rank, in float32.
+"""Tensor + sequence parallel and Ulysses context parallel (composed with FSDP2) on gloo ranks
+== one rank, in float32.
 
 One spawned process group per world size checks several families/meshes: loss, log-probs and
 every parameter gradient (full tensors) against an unsharded copy of the same model.
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.models.tiny import tiny_config
+from lumenrl_backends.training.context_parallel import enable_ulysses, shard_sequence
 from lumenrl_backends.training.parallelize import MeshDims, build_mesh, check_tp, parallelize
 
 V = 64
@@ -67,13 +69,46 @@ def _check(family: str, tp: int, world: int, rank: int, **over) -> None:
         assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), (family, tp, name)
 
 
+def _check_cp(family: str, world: int, rank: int, **over) -> None:
+    """Ulysses over all ranks (cp = world), FSDP2 over the same ranks (torchtitan's dp_shard_cp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ref = _model(family, **over)
+    par = enable_ulysses(copy.deepcopy(ref), None, world)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
+    for layer in par.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(par, mesh=mesh)
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(2))
+    loss_ref, lp_ref = _loss_and_logprobs(ref, ids)
+    loss_ref.backward()
+    local, positions = shard_sequence(ids, rank, world)
+    chunk = local.shape[1]
+    logits = par(input_ids=local, position_ids=positions).logits  # (B, S/cp, V)
+    targets = ids[:, rank * chunk + 1 : (rank + 1) * chunk + 1]  # next tokens; the last chunk has one fewer
+    logp = torch.log_softmax(logits[:, : targets.shape[1]], -1).gather(-1, targets[..., None]).squeeze(-1)
+    count = ids.shape[0] * (ids.shape[1] - 1)
+    (-logp.sum() / count * world).backward()  # FSDP2 averages over the world: the sum of the local terms
+    total = -logp.detach().sum() / count
+    torch.distributed.all_reduce(total)
+    assert torch.allclose(total, loss_ref, rtol=1e-5), (family, "cp", float(total), float(loss_ref))
+    assert torch.allclose(logp.detach(), lp_ref[:, rank * chunk : rank * chunk + targets.shape[1]], atol=1e-5)
+    ref_grads = _grads(ref)
+    for name, g in _grads(par).items():
+        assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), (family, "cp", name)
+
+
 def _worker(rank: int, world: int, port: int, cases: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
     try:
         for family, tp, over in cases:
-            _check(family, tp, world, rank, **over)
+            if tp == "cp":
+                _check_cp(family, world, rank, **over)
+            else:
+                _check(family, tp, world, rank, **over)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -90,7 +125,7 @@ def _spawn(request, monkeypatch, world: int, cases: list) -> None:
 
 
 def test_tp_sp_two_ranks_match_one_rank(request, monkeypatch):
-    _spawn(request, monkeypatch, 2, [("qwen3", 2, {}), ("llama", 2, {})])
+    _spawn(request, monkeypatch, 2, [("qwen3", 2, {}), ("llama", 2, {}), ("qwen3", "cp", {}), ("llama", "cp", {})])
 
 
 def test_tp_sp_with_fsdp_four_ranks_match_one_rank(request, monkeypatch):
