@@ -1,5 +1,5 @@
-"""Tensor + sequence parallel and Ulysses context parallel (composed with FSDP2) on gloo ranks
-== one rank, in float32.
+"""Tensor + sequence parallel, Ulysses context parallel (composed with FSDP2) and expert parallel
+on gloo ranks == one rank, in float32.
 
 One spawned process group per world size checks several families/meshes: loss, log-probs and
 every parameter gradient (full tensors) against an unsharded copy of the same model.
@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.models.tiny import tiny_config
 from lumenrl_backends.training.context_parallel import enable_ulysses, shard_sequence
+from lumenrl_backends.training.expert_parallel import apply_expert_parallel
 from lumenrl_backends.training.parallelize import MeshDims, build_mesh, check_tp, parallelize
 
 V = 64
@@ -99,13 +100,44 @@ def _check_cp(family: str, world: int, rank: int, **over) -> None:
         assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), (family, "cp", name)
 
 
+def _check_ep(family: str, world: int, rank: int, **over) -> None:
+    """ep = world: each rank owns E/ep experts and its own rows; tokens travel by all-to-all."""
+    ref = _model(family, **over)
+    par = apply_expert_parallel(copy.deepcopy(ref), None, world, rank)
+    ids = torch.randint(0, V, (2 * world, 10), generator=torch.Generator().manual_seed(3))
+    loss_ref, lp_ref = _loss_and_logprobs(ref, ids)
+    loss_ref.backward()
+    rows = ids.shape[0] // world
+    loss, lp = _loss_and_logprobs(par, ids[rank * rows : (rank + 1) * rows])
+    (loss / world).backward()  # equal rows per rank: the full-batch mean is the mean of the local means
+    total = loss.detach() / world
+    torch.distributed.all_reduce(total)
+    assert torch.allclose(total, loss_ref, rtol=1e-5), (family, "ep", float(total), float(loss_ref))
+    assert torch.allclose(lp, lp_ref[rank * rows : (rank + 1) * rows], atol=1e-5), (family, "ep")
+    ref_grads, local = _grads(ref), dict(par.named_parameters())
+    expert_names = [n for n in local if ".experts." in n]
+    assert expert_names
+    for name, p in local.items():
+        g = p.grad
+        if name in expert_names:  # this rank's slice of the experts
+            n = g.shape[0]
+            expected = ref_grads[name][rank * n : (rank + 1) * n]
+        else:  # replicated: the data-parallel sum
+            g = g.clone()
+            torch.distributed.all_reduce(g)
+            expected = ref_grads[name]
+        assert torch.allclose(g, expected, rtol=1e-4, atol=1e-6), (family, "ep", name)
+
+
 def _worker(rank: int, world: int, port: int, cases: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
     try:
         for family, tp, over in cases:
-            if tp == "cp":
+            if tp == "ep":
+                _check_ep(family, world, rank, **over)
+            elif tp == "cp":
                 _check_cp(family, world, rank, **over)
             else:
                 _check(family, tp, world, rank, **over)
@@ -125,12 +157,13 @@ def _spawn(request, monkeypatch, world: int, cases: list) -> None:
 
 
 def test_tp_sp_two_ranks_match_one_rank(request, monkeypatch):
-    _spawn(request, monkeypatch, 2, [("qwen3", 2, {}), ("llama", 2, {}), ("qwen3", "cp", {}), ("llama", "cp", {})])
+    _spawn(request, monkeypatch, 2, [("qwen3", 2, {}), ("llama", 2, {}), ("qwen3", "cp", {}), ("llama", "cp", {}),
+                                      ("qwen3_moe", "ep", {})])
 
 
 def test_tp_sp_with_fsdp_four_ranks_match_one_rank(request, monkeypatch):
     # 2 (dp_shard) x 2 (tp) for qwen3; pure tp=4 for llama (4 KV heads)
-    _spawn(request, monkeypatch, 4, [("qwen3", 2, {}), ("llama", 4, {"kv": 4})])
+    _spawn(request, monkeypatch, 4, [("qwen3", 2, {}), ("llama", 4, {"kv": 4}), ("mixtral", "ep", {})])
 
 
 def test_tp_refusals_name_the_numbers():
