@@ -156,13 +156,13 @@ def _spawn(request, monkeypatch, world: int, cases: list) -> None:
     mp.spawn(_worker, args=(world, _free_port(), cases), nprocs=world, join=True)
 
 
-def test_tp_sp_two_ranks_match_one_rank(request, monkeypatch):
+def test_two_ranks_tp_sp_cp_ep_match_one_rank(request, monkeypatch):
     _spawn(request, monkeypatch, 2, [("qwen3", 2, {}), ("llama", 2, {}), ("qwen3", "cp", {}), ("llama", "cp", {}),
                                       ("qwen3_moe", "ep", {})])
 
 
-def test_tp_sp_with_fsdp_four_ranks_match_one_rank(request, monkeypatch):
-    # 2 (dp_shard) x 2 (tp) for qwen3; pure tp=4 for llama (4 KV heads)
+def test_four_ranks_fsdp_tp_and_ep_match_one_rank(request, monkeypatch):
+    # 2 (dp_shard) x 2 (tp) for qwen3; pure tp=4 for llama (4 KV heads); ep=4 for mixtral (1 expert per rank)
     _spawn(request, monkeypatch, 4, [("qwen3", 2, {}), ("llama", 4, {"kv": 4}), ("mixtral", "ep", {})])
 
 

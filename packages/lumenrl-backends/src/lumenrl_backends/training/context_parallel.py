@@ -9,7 +9,7 @@ the registered attention function ``lumenrl_ulysses`` exchanges with one all-to-
 
 (and k, v likewise with the KV heads), runs causal SDPA on whole sequences with H/cp heads, and
 exchanges the output back to ``(B, S_l, H, D)``. Both all-to-alls are differentiable
-(``torch.distributed.nn.functional.all_to_all_single``): the backward is the inverse exchange.
+(``_functional_collectives.all_to_all_single_autograd``): the backward is the inverse exchange.
 Parameters are replicated over cp; their gradients are summed over the cp ranks by FSDP2 when cp
 is part of the sharding dim (torchtitan's ``dp_shard_cp``), or by the caller.
 
@@ -31,23 +31,27 @@ __all__ = ["ATTENTION_NAME", "enable_ulysses", "shard_sequence"]
 ATTENTION_NAME = "lumenrl_ulysses"
 
 
+def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable equal-split all-to-all along dim 0 (its backward is the inverse exchange)."""
+    import torch.distributed._functional_collectives as funcol
+
+    out = funcol.all_to_all_single_autograd(send, None, None, group or torch.distributed.group.WORLD)
+    return funcol.wait_tensor(out)
+
+
 def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     """(B, H, S_l, D) on each rank -> (B, H/cp, cp*S_l, D): rank r keeps head block r, all chunks."""
-    from torch.distributed.nn.functional import all_to_all_single
-
     b, h, s, d = x.shape
     send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # (cp, B, H/cp, S_l, D)
-    recv = all_to_all_single(torch.empty_like(send), send, group=group)  # [src chunk] (cp, B, H/cp, S_l, D)
+    recv = _all_to_all(send, group)  # [src chunk] (cp, B, H/cp, S_l, D)
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
 
 
 def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     """(B, H/cp, S, D) -> (B, H, S/cp, D): the inverse of :func:`_seq_to_heads`."""
-    from torch.distributed.nn.functional import all_to_all_single
-
     b, hl, s, d = x.shape
     send = x.reshape(b, hl, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # (cp, B, H/cp, S_l, D)
-    recv = all_to_all_single(torch.empty_like(send), send, group=group)  # [src head block]
+    recv = _all_to_all(send, group)  # [src head block]
     return recv.transpose(0, 1).reshape(b, cp * hl, s // cp, d)
 
 

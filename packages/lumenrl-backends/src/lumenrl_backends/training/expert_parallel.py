@@ -30,10 +30,11 @@ __all__ = ["ExpertParallelExperts", "apply_expert_parallel"]
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_to_all_single
+    """Differentiable uneven all-to-all of rows: ``send[r]`` rows to rank r, ``recv[r]`` from it."""
+    import torch.distributed._functional_collectives as funcol
 
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    return all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    out = funcol.all_to_all_single_autograd(x.contiguous(), recv, send, group or torch.distributed.group.WORLD)
+    return funcol.wait_tensor(out)
 
 
 class ExpertParallelExperts(nn.Module):
