@@ -110,6 +110,9 @@ ENTRIES: tuple[Entry, ...] = (
           numbers=("sync/samples_per_s", "partial/samples_per_s", "partial/speedup_vs_sync"),
           goal="async + partial rollout >= 2.0x synchronous samples/s (one H200, long-tail lengths)",
           metric="partial/speedup_vs_sync", bound=">= 2.0"),
+    # model parallelism: FSDP2 x TP+SP mesh (needs >= 2 GPUs: not in the 1-GPU "gpu" suite)
+    Entry(name="tp_train", target="benchmarks.parallel.bench_tp:run", suites=("parallel",),
+          numbers=("tp1_train_tok_s", "tp2_train_tok_s", "tp2_prefill_tok_s")),
 )
 
 
