@@ -117,6 +117,12 @@ ENTRIES: tuple[Entry, ...] = (
           numbers=("step_s_1", "efficiency_2"),
           goal="GRPO step (rollout + training) scaling efficiency at 8 GPUs (1.7B shape)",
           metric="efficiency_8", bound=">= 0.85"),
+    # model parallelism: FSDP2 x TP+SP mesh (needs >= 2 GPUs: not in the 1-GPU "gpu" suite)
+    Entry(name="tp_train", target="benchmarks.parallel.bench_tp:run", suites=("parallel",),
+          numbers=("tp1_train_tok_s", "tp2_train_tok_s", "tp2_prefill_tok_s")),
+    # LoRA vs full fine-tuning (8B layer shapes, one GPU)
+    Entry(name="lora", target="benchmarks.lora.bench_lora:run", suites=("gpu", "train"),
+          numbers=("full_step_s", "lora_step_s", "lora_step_ratio", "lora_trainable_frac")),
 )
 
 

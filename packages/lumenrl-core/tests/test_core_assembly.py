@@ -444,3 +444,30 @@ def test_quantize_lm_head_refused_for_a_tied_model_before_loading(cfg, reg, tmp_
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))  # unset: the engine decides
     with pytest.warns(AssemblyWarning, match="cannot tell whether .* ties its embeddings"):
         plan_run(cfg, registry=reg)
+
+
+def test_parallel_mesh_refusals_name_the_numbers(cfg, reg, tmp_path):
+    cfg.policy.parallel.tp = 2
+    assert "'tensor_parallel' required by policy.parallel.tp=2" in only(cfg, reg)  # backend lacks the capability
+    cfg.policy.parallel.tp, cfg.policy.parallel.cp = 1, 2
+    assert "'context_parallel' required by policy.parallel.cp=2" in only(cfg, reg)
+    cfg.policy.parallel.cp = 1
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_moe", "num_attention_heads": 6, "num_key_value_heads": 2, "num_experts": 6}))
+    cfg.policy.model_name, cfg.policy.training_backend = str(tmp_path), "megatron"
+    cfg.moe.expert_parallel_size = 4
+    assert only(cfg, reg) == f"moe.expert_parallel_size=4: does not divide the 6 experts of {tmp_path}"
+    cfg.moe.expert_parallel_size = 3
+    plan_run(cfg, registry=reg)
+    reg.register("training_backends", "tpb", plugin("TPB", {"tensor_parallel", "expert_parallel"}))
+    cfg.policy.training_backend, cfg.policy.parallel.tp = "tpb", 3
+    assert only(cfg, reg) == f"policy.parallel.tp=3: does not divide num_key_value_heads=2 of {tmp_path}"
+    cfg.policy.parallel.tp, cfg.cluster.gpus_per_node = 2, 3
+    assert only(cfg, reg) == ("policy.parallel='tp=2 cp=1': tp*cp=2 must divide the world size 3 "
+                              "(cluster.num_nodes*gpus_per_node)")
+
+
+def test_rollout_tensor_parallel_only_on_sharding_engines(cfg, reg):
+    cfg.policy.rollout.tensor_parallel_size = 2
+    assert only(cfg, reg) == ("policy.rollout.tensor_parallel_size=2: rollout engine 'native' decodes on one device; "
+                              "use policy.rollout_engine='vllm' or 'sglang' for tensor parallel decode")

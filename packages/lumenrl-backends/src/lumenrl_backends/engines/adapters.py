@@ -130,6 +130,7 @@ class VLLMEngine(_NoInterrupt):
             resolve_model_path(policy.model_name),
             gpu_memory_utilization=policy.rollout.gpu_memory_utilization,
             max_model_len=policy.max_prompt_length + policy.rollout.max_new_tokens,
+            tensor_parallel_size=policy.rollout.tensor_parallel_size,
         )
 
     def generate(self, batch: Any, sampling: Any = None) -> Any:
@@ -184,7 +185,9 @@ class SGLangEngine(_NoInterrupt):
 
         policy = run_config.policy
         return cls(
-            resolve_model_path(policy.model_name), mem_fraction_static=policy.rollout.gpu_memory_utilization
+            resolve_model_path(policy.model_name),
+            mem_fraction_static=policy.rollout.gpu_memory_utilization,
+            tp_size=policy.rollout.tensor_parallel_size,
         )
 
     def generate(self, batch: Any, sampling: Any = None) -> Any:

@@ -7,8 +7,10 @@ test and to read. :mod:`lumenrl_core.assembly.planner` applies them to the resol
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lumenrl_core.config.schema import RunConfig
@@ -85,7 +87,54 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
     if cfg.moe.expert_parallel_size > 1:
         ep = cfg.moe.expert_parallel_size
         needs.append(Need("training_backend", "expert_parallel", "moe.expert_parallel_size", ep))
+    par = cfg.policy.parallel
+    if par.tp > 1:
+        needs.append(Need("training_backend", "tensor_parallel", "policy.parallel.tp", par.tp))
+    if par.cp > 1:
+        needs.append(Need("training_backend", "context_parallel", "policy.parallel.cp", par.cp))
     return needs
+
+
+_TP_ROLLOUT_ENGINES = ("vllm", "sglang")  # engines that shard a model for decode (decision 0016)
+
+
+def _local_model_config(name: str) -> dict[str, Any] | None:
+    """The model's config.json when ``name`` is a local directory (no torch), else ``None``."""
+    path = Path(name) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _parallel_violations(cfg: RunConfig) -> list[Violation]:
+    """Mesh sizes the world or the model cannot meet, with the numbers (model sizes from a local config.json)."""
+    par, out = cfg.policy.parallel, []
+    tps = cfg.policy.rollout.tensor_parallel_size
+    if tps > 1 and cfg.policy.rollout_engine not in _TP_ROLLOUT_ENGINES:
+        out.append(Violation("policy.rollout.tensor_parallel_size", tps,
+                             f"rollout engine {cfg.policy.rollout_engine!r} decodes on one device; "
+                             f"use policy.rollout_engine={' or '.join(map(repr, _TP_ROLLOUT_ENGINES))} for tensor parallel decode"))
+    world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    if world and world % (par.tp * par.cp):
+        out.append(Violation("policy.parallel", f"tp={par.tp} cp={par.cp}",
+                             f"tp*cp={par.tp * par.cp} must divide the world size {world} (cluster.num_nodes*gpus_per_node)"))
+    model = _local_model_config(cfg.policy.model_name)
+    if model is None:
+        return out  # hub id or built-in: the backend checks at build
+    sizes = {"num_attention_heads": model.get("num_attention_heads"),
+             "num_key_value_heads": model.get("num_key_value_heads") or model.get("num_attention_heads")}
+    for key, degree in (("policy.parallel.tp", par.tp), ("policy.parallel.cp", par.cp)):
+        bad = [f"{k}={v}" for k, v in sizes.items() if degree > 1 and isinstance(v, int) and v % degree]
+        if bad:
+            out.append(Violation(key, degree, f"does not divide {', '.join(bad)} of {cfg.policy.model_name}"))
+    ep = cfg.moe.expert_parallel_size
+    experts = next((model[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in model), None)
+    if ep > 1 and isinstance(experts, int) and experts % ep:
+        out.append(Violation("moe.expert_parallel_size", ep, f"does not divide the {experts} experts of {cfg.policy.model_name}"))
+    return out
 
 
 def _precision_violations(cfg: RunConfig) -> list[Violation]:
@@ -131,7 +180,7 @@ def check_reward_function(spec: str) -> str | None:
 
 def config_violations(cfg: RunConfig) -> list[Violation]:
     """Config-level rules that need no plugin: precisions, algorithm/critic, async, reward function."""
-    out = _precision_violations(cfg) + _algorithm_violations(cfg)
+    out = _precision_violations(cfg) + _algorithm_violations(cfg) + _parallel_violations(cfg)
     a = cfg.async_training
     if a.partial_rollout and not a.enabled:
         out.append(Violation("async_training.partial_rollout", True,

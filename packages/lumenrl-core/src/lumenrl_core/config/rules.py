@@ -76,6 +76,7 @@ RULES: dict[type, dict[str, Range]] = {
     },
     s.SamplingConfig: {
         "n": POSITIVE,
+        "tensor_parallel_size": POSITIVE,
         "temperature": NON_NEGATIVE,
         "top_p": HALF_OPEN_UNIT,
         "top_k": Range(ge=-1),
@@ -105,6 +106,7 @@ RULES: dict[type, dict[str, Range]] = {
         "extreme_tau": Range(ge=1),
     },
     s.MoEConfig: {"expert_parallel_size": POSITIVE},
+    s.ParallelConfig: {"tp": POSITIVE, "cp": POSITIVE},
     s.CriticConfig: {"cliprange_value": STRICTLY_POSITIVE, "value_loss_coef": NON_NEGATIVE},
     s.CheckpointingConfig: {"save_every": NON_NEGATIVE, "keep_last": NON_NEGATIVE},
     s.LoggerConfig: {"log_every": POSITIVE},

@@ -106,6 +106,18 @@ class SamplingConfig:
     exact_logprobs: bool = False
     # what a nonzero actor/logprob_max_abs_diff does while exact_logprobs is on: raise, warn, or nothing
     exact_logprobs_check: str = field(default="error", metadata=choices("error", "warn", "off"))
+    # rollout tensor parallel degree: passed to the vllm/sglang adapters; the native/hf/atom engines decode on
+    # one device and refuse > 1 at assembly (decision 0016)
+    tensor_parallel_size: int = 1
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Training model parallelism (decision 0016); data-parallel (FSDP2) size = world / (tp * cp).
+    Expert parallelism stays ``moe.expert_parallel_size`` (one key)."""
+
+    tp: int = 1  # tensor (+ sequence) parallel degree over the mesh dim "tp"
+    cp: int = 1  # context parallel degree over the mesh dim "cp"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,6 +132,7 @@ class PolicyConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: PolicyTrainConfig = field(default_factory=PolicyTrainConfig)
     rollout: SamplingConfig = field(default_factory=SamplingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass(kw_only=True, slots=True)

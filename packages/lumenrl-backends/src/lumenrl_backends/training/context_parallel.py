@@ -1,0 +1,101 @@
+"""Context parallel (DeepSpeed-Ulysses) attention for HF decoder families.
+
+Design: the ``cp`` ranks of a group each hold one contiguous chunk of every sequence
+(``S_l = S / cp`` tokens; :func:`shard_sequence`), with the GLOBAL position ids, so embeddings,
+norms, MLPs and RoPE run on the local chunk unchanged. Only attention needs the whole sequence:
+the registered attention function ``lumenrl_ulysses`` exchanges with one all-to-all
+
+    q (B, H, S_l, D) -> (B, H/cp, S, D)      [heads sharded, sequence whole]
+
+(and k, v likewise with the KV heads), runs causal SDPA on whole sequences with H/cp heads, and
+exchanges the output back to ``(B, S_l, H, D)``. Both all-to-alls are differentiable
+(``_functional_collectives.all_to_all_single_autograd``): the backward is the inverse exchange.
+Parameters are replicated over cp; their gradients are summed over the cp ranks by FSDP2 when cp
+is part of the sharding dim (torchtitan's ``dp_shard_cp``), or by the caller.
+
+Limits (refused): cp must divide the sequence length, the query heads and the KV heads. Rows are
+whole causal sequences without padding (padding masks are not exchanged); packed varlen rows are
+not supported by this attention function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["ATTENTION_NAME", "enable_ulysses", "shard_sequence"]
+
+ATTENTION_NAME = "lumenrl_ulysses"
+
+
+def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable equal-split all-to-all along dim 0 (its backward is the inverse exchange)."""
+    import torch.distributed._functional_collectives as funcol
+
+    out = funcol.all_to_all_single_autograd(send, None, None, group or torch.distributed.group.WORLD)
+    return funcol.wait_tensor(out)
+
+
+def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """(B, H, S_l, D) on each rank -> (B, H/cp, cp*S_l, D): rank r keeps head block r, all chunks."""
+    b, h, s, d = x.shape
+    send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # (cp, B, H/cp, S_l, D)
+    recv = _all_to_all(send, group)  # [src chunk] (cp, B, H/cp, S_l, D)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """(B, H/cp, S, D) -> (B, H, S/cp, D): the inverse of :func:`_seq_to_heads`."""
+    b, hl, s, d = x.shape
+    send = x.reshape(b, hl, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # (cp, B, H/cp, S_l, D)
+    recv = _all_to_all(send, group)  # [src head block]
+    return recv.transpose(0, 1).reshape(b, cp * hl, s // cp, d)
+
+
+def _ulysses_attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_: Any):
+    group, cp = module._lumenrl_cp_group, module._lumenrl_cp
+    q, k, v = (_seq_to_heads(t, group, cp) for t in (query, key, value))  # (B, H/cp, S, D), (B, Hkv/cp, S, D)
+    out = F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scaling, dropout_p=dropout if module.training else 0.0,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return _heads_to_seq(out, group, cp).transpose(1, 2).contiguous(), None  # (B, S_l, H, D)
+
+
+def _no_mask(*_args: Any, **_kwargs: Any) -> None:
+    return None  # causal whole rows: SDPA's is_causal on the gathered sequence
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _ulysses_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+
+
+def enable_ulysses(model: nn.Module, cp_group, cp: int) -> nn.Module:
+    """Route every attention layer of ``model`` through the Ulysses exchange over ``cp_group``."""
+    cfg = model.config
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    bad = [f"{k}={v}" for k, v in (("num_attention_heads", heads), ("num_key_value_heads", kv)) if v % cp]
+    if bad:
+        raise ValueError(f"policy.parallel.cp={cp} does not divide {', '.join(bad)} of {cfg.model_type}")
+    _register()
+    for layer in model.model.layers:
+        layer.self_attn._lumenrl_cp_group, layer.self_attn._lumenrl_cp = cp_group, cp
+    cfg._attn_implementation = ATTENTION_NAME
+    return model
+
+
+def shard_sequence(input_ids: torch.Tensor, cp_rank: int, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's chunk of ``input_ids`` (B, S) and its global ``position_ids`` (B, S/cp)."""
+    b, s = input_ids.shape
+    if s % cp:
+        raise ValueError(f"policy.parallel.cp={cp} does not divide the sequence length {s}")
+    lo, hi = cp_rank * (s // cp), (cp_rank + 1) * (s // cp)
+    positions = torch.arange(lo, hi, device=input_ids.device).expand(b, -1)
+    return input_ids[:, lo:hi], positions
