@@ -3,7 +3,7 @@
 Plugins that read the run config are built with ``Cls.from_config``; pure-math plugins with the
 plan's ``build_*`` helpers. Roles, each a worker group on the plan's controller (``local``: in
 this process): ``actor`` (always), ``ref`` (a frozen copy of the initial policy, only when a KL
-term is used), ``critic`` (``critic.enabled``); then the rollout engine (its
+term is used; with LoRA the actor's own module with adapters disabled), ``critic`` (``critic.enabled``); then the rollout engine (its
 own copy of the policy, synced after every update), the reward scorer, the train loader and the
 greedy evaluator. Loggers are built after a resume point is known (see ``make_loggers``).
 """
@@ -26,6 +26,7 @@ from lumenrl_backends.trainers.evaluation import Evaluator
 from lumenrl_backends.trainers.outputs import write_run_record
 from lumenrl_backends.trainers.scoring import Scorer
 from lumenrl_backends.training import distributed as dist_utils
+from lumenrl_backends.training.lora import AdapterFreeReference
 from lumenrl_backends.workers import ActorWorker, CriticWorker, RefWorker
 
 __all__ = ["TrainerParts", "build_parts", "seed_everything", "needs_reference"]
@@ -121,9 +122,15 @@ def _worker_groups(plan: Any, model_path: str) -> dict[str, WorkerGroup | None]:
         return WorkerGroup([worker], name=worker_cls.role, controller=controller)
 
     critic_path = resolve_model_path(cfg.critic.model_name) if cfg.critic.model_name else model_path
+    actor = group(ActorWorker, model_path)
+    ref = None
+    if needs_reference(cfg) and cfg.policy.lora.rank > 0:  # the base without adapters: no second copy
+        ref = WorkerGroup([RefWorker(AdapterFreeReference(actor[0].backend))], name="ref", controller=controller)
+    elif needs_reference(cfg):
+        ref = group(RefWorker, model_path)
     return {
-        "actor": group(ActorWorker, model_path),
-        "ref": group(RefWorker, model_path) if needs_reference(cfg) else None,
+        "actor": actor,
+        "ref": ref,
         "critic": group(CriticWorker, critic_path) if cfg.critic.enabled else None,
     }
 
