@@ -32,7 +32,6 @@ Schedule units: the LR scheduler steps once per optimizer step. ``num_training_s
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lumenrl_backends.controllers.dispatch import DISPATCH_DP_SIZE_KEY
+from lumenrl_backends.exact import EXACT_BACKEND, exact_actor
 from lumenrl_backends.training import checkpoint as ckpt
 from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training.batching import (
@@ -50,7 +50,7 @@ from lumenrl_backends.training.batching import (
     position_ids_from_mask,
     split_rows,
 )
-from lumenrl_backends.training.lora import apply_lora, is_lora_model, merged_tensors, save_adapter
+from lumenrl_backends.training.lora import adapter_writer, apply_lora, is_lora_model, merged_tensors
 from lumenrl_backends.training.modeling import (
     CriticModel,
     compile_decoder_layers,
@@ -58,6 +58,7 @@ from lumenrl_backends.training.modeling import (
     response_logits,
     token_log_probs,
 )
+from lumenrl_backends.training.nonfinite import NonFiniteGuard, refuse_nonfinite
 from lumenrl_backends.training.packing import (
     PackPlan,
     TrimPlan,
@@ -122,7 +123,7 @@ class FSDP2Backend:
         optimizer_steps_per_training_step: int = 1,
         packing: str | None = None,
         compile_layers: bool | str | None = None,
-        single_device: str | None = None,
+        single_device: str | None = None, exact_logprobs: bool = False,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -131,11 +132,14 @@ class FSDP2Backend:
         self.role, self.train_cfg, self.optim_cfg = role, train, optim
         self.device = torch.device(device)
         self.is_critic = value_head or role == "critic"
+        self.nonfinite = NonFiniteGuard(getattr(train, "max_consecutive_nonfinite_steps", 3), self.prefix)
         dist_utils.ensure_process_group(self.device)
         if self.is_critic and not isinstance(model, CriticModel):
             model = CriticModel(model)
         self.hf_config = model.config
         self.fp8_report = apply_fp8(model, fp8)
+        compile_layers = train.compile_layers if compile_layers is None else compile_layers
+        self.exact = exact_actor(model, exact_logprobs and role == "actor", self.fp8_report, compile_layers)
         if train.gradient_checkpointing and role != "ref":
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
@@ -147,9 +151,7 @@ class FSDP2Backend:
             self.model = shard(model, mixed_precision(train.mixed_precision, self.device))
         self.packing = check_packing_mode(packing if packing is not None else train.packing)
         self._pack_align = 64 if self.device.type == "cuda" else 8
-        self._logprob_backend = None  # torch.compile backend of the fused log-prob kernels
-        if compile_layers is None:
-            compile_layers = train.compile_layers
+        self._logprob_backend = EXACT_BACKEND if self.exact else None  # exact log-softmax or torch.compile
         if compile_layers:
             compile_decoder_layers(self.model, compile_layers)
             self._logprob_backend = "inductor" if compile_layers is True else str(compile_layers)
@@ -190,7 +192,7 @@ class FSDP2Backend:
             value_head=role == "critic",
             fp8=cfg.quantization.training if role == "actor" else None,
             optimizer_steps_per_training_step=optimizer_steps_per_training_step(cfg),
-        )
+            exact_logprobs=cfg.policy.rollout.exact_logprobs)
 
     def _use_single_device(self, mode: str) -> bool:
         """``auto``: one rank and no FP8 linears; ``on`` insists; ``off``: always ``fully_shard``."""
@@ -402,9 +404,10 @@ class FSDP2Backend:
                 self._optimizer_step(local, mini_rows, loss_fn, collected)
         local_loss = collected.pop(f"{self.prefix}/loss")  # this rank's share of each mini-batch loss
         collected = dist_utils.as_floats(collected)  # the step's only device->host copy of metrics
-        skipped = [v for v in collected.pop(f"{self.prefix}/skipped_steps", []) if v]
-        if skipped:  # the key is there only when some step was skipped (non-finite grad norm)
-            collected[f"{self.prefix}/skipped_steps"] = skipped
+        flags = collected.pop(f"{self.prefix}/skipped_steps", [])
+        guard = self.nonfinite.observe(flags)  # raises NonFiniteError after too many skips in a row
+        if any(flags):  # the key is there only when some step was skipped (non-finite loss or grad norm)
+            collected[f"{self.prefix}/skipped_steps"] = [v for v in flags if v]
         metrics = dist_utils.all_reduce_mean_dict(
             {k: sum(v) / len(v) for k, v in collected.items() if k != f"{self.prefix}/lr"}, self.device
         )
@@ -412,6 +415,7 @@ class FSDP2Backend:
             sum(local_loss) / len(local_loss), self.device
         )
         metrics[f"{self.prefix}/lr"] = collected[f"{self.prefix}/lr"][-1]
+        metrics.update(guard)
         return metrics
 
     def _micro_outputs(self, micro: Any, plan: Any = _UNPLANNED) -> dict[str, torch.Tensor]:
@@ -445,7 +449,7 @@ class FSDP2Backend:
             for k, v in micro_metrics.items():
                 collected[k].append(v.detach() if isinstance(v, torch.Tensor) else float(v))
         collected[f"{self.prefix}/loss"].append(mini_loss)
-        self._clip_and_step(self.optimizer, self.scheduler, collected, self.prefix)
+        self._clip_and_step(self.optimizer, self.scheduler, collected, self.prefix, mini_loss)
 
     def _zero_grad(self, optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -461,10 +465,11 @@ class FSDP2Backend:
         if self.single is not None:  # bf16 module grads -> fp32 master grads (two foreach launches)
             self.single.accumulate_grads()
 
-    def _clip_and_step(self, optimizer, scheduler, collected: dict[str, list[float]], prefix: str) -> None:
+    def _clip_and_step(self, optimizer, scheduler, collected: dict, prefix: str, loss: Any = 0.0) -> None:
+        """Clip and step; a non-finite grad norm or ``loss`` skips the step (weights and moments untouched)."""
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
         if self.single is not None and optimizer.defaults.get("fused"):  # clip inside fused AdamW, no sync
-            norm, skipped = self.single.fused_clip_and_step(optimizer, clip)
+            norm, skipped = self.single.fused_clip_and_step(optimizer, clip, loss)
             collected[f"{prefix}/grad_norm"].append(norm)
             collected[f"{prefix}/skipped_steps"].append(skipped)  # zeros are dropped in train_step
         else:
@@ -472,12 +477,14 @@ class FSDP2Backend:
             params = [p for p in source if p.grad is not None]
             grad_norm = dist_utils.as_float(_full(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)))
             collected[f"{prefix}/grad_norm"].append(grad_norm)
-            if math.isfinite(grad_norm):
+            total_loss = dist_utils.all_reduce_sum(dist_utils.as_float(loss), self.device)
+            if math.isfinite(grad_norm) and math.isfinite(total_loss):
                 optimizer.step()
                 if self.single is not None:
                     self.single.copy_back()
-            else:  # every rank sees the same (all-reduced) norm, so all skip together
-                collected[f"{prefix}/skipped_steps"].append(1.0)
+            else:  # every rank sees the same (all-reduced) norm and loss, so all skip together
+                self._zero_grad(optimizer)
+            collected[f"{prefix}/skipped_steps"].append(0.0 if math.isfinite(grad_norm + total_loss) else 1.0)
         collected[f"{prefix}/lr"].append(float(optimizer.param_groups[0]["lr"]))
         if scheduler is not None:
             scheduler.step()
@@ -565,17 +572,20 @@ class FSDP2Backend:
             self.weights_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
 
+    def _check_finite(self, what: str) -> None:  # collective: every rank refuses together
+        refuse_nonfinite(self.weights_module.state_dict().items(), what, self.device)
+
     def save_hf(self, path: str, tokenizer: Any = None) -> None:
         """``save_pretrained`` of the full model into ``path`` (rank 0 writes). Collective.
 
         A critic saves its backbone in HF format plus ``value_head.safetensors``. A LoRA policy
         saves the merged model, and its adapter in peft's format under ``PATH/adapter``.
         """
+        self._check_finite(f"the {self.role} export {path}")
         state = self.state_dict_for_export()
         if dist_utils.rank() == 0 and self.is_lora:
-            merged = dict(merged_tensors(self.model, state.items()))
-            write_hf(self.model.get_base_model(), merged, path, critic=False)
-            save_adapter(self.model, os.path.join(path, "adapter"), state)
+            write_hf(self.model.get_base_model(), dict(merged_tensors(self.model, state.items())), path, critic=False)
+            adapter_writer(self.model, state)(path)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
         elif dist_utils.rank() == 0:
@@ -591,13 +601,8 @@ class FSDP2Backend:
 
         A LoRA policy's checkpoint also holds its adapter in peft's format (``PATH/adapter``).
         """
-        files = None
-        if self.is_lora:
-            state = self.state_dict_for_export()  # collective
-
-            def files(tmp: str) -> None:
-                save_adapter(self.model, os.path.join(tmp, "adapter"), state)
-
+        self._check_finite(f"the {self.role} checkpoint {path}")
+        files = adapter_writer(self.model, self.state_dict_for_export()) if self.is_lora else None
         ckpt.save_training_state(
             path,
             model=self.weights_module,

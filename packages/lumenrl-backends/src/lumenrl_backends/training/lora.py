@@ -24,7 +24,8 @@ eval mode), as in peft.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ __all__ = [
     "is_lora_model",
     "hf_name",
     "merged_tensors",
-    "save_adapter",
+    "adapter_writer",
     "adapters_disabled",
     "AdapterFreeReference",
 ]
@@ -138,10 +139,15 @@ def _lora_part(name: str, scalings: Mapping[str, float]) -> tuple[str | None, st
     return None, ""
 
 
-def save_adapter(model: nn.Module, path: str, state: Mapping[str, torch.Tensor]) -> None:
-    """Write the adapter of ``model`` in peft's format (``adapter_config.json`` +
-    ``adapter_model.safetensors``) from ``state`` (peft state-dict names: the fp32 masters)."""
-    model.save_pretrained(path, state_dict=dict(state))
+def adapter_writer(model: nn.Module, state: Mapping[str, torch.Tensor]) -> Callable[[str], None]:
+    """``write(dir)``: the adapter of ``model`` in peft's format under ``dir/adapter``
+    (``adapter_config.json`` + ``adapter_model.safetensors``) from ``state`` (peft state-dict
+    names: the fp32 masters)."""
+
+    def write(directory: str) -> None:
+        model.save_pretrained(os.path.join(directory, "adapter"), state_dict=dict(state))
+
+    return write
 
 
 @contextlib.contextmanager

@@ -82,6 +82,9 @@ class PolicyTrainConfig:
     # optimizer fp32 master weights (flat buffers, foreach/fused ops). auto = on when world_size == 1 and
     # no FP8 training; on = required (error otherwise); off = always fully_shard
     single_device: str = field(default="auto", metadata=choices("auto", "on", "off"))
+    # optimizer steps whose loss or grad norm is non-finite are skipped (no update, counted in
+    # actor/nonfinite_skipped); this many in a row stop the run with an error
+    max_consecutive_nonfinite_steps: int = 3
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,6 +102,11 @@ class SamplingConfig:
     compile: str = field(default="none", metadata=choices("none", "full"))  # full: torch.compile the decode forward (GPU)
     fuse_projections: bool = True  # native engine: one q/k/v and one gate/up GEMM per layer (fused weight views)
     overlap_sync: bool = True  # native engine: read step t's tokens while step t+1 runs (results unchanged)
+    # bitwise on-policy mode (native engine + fsdp2 actor): batch-invariant kernels on both sides, so rollout
+    # log-probs equal the trainer's exactly; needs full-precision rollout (no FP8/MX weights or KV), compile none
+    exact_logprobs: bool = False
+    # what a nonzero actor/logprob_max_abs_diff does while exact_logprobs is on: raise, warn, or nothing
+    exact_logprobs_check: str = field(default="error", metadata=choices("error", "warn", "off"))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -137,7 +145,7 @@ class AlgorithmConfig:
     policy_loss: str = "ppo_clip"  # lumenrl.policy_losses plugin name
     clip_ratio_low: float = 0.2  # eps_low
     clip_ratio_high: float = 0.2  # eps_high (DAPO clip-higher: 0.28)
-    clip_ratio_c: float = 3.0  # dual-clip constant; <= 1 disables
+    clip_ratio_c: float | None = 3.0  # dual-clip constant (> 1); null = dual-clip off
     loss_agg_mode: str = field(
         default="token-mean",
         metadata=choices("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
@@ -186,8 +194,8 @@ class RolloutQuantConfig:
     skip_last_n_layers: int = 0
     quantize_lm_head: bool = False  # also the (untied) output head: faster decode, FP8 rounding in the logits
     # fp8_row SwiGLU MLPs: SiLU * up and the down input's FP8 quantization (1 x 128 group scales) in the gate/up
-    # GEMM's epilogue (lumenrl_quant.fused_mlp). Off by default: same decode speed on the H200 (8B b64: 14,294 vs
-    # 14,400 tok/s, benchmarks/RESULTS.md session 5), slightly lower KL; off = per-token scales, separate kernels
+    # GEMM's epilogue (lumenrl_quant.fused_mlp). Off by default: no faster decode on the H200 (figures: benchmarks/RESULTS.md,
+    # entry fused_mlp), slightly lower KL; off = per-token scales, separate kernels
     fuse_mlp: bool = False
     kv_cache_dtype: str = field(default="auto", metadata=choices("auto", "fp8"))
     kv_scale_recalibration: bool = True  # recompute KV scales after every weight sync
@@ -224,6 +232,7 @@ class QuantizationConfig:
 class R3Config:
     enabled: bool = False
     mode: str = field(default="replay", metadata=choices("replay", "distribution"))
+    record_router_logits: bool = False  # also record router logits (original LumenRL key; not built yet)
     router: str = ""  # lumenrl.moe_routers plugin name; empty = by model type
 
 
@@ -268,12 +277,15 @@ class WeightSyncConfig:
 
 @dataclass(kw_only=True, slots=True)
 class AsyncTrainingConfig:
+    # Read by trainer.name=async_rl (docs/decisions/0012-async-rl.md); with trainer.name=rl,
+    # enabled=true is refused by assembly.
     enabled: bool = False
-    staleness_threshold: float = 0.0
-    trigger_parameter_sync_step: int = 1
-    require_batches: int = 1
-    partial_rollout: bool = False
-    queue_size: int = 0  # 0: derived from the staleness bound
+    staleness_threshold: float = field(default=0.0, metadata={"ge": 0})  # extra window fraction produced ahead
+    trigger_parameter_sync_step: int = field(default=1, metadata={"ge": 1})  # local updates per weight sync
+    require_batches: int = field(default=1, metadata={"ge": 1})  # mini-batches per local update
+    partial_rollout: bool = False  # interrupt in-flight sequences at a sync, resume under the new weights
+    queue_size: int = field(default=0, metadata={"ge": 0})  # samples; 0: window capacity + one window
+    recompute_proximal_log_probs: bool = True  # decoupled PPO: old_log_probs = current policy before update
 
 
 @dataclass(kw_only=True, slots=True)
@@ -281,6 +293,9 @@ class RayConfig:
     address: str = ""  # empty: start a local Ray; "auto": join a running cluster
     colocate: bool = True
     num_cpus_per_worker: float = 1.0
+    # per-role worker groups (original LumenRL: controller.ray.<role>.{dispatch_mode, num_workers, ...});
+    # not built yet: refused unless empty (config/refusals.py)
+    roles: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -292,7 +307,6 @@ class ControllerConfig:
 @dataclass(kw_only=True, slots=True)
 class AssemblyConfig:
     strict_policy: bool = True
-    use_new_assembler: bool = True
     allowed_training_backends: list[str] = field(default_factory=list)  # empty: all allowed
     allowed_inference_backends: list[str] = field(default_factory=list)  # empty: all allowed
     check_plugin_versions: bool = True
@@ -310,6 +324,9 @@ class TrainerConfig:
     warm_start_sft_lr: float = field(default=3e-3, metadata={"gt": 0})  # constant lr of the warm-start SFT
     warm_start_sft_batch_size: int = field(default=64, metadata={"ge": 1})  # examples per SFT step
     cpu_threads: int = field(default=0, metadata={"ge": 0})  # torch intra-op threads when on CPU; 0 = torch default
+    # output_dir holding another config's run (its config.yaml differs): refused unless true, which first
+    # removes that run's outputs (the same config: resumed with checkpointing.resume=true, else replaced)
+    overwrite: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
