@@ -36,4 +36,4 @@ def test_lora_grpo_raises_demo_reward_and_exports(train, tmp_path):
     assert (got - want).abs().max() < 1e-4
     assert (tmp_path / "checkpoints").is_dir()
     step_dirs = sorted((tmp_path / "checkpoints").glob("step_*"))
-    assert step_dirs and (step_dirs[-1] / "adapter" / "adapter_model.safetensors").is_file()
+    assert step_dirs and (step_dirs[-1] / "actor" / "adapter" / "adapter_model.safetensors").is_file()
