@@ -109,6 +109,7 @@ def _train(cfg: Any, base_path: str, backend_cls: type, out: Path, log: Callable
     )
     sft_cfg = copy.deepcopy(cfg)
     sft_cfg.quantization.training.precision = "bf16"  # plain fine-tune: no FP8 training recipe here
+    sft_cfg.policy.lora.rank = 0  # the warm start makes the base model that LoRA adapters then train on
     backend = backend_cls.from_config(sft_cfg, role="actor", model_path=base_path)
     start, every = time.perf_counter(), max(t.warm_start_sft_steps // 5, 1)
     for step in range(1, t.warm_start_sft_steps + 1):

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lumenrl_backends.sync.inprocess import full_view, trainer_tensors
+from lumenrl_backends.training.lora import is_lora_model, merged_tensors
 
 __all__ = ["LazyWeights", "apply_latest_snapshot", "publish_snapshot"]
 
@@ -28,6 +29,9 @@ class LazyWeights(Mapping):
 
     def __init__(self, source: Any, dtype: torch.dtype | None = torch.bfloat16) -> None:
         self._tensors = trainer_tensors(source)
+        model = getattr(source, "model", source)
+        if is_lora_model(model):  # merged LoRA weights under HF names (computed once, here)
+            self._tensors = dict(merged_tensors(model, ((n, full_view(t)) for n, t in self._tensors.items())))
         self.dtype = dtype
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -12,6 +12,8 @@ time:
   stay asynchronous until their result is read, so the all-gathers of a bucket overlap the
   copies of the previous one, and peak extra memory is one bucket, not the model;
 * tied parameters appear once (the engine resolves tied names to the same storage);
+* a LoRA policy (``policy.lora``) is merged on the way: ``W + scaling * B @ A`` under the HF
+  name, adapters not sent (:func:`lumenrl_backends.training.lora.merged_tensors`);
 * a one-rank backend on the single-device path (``training/single_device.py``) holds plain
   compute-dtype parameters (its fp32 master weights rounded after every step): they are
   yielded as they are (bf16 on CUDA, half the bytes read of the fp32 masters).
@@ -34,6 +36,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from lumenrl_backends.training.lora import is_lora_model, merged_tensors
 
 __all__ = ["SyncStats", "full_view", "sync_to_engine", "trainer_tensors", "trainer_weights"]
 
@@ -81,6 +85,14 @@ def trainer_weights(source: Any, *, bucket_bytes: int = 512 << 20) -> Iterator[t
     """(name, full tensor) for every parameter and persistent buffer, gathered a bucket ahead."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+    model = _module_of(source)
+    if is_lora_model(model):  # the engine holds a plain HF model: send merged weights, HF names
+        yield from merged_tensors(model, _gathered(source, bucket_bytes))
+        return
+    yield from _gathered(source, bucket_bytes)
+
+
+def _gathered(source: Any, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     pending: deque[tuple[str, torch.Tensor, int]] = deque()
     in_flight = 0
     for name, tensor in trainer_tensors(source).items():

@@ -52,6 +52,11 @@ def _needs_reference(cfg: Any) -> bool:
     return bool(cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
+def _lora(cfg: Any) -> bool:
+    """LoRA policy: the reference is the actor's base (``ActorWorker.compute_ref_log_prob``)."""
+    return cfg.policy.lora.rank > 0
+
+
 def _critic_path(cfg: Any, model_path: str) -> str:
     return resolve_model_path(cfg.critic.model_name) if cfg.critic.model_name else model_path
 
@@ -87,7 +92,9 @@ def local_roles(plan: Any, model_path: str) -> Roles:
         return WorkerGroup([worker], name=worker_cls.role, controller=controller)
 
     actor = group(ActorWorker, model_path)
-    ref = group(RefWorker, model_path) if _needs_reference(cfg) else None
+    ref = None
+    if _needs_reference(cfg):  # LoRA: the actor's own base (adapters disabled) is the reference
+        ref = actor if _lora(cfg) else group(RefWorker, model_path)
     critic = group(CriticWorker, _critic_path(cfg, model_path)) if cfg.critic.enabled else None
     model, tokenizer = load_model_and_tokenizer(
         model_path, dtype=cfg.policy.dtype, device=dist_utils.resolve_device(cfg.cluster.device),
@@ -126,7 +133,7 @@ def ray_roles(plan: Any, model_path: str) -> Roles:
     pools = [train]
     backend = {"backend_cls": plan.training_backend_cls}
     _add_role(controller, train, "actor", ActorWorker, cfg, model_path=model_path, **backend)
-    if _needs_reference(cfg):
+    if _needs_reference(cfg) and not _lora(cfg):
         _add_role(controller, train, "ref", RefWorker, cfg, model_path=model_path, **backend)
     if cfg.critic.enabled:
         _add_role(controller, train, "critic", CriticWorker, cfg, model_path=_critic_path(cfg, model_path), **backend)
@@ -146,9 +153,12 @@ def ray_roles(plan: Any, model_path: str) -> Roles:
     client = GroupRollout(controller.view(rollout_hosts, "rollout", RolloutWorker),
                           release=controller.colocate and controller.release_rollout_memory,
                           dispatch=cfg.controller.ray.roles.get("rollout", {}).get("dispatch_mode", "dp_compute_proto"))
+    ref = None
+    if _needs_reference(cfg):
+        ref = controller.view(train, "actor", ActorWorker) if _lora(cfg) else controller.view(train, "ref", RefWorker)
     return Roles(
         actor=controller.view(train, "actor", ActorWorker),
-        ref=controller.view(train, "ref", RefWorker) if _needs_reference(cfg) else None,
+        ref=ref,
         critic=controller.view(train, "critic", CriticWorker) if cfg.critic.enabled else None,
         engine=client, tokenizer=load_tokenizer(cfg, model_path), sync=sync,
         release_rollout=client.release_memory, close=lambda: controller.shutdown(*pools),

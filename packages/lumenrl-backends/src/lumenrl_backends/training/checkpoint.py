@@ -22,7 +22,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -92,8 +92,13 @@ def save_training_state(
     optimizer=None,
     scheduler=None,
     extra: Mapping[str, Any] | None = None,
+    files: Callable[[str], None] | None = None,
 ) -> None:
-    """Collective: every rank calls it. Writes ``path`` atomically (see module docstring)."""
+    """Collective: every rank calls it. Writes ``path`` atomically (see module docstring).
+
+    ``files(tmp_dir)``, when given, runs on rank 0 before publishing: more files that belong to the
+    checkpoint (e.g. a LoRA adapter in peft's format) land in it atomically with the rest.
+    """
     path = os.path.abspath(path)
     tmp = path + ".tmp"
     rank = dist_utils.rank()
@@ -107,6 +112,8 @@ def save_training_state(
     if rank == 0:
         with open(os.path.join(tmp, "extra.json"), "w") as fh:
             json.dump(dict(extra or {}), fh, indent=1, sort_keys=True)
+        if files is not None:
+            files(tmp)
     dist_utils.barrier()
     if rank == 0:
         _publish(tmp, path)

@@ -50,6 +50,7 @@ from lumenrl_backends.training.batching import (
     position_ids_from_mask,
     split_rows,
 )
+from lumenrl_backends.training.lora import adapter_writer, apply_lora, is_lora_model, merged_tensors
 from lumenrl_backends.training.modeling import (
     CriticModel,
     compile_decoder_layers,
@@ -102,7 +103,7 @@ _UNPLANNED = object()  # _forward plans the micro-batch layout itself
 class FSDP2Backend:
     """Actor, reference or critic model sharded with FSDP2, with its optimizer and LR schedule."""
 
-    capabilities = frozenset({"logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint"})
+    capabilities = frozenset({"logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint", "lora"})
 
     @classmethod
     def probe(cls) -> str | None:
@@ -179,6 +180,8 @@ class FSDP2Backend:
             model_path, dtype=torch.float32, trust_remote_code=cfg.policy.trust_remote_code
         )
         optim = {"actor": cfg.policy.optim, "critic": cfg.critic.optim, "ref": None}.get(role)
+        if role == "actor" and cfg.policy.lora.rank > 0:
+            model = apply_lora(model, cfg.policy.lora)
         return cls(
             model,
             role=role,
@@ -556,6 +559,11 @@ class FSDP2Backend:
         for name, tensor in self.weights_module.state_dict().items():
             yield name, _full(tensor).detach()
 
+    @property
+    def is_lora(self) -> bool:
+        """True when the module carries LoRA adapters (``policy.lora.rank > 0``)."""
+        return is_lora_model(self.model)
+
     def state_dict_for_export(self) -> dict[str, torch.Tensor]:
         """The full state dict on CPU (rank 0; other ranks get ``{}``). Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -570,11 +578,17 @@ class FSDP2Backend:
     def save_hf(self, path: str, tokenizer: Any = None) -> None:
         """``save_pretrained`` of the full model into ``path`` (rank 0 writes). Collective.
 
-        A critic saves its backbone in HF format plus ``value_head.safetensors``.
+        A critic saves its backbone in HF format plus ``value_head.safetensors``. A LoRA policy
+        saves the merged model, and its adapter in peft's format under ``PATH/adapter``.
         """
         self._check_finite(f"the {self.role} export {path}")
         state = self.state_dict_for_export()
-        if dist_utils.rank() == 0:
+        if dist_utils.rank() == 0 and self.is_lora:
+            write_hf(self.model.get_base_model(), dict(merged_tensors(self.model, state.items())), path, critic=False)
+            adapter_writer(self.model, state)(path)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        elif dist_utils.rank() == 0:
             write_hf(self.model, state, path, critic=self.is_critic)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
@@ -583,10 +597,19 @@ class FSDP2Backend:
     # ----------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, path: str, *, extra: Mapping[str, Any] | None = None) -> None:
-        """Model, optimizer, scheduler and RNG states (+ caller JSON ``extra``), written atomically."""
+        """Model, optimizer, scheduler and RNG states (+ caller JSON ``extra``), written atomically.
+
+        A LoRA policy's checkpoint also holds its adapter in peft's format (``PATH/adapter``).
+        """
         self._check_finite(f"the {self.role} checkpoint {path}")
+        files = adapter_writer(self.model, self.state_dict_for_export()) if self.is_lora else None
         ckpt.save_training_state(
-            path, model=self.weights_module, optimizer=self.optimizer, scheduler=self.scheduler, extra=extra
+            path,
+            model=self.weights_module,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            extra=extra,
+            files=files,
         )
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:

@@ -80,7 +80,10 @@ def compile_decoder_layers(model: nn.Module, backend: bool | str) -> None:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder blocks of an HF model (``model.layers`` or ``model.model.layers``)."""
+    """The repeated decoder blocks of an HF model (``model.layers`` or ``model.model.layers``; a
+    peft-wrapped model is unwrapped first)."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
     if layers is None:

@@ -67,6 +67,15 @@ class ActorWorker(_TrainingWorker):
             tensors["entropys"] = entropy
         return DataProto.from_dict(tensors=tensors)
 
+    @register(dispatch="dp_compute_proto")
+    def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
+        """The reference of a LoRA policy: this actor's base, adapters disabled (no second model copy)."""
+        from lumenrl_backends.training.lora import AdapterFreeReference
+
+        temperature = float(batch.meta_info.get("temperature", 1.0))
+        log_probs, _ = AdapterFreeReference(self.backend).compute_log_probs(batch, temperature=temperature)
+        return DataProto.from_dict(tensors={"ref_log_probs": log_probs})
+
     @register(dispatch="dp_compute_metric")
     def update_actor(self, batch: DataProto, loss_fn: Callable) -> dict[str, float]:
         """PPO epochs over this rank's shard; metrics are already all-reduced by the backend."""

@@ -84,6 +84,8 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
         needs.append(Need("rollout_engine", "hidden_state_capture", "trainer.name", "sddd"))
     if q.training.precision == "fp8":
         needs.append(Need("training_backend", "fp8_training", "quantization.training.precision", "fp8"))
+    if cfg.policy.lora.rank > 0:
+        needs.append(Need("training_backend", "lora", "policy.lora.rank", cfg.policy.lora.rank))
     if cfg.moe.expert_parallel_size > 1:
         ep = cfg.moe.expert_parallel_size
         needs.append(Need("training_backend", "expert_parallel", "moe.expert_parallel_size", ep))
@@ -166,6 +168,21 @@ def _algorithm_violations(cfg: RunConfig) -> list[Violation]:
     return out
 
 
+def _lora_violations(cfg: RunConfig) -> list[Violation]:
+    rank = cfg.policy.lora.rank
+    if rank <= 0:
+        return []
+    out = []
+    if cfg.quantization.training.precision == "fp8":
+        out.append(Violation("policy.lora.rank", rank,
+                             "LoRA adapters on FP8 training linears are not supported; use "
+                             "quantization.training.precision=bf16 with LoRA, or policy.lora.rank=0"))
+    if importlib.util.find_spec("peft") is None:
+        out.append(Violation("policy.lora.rank", rank,
+                             "LoRA needs peft, which is not installed (pip install 'lumenrl-backends[lora]')"))
+    return out
+
+
 def check_reward_function(spec: str) -> str | None:
     """``None`` if ``spec`` is ``"module:function"`` naming an importable module, else the problem."""
     if not _REWARD_FN.match(spec):
@@ -180,7 +197,8 @@ def check_reward_function(spec: str) -> str | None:
 
 def config_violations(cfg: RunConfig) -> list[Violation]:
     """Config-level rules that need no plugin: precisions, algorithm/critic, async, reward function."""
-    out = _precision_violations(cfg) + _algorithm_violations(cfg) + _parallel_violations(cfg)
+    out = (_precision_violations(cfg) + _algorithm_violations(cfg) + _parallel_violations(cfg)
+           + _lora_violations(cfg))
     a = cfg.async_training
     if a.partial_rollout and not a.enabled:
         out.append(Violation("async_training.partial_rollout", True,

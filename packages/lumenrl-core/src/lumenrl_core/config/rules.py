@@ -86,6 +86,7 @@ RULES: dict[type, dict[str, Range]] = {
         "gpu_memory_utilization": HALF_OPEN_UNIT,
     },
     s.PolicyConfig: {"max_prompt_length": POSITIVE},
+    s.LoraConfig: {"rank": NON_NEGATIVE, "alpha": STRICTLY_POSITIVE, "dropout": Range(ge=0, lt=1)},
     s.AlgorithmConfig: {
         "clip_ratio_low": UNIT,
         "clip_ratio_high": NON_NEGATIVE,

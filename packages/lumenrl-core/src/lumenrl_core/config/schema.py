@@ -18,6 +18,7 @@ __all__ = [
     "OptimConfig",
     "PolicyTrainConfig",
     "SamplingConfig",
+    "LoraConfig",
     "PolicyConfig",
     "AlgorithmConfig",
     "RewardConfig",
@@ -121,6 +122,19 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    """LoRA adapters on the policy (peft): only the adapters train; the reference is the base."""
+
+    rank: int = 0  # adapter rank r; 0 = full fine-tuning (no adapters)
+    alpha: float = 16.0  # scaling = alpha / rank
+    dropout: float = 0.0  # dropout on the adapter input (update forward only)
+    # leaf names of the linear layers that get adapters (those present in the model are used)
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class PolicyConfig:
     model_name: str = "lumenrl:tiny-qwen3-arith"  # HF path/id, or a built-in "lumenrl:" demo model
     tokenizer_name: str = ""  # empty: same as model_name
@@ -133,6 +147,7 @@ class PolicyConfig:
     train: PolicyTrainConfig = field(default_factory=PolicyTrainConfig)
     rollout: SamplingConfig = field(default_factory=SamplingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass(kw_only=True, slots=True)
