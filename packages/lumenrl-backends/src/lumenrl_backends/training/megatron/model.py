@@ -1,0 +1,146 @@
+"""Build a Megatron-Core ``GPTModel`` from an HF config and wrap it behind the HF call shape.
+
+Process groups: ``parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)``
+on the default group (``dist_utils.ensure_process_group``: a 1-rank gloo group on CPU).
+Only tp = pp = ep = 1 trains in this release (no pipelined schedule, no TP-aware data split);
+larger sizes are refused by :func:`init_parallel`.
+
+Layers: ``get_gpt_layer_local_spec`` (plain torch linears/attention, no TransformerEngine/apex),
+unfused softmax/rope/bias-dropout, fp32 params, ``use_cpu_initialization``. Megatron's RoPE
+moves its ``inv_freq`` to ``torch.cuda.current_device()`` on first use; on a CPU model
+:func:`_keep_rope_on_device` makes it follow the module's device instead (the only CPU patch).
+
+Attention mask: Megatron takes a bool (b, 1, s, s) mask, True = masked; we pass causal OR
+key-padding. RoPE positions are 0..s-1 per row (Megatron ignores ``position_ids`` for RoPE);
+rotary attention depends only on position differences, so left-padded rows give the HF result
+up to fp rounding (tested against the FSDP2 backend).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lumenrl_backends.training.megatron.families import FamilyAdapter
+
+__all__ = ["MegatronCausalLM", "build_gpt_model", "init_parallel"]
+
+
+def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+    """Megatron's model-parallel groups over the default process group (idempotent)."""
+    from megatron.core import parallel_state as ps
+
+    if (tp, pp, ep) != (1, 1, 1):
+        raise ValueError(
+            f"policy.training_backend='megatron' runs tp=pp=ep=1 only in this release (got tp={tp}, "
+            f"pp={pp}, ep={ep}): the pipelined schedule and TP/EP-aware batch split are not implemented"
+        )
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"megatron backend: rope_type={rope_type!r} is not supported (only 'default')")
+    return float(theta if theta is not None else 10000.0)
+
+
+def _transformer_config(config, adapter: FamilyAdapter):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    for key in ("attention_bias", "mlp_bias"):
+        if getattr(config, key, False):
+            raise ValueError(f"megatron backend: {config.model_type} with {key}=True is not supported")
+    heads = config.num_attention_heads
+    return TransformerConfig(
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=config.num_key_value_heads,
+        kv_channels=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        qk_layernorm=adapter.qk_layernorm,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def _keep_rope_on_device(rope: nn.Module) -> None:
+    original = type(rope).get_emb
+
+    def get_emb(self, max_seq_len: int, offset: int = 0):
+        device = self.inv_freq.device
+        if device.type == "cuda":
+            return original(self, max_seq_len, offset)
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # (s, hd/2) on inv_freq's device
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # (s, 1, 1, hd)
+
+    rope.get_emb = types.MethodType(get_emb, rope)
+
+
+def build_gpt_model(config, adapter: FamilyAdapter) -> nn.Module:
+    """An fp32 Megatron-Core GPTModel with the shapes of HF ``config`` (random init)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=adapter.qk_layernorm, normalization="RMSNorm")
+    model = GPTModel(
+        config=_transformer_config(config, adapter),
+        transformer_layer_spec=spec,
+        vocab_size=config.vocab_size,
+        max_sequence_length=config.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=_rope_theta(config),
+        share_embeddings_and_output_weights=bool(config.tie_word_embeddings),
+    )
+    _keep_rope_on_device(model.rotary_pos_emb)
+    return model
+
+
+class MegatronCausalLM(nn.Module):
+    """A GPTModel answering the HF causal-LM call the backend's shared forward code makes."""
+
+    def __init__(self, gpt: nn.Module, hf_config: Any, adapter: FamilyAdapter) -> None:
+        super().__init__()
+        self.gpt, self.config, self.adapter = gpt, hf_config, adapter
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=None, use_cache=False):
+        b, s = input_ids.shape
+        causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu(1)  # True = masked
+        mask = causal[None, None].expand(b, 1, s, s)
+        if attention_mask is not None:
+            mask = mask | (attention_mask == 0)[:, None, None, :]
+        positions = torch.arange(s, device=input_ids.device)[None].expand(b, s)
+        logits = self.gpt(input_ids, positions, mask)  # (b, s, V)
+        if logits_to_keep is not None:
+            logits = logits[:, logits_to_keep] if isinstance(logits_to_keep, torch.Tensor) else logits
+        return types.SimpleNamespace(logits=logits)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        mc = {k: v for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+        return dict(self.adapter.to_hf(self.config, mc))
+
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.gpt.load_state_dict(self.adapter.to_megatron(self.config, hf), strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"HF->Megatron conversion mismatch: missing={missing} unexpected={unexpected}")
