@@ -10,8 +10,13 @@ unfused softmax/rope/bias-dropout, fp32 params, ``use_cpu_initialization``. Mega
 moves its ``inv_freq`` to ``torch.cuda.current_device()`` on first use; on a CPU model
 :func:`_keep_rope_on_device` makes it follow the module's device instead (the only CPU patch).
 
-Attention mask: Megatron takes a bool (b, 1, s, s) mask, True = masked; we pass causal OR
-key-padding. RoPE positions are 0..s-1 per row (Megatron ignores ``position_ids`` for RoPE);
+Core attention: Megatron's local ``DotProductAttention`` takes its score buffer from a CUDA-only
+global memory pool, so the layer spec's ``core_attention`` is :class:`SDPACoreAttention`
+(``F.scaled_dot_product_attention``, GQA by head repeat) on every device.
+
+Attention mask: Megatron's bool (b, 1, s, s) mask, True = masked: causal OR key-padding, with
+the diagonal always open so a padding query row is never fully masked (its output is unused;
+a fully masked row would give NaN that reaches the weight gradients through 0 * NaN). RoPE positions are 0..s-1 per row (Megatron ignores ``position_ids`` for RoPE);
 rotary attention depends only on position differences, so left-padded rows give the HF result
 up to fp rounding (tested against the FSDP2 backend).
 """
@@ -97,12 +102,38 @@ def _keep_rope_on_device(rope: nn.Module) -> None:
     rope.get_emb = types.MethodType(get_emb, rope)
 
 
+class SDPACoreAttention(nn.Module):
+    """Megatron core-attention module: q (sq, b, np, hd), k/v (sk, b, ng, hd) -> (sq, b, np*hd)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **_: Any) -> None:
+        super().__init__()
+        if config.context_parallel_size != 1 or config.tensor_model_parallel_size != 1:
+            raise ValueError("SDPACoreAttention runs without tensor/context parallelism")
+        self.config, self.softmax_scale = config, softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPACoreAttention: packed sequences and attention bias are not supported")
+        rep = query.shape[2] // key.shape[2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads, s, hd)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        allowed = None if attention_mask is None else ~attention_mask  # (b, 1, sq, sk), True = attend
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, is_causal=attention_mask is None, scale=self.softmax_scale
+        )  # (b, np, sq, hd)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
 def build_gpt_model(config, adapter: FamilyAdapter) -> nn.Module:
     """An fp32 Megatron-Core GPTModel with the shapes of HF ``config`` (random init)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=adapter.qk_layernorm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = GPTModel(
         config=_transformer_config(config, adapter),
         transformer_layer_spec=spec,
@@ -128,7 +159,8 @@ class MegatronCausalLM(nn.Module):
         causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu(1)  # True = masked
         mask = causal[None, None].expand(b, 1, s, s)
         if attention_mask is not None:
-            mask = mask | (attention_mask == 0)[:, None, None, :]
+            eye = torch.eye(s, dtype=torch.bool, device=input_ids.device)
+            mask = (mask | (attention_mask == 0)[:, None, None, :]) & ~eye  # (b, 1, s, s)
         positions = torch.arange(s, device=input_ids.device)[None].expand(b, s)
         logits = self.gpt(input_ids, positions, mask)  # (b, s, V)
         if logits_to_keep is not None:
