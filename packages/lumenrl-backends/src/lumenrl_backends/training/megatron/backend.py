@@ -5,7 +5,8 @@ Same seam as :class:`~lumenrl_backends.training.fsdp2.FSDP2Backend` (``compute_l
 trainers, workers and loss closures are unchanged: it reuses FSDP2Backend's mini/micro-batch loop,
 log-prob/entropy math (temperature, response slice), clipping, non-finite guard and LR schedule,
 and swaps the model: HF weights are converted into a Megatron-Core ``GPTModel``
-(:mod:`.families`, :mod:`.model`) which trains under plain torch AdamW (fp32).
+(:mod:`.families`, :mod:`.model`) which trains under plain torch AdamW on fp32 master weights
+(fused on CUDA); ``policy.train.mixed_precision`` auto/bf16 on CUDA = bf16 autocast forwards.
 
 Weights leave under HF names (``named_weights`` converts on the fly), so ``sync_to_engine`` and
 ``save_hf`` are unchanged; checkpoints hold the Megatron state dict (torch.distributed.checkpoint,
@@ -27,6 +28,7 @@ from lumenrl_backends.training.megatron.families import adapter_for
 from lumenrl_backends.training.megatron.model import MegatronCausalLM, build_gpt_model, init_parallel
 from lumenrl_backends.training.megatron.probe import missing_api
 from lumenrl_backends.training.nonfinite import NonFiniteGuard, refuse_nonfinite
+from lumenrl_backends.training.precision import compute_dtype
 from lumenrl_backends.training.schedules import LRSchedule, build_lr_scheduler
 
 __all__ = ["MegatronBackend"]
@@ -79,6 +81,7 @@ class MegatronBackend(FSDP2Backend):
         self.model = MegatronCausalLM(build_gpt_model(model.config, adapter), model.config, adapter)
         self.model.load_hf_state_dict({k: v.float() for k, v in model.state_dict().items()})
         self.model.to(self.device)
+        self.model.compute_dtype = compute_dtype(train.mixed_precision, self.device)  # bf16 on CUDA (auto)
         self.fp8_report, self.exact, self.single = None, False, None
         self.packing, self._pack_align, self._logprob_backend = "none", 8, None
         self.optimizer = self.scheduler = self._sft_optimizer = None

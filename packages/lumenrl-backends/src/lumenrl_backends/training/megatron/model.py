@@ -153,6 +153,7 @@ class MegatronCausalLM(nn.Module):
     def __init__(self, gpt: nn.Module, hf_config: Any, adapter: FamilyAdapter) -> None:
         super().__init__()
         self.gpt, self.config, self.adapter = gpt, hf_config, adapter
+        self.compute_dtype = torch.float32  # bf16: autocast over fp32 master weights (CUDA)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=None, use_cache=False):
         b, s = input_ids.shape
@@ -162,7 +163,9 @@ class MegatronCausalLM(nn.Module):
             eye = torch.eye(s, dtype=torch.bool, device=input_ids.device)
             mask = (mask | (attention_mask == 0)[:, None, None, :]) & ~eye  # (b, 1, s, s)
         positions = torch.arange(s, device=input_ids.device)[None].expand(b, s)
-        logits = self.gpt(input_ids, positions, mask)  # (b, s, V)
+        low = self.compute_dtype != torch.float32
+        with torch.autocast(input_ids.device.type, dtype=self.compute_dtype, enabled=low):
+            logits = self.gpt(input_ids, positions, mask)  # (b, s, V)
         if logits_to_keep is not None:
             logits = logits[:, logits_to_keep] if isinstance(logits_to_keep, torch.Tensor) else logits
         return types.SimpleNamespace(logits=logits)
