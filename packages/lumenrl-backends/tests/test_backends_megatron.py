@@ -30,8 +30,15 @@ def _hf(path):
 
 
 def _backend(cls, path, **kw):
-    return cls(_hf(path), role="actor", optim=OptimConfig(lr=1e-2), train=PolicyTrainConfig(micro_batch_size=2),
-               num_training_steps=2, device=torch.device("cpu"), **kw)
+    return cls(
+        _hf(path),
+        role="actor",
+        optim=OptimConfig(lr=1e-2),
+        train=PolicyTrainConfig(micro_batch_size=2),
+        num_training_steps=2,
+        device=torch.device("cpu"),
+        **kw,
+    )
 
 
 def _batch(vocab: int, seed: int) -> DataProto:
@@ -40,8 +47,13 @@ def _batch(vocab: int, seed: int) -> DataProto:
     attn = torch.ones(4, P + T, dtype=torch.long)
     attn[0, :2] = 0  # left padding
     attn[3, :3] = 0
-    tensors = {"input_ids": ids, "attention_mask": attn, "responses": ids[:, P:],
-               "response_mask": torch.ones(4, T), "advantages": torch.randn(4, T, generator=g)}
+    tensors = {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "responses": ids[:, P:],
+        "response_mask": torch.ones(4, T),
+        "advantages": torch.randn(4, T, generator=g),
+    }
     return DataProto.from_dict(tensors=tensors)
 
 
@@ -57,8 +69,14 @@ def test_round_trip_is_exact(tiny):
 
     _, path = tiny
     hf = _hf(path).state_dict()
-    backend = MegatronBackend(_hf(path), role="ref", optim=None, train=PolicyTrainConfig(),
-                              num_training_steps=1, device=torch.device("cpu"))
+    backend = MegatronBackend(
+        _hf(path),
+        role="ref",
+        optim=None,
+        train=PolicyTrainConfig(),
+        num_training_steps=1,
+        device=torch.device("cpu"),
+    )
     back = dict(backend.named_weights())
     assert back.keys() == hf.keys()
     for name, tensor in hf.items():
@@ -80,7 +98,9 @@ def test_log_probs_and_train_step_match_fsdp2(tiny):
         assert (ent_ref - ent_meg)[valid].abs().max() < 1e-4
     m_ref, m_meg = ref.train_step(batch, pg_loss), meg.train_step(batch, pg_loss)
     assert abs(m_ref["actor/loss"] - m_meg["actor/loss"]) < 1e-5
-    assert abs(m_ref["actor/grad_norm"] - m_meg["actor/grad_norm"]) < 1e-4 * max(1.0, m_ref["actor/grad_norm"])
+    assert abs(m_ref["actor/grad_norm"] - m_meg["actor/grad_norm"]) < 1e-4 * max(
+        1.0, m_ref["actor/grad_norm"]
+    )
     after = dict(meg.named_weights())
     for name, tensor in ref.named_weights():
         assert (after[name] - tensor).abs().max() < 1e-4, name

@@ -65,7 +65,9 @@ class MegatronBackend(FSDP2Backend):
         if reason is not None:
             raise RuntimeError(reason)
         if role not in ("actor", "ref"):
-            raise ValueError(f"megatron backend: role={role!r} is not supported (actor, ref); use fsdp2 for the critic")
+            raise ValueError(
+                f"megatron backend: role={role!r} is not supported (actor, ref); use fsdp2 for the critic"
+            )
         if role == "actor" and optim is None:
             raise ValueError("role='actor' trains, so optim must be an OptimConfig, got None")
         if train.packing not in ("auto", "none"):
@@ -158,4 +160,3 @@ class MegatronBackend(FSDP2Backend):
         return ckpt.load_training_state(
             path, model=self.weights_module, optimizer=self.optimizer, scheduler=self.scheduler
         )
-

@@ -105,15 +105,33 @@ def _keep_rope_on_device(rope: nn.Module) -> None:
 class SDPACoreAttention(nn.Module):
     """Megatron core-attention module: q (sq, b, np, hd), k/v (sk, b, ng, hd) -> (sq, b, np*hd)."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **_: Any) -> None:
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        **_: Any,
+    ) -> None:
         super().__init__()
         if config.context_parallel_size != 1 or config.tensor_model_parallel_size != 1:
             raise ValueError("SDPACoreAttention runs without tensor/context parallelism")
         self.config, self.softmax_scale = config, softmax_scale
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPACoreAttention: packed sequences and attention bias are not supported")
         rep = query.shape[2] // key.shape[2]
@@ -155,7 +173,9 @@ class MegatronCausalLM(nn.Module):
         self.gpt, self.config, self.adapter = gpt, hf_config, adapter
         self.compute_dtype = torch.float32  # bf16: autocast over fp32 master weights (CUDA)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=None, use_cache=False):
+    def forward(
+        self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=None, use_cache=False
+    ):
         b, s = input_ids.shape
         causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu(1)  # True = masked
         mask = causal[None, None].expand(b, 1, s, s)
@@ -175,7 +195,9 @@ class MegatronCausalLM(nn.Module):
         return dict(self.adapter.to_hf(self.config, mc))
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.gpt.load_state_dict(self.adapter.to_megatron(self.config, hf), strict=False)
+        missing, unexpected = self.gpt.load_state_dict(
+            self.adapter.to_megatron(self.config, hf), strict=False
+        )
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise ValueError(f"HF->Megatron conversion mismatch: missing={missing} unexpected={unexpected}")
