@@ -133,6 +133,10 @@ class MegatronBackend(FSDP2Backend):
         for name, tensor in self.model.adapter.to_hf(self.hf_config, mc):
             yield name, tensor.detach()
 
+    def engine_tensors(self) -> dict[str, torch.Tensor]:
+        """HF name -> tensor for ``sync_to_engine`` (the engine loads HF names)."""
+        return dict(self.named_weights())
+
     def state_dict_for_export(self) -> dict[str, torch.Tensor]:
         return {k: v.cpu().clone() for k, v in self.named_weights()}
 
