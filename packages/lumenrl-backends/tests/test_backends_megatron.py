@@ -15,7 +15,7 @@ from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
 from lumenrl_core.data_proto import DataProto
 
 pytestmark = pytest.mark.skipif(missing_api() is not None, reason=str(missing_api()))
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "qwen3_moe")
 P, T = 4, 5
 
 

@@ -9,6 +9,9 @@ Megatron-Core's GPT layout (local layer spec, ``megatron-core`` 0.16) versus HF 
 * norms: ``input_layernorm``, ``pre_mlp_layernorm``, ``decoder.final_layernorm``; Qwen3's
   per-head q/k RMSNorm = ``self_attention.{q,k}_layernorm`` (``qk_layernorm=True``).
 * ``embedding.word_embeddings``; ``output_layer`` unless embeddings are tied (then absent).
+* MoE (Qwen3-MoE, every layer routed): ``mlp.router.weight`` (E, H) = HF ``mlp.gate.weight``;
+  expert e's ``mlp.experts.local_experts.{e}.linear_fc1.weight`` (2F, H) = HF
+  ``mlp.experts.gate_up_proj[e]`` ([gate; up]) and ``linear_fc2`` (H, F) = ``down_proj[e]``.
 
 Conversion is a pure re-layout (cat/split/view), so HF -> Megatron -> HF is bit-exact.
 Families are looked up by ``config.model_type`` in :data:`ADAPTERS`; a family not listed is
@@ -28,7 +31,6 @@ _LAYER_MAP = (  # (megatron suffix, HF suffix): one-to-one tensors of every deco
     ("input_layernorm.weight", "input_layernorm.weight"),
     ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
     ("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
-    ("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
 )
 _QK_NORM_MAP = (
     ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
@@ -42,6 +44,7 @@ class FamilyAdapter:
 
     model_type: str
     qk_layernorm: bool = False
+    moe: bool = False  # routed experts in every layer (Megatron MoE layer, SequentialMLP experts)
 
     def _one_to_one(self) -> tuple[tuple[str, str], ...]:
         return _LAYER_MAP + (_QK_NORM_MAP if self.qk_layernorm else ())
@@ -67,10 +70,43 @@ class FamilyAdapter:
             k = hf[src + "self_attn.k_proj.weight"].view(groups, hd, -1)  # (G, hd, H)
             v = hf[src + "self_attn.v_proj.weight"].view(groups, hd, -1)
             out[dst + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], 1).reshape(-1, q.shape[-1])
-            out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-                [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
-            )
+            out.update(self._mlp_to_megatron(hf, src, dst))
         return out
+
+    def _mlp_to_megatron(self, hf, src: str, dst: str) -> dict[str, torch.Tensor]:
+        if not self.moe:
+            fc1 = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
+            return {
+                dst + "mlp.linear_fc1.weight": fc1,
+                dst + "mlp.linear_fc2.weight": hf[src + "mlp.down_proj.weight"],
+            }
+        out = {dst + "mlp.router.weight": hf[src + "mlp.gate.weight"]}
+        gate_up, down = (
+            hf[src + "mlp.experts.gate_up_proj"],
+            hf[src + "mlp.experts.down_proj"],
+        )  # (E, 2F, H), (E, H, F)
+        for e in range(gate_up.shape[0]):
+            out[f"{dst}mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
+            out[f"{dst}mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+        return out
+
+    def _mlp_to_hf(self, config, mc, src: str, dst: str) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self.moe:
+            gate, up = mc[src + "mlp.linear_fc1.weight"].chunk(2)
+            yield dst + "mlp.gate_proj.weight", gate
+            yield dst + "mlp.up_proj.weight", up
+            yield dst + "mlp.down_proj.weight", mc[src + "mlp.linear_fc2.weight"]
+            return
+        experts = range(config.num_experts)
+        yield dst + "mlp.gate.weight", mc[src + "mlp.router.weight"]
+        yield (
+            dst + "mlp.experts.gate_up_proj",
+            torch.stack([mc[f"{src}mlp.experts.local_experts.{e}.linear_fc1.weight"] for e in experts]),
+        )
+        yield (
+            dst + "mlp.experts.down_proj",
+            torch.stack([mc[f"{src}mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in experts]),
+        )
 
     def to_hf(self, config, mc: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """Megatron-Core state dict -> HF (name, tensor), in HF order, one tensor at a time."""
@@ -84,9 +120,7 @@ class FamilyAdapter:
             yield dst + "self_attn.q_proj.weight", q.reshape(-1, qkv.shape[-1])
             yield dst + "self_attn.k_proj.weight", k.reshape(-1, qkv.shape[-1])
             yield dst + "self_attn.v_proj.weight", v.reshape(-1, qkv.shape[-1])
-            gate, up = mc[src + "mlp.linear_fc1.weight"].chunk(2)
-            yield dst + "mlp.gate_proj.weight", gate
-            yield dst + "mlp.up_proj.weight", up
+            yield from self._mlp_to_hf(config, mc, src, dst)
             for m, h in self._one_to_one():
                 yield dst + h, mc[src + m]
         yield "model.norm.weight", mc["decoder.final_layernorm.weight"]
@@ -99,8 +133,12 @@ class FamilyAdapter:
 ADAPTERS: dict[str, FamilyAdapter] = {
     "llama": FamilyAdapter(model_type="llama"),
     "qwen3": FamilyAdapter(model_type="qwen3", qk_layernorm=True),
+    "qwen3_moe": FamilyAdapter(model_type="qwen3_moe", qk_layernorm=True, moe=True),
 }
-NOT_YET = {"qwen3_moe": "Qwen3-MoE (routed experts, Megatron MoE layer spec) is not converted yet"}
+NOT_YET = {
+    "mixtral": "Mixtral (MoE without q/k norm) is not converted yet",
+    "deepseek_v3": "DeepSeek-V3 (MLA attention, shared experts, grouped routing) is not converted yet",
+}
 
 
 def adapter_for(config) -> FamilyAdapter:

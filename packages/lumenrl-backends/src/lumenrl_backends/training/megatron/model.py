@@ -8,7 +8,9 @@ larger sizes are refused by :func:`init_parallel`.
 Layers: ``get_gpt_layer_local_spec`` (plain torch linears/attention, no TransformerEngine/apex),
 unfused softmax/rope/bias-dropout, fp32 params, ``use_cpu_initialization``. Megatron's RoPE
 moves its ``inv_freq`` to ``torch.cuda.current_device()`` on first use; on a CPU model
-:func:`_keep_rope_on_device` makes it follow the module's device instead (the only CPU patch).
+:func:`_keep_rope_on_device` makes it follow the module's device instead. MoE routers move their
+weight to CUDA and use a TransformerEngine gemm in ``gating``: :func:`_router_gating` (a plain
+linear) replaces it on every device.
 
 Core attention: Megatron's local ``DotProductAttention`` takes its score buffer from a CUDA-only
 global memory pool, so the layer spec's ``core_attention`` is :class:`SDPACoreAttention`
@@ -57,6 +59,28 @@ def _rope_theta(config) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
+def _moe_kwargs(config, adapter: FamilyAdapter) -> dict[str, Any]:
+    """Qwen3-MoE routing in Megatron terms: top-k over the logits then softmax over the k
+    (= HF's softmax, top-k, renormalize when ``norm_topk_prob``); no aux loss in the model."""
+    if not adapter.moe:
+        return {}
+    if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
+        raise ValueError(
+            "megatron backend: Qwen3-MoE with dense layers (mlp_only_layers/decoder_sparse_step) is not supported"
+        )
+    return dict(
+        num_moe_experts=config.num_experts,
+        moe_router_topk=config.num_experts_per_tok,
+        moe_ffn_hidden_size=config.moe_intermediate_size,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not config.norm_topk_prob,
+        moe_grouped_gemm=False,
+    )
+
+
 def _transformer_config(config, adapter: FamilyAdapter):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -65,6 +89,7 @@ def _transformer_config(config, adapter: FamilyAdapter):
             raise ValueError(f"megatron backend: {config.model_type} with {key}=True is not supported")
     heads = config.num_attention_heads
     return TransformerConfig(
+        **_moe_kwargs(config, adapter),
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         ffn_hidden_size=config.intermediate_size,
@@ -145,12 +170,25 @@ class SDPACoreAttention(nn.Module):
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
+def _router_gating(self, input):
+    """Router logits (tokens, E) with a plain linear: Megatron's ``gating`` moves the weight to
+    CUDA and its gemm needs TransformerEngine."""
+    dtype = torch.float32 if self.config.moe_router_dtype == "fp32" else input.dtype
+    bias = None if self.bias is None else self.bias.to(dtype)
+    return F.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+
 def build_gpt_model(config, adapter: FamilyAdapter) -> nn.Module:
     """An fp32 Megatron-Core GPTModel with the shapes of HF ``config`` (random init)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=adapter.qk_layernorm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_experts if adapter.moe else None,
+        moe_grouped_gemm=False,
+        qk_layernorm=adapter.qk_layernorm,
+        normalization="RMSNorm",
+    )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = GPTModel(
         config=_transformer_config(config, adapter),
@@ -162,6 +200,9 @@ def build_gpt_model(config, adapter: FamilyAdapter) -> nn.Module:
         share_embeddings_and_output_weights=bool(config.tie_word_embeddings),
     )
     _keep_rope_on_device(model.rotary_pos_emb)
+    for module in model.modules():
+        if hasattr(module, "gating") and hasattr(module, "routing"):  # MoE routers
+            module.gating = types.MethodType(_router_gating, module)
     return model
 
 
