@@ -48,6 +48,10 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> None:
         )
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+        if torch.cuda.is_available():  # Megatron's CUDA RNG tracker (dropout forks) must be seeded
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
 
 
 def _rope_theta(config) -> float:
