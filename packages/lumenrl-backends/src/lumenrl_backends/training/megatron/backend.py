@@ -35,9 +35,15 @@ __all__ = ["MegatronBackend"]
 
 
 def _parallel_sizes(cfg: Any) -> tuple[int, int, int]:
-    """(tp, pp, ep) from ``policy.parallel`` where the schema has it; 1 otherwise."""
+    """(tp, pp, ep) from the run config: ``policy.parallel.tp`` (and ``cp``, which must be 1) where
+    the schema has them, ``moe.expert_parallel_size``; there is no pipeline key, so pp = 1."""
     par = getattr(cfg.policy, "parallel", None)
-    return tuple(int(getattr(par, k, 1) or 1) for k in ("tp", "pp", "ep"))  # type: ignore[return-value]
+    cp = int(getattr(par, "cp", 1) or 1)
+    if cp != 1:
+        raise ValueError(
+            f"policy.parallel.cp={cp}: the megatron backend has no context parallelism; allowed: 1"
+        )
+    return int(getattr(par, "tp", 1) or 1), 1, int(cfg.moe.expert_parallel_size)
 
 
 class MegatronBackend(FSDP2Backend):
