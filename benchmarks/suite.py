@@ -110,6 +110,11 @@ ENTRIES: tuple[Entry, ...] = (
           numbers=("sync/samples_per_s", "partial/samples_per_s", "partial/speedup_vs_sync"),
           goal="async + partial rollout >= 2.0x synchronous samples/s (one H200, long-tail lengths)",
           metric="partial/speedup_vs_sync", bound=">= 2.0"),
+    # Megatron-Core training backend against FSDP2 (needs the lumenrl-backends[megatron] extra)
+    Entry(name="megatron_vs_fsdp2", target="benchmarks.megatron.bench_megatron:run", suites=("gpu", "train"),
+          numbers=("fsdp2_step_s", "megatron_step_s", "megatron_over_fsdp2_step", "logprob_max_abs_diff"),
+          goal="Megatron-Core train_step within 1.25x of FSDP2 (Qwen3-1.7B shape, one H200)",
+          metric="megatron_over_fsdp2_step", bound="<= 1.25"),
     # scale-out: data-parallel rollout and the GRPO step over ranks
     Entry(name="rollout_dp", target="benchmarks.scale.rollout_dp:run", suites=("scale",),
           numbers=("tok_s_1proc", "tok_s_2proc", "speedup_2proc"), device="cpu"),

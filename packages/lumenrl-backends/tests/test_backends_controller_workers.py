@@ -149,6 +149,8 @@ def test_reward_worker_needs_text_or_tokenizer():
 
 def test_megatron_backend_is_honestly_unavailable():
     reason = MegatronBackend.probe()
-    assert reason is not None and "egatron" in reason
-    with pytest.raises(NotImplementedError, match="megatron"):
-        MegatronBackend(None, role="actor")
+    if reason is None:
+        pytest.skip("megatron-core is installed: the backend itself is tested in test_backends_megatron.py")
+    assert "egatron" in reason
+    with pytest.raises(RuntimeError, match="megatron"):
+        MegatronBackend(None, role="actor", optim=None, train=None, num_training_steps=1, device="cpu")

@@ -67,7 +67,13 @@ def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def trainer_tensors(source: Any) -> dict[str, torch.Tensor]:
-    """Name -> parameter or persistent buffer of the trainer model (sharded as stored), module order."""
+    """Name -> parameter or persistent buffer of the trainer model (sharded as stored), module order.
+
+    A backend whose module is not laid out under HF names (Megatron-Core) provides
+    ``engine_tensors()``: the same mapping, converted to HF names.
+    """
+    if hasattr(source, "engine_tensors"):
+        return source.engine_tensors()
     model = _module_of(source)
     return {**dict(model.named_parameters()), **dict(_persistent_buffers(model))}
 
