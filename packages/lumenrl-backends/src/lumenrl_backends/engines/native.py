@@ -156,6 +156,8 @@ class NativeEngine:
             "fp8_weights",
             "mx_weights",
             "fp8_kv_cache",
+            "hidden_state_capture",  # speculative.capture_hidden
+            "speculative_decoding",  # speculative.attach_draft
         }
     )
 
@@ -261,6 +263,7 @@ class NativeEngine:
         self.speculation = {"launched": 0, "rolled_back": 0}  # speculative steps queued / undone (diagnostics)
         # Triton one-pass sampler on CUDA, after a self-check against the torch sampler (None: not checked yet)
         self._fused_ok: bool | None = None if fused_sampling and self.device.type == "cuda" else False
+        self.draft, self.spec_tokens = None, 0  # speculative decoding: engines/speculative.attach_draft
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -312,6 +315,9 @@ class NativeEngine:
     def generate(self, batch: Any, sampling: Any = None) -> Any:
         """Generate for every row of ``batch``; returns the rollout DataProto (contracts layout)."""
         params = coerce_sampling(sampling)
+        if self.draft is not None:
+            from lumenrl_backends.engines.speculative import speculative_generate
+            return speculative_generate(self, batch, params)
         requests, prompts, prompt_mask = requests_from_batch(batch, params)
         stops = stop_ids_for(params, self.eos_token_ids)
         start, before = time.perf_counter(), generated_tokens(requests)
