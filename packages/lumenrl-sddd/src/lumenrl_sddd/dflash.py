@@ -160,7 +160,8 @@ class DFlashDraft(nn.Module):
         weight = torch.exp(-(steps - 1).float() / c.gamma) * live
         loss = (ce * weight).sum() / weight.sum().clamp(min=1)
         acc = ((logits.argmax(-1) == target.argmax(-1)).float() * live).sum() / live.sum().clamp(min=1)
-        return loss, {"sddd/block_acc": float(acc), "sddd/block_ce": float((ce * live).sum() / live.sum().clamp(min=1))}
+        return loss, {"sddd/block_acc": float(acc.detach()),
+                      "sddd/block_ce": float((ce * live).sum().detach() / live.sum().clamp(min=1))}
 
     # ------------------------------------------------------------------ inference
     def start(self, batch: int, max_len: int, device: torch.device) -> DFlashState:
@@ -189,9 +190,6 @@ class DFlashDraft(nn.Module):
                              positions[rows, last]).float()  # (N, k, V)
         drafted = torch.stack([sample(logits[:, i]) for i in range(k)], 1)
         return drafted, logits
-
-    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits
 
 
 def position_weights(block_size: int, gamma: float) -> list[float]:

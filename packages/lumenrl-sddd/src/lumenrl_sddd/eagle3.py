@@ -177,8 +177,8 @@ class Eagle3Draft(nn.Module):
             step_loss = (ce * live).sum() / denom
             total = total + self.config.step_decay ** j * step_loss
             acc = ((logp.argmax(-1) == tgt.argmax(-1)).float() * live).sum() / denom
-            metrics[f"sddd/acc_step{j}"] = float(acc)
-            metrics[f"sddd/loss_step{j}"] = float(step_loss)
+            metrics[f"sddd/acc_step{j}"] = float(acc.detach())
+            metrics[f"sddd/loss_step{j}"] = float(step_loss.detach())
         return total, metrics
 
     # ------------------------------------------------------------------ inference

@@ -219,7 +219,7 @@ def _run_chunk(engine: Any, requests: list[Any], params: SamplingParams, stops: 
         engine.cache.valid[rows[:, None], vcols] = True
         kv_len = min(engine.max_seq_len, -(-(int(vcols.max()) + 1) // engine.kv_block) * engine.kv_block)
         key_cols = torch.arange(kv_len, device=device)
-        allowed = (engine.cache.valid[:, None, :kv_len] & (key_cols[None, None] <= vcols[..., None]))[:, None]
+        allowed = (engine.cache.valid[:n, None, :kv_len] & (key_cols[None, None] <= vcols[..., None]))[:, None]
         logits, hidden = target_forward(engine, torch.cat([cur[:, None], drafted], 1), vpos, vcols, decode=True,
                                         kv_len=kv_len, allowed=allowed, layer_ids=draft.layer_ids)
         if params.temperature > 0:
