@@ -136,3 +136,25 @@ def test_speculative_sampling_matches_teacher_distribution(world):
     dof = int(big.sum())
     assert dof >= 3
     assert stat < chi2.ppf(1 - 1e-3, dof), (stat, dof)
+
+
+def test_rl_rollout_with_draft_path_and_online_sddd(world, tmp_path):
+    """policy.rollout.speculative.draft_path attaches the draft in NativeEngine.from_config; online SDDD then
+    trains it on a rollout batch (captured under the engine's weights) and decoding stays lossless."""
+    from lumenrl_backends.trainers.sddd_online import online_sddd
+    from lumenrl_core.config import config_from_dict
+
+    save_draft(world["untrained"]["eagle3"], tmp_path / "draft")
+    cfg = config_from_dict({"policy": {"dtype": "float32", "rollout": {"max_batch_size": 16, "cuda_graphs": False,
+                            "speculative": {"draft_path": str(tmp_path / "draft"), "num_draft_tokens": 4,
+                                            "online_sddd_steps": 3, "online_sddd_lr": 3e-3}}}})
+    engine = NativeEngine.from_config(cfg, world["model"], world["tok"])
+    assert engine.draft is not None and engine.spec_tokens == 4
+    batch = prompt_batch(world["eval_prompts"], world["tok"].pad_token_id)
+    rollout = engine.generate(batch, {"temperature": 0.0, "max_new_tokens": 20})
+    before = engine.draft.fc.weight.detach().clone()
+    metrics = online_sddd(engine, rollout, cfg.policy.rollout.speculative)
+    assert metrics["sddd/online_steps"] == 3 and torch.isfinite(torch.tensor(metrics["sddd/online_loss"]))
+    assert not torch.equal(before, engine.draft.fc.weight)
+    again = engine.generate(batch, {"temperature": 0.0, "max_new_tokens": 20})
+    assert torch.equal(again.batch["responses"], rollout.batch["responses"])

@@ -276,7 +276,7 @@ class NativeEngine:
     ) -> NativeEngine:
         """Build from a RunConfig: model/tokenizer from ``policy`` unless given, sizes from ``policy.rollout``."""
         rollout, rollout_quant = run_config.policy.rollout, run_config.quantization.rollout
-        return cls(
+        engine = cls(
             **engine_kwargs_from_config(run_config, model, tokenizer),
             quant_scheme=rollout_scheme(rollout_quant),
             kv_cache_dtype=rollout_quant.kv_cache_dtype,
@@ -287,6 +287,10 @@ class NativeEngine:
             overlap_sync=rollout.overlap_sync,
             fuse_fp8_mlp=rollout_quant.fuse_mlp,
         )
+        if rollout.speculative.draft_path:  # speculative decoding (engines/speculative.py)
+            from lumenrl_backends.engines.speculative import attach_from_config
+            attach_from_config(engine, rollout.speculative)
+        return engine
 
     # ------------------------------------------------------------------ control
     def interrupt(self) -> None:

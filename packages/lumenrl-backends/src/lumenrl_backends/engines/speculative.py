@@ -56,7 +56,7 @@ from lumenrl_backends.engines.requests import (
 from lumenrl_backends.engines.sampling import SamplingParams
 from lumenrl_sddd.capture import select_hidden
 
-__all__ = ["attach_draft", "speculative_generate", "capture_hidden", "accept_greedy", "accept_sampling",
+__all__ = ["attach_draft", "attach_from_config", "speculative_generate", "capture_hidden", "accept_greedy", "accept_sampling",
            "target_forward"]
 
 
@@ -70,6 +70,18 @@ def attach_draft(engine: Any, draft: Any, num_tokens: int) -> None:
         dtype = next(engine.model.parameters()).dtype
         draft = draft.to(engine.device, dtype).eval()
     engine.draft, engine.spec_tokens = draft, num_tokens
+
+
+def attach_from_config(engine: Any, spec: Any) -> None:
+    """``policy.rollout.speculative``: load the draft at ``draft_path`` (lumenrl-sddd export) and attach it."""
+    from lumenrl_sddd.export import load_draft
+
+    draft = load_draft(spec.draft_path)
+    k = spec.num_draft_tokens
+    if draft.kind == "dflash" and k != draft.config.block_size - 1:
+        raise ValueError(f"policy.rollout.speculative.num_draft_tokens={k}: the DFlash draft at {spec.draft_path} "
+                         f"drafts block_size - 1 = {draft.config.block_size - 1} tokens; set it to that")
+    attach_draft(engine, draft, k)
 
 
 def target_forward(engine: Any, ids: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, *, decode: bool,

@@ -25,6 +25,7 @@ from lumenrl_backends.trainers.checkpoint import CheckpointManager
 from lumenrl_backends.trainers.metrics import PhaseTimer, batch_metrics, throughput_metrics, train_tokens
 from lumenrl_backends.trainers.outputs import write_summary
 from lumenrl_backends.trainers.rollout import broadcast_from_rank0, collect_rollouts
+from lumenrl_backends.trainers.sddd_online import online_sddd
 from lumenrl_backends.trainers.sync import sync_weights
 from lumenrl_backends.trainers.update import (
     actor_loss_fn,
@@ -129,6 +130,7 @@ class RLTrainer:
             metrics.update(_mismatch_metrics(batch))
             metrics.update(self._update(batch, timer))
             metrics.update(self._sync(step))
+            metrics.update(online_sddd(self.parts.engine, batch, cfg.policy.rollout.speculative))  # no draft: {}
         else:
             metrics["batch/skipped"] = 1.0
         metrics.setdefault("actor/kl", math.nan)  # no reference model: KL not measured

@@ -78,6 +78,9 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
         needs.append(Need("rollout_engine", "interrupt_resume", "async_training.partial_rollout", True))
     if cfg.trainer.name == "sddd":
         needs.append(Need("rollout_engine", "hidden_state_capture", "trainer.name", "sddd"))
+    if cfg.policy.rollout.speculative.draft_path:
+        needs.append(Need("rollout_engine", "speculative_decoding", "policy.rollout.speculative.draft_path",
+                          cfg.policy.rollout.speculative.draft_path))
     if q.training.precision == "fp8":
         needs.append(Need("training_backend", "fp8_training", "quantization.training.precision", "fp8"))
     if cfg.moe.expert_parallel_size > 1:
