@@ -82,3 +82,12 @@ def test_disaggregated_moves_identical_hidden_states(teacher_dir, tmp_path, engi
         assert torch.isfinite(torch.tensor(metrics["sddd/loss"]))
     finally:
         trainer.close()
+
+
+def test_sddd_algorithm_needs_sddd_trainer(teacher_dir, tmp_path):
+    from lumenrl_core.assembly import AssemblyError
+
+    cfg = _config(teacher_dir, tmp_path / "x")
+    cfg.trainer.name = "rl"
+    with pytest.raises(AssemblyError, match="trainer.name"):
+        assemble(cfg)

@@ -115,6 +115,10 @@ def _algorithm_violations(cfg: RunConfig) -> list[Violation]:
         out.append(Violation("algorithm.adv_estimator", "gae",
                              "GAE needs value estimates but critic.enabled=false; enable the critic or use "
                              "a critic-free estimator (grpo, drgrpo, rloo)"))
+    if (algo.name == "sddd") != (cfg.trainer.name == "sddd"):
+        key, value = ("trainer.name", cfg.trainer.name) if algo.name == "sddd" else ("algorithm.name", algo.name)
+        out.append(Violation(key, value, "algorithm.name='sddd' and trainer.name='sddd' go together (draft "
+                             "distillation has its own trainer); allowed: both 'sddd' or neither"))
     return out
 
 
