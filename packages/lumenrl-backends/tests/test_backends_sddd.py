@@ -90,6 +90,7 @@ def test_trained_eagle3_reaches_tau_3_and_dflash_beats_untrained(world):
     tau_eagle, tau_untrained = _tau(world, world["eagle3"]), _tau(world, world["untrained"]["eagle3"])
     assert tau_untrained < 1.5 and tau_eagle >= 3.0, (tau_untrained, tau_eagle)
     tau_dflash, tau_dflash0 = _tau(world, world["dflash"]), _tau(world, world["untrained"]["dflash"])
+    print(f"tau eagle3 {tau_untrained:.2f} -> {tau_eagle:.2f}, dflash {tau_dflash0:.2f} -> {tau_dflash:.2f} (k={K})")
     assert tau_dflash > tau_dflash0 + 0.3, (tau_dflash0, tau_dflash)
 
 
