@@ -35,14 +35,14 @@ def _setup(smoke: bool, device: torch.device) -> dict:
     path = build_tiny_model("qwen3", tempfile.mkdtemp(prefix="sddd_teacher_"), seed=0, **shape)
     model, tok = load_model_and_tokenizer(str(path), dtype="float32")
     model.to(device)
-    steps, draft_steps, batch = (60, 40, 16) if smoke else (800, 800, 64)
+    steps, draft_steps, batch = (30, 20, 8) if smoke else (800, 800, 64)
     t0 = time.perf_counter()
     losses = train_causal_lm(model, encode_lines(tok, corpus_lines(4096, seed=0), 64), pad_id=tok.pad_token_id,
                              steps=steps, batch_size=batch, lr=3e-3 if smoke else 1e-3)
     teacher_s = time.perf_counter() - t0
     layers = eagle3_layer_ids(model.config.num_hidden_layers)
-    prompts = prompts_from_lines(tok, corpus_lines(64 if smoke else 1024, seed=1), 10)
-    ids, mask = regenerate(model, prompts, max_new_tokens=40 if smoke else 96, pad_id=tok.pad_token_id)
+    prompts = prompts_from_lines(tok, corpus_lines(16 if smoke else 1024, seed=1), 10)
+    ids, mask = regenerate(model, prompts, max_new_tokens=24 if smoke else 96, pad_id=tok.pad_token_id)
     cap = {k: v.to(device) for k, v in capture(model, ids, mask, layers).items()}
     draft = Eagle3Draft.from_teacher(model, counts=token_counts(ids.cpu(), mask.cpu(), model.config.vocab_size),
                                      draft_vocab_size=model.config.vocab_size, aux_layer_ids=layers, ttt_steps=5).to(device)
@@ -80,7 +80,7 @@ def run(smoke: bool) -> dict:
 
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     w = _setup(smoke, device)
-    new_tokens, k = (24, 5) if smoke else (128, 5)
+    new_tokens, k = (16, 5) if smoke else (128, 5)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "draft_tokens": k,
               "teacher_final_loss": round(w["teacher_loss"], 3), "draft_acc_step0": round(w["draft_acc0"], 3),
               "teacher_train_s": round(w["teacher_s"], 1), "draft_train_s": round(w["draft_s"], 1)}

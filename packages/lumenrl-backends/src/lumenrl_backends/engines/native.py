@@ -44,19 +44,18 @@ Design (what the GPU-speed work builds on without a rewrite):
   queued before the previous one is read (rows that turn out finished over-generate one token,
   discarded; a step whose shape the finishes would change is rolled back and redone), so the GPU
   does not idle through the host's bookkeeping; kept tokens and log-probs are unchanged;
-* log-probs: ``log_softmax(logits.float() / temperature)`` of each sampled token, the
-  contracts' convention, so they match the trainer's forward on the same weights.
+* log-probs: ``log_softmax(logits.float() / temperature)`` of each sampled token (contracts' convention);
+* speculative decoding with an attached draft (:mod:`~lumenrl_backends.engines.speculative`).
 
 Low precision (lumenrl-quant, :mod:`~lumenrl_backends.engines.quant`): ``quant_scheme`` swaps
 the decoder linears for FP8/MX ``QuantizedLinear`` (requantized in place on every weight
 update) and ``kv_cache_dtype="fp8"`` stores the KV cache in FP8 with per-layer scales that are
 recalibrated at the first prefill after each update.
 
-Interrupt/resume: :meth:`interrupt` (thread-safe) makes a running :meth:`generate` return at the
-next step with ``meta_info["interrupted"] = True`` and unfinished rows marked "interrupted";
-:meth:`resume` re-enables generation, and passing that partial batch to :meth:`generate` again
-continues those rows (prompt + partial response are prefilled under the *current* weights, so a
-sequence may span a weight update; earlier log-probs are kept as generated).
+Interrupt/resume: :meth:`interrupt` (thread-safe) makes a running :meth:`generate` return at the next
+step with ``meta_info["interrupted"] = True`` and unfinished rows marked "interrupted"; :meth:`resume`
+re-enables generation, and passing that partial batch to :meth:`generate` again continues those rows
+(prompt + partial response prefilled under the *current* weights; earlier log-probs kept as generated).
 """
 
 from __future__ import annotations
@@ -106,6 +105,7 @@ from lumenrl_backends.engines.requests import (
 )
 from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling, sample_tokens
 from lumenrl_backends.engines.slots import SlotState, batch_buckets
+from lumenrl_backends.engines.speculative import attach_from_config, speculative_generate
 from lumenrl_backends.engines.triton_attention import kernel_agrees
 from lumenrl_backends.engines.triton_sampling import fused_sample, fused_sampler_agrees
 from lumenrl_backends.engines.weights import copy_weights_
@@ -147,19 +147,10 @@ def _norm_quant_pays(compile: str, device: torch.device) -> bool:
 class NativeEngine:
     """Embedded rollout engine over an HF causal LM (see module docstring)."""
 
-    capabilities = frozenset(
-        {
-            "logprobs",
-            "interrupt_resume",
-            "weight_update",
-            "continuous_batching",
-            "fp8_weights",
-            "mx_weights",
-            "fp8_kv_cache",
-            "hidden_state_capture",  # speculative.capture_hidden
-            "speculative_decoding",  # speculative.attach_draft
-        }
-    )
+    capabilities = frozenset({
+        "logprobs", "interrupt_resume", "weight_update", "continuous_batching", "fp8_weights", "mx_weights",
+        "fp8_kv_cache", "hidden_state_capture", "speculative_decoding",  # the last two: engines/speculative.py
+    })
 
     def __init__(
         self,
@@ -288,7 +279,6 @@ class NativeEngine:
             fuse_fp8_mlp=rollout_quant.fuse_mlp,
         )
         if rollout.speculative.draft_path:  # speculative decoding (engines/speculative.py)
-            from lumenrl_backends.engines.speculative import attach_from_config
             attach_from_config(engine, rollout.speculative)
         return engine
 
@@ -319,8 +309,7 @@ class NativeEngine:
     def generate(self, batch: Any, sampling: Any = None) -> Any:
         """Generate for every row of ``batch``; returns the rollout DataProto (contracts layout)."""
         params = coerce_sampling(sampling)
-        if self.draft is not None:
-            from lumenrl_backends.engines.speculative import speculative_generate
+        if self.draft is not None:  # draft-then-verify (engines/speculative.py)
             return speculative_generate(self, batch, params)
         requests, prompts, prompt_mask = requests_from_batch(batch, params)
         stops = stop_ids_for(params, self.eos_token_ids)
