@@ -45,17 +45,16 @@ Design (what the GPU-speed work builds on without a rewrite):
   discarded; a step whose shape the finishes would change is rolled back and redone), so the GPU
   does not idle through the host's bookkeeping; kept tokens and log-probs are unchanged;
 * log-probs: ``log_softmax(logits.float() / temperature)`` of each sampled token (contracts' convention);
-* speculative decoding with an attached draft (:mod:`~lumenrl_backends.engines.speculative`).
+  an attached draft decodes speculatively instead (:mod:`~lumenrl_backends.engines.speculative`).
 
 Low precision (lumenrl-quant, :mod:`~lumenrl_backends.engines.quant`): ``quant_scheme`` swaps
 the decoder linears for FP8/MX ``QuantizedLinear`` (requantized in place on every weight
 update) and ``kv_cache_dtype="fp8"`` stores the KV cache in FP8 with per-layer scales that are
 recalibrated at the first prefill after each update.
 
-Interrupt/resume: :meth:`interrupt` (thread-safe) makes a running :meth:`generate` return at the next
-step with ``meta_info["interrupted"] = True`` and unfinished rows marked "interrupted"; :meth:`resume`
-re-enables generation, and passing that partial batch to :meth:`generate` again continues those rows
-(prompt + partial response prefilled under the *current* weights; earlier log-probs kept as generated).
+Interrupt/resume: :meth:`interrupt` (thread-safe) makes a running :meth:`generate` return at the next step with
+``meta_info["interrupted"] = True``, unfinished rows marked "interrupted"; after :meth:`resume`, that batch passed to
+:meth:`generate` continues them (prefilled under the *current* weights; earlier log-probs kept as generated).
 """
 
 from __future__ import annotations
@@ -147,6 +146,7 @@ def _norm_quant_pays(compile: str, device: torch.device) -> bool:
 class NativeEngine:
     """Embedded rollout engine over an HF causal LM (see module docstring)."""
 
+    kv_scale_recalibration = True  # from_config: quantization.rollout.kv_scale_recalibration
     capabilities = frozenset({
         "logprobs", "interrupt_resume", "weight_update", "continuous_batching", "fp8_weights", "mx_weights",
         "fp8_kv_cache", "hidden_state_capture", "speculative_decoding",  # the last two: engines/speculative.py
@@ -278,8 +278,8 @@ class NativeEngine:
             overlap_sync=rollout.overlap_sync,
             fuse_fp8_mlp=rollout_quant.fuse_mlp,
         )
-        if rollout.speculative.draft_path:  # speculative decoding (engines/speculative.py)
-            attach_from_config(engine, rollout.speculative)
+        engine.kv_scale_recalibration = rollout_quant.kv_scale_recalibration
+        attach_from_config(engine, rollout.speculative)  # speculative decoding when draft_path is set
         return engine
 
     # ------------------------------------------------------------------ control
@@ -301,7 +301,8 @@ class NativeEngine:
         """Copy weights into the engine model in place (no reallocation); returns tensors copied."""
         count = copy_weights_(self.model, named_tensors)  # requantizes quantized linears in place
         self.weight_version = int(version)
-        self.cache.recalibrate = self.cache.kv_dtype is not None  # FP8 KV scales follow the new policy
+        # FP8 KV scales follow the new policy unless quantization.rollout.kv_scale_recalibration=false
+        self.cache.recalibrate = self.cache.kv_dtype is not None and self.kv_scale_recalibration
         return count
 
     # ------------------------------------------------------------------ generation

@@ -73,7 +73,10 @@ def attach_draft(engine: Any, draft: Any, num_tokens: int) -> None:
 
 
 def attach_from_config(engine: Any, spec: Any) -> None:
-    """``policy.rollout.speculative``: load the draft at ``draft_path`` (lumenrl-sddd export) and attach it."""
+    """``policy.rollout.speculative``: load the draft at ``draft_path`` (lumenrl-sddd export) and attach it
+    (an empty ``draft_path``: nothing to do)."""
+    if not spec.draft_path:
+        return
     from lumenrl_sddd.export import load_draft
 
     draft = load_draft(spec.draft_path)
