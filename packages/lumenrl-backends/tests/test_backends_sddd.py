@@ -159,3 +159,18 @@ def test_rl_rollout_with_draft_path_and_online_sddd(world, tmp_path):
     assert not torch.equal(before, engine.draft.fc.weight)
     again = engine.generate(batch, {"temperature": 0.0, "max_new_tokens": 20})
     assert torch.equal(again.batch["responses"], rollout.batch["responses"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_speculative_greedy_lossless_and_tau(world):
+    """On CUDA (fp32 teacher, plain decode with its CUDA graphs): speculative greedy equals plain greedy and the
+    trained Eagle3 draft keeps its tau."""
+    model = copy.deepcopy(world["model"]).cuda()
+    engine = NativeEngine(model, world["tok"], device="cuda", max_batch_size=16, max_seq_len=96)
+    batch = prompt_batch(world["eval_prompts"], world["tok"].pad_token_id)
+    plain = engine.generate(batch, {"temperature": 0.0, "max_new_tokens": 30})
+    attach_draft(engine, copy.deepcopy(world["eagle3"]), K)
+    spec = engine.generate(batch, {"temperature": 0.0, "max_new_tokens": 30})
+    assert torch.equal(spec.batch["responses"], plain.batch["responses"])
+    assert spec.meta_info["speculative"]["tau"] >= 3.0
