@@ -49,7 +49,7 @@ def world(tmp_path_factory):
     torch.manual_seed(0)
     path = build_tiny_model("qwen3", tmp_path_factory.mktemp("teacher"), seed=0, num_hidden_layers=4)
     model, tok = load_model_and_tokenizer(str(path), dtype="float32")
-    train_causal_lm(model, encode_lines(tok, corpus_lines(1000, seed=0), 48), pad_id=tok.pad_token_id, steps=150,
+    train_causal_lm(model, encode_lines(tok, corpus_lines(1000, seed=0), 48), pad_id=tok.pad_token_id, steps=120,
                     batch_size=16)
     prompts = prompts_from_lines(tok, corpus_lines(128, seed=1), 10)
     ids, mask = regenerate(model, prompts, max_new_tokens=36, pad_id=tok.pad_token_id)
@@ -58,8 +58,8 @@ def world(tmp_path_factory):
     eagle = Eagle3Draft.from_teacher(model, counts=counts, draft_vocab_size=40, aux_layer_ids=e_layers, ttt_steps=K)
     dflash = DFlashDraft.from_teacher(model, aux_layer_ids=d_layers, block_size=K + 1, anchors_per_seq=6)
     untrained = {"eagle3": copy.deepcopy(eagle), "dflash": copy.deepcopy(dflash)}
-    _train(eagle, capture(model, ids, mask, e_layers), 120, lambda d, b, g: d.ttt_loss(b))
-    _train(dflash, capture(model, ids, mask, d_layers), 120, lambda d, b, g: d.block_loss(b, generator=g))
+    _train(eagle, capture(model, ids, mask, e_layers), 80, lambda d, b, g: d.ttt_loss(b))
+    _train(dflash, capture(model, ids, mask, d_layers), 80, lambda d, b, g: d.block_loss(b, generator=g))
     return {"model": model, "tok": tok, "eagle3": eagle, "dflash": dflash, "untrained": untrained,
             "eval_prompts": prompts_from_lines(tok, corpus_lines(12, seed=2), 10)}
 
