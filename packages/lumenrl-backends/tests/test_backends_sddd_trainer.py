@@ -28,7 +28,7 @@ def _config(teacher_dir, out, **sddd):
     return config_from_dict({
         "seed": 3, "num_training_steps": 4,
         "policy": {"model_name": str(teacher_dir), "dtype": "float32",
-                   "rollout": {"temperature": 0.0, "max_batch_size": 8, "cuda_graphs": False}},
+                   "rollout": {"max_batch_size": 8, "cuda_graphs": False}},
         "algorithm": {"name": "sddd"},
         "trainer": {"name": "sddd", "output_dir": str(out), "experiment_name": out.name, "cpu_threads": 1},
         "sddd": {"num_prompts": 8, "batch_size": 4, "response_tokens": 6, "eval_prompts": 2, "draft_vocab_size": 30,

@@ -61,7 +61,7 @@ def publish(cfg: Any, engine: NativeEngine, tokenizer: Any, transfer: Any, layer
     """Regenerate ``sddd.num_prompts`` corpus prompts with the teacher and publish the captures; returns chunks."""
     s = cfg.sddd
     prompts = corpus_prompts(cfg, tokenizer, s.num_prompts, seed=cfg.seed + 1)
-    sampling = {"temperature": cfg.policy.rollout.temperature, "max_new_tokens": s.response_tokens,
+    sampling = {"temperature": s.teacher_temperature, "max_new_tokens": s.response_tokens,
                 "ignore_eos": True, "seed": cfg.seed}
     out = engine.generate(prompt_batch(prompts, tokenizer.pad_token_id), sampling)
     ids, mask = out.batch["input_ids"], out.batch["attention_mask"]
