@@ -67,6 +67,9 @@ def attach_draft(engine: Any, draft: Any, num_tokens: int) -> None:
             raise ValueError(f"num_tokens={num_tokens} must be >= 1")
         if engine.window is not None:
             raise ValueError("speculative decoding does not support sliding-window attention models")
+        if getattr(engine, "exact", False):
+            raise ValueError("speculative decoding cannot give exact_logprobs (its verify forward is not the "
+                             "trainer's batch-invariant path); allowed: policy.rollout.exact_logprobs=false")
         dtype = next(engine.model.parameters()).dtype
         draft = draft.to(engine.device, dtype).eval()
     engine.draft, engine.spec_tokens = draft, num_tokens

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lumenrl_backends.controllers.dispatch import DISPATCH_DP_SIZE_KEY
+from lumenrl_backends.exact import EXACT_BACKEND, exact_actor
 from lumenrl_backends.training import checkpoint as ckpt
 from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training.batching import (
@@ -121,7 +122,7 @@ class FSDP2Backend:
         optimizer_steps_per_training_step: int = 1,
         packing: str | None = None,
         compile_layers: bool | str | None = None,
-        single_device: str | None = None,
+        single_device: str | None = None, exact_logprobs: bool = False,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -136,6 +137,8 @@ class FSDP2Backend:
             model = CriticModel(model)
         self.hf_config = model.config
         self.fp8_report = apply_fp8(model, fp8)
+        compile_layers = train.compile_layers if compile_layers is None else compile_layers
+        self.exact = exact_actor(model, exact_logprobs and role == "actor", self.fp8_report, compile_layers)
         if train.gradient_checkpointing and role != "ref":
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
@@ -147,9 +150,7 @@ class FSDP2Backend:
             self.model = shard(model, mixed_precision(train.mixed_precision, self.device))
         self.packing = check_packing_mode(packing if packing is not None else train.packing)
         self._pack_align = 64 if self.device.type == "cuda" else 8
-        self._logprob_backend = None  # torch.compile backend of the fused log-prob kernels
-        if compile_layers is None:
-            compile_layers = train.compile_layers
+        self._logprob_backend = EXACT_BACKEND if self.exact else None  # exact log-softmax or torch.compile
         if compile_layers:
             compile_decoder_layers(self.model, compile_layers)
             self._logprob_backend = "inductor" if compile_layers is True else str(compile_layers)
@@ -188,7 +189,7 @@ class FSDP2Backend:
             value_head=role == "critic",
             fp8=cfg.quantization.training if role == "actor" else None,
             optimizer_steps_per_training_step=optimizer_steps_per_training_step(cfg),
-        )
+            exact_logprobs=cfg.policy.rollout.exact_logprobs)
 
     def _use_single_device(self, mode: str) -> bool:
         """``auto``: one rank and no FP8 linears; ``on`` insists; ``off``: always ``fully_shard``."""
