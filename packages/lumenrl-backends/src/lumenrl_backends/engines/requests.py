@@ -5,7 +5,9 @@ Shared by every engine so they all emit the same layout (docs/decisions/0001-con
 right-padded with T = ``max_new_tokens``, ``input_ids``/``attention_mask``/``position_ids``
 (B, P + T), non-tensor ``response_text``, ``finish_reason`` ("stop", "length", "interrupted")
 and ``seed`` (the per-request sampling seed used; an input column ``sampling_seed`` sets it
-explicitly, otherwise row i gets ``sampling.seed + i``).
+explicitly, otherwise row i gets ``sampling.seed + i``). An optional input column
+``max_new_tokens`` caps a row's response below ``sampling.max_new_tokens`` (native engine;
+used by the long-tail benchmark).
 
 A batch returned with ``meta_info["interrupted"] = True`` is itself a valid input: rows whose
 ``finish_reason`` is "interrupted" continue from their partial response (keeping its tokens and
@@ -43,6 +45,7 @@ class Request:
     response: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # None while running; "interrupted" when cut short
+    max_new_tokens: int | None = None  # per-row cap (input column ``max_new_tokens``), None: the sampling's
 
     @property
     def done(self) -> bool:
@@ -117,6 +120,7 @@ def requests_from_batch(
     else:
         prompts, prompt_mask = batch.batch["input_ids"], batch.batch["attention_mask"]
         responses, log_probs, reasons = [[] for _ in range(rows)], [[] for _ in range(rows)], [None] * rows
+    caps = batch.non_tensor_batch.get("max_new_tokens")
     requests = [
         Request(
             index=i,
@@ -125,6 +129,7 @@ def requests_from_batch(
             response=list(r),
             log_probs=list(lp),
             finish_reason=reason if reason in (STOP, LENGTH) else None,
+            max_new_tokens=None if caps is None else int(caps[i]),
         )
         for i, (p, r, lp, reason) in enumerate(
             zip(_unpad(prompts, prompt_mask), responses, log_probs, reasons)

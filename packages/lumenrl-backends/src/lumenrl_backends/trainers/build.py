@@ -181,8 +181,11 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def build_parts(plan: Any, log: Callable[[str], None] = print) -> TrainerParts:
-    """Load models and data for ``plan`` (seeded by ``plan.config.seed``)."""
+def build_parts(
+    plan: Any, log: Callable[[str], None] = print, *, model_path_out: list[str] | None = None
+) -> TrainerParts:
+    """Load models and data for ``plan`` (seeded by ``plan.config.seed``); ``model_path_out``
+    receives the (warm-started) policy path, for a rollout engine built in another process."""
     cfg = plan.config
     _quiet_transformers()
     if _device(cfg).type == "cpu" and cfg.trainer.cpu_threads > 0:
@@ -193,6 +196,8 @@ def build_parts(plan: Any, log: Callable[[str], None] = print) -> TrainerParts:
     if is_main:
         write_run_record(cfg.trainer.output_dir, cfg, plan.describe())
     model_path = _policy_path(plan, log if is_main else _silent)
+    if model_path_out is not None:
+        model_path_out.append(model_path)
     seed_everything(cfg.seed)
     groups = _worker_groups(plan, model_path)
     engine, tokenizer = _engine(plan, model_path)

@@ -16,6 +16,8 @@ uninterrupted one step for step.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -157,6 +159,7 @@ class RLTrainer:
         trainer_state, loader_state = CheckpointManager.load(latest, backends=self._backends())
         self.parts.train_loader.load_state_dict(loader_state)
         self.step = int(trainer_state["step"])
+        self.parts.announce(f"resumed from step {self.step} of {self.total_steps}: checkpoint {latest}")
         self.eval_before = dict(trainer_state.get("eval_before", {}))
         self.history = {k: list(v) for k, v in trainer_state.get("history", {}).items()}
         self._sync(self.step)
@@ -227,8 +230,6 @@ class RLTrainer:
 
     def _finish(self) -> dict[str, Any]:
         cfg, out = self.config, Path(self.config.trainer.output_dir)
-        if cfg.checkpointing.export_hf:
-            self.parts.actor.call("save_hf", str(out / "final"), tokenizer=self.parts.tokenizer)
         rewards = self.history.get("reward/mean", [])
         summary = {
             "steps": self.step,
@@ -240,8 +241,14 @@ class RLTrainer:
             "eval_after": self.eval_after,
             "output_dir": str(out),
         }
-        if self.parts.is_main:
+        if self.parts.is_main:  # before the export: a kill during it keeps the final evaluation
             write_summary(out, summary)
+        if cfg.checkpointing.export_hf:  # staged, then renamed: final/ is whole or the previous one
+            staging = out / ".final.staging"
+            self.parts.actor.call("save_hf", str(staging), tokenizer=self.parts.tokenizer)
+            if self.parts.is_main:
+                shutil.rmtree(out / "final", ignore_errors=True)
+                os.replace(staging, out / "final")
         self.parts.announce(_fmt_summary(summary))
         return summary
 
