@@ -116,7 +116,7 @@ class SDDDTrainer:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.sddd.lr, weight_decay=0.0)
         self.checkpoints = CheckpointManager(root=self.out / "checkpoints", keep_last=cfg.checkpointing.keep_last)
         self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.loggers = [cls.from_config(cfg) for cls in plan.logger_classes.values()]
+        self.loggers: list[Any] = []  # built in fit(), after the run directory is checked and a resume point known
         self.step = 0
 
     @classmethod
@@ -167,7 +167,7 @@ class SDDDTrainer:
                 "perf/step_s": timer.elapsed()}
 
     def _resume(self) -> None:
-        latest = self.checkpoints.latest()
+        latest = self.checkpoints.latest() if self.config.checkpointing.resume else None
         if latest is not None:
             state, _ = CheckpointManager.load(latest, backends={"draft": _DraftCheckpoint(self.draft, self.optimizer)})
             self.step = int(state["step"])
@@ -176,6 +176,9 @@ class SDDDTrainer:
         cfg = self.config
         write_run_record(self.out, cfg, {"trainer": "sddd", "plugins": dict(self.plan.plugin_names)})
         self._resume()
+        resume_step = self.step if self.step > 0 else None  # jsonl drops records after the resumed step
+        self.loggers = [cls.from_config(cfg, resume_step=resume_step) if name == "jsonl" else cls.from_config(cfg)
+                        for name, cls in self.plan.logger_classes.items()]
         tau_before = self._tau()
         history: dict[str, list[float]] = {}
         try:

@@ -52,7 +52,7 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
                          "mooncake": "lumenrl-sddd[mooncake]", "mori": "lumenrl-sddd"},
     "draft_models": {"eagle3": "lumenrl-sddd", "dflash": "lumenrl-sddd"},
     "controllers": {"local": _BACKENDS, "ray": "lumenrl-backends[ray]"},
-    "trainers": {"rl": _BACKENDS, "sddd": _BACKENDS},
+    "trainers": {"rl": _BACKENDS, "sddd": _BACKENDS, "async_rl": _BACKENDS},
     "loggers": {
         "jsonl": _BACKENDS,
         "console": _BACKENDS,
