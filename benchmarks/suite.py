@@ -115,6 +115,13 @@ ENTRIES: tuple[Entry, ...] = (
           numbers=("b1_speedup", "b1_tau", "b1_plain_tok_s", "b1_spec_tok_s"),
           goal="speculative decoding >= 2.0x plain at batch 1 (>= 1.3x at batch 8: b8_speedup), trained teacher + Eagle3",
           metric="b1_speedup", bound=">= 2.0"),
+    # scale-out: data-parallel rollout and the GRPO step over ranks
+    Entry(name="rollout_dp", target="benchmarks.scale.rollout_dp:run", suites=("scale",),
+          numbers=("tok_s_1proc", "tok_s_2proc", "speedup_2proc"), device="cpu"),
+    Entry(name="grpo_scaling", target="benchmarks.scale.grpo_scaling:run", suites=("scale",),
+          numbers=("step_s_1", "efficiency_2"),
+          goal="GRPO step (rollout + training) scaling efficiency at 8 GPUs (1.7B shape)",
+          metric="efficiency_8", bound=">= 0.85"),
 )
 
 

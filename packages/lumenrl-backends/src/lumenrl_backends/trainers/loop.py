@@ -27,9 +27,8 @@ from lumenrl_backends.trainers.build import TrainerParts, build_parts
 from lumenrl_backends.trainers.checkpoint import CheckpointManager
 from lumenrl_backends.trainers.metrics import PhaseTimer, batch_metrics, throughput_metrics, train_tokens
 from lumenrl_backends.trainers.outputs import write_summary
-from lumenrl_backends.trainers.rollout import broadcast_from_rank0, collect_rollouts
+from lumenrl_backends.trainers.rollout import collect_rollouts
 from lumenrl_backends.trainers.sddd_online import online_sddd
-from lumenrl_backends.trainers.sync import sync_weights
 from lumenrl_backends.trainers.update import (
     actor_loss_fn,
     apply_kl_in_reward,
@@ -125,8 +124,10 @@ class RLTrainer:
         timer, cfg = PhaseTimer(), self.config
         rollout = self._score_and_generate(step)
         timer.add("generate", rollout.generate_s)
-        batch = _trim_to_mini_batches(broadcast_from_rank0(rollout.batch), cfg)
+        # data-parallel rollout: every rank / the driver holds the whole gathered batch
+        batch = _trim_to_mini_batches(rollout.batch, cfg)
         metrics = dict(rollout.metrics)
+        metrics.update(self.parts.release_rollout())  # colocated: the engines' KV cache freed for training
         if len(batch):
             metrics.update(batch_metrics(batch, cfg.policy.rollout.max_new_tokens))
             self._compute_log_probs(batch, timer)
@@ -165,10 +166,7 @@ class RLTrainer:
         self._sync(self.step)
 
     def _sync(self, version: int) -> dict[str, float]:
-        actor_backend = self.parts.actor[0].backend  # colocated: this process's actor worker
-        return sync_weights(
-            actor_backend, self.parts.engine, version, bucket_size_mb=self.config.weight_sync.bucket_size_mb
-        )
+        return self.parts.sync(version)  # in process, per colocated rank, or over the weight channel
 
     def _backends(self) -> dict[str, Any]:
         roles = {"actor": _GroupCheckpoint(self.parts.actor)}
@@ -222,11 +220,12 @@ class RLTrainer:
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', math.nan):.3f}")
                 if _due(cfg.checkpointing, step, self.total_steps):
                     self._save(step)
+            return self._finish()
         finally:
             bar.close()
             for logger in self.parts.loggers:
                 logger.close()
-        return self._finish()
+            self.parts.close()  # ray: the worker actors stop with the run
 
     def _finish(self) -> dict[str, Any]:
         cfg, out = self.config, Path(self.config.trainer.output_dir)

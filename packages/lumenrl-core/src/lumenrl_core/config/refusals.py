@@ -15,7 +15,6 @@ from lumenrl_core.config.errors import ConfigError
 __all__ = ["NOT_YET_BUILT", "refusal_errors"]
 
 _R3 = "MoE rollout routing replay (R3) lands with the R3 feature; not available in this version"
-_RAY = "multi-node / per-role Ray workers land with the Ray controller; not available in this version"
 
 # dotted key -> why a non-default value is refused (delete an entry when its feature lands)
 NOT_YET_BUILT: dict[str, str] = {
@@ -23,9 +22,6 @@ NOT_YET_BUILT: dict[str, str] = {
     "moe.r3.mode": _R3,
     "moe.r3.router": _R3,
     "moe.r3.record_router_logits": _R3,
-    "cluster.num_nodes": _RAY,
-    "controller.ray.colocate": _RAY + " (only colocated workers exist: colocate=true)",
-    "controller.ray.roles": _RAY,
 }
 
 

@@ -287,10 +287,15 @@ class AsyncTrainingConfig:
 @dataclass(kw_only=True, slots=True)
 class RayConfig:
     address: str = ""  # empty: start a local Ray; "auto": join a running cluster
-    colocate: bool = True
+    colocate: bool = True  # true: roles share one actor per rank; false: separate rollout pool (disaggregated)
+    num_workers: int = field(default=1, metadata={"ge": 1})  # training ranks (one Ray actor each)
+    rollout_workers: int = field(default=0, metadata={"ge": 0})  # disaggregated rollout replicas; 0: num_workers
     num_cpus_per_worker: float = 1.0
-    # per-role worker groups (original LumenRL: controller.ray.<role>.{dispatch_mode, num_workers, ...});
-    # not built yet: refused unless empty (config/refusals.py)
+    num_gpus_per_worker: float = field(default=0.0, metadata={"ge": 0})  # 0: CPU actors (gloo)
+    placement_strategy: str = field(default="PACK", metadata=choices("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+    release_rollout_memory: bool = True  # colocated: free the engine KV cache while training runs
+    # per-role groups (original LumenRL: controller.ray.<role>.{dispatch_mode, num_workers}); roles
+    # actor/ref/critic/rollout; checked and normalized at load (config/rules.py _check_ray_roles)
     roles: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
