@@ -115,6 +115,11 @@ ENTRIES: tuple[Entry, ...] = (
           numbers=("fsdp2_step_s", "megatron_step_s", "megatron_over_fsdp2_step", "logprob_max_abs_diff"),
           goal="Megatron-Core train_step within 1.25x of FSDP2 (Qwen3-1.7B shape, one H200)",
           metric="megatron_over_fsdp2_step", bound="<= 1.25"),
+    # SDDD: trained Eagle3 draft, speculative vs plain greedy decoding in the native engine (also b8/b64, tau)
+    Entry(name="sddd_speedup", target="benchmarks.sddd.speedup:run", suites=("gpu", "sddd", "rollout"),
+          numbers=("b1_speedup", "b1_tau", "b1_plain_tok_s", "b1_spec_tok_s"),
+          goal="speculative decoding >= 2.0x plain at batch 1 (>= 1.3x at batch 8: b8_speedup), trained teacher + Eagle3",
+          metric="b1_speedup", bound=">= 2.0"),
     # scale-out: data-parallel rollout and the GRPO step over ranks
     Entry(name="rollout_dp", target="benchmarks.scale.rollout_dp:run", suites=("scale",),
           numbers=("tok_s_1proc", "tok_s_2proc", "speedup_2proc"), device="cpu"),

@@ -275,8 +275,13 @@ def test_partial_rollout_needs_interrupt_resume_and_async(cfg, reg):
 
 
 def test_sddd_trainer_needs_hidden_state_capture(cfg, reg):
-    cfg.trainer.name, cfg.policy.rollout_engine = "sddd", "hf"
+    cfg.trainer.name, cfg.algorithm.name, cfg.policy.rollout_engine = "sddd", "sddd", "hf"
     assert "lacks capability 'hidden_state_capture' required by trainer.name='sddd'" in only(cfg, reg)
+
+
+def test_sddd_algorithm_and_trainer_go_together(cfg, reg):
+    cfg.trainer.name = "sddd"
+    assert only(cfg, reg).startswith("algorithm.name='grpo': algorithm.name='sddd' and trainer.name='sddd' go together")
 
 
 def test_training_precision_rules(cfg, reg):

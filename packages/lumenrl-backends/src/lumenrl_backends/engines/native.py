@@ -43,11 +43,9 @@ the decoder linears for FP8/MX ``QuantizedLinear`` (requantized in place on ever
 update) and ``kv_cache_dtype="fp8"`` stores the KV cache in FP8 with per-layer scales that are
 recalibrated at the first prefill after each update.
 
-Interrupt/resume: :meth:`interrupt` (thread-safe) makes a running :meth:`generate` return at the
-next step with ``meta_info["interrupted"] = True`` and unfinished rows marked "interrupted";
-:meth:`resume` re-enables generation, and passing that partial batch to :meth:`generate` again
-continues those rows (prompt + partial response are prefilled under the *current* weights, so a
-sequence may span a weight update; earlier log-probs are kept as generated).
+Interrupt/resume: :meth:`interrupt` (thread-safe) makes a running :meth:`generate` return at the next step with
+``meta_info["interrupted"] = True``, unfinished rows marked "interrupted"; after :meth:`resume`, that batch passed to
+:meth:`generate` continues them (prefilled under the *current* weights; earlier log-probs kept as generated).
 """
 
 from __future__ import annotations
@@ -97,6 +95,7 @@ from lumenrl_backends.engines.requests import (
 )
 from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling, sample_tokens
 from lumenrl_backends.engines.slots import SlotState, batch_buckets
+from lumenrl_backends.engines.speculative import attach_from_config, speculative_generate
 from lumenrl_backends.engines.triton_attention import kernel_agrees
 from lumenrl_backends.engines.triton_sampling import fused_sample, fused_sampler_agrees
 from lumenrl_backends.engines.weights import copy_weights_
@@ -140,12 +139,10 @@ class NativeEngine:
     """Embedded rollout engine over an HF causal LM (see module docstring)."""
 
     kv_scale_recalibration = True  # from_config: quantization.rollout.kv_scale_recalibration
-    capabilities = frozenset(
-        {
-            "logprobs", "interrupt_resume", "weight_update", "continuous_batching", "fp8_weights", "mx_weights",
-            "fp8_kv_cache",
-        }
-    )
+    capabilities = frozenset({
+        "logprobs", "interrupt_resume", "weight_update", "continuous_batching", "fp8_weights", "mx_weights",
+        "fp8_kv_cache", "hidden_state_capture", "speculative_decoding",  # the last two: engines/speculative.py
+    })
 
     def __init__(
         self,
@@ -253,6 +250,7 @@ class NativeEngine:
         self.speculation = {"launched": 0, "rolled_back": 0}  # speculative steps queued / undone (diagnostics)
         # Triton one-pass sampler on CUDA, after a self-check against the torch sampler (None: not checked yet)
         self._fused_ok: bool | None = None if fused_sampling and self.device.type == "cuda" else False
+        self.draft, self.spec_tokens = None, 0  # speculative decoding: engines/speculative.attach_draft
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -277,6 +275,7 @@ class NativeEngine:
             fuse_fp8_mlp=rollout_quant.fuse_mlp, exact_logprobs=rollout.exact_logprobs,
         )
         engine.kv_scale_recalibration = rollout_quant.kv_scale_recalibration
+        attach_from_config(engine, rollout.speculative)  # speculative decoding when draft_path is set
         return engine
 
     # ------------------------------------------------------------------ control
@@ -307,6 +306,8 @@ class NativeEngine:
     def generate(self, batch: Any, sampling: Any = None) -> Any:
         """Generate for every row of ``batch``; returns the rollout DataProto (contracts layout)."""
         params = coerce_sampling(sampling)
+        if self.draft is not None:  # draft-then-verify (engines/speculative.py)
+            return speculative_generate(self, batch, params)
         requests, prompts, prompt_mask = requests_from_batch(batch, params)
         stops = stop_ids_for(params, self.eos_token_ids)
         start, before = time.perf_counter(), generated_tokens(requests)

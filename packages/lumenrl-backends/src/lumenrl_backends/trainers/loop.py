@@ -28,6 +28,7 @@ from lumenrl_backends.trainers.checkpoint import CheckpointManager
 from lumenrl_backends.trainers.metrics import PhaseTimer, batch_metrics, throughput_metrics, train_tokens
 from lumenrl_backends.trainers.outputs import write_summary
 from lumenrl_backends.trainers.rollout import collect_rollouts
+from lumenrl_backends.trainers.sddd_online import online_sddd
 from lumenrl_backends.trainers.update import (
     actor_loss_fn,
     apply_kl_in_reward,
@@ -134,6 +135,7 @@ class RLTrainer:
             check_exact(metrics, cfg.policy.rollout, step)
             metrics.update(self._update(batch, timer))
             metrics.update(self._sync(step))
+            metrics.update(online_sddd(self.parts.engine, batch, cfg.policy.rollout.speculative))  # no draft: {}
         else:
             metrics["batch/skipped"] = 1.0
         metrics.setdefault("actor/kl", math.nan)  # no reference model: KL not measured

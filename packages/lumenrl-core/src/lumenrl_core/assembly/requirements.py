@@ -82,6 +82,9 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
         needs.append(Need("rollout_engine", "interrupt_resume", "async_training.partial_rollout", True))
     if cfg.trainer.name == "sddd":
         needs.append(Need("rollout_engine", "hidden_state_capture", "trainer.name", "sddd"))
+    if cfg.policy.rollout.speculative.draft_path:
+        needs.append(Need("rollout_engine", "speculative_decoding", "policy.rollout.speculative.draft_path",
+                          cfg.policy.rollout.speculative.draft_path))
     if q.training.precision == "fp8":
         needs.append(Need("training_backend", "fp8_training", "quantization.training.precision", "fp8"))
     if cfg.policy.lora.rank > 0:
@@ -165,6 +168,10 @@ def _algorithm_violations(cfg: RunConfig) -> list[Violation]:
         out.append(Violation("algorithm.adv_estimator", "gae",
                              "GAE needs value estimates but critic.enabled=false; enable the critic or use "
                              "a critic-free estimator (grpo, drgrpo, rloo)"))
+    if (algo.name == "sddd") != (cfg.trainer.name == "sddd"):
+        key, value = ("trainer.name", cfg.trainer.name) if algo.name == "sddd" else ("algorithm.name", algo.name)
+        out.append(Violation(key, value, "algorithm.name='sddd' and trainer.name='sddd' go together (draft "
+                             "distillation has its own trainer); allowed: both 'sddd' or neither"))
     return out
 
 

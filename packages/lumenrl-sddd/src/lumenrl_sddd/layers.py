@@ -1,0 +1,83 @@
+"""Small transformer pieces the drafts are built from (RMSNorm, RoPE, GQA attention, SwiGLU MLP).
+
+Design: the drafts take explicit boolean attention masks ``(B, 1, Tq, Tk)`` ("may attend") and
+explicit RoPE positions ``(B, T)``, so one attention function serves training (the Eagle3
+training-time test, DFlash anchored blocks) and inference against the drafts' own KV caches.
+RoPE is the Llama/Qwen rotate-half form with ``rope_theta``. Parameter names follow the HF Llama
+layout (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``)
+so an Eagle3 draft exports to the tensor names vLLM and SGLang load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["RMSNorm", "Attention", "MLP", "apply_rope", "attend"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x (B, H, T, D), positions (B, T) -> rotated x (rotate-half RoPE)."""
+    half = x.shape[-1] // 2
+    inv = 1.0 / (theta ** (torch.arange(0, half, device=x.device, dtype=torch.float32) / half))  # (D/2,)
+    angles = positions.float()[:, None, :, None] * inv  # (B, 1, T, D/2)
+    cos, sin = torch.cos(angles).to(x.dtype), torch.sin(angles).to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """q (B, H, Tq, D), k/v (B, H_kv, Tk, D), allowed (B, 1, Tq, Tk) bool -> (B, Tq, H * D)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # (B, H, Tq, D)
+    return out.transpose(1, 2).flatten(2)
+
+
+class Attention(nn.Module):
+    """GQA projections; ``in_size`` may differ from ``hidden_size`` (Eagle3: 2H in)."""
+
+    def __init__(self, *, in_size: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rope_theta: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.rope_theta = num_heads, num_kv_heads, head_dim, rope_theta
+        self.q_proj = nn.Linear(in_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(in_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(in_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)  # (B, n, T, D)
+
+    def query(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return apply_rope(self._heads(self.q_proj(x), self.num_heads), positions, self.rope_theta)
+
+    def key_value(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = apply_rope(self._heads(self.k_proj(x), self.num_kv_heads), positions, self.rope_theta)
+        return k, self._heads(self.v_proj(x), self.num_kv_heads)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,146 @@
+"""Torch-level pieces of lumenrl-sddd: layer choice, draft vocabulary, Eagle3 / DFlash losses and
+inference contracts, the TCP and MORI transfer engines, Eagle3 export / reload."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lumenrl_sddd.capture import dflash_layer_ids, eagle3_layer_ids
+from lumenrl_sddd.dflash import DFlashConfig, DFlashDraft
+from lumenrl_sddd.eagle3 import Eagle3Config, Eagle3Draft
+from lumenrl_sddd.export import EXPORT_TENSORS, export_eagle3, load_draft, save_draft
+from lumenrl_sddd.mori_engine import MoriTransferEngine
+from lumenrl_sddd.tcp_engine import TCPTransferEngine
+from lumenrl_sddd.vocab import draft_to_target, draft_vocab_maps
+
+torch.set_num_threads(1)
+V, H = 40, 32
+
+
+def _eagle3(vocab: int = 24) -> Eagle3Draft:
+    torch.manual_seed(0)
+    draft = Eagle3Draft(Eagle3Config(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=8, vocab_size=V, draft_vocab_size=vocab, aux_layer_ids=[1, 1, 0]))
+    counts = torch.arange(V).flip(0) * 3 + (torch.arange(V) % 5)
+    d2t, t2d = draft_vocab_maps(counts, vocab)
+    draft.d2t.copy_(d2t), draft.t2d.copy_(t2d)
+    return draft
+
+
+def _capture(b: int = 3, t: int = 12, pad: int = 2) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[0, :pad] = 0  # a left-padded row
+    return {"input_ids": torch.randint(0, V, (b, t), generator=g), "attention_mask": mask,
+            "hidden": torch.randn(b, t, 3 * H, generator=g), "logits": torch.randn(b, t, V, generator=g) * 3}
+
+
+def test_layer_choice():
+    assert eagle3_layer_ids(32) == [1, 15, 28]  # [1, N/2 - 1, N - 4]
+    assert eagle3_layer_ids(4) == [1, 1, 0]
+    assert dflash_layer_ids(32, 5) == [1, 8, 16, 23, 30]
+    assert all(0 <= i < 3 for i in dflash_layer_ids(3, 3))
+
+
+def test_draft_vocab_maps_keep_most_frequent():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    d2t, t2d = draft_vocab_maps(counts, 3)
+    assert t2d.tolist() == [False, False, True, True, False, True]
+    assert draft_to_target(torch.arange(3), d2t).tolist() == [2, 3, 5]
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        draft_vocab_maps(counts, 7)
+
+
+def test_eagle3_ttt_loss_weights_and_gradients():
+    draft, batch = _eagle3(), _capture()
+    loss, metrics = draft.ttt_loss(batch, steps=3)
+    weighted = sum(0.8**j * metrics[f"sddd/loss_step{j}"] for j in range(3))
+    assert math.isclose(float(loss.detach()), weighted, rel_tol=1e-5)
+    loss.backward()
+    assert draft.fc.weight.grad.abs().sum() > 0 and draft.embed_tokens.weight.grad is None  # embedding frozen
+
+
+def test_eagle3_step0_matches_inference_cache():
+    """Step 0 of the training-time test equals the inference path's context entries (same function)."""
+    draft, batch = _eagle3(), _capture(b=1, t=10, pad=0)
+    draft.eval()
+    ids, hidden = batch["input_ids"], batch["hidden"]
+    # training view: logits of step 0 at the last position
+    g = draft.fc(hidden)
+    hid = torch.cat([g.new_zeros(1, 1, H), g[:, :-1]], 1)
+    state = draft.start(1, 32, torch.device("cpu"))
+    cols = torch.arange(1, 10)[None]
+    seen = []
+    draft.propose(state, tokens=ids[:, 1:], features=hidden[:, :-1], columns=cols, positions=cols, valid=torch.ones_like(
+        cols, dtype=torch.bool), last=torch.tensor([8]), k=1, sample=lambda logits: seen.append(logits) or logits.argmax(-1))
+    with torch.no_grad():
+        loss_free = draft.midlayer.inputs(draft.embed_tokens(ids), hid)
+        pos = torch.arange(10)[None]
+        attn = draft.midlayer.self_attn
+        k, v = attn.key_value(loss_free, pos)
+        causal = torch.ones(10, 10, dtype=torch.bool).tril()
+        causal[:, 0] = False
+        causal |= torch.eye(10, dtype=torch.bool)
+        from lumenrl_sddd.layers import attend
+        out = draft.midlayer.finish(attend(attn.query(loss_free, pos), k, v, causal[None, None]), hid)
+        expect = draft._logits(out)[0, -1]
+    got = seen[0][0, draft.target_ids()]
+    assert torch.allclose(got, expect, atol=1e-5)
+
+
+def test_dflash_block_loss_and_position_weights():
+    torch.manual_seed(0)
+    draft = DFlashDraft(DFlashConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=8, vocab_size=V, block_size=4, aux_layer_ids=[0, 1, 2], anchors_per_seq=3))
+    loss, metrics = draft.block_loss(_capture(), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(loss) and 0 <= metrics["sddd/block_acc"] <= 1
+    loss.backward()
+    assert draft.lm_head.weight.grad is None and draft.mask_embedding.grad.abs().sum() > 0
+
+
+def test_tcp_engine_moves_tensors_bit_exactly():
+    producer = TCPTransferEngine(port=0)
+    try:
+        tensors = {"hidden": torch.randn(2, 5, 7, dtype=torch.bfloat16), "ids": torch.arange(10)}
+        producer.put("k1", tensors)
+        consumer = TCPTransferEngine(connect=producer.address)
+        got = consumer.get("k1")
+        assert all(torch.equal(got[n], tensors[n]) and got[n].dtype == tensors[n].dtype for n in tensors)
+        consumer.pop("k1")
+        with pytest.raises(KeyError):
+            consumer.get("k1")
+        with pytest.raises(RuntimeError, match="cannot put"):
+            consumer.put("x", tensors)
+    finally:
+        producer.close()
+
+
+def test_mori_registered_and_unavailable_with_reason():
+    from lumenrl_core.plugins import get_registry
+
+    info = get_registry().info("transfer_engines", "mori")
+    assert not info.available and "ROCm" in (info.reason or "")
+    with pytest.raises(RuntimeError, match="unavailable"):
+        MoriTransferEngine()
+
+
+def test_eagle3_export_layout_and_reload(tmp_path):
+    draft = _eagle3()
+    export_eagle3(draft, tmp_path / "bf16")
+    cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == 24 and cfg["target_hidden_size"] == H
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 2, 1], "use_aux_hidden_state": True}
+    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert set(tensors) == set(EXPORT_TENSORS)
+    assert tensors["fc.weight"].shape == (H, 3 * H) and tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * H
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    save_draft(draft, tmp_path / "fp32")
+    back = load_draft(tmp_path / "fp32")
+    assert back.config.aux_layer_ids == [1, 1, 0]
+    assert all(torch.equal(back.state_dict()[n], draft.state_dict()[n]) for n in EXPORT_TENSORS)
