@@ -46,6 +46,8 @@ def ensure_process_group(device: torch.device) -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda" and device.index is None:  # init_process_group wants an indexed device
+        device = torch.device("cuda", torch.cuda.current_device())
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend=backend, **kwargs)
 
