@@ -8,6 +8,7 @@ from lumenrl_moe.metrics import (
     train_infer_kl,
 )
 from lumenrl_moe.routers import SigmoidGroupTopKRouter, SoftmaxTopKRouter
+from lumenrl_moe.replay import REPLAY_MODES, RecordTarget, RouteController, install_routing, moe_blocks
 from lumenrl_moe.routes import pad_routes, validate_routes
 
 __all__ = [
@@ -20,4 +21,9 @@ __all__ = [
     "train_infer_kl",
     "SoftmaxTopKRouter",
     "SigmoidGroupTopKRouter",
+    "REPLAY_MODES",
+    "RecordTarget",
+    "RouteController",
+    "install_routing",
+    "moe_blocks",
 ]
