@@ -2,6 +2,8 @@
 
 from lumenrl_moe.__about__ import __version__
 from lumenrl_moe.metrics import (
+    expert_load_imbalance,
+    routing_step_metrics,
     extreme_token_fraction,
     extreme_token_fraction_from_log_probs,
     route_flip_fraction,
@@ -16,6 +18,8 @@ __all__ = [
     "validate_routes",
     "pad_routes",
     "route_flip_fraction",
+    "expert_load_imbalance",
+    "routing_step_metrics",
     "extreme_token_fraction",
     "extreme_token_fraction_from_log_probs",
     "train_infer_kl",

@@ -22,7 +22,7 @@ from typing import Any
 
 from lumenrl_backends.trainers.build import TrainerParts, build_parts
 from lumenrl_backends.trainers.checkpoint import CheckpointManager
-from lumenrl_backends.trainers.metrics import PhaseTimer, batch_metrics, throughput_metrics, train_tokens
+from lumenrl_backends.trainers.metrics import PhaseTimer, moe_step_metrics, batch_metrics, throughput_metrics, train_tokens
 from lumenrl_backends.trainers.outputs import write_summary
 from lumenrl_backends.trainers.rollout import broadcast_from_rank0, collect_rollouts
 from lumenrl_backends.trainers.sync import sync_weights
@@ -248,10 +248,13 @@ def _mismatch_metrics(batch: DataProto) -> dict[str, float]:
         return {}
     mask = batch.batch["response_mask"]
     delta = (batch.batch["old_log_probs"].float() - batch.batch["rollout_log_probs"].float()).abs()
-    return {
+    out = {
         "rollout/logprob_abs_diff_mean": masked_mean(delta, mask).item(),
         "rollout/logprob_abs_diff_max": (delta * mask).max().item() if mask.any() else 0.0,
     }
+    if "routed_experts" in batch.batch:  # R3 on: training/inference routing metrics (moe/*)
+        out.update(moe_step_metrics(batch))
+    return out
 
 
 class _GroupCheckpoint:

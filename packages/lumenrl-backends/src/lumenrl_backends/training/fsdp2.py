@@ -73,6 +73,7 @@ from lumenrl_backends.training.precision import (
     shard,
     write_hf,
 )
+from lumenrl_backends.training.routes import ROUTE_KEYS, RouteReplay
 from lumenrl_backends.training.schedules import LRSchedule, build_lr_scheduler
 from lumenrl_backends.training.single_device import SingleDeviceWeights, check_single_device_mode
 
@@ -100,7 +101,8 @@ _UNPLANNED = object()  # _forward plans the micro-batch layout itself
 class FSDP2Backend:
     """Actor, reference or critic model sharded with FSDP2, with its optimizer and LR schedule."""
 
-    capabilities = frozenset({"logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint"})
+    capabilities = frozenset({"logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint",
+                              "route_replay"})
 
     @classmethod
     def probe(cls) -> str | None:
@@ -121,6 +123,7 @@ class FSDP2Backend:
         packing: str | None = None,
         compile_layers: bool | str | None = None,
         single_device: str | None = None,
+        r3: Any | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -134,6 +137,9 @@ class FSDP2Backend:
             model = CriticModel(model)
         self.hf_config = model.config
         self.fp8_report = apply_fp8(model, fp8)
+        # R3 (moe.r3): routers patched before sharding; each forward replays its batch's routed_experts
+        self.routes = RouteReplay(model, replay_mode=r3.replay_mode) if r3 is not None and r3.enabled else None
+        self.last_route_flips: torch.Tensor | None = None  # (B, P+T) of the last compute_log_probs
         if train.gradient_checkpointing and role != "ref":
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
@@ -186,6 +192,7 @@ class FSDP2Backend:
             value_head=role == "critic",
             fp8=cfg.quantization.training if role == "actor" else None,
             optimizer_steps_per_training_step=optimizer_steps_per_training_step(cfg),
+            r3=cfg.moe.r3,
         )
 
     def _use_single_device(self, mode: str) -> bool:
@@ -234,7 +241,8 @@ class FSDP2Backend:
             raise KeyError(
                 f"batch is missing {missing}; needs input_ids, attention_mask (B, P+T) and responses (B, T)"
             )
-        out = {k: tensors[k].to(self.device) for k in _MODEL_INPUTS if k in tensors}
+        keys = _MODEL_INPUTS + (ROUTE_KEYS if self.routes is not None else ())
+        out = {k: tensors[k].to(self.device) for k in keys if k in tensors}
         if "position_ids" not in out:
             out["position_ids"] = position_ids_from_mask(out["attention_mask"])
         return out
@@ -265,6 +273,9 @@ class FSDP2Backend:
         T = inputs["responses"].shape[1]
         if plan is _UNPLANNED:
             plan = self._plan(inputs["attention_mask"], T, inputs.get("position_ids"))
+        if self.routes is not None:
+            self.routes.set(inputs, plan)
+            self._last_plan = plan
         if isinstance(plan, PackPlan):
             return self._forward_packed(plan, inputs, temperature, with_entropy)
         if isinstance(plan, TrimPlan):
@@ -329,16 +340,19 @@ class FSDP2Backend:
         total = inputs["input_ids"].shape[0]
         lo, hi = (0, total) if presharded else dp_slice_bounds(total, dist_utils.rank(), self.world_size)
         micro = max(self.train_cfg.micro_batch_size, 1)
-        firsts, seconds = [], []
+        firsts, seconds, flips = [], [], []
         for s in range(lo, hi, micro):
-            first, second = self._forward(
-                {k: v[s : min(s + micro, hi)] for k, v in inputs.items()}, temperature, with_entropy
-            )
+            part = {k: v[s : min(s + micro, hi)] for k, v in inputs.items()}
+            first, second = self._forward(part, temperature, with_entropy)
+            if self.routes is not None:
+                flips.append(self.routes.flips(self._last_plan, tuple(part["input_ids"].shape)))
             firsts.append(first.float())
             seconds.append(second.float() if second is not None else None)
         out_device = batch.batch["input_ids"].device  # results live where the caller's batch lives
         gather = (lambda t: t) if presharded else dist_utils.all_gather_rows
         first = gather(torch.cat(firsts))[: total - pad].to(out_device)
+        if flips:
+            self.last_route_flips = gather(torch.cat(flips).to(torch.uint8))[: total - pad].to(out_device).bool()
         if not with_entropy:
             return first, None
         return first, gather(torch.cat(seconds))[: total - pad].to(out_device)

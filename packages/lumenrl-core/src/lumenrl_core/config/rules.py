@@ -170,9 +170,17 @@ def _check_mask_band(cfg: s.RolloutCorrectionConfig, key: str, source: Callable[
         )
 
 
+def _check_r3(cfg: s.R3Config, key: str, source: Callable[[str], str | None]) -> None:
+    if cfg.enabled and cfg.replay_mode == "distribution" and not cfg.record_router_logits:
+        k = join_key(key, "record_router_logits")
+        raise ConfigError(k, False, problem="replay_mode 'distribution' replays the recorded router probabilities",
+                          allowed="true (or replay_mode: hard_assignment)", source=source(k))
+
+
 CROSS_CHECKS: dict[type, Callable[[Any, str, Callable[[str], str | None]], None]] = {
     s.OptimConfig: _check_betas,
     s.RolloutCorrectionConfig: _check_mask_band,
+    s.R3Config: _check_r3,
 }
 
 

@@ -1,0 +1,55 @@
+"""R3 replay in the training backend (capability ``route_replay``).
+
+With ``moe.r3.enabled`` the backend patches its model's MoE routers
+(:func:`lumenrl_moe.install_routing`) before sharding, and every forward that has
+``routed_experts`` (B, P+T, L_moe, k) in its batch (old-log-prob, reference and update passes)
+replays them: :meth:`RouteReplay.set` lays the rows of the micro-batch out in the forward's
+token order (packed, trimmed or padded: :func:`~lumenrl_backends.training.packing.layout_routes`)
+and hands them to the controller; they stay set until the next forward, so activation
+checkpointing's recompute in backward replays the same routes. ``replay_mode`` picks
+``hard_assignment`` (gate weights from the live logits, router trained) or ``distribution``
+(recorded probabilities ``router_probs``).
+
+Router aux/load-balancing loss: the RL losses do not add one (HF computes it only with
+``output_router_logits``, which the backend never sets), so under replay no aux term reads the
+replayed assignment; the router learns only through the policy loss via the recomputed gate
+weights. Expert load is reported from the recorded routes (``moe/expert_load_imbalance``).
+
+:meth:`RouteReplay.flips` maps the controller's per-token "live router would choose a different
+set" flags back to the (b, P+T) grid (``moe/route_flip_frac``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lumenrl_backends.training.packing import layout_routes, unlayout_tokens
+
+__all__ = ["RouteReplay", "ROUTE_KEYS"]
+
+ROUTE_KEYS = ("routed_experts", "router_probs")
+
+
+class RouteReplay:
+    def __init__(self, model: nn.Module, *, replay_mode: str) -> None:
+        from lumenrl_moe import install_routing
+
+        self.ctl = install_routing(model, replay_mode=replay_mode)
+
+    def set(self, inputs: Mapping[str, torch.Tensor], plan: Any) -> None:
+        """Replay the micro-batch's recorded routes in the next forward (laid out like its tokens)."""
+        routes = inputs.get("routed_experts")
+        if routes is None:
+            raise KeyError("moe.r3.enabled: the batch has no 'routed_experts'; the rollout engine must record routes "
+                           "(capability route_recording)")
+        probs = inputs.get("router_probs")
+        self.ctl.replay(layout_routes(plan, routes),
+                        None if probs is None else layout_routes(plan, probs))
+
+    def flips(self, plan: Any, shape: tuple[int, int]) -> torch.Tensor:
+        """(b, P+T) bool: tokens of the last forward whose live top-k set differs from the replayed one."""
+        return unlayout_tokens(plan, self.ctl.flips.to(torch.uint8), shape).bool()
