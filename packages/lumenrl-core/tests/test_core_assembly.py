@@ -249,8 +249,8 @@ def test_r3_router_by_model_type_or_by_name(cfg, reg, tmp_path):
     cfg.moe.r3.router = "qwen3_mo"
     assert only(cfg, reg).startswith("moe.r3.router='qwen3_mo': no moe_routers plugin named 'qwen3_mo'")
     cfg.moe.r3.router, cfg.policy.model_name = "", "lumenrl:tiny-mixtral"  # family from the built-in name
-    with pytest.warns(AssemblyWarning, match="no lumenrl.moe_routers plugin for model_type='mixtral'"):
-        assert plan_run(cfg, registry=reg).moe_router_cls is None
+    # an MoE family without a router plugin is refused, naming its model type
+    assert only(cfg, reg).startswith("moe.r3.enabled=True: no lumenrl.moe_routers plugin for model_type='mixtral'")
 
 
 def test_r3_on_unknown_model_warns_instead_of_guessing(cfg, reg):

@@ -127,7 +127,7 @@ class _Planner:
             return  # unknown model: check_model says so
         if ("moe_routers", model_type) in self.registry:
             self.resolve("moe_router", "moe_routers", "moe.r3.router", model_type)
-        else:
+        elif is_moe_model(cfg.policy.model_name)[0]:  # a dense model: check_model reports that instead
             self.violations.append(Violation(
                 "moe.r3.enabled", True, f"no lumenrl.moe_routers plugin for model_type={model_type!r}: its MoE "
                 "block cannot be recorded or replayed; set moe.r3.enabled=false or install a router plugin"))
