@@ -94,6 +94,11 @@ class RouteController:
         self.flips: torch.Tensor | None = None  # (N,) bool, set while replaying
 
     def record(self, target: RecordTarget | None) -> None:
+        """Record own routing into ``target`` (None: stop). While replaying, the replayed experts
+        are written to ``target`` instead and the mode stays ``replay``."""
+        if self.mode == "replay":
+            self.target = target
+            return
         self.mode, self.target = ("record", target) if target is not None else ("off", None)
 
     def replay(self, routes: torch.Tensor | None, probs: torch.Tensor | None = None) -> None:
@@ -132,6 +137,8 @@ class RouteController:
                 weights = _weights_from_probs(router, probs, indices)
             own = router.select(logits.detach())[1]
             self.flips |= (own.sort(-1).values != indices.sort(-1).values).any(-1)
+            if self.target is not None:  # the experts this forward actually used (diagnostics)
+                self.target.routes.select(-2, j).index_put_(self.target.index, indices.to(self.target.routes.dtype))
         return (weights.to(logits.dtype) if cast else weights), indices
 
 
