@@ -145,3 +145,34 @@ def test_engine_records_and_backend_replays(family):
 
     backend.train_step(batch, loss_fn)  # update pass under hard_assignment replay: the router moves
     assert (router.detach() - before).abs().max() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recording_with_cuda_graphs_equals_eager(family):
+    """The record buffers are static tensors written inside the captured decode step."""
+    model, tokenizer = _model(family, seed=5), build_char_tokenizer()
+    prompts = _prompts(tokenizer, ["1+2=", "13+4=", "7=", "9+9+9="])
+    outs = []
+    for graphs in (False, True):
+        engine = NativeEngine(copy.deepcopy(model), tokenizer, device="cuda", max_batch_size=4, max_seq_len=48,
+                              record_routes=True, cuda_graphs=graphs)
+        outs.append(engine.generate(prompts, {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}))
+        assert outs[-1].meta_info["perf"]["cuda_graphs"] is graphs
+    eager, graph = outs
+    assert torch.equal(eager.batch["responses"], graph.batch["responses"])
+    assert torch.equal(eager.batch["routed_experts"], graph.batch["routed_experts"])
+
+
+def test_hf_and_native_engines_record_the_same_routes():
+    from lumenrl_backends.engines.hf import HFEngine
+
+    model, tokenizer = _model("qwen3_moe", seed=6), build_char_tokenizer()
+    prompts = _prompts(tokenizer, ["1+2=", "13+4=", "7="])
+    greedy = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}
+    native = NativeEngine(copy.deepcopy(model), tokenizer, max_batch_size=4, max_seq_len=32,
+                          record_routes=True).generate(prompts, greedy)
+    hf = HFEngine(copy.deepcopy(model), tokenizer, max_seq_len=32, record_routes=True).generate(prompts, greedy)
+    assert torch.equal(native.batch["responses"], hf.batch["responses"])
+    assert torch.equal(native.batch["routed_experts"], hf.batch["routed_experts"])

@@ -14,12 +14,13 @@ sync): one row per context token that was fed to the model, i.e. every token but
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["EngineRoutes", "carry_routes", "routes_column"]
+__all__ = ["EngineRoutes", "carry_routes", "record_generate_routes", "routes_column"]
 
 
 class EngineRoutes:
@@ -101,3 +102,36 @@ def carry_routes(requests: list[Any], batch: Any) -> None:
             hi = lo + len(r.prompt) + len(r.response) - 1
             r.routes = routes[r.index, lo:hi]
             r.route_probs = probs[r.index, lo:hi] if probs is not None else None
+
+
+@contextmanager
+def record_generate_routes(model: nn.Module, ctl: Any, shape: tuple[int, int], max_new: int):
+    """HF ``generate`` (``hf`` engine): record into (n, W + max_new, L_moe, k) by a forward
+    pre-hook that points the routers at the columns of each forward: the (n, W) prefill, then
+    one column per decode step. Yields the buffer (None when ``ctl`` is None)."""
+    if ctl is None:
+        yield None
+        return
+    from lumenrl_moe import RecordTarget
+
+    n, width = shape
+    device = next(model.parameters()).device
+    routes = torch.arange(ctl.top_k, dtype=torch.int16, device=device).expand(
+        n, width + max_new, ctl.num_layers, ctl.top_k).clone()
+    column = [0]
+    rows = torch.arange(n, device=device)
+
+    def pre_hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        s = ids.shape[1]
+        cols = torch.arange(column[0], column[0] + s, device=device).clamp(max=width + max_new - 1)
+        ctl.record(RecordTarget(routes=routes, index=(rows[:, None].expand(n, s).reshape(-1),
+                                                      cols.expand(n, s).reshape(-1))))
+        column[0] += s
+
+    handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        yield routes
+    finally:
+        handle.remove()
+        ctl.record(None)
