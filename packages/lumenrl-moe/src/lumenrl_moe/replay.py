@@ -38,7 +38,7 @@ from torch import nn
 
 from lumenrl_moe.routers import SigmoidGroupTopKRouter, SoftmaxTopKRouter
 
-__all__ = ["RecordTarget", "RouteController", "install_routing", "moe_blocks", "REPLAY_MODES", "SOFTMAX_FAMILIES",
+__all__ = ["RecordTarget", "RouteController", "install_routing", "moe_blocks", "router_class", "REPLAY_MODES", "SOFTMAX_FAMILIES",
            "SIGMOID_FAMILIES"]
 
 REPLAY_MODES = ("hard_assignment", "distribution")
@@ -69,12 +69,17 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _router_for(model_type: str, config: Any, gate: nn.Module, router_cls: type | None):
-    if model_type in SIGMOID_FAMILIES or router_cls is SigmoidGroupTopKRouter:
+    if router_cls is None:
+        router_cls = SigmoidGroupTopKRouter if model_type in SIGMOID_FAMILIES else \
+            SoftmaxTopKRouter if model_type in SOFTMAX_FAMILIES else None
+    if router_cls is SigmoidGroupTopKRouter:
         router = SigmoidGroupTopKRouter.from_model_config(config)
         router.e_score_correction_bias = getattr(gate, "e_score_correction_bias", None)
         return router
-    if model_type in SOFTMAX_FAMILIES or router_cls is SoftmaxTopKRouter:
+    if router_cls is SoftmaxTopKRouter:
         return SoftmaxTopKRouter.from_model_config(config)
+    if router_cls is not None and hasattr(router_cls, "from_model_config"):  # a third-party router plugin
+        return router_cls.from_model_config(config)
     raise ValueError(f"R3: no router math for MoE model_type={model_type!r}; supported: "
                      f"{', '.join(sorted(SOFTMAX_FAMILIES | SIGMOID_FAMILIES))}")
 
@@ -168,11 +173,23 @@ def _patch(block: nn.Module, j: int, ctl: RouteController, router: Any, float_lo
     gate._lumenrl_r3 = True
 
 
-def install_routing(model: nn.Module, *, replay_mode: str = "hard_assignment", router_cls: type | None = None
+def router_class(name: str) -> type | None:
+    """The ``lumenrl.moe_routers`` plugin ``name`` (``moe.r3.router``); None for "" (by model type)."""
+    if not name:
+        return None
+    from lumenrl_core.plugins import get_registry
+
+    return get_registry().load("moe_routers", name)
+
+
+def install_routing(model: nn.Module, *, replay_mode: str = "hard_assignment", router_cls: type | str | None = None
                     ) -> RouteController:
     """Patch every MoE router of ``model`` (an HF causal LM); returns its controller (also at
-    ``model.lumenrl_routes``). Raises ValueError naming the model type if no MoE block is found
-    or the family has no router math."""
+    ``model.lumenrl_routes``). ``router_cls``: a router class or ``lumenrl.moe_routers`` name
+    overriding the choice by ``model_type``. Raises ValueError naming the model type if no MoE
+    block is found or the family has no router math."""
+    if isinstance(router_cls, str):
+        router_cls = router_class(router_cls)
     existing = getattr(model, "lumenrl_routes", None)
     if isinstance(existing, RouteController):
         existing.replay_mode = replay_mode

@@ -68,6 +68,7 @@ class HFEngine:
         max_batch_size: int = 64,
         max_seq_len: int = 512,
         record_routes: bool = False,
+        moe_router: str = "",
     ) -> None:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
@@ -81,7 +82,7 @@ class HFEngine:
         if record_routes:
             from lumenrl_moe import install_routing
 
-            self.routes = install_routing(self.model)
+            self.routes = install_routing(self.model, router_cls=moe_router or None)
 
     @classmethod
     def probe(cls) -> str | None:
@@ -89,7 +90,8 @@ class HFEngine:
 
     @classmethod
     def from_config(cls, run_config: Any, model: nn.Module | None = None, tokenizer: Any = None) -> HFEngine:
-        return cls(**engine_kwargs_from_config(run_config, model, tokenizer), record_routes=run_config.moe.r3.enabled)
+        return cls(**engine_kwargs_from_config(run_config, model, tokenizer), record_routes=run_config.moe.r3.enabled,
+                   moe_router=run_config.moe.r3.router)
 
     def interrupt(self) -> None:
         self._interrupt.set()

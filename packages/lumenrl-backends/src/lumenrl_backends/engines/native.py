@@ -187,6 +187,7 @@ class NativeEngine:
         kv_v_tiles: bool = False,
         record_routes: bool = False,
         record_router_logits: bool = False,
+        moe_router: str = "",
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
@@ -247,7 +248,7 @@ class NativeEngine:
         self.slots = SlotState.allocate(max_batch_size, self.device)
         # R3: per-slot, per-column MoE routes written inside each forward (engines/routes.py)
         self.routes = EngineRoutes(self.model, max_slots=max_batch_size, max_len=max_seq_len, device=self.device,
-                                   record_probs=record_router_logits) if record_routes else None
+                                   record_probs=record_router_logits, router=moe_router) if record_routes else None
         self.buckets = batch_buckets(max_batch_size)
         self._interrupt = threading.Event()
         self._rows = torch.arange(max_batch_size, device=self.device)
@@ -292,6 +293,7 @@ class NativeEngine:
             fuse_fp8_mlp=rollout_quant.fuse_mlp,
             record_routes=run_config.moe.r3.enabled,
             record_router_logits=run_config.moe.r3.enabled and run_config.moe.r3.record_router_logits,
+            moe_router=run_config.moe.r3.router,
         )
 
     # ------------------------------------------------------------------ control

@@ -25,11 +25,11 @@ __all__ = ["EngineRoutes", "carry_routes", "record_generate_routes", "routes_col
 
 class EngineRoutes:
     def __init__(self, model: nn.Module, *, max_slots: int, max_len: int, device: torch.device,
-                 record_probs: bool) -> None:
+                 record_probs: bool, router: str = "") -> None:
         from lumenrl_moe import RecordTarget, install_routing
 
         self._target_cls = RecordTarget
-        self.ctl = install_routing(model)
+        self.ctl = install_routing(model, router_cls=router or None)
         layers, k, experts = self.ctl.num_layers, self.ctl.top_k, self.ctl.num_experts
         dtype = torch.int16 if experts <= torch.iinfo(torch.int16).max else torch.int32
         self.routes = torch.zeros(max_slots, max_len, layers, k, dtype=dtype, device=device)

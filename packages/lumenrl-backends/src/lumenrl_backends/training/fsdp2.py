@@ -138,7 +138,7 @@ class FSDP2Backend:
         self.hf_config = model.config
         self.fp8_report = apply_fp8(model, fp8)
         # R3 (moe.r3): routers patched before sharding; each forward replays its batch's routed_experts
-        self.routes = RouteReplay(model, replay_mode=r3.replay_mode) if r3 is not None and r3.enabled else None
+        self.routes = RouteReplay(model, replay_mode=r3.replay_mode, router=r3.router) if r3 is not None and r3.enabled else None
         self.last_route_flips: torch.Tensor | None = None  # (B, P+T) of the last compute_log_probs
         if train.gradient_checkpointing and role != "ref":
             enable_activation_checkpointing(model)

@@ -35,10 +35,10 @@ ROUTE_KEYS = ("routed_experts", "router_probs")
 
 
 class RouteReplay:
-    def __init__(self, model: nn.Module, *, replay_mode: str) -> None:
+    def __init__(self, model: nn.Module, *, replay_mode: str, router: str = "") -> None:
         from lumenrl_moe import install_routing
 
-        self.ctl = install_routing(model, replay_mode=replay_mode)
+        self.ctl = install_routing(model, replay_mode=replay_mode, router_cls=router or None)
 
     def set(self, inputs: Mapping[str, torch.Tensor], plan: Any) -> None:
         """Replay the micro-batch's recorded routes in the next forward (laid out like its tokens)."""
