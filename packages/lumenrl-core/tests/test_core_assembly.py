@@ -439,3 +439,13 @@ def test_quantize_lm_head_refused_for_a_tied_model_before_loading(cfg, reg, tmp_
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))  # unset: the engine decides
     with pytest.warns(AssemblyWarning, match="cannot tell whether .* ties its embeddings"):
         plan_run(cfg, registry=reg)
+
+
+def test_r3_distribution_mode_needs_recorded_router_probabilities():
+    from lumenrl_core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="moe.r3.record_router_logits"):
+        load_config(None, ["moe.r3.enabled=true", "moe.r3.replay_mode=distribution"])
+    cfg = load_config(None, ["moe.r3.enabled=true", "moe.r3.replay_mode=distribution",
+                             "moe.r3.record_router_logits=true"])
+    assert cfg.moe.r3.replay_mode == "distribution"
