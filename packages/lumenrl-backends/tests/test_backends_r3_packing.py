@@ -56,3 +56,22 @@ def test_trimmed_and_padded_routes():
     values = torch.arange(laid.shape[0], dtype=torch.float32)
     back = unlayout_tokens(plan, values, tuple(mask.shape))
     assert torch.equal(back[:, plan.lo : plan.hi].reshape(-1), values)
+
+
+def test_dynamic_sampling_rounds_pad_routes_without_repeating_experts():
+    from lumenrl_backends.trainers.rollout import concat_rounds
+    from lumenrl_core.data_proto import DataProto
+
+    def round_(rows, P, T):
+        ids = torch.randint(3, 50, (rows, P + T))
+        routes = torch.rand(rows, P + T, 2, 5).argsort(-1)[..., :3].to(torch.int16)
+        return DataProto.from_dict(tensors={"prompts": ids[:, :P], "responses": ids[:, P:], "input_ids": ids,
+                                            "attention_mask": torch.ones_like(ids), "routed_experts": routes})
+
+    a, b = round_(2, 3, 4), round_(3, 5, 2)
+    merged = concat_rounds([a, b])
+    routes = merged.batch["routed_experts"]
+    assert routes.shape == (5, 9, 2, 3)
+    validate_routes(routes, num_experts=5)
+    assert torch.equal(routes[:2, 2:9], a.batch["routed_experts"])  # left-padded by 2, no right pad
+    assert torch.equal(routes[2:, :5 + 2], b.batch["routed_experts"])  # right-padded by 2
