@@ -176,3 +176,29 @@ def test_hf_and_native_engines_record_the_same_routes():
     hf = HFEngine(copy.deepcopy(model), tokenizer, max_seq_len=32, record_routes=True).generate(prompts, greedy)
     assert torch.equal(native.batch["responses"], hf.batch["responses"])
     assert torch.equal(native.batch["routed_experts"], hf.batch["routed_experts"])
+
+
+def test_interrupted_and_resumed_rows_keep_aligned_routes():
+    model, tokenizer = _model("qwen3_moe", seed=7), build_char_tokenizer()
+    prompts = _prompts(tokenizer, ["1+2=", "13+4=", "7=", "9+9+9=", "5+55="])
+    params = {"temperature": 1.0, "max_new_tokens": 8, "seed": 5, "ignore_eos": True}
+    full = NativeEngine(copy.deepcopy(model), tokenizer, max_batch_size=3, max_seq_len=32,
+                        record_routes=True).generate(prompts, params)
+    engine = NativeEngine(copy.deepcopy(model), tokenizer, max_batch_size=3, max_seq_len=32, record_routes=True)
+    original, count = engine._decode, {"n": 0}
+
+    def counted(*args, **kwargs):  # interrupt after 3 decode steps
+        original(*args, **kwargs)
+        count["n"] += 1
+        if count["n"] == 3:
+            engine.interrupt()
+
+    engine._decode = counted
+    partial = engine.generate(prompts, params)
+    assert partial.meta_info["interrupted"] is True
+    validate_routes(partial.batch["routed_experts"])
+    engine.resume()
+    engine._decode = original
+    done = engine.generate(partial, params)  # prompt + partial response re-prefilled, same weights
+    assert torch.equal(done.batch["responses"], full.batch["responses"])
+    assert torch.equal(done.batch["routed_experts"], full.batch["routed_experts"])
