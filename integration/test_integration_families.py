@@ -24,3 +24,4 @@ def test_family_generates_and_trains_one_step(train, tmp_path, family):
     assert record["response_length/mean"] >= 1 and record["perf/generated_tokens"] >= 4
     assert math.isfinite(record["actor/pg_loss"]) and math.isfinite(record["actor/kl"])
     assert record["actor/grad_norm"] > 0 and record["actor/lr"] > 0  # a real optimizer step happened
+    assert record["actor/nonfinite_skipped"] == 0  # the run-time guard's count reaches metrics.jsonl

@@ -183,3 +183,18 @@ def test_from_config_quantize_lm_head_runs_and_requantizes_the_head_on_sync(mode
     reference.load_state_dict(new)
     out = engine.generate(prompt_batch(engine.tokenizer), config.policy.rollout)
     assert median_delta(engine.model, out) < 1e-4 and mean_delta(reference, out) < 0.25
+
+
+@pytest.mark.parametrize("recalibration", [True, False])
+def test_from_config_reads_kv_scale_recalibration(model_dir, recalibration):
+    config = fp8_run_config(model_dir, kv_cache_dtype="fp8", kv_scale_recalibration=recalibration)
+    engine = NativeEngine.from_config(config)
+    engine.generate(prompt_batch(engine.tokenizer), config.policy.rollout)  # calibrates on the first prefill
+    before = engine.cache.layers[0].codec.scales.k_scale.clone()
+    grown = {n: torch.full_like(p, 4.0) for n, p in engine.model.named_parameters() if "k_norm" in n}
+    assert grown
+    engine.update_weights(grown.items(), version=1)
+    assert engine.cache.recalibrate is recalibration  # drives the next prefill (test above: scales follow)
+    engine.generate(prompt_batch(engine.tokenizer), config.policy.rollout)
+    changed = not torch.equal(engine.cache.layers[0].codec.scales.k_scale, before)
+    assert changed is recalibration  # false: the first scales are kept across the sync

@@ -42,7 +42,9 @@ def test_config_errors_are_one_line_before_loading(tmp_path, override, expected)
 
 
 def test_incompatible_combinations_are_all_reported_in_one_line(tmp_path):
-    # R3 on a dense model + PPO without a critic: every violation at once
-    result = _train(tmp_path, "moe.r3.enabled=true", "algorithm.name=ppo", "algorithm.adv_estimator=gae")
+    # MX training + PPO without a critic: every assembly violation at once (R3, not built yet, is
+    # refused at load: test_core_config_refused.py)
+    result = _train(tmp_path, "quantization.training.precision=mxfp8", "algorithm.name=ppo",
+                    "algorithm.adv_estimator=gae")
     line = _assert_refused_early(result, tmp_path)
-    assert "critic.enabled" in line and "moe.r3" in line
+    assert "critic.enabled" in line and "quantization.training.precision" in line

@@ -61,7 +61,7 @@ def test_yaml_file_sets_nested_values_with_coercion(tmp_path):
           experiment_name: 2024
         """,
     )
-    cfg = load_config(path, [])
+    cfg = load_config(path, [], machine=False)  # the hub id need not be cached here
     assert cfg.seed == 7 and cfg.policy.model_name == "Qwen/Qwen3-8B"
     assert cfg.policy.optim.lr == 1e-6 and isinstance(cfg.policy.optim.lr, float)
     assert cfg.policy.optim.weight_decay == 0.0 and isinstance(cfg.policy.optim.weight_decay, float)
@@ -110,7 +110,7 @@ def test_str_overrides_keep_the_typed_text():
     assert parse_override("policy.tokenizer_name=") == ("policy.tokenizer_name", "")
     assert parse_override("reward.function=my.mod:score") == ("reward.function", "my.mod:score")
     assert parse_override("policy.model_name='a b'") == ("policy.model_name", "a b")
-    assert load_config(None, ["policy.model_name=Qwen/Qwen3-8B"]).policy.model_name == "Qwen/Qwen3-8B"
+    assert load_config(None, ["policy.model_name=Qwen/Qwen3-8B"], machine=False).policy.model_name == "Qwen/Qwen3-8B"
 
 
 # ----------------------------------------------------------------- errors

@@ -117,13 +117,15 @@ def register_config(subparsers: Any) -> None:
     for parser, func in ((show, run_config_show), (check, run_config_check)):
         parser.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
         parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.rollout_engine=hf")
+        parser.add_argument("--skip-machine-checks", action="store_true",
+                            help="do not check model paths and devices against this machine (inspect a GPU preset)")
         parser.set_defaults(func=func)
 
 
 def run_config_show(args: argparse.Namespace) -> int:
     from lumenrl_core.config import dump_config, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, machine=not args.skip_machine_checks)
     text = dump_config(cfg)
     print(text, end="" if text.endswith("\n") else "\n")
     return 0
@@ -133,7 +135,7 @@ def run_config_check(args: argparse.Namespace) -> int:
     from lumenrl_core.assembly import plan_run
     from lumenrl_core.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, machine=not args.skip_machine_checks)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tolerated violations are printed below, once each
         plan = plan_run(cfg)
@@ -190,7 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except errors as exc:
         message = str(exc).strip() or type(exc).__name__
-        print(f"lumenrl {args.command}: error: {message}", file=sys.stderr)
+        lines = message.splitlines()
+        if not all(line.startswith("config") for line in lines):  # e.g. an assembly list: one message
+            lines = [message]
+        for line in lines:  # several config problems: one line each
+            print(f"lumenrl {args.command}: error: {line}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `lumenrl plugins | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

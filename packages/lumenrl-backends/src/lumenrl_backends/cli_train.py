@@ -37,13 +37,23 @@ def plan_from_args(config: str | None, overrides: Sequence[str]) -> Any:
     from lumenrl_core.config import ConfigError, load_config
 
     try:
-        return plan_run(load_config(config, list(overrides)))
+        cfg = load_config(config, list(overrides))
+    except ConfigError as exc:  # one line per problem
+        raise CLIError(str(exc)) from None
+    try:
+        return plan_run(cfg)
     except (ConfigError, AssemblyError, FileNotFoundError) as exc:
         raise CLIError(one_line(exc)) from None
 
 
 def run_train(args: argparse.Namespace) -> int:
     plan = plan_from_args(args.config, args.overrides)
+    from lumenrl_backends.cli import CLIError
+    from lumenrl_backends.training.nonfinite import NonFiniteError
+
     trainer = plan.trainer_cls.from_plan(plan)
-    trainer.fit()
+    try:
+        trainer.fit()
+    except NonFiniteError as exc:  # a streak of skipped steps, or non-finite weights at a save: one line
+        raise CLIError(f"training stopped: {exc}") from None
     return 0

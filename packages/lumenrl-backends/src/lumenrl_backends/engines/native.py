@@ -148,14 +148,10 @@ def _norm_quant_pays(compile: str, device: torch.device) -> bool:
 class NativeEngine:
     """Embedded rollout engine over an HF causal LM (see module docstring)."""
 
+    kv_scale_recalibration = True  # from_config: quantization.rollout.kv_scale_recalibration
     capabilities = frozenset(
         {
-            "logprobs",
-            "interrupt_resume",
-            "weight_update",
-            "continuous_batching",
-            "fp8_weights",
-            "mx_weights",
+            "logprobs", "interrupt_resume", "weight_update", "continuous_batching", "fp8_weights", "mx_weights",
             "fp8_kv_cache",
             "route_recording",
         }
@@ -281,7 +277,7 @@ class NativeEngine:
     ) -> NativeEngine:
         """Build from a RunConfig: model/tokenizer from ``policy`` unless given, sizes from ``policy.rollout``."""
         rollout, rollout_quant = run_config.policy.rollout, run_config.quantization.rollout
-        return cls(
+        engine = cls(
             **engine_kwargs_from_config(run_config, model, tokenizer),
             quant_scheme=rollout_scheme(rollout_quant),
             kv_cache_dtype=rollout_quant.kv_cache_dtype,
@@ -295,6 +291,8 @@ class NativeEngine:
             record_router_logits=run_config.moe.r3.enabled and run_config.moe.r3.record_router_logits,
             moe_router=run_config.moe.r3.router,
         )
+        engine.kv_scale_recalibration = rollout_quant.kv_scale_recalibration
+        return engine
 
     # ------------------------------------------------------------------ control
     def interrupt(self) -> None:
@@ -315,7 +313,8 @@ class NativeEngine:
         """Copy weights into the engine model in place (no reallocation); returns tensors copied."""
         count = copy_weights_(self.model, named_tensors)  # requantizes quantized linears in place
         self.weight_version = int(version)
-        self.cache.recalibrate = self.cache.kv_dtype is not None  # FP8 KV scales follow the new policy
+        # FP8 KV scales follow the new policy unless quantization.rollout.kv_scale_recalibration=false
+        self.cache.recalibrate = self.cache.kv_dtype is not None and self.kv_scale_recalibration
         return count
 
     # ------------------------------------------------------------------ generation

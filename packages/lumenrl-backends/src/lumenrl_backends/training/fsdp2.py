@@ -56,6 +56,7 @@ from lumenrl_backends.training.modeling import (
     response_logits,
     token_log_probs,
 )
+from lumenrl_backends.training.nonfinite import NonFiniteGuard, refuse_nonfinite
 from lumenrl_backends.training.packing import (
     PackPlan,
     TrimPlan,
@@ -132,6 +133,7 @@ class FSDP2Backend:
         self.role, self.train_cfg, self.optim_cfg = role, train, optim
         self.device = torch.device(device)
         self.is_critic = value_head or role == "critic"
+        self.nonfinite = NonFiniteGuard(getattr(train, "max_consecutive_nonfinite_steps", 3), self.prefix)
         dist_utils.ensure_process_group(self.device)
         if self.is_critic and not isinstance(model, CriticModel):
             model = CriticModel(model)
@@ -412,9 +414,10 @@ class FSDP2Backend:
                 self._optimizer_step(local, mini_rows, loss_fn, collected)
         local_loss = collected.pop(f"{self.prefix}/loss")  # this rank's share of each mini-batch loss
         collected = dist_utils.as_floats(collected)  # the step's only device->host copy of metrics
-        skipped = [v for v in collected.pop(f"{self.prefix}/skipped_steps", []) if v]
-        if skipped:  # the key is there only when some step was skipped (non-finite grad norm)
-            collected[f"{self.prefix}/skipped_steps"] = skipped
+        flags = collected.pop(f"{self.prefix}/skipped_steps", [])
+        guard = self.nonfinite.observe(flags)  # raises NonFiniteError after too many skips in a row
+        if any(flags):  # the key is there only when some step was skipped (non-finite loss or grad norm)
+            collected[f"{self.prefix}/skipped_steps"] = [v for v in flags if v]
         metrics = dist_utils.all_reduce_mean_dict(
             {k: sum(v) / len(v) for k, v in collected.items() if k != f"{self.prefix}/lr"}, self.device
         )
@@ -422,6 +425,7 @@ class FSDP2Backend:
             sum(local_loss) / len(local_loss), self.device
         )
         metrics[f"{self.prefix}/lr"] = collected[f"{self.prefix}/lr"][-1]
+        metrics.update(guard)
         return metrics
 
     def _micro_outputs(self, micro: Any, plan: Any = _UNPLANNED) -> dict[str, torch.Tensor]:
@@ -455,7 +459,7 @@ class FSDP2Backend:
             for k, v in micro_metrics.items():
                 collected[k].append(v.detach() if isinstance(v, torch.Tensor) else float(v))
         collected[f"{self.prefix}/loss"].append(mini_loss)
-        self._clip_and_step(self.optimizer, self.scheduler, collected, self.prefix)
+        self._clip_and_step(self.optimizer, self.scheduler, collected, self.prefix, mini_loss)
 
     def _zero_grad(self, optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -471,10 +475,11 @@ class FSDP2Backend:
         if self.single is not None:  # bf16 module grads -> fp32 master grads (two foreach launches)
             self.single.accumulate_grads()
 
-    def _clip_and_step(self, optimizer, scheduler, collected: dict[str, list[float]], prefix: str) -> None:
+    def _clip_and_step(self, optimizer, scheduler, collected: dict, prefix: str, loss: Any = 0.0) -> None:
+        """Clip and step; a non-finite grad norm or ``loss`` skips the step (weights and moments untouched)."""
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
         if self.single is not None and optimizer.defaults.get("fused"):  # clip inside fused AdamW, no sync
-            norm, skipped = self.single.fused_clip_and_step(optimizer, clip)
+            norm, skipped = self.single.fused_clip_and_step(optimizer, clip, loss)
             collected[f"{prefix}/grad_norm"].append(norm)
             collected[f"{prefix}/skipped_steps"].append(skipped)  # zeros are dropped in train_step
         else:
@@ -482,12 +487,14 @@ class FSDP2Backend:
             params = [p for p in source if p.grad is not None]
             grad_norm = dist_utils.as_float(_full(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)))
             collected[f"{prefix}/grad_norm"].append(grad_norm)
-            if math.isfinite(grad_norm):
+            total_loss = dist_utils.all_reduce_sum(dist_utils.as_float(loss), self.device)
+            if math.isfinite(grad_norm) and math.isfinite(total_loss):
                 optimizer.step()
                 if self.single is not None:
                     self.single.copy_back()
-            else:  # every rank sees the same (all-reduced) norm, so all skip together
-                collected[f"{prefix}/skipped_steps"].append(1.0)
+            else:  # every rank sees the same (all-reduced) norm and loss, so all skip together
+                self._zero_grad(optimizer)
+            collected[f"{prefix}/skipped_steps"].append(0.0 if math.isfinite(grad_norm + total_loss) else 1.0)
         collected[f"{prefix}/lr"].append(float(optimizer.param_groups[0]["lr"]))
         if scheduler is not None:
             scheduler.step()
@@ -570,11 +577,15 @@ class FSDP2Backend:
             self.weights_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
 
+    def _check_finite(self, what: str) -> None:  # collective: every rank refuses together
+        refuse_nonfinite(self.weights_module.state_dict().items(), what, self.device)
+
     def save_hf(self, path: str, tokenizer: Any = None) -> None:
         """``save_pretrained`` of the full model into ``path`` (rank 0 writes). Collective.
 
         A critic saves its backbone in HF format plus ``value_head.safetensors``.
         """
+        self._check_finite(f"the {self.role} export {path}")
         state = self.state_dict_for_export()
         if dist_utils.rank() == 0:
             write_hf(self.model, state, path, critic=self.is_critic)
@@ -586,6 +597,7 @@ class FSDP2Backend:
 
     def save_checkpoint(self, path: str, *, extra: Mapping[str, Any] | None = None) -> None:
         """Model, optimizer, scheduler and RNG states (+ caller JSON ``extra``), written atomically."""
+        self._check_finite(f"the {self.role} checkpoint {path}")
         ckpt.save_training_state(
             path, model=self.weights_module, optimizer=self.optimizer, scheduler=self.scheduler, extra=extra
         )

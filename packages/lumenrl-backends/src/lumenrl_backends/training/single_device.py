@@ -152,13 +152,14 @@ class SingleDeviceWeights:
         self.compute_flat.copy_(self.master_flat)
 
     @torch.no_grad()
-    def fused_clip_and_step(self, optimizer: torch.optim.Optimizer, max_norm: float):
+    def fused_clip_and_step(self, optimizer: torch.optim.Optimizer, max_norm: float, loss: torch.Tensor | float = 0.0):
         """Clip and step without a host sync; returns the (grad norm, skipped 0/1) device tensors.
 
         For fused AdamW: the clip coefficient goes in as its ``grad_scale`` (grads are divided by
         ``max((norm + 1e-6) / max_norm, 1)``, i.e. multiplied by ``clip_grad_norm_``'s clamped
         coefficient) and a non-finite norm as its ``found_inf`` (the kernel skips the update and
-        the step count), the attributes ``torch.amp.GradScaler`` sets on fused optimizers.
+        the step count), the attributes ``torch.amp.GradScaler`` sets on fused optimizers. A
+        non-finite ``loss`` (tensor or float) skips the step the same way.
         Then :meth:`copy_back` (a no-op change when skipped).
         """
         if not max_norm > 0:
@@ -168,7 +169,7 @@ class SingleDeviceWeights:
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         else:
             norm = self.master_flat.new_zeros(())
-        skipped = (~torch.isfinite(norm)).float()
+        skipped = (~torch.isfinite(norm + torch.as_tensor(loss, device=norm.device).float())).float()
         optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
         optimizer.found_inf = skipped
         try:

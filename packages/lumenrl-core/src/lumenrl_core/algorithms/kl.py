@@ -7,6 +7,11 @@ With ``d = logp - ref_logp`` (log-probs of the *sampled* tokens, (B, T)):
 - ``k3`` / ``low_var_kl`` = exp(-d) + d - 1 -- unbiased and non-negative (Schulman's k3),
   clamped to [-10, 10] because exp(-d) explodes when the reference is far more likely.
 
+The log-ratio ``d`` is first clamped to [-20, 20] (as verl's ``kl_penalty`` does for
+low_var_kl), for every kind, so a ``-inf`` log-prob (a token one side gives probability 0, e.g.
+after top-k/top-p masking) yields a finite, bounded estimate instead of NaN; ``d`` of two
+``-inf`` log-probs (both sides agree the token is impossible) counts as 0.
+
 Used two ways: as a loss term (``kl_loss``, aggregated like the policy loss, coef ~1e-3) or
 subtracted from the token rewards (``apply_kl_penalty``; then estimated with the rollout-time
 ``old_log_probs`` and treated as a constant).
@@ -23,11 +28,12 @@ __all__ = ["KL_KINDS", "kl_estimate", "kl_loss", "apply_kl_penalty"]
 
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 _K3_CLAMP = 10.0
+_LOG_RATIO_CLAMP = 20.0
 
 
 def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate (same shape as the inputs) of the given ``kind``."""
-    d = log_probs - ref_log_probs
+    d = torch.nan_to_num(log_probs - ref_log_probs, nan=0.0).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     if kind == "k1":
         return d
     if kind == "k2":

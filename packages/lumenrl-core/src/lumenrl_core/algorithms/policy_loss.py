@@ -37,7 +37,7 @@ def ppo_clip_token_loss(
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
+    clip_ratio_c: float | None = 3.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss matrix (B, T) and detached per-token diagnostics (masked means)."""
     log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
@@ -49,7 +49,9 @@ def ppo_clip_token_loss(
         "clip_frac": masked_mean((clipped > unclipped).float(), mask),
         "ppo_kl": masked_mean(-log_ratio.detach(), mask),
     }
-    if clip_ratio_c <= 1.0:
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (None turns dual-clip off)")
+    if clip_ratio_c is None:  # dual-clip off
         stats["clipfrac_lower"] = torch.zeros((), dtype=torch.float32)
         return loss_clip, stats
     dual_bound = -advantages * clip_ratio_c
@@ -68,7 +70,7 @@ def ppo_clip_loss(
     *,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
+    clip_ratio_c: float | None = 3.0,
     loss_agg_mode: str = "token-mean",
     global_tokens: int | float | torch.Tensor | None = None,
     global_seqs: int | float | torch.Tensor | None = None,
@@ -114,7 +116,7 @@ class PPOClipLoss:
         *,
         clip_ratio_low: float = 0.2,
         clip_ratio_high: float = 0.2,
-        clip_ratio_c: float = 3.0,
+        clip_ratio_c: float | None = 3.0,
         loss_agg_mode: str = "token-mean",
         max_len: int | None = None,
     ) -> None:

@@ -8,7 +8,7 @@
     print(dump_config(cfg))
 """
 
-from lumenrl_core.config.errors import ConfigError
+from lumenrl_core.config.errors import ConfigError, ConfigProblems
 from lumenrl_core.config.loader import (
     config_from_dict,
     config_to_dict,
@@ -47,6 +47,7 @@ from lumenrl_core.config.schema import (
 
 __all__ = [
     "ConfigError",
+    "ConfigProblems",
     "load_config",
     "config_from_dict",
     "validate_config",

@@ -6,7 +6,7 @@ import difflib
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["ConfigError", "closest"]
+__all__ = ["ConfigError", "ConfigProblems", "closest"]
 
 _NO_VALUE: Any = object()
 _MAX_VALUE_CHARS = 80
@@ -73,3 +73,20 @@ def closest(word: str, candidates: Iterable[str], cutoff: float = 0.6) -> str | 
     """The candidate most similar to ``word`` (difflib ratio >= ``cutoff``), or None."""
     matches = difflib.get_close_matches(word, list(candidates), n=1, cutoff=cutoff)
     return matches[0] if matches else None
+
+
+class ConfigProblems(ConfigError):
+    """Several config problems found at once: ``errors`` holds one ConfigError each; ``str()`` has one line each."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        self.errors = list(errors)
+        first = self.errors[0]
+        super().__init__(first.key, first.value, problem=first.problem, allowed=first.allowed,
+                         suggestion=first.suggestion, source=first.source)
+        self.args = ("\n".join(str(e) for e in self.errors),)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def __reduce__(self):
+        return ConfigProblems, (self.errors,)

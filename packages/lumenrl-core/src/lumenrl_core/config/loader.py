@@ -21,8 +21,11 @@ from typing import Any
 
 import yaml
 
-from lumenrl_core.config.errors import ConfigError
+from lumenrl_core.config.errors import ConfigError, ConfigProblems
+from lumenrl_core.config.legacy import is_legacy_key, translate
+from lumenrl_core.config.refusals import refusal_errors
 from lumenrl_core.config.schema import RunConfig
+from lumenrl_core.config.semantic import semantic_errors
 from lumenrl_core.config.typed import Builder, fields_of, join_key, section_type, suggest_key, unwrap_optional
 
 __all__ = [
@@ -40,30 +43,34 @@ Layer = tuple[dict[str, Any], str]  # (data, where it came from)
 
 
 def load_config(
-    path: str | os.PathLike[str] | None = None, overrides: Iterable[str] | None = ()
+    path: str | os.PathLike[str] | None = None, overrides: Iterable[str] | None = (), *, machine: bool = True
 ) -> RunConfig:
     """The run config from a YAML file (None: schema defaults) plus ``key=value`` overrides, validated.
 
     Later overrides win over earlier ones; overrides win over the file, the file over its
-    ``defaults:`` bases, and those over the schema defaults.
+    ``defaults:`` bases, and those over the schema defaults. Original-LumenRL keys are read as
+    their current keys (:mod:`.legacy`); keys of features not built yet are refused when set
+    (:mod:`.refusals`); whole-config checks (:mod:`.semantic`) run last and every problem they
+    find is reported at once (:class:`ConfigProblems`, one line each). ``machine=False`` skips the
+    checks that depend on this machine (model paths, devices), e.g. to inspect a GPU preset here.
     """
     if isinstance(overrides, str):
         overrides = [overrides]
     layers = _read_layers(Path(path), ()) if path is not None else []
     layers += [_override_layer(text) for text in overrides or ()]
-    return _build(layers)
+    return _build(layers, machine=machine)
 
 
-def config_from_dict(data: Mapping[str, Any], source: str = "dict") -> RunConfig:
+def config_from_dict(data: Mapping[str, Any], source: str = "dict", *, machine: bool = True) -> RunConfig:
     """A validated RunConfig from nested plain data (same rules as a YAML file, no ``defaults:``)."""
     if not isinstance(data, Mapping):
         raise ConfigError(None, data, problem="the config must be a mapping", source=source)
-    return _build([(dict(data), source)])
+    return _build([(dict(data), source)], machine=machine)
 
 
-def validate_config(cfg: RunConfig) -> RunConfig:
+def validate_config(cfg: RunConfig, *, machine: bool = True) -> RunConfig:
     """Re-check a programmatically built RunConfig; returns a validated (coerced) copy."""
-    return config_from_dict(config_to_dict(cfg), source="RunConfig object")
+    return config_from_dict(config_to_dict(cfg), source="RunConfig object", machine=machine)
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
@@ -98,18 +105,41 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(
             None, problem=f"override {text!r} must look like KEY=VALUE", allowed="e.g. policy.optim.lr=1e-6"
         )
+    if is_legacy_key(key):  # an original-LumenRL key: typed by its handler in .legacy
+        return key, _yaml_value(key, raw, source)
     base, optional = unwrap_optional(_type_at(key, text, source))
     stripped = raw.strip()
     if optional and stripped in ("null", "~"):
         return key, None
     if base is str and not _is_quoted(stripped):
+        _check_free_text(key, stripped, source)
         return key, stripped
+    return key, _yaml_value(key, raw, source)
+
+
+def _yaml_value(key: str, raw: str, source: str) -> Any:
     try:
-        return key, yaml.safe_load(raw)
+        return yaml.safe_load(raw)
     except yaml.YAMLError as exc:
         raise ConfigError(
             key, raw, problem=f"value is not valid YAML ({_yaml_problem(exc)})", source=source
         ) from None
+
+
+def _check_free_text(key: str, text: str, source: str) -> None:
+    """A str field typed as ``null``, a YAML list or a ``{k: v}`` mapping is a mistake, not text.
+
+    (``{prompt}`` stays text: YAML reads it as a key without a value, which no one means as a mapping.)
+    """
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return
+    if parsed is None and text in ("null", "~", "Null", "NULL") or isinstance(parsed, list) or (
+        isinstance(parsed, dict) and any(v is not None for v in parsed.values())
+    ):
+        raise ConfigError(key, parsed, problem=f"wrong type ({type(parsed).__name__})",
+                          allowed="str (quote it, e.g. 'null', to mean the text)", source=source)
 
 
 def _is_quoted(text: str) -> bool:
@@ -117,12 +147,20 @@ def _is_quoted(text: str) -> bool:
 
 
 # ------------------------------------------------------------------ internals
-def _build(layers: list[Layer]) -> RunConfig:
-    data = config_to_dict(RunConfig())
+def _build(layers: list[Layer], *, machine: bool = True) -> RunConfig:
+    default = RunConfig()
+    data = config_to_dict(default)
     sources: dict[str, str] = {}
     for layer, source in layers:
-        _merge(data, layer, "", source, sources)
-    return Builder(RunConfig, sources).build(RunConfig, data)
+        _merge(data, translate(layer, data, source), "", source, sources)
+    builder = Builder(RunConfig, sources)
+    cfg = builder.build(RunConfig, data)
+    errors = refusal_errors(cfg, default, builder.source) + semantic_errors(cfg, builder.source, machine=machine)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigProblems(errors)
+    return cfg
 
 
 def _merge(

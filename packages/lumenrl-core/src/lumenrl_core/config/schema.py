@@ -81,6 +81,9 @@ class PolicyTrainConfig:
     # optimizer fp32 master weights (flat buffers, foreach/fused ops). auto = on when world_size == 1 and
     # no FP8 training; on = required (error otherwise); off = always fully_shard
     single_device: str = field(default="auto", metadata=choices("auto", "on", "off"))
+    # optimizer steps whose loss or grad norm is non-finite are skipped (no update, counted in
+    # actor/nonfinite_skipped); this many in a row stop the run with an error
+    max_consecutive_nonfinite_steps: int = 3
 
 
 @dataclass(kw_only=True, slots=True)
@@ -122,7 +125,7 @@ class AlgorithmConfig:
     policy_loss: str = "ppo_clip"  # lumenrl.policy_losses plugin name
     clip_ratio_low: float = 0.2  # eps_low
     clip_ratio_high: float = 0.2  # eps_high (DAPO clip-higher: 0.28)
-    clip_ratio_c: float = 3.0  # dual-clip constant; <= 1 disables
+    clip_ratio_c: float | None = 3.0  # dual-clip constant (> 1); null = dual-clip off
     loss_agg_mode: str = field(
         default="token-mean",
         metadata=choices("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
@@ -269,6 +272,9 @@ class RayConfig:
     address: str = ""  # empty: start a local Ray; "auto": join a running cluster
     colocate: bool = True
     num_cpus_per_worker: float = 1.0
+    # per-role worker groups (original LumenRL: controller.ray.<role>.{dispatch_mode, num_workers, ...});
+    # not built yet: refused unless empty (config/refusals.py)
+    roles: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -280,7 +286,6 @@ class ControllerConfig:
 @dataclass(kw_only=True, slots=True)
 class AssemblyConfig:
     strict_policy: bool = True
-    use_new_assembler: bool = True
     allowed_training_backends: list[str] = field(default_factory=list)  # empty: all allowed
     allowed_inference_backends: list[str] = field(default_factory=list)  # empty: all allowed
     check_plugin_versions: bool = True

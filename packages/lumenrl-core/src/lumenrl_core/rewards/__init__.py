@@ -15,7 +15,6 @@ from lumenrl_core.rewards.countdown import (
 )
 from lumenrl_core.rewards.loader import UserReward, load_reward_function
 from lumenrl_core.rewards.math_reward import MathReward, ground_truth_answer, math_score
-from lumenrl_core.rewards.token_level import scores_to_token_level
 
 __all__ = [
     "answers_match",
@@ -33,3 +32,11 @@ __all__ = [
     "math_score",
     "scores_to_token_level",
 ]
+
+
+def __getattr__(name: str):  # torch-level helper imported on first use (config commands stay torch-free)
+    if name == "scores_to_token_level":
+        from lumenrl_core.rewards.token_level import scores_to_token_level
+
+        return scores_to_token_level
+    raise AttributeError(f"module 'lumenrl_core.rewards' has no attribute {name!r}")

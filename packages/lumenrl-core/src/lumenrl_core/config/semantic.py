@@ -1,0 +1,187 @@
+"""Whole-config checks run at load: combinations that would run wrong silently, or crash later.
+
+Each check returns ConfigErrors (one line each); :func:`semantic_errors` runs them all so a config
+with several mistakes reports every one at once. Two groups:
+
+- meaning (pure functions of the config): non-finite numbers, batch sizes that skip or trim rows,
+  GRPO-style group size < 2, sampling temperature, dual-clip constant, rollout precision vs scheme,
+  overlong buffer vs max_new_tokens, an engine that is not installed;
+- machine (``machine=True``): model/tokenizer names that resolve to nothing here (no network is
+  tried: a local directory, a built-in ``lumenrl:`` name, or a Hugging Face id already in the local
+  HF cache), and a device the machine lacks (CUDA probed through the driver library, no torch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.util
+import math
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from lumenrl_core.config.errors import ConfigError
+from lumenrl_core.config.schema import RunConfig
+
+__all__ = ["semantic_errors", "cuda_device_count", "hf_cache_has", "GROUP_ESTIMATORS"]
+
+Source = Callable[[str], str | None]
+
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo")  # advantages relative to the prompt's group: n >= 2
+_SCHEME_PRECISION = {"fp8_block": "fp8", "fp8_tensor": "fp8", "fp8_row": "fp8", "fp8_w8a16": "fp8",
+                     "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
+# rollout engines backed by an external package: plugin name -> import name
+_ENGINE_MODULES = {"vllm": "vllm", "sglang": "sglang", "atom": "atom"}
+
+
+def _err(src: Source, key: str, value: Any, problem: str, allowed: str | None = None) -> ConfigError:
+    return ConfigError(key, value, problem=problem, allowed=allowed, source=src(key))
+
+
+def _numbers(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _numbers(value, key + ".")
+        elif isinstance(value, list):
+            yield from ((f"{key}[{i}]", v) for i, v in enumerate(value))
+        else:
+            yield key, value
+
+
+def _non_finite(cfg: RunConfig, src: Source) -> list[ConfigError]:
+    return [_err(src, k, v, "not a finite number", "a finite float")
+            for k, v in _numbers(cfg) if isinstance(v, float) and not math.isfinite(v)]
+
+
+def _batches(cfg: RunConfig, src: Source) -> list[ConfigError]:
+    train, rows = cfg.policy.train, cfg.dataset.train_batch_size * cfg.policy.rollout.n
+    mini, key = train.mini_batch_size, "policy.train.mini_batch_size"
+    if mini and (mini > rows or rows % mini):
+        why = "larger than" if mini > rows else "does not divide"
+        return [_err(src, key, mini, f"{why} the {rows} rows per step (dataset.train_batch_size x "
+                     "policy.rollout.n): steps would be skipped or rows trimmed",
+                     f"a divisor of {rows}, or 0 (one step per epoch)")]
+    return []
+
+
+def _sampling(cfg: RunConfig, src: Source) -> list[ConfigError]:
+    out, algo, n = [], cfg.algorithm, cfg.policy.rollout.n
+    if algo.adv_estimator in GROUP_ESTIMATORS and n < 2:
+        out.append(_err(src, "policy.rollout.n", n, f"adv_estimator={algo.adv_estimator!r} compares responses "
+                        "within a prompt's group: with n < 2 every advantage is 0", "int >= 2"))
+    t = cfg.policy.rollout.temperature
+    if not (t > 0 and math.isfinite(t)):
+        out.append(_err(src, "policy.rollout.temperature", t, "training samples with this temperature: it must "
+                        "be a finite number > 0 (eval.temperature=0 is greedy evaluation)", "float > 0"))
+    if algo.clip_ratio_c is not None and not algo.clip_ratio_c > 1:
+        out.append(_err(src, "algorithm.clip_ratio_c", algo.clip_ratio_c, "dual-clip constant must be > 1",
+                        "float > 1, or null (dual-clip off)"))
+    buf, new = algo.overlong_buffer_len, cfg.policy.rollout.max_new_tokens
+    if buf and buf >= new:
+        out.append(_err(src, "algorithm.overlong_buffer_len", buf, f"must be smaller than "
+                        f"policy.rollout.max_new_tokens={new}", f"int in [0, {new - 1}]"))
+    return out
+
+
+def _quant(cfg: RunConfig, src: Source) -> list[ConfigError]:
+    r = cfg.quantization.rollout
+    family = _SCHEME_PRECISION.get(r.scheme)
+    if family is not None and family != r.precision and r.precision in _SCHEME_PRECISION.values():
+        schemes = ", ".join(s for s, p in _SCHEME_PRECISION.items() if p == r.precision)
+        return [_err(src, "quantization.rollout.scheme", r.scheme, f"is a {family} scheme but "
+                     f"quantization.rollout.precision={r.precision!r}", f"{schemes}, or empty (derived)")]
+    return []
+
+
+def _engine(cfg: RunConfig, src: Source) -> list[ConfigError]:
+    name = cfg.policy.rollout_engine
+    module = _ENGINE_MODULES.get(name)
+    if module is not None and importlib.util.find_spec(module) is None:
+        return [_err(src, "policy.rollout_engine", name, f"engine {name!r} is not installed here (no module "
+                     f"{module!r})", "native (installed: LumenRL's embedded engine) or hf")]
+    return []
+
+
+# ------------------------------------------------------------------ machine checks
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ~/.cache/huggingface/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return Path(home) / "hub"
+
+
+def hf_cache_has(repo_id: str) -> bool:
+    """Whether ``org/name`` has a snapshot with a config.json in the local HF cache (no network)."""
+    if repo_id.count("/") != 1 or any(not p for p in repo_id.split("/")):
+        return False
+    snapshots = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    try:
+        return any((snap / name).is_file() for snap in snapshots.iterdir()
+                   for name in ("config.json", "tokenizer_config.json"))
+    except OSError:
+        return False
+
+
+def _model_name(key: str, name: str, src: Source) -> list[ConfigError]:
+    if name.startswith("lumenrl:") or Path(name).expanduser().is_dir() or hf_cache_has(name):
+        return []
+    return [_err(src, key, name, f"not a local directory, a built-in 'lumenrl:' model, or a Hugging Face id "
+                 f"in the local cache ({hf_cache_dir()}); no download is tried",
+                 "a model directory, lumenrl:tiny-qwen3-arith, or an id fetched first with "
+                 "`huggingface-cli download ID`")]
+
+
+def _models(cfg: RunConfig, src: Source) -> list[ConfigError]:
+    out = _model_name("policy.model_name", cfg.policy.model_name, src)
+    if cfg.policy.tokenizer_name:
+        out += _model_name("policy.tokenizer_name", cfg.policy.tokenizer_name, src)
+    if cfg.critic.enabled and cfg.critic.model_name:
+        out += _model_name("critic.model_name", cfg.critic.model_name, src)
+    return out
+
+
+def cuda_device_count() -> int:
+    """GPUs the CUDA (or ROCm HIP) driver reports, through ctypes: no torch import; 0 without a driver."""
+    for lib, init, count in (("libcuda.so.1", "cuInit", "cuDeviceGetCount"),
+                             ("libamdhip64.so", None, "hipGetDeviceCount")):
+        try:
+            handle = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        n = ctypes.c_int(0)
+        if init is not None and getattr(handle, init)(0) != 0:
+            continue
+        if getattr(handle, count)(ctypes.byref(n)) == 0:
+            return n.value
+    return 0
+
+
+def _device(cfg: RunConfig, src: Source) -> list[ConfigError]:
+    c = cfg.cluster
+    if c.device != "cuda" and c.gpus_per_node == 0:
+        return []
+    have = cuda_device_count()
+    if c.device == "cuda" and have == 0:
+        return [_err(src, "cluster.device", "cuda", "no CUDA/ROCm GPU on this machine", "auto or cpu")]
+    if c.gpus_per_node > have:
+        return [_err(src, "cluster.gpus_per_node", c.gpus_per_node, f"this machine has {have} GPU(s)",
+                     f"int in [0, {have}]")]
+    return []
+
+
+MEANING_CHECKS = (_non_finite, _batches, _sampling, _quant, _engine)
+MACHINE_CHECKS = (_models, _device)
+
+
+def semantic_errors(cfg: RunConfig, source: Source, *, machine: bool = True) -> list[ConfigError]:
+    """Every semantic problem of ``cfg`` (``source(key)``: where a key was set); machine checks optional."""
+    checks = MEANING_CHECKS + (MACHINE_CHECKS if machine else ())
+    out: dict[str | None, ConfigError] = {}
+    for check in checks:
+        for err in check(cfg, source):
+            out.setdefault(err.key, err)  # one line per key (temperature=inf: the first reason)
+    return list(out.values())

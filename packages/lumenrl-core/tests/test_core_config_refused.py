@@ -1,0 +1,237 @@
+"""Issue #16: every key read or refused, semantic checks at load, original-LumenRL keys, free text."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lumenrl_core.config import ConfigError, ConfigProblems, load_config
+from lumenrl_core.config.legacy import LEGACY
+from lumenrl_core.config.refusals import NOT_YET_BUILT
+from lumenrl_core.config.schema import RunConfig
+from lumenrl_core.config.semantic import cuda_device_count
+from lumenrl_core.config.typed import all_keys, fields_of, section_type
+
+ROOT = Path(__file__).resolve().parents[3]
+CONFIGS = ROOT / "configs"
+
+
+def _leaf_keys() -> list[str]:
+    out = []
+    for key in all_keys(RunConfig):
+        cls, spec = RunConfig, None
+        for part in key.split("."):
+            spec = fields_of(cls)[part]
+            cls = section_type(spec.type)
+        if cls is None:
+            out.append(key)
+    return out
+
+
+def _sources() -> dict[Path, str]:
+    # the config package declares, converts and maps keys; of its modules only semantic.py reads values
+    files = [p for p in ROOT.glob("packages/*/src/**/*.py")
+             if "lumenrl_core/config/" not in p.as_posix() or p.name == "semantic.py"]
+    return {p: p.read_text(encoding="utf-8") for p in files}
+
+
+def _is_read(key: str, sources: dict[Path, str]) -> bool:
+    """``parent.leaf`` accessed somewhere, or ``.leaf`` accessed in a file that names the section ``parent``."""
+    parts = key.split(".")
+    leaf = re.compile(rf"\.{re.escape(parts[-1])}\b")
+    if len(parts) == 1:
+        return any(leaf.search(t) for t in sources.values())
+    parent = parts[-2]
+    joined = re.compile(rf"\b{re.escape(parent)}\.{re.escape(parts[-1])}\b")
+    section = re.compile(rf"\b{re.escape(parent)}\b")
+    return any(joined.search(t) or (leaf.search(t) and section.search(t)) for t in sources.values())
+
+
+def test_every_key_read_or_refused():
+    sources = _sources()
+    unread = [k for k in _leaf_keys() if k not in NOT_YET_BUILT and not _is_read(k, sources)]
+    assert unread == [], f"schema keys no code reads and no refusal covers: {unread}"
+
+
+def test_read_detector_is_not_vacuous():
+    sources = _sources()
+    assert not _is_read("async_training.queue_size", sources)  # really unread: so it must be refused
+    assert not _is_read("policy.no_such_key_xyz", sources)
+    assert _is_read("policy.rollout.temperature", sources)
+
+
+def test_refusal_table_keys_exist_and_defaults_load():
+    keys = set(all_keys(RunConfig))
+    assert set(NOT_YET_BUILT) <= keys
+    load_config(None)  # every entry at its default loads
+
+
+def _problems(overrides, path=None) -> list[ConfigError]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    err = info.value
+    return err.errors if isinstance(err, ConfigProblems) else [err]
+
+
+# every silent case of issue #16 that is refused at load: overrides -> the key the error names
+SILENT = [
+    (["policy.optim.lr=inf"], "policy.optim.lr"),
+    (["policy.optim.grad_clip=-inf"], "policy.optim.grad_clip"),
+    (["policy.train.mini_batch_size=100000"], "policy.train.mini_batch_size"),
+    (["policy.train.mini_batch_size=3"], "policy.train.mini_batch_size"),
+    (["async_training.enabled=true"], "async_training.enabled"),
+    (["async_training.queue_size=4"], "async_training.queue_size"),
+    (["critic.cliprange_value=0"], "critic.cliprange_value"),
+    (["algorithm.overlong_buffer_len=100"], "algorithm.overlong_buffer_len"),
+    (["policy.rollout.temperature=inf"], "policy.rollout.temperature"),
+    (["policy.rollout.temperature=0"], "policy.rollout.temperature"),
+    (["policy.rollout.n=1"], "policy.rollout.n"),
+    (["algorithm.name=dapo", "policy.rollout.n=1"], "policy.rollout.n"),
+    (["algorithm.clip_ratio_c=1.0"], "algorithm.clip_ratio_c"),
+    (["algorithm.clip_ratio_c=0.5"], "algorithm.clip_ratio_c"),
+    (["quantization.rollout.precision=mxfp4", "quantization.rollout.scheme=fp8_block"],
+     "quantization.rollout.scheme"),
+    (["policy.model_name=123"], "policy.model_name"),
+    (["policy.tokenizer_name=null"], "policy.tokenizer_name"),
+    (["policy.model_name=Nobody/not-cached-model-xyz"], "policy.model_name"),
+    (["controller.ray.colocate=false"], "controller.ray.colocate"),
+    (["cluster.num_nodes=2"], "cluster.num_nodes"),
+    (["moe.r3.enabled=true", "moe.r3.replay_mode=distribution"], "moe.r3.record_router_logits"),
+    (["assembly.use_new_assembler=false"], "assembly.use_new_assembler"),
+    (["dataset.prompt_key=[a, b]"], "dataset.prompt_key"),
+    (["dataset.prompt_key={a: b}"], "dataset.prompt_key"),
+    (["policy.generation_backend=atom"], "policy.rollout_engine"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key"), SILENT, ids=[" ".join(o) for o, _ in SILENT])
+def test_silent_case_refused_at_load(overrides, key):
+    errors = _problems(overrides)
+    assert [e.key for e in errors] == [key]
+    assert "\n" not in str(errors[0])
+
+
+@pytest.mark.skipif(cuda_device_count() > 0, reason="this machine has a GPU")
+def test_missing_device_and_gpu_preset_refused():
+    assert [e.key for e in _problems(["cluster.device=cuda"])] == ["cluster.device"]
+    keys = {e.key for e in _problems([], CONFIGS / "grpo_dense_fp8_8gpu.yaml")}
+    assert "cluster.device" in keys
+    load_config(CONFIGS / "grpo_dense_fp8_8gpu.yaml", machine=False)  # inspectable with --skip-machine-checks
+
+
+def test_all_problems_reported_at_once_one_line_each():
+    overrides = ["policy.optim.lr=inf", "policy.rollout.n=1", "algorithm.clip_ratio_c=1",
+                 "async_training.enabled=true", "critic.optim.lr=nan"]
+    with pytest.raises(ConfigError) as info:  # nan is a type error of its own (raised while building)
+        load_config(None, overrides)
+    assert info.value.key == "critic.optim.lr"
+    errors = _problems(overrides[:-1])
+    assert sorted(e.key for e in errors) == sorted(
+        ["policy.optim.lr", "policy.rollout.n", "algorithm.clip_ratio_c", "async_training.enabled"])
+    assert len(str(ConfigProblems(errors)).splitlines()) == 4
+
+
+def test_accepted_neighbours_of_refused_values():
+    cfg = load_config(None, ["algorithm.clip_ratio_c=null", "eval.temperature=0", "policy.train.mini_batch_size=16",
+                             "dataset.prompt_template={prompt}", "assembly.use_new_assembler=true"])
+    assert cfg.algorithm.clip_ratio_c is None and cfg.dataset.prompt_template == "{prompt}"
+    assert load_config(None, ["dataset.prompt_key='null'"]).dataset.prompt_key == "null"
+
+
+def test_hub_id_accepted_only_from_local_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match="policy.model_name"):
+        load_config(None, ["policy.model_name=Qwen/Qwen3-8B"])
+    snap = tmp_path / "models--Qwen--Qwen3-8B" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    assert load_config(None, ["policy.model_name=Qwen/Qwen3-8B"]).policy.model_name == "Qwen/Qwen3-8B"
+    local = tmp_path / "my_model"
+    local.mkdir()
+    assert load_config(None, [f"policy.model_name={local}"]).policy.model_name == str(local)
+
+
+# ------------------------------------------------------------------ original LumenRL keys
+def _get(cfg, key):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+# original key=value -> {current key: expected value}; one case per original key
+ORIGINAL = [
+    ("policy.generation_backend=hf", {"policy.rollout_engine": "hf"}),
+    ("policy.max_total_sequence_length=100", {"policy.rollout.max_new_tokens": 100 - 64}),
+    ("policy.train_global_batch_size=16", {"policy.train.mini_batch_size": 16}),
+    ("policy.train_micro_batch_size=2", {"policy.train.micro_batch_size": 2}),
+    ("algorithm.grpo.num_generations=4", {"policy.rollout.n": 4}),
+    ("algorithm.grpo.kl_coeff=0.01", {"algorithm.kl_loss_coef": 0.01, "algorithm.use_kl_loss": True}),
+    ("algorithm.grpo.clip_ratio=0.25", {"algorithm.clip_ratio_low": 0.25, "algorithm.clip_ratio_high": 0.25}),
+    ("algorithm.grpo.num_mini_batches=4", {"policy.train.mini_batch_size": 8 * 8 // 4}),
+    ("algorithm.grpo.num_ppo_epochs=2", {"policy.train.ppo_epochs": 2}),
+    ("quantization.rollout.num_first_layers_in_bf16=1", {"quantization.rollout.skip_first_n_layers": 1}),
+    ("quantization.rollout.num_last_layers_in_bf16=2", {"quantization.rollout.skip_last_n_layers": 2}),
+    ("quantization.training.fp8=e4m3", {"quantization.training.precision": "fp8",
+                                        "quantization.training.fp8_format": "e4m3"}),
+    ("quantization.training.fp8_recipe=tensorwise", {"quantization.training.recipe": "tensorwise"}),
+    ("quantization.training.fp8_weight_cache=false", {"quantization.training.weight_cache": False}),
+    ("quantization.rollout_correction.method=mis", {"quantization.rollout_correction.enabled": True,
+                                                    "quantization.rollout_correction.mode": "mis_token"}),
+    ("moe.r3.mode=replay", {"moe.r3.replay_mode": "hard_assignment"}),
+    ("reward.type=countdown", {"reward.name": "countdown"}),
+    ("reward.dataset=data/train.jsonl", {"dataset.name": "jsonl", "dataset.path": "data/train.jsonl"}),
+    ("checkpointing.checkpoint_dir=runs/x", {"trainer.output_dir": "runs/x"}),
+    ("checkpointing.save_steps=5", {"checkpointing.save_every": 5}),
+    ("logger.wandb_enabled=true", {"logger.backends": ["jsonl", "console", "wandb"]}),
+    ("logger.log_interval=3", {"logger.log_every": 3}),
+    ("controller.ray.enabled=true", {"controller.name": "ray"}),
+    ("assembly.use_new_assembler=true", {}),
+]
+
+
+def test_every_original_key_has_a_case():
+    assert {text.partition("=")[0] for text, _ in ORIGINAL} >= set(LEGACY) - {"quantization.rollout.use_deep_gemm"}
+
+
+@pytest.mark.parametrize(("text", "expected"), ORIGINAL, ids=[t for t, _ in ORIGINAL])
+def test_original_key_read_as_current(text, expected, caplog):
+    with caplog.at_level("WARNING", logger="lumenrl.config"):
+        cfg = load_config(None, [text])
+    for key, value in expected.items():
+        assert _get(cfg, key) == value
+    key = text.partition("=")[0]
+    assert any(key in r.getMessage() and "original LumenRL" in r.getMessage() for r in caplog.records) or not expected
+
+
+def test_original_keys_in_a_yaml_file(tmp_path):
+    path = tmp_path / "legacy.yaml"
+    path.write_text(
+        "policy:\n  generation_backend: native\n  train_micro_batch_size: 4\n"
+        "algorithm:\n  grpo:\n    num_generations: 4\n    kl_coeff: 0.0\n"
+        "quantization:\n  rollout:\n    precision: fp8\n    use_deep_gemm: true\n  rollout_correction:\n"
+        "    method: tis\n    clip: 3.0\n"
+        "moe:\n  r3:\n    record_router_logits: false\n"
+        "cluster:\n  num_nodes: 1\n  gpus_per_node: 0\n"
+        "controller:\n  ray:\n    enabled: false\n"
+    )
+    cfg = load_config(path, ["policy.rollout.n=8"])  # a later layer's current key still wins
+    assert cfg.policy.rollout.n == 8 and cfg.policy.train.micro_batch_size == 4
+    assert cfg.algorithm.use_kl_loss is False and cfg.quantization.rollout.scheme == "fp8_block"
+    assert cfg.quantization.rollout_correction.mode == "tis_token" and cfg.quantization.rollout_correction.clip == 3.0
+
+
+def test_original_keys_misused_are_refused_with_meaning():
+    assert _problems(["quantization.rollout.use_deep_gemm=true"])[0].key == "quantization.rollout.use_deep_gemm"
+    assert _problems(["quantization.training.fp8=yes"])[0].key == "quantization.training.fp8"
+    ray = _problems(["controller.ray.actor.num_workers=4"])
+    assert ray[0].key == "controller.ray.roles" and "Ray controller" in ray[0].problem
+    atom = str(_problems(["policy.generation_backend=atom"])[0])
+    assert "not installed" in atom and "native" in atom
+
+
+def test_misleading_hints_are_gone():
+    for text in ("policy.generation_backend=native", "quantization.rollout.use_deep_gemm=false",
+                 "checkpointing.checkpoint_dir=runs/a"):
+        load_config(None, [text])  # read, not "did you mean training_backend / fuse_mlp / export_hf"
