@@ -275,7 +275,7 @@ def to_attention_mask(allowed: torch.Tensor, attn_implementation: str, dtype: to
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(dtype).min
         )
-    if attn_implementation != "sdpa":
+    if attn_implementation not in ("sdpa", "lumenrl_exact"):  # lumenrl_exact (exact mode): sdpa's boolean masks
         raise ValueError(
             f"attn_implementation={attn_implementation!r} is not supported by the native engine; use sdpa or eager"
         )

@@ -15,37 +15,28 @@ Design (what the GPU-speed work builds on without a rewrite):
   elementwise kernels; KV length then fixed at ``max_seq_len``, but the Triton decode attention
   stops each row at its write column, so the unused tail is not read; at most two compiles: the
   first bucket static, then one with a symbolic batch for all other buckets);
-* projection fusion at load (``fuse_projections``, :mod:`~lumenrl_backends.engines.fusion`): one
-  q/k/v GEMM and one gate/up GEMM per layer over fused storage that the named parameters view;
-  opt-in (``fuse_fp8_mlp``), ``fp8_row`` SwiGLU MLPs run two kernels (lumenrl-quant
-  :mod:`~lumenrl_quant.fused_mlp`): SiLU * up and the down input's FP8 quantization in the gate/up epilogue;
-  otherwise (``fp8_act_kernel``, default on) their SiLU * up and per-token FP8 quantization of the down
-  input run as one lumenrl-quant kernel between the two GEMMs instead of three inductor kernels;
-  with an FP8 KV cache and ``fp8_row`` layers, decode attention writes its output as FP8 codes in V's
-  code units for ``o_proj`` (``fp8_attn_out``, default on; the V scale is their static scale), and each
-  RMSNorm hands its ``fp8_row`` consumer per-token FP8 input in one pass (``fp8_norm_quant``, default on
-  with ``compile="full"`` and off the GPU: as eager CUDA ops it is more kernels than the norm it replaces);
-  each decode step's q/k norms, RoPE and KV-cache write (FP8 quantization included) run as one op
-  (``fused_qk_rope``, default on; :mod:`~lumenrl_backends.engines.triton_rope`: a Triton kernel on CUDA,
-  bit-identical to the HF sequence; 8B b64 compiled: +1.7% decode tokens/s on both bf16 and FP8);
-* decode attention packs grouped query heads onto their KV head instead of ``repeat_kv``
-  (:mod:`~lumenrl_backends.engines.attention`): one pass over the cache; ``kv_v_tiles`` (opt-in)
-  stores V in (D, 128) tiles, which the kernel's p.v product reads as the MMA wants it (8B b64: FP8
-  attention 23.0 -> 20.8 us per call) but the decode step writes scattered; whole 8B steps measured
-  the same (16,299 vs 16,379 tok/s, session 8), so rows stay the default;
+* projection fusion at load (``fuse_projections``, :mod:`~lumenrl_backends.engines.fusion`): one q/k/v
+  and one gate/up GEMM per layer over fused storage that the named parameters view; ``fp8_row`` SwiGLU
+  MLPs run SiLU * up and the down input's FP8 quantization as one kernel (``fp8_act_kernel``, default on)
+  or in the gate/up epilogue (``fuse_fp8_mlp``, opt-in; lumenrl-quant :mod:`~lumenrl_quant.fused_mlp`);
+  with an FP8 KV cache decode attention writes FP8 codes in V's units for ``o_proj`` (``fp8_attn_out``),
+  RMSNorm hands its ``fp8_row`` consumer per-token FP8 input (``fp8_norm_quant``, on with ``compile="full"``
+  and off the GPU), and each decode step's q/k norms, RoPE and KV write (FP8 included) run as one op
+  (``fused_qk_rope``, :mod:`~lumenrl_backends.engines.triton_rope`, bit-identical to the HF sequence);
+* decode attention packs grouped query heads onto their KV head instead of ``repeat_kv`` (one pass over
+  the cache; :mod:`~lumenrl_backends.engines.attention`); ``kv_v_tiles`` (opt-in): V in (D, 128) tiles;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
   memory); ``gpu_memory_utilization`` sizes the number of KV slots from free device memory;
-* sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with
-  counter-based per-request noise, which makes interrupted sequences resume bit-identically; on
-  CUDA one Triton pass over the logits (:mod:`~lumenrl_backends.engines.triton_sampling`) for
-  greedy and plain sampling, enabled after a self-check against the torch sampler;
-* overlapped host sync (``overlap_sync``): each step's (token, log-prob) pairs are copied to a
-  pinned host buffer without blocking, and while no request waits for a slot the next step is
-  queued before the previous one is read (rows that turn out finished over-generate one token,
-  discarded; a step whose shape the finishes would change is rolled back and redone), so the GPU
-  does not idle through the host's bookkeeping; kept tokens and log-probs are unchanged;
+* sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with counter-based
+  per-request noise (interrupted sequences resume bit-identically); on CUDA one Triton pass over the logits
+  (:mod:`~lumenrl_backends.engines.triton_sampling`), enabled after a self-check against the torch sampler;
+* overlapped host sync (``overlap_sync``): each step's (token, log-prob) pairs are copied to a pinned
+  host buffer without blocking, and while no request waits for a slot the next step is queued before the
+  previous one is read (rows that turn out finished over-generate one token, discarded; a step whose shape
+  the finishes would change is rolled back and redone); kept tokens and log-probs are unchanged;
 * log-probs: ``log_softmax(logits.float() / temperature)`` of each sampled token, the
-  contracts' convention, so they match the trainer's forward on the same weights.
+  contracts' convention, so they match the trainer's forward (bit for bit with ``exact_logprobs``:
+  the trainer's batch-invariant operators of :mod:`~lumenrl_backends.exact`, no fusion, no compile).
 
 Low precision (lumenrl-quant, :mod:`~lumenrl_backends.engines.quant`): ``quant_scheme`` swaps
 the decoder linears for FP8/MX ``QuantizedLinear`` (requantized in place on every weight
@@ -110,6 +101,7 @@ from lumenrl_backends.engines.slots import SlotState, batch_buckets
 from lumenrl_backends.engines.triton_attention import kernel_agrees
 from lumenrl_backends.engines.triton_sampling import fused_sample, fused_sampler_agrees
 from lumenrl_backends.engines.weights import copy_weights_
+from lumenrl_backends.exact import enable_exact, exact_token_log_probs
 
 __all__ = ["NativeEngine", "sliding_window_of"]
 
@@ -184,6 +176,7 @@ class NativeEngine:
         record_routes: bool = False,
         record_router_logits: bool = False,
         moe_router: str = "",
+        exact_logprobs: bool = False,
     ) -> None:
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
@@ -195,6 +188,9 @@ class NativeEngine:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 2 (one prompt token + one new token)")
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
+        self.exact, fuse_projections = exact_logprobs, fuse_projections and not exact_logprobs  # exact: HF modules
+        if exact_logprobs:  # the trainer's batch-invariant operators (lumenrl_backends.exact)
+            enable_exact(self.model, engine_settings=(quant_scheme, kv_cache_dtype, compile))
         self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
         # one q/k/v and one gate/up GEMM per layer; parameters become views of the fused storage
         self.fusion_report = fuse_model_projections(self.model, fp8_mlp=fuse_fp8_mlp,
@@ -286,10 +282,9 @@ class NativeEngine:
             gpu_memory_utilization=rollout.gpu_memory_utilization,
             fuse_projections=rollout.fuse_projections,
             overlap_sync=rollout.overlap_sync,
-            fuse_fp8_mlp=rollout_quant.fuse_mlp,
-            record_routes=run_config.moe.r3.enabled,
+            fuse_fp8_mlp=rollout_quant.fuse_mlp, exact_logprobs=rollout.exact_logprobs,
+            record_routes=run_config.moe.r3.enabled, moe_router=run_config.moe.r3.router,
             record_router_logits=run_config.moe.r3.enabled and run_config.moe.r3.record_router_logits,
-            moe_router=run_config.moe.r3.router,
         )
         engine.kv_scale_recalibration = rollout_quant.kv_scale_recalibration
         return engine
@@ -498,6 +493,8 @@ class NativeEngine:
         self.slots.admit(rows, [r.seed for r in admitted], params)
         self.slots.counters[rows] = torch.tensor([len(r.response) for r in admitted], device=self.device)
         tokens, log_probs = self._sample(logits, rows, self._sampling_mode(params))
+        if self.exact:  # the trainer's batch-invariant log-softmax (greedy rows: temperature 1)
+            log_probs = exact_token_log_probs(logits, tokens, self.slots.temperature[rows])
         s = self.slots
         s.tokens[rows], s.columns[rows], s.positions[rows] = tokens, width, positions[:, -1] + 1
         s.counters[rows] += 1
@@ -573,6 +570,8 @@ class NativeEngine:
         s = self.slots
         logits = self._decode_forward(batch, kv_len)  # (b, V)
         tokens, log_probs = self._sample(logits, slice(0, batch), mode)
+        if self.exact:
+            log_probs = exact_token_log_probs(logits, tokens, s.temperature[:batch])
         live = s.occupied[:batch]
         s.tokens[:batch].copy_(torch.where(live, tokens, s.tokens[:batch]))
         step = live.to(torch.int64)

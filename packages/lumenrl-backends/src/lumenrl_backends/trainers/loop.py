@@ -16,6 +16,7 @@ uninterrupted one step for step.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,7 @@ class RLTrainer:
             metrics.update(batch_metrics(batch, cfg.policy.rollout.max_new_tokens))
             self._compute_log_probs(batch, timer)
             metrics.update(_mismatch_metrics(batch))
+            check_exact(metrics, cfg.policy.rollout, step)
             metrics.update(self._update(batch, timer))
             metrics.update(self._sync(step))
         else:
@@ -186,7 +188,7 @@ class RLTrainer:
         return self.parts.evaluator is not None and (last or (every > 0 and step % every == 0))
 
     def _record(self, metrics: Mapping[str, float], step: int) -> None:
-        for key in ("reward/mean", "eval/accuracy"):
+        for key in ("reward/mean", "eval/accuracy", "actor/logprob_max_abs_diff"):
             if key in metrics:
                 self.history.setdefault(key, []).append(float(metrics[key]))
         for logger in self.parts.loggers:
@@ -248,13 +250,27 @@ def _mismatch_metrics(batch: DataProto) -> dict[str, float]:
         return {}
     mask = batch.batch["response_mask"]
     delta = (batch.batch["old_log_probs"].float() - batch.batch["rollout_log_probs"].float()).abs()
+    worst = (delta * mask).max().item() if mask.any() else 0.0
     out = {
         "rollout/logprob_abs_diff_mean": masked_mean(delta, mask).item(),
-        "rollout/logprob_abs_diff_max": (delta * mask).max().item() if mask.any() else 0.0,
+        "rollout/logprob_abs_diff_max": worst,
+        "actor/logprob_max_abs_diff": worst,  # 0 exactly under policy.rollout.exact_logprobs
     }
     if "routed_experts" in batch.batch:  # R3 on: training/inference routing metrics (moe/*)
         out.update(moe_step_metrics(batch))
     return out
+
+
+def check_exact(metrics: dict[str, float], rollout: Any, step: int) -> None:
+    """``policy.rollout.exact_logprobs_check``: a nonzero difference in exact mode raises or warns."""
+    diff = metrics.get("actor/logprob_max_abs_diff")
+    if not rollout.exact_logprobs or diff is None or diff == 0.0 or rollout.exact_logprobs_check == "off":
+        return
+    message = (f"step {step}: policy.rollout.exact_logprobs is on but rollout and training log-probs differ "
+               f"(max |delta| = {diff:.3e}); the engine and the trainer did not run the same kernels")
+    if rollout.exact_logprobs_check == "error":
+        raise RuntimeError(message)
+    warnings.warn(message, stacklevel=2)
 
 
 class _GroupCheckpoint:

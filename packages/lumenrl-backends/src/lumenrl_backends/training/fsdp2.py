@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lumenrl_backends.controllers.dispatch import DISPATCH_DP_SIZE_KEY
+from lumenrl_backends.exact import EXACT_BACKEND, exact_actor
 from lumenrl_backends.training import checkpoint as ckpt
 from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training.batching import (
@@ -123,8 +124,7 @@ class FSDP2Backend:
         optimizer_steps_per_training_step: int = 1,
         packing: str | None = None,
         compile_layers: bool | str | None = None,
-        single_device: str | None = None,
-        r3: Any | None = None,
+        single_device: str | None = None, exact_logprobs: bool = False, r3: Any | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -139,6 +139,8 @@ class FSDP2Backend:
             model = CriticModel(model)
         self.hf_config = model.config
         self.fp8_report = apply_fp8(model, fp8)
+        compile_layers = train.compile_layers if compile_layers is None else compile_layers
+        self.exact = exact_actor(model, exact_logprobs and role == "actor", self.fp8_report, compile_layers)
         # R3 (moe.r3): routers patched before sharding; each forward replays its batch's routed_experts
         self.routes = RouteReplay(model, replay_mode=r3.replay_mode, router=r3.router) if r3 is not None and r3.enabled else None
         self.last_route_flips: torch.Tensor | None = None  # (B, P+T) of the last compute_log_probs
@@ -153,9 +155,7 @@ class FSDP2Backend:
             self.model = shard(model, mixed_precision(train.mixed_precision, self.device))
         self.packing = check_packing_mode(packing if packing is not None else train.packing)
         self._pack_align = 64 if self.device.type == "cuda" else 8
-        self._logprob_backend = None  # torch.compile backend of the fused log-prob kernels
-        if compile_layers is None:
-            compile_layers = train.compile_layers
+        self._logprob_backend = EXACT_BACKEND if self.exact else None  # exact log-softmax or torch.compile
         if compile_layers:
             compile_decoder_layers(self.model, compile_layers)
             self._logprob_backend = "inductor" if compile_layers is True else str(compile_layers)
@@ -194,8 +194,7 @@ class FSDP2Backend:
             value_head=role == "critic",
             fp8=cfg.quantization.training if role == "actor" else None,
             optimizer_steps_per_training_step=optimizer_steps_per_training_step(cfg),
-            r3=cfg.moe.r3,
-        )
+            exact_logprobs=cfg.policy.rollout.exact_logprobs, r3=cfg.moe.r3)
 
     def _use_single_device(self, mode: str) -> bool:
         """``auto``: one rank and no FP8 linears; ``on`` insists; ``off``: always ``fully_shard``."""

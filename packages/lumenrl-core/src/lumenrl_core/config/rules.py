@@ -177,10 +177,38 @@ def _check_r3(cfg: s.R3Config, key: str, source: Callable[[str], str | None]) ->
                           allowed="true (or replay_mode: hard_assignment)", source=source(k))
 
 
+def _check_exact_logprobs(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
+    """policy.rollout.exact_logprobs: both sides must run the same full-precision batch-invariant kernels."""
+    rollout = cfg.policy.rollout
+    if not rollout.exact_logprobs:
+        return
+    k = join_key(key, "policy.rollout.exact_logprobs")
+    quant = cfg.quantization.rollout
+    problems = [
+        (quant.precision in ("fp8", "mxfp8", "mxfp4"),
+         f"quantization.rollout.precision={quant.precision!r}: a low-precision rollout computes other numbers than the trainer"),
+        (quant.kv_cache_dtype != "auto", f"quantization.rollout.kv_cache_dtype={quant.kv_cache_dtype!r}: an FP8 KV cache rounds K/V"),
+        (cfg.quantization.training.precision in ("fp8", "mxfp8", "mxfp4"),
+         f"quantization.training.precision={cfg.quantization.training.precision!r}: low-precision training GEMMs"),
+        (rollout.compile != "none", f"policy.rollout.compile={rollout.compile!r}: the batch-invariant kernels run eagerly"),
+        (bool(cfg.policy.train.compile_layers), "policy.train.compile_layers: the batch-invariant kernels run eagerly"),
+        (cfg.policy.rollout_engine != "native", f"policy.rollout_engine={cfg.policy.rollout_engine!r}: only 'native' runs the trainer's kernels"),
+        ((cfg.policy.dtype, cfg.policy.train.mixed_precision) in (("float16", "auto"), ("float16", "bf16"), ("float16", "fp32"),
+                                                                  ("float32", "bf16"), ("bfloat16", "fp32")),
+         f"policy.dtype={cfg.policy.dtype!r} and policy.train.mixed_precision={cfg.policy.train.mixed_precision!r}: "
+         "the engine would compute in another dtype than the trainer"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ConfigError(k, True, problem=f"cannot be combined with {why}", allowed="false, or change that key",
+                              source=source(k))
+
+
 CROSS_CHECKS: dict[type, Callable[[Any, str, Callable[[str], str | None]], None]] = {
     s.OptimConfig: _check_betas,
     s.RolloutCorrectionConfig: _check_mask_band,
     s.R3Config: _check_r3,
+    s.RunConfig: _check_exact_logprobs,
 }
 
 

@@ -101,6 +101,11 @@ class SamplingConfig:
     compile: str = field(default="none", metadata=choices("none", "full"))  # full: torch.compile the decode forward (GPU)
     fuse_projections: bool = True  # native engine: one q/k/v and one gate/up GEMM per layer (fused weight views)
     overlap_sync: bool = True  # native engine: read step t's tokens while step t+1 runs (results unchanged)
+    # bitwise on-policy mode (native engine + fsdp2 actor): batch-invariant kernels on both sides, so rollout
+    # log-probs equal the trainer's exactly; needs full-precision rollout (no FP8/MX weights or KV), compile none
+    exact_logprobs: bool = False
+    # what a nonzero actor/logprob_max_abs_diff does while exact_logprobs is on: raise, warn, or nothing
+    exact_logprobs_check: str = field(default="error", metadata=choices("error", "warn", "off"))
 
 
 @dataclass(kw_only=True, slots=True)
