@@ -68,7 +68,7 @@ def _native(model, batch, new: int, *, device: str, compile: str, record: bool) 
     out = engine.generate(batch, params)
     _sync(device)
     decode_s = time.perf_counter() - start - out.meta_info["perf"]["prefill_seconds"]
-    if engine.routes is not None:  # restore the model's own routing for the next engine
+    if engine.routes.enabled:  # restore the model's own routing for the next engine
         engine.routes.ctl.record(None)
     return rows * (new - 1) / decode_s, decode_s
 

@@ -20,7 +20,7 @@ from lumenrl_backends.engines.native import NativeEngine
 from lumenrl_backends.models.tiny import tiny_config
 from lumenrl_backends.models.tokenizer import build_char_tokenizer
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
-from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, R3Config
+from lumenrl_core.config.schema import PolicyTrainConfig, R3Config
 from lumenrl_core.data_proto import DataProto
 from lumenrl_moe import RecordTarget, extreme_token_fraction_from_log_probs, train_infer_kl
 

@@ -13,12 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.engines.native import NativeEngine
+from lumenrl_backends.models.tiny import tiny_config
 from lumenrl_backends.models.tokenizer import build_char_tokenizer
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, R3Config
 from lumenrl_core.data_proto import DataProto
-
-from lumenrl_backends.models.tiny import tiny_config
 from lumenrl_moe import RecordTarget, install_routing, validate_routes
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")
@@ -132,8 +131,8 @@ def test_engine_records_and_backend_replays(family):
     assert gap < 1e-4, gap
     valid = batch.batch["attention_mask"].bool()
     fed = valid & (valid.long().cumsum(-1) < valid.long().sum(-1, keepdim=True))  # all but each row's last
-    assert not (backend.last_route_flips & fed).any()  # same weights: live routers agree with the rollout
-    shifted = batch.union(DataProto.from_dict(tensors={"route_flips": backend.last_route_flips}))
+    assert not (backend.routes.last_flips & fed).any()  # same weights: live routers agree with the rollout
+    shifted = batch.union(DataProto.from_dict(tensors={"route_flips": backend.routes.last_flips}))
     shifted.batch["routed_experts"] = ((routes.long() + 1) % engine.routes.ctl.num_experts).to(torch.int16)
     other, _ = backend.compute_log_probs(shifted)
     assert (other - batch.batch["rollout_log_probs"])[mask].abs().max() > 1e-3

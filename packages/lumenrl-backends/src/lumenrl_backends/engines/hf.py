@@ -90,8 +90,8 @@ class HFEngine:
 
     @classmethod
     def from_config(cls, run_config: Any, model: nn.Module | None = None, tokenizer: Any = None) -> HFEngine:
-        return cls(**engine_kwargs_from_config(run_config, model, tokenizer), record_routes=run_config.moe.r3.enabled,
-                   moe_router=run_config.moe.r3.router)
+        r3 = run_config.moe.r3
+        return cls(**engine_kwargs_from_config(run_config, model, tokenizer), record_routes=r3.enabled, moe_router=r3.router)
 
     def interrupt(self) -> None:
         self._interrupt.set()

@@ -81,6 +81,7 @@ from lumenrl_backends.engines.loading import (
     eos_token_ids,
     pad_token_id,
     resolve_device,
+    sliding_window_of,
 )
 from lumenrl_backends.engines.quant import kv_cache_dtype as resolve_kv_dtype
 from lumenrl_backends.engines.quant import quantize_rollout_model, rollout_scheme
@@ -95,7 +96,7 @@ from lumenrl_backends.engines.requests import (
     rollout_meta,
     stop_ids_for,
 )
-from lumenrl_backends.engines.routes import EngineRoutes, carry_routes
+from lumenrl_backends.engines.routes import engine_routes, r3_engine_kwargs
 from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling, sample_tokens
 from lumenrl_backends.engines.slots import SlotState, batch_buckets
 from lumenrl_backends.engines.triton_attention import kernel_agrees
@@ -115,18 +116,6 @@ class _Launched:
     requests: list[Request]
     buffer: torch.Tensor  # (2 * max_batch_size,) float64 host buffer; [:2b] = (tokens, log-probs)
     event: Any  # CUDA event after the copy (None on CPU: the copy is synchronous)
-
-
-def sliding_window_of(config: Any) -> tuple[int | None, bool]:
-    """(window, mixed): the attention window if any layer uses one, and whether layers mix types."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        kinds = set(layer_types)
-        return (window if "sliding_attention" in kinds else None), len(kinds) > 1
-    if window is not None and getattr(config, "use_sliding_window", True):
-        return window, False
-    return None, False
 
 
 def _norm_quant_pays(compile: str, device: torch.device) -> bool:
@@ -173,9 +162,7 @@ class NativeEngine:
         fp8_norm_quant: bool = True,
         fused_qk_rope: bool = True,
         kv_v_tiles: bool = False,
-        record_routes: bool = False,
-        record_router_logits: bool = False,
-        moe_router: str = "",
+        record_routes: bool = False, record_router_logits: bool = False, moe_router: str = "",
         exact_logprobs: bool = False,
     ) -> None:
         if compile not in ("none", "full"):
@@ -238,9 +225,7 @@ class NativeEngine:
             kv_dtype is None or self.device.type != "cuda" or kernel_agrees(self.device, kv_dtype)
         )
         self.slots = SlotState.allocate(max_batch_size, self.device)
-        # R3: per-slot, per-column MoE routes written inside each forward (engines/routes.py)
-        self.routes = EngineRoutes(self.model, max_slots=max_batch_size, max_len=max_seq_len, device=self.device,
-                                   record_probs=record_router_logits, router=moe_router) if record_routes else None
+        self.routes = engine_routes(self.model, record_routes, self.device, record_router_logits, moe_router, self.cache)
         self.buckets = batch_buckets(max_batch_size)
         self._interrupt = threading.Event()
         self._rows = torch.arange(max_batch_size, device=self.device)
@@ -283,8 +268,7 @@ class NativeEngine:
             fuse_projections=rollout.fuse_projections,
             overlap_sync=rollout.overlap_sync,
             fuse_fp8_mlp=rollout_quant.fuse_mlp, exact_logprobs=rollout.exact_logprobs,
-            record_routes=run_config.moe.r3.enabled, moe_router=run_config.moe.r3.router,
-            record_router_logits=run_config.moe.r3.enabled and run_config.moe.r3.record_router_logits,
+            **r3_engine_kwargs(run_config.moe.r3),
         )
         engine.kv_scale_recalibration = rollout_quant.kv_scale_recalibration
         return engine
@@ -318,8 +302,6 @@ class NativeEngine:
         """Generate for every row of ``batch``; returns the rollout DataProto (contracts layout)."""
         params = coerce_sampling(sampling)
         requests, prompts, prompt_mask = requests_from_batch(batch, params)
-        if self.routes is not None:
-            carry_routes(requests, batch)  # rows that finished before an interrupt keep their routes
         stops = stop_ids_for(params, self.eos_token_ids)
         start, before = time.perf_counter(), generated_tokens(requests)
         self._prefill_seconds = 0.0
@@ -335,8 +317,7 @@ class NativeEngine:
             prefill_seconds=self._prefill_seconds,
             cuda_graphs=self.graphs.enabled and self.graphs.error is None,
         )
-        if self.routes is not None:
-            meta["num_experts"] = self.routes.ctl.num_experts
+        self.routes.finish(requests, batch, meta)  # R3: rows finished before an interrupt keep their routes
         return build_rollout_batch(
             requests,
             prompts,
@@ -361,10 +342,7 @@ class NativeEngine:
                 if active and not self._interrupt.is_set():
                     self._decode(active, params, stops, speculate=self.overlap_sync and not queue)
         finally:
-            if self.routes is not None:  # interrupted rows: the routes of what they generated so far
-                lag = 1 if self._inflight is not None else 0
-                for slot, request in active.items():
-                    self.routes.take(request, slot, self.slots.host_columns[slot] - lag)
+            self.routes.take_all(active, self.slots.host_columns, 1 if self._inflight is not None else 0)
             self._inflight = None  # a speculative step left by an interrupt: dropped (slots are reset below)
             self.slots.release_all()
 
@@ -385,8 +363,7 @@ class NativeEngine:
         ):
             request.finish_reason = LENGTH
         if request.done:
-            if self.routes is not None:
-                self.routes.take(request, slot, self.slots.host_columns[slot] - lag)
+            self.routes.take(request, slot, self.slots.host_columns[slot] - lag)
             del active[slot]
             self.slots.release(slot)
 
@@ -486,8 +463,7 @@ class NativeEngine:
         columns = torch.arange(width, device=self.device).expand(len(admitted), width)
         self.cache.set_view(CacheView(rows=rows, columns=columns, decode=False, kv_len=width))
         allowed = prefill_mask(mask, self.window)
-        if self.routes is not None:
-            self.routes.prefill(rows, width, [width - len(c) for c in contexts])
+        self.routes.prefill(rows, width, [width - len(c) for c in contexts])
         logits = self._forward(ids, positions, allowed, prefill_mask(mask, None))[:, -1]  # (n, V)
         self.cache.recalibrate = False
         self.slots.admit(rows, [r.seed for r in admitted], params)
@@ -591,8 +567,7 @@ class NativeEngine:
         allowed = decode_mask(valid, columns, kv_len, self.window)
         full = decode_mask(valid, columns, kv_len, None) if self._mixed_layers else allowed  # only mixed layers read it
         ids, positions = s.tokens[:batch, None], s.positions[:batch, None]
-        if self.routes is not None:
-            self.routes.decode(batch, columns)  # static-index writes: captured with the step
+        self.routes.decode(batch, columns)  # R3: static-index writes, captured with the step
         return self._forward(ids, positions, allowed, full, forward=self._model_forward)[:, -1]
 
     def _forward(
@@ -620,6 +595,5 @@ class NativeEngine:
                 **{self._cache_kwarg: self.cache},
             )
         self.cache.set_view(None)
-        if self.routes is not None:
-            self.routes.done()
+        self.routes.done()
         return out.logits

@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EngineRoutes", "carry_routes", "record_generate_routes", "routes_column"]
+__all__ = ["EngineRoutes", "NoRoutes", "carry_routes", "engine_routes", "r3_engine_kwargs", "record_generate_routes", "routes_column"]
 
 
 class EngineRoutes:
+    enabled = True
     def __init__(self, model: nn.Module, *, max_slots: int, max_len: int, device: torch.device,
                  record_probs: bool, router: str = "") -> None:
         from lumenrl_moe import RecordTarget, install_routing
@@ -56,11 +57,51 @@ class EngineRoutes:
     def done(self) -> None:
         self.ctl.record(None)
 
+    def finish(self, requests: list[Any], batch: Any, meta: dict[str, Any]) -> None:
+        """After a generate call: rows that were finished on entry keep the routes they came with."""
+        carry_routes(requests, batch)
+        meta["num_experts"] = self.ctl.num_experts
+
+    def take_all(self, active: dict[int, Any], host_columns: list[int], lag: int) -> None:
+        """Interrupted rows: the routes of what they generated so far."""
+        for slot, request in active.items():
+            self.take(request, slot, host_columns[slot] - lag)
+
     def take(self, request: Any, slot: int, end: int) -> None:
         """Copy the slot's rows [start, end) to ``request.routes`` (device clone, no sync)."""
         start = self.start.get(slot, 0)
         request.routes = self.routes[slot, start:end].clone()
         request.route_probs = self.probs[slot, start:end].clone() if self.probs is not None else None
+
+
+class NoRoutes:
+    """R3 off: every engine call is a no-op."""
+
+    enabled = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("prefill", "decode", "done", "finish", "take", "take_all"):
+            return _noop
+        raise AttributeError(name)
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def engine_routes(model: nn.Module, enabled: bool, device: torch.device, record_probs: bool, router: str,
+                  cache: Any) -> EngineRoutes | NoRoutes:
+    """The engine's R3 route recorder, sized like its KV ``cache`` (slots x columns), or a no-op one."""
+    if not enabled:
+        return NoRoutes()
+    return EngineRoutes(model, max_slots=cache.max_slots, max_len=cache.max_len, device=device,
+                        record_probs=record_probs, router=router)
+
+
+def r3_engine_kwargs(r3: Any) -> dict[str, Any]:
+    """Engine constructor arguments from ``moe.r3``."""
+    return {"record_routes": r3.enabled, "record_router_logits": r3.enabled and r3.record_router_logits,
+            "moe_router": r3.router}
 
 
 def routes_column(requests: list[Any], prompt_width: int, width: int) -> dict[str, torch.Tensor]:

@@ -23,7 +23,13 @@ from typing import Any
 
 from lumenrl_backends.trainers.build import TrainerParts, build_parts
 from lumenrl_backends.trainers.checkpoint import CheckpointManager
-from lumenrl_backends.trainers.metrics import PhaseTimer, moe_step_metrics, batch_metrics, throughput_metrics, train_tokens
+from lumenrl_backends.trainers.metrics import (
+    PhaseTimer,
+    batch_metrics,
+    moe_step_metrics,
+    throughput_metrics,
+    train_tokens,
+)
 from lumenrl_backends.trainers.outputs import write_summary
 from lumenrl_backends.trainers.rollout import broadcast_from_rank0, collect_rollouts
 from lumenrl_backends.trainers.sync import sync_weights

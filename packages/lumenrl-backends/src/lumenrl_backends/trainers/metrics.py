@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
-
-from typing import Any
 
 from lumenrl_core.data_proto import DataProto
 

@@ -75,22 +75,18 @@ from lumenrl_backends.training.precision import (
     shard,
     write_hf,
 )
-from lumenrl_backends.training.routes import ROUTE_KEYS, RouteReplay
-from lumenrl_backends.training.schedules import LRSchedule, build_lr_scheduler
+from lumenrl_backends.training.routes import route_replay
+from lumenrl_backends.training.schedules import (
+    LRSchedule,
+    build_lr_scheduler,
+    optimizer_steps_per_training_step,
+)
 from lumenrl_backends.training.single_device import SingleDeviceWeights, check_single_device_mode
 
 __all__ = ["FSDP2Backend", "optimizer_steps_per_training_step"]
 
 ROLES = ("actor", "ref", "critic")
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
-
-
-def optimizer_steps_per_training_step(cfg: Any) -> int:
-    """ppo_epochs x mini-batches per rollout batch (train_batch_size x rollout.n rows)."""
-    train = cfg.policy.train
-    rows = cfg.dataset.train_batch_size * cfg.policy.rollout.n
-    mini = train.mini_batch_size or rows
-    return train.ppo_epochs * math.ceil(rows / mini)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -141,9 +137,7 @@ class FSDP2Backend:
         self.fp8_report = apply_fp8(model, fp8)
         compile_layers = train.compile_layers if compile_layers is None else compile_layers
         self.exact = exact_actor(model, exact_logprobs and role == "actor", self.fp8_report, compile_layers)
-        # R3 (moe.r3): routers patched before sharding; each forward replays its batch's routed_experts
-        self.routes = RouteReplay(model, replay_mode=r3.replay_mode, router=r3.router) if r3 is not None and r3.enabled else None
-        self.last_route_flips: torch.Tensor | None = None  # (B, P+T) of the last compute_log_probs
+        self.routes = route_replay(model, r3)  # R3: routers patched before sharding; forwards replay routed_experts
         if train.gradient_checkpointing and role != "ref":
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
@@ -242,8 +236,7 @@ class FSDP2Backend:
             raise KeyError(
                 f"batch is missing {missing}; needs input_ids, attention_mask (B, P+T) and responses (B, T)"
             )
-        keys = _MODEL_INPUTS + (ROUTE_KEYS if self.routes is not None else ())
-        out = {k: tensors[k].to(self.device) for k in keys if k in tensors}
+        out = {k: tensors[k].to(self.device) for k in _MODEL_INPUTS + self.routes.keys if k in tensors}
         if "position_ids" not in out:
             out["position_ids"] = position_ids_from_mask(out["attention_mask"])
         return out
@@ -274,9 +267,7 @@ class FSDP2Backend:
         T = inputs["responses"].shape[1]
         if plan is _UNPLANNED:
             plan = self._plan(inputs["attention_mask"], T, inputs.get("position_ids"))
-        if self.routes is not None:
-            self.routes.set(inputs, plan)
-            self._last_plan = plan
+        self.routes.set(inputs, plan)
         if isinstance(plan, PackPlan):
             return self._forward_packed(plan, inputs, temperature, with_entropy)
         if isinstance(plan, TrimPlan):
@@ -341,19 +332,18 @@ class FSDP2Backend:
         total = inputs["input_ids"].shape[0]
         lo, hi = (0, total) if presharded else dp_slice_bounds(total, dist_utils.rank(), self.world_size)
         micro = max(self.train_cfg.micro_batch_size, 1)
-        firsts, seconds, flips = [], [], []
+        firsts, seconds = [], []
         for s in range(lo, hi, micro):
-            part = {k: v[s : min(s + micro, hi)] for k, v in inputs.items()}
-            first, second = self._forward(part, temperature, with_entropy)
-            if self.routes is not None:
-                flips.append(self.routes.flips(self._last_plan, tuple(part["input_ids"].shape)))
+            first, second = self._forward(
+                {k: v[s : min(s + micro, hi)] for k, v in inputs.items()}, temperature, with_entropy
+            )
+            self.routes.collect()
             firsts.append(first.float())
             seconds.append(second.float() if second is not None else None)
         out_device = batch.batch["input_ids"].device  # results live where the caller's batch lives
         gather = (lambda t: t) if presharded else dist_utils.all_gather_rows
         first = gather(torch.cat(firsts))[: total - pad].to(out_device)
-        if flips:
-            self.last_route_flips = gather(torch.cat(flips).to(torch.uint8))[: total - pad].to(out_device).bool()
+        self.routes.finish(gather, total - pad, out_device)
         if not with_entropy:
             return first, None
         return first, gather(torch.cat(seconds))[: total - pad].to(out_device)

@@ -21,7 +21,7 @@ set" flags back to the (b, P+T) grid (``moe/route_flip_frac``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -29,16 +29,20 @@ from torch import nn
 
 from lumenrl_backends.training.packing import layout_routes, unlayout_tokens
 
-__all__ = ["RouteReplay", "ROUTE_KEYS"]
+__all__ = ["NoReplay", "RouteReplay", "ROUTE_KEYS", "route_replay"]
 
 ROUTE_KEYS = ("routed_experts", "router_probs")
 
 
 class RouteReplay:
+    keys = ROUTE_KEYS  # batch columns the backend moves to the device with the model inputs
+
     def __init__(self, model: nn.Module, *, replay_mode: str, router: str = "") -> None:
         from lumenrl_moe import install_routing
 
         self.ctl = install_routing(model, replay_mode=replay_mode, router_cls=router or None)
+        self._plan, self._shape, self._flips = None, (0, 0), []
+        self.last_flips: torch.Tensor | None = None  # (B, P+T) bool of the last compute_log_probs
 
     def set(self, inputs: Mapping[str, torch.Tensor], plan: Any) -> None:
         """Replay the micro-batch's recorded routes in the next forward (laid out like its tokens)."""
@@ -49,7 +53,40 @@ class RouteReplay:
         probs = inputs.get("router_probs")
         self.ctl.replay(layout_routes(plan, routes),
                         None if probs is None else layout_routes(plan, probs))
+        self._plan, self._shape = plan, tuple(inputs["input_ids"].shape)
 
     def flips(self, plan: Any, shape: tuple[int, int]) -> torch.Tensor:
         """(b, P+T) bool: tokens of the last forward whose live top-k set differs from the replayed one."""
         return unlayout_tokens(plan, self.ctl.flips.to(torch.uint8), shape).bool()
+
+    def collect(self) -> None:
+        """Keep the last forward's flips (one micro-batch of an inference pass)."""
+        self._flips.append(self.flips(self._plan, self._shape).to(torch.uint8))
+
+    def finish(self, gather: Callable, rows: int, device: torch.device) -> None:
+        """``last_flips`` of the whole pass: micro-batches concatenated, gathered over ranks, cut to ``rows``."""
+        self.last_flips = gather(torch.cat(self._flips))[:rows].to(device).bool()
+        self._flips = []
+
+
+class NoReplay:
+    """R3 off: the backend's calls are no-ops."""
+
+    keys: tuple[str, ...] = ()
+    last_flips = None
+
+    def set(self, inputs: Any, plan: Any) -> None:
+        pass
+
+    def collect(self) -> None:
+        pass
+
+    def finish(self, gather: Callable, rows: int, device: torch.device) -> None:
+        pass
+
+
+def route_replay(model: nn.Module, r3: Any | None) -> RouteReplay | NoReplay:
+    """The backend's replay for ``moe.r3`` (patches ``model``'s routers when enabled)."""
+    if r3 is None or not r3.enabled:
+        return NoReplay()
+    return RouteReplay(model, replay_mode=r3.replay_mode, router=r3.router)
