@@ -138,7 +138,7 @@ def carry_routes(requests: list[Any], batch: Any) -> None:
         return
     prompt_width = batch.batch["prompts"].shape[1] if "prompts" in batch.batch else 0
     for r in requests:
-        if r.done:
+        if r.done and r.routes is None:  # finished before this call (none recorded now)
             lo = prompt_width - len(r.prompt)
             hi = lo + len(r.prompt) + len(r.response) - 1
             r.routes = routes[r.index, lo:hi]
