@@ -1,8 +1,8 @@
 """Shared fixtures of the cross-package integration tests (CPU, seeded).
 
-The built-in demo model and its warm-started SFT checkpoint are built once per session in a
-session-wide ``LUMENRL_CACHE`` and reused by every test (the warm start is cached by its
-settings), which keeps the suite within its CI budget.
+The built-in demo model and its warm-started SFT checkpoint are built once per session in the
+session's empty ``LUMENRL_CACHE`` (the repository's ``conftest.py``) and reused by every test
+(the warm start is cached by its settings and code), which keeps the suite within its CI budget.
 """
 
 from __future__ import annotations
@@ -17,17 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def lumenrl_cache(tmp_path_factory: pytest.TempPathFactory):
-    """One model cache for the whole session (hermetic: not the user's ~/.cache)."""
-    previous = os.environ.get("LUMENRL_CACHE")
-    path = tmp_path_factory.mktemp("lumenrl_cache")
-    os.environ["LUMENRL_CACHE"] = str(path)
-    yield path
-    if previous is None:
-        os.environ.pop("LUMENRL_CACHE", None)
-    else:
-        os.environ["LUMENRL_CACHE"] = previous
+@pytest.fixture(scope="session")
+def lumenrl_cache() -> Path:
+    """The session's model cache (an empty temporary directory: see the repository's conftest.py)."""
+    return Path(os.environ["LUMENRL_CACHE"])
 
 
 def run_preset(preset: str, output_dir: Path, *overrides: str) -> dict[str, Any]:

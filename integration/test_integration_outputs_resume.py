@@ -12,6 +12,7 @@ import yaml
 
 from lumenrl_backends.cli import main as lumenrl_main
 from lumenrl_backends.loggers import TensorBoardLogger, read_metrics
+from lumenrl_backends.report import plan_panels
 
 REQUIRED_KEYS = {
     "step", "reward/mean", "reward/std", "response_length/mean", "actor/pg_loss", "actor/kl", "actor/entropy",
@@ -58,10 +59,17 @@ def test_run_directory_records_config_plugins_checkpoints_and_final_model(full_r
     assert summary["steps"] == 3
 
 
-def test_report_cli_writes_png(full_run, tmp_path):
-    out = tmp_path / "curves.png"
-    assert lumenrl_main(["report", str(full_run), "--out", str(out)]) == 0
+def test_report_cli_writes_png_and_html(full_run, tmp_path):
+    out, page = tmp_path / "curves.png", tmp_path / "report.html"
+    assert lumenrl_main(["report", str(full_run), "--out", str(out), "--html", str(page)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
+    text = page.read_text()
+    assert "data:image/png;base64," in text and "reward rising" not in text  # 3 steps: too few to judge
+    titles = [t for t, _ in plan_panels(read_metrics(full_run))]
+    assert any(t.startswith("train/infer log-prob gap") for t in titles)
+    assert not any(t.startswith(("MoE", "async", "quantization")) for t in titles)  # a dense, sync, bf16 run
+    keys = [k for _, ks in plan_panels(read_metrics(full_run)) for k in ks]
+    assert len(keys) == len(set(keys))
 
 
 def test_resume_reproduces_the_next_step_loss(train, full_run, tmp_path):

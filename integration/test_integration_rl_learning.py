@@ -25,7 +25,9 @@ def test_rl_raises_demo_reward(train, tmp_path, preset):
     before, after = summary["eval_before"], summary["eval_after"]
     # held-out greedy reward (the demo task's mean reward; = accuracy for the math reward): robust
     assert after["eval/reward_mean"] - before["eval/reward_mean"] >= 0.10, f"{preset}: {before} -> {after}"
-    assert 0.2 <= before["eval/accuracy"] <= 0.8  # the warm start leaves room to learn
+    # the warm start gives RL a reward signal; where it lands above that is incidental (the margin above
+    # is what must hold, and it already needs before <= 0.9)
+    assert before["eval/accuracy"] >= 0.2, before
     # training reward (sampled, on changing prompts: noisier): mean of the last 4 steps vs the first 4
     algorithm_keys = {  # the machinery specific to each algorithm really ran
         "grpo_dense_bf16.yaml": {"actor/kl"},

@@ -1,6 +1,6 @@
 """The RL trainer under torchrun: 2 gloo ranks give the same step losses as 1 process.
 
-Every rank generates with the same seeds, rank 0's rollout batch is broadcast, the FSDP2
+Data-parallel rollout: each rank generates its shard (per-row seeds), the shards are all-gathered, the FSDP2
 backend trains each rank on its slice with global token counts, and only rank 0 writes run
 files. The optimizer-step loss (``actor/loss``) and gradient norm must match a single process.
 """

@@ -61,7 +61,11 @@ def test_trained_pipeline_bf16_zero_fp8_positive(bench, tmp_path):
     assert "error" not in by["bf16"] and "error" not in by["fp8_row"], rows
     for key in ("kl_exact_before", "kl_exact_after_tis"):
         assert abs(by["bf16"][key]) < 1e-3, (key, by["bf16"][key])
-        assert math.isfinite(by["fp8_row"][key]) and by["fp8_row"][key] > 0, (key, by["fp8_row"][key])
+    before, after = by["fp8_row"]["kl_exact_before"], by["fp8_row"]["kl_exact_after_tis"]
+    assert math.isfinite(before) and before > 0, before  # FP8 weights: a real mismatch
+    # TIS removes most of it: the exact KL after TIS lies within 1e-6 of 0 (float32 summation error,
+    # either sign; it is exactly 0 wherever p_train <= 2 p_roll) and never above the KL before
+    assert math.isfinite(after) and -1e-6 <= after <= max(before, 1e-6), (before, after)
     assert abs(by["bf16"]["kl_k3_sampled"]) < 1e-3
 
 

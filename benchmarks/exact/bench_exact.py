@@ -27,7 +27,6 @@ import argparse
 import copy
 import gc
 import statistics
-import sys
 import tempfile
 import time
 from argparse import Namespace
@@ -36,9 +35,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
-import _common as C  # noqa: E402
+import benchmarks.gpu._common as C
 
 
 def _sync() -> None:

@@ -23,7 +23,7 @@ OUT_DIR = Path(os.environ.get("LUMENRL_BENCH_OUT") or RESULTS_DIR)  # the device
 
 __all__ = [
     "RESULTS_DIR", "SHAPES", "StubTokenizer", "environment", "qwen3_config", "random_model", "prompt_batch",
-    "copy_bandwidth_gbs", "decode_roofline", "write_json", "merge_summary", "print_table", "command_line",
+    "copy_bandwidth_gbs", "decode_roofline", "write_json", "print_table", "command_line",
 ]
 
 # hidden, intermediate, layers, heads, kv heads, head_dim, tied embeddings
@@ -34,6 +34,7 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "8b": (4096, 12288, 36, 32, 8, 128, False),
 }
 VOCAB = 151936
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # smoke runs (tiny shapes) go to the CPU
 
 
 class StubTokenizer:
@@ -80,10 +81,11 @@ def qwen3_config(shape: str) -> Any:
     )
 
 
-def random_model(shape: str, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Any:
-    """Random-init causal LM of ``shape`` directly on ``device`` (bf16)."""
+def random_model(shape: str, *, device: str = DEVICE, dtype: torch.dtype | None = None, seed: int = 0) -> Any:
+    """Random-init causal LM of ``shape`` directly on ``device`` (bf16 on CUDA, else float32)."""
     from transformers import AutoModelForCausalLM
 
+    dtype = dtype or (torch.bfloat16 if device != "cpu" else torch.float32)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(qwen3_config(shape), dtype=dtype)
@@ -104,6 +106,10 @@ def prompt_batch(batch: int, prompt_len: int, *, seed: int = 0, device: str = "c
 
 def copy_bandwidth_gbs(size_bytes: int = 2 << 30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second), median of ``iters`` copies."""
+    if DEVICE == "cpu":  # smoke runs: a small host copy
+        src = torch.randn(1 << 22)
+        _, seconds = timed(lambda: src.clone())
+        return 2 * src.numel() * 4 / seconds / 1e9
     src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -139,39 +145,33 @@ def decode_roofline(model: Any, *, batch: int, prompt_len: int, new_tokens: int,
             "tokens_per_s": batch / step_s}
 
 
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def timed(fn: Any) -> tuple[Any, float]:
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    sync()
     return out, time.perf_counter() - start
 
 
 def write_json(name: str, payload: dict[str, Any]) -> Path:
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    path = OUT_DIR / name
+    """Detail rows to ``$LUMENRL_BENCH_OUT/<name>`` (default ``benchmarks/results/``, git-ignored)."""
+    out_dir = Path(os.environ.get("LUMENRL_BENCH_OUT") or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
     path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
     return path
 
 
-def merge_summary(entries: dict[str, dict[str, Any]], path: Path | None = None) -> Path:
-    """Merge ``{key: {"value": ..., "command": ...}}`` into gpu_summary.json (other keys kept)."""
-    path = path or RESULTS_DIR / "gpu_summary.json"
-    current = json.loads(path.read_text()) if path.exists() else {}
-    current.update(entries)
-    path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
-    return path
-
-
 def time_graph_ms(fns: list[Any], iters: int = 20) -> tuple[float, str]:
-    """Median ms per call of ``fns`` captured in one CUDA graph and replayed: the timer of
-    ``benchmarks/quant/_common.py`` (loaded by path, the module name ``_common`` is this file's)."""
-    import importlib.util
+    """Median ms per call of ``fns`` captured in one CUDA graph and replayed (eager on the CPU)."""
+    from benchmarks.quant._common import time_graph_ms as timer
 
-    spec = importlib.util.spec_from_file_location("_quant_common", Path(__file__).resolve().parents[1] / "quant" / "_common.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.time_graph_ms(fns, iters=iters)
+    return timer(fns, iters=iters)
 
 
 KERNEL_CLASSES = (  # first match wins; names of cuBLAS / CUTLASS / Triton / inductor kernels
@@ -287,10 +287,3 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
     sys.stdout.flush()
-
-
-if __name__ == "__main__":  # python benchmarks/gpu/_common.py merge results/a.json ...: headline keys -> gpu_summary
-    if len(sys.argv) > 2 and sys.argv[1] == "merge":
-        for name in sys.argv[2:]:
-            summary = json.loads(Path(name).read_text()).get("summary", {})
-            print(name, "->", merge_summary(summary), sorted(summary))

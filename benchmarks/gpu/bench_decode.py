@@ -30,14 +30,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-
+import benchmarks.gpu._common as C  # noqa: E402
 from lumenrl_backends.engines import NativeEngine  # noqa: E402
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -46,8 +42,8 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 def teacher_forced_log_probs(model, out, rows_per_chunk: int = 8, max_rows: int | None = None) -> torch.Tensor:
     """log_softmax of the model's logits at each response token, (B, T) float32 (first ``max_rows`` rows)."""
     rows = slice(0, max_rows)
-    ids, mask = out.batch["input_ids"][rows].cuda(), out.batch["attention_mask"][rows].cuda()
-    positions = out.batch["position_ids"][rows].cuda()
+    ids, mask = out.batch["input_ids"][rows].to(C.DEVICE), out.batch["attention_mask"][rows].to(C.DEVICE)
+    positions = out.batch["position_ids"][rows].to(C.DEVICE)
     width = out.batch["responses"].shape[1]
     chunks = []
     with torch.no_grad():
@@ -66,8 +62,8 @@ def validate(shape: str) -> dict:
     batch = C.prompt_batch(8, 64, seed=1)
     new = 32
     res = {}
-    graph = NativeEngine(model, tok, device="cuda", max_batch_size=8, max_seq_len=96)
-    eager = NativeEngine(model, tok, device="cuda", max_batch_size=8, max_seq_len=96, cuda_graphs=False)
+    graph = NativeEngine(model, tok, device=C.DEVICE, max_batch_size=8, max_seq_len=96)
+    eager = NativeEngine(model, tok, device=C.DEVICE, max_batch_size=8, max_seq_len=96, cuda_graphs=False)
     g = graph.generate(batch, {**GREEDY, "max_new_tokens": new})
     e = eager.generate(batch, {**GREEDY, "max_new_tokens": new})
     res["graph_used"] = bool(g.meta_info["perf"]["cuda_graphs"]) and graph.graphs.error is None
@@ -78,7 +74,7 @@ def validate(shape: str) -> dict:
     gs, es = graph.generate(batch, sampled), eager.generate(batch, sampled)
     res["sampled_graph_vs_eager_tokens_equal"] = bool(torch.equal(gs.batch["responses"], es.batch["responses"]))
     with torch.no_grad():
-        hf = model.generate(input_ids=batch.batch["input_ids"].cuda(), attention_mask=batch.batch["attention_mask"].cuda(),
+        hf = model.generate(input_ids=batch.batch["input_ids"].to(C.DEVICE), attention_mask=batch.batch["attention_mask"].to(C.DEVICE),
                             max_new_tokens=new, min_new_tokens=new, do_sample=False)[:, 64:].cpu()
     same = hf == g.batch["responses"]
     res["greedy_vs_hf_token_match"] = float(same.float().mean())
@@ -101,7 +97,7 @@ def fusion_check(model) -> dict:
     res: dict = {}
     outs = {}
     for fuse in (True, False):  # the last engine built decides the model's state: unfused
-        engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=8, max_seq_len=96,
+        engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=8, max_seq_len=96,
                               fuse_projections=fuse)
         sampled = {"temperature": 1.0, "max_new_tokens": new, "seed": 7, "ignore_eos": True}
         outs[fuse] = (engine.generate(batch, {**GREEDY, "max_new_tokens": new}), engine.generate(batch, sampled))
@@ -132,7 +128,7 @@ def native_label(mode: str, fuse: bool, overlap: bool) -> str:
 def run_native(model, batch_size: int, args, mode: str, fuse: bool = True, overlap: bool = True) -> dict:
     if mode == "full":
         torch._dynamo.reset()  # the model's modules change with ``fuse``: compile afresh, never reuse a variant
-    engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=batch_size,
+    engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=batch_size,
                           max_seq_len=args.prompt + args.new, cuda_graphs=mode != "eager",
                           compile="full" if mode == "full" else "none", fuse_projections=fuse,
                           overlap_sync=overlap)
@@ -168,7 +164,7 @@ def run_native(model, batch_size: int, args, mode: str, fuse: bool = True, overl
 
 
 def run_hf(model, batch_size: int, args, cache: str) -> dict:
-    batch = C.prompt_batch(batch_size, args.prompt, seed=2, device="cuda")
+    batch = C.prompt_batch(batch_size, args.prompt, seed=2, device=C.DEVICE)
     ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"]
     kwargs = {"do_sample": False}
     if cache == "static":
@@ -187,7 +183,7 @@ def run_hf(model, batch_size: int, args, cache: str) -> dict:
             "total_s": total}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="1.7b,8b")
     ap.add_argument("--batches", default="16,64,256")
@@ -201,7 +197,7 @@ def main() -> None:
     ap.add_argument("--validate", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default="decode.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
     bandwidth = C.copy_bandwidth_gbs()
     result["copy_bandwidth_gbs"] = bandwidth
@@ -291,6 +287,34 @@ def main() -> None:
     print("\nsummary:", summary)
     C.print_table(rows, ["model", "batch", "engine", "e2e_tok_s", "decode_tok_s", "roofline_frac", "x_hf_dynamic",
                          "warmup_s", "error"])
+    return result
+
+
+SMOKE_ARGS = ["--models", "tiny", "--batches", "2", "--prompt", "8", "--new", "6", "--modes", "eager",
+              "--fuse", "off", "--out", "decode_smoke.json"]  # unfused: no fusion check (two more engines)
+
+
+def _best_8b_b64(rows: list[dict]) -> dict:
+    native = [r for r in rows if r["engine"].startswith("native") and "decode_tok_s" in r]
+    return max(native, key=lambda r: r["decode_tok_s"])
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: native decode tok/s and its fraction of the bandwidth roofline (8B, batch 64; smoke: a
+    tiny model, batch 2, eager, on the CPU)."""
+    best = _best_8b_b64(main([*SMOKE_ARGS, "--hf", "none"] if smoke else
+                             ["--models", "8b", "--batches", "64", "--modes", "full", "--hf", "none"])["rows"])
+    return {"native_decode_tok_s": best["decode_tok_s"], "roofline_tok_s": best["roofline_tok_s"],
+            "roofline_frac": best["roofline_frac"], "engine": best["engine"]}
+
+
+def run_vs_hf(smoke: bool) -> dict:
+    """Suite entry: native decode vs HF generate (dynamic cache), same job (8B, batch 64; smoke: tiny, CPU)."""
+    rows = main([*SMOKE_ARGS, "--hf", "dynamic", "--hf-batches", "2"] if smoke else
+                ["--models", "8b", "--batches", "64", "--modes", "full", "--hf", "dynamic", "--out", "decode_vs_hf.json"])["rows"]
+    best = _best_8b_b64(rows)
+    hf = next(r["decode_tok_s"] for r in rows if r["engine"] == "hf-dynamic")
+    return {"native_decode_tok_s": best["decode_tok_s"], "hf_decode_tok_s": hf, "speedup": best["decode_tok_s"] / hf}
 
 
 if __name__ == "__main__":

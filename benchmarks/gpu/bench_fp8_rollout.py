@@ -54,15 +54,12 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-
+import benchmarks.gpu._common as C  # noqa: E402
 from lumenrl_backends.engines import NativeEngine  # noqa: E402
 from lumenrl_quant import get_quant_scheme  # noqa: E402
 
@@ -209,7 +206,7 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         quant = None if scheme is None else get_quant_scheme(
             scheme, skip_first_n_layers=args.skip_first, skip_last_n_layers=args.skip_last,
             quantize_lm_head="head" in flags)
-        engine = NativeEngine(model, C.StubTokenizer(), device="cuda", max_batch_size=args.batch,
+        engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=args.batch,
                               max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
                               quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
                               fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
@@ -277,7 +274,7 @@ def summarize(rows: list[dict], command: str) -> dict:
     return summary
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="8b")
     ap.add_argument("--batch", type=int, default=64)
@@ -297,7 +294,7 @@ def main() -> None:
     ap.add_argument("--persistent-rnumel", type=int, default=0,
                     help="inductor: persistent (in-register) inner reductions up to this many columns (0: its default)")
     ap.add_argument("--out", default="fp8_rollout.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.persistent_rnumel:
         C.persistent_reductions_up_to(args.persistent_rnumel)
     modes = (args.modes or args.mode).split(",")
@@ -335,6 +332,21 @@ def main() -> None:
     C.print_table(rows, ["engine", "mode", "e2e_tok_s", "decode_tok_s", "x_bf16", "kl_exact_before",
                          "kl_exact_after_tis", "kl_k3_sampled", "lm_head", "fused_fp8_mlps", "act_kernel_mlps", "fused_rope_attentions", "linear_path", "linear_check_sqnr_db", "warmup_s",
                          "prefill_s", "error"])
+    return result
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: FP8 (fp8_row + FP8 KV + FP8 head) vs BF16 decode tok/s, compiled, 8B batch 64 (smoke:
+    a tiny model, batch 2, on the CPU: the emulated FP8 path, its speed means nothing)."""
+    fp8 = "fp8_row+kv" if smoke else "fp8_row+kv+head"  # the tiny model ties its head to the embeddings
+    rows = main(["--model", "tiny", "--batch", "2", "--prompt", "8", "--new", "6", "--engines", f"bf16,{fp8}",
+                 "--modes", "graph", "--out", "fp8_rollout_smoke.json"] if smoke else
+                ["--engines", f"bf16,{fp8}", "--modes", "full", "--no-exact-kl"])["rows"]
+    failed = {r["engine"]: r["error"] for r in rows if "error" in r}
+    if failed:
+        raise RuntimeError(f"fp8 rollout engines failed: {failed}")
+    tok = {r["engine"]: r["decode_tok_s"] for r in rows if "decode_tok_s" in r}
+    return {"bf16_decode_tok_s": tok["bf16"], "fp8_decode_tok_s": tok[fp8], "speedup": tok[fp8] / tok["bf16"]}
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -28,8 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
+import benchmarks.gpu._common as C  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TRL_BASELINE_S = 8.2  # issue 5: TRL 1.16 GRPOTrainer, no vLLM, 0.6B shape, 16 x 8 x 256, this H200
@@ -76,13 +76,13 @@ def build_trainer(model_dir: Path, out_dir: Path, args):
     return plan.trainer_cls.from_plan(plan), overrides
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
     ap.add_argument("--micro-batch", type=int, default=32)
     ap.add_argument("--override", action="append", default=[], help="extra config overrides (key=value)")
     ap.add_argument("--out", default="grpo_step.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, out_dir = Path(tmp) / "model", Path(tmp) / "run"
@@ -104,7 +104,7 @@ def main() -> None:
     timed = steps[1:]
     median = statistics.median(s["seconds"] for s in timed)
     trl_s, trl_source = TRL_BASELINE_S, "recorded baseline from issue 5 (TRL 1.16, no vLLM, same H200 and shapes); not rerun"
-    measured = C.OUT_DIR / "grpo_trl.json"
+    measured = Path(os.environ.get("LUMENRL_BENCH_OUT") or C.RESULTS_DIR) / "grpo_trl.json"
     if measured.exists():  # bench_grpo_trl.py ran first in this job: the ratio is side by side
         trl_s = json.loads(measured.read_text())["median_step_s"]
         trl_source = f"measured in the same job: {measured.name}"
@@ -118,6 +118,17 @@ def main() -> None:
             {"system": f"trl GRPOTrainer ({trl_source.split(':')[0]})", "step_s": trl_s}]
     C.print_table(rows, ["system", "step_s", *[k for k in timed[-1] if k not in ("step", "seconds", "generated_tokens")]])
     print(f"speedup vs TRL: {trl_s / median:.2f}x")
+    return result
+
+
+SMOKE_ARGS = ["--shape", "tiny", "--prompts", "2", "--generations", "2", "--new", "4", "--steps", "1", "--device", "cpu"]
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: median seconds of one GRPO step (0.6B, 16 prompts x 8, 256 new tokens; smoke: tiny on CPU)."""
+    result = main([*SMOKE_ARGS, "--micro-batch", "4", "--out", "grpo_step_smoke.json"] if smoke else [
+        "--micro-batch", "64", "--override", "policy.rollout.compile=full", "--override", "policy.train.compile_layers=true"])
+    return {"step_s": result["median_step_s"]}
 
 
 if __name__ == "__main__":

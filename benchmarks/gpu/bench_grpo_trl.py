@@ -13,6 +13,7 @@ the first is reported. TRL and ``datasets`` travel as wheels (``--trl-wheels``, 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
 import statistics
 import sys
@@ -22,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as C  # noqa: E402
-from bench_grpo_step import add_workload_args, save_random_model  # noqa: E402
+import benchmarks.gpu._common as C  # noqa: E402
+from benchmarks.gpu.bench_grpo_step import SMOKE_ARGS, add_workload_args, save_random_model  # noqa: E402
 
 
 def step_timer():
@@ -50,11 +50,11 @@ def step_timer():
     return StepTimer()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
     ap.add_argument("--out", default="grpo_trl.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -89,6 +89,21 @@ def main() -> None:
     result["summary"] = {"trl_grpo_step_s": {"value": median, "command": result["command"]}}
     C.write_json(args.out, result)
     C.print_table([{"system": f"trl {trl.__version__} GRPOTrainer", "step_s": median}], ["system", "step_s"])
+    return result
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: the same GRPO workload through TRL's GRPOTrainer and LumenRL, side by side in one job.
+
+    TRL is optional: without it a smoke run times the LumenRL side only (a full run needs it)."""
+    from benchmarks.gpu import bench_grpo_step
+
+    workload = SMOKE_ARGS if smoke else []
+    lumenrl_s = bench_grpo_step.run(smoke)["step_s"]
+    if smoke and importlib.util.find_spec("trl") is None:
+        return {"lumenrl_step_s": lumenrl_s, "trl": "not installed"}
+    trl_s = main([*workload, "--out", "grpo_trl_smoke.json" if smoke else "grpo_trl.json"])["median_step_s"]
+    return {"lumenrl_step_s": lumenrl_s, "trl_step_s": trl_s, "speedup": trl_s / lumenrl_s}
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 if "--smoke" in sys.argv:
@@ -40,8 +39,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from benchmarks.gpu._common import (  # noqa: E402
     VOCAB,
     command_line,
     copy_bandwidth_gbs,
@@ -50,7 +48,6 @@ from _common import (  # noqa: E402
     time_graph_ms,
     write_json,
 )
-
 from lumenrl_backends.engines import triton_sampling  # noqa: E402
 from lumenrl_backends.engines.sampling import sample_tokens  # noqa: E402
 from lumenrl_backends.engines.triton_sampling import default_chunk, fused_sample  # noqa: E402
@@ -146,7 +143,7 @@ def bench_case(batch: int, vocab: int, mode: str, copies: int, sweep: bool, copy
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="16,64,256")
     parser.add_argument("--vocab", type=int, default=VOCAB)
@@ -154,7 +151,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time a few chunk/block_v/num_warps settings")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in Triton's CPU interpreter")
     parser.add_argument("--out", default="sampler.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:  # never overwrite a GPU result with interpreter timings
         args.batches, args.vocab = "2,5", 3000
         if args.out == "sampler.json":
@@ -171,10 +168,27 @@ def main() -> None:
     for row in rows:
         if row["variant"] in ("rowwise", "rowwise_kernel", "chunked") and "us" in row and row["mode"] == "plain":
             summary[f"sampler/{row['variant']}_b{row['batch']}_us"] = {"value": round(row["us"], 2), "command": command_line()}
-    write_json(args.out, {"command": command_line(), "environment": environment(), "copy_gbs": copy_gbs,
-                          "vocab": args.vocab, "rows": rows, "summary": summary})
+    payload = {"command": command_line(), "environment": environment(), "copy_gbs": copy_gbs,
+               "vocab": args.vocab, "rows": rows, "summary": summary}
+    write_json(args.out, payload)
     print_table(rows, ["batch", "mode", "variant", "chunk", "us", "gbs", "pct_copy", "token_mismatch_vs_torch",
                        "max_logprob_diff", "timing", "error"])
+    return payload
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: microseconds of the default sampler kernel (plain and greedy) at batch 64.
+
+    Smoke (no CUDA): batch 5, the torch reference's timing; the Triton variants need a GPU or Triton's
+    interpreter (``TRITON_INTERPRET=1`` set before Triton is imported, as ``--smoke`` on the command line)."""
+    cuda = torch.cuda.is_available()
+    rows = main(["--smoke"] if smoke else ["--batches", "64"])["rows"]
+    errors = [r["error"] for r in rows if "error" in r]
+    if errors and cuda:
+        raise RuntimeError(f"sampler variants failed: {errors}")
+    batch, variant = (5 if smoke else 64), ("rowwise_kernel" if cuda else "torch")
+    us = {r["mode"]: r["us"] for r in rows if r["batch"] == batch and r["variant"] == variant}
+    return {"plain_us": us["plain"], "greedy_us": us["greedy"], "batch": batch}
 
 
 if __name__ == "__main__":

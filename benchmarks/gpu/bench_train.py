@@ -39,17 +39,13 @@ import argparse
 import gc
 import signal
 import statistics
-import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OUT_DIR, command_line, environment, print_table, write_json  # noqa: E402
-
+from benchmarks.gpu._common import OUT_DIR, command_line, environment, print_table, write_json  # noqa: E402
 from lumenrl_backends.training.fsdp2 import FSDP2Backend  # noqa: E402
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, TrainingQuantConfig  # noqa: E402
 from lumenrl_core.data_proto import DataProto  # noqa: E402
@@ -296,7 +292,7 @@ def _on_alarm(signum, frame):
     raise TimeoutError("variant exceeded --variant-timeout-s")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     signal.signal(signal.SIGALRM, _on_alarm)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=5)
@@ -306,7 +302,7 @@ def main() -> None:
     ap.add_argument("--variant-timeout-s", type=int, default=120, help="abort one variant after this")
     ap.add_argument("--profile", default="1.7b/bf16", help="variants to profile one step of")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run of the code paths")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         ap.error(f"--variants: {unknown} unknown; allowed: {', '.join(VARIANTS)}")
@@ -353,6 +349,20 @@ def main() -> None:
     )
     for k, v in payload["summary"].items():
         print(k, v)
+    return payload
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: MFU and tokens/s of the 1.7B one-rank compiled train step (smoke: a tiny model on CPU)."""
+    name = "1.7b/bf16" if smoke else "1.7b/bf16+compile+single"  # smoke: no compile, no single-vs-sharded check
+    args = ["--smoke", "--steps", "1", "--warmup", "1", "--variants", name] if smoke else [
+        "--steps", "4", "--warmup", "2", "--budget-s", "150", "--variant-timeout-s", "90", "--profile", "",
+        "--variants", f"1.7b/bf16+compile,{name}"]
+    results = {r["variant"]: r for r in main(args)["results"]}
+    r = results[name]
+    if "error" in r or "skipped" in r:
+        raise RuntimeError(f"{name}: {r.get('error') or r.get('skipped')}")
+    return {"mfu": r["mfu"], "tokens_per_s": r["tokens_per_s"], "step_s": r["step_s"]}
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ For random-initialized Qwen3-1.7B and Qwen3-8B shapes (full size, real vocabular
   ``lumenrl_async.FilesystemWeightSync``, on local disk) then ``apply_latest_snapshot`` on the
   engine (checksum verified, copied in place): the cross-process path.
 
-    python benchmarks/gpu/bench_weight_sync.py [--shapes 1.7b,8b] [--fs-shapes 1.7b] [--repeats 3]
+    python -m benchmarks.gpu.bench_weight_sync [--shapes 1.7b,8b] [--fs-shapes 1.7b] [--repeats 3]
+    python -m benchmarks run gpu --only weight_sync
 
 Writes ``weight_sync.json`` and prints a table last.
 """
@@ -23,7 +24,6 @@ import argparse
 import gc
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,9 +31,14 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import StubTokenizer, command_line, copy_bandwidth_gbs, environment, print_table, write_json  # noqa: E402
-
+from benchmarks.gpu._common import (  # noqa: E402
+    StubTokenizer,
+    command_line,
+    copy_bandwidth_gbs,
+    environment,
+    print_table,
+    write_json,
+)
 from lumenrl_async import FilesystemWeightSync  # noqa: E402
 from lumenrl_backends.engines import NativeEngine  # noqa: E402
 from lumenrl_backends.sync import apply_latest_snapshot, publish_snapshot, sync_to_engine  # noqa: E402
@@ -80,12 +85,17 @@ def time_in_process(trainer: FSDP2Backend, engine: NativeEngine, repeats: int, v
             "bytes_read": stats[0].bytes_read}
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The rank's shard of an FSDP2 DTensor parameter; the one-rank fast path holds plain Parameters."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
 @torch.no_grad()
 def check_copied(trainer: FSDP2Backend, engine: NativeEngine) -> float:
     """Max |engine - bf16(trainer)| over the embedding and the final norm (0 when the copy is exact)."""
     err = 0.0
     for name in ("model.embed_tokens.weight", "model.norm.weight"):
-        src = trainer.model.get_parameter(name).to_local().to(torch.bfloat16)
+        src = _local(trainer.model.get_parameter(name)).to(torch.bfloat16)
         err = max(err, float((engine.model.get_parameter(name) - src).abs().max()))
     return err
 
@@ -93,7 +103,7 @@ def check_copied(trainer: FSDP2Backend, engine: NativeEngine) -> float:
 @torch.no_grad()
 def fp8_error(trainer: FSDP2Backend, engine: NativeEngine) -> float:
     name = "model.layers.0.mlp.down_proj"
-    target = trainer.model.get_parameter(f"{name}.weight").to_local().float()
+    target = _local(trainer.model.get_parameter(f"{name}.weight")).float()
     got = engine.model.get_submodule(name).dequantized_weight(torch.float32)
     return float((got - target).norm() / target.norm())
 
@@ -146,16 +156,7 @@ def run_filesystem(shape: str, trainer: FSDP2Backend, engine: NativeEngine, devi
         shutil.rmtree(root, ignore_errors=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="1.7b,8b")
-    ap.add_argument("--fs-shapes", default="1.7b")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
-    device = torch.device("cuda:0" if torch.cuda.is_available() and not args.smoke else "cpu")
-    shapes = ["smoke"] if args.smoke else args.shapes.split(",")
-    fs_shapes = {"smoke"} if args.smoke else set(args.fs_shapes.split(","))
+def measure(shapes: list[str], fs_shapes: set[str], repeats: int, device: torch.device) -> dict[str, Any]:
     env = environment()
     bandwidth = None
     if device.type == "cuda":
@@ -163,20 +164,32 @@ def main() -> None:
         env["copy_bandwidth_gbs"] = round(bandwidth, 1)
     rows: list[dict[str, Any]] = []
     for shape in shapes:
-        rows += run_shape(shape, device, args.repeats, shape in fs_shapes, bandwidth)
-        print(rows[-3:], flush=True)
-    summary = {}
-    best_8b = [r for r in rows if r["shape"] == "8b" and r["path"] == "in-process bf16"]
-    if best_8b:
-        fp8 = [r for r in rows if r["shape"] == "8b" and r["path"] == "in-process fp8"]
-        summary["weight_sync_s_8b"] = {"value": round(best_8b[0]["seconds"], 4),
-                                       "fp8_requantize_s": round(fp8[0]["seconds"], 4) if fp8 else None,
-                                       "command": command_line()}
-    payload = {"environment": env, "command": command_line(), "results": rows, "summary": summary}
-    print(f"wrote {write_json('weight_sync_smoke.json' if args.smoke else 'weight_sync.json', payload)}")
+        rows += run_shape(shape, device, repeats, shape in fs_shapes, bandwidth)
     print_table(rows, ["shape", "path", "seconds", "floor_s", "achieved_gbs", "publish_s", "apply_s", "tensors", "check"])
-    for k, v in summary.items():
-        print(k, v)
+    return {"environment": env, "command": command_line(), "results": rows}
+
+
+def run(smoke: bool) -> dict[str, Any]:
+    """Suite entry: seconds of one in-process sync of the largest shape (8B; smoke: a tiny model on CPU)."""
+    device = torch.device("cuda:0" if torch.cuda.is_available() and not smoke else "cpu")
+    shape = "smoke" if smoke else "8b"
+    payload = measure(["smoke"] if smoke else ["1.7b", "8b"], {"smoke" if smoke else "1.7b"}, 3, device)
+    write_json("weight_sync_smoke.json" if smoke else "weight_sync.json", payload)
+    by_path = {r["path"]: r for r in payload["results"] if r["shape"] == shape}
+    fs = [r for r in payload["results"] if r["path"] == "filesystem bf16"]
+    return {"shape": shape, "bf16_s": by_path["in-process bf16"]["seconds"], "fp8_s": by_path["in-process fp8"]["seconds"],
+            "bf16_max_abs_err": by_path["in-process bf16"]["check"], "fp8_rel_err": by_path["in-process fp8"]["check"],
+            "filesystem_s": fs[0]["seconds"] if fs else float("nan")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="1.7b,8b")
+    ap.add_argument("--fs-shapes", default="1.7b")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    print(write_json("weight_sync.json", measure(args.shapes.split(","), set(args.fs_shapes.split(",")), args.repeats, device)))
 
 
 if __name__ == "__main__":

@@ -154,9 +154,9 @@ def table(title: str, rows: list[dict], cols: list[str]) -> str:
 
 
 def write_json(name: str, payload: dict) -> Path:
-    """Write ``benchmarks/results/<name>.json`` (and a copy under ``$OUT`` when set)."""
+    """Write ``$LUMENRL_BENCH_OUT/<name>.json`` (default ``benchmarks/results/``, git-ignored; a copy under ``$OUT``)."""
     payload = {"environment": environment(), **payload}
-    paths = [RESULTS_DIR / f"{name}.json"]
+    paths = [Path(os.environ.get("LUMENRL_BENCH_OUT") or RESULTS_DIR) / f"{name}.json"]
     if os.environ.get("OUT"):
         paths.append(Path(os.environ["OUT"]) / f"{name}.json")
     for p in paths:

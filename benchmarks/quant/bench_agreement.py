@@ -10,14 +10,10 @@ quantized bytes and scales are identical, and the SQNR of GEMM outputs against t
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import device, sqnr, table, write_json  # noqa: E402
-
+from benchmarks.quant._common import device, sqnr, table, write_json  # noqa: E402
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
 from lumenrl_quant.gemm import emulated_scaled_mm, gemm_path, scaled_mm  # noqa: E402
 from lumenrl_quant.linear import LINEAR_SCHEMES, QuantizedLinear  # noqa: E402
@@ -130,6 +126,15 @@ def run(smoke: bool = False) -> dict:
     payload = {"rows": rows}
     write_json("quant_agreement" + ("_smoke" if smoke else ""), payload)
     return payload
+
+
+def bench(smoke: bool) -> dict:
+    """Suite entry: how many GPU-vs-CPU-emulation checks ran and how many disagreed (or raised)."""
+    rows = run(smoke)["rows"]
+    flags = ("q_identical", "scale_identical", "weights_identical")
+    bad = [r for r in rows if "error" in r or any(r.get(f) is False for f in flags)]
+    sqnrs = [r["sqnr_vs_float64_db"] for r in rows if isinstance(r.get("sqnr_vs_float64_db"), (int, float))]
+    return {"cases": len(rows), "disagreements": len(bad), "min_sqnr_vs_float64_db": min(sqnrs, default=float("nan"))}
 
 
 if __name__ == "__main__":

@@ -47,9 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, sqnr, table, time_ms  # noqa: E402
-
+from benchmarks.quant._common import environment, sqnr, table, time_ms  # noqa: E402
 from lumenrl_quant import sqnr_db, triton_training  # noqa: E402  (sqnr_db: 0 dB = zero or wrong gradient)
 from lumenrl_quant.training import (  # noqa: E402
     Fp8TrainingConfig,
@@ -389,7 +387,7 @@ def _summary(rows: list[dict]) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma separated, of {list(VARIANTS)}")
     parser.add_argument("--steps", type=int, default=6)
@@ -399,7 +397,7 @@ def main() -> int:
     parser.add_argument("--out", default="fp8_train_8b.json", help="JSON file (relative: under $LUMENRL_BENCH_OUT)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
     parser.add_argument("--linear", action="store_true", help="per-linear forward+backward table instead")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = _out_path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -462,6 +460,20 @@ def main() -> int:
           f"{summary.get('fp8+compile vs bf16+compile', math.nan)}")
     print(f"wrote {out}")
     return 0
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: compiled FP8 (tensorwise) vs compiled BF16 train step seconds, 8B-shaped layers
+    (smoke: eager, tiny shapes on the CPU)."""
+    bf16, fp8 = ("bf16", "fp8") if smoke else ("bf16+compile", "fp8+compile")
+    out = "fp8_train_smoke.json" if smoke else "fp8_train_8b.json"
+    main(["--variants", f"{bf16},{fp8}", "--out", out, *(["--smoke", "--steps", "1", "--warmup", "1"] if smoke else [])])
+    rows = {r["variant"]: r for r in json.loads(_out_path(out).read_text())["rows"]}
+    failed = {k: r["error"] for k, r in rows.items() if "error" in r}
+    if failed:
+        raise RuntimeError(f"fp8 training variants failed: {failed}")
+    return {"bf16_step_s": rows[bf16]["step_s"], "fp8_step_s": rows[fp8]["step_s"],
+            "speedup": rows[bf16]["step_s"] / rows[fp8]["step_s"]}
 
 
 if __name__ == "__main__":

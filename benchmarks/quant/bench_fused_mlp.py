@@ -31,15 +31,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import copies_for, device, sqnr, table, time_graph_ms, write_json  # noqa: E402
-
+from benchmarks.quant._common import copies_for, device, sqnr, table, time_graph_ms, write_json  # noqa: E402
 from lumenrl_quant import QuantizedLinear  # noqa: E402
 from lumenrl_quant import triton_gemm as tg  # noqa: E402
 from lumenrl_quant import triton_swiglu as ts  # noqa: E402
@@ -186,13 +182,13 @@ def bench(model: str, m: int, tune: bool, given: dict | None) -> tuple[list[dict
     return rows, best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="8b")
     ap.add_argument("--m", default="64", help="decode batch sizes (comma separated)")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--out", default="fused_mlp.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows, best_by = [], {}
     for model in args.models.split(","):
         for m in (int(v) for v in args.m.split(",")):
@@ -213,6 +209,15 @@ def main() -> None:
     errors = [r for r in rows if "error" in r]
     if errors:
         print(f"{len(errors)} variants failed; first: {errors[0]}")
+    return {"rows": rows, "best": best_by}
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: fused FP8 SwiGLU MLP vs the unfused FP8 MLP at decode (Qwen3-8B, M = 64)."""
+    if smoke:
+        raise NotImplementedError("fused_mlp: no CPU smoke path yet (CUDA-only code: Triton kernels / CUDA graphs)")
+    us = {r["variant"]: r["us"] for r in main([])["rows"] if r["variant"] in ("fp8_unfused", "fp8_fused") and "us" in r}
+    return {"fused_us": us["fp8_fused"], "unfused_us": us["fp8_unfused"], "fused_speedup": us["fp8_unfused"] / us["fp8_fused"]}
 
 
 if __name__ == "__main__":

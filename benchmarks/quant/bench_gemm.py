@@ -11,14 +11,18 @@ the Triton blockwise kernel. Speedup = bf16 time / path time.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import copies_for, device, table, time_graph_ms, time_ms, time_rotating_ms, write_json  # noqa: E402
-
+from benchmarks.quant._common import (  # noqa: E402
+    copies_for,
+    device,
+    table,
+    time_graph_ms,
+    time_ms,
+    time_rotating_ms,
+    write_json,
+)
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
 from lumenrl_quant.gemm import _torch_scaled_mm  # noqa: E402
 
@@ -106,6 +110,13 @@ def run(smoke: bool = False) -> dict:
     payload = {"decode": decode, "training": training, "triton_beats_cublas_at": advice}
     write_json("quant_gemm" + ("_smoke" if smoke else ""), payload)
     return payload
+
+
+def bench(smoke: bool) -> dict:
+    """Suite entry: the best low-precision speedup over bf16 at the decode shapes (and where it is)."""
+    rows = [r for r in run(smoke)["decode"] if r.get("path", "bf16") != "bf16" and "speedup_vs_bf16" in r]
+    best = max(rows, key=lambda r: r["speedup_vs_bf16"])
+    return {"best_fp8_speedup": best["speedup_vs_bf16"], "best_path": f"{best['path']} M={best['M']} N={best['N']} K={best['K']}"}
 
 
 if __name__ == "__main__":

@@ -14,15 +14,19 @@ The ``path`` column names the GEMM path each row ran.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import copies_for, device, table, time_graph_ms, time_ms, time_rotating_ms, write_json  # noqa: E402
-
+from benchmarks.quant._common import (  # noqa: E402
+    copies_for,
+    device,
+    table,
+    time_graph_ms,
+    time_ms,
+    time_rotating_ms,
+    write_json,
+)
 from lumenrl_quant import gemm  # noqa: E402
 from lumenrl_quant.linear import LINEAR_SCHEMES, QuantizedLinear  # noqa: E402
 
@@ -102,6 +106,13 @@ def run(smoke: bool = False, schemes: list[str] | None = None, training: bool = 
     payload = {"decode": decode, "training": training}
     write_json("quant_linear" + ("_smoke" if smoke else "") + ("" if schemes == allowed else "_subset"), payload)
     return payload
+
+
+def bench(smoke: bool) -> dict:
+    """Suite entry: the best low-precision speedup over bf16 at the decode shapes (and where it is)."""
+    rows = [r for r in run(smoke)["decode"] if r.get("scheme", "bf16") != "bf16" and "speedup_vs_bf16" in r]
+    best = max(rows, key=lambda r: r["speedup_vs_bf16"])
+    return {"best_fp8_speedup": best["speedup_vs_bf16"], "best_path": f"{best['scheme']} M={best['M']} N={best['N']} K={best['K']}"}
 
 
 if __name__ == "__main__":

@@ -72,17 +72,14 @@ import gc
 import hashlib
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-import bench_fp8_rollout as R  # noqa: E402  (loads benchmarks/gpu/_common as ``_common``)
-from _common import StubTokenizer, command_line, environment, print_table, write_json  # noqa: E402
-
+import benchmarks.gpu.bench_fp8_rollout as R  # noqa: E402
+from benchmarks.gpu._common import StubTokenizer, command_line, environment, print_table, write_json  # noqa: E402
 from lumenrl_backends.engines import NativeEngine  # noqa: E402
 from lumenrl_quant import get_quant_scheme  # noqa: E402
 
@@ -361,7 +358,7 @@ COLUMNS = ["model", "engine", "kl_exact_before", "kl_exact_after_tis", "kl_k1_sa
            "meets_goal_after_tis", "lm_head", "linear_path", "generate_s", "error"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="bf16,fp8_row,fp8_block,fp8_row+kv")
     ap.add_argument("--steps", type=int, default=400, help="training steps")
@@ -387,7 +384,7 @@ def main() -> None:
     ap.add_argument("--dims", default="", help='JSON overrides of the model dims, e.g. \'{"hidden_size": 1024, '
                     '"num_hidden_layers": 12}\' (wider / deeper probes; the cache key includes them)')
     ap.add_argument("--out", default="rollout_kl_trained.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     MODEL_DIMS.update(PRESETS[args.preset])
     if args.dims:
         extra = json.loads(args.dims)
@@ -430,6 +427,29 @@ def main() -> None:
     out = write_json(args.out, result)
     print(f"wrote {out}")
     print_table(rows, COLUMNS)
+    return result
+
+
+SMOKE_DIMS = '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, ' \
+             '"num_key_value_heads": 1, "head_dim": 32, "vocab_size": 128}'
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: exact KL(FP8 rollout || train) before/after TIS on a trained Qwen3-8B-shaped model
+    (smoke: a tiny model trained a few steps on the CPU)."""
+    engine = "fp8_row+kv+head"
+    args = ["--dims", SMOKE_DIMS, "--steps", "4", "--train-batch", "4", "--seq", "32", "--prompts", "2",
+            "--prompt-len", "8", "--new", "8", "--threads", "1", "--cache", "", "--no-untrained",
+            "--engines", "fp8_row", "--out", "rollout_kl_trained_smoke.json"] if smoke else [
+        "--preset", "qwen3-8b", "--cache", "", "--train-dtype", "bfloat16", "--lang-vocab", "1024", "--steps", "400",
+        "--train-budget-s", "250", "--train-batch", "16", "--lr", "3e-4", "--engines", f"bf16,{engine}",
+        "--no-untrained", "--out", "rollout_kl_trained_8b.json"]
+    rows = main(args)["rows"]
+    row = next(r for r in rows if r["engine"] == ("fp8_row" if smoke else engine))
+    if "error" in row:
+        raise RuntimeError(f"{row['engine']}: {row['error']}")
+    return {"kl_before_tis": row["kl_exact_before"], "kl_after_tis": row["kl_exact_after_tis"],
+            "sampled_k3": row["kl_k3_sampled"]}
 
 
 if __name__ == "__main__":

@@ -137,3 +137,36 @@ def test_from_config_uses_snapshot_dir(tmp_path):
     assert FilesystemWeightSync.from_config(cfg).root == tmp_path / "snap"
     cfg.weight_sync.snapshot_dir, cfg.trainer.output_dir = "", str(tmp_path / "run")
     assert FilesystemWeightSync.from_config(cfg).root == tmp_path / "run" / "weight_sync"
+
+
+def _writer_process(root: str, versions: int) -> None:
+    writer = FilesystemWeightSync(root, keep_last=2)
+    for v in range(1, versions + 1):
+        writer.publish({"a": torch.full((128, 256), float(v)), "b": torch.full((300,), float(v)),
+                        "step": torch.tensor([v])}, v)
+
+
+def test_reader_racing_a_writer_process_never_loads_a_torn_snapshot(tmp_path):
+    """A separate writer process publishes while this process reads: every snapshot loaded is
+    whole (all tensors of one version, checksum verified), versions never go back."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    proc = ctx.Process(target=_writer_process, args=(str(tmp_path), 25))
+    proc.start()
+    reader, seen, pruned = FilesystemWeightSync(tmp_path), [], 0
+    while proc.is_alive() or not seen or seen[-1] < 25:
+        try:
+            got = reader.latest(retries=0)
+        except SnapshotError:  # the writer pruned the file between LATEST and the read: retried next loop
+            pruned += 1
+            continue
+        if got is None:
+            continue
+        version, tensors = got
+        assert all(float(t.float().unique().item()) == version for t in tensors.values())
+        seen.append(version)
+        if not proc.is_alive() and version == 25:
+            break
+    proc.join()
+    assert proc.exitcode == 0 and seen == sorted(seen) and seen[-1] == 25

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lumenrl_backends.engines.hf import HFEngine
-from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 
 torch.set_num_threads(1)
@@ -14,14 +14,9 @@ torch.set_num_threads(1)
 PROMPTS = ["12+34=", "7*8=", "(1+2)*3 = what is it", "9", "100-1="]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model("llama", tmp_path_factory.mktemp("llama"), seed=0, initializer_range=0.2)
-
-
 @pytest.fixture()
-def loaded(model_dir):
-    return load_model_and_tokenizer(str(model_dir), dtype="float32")
+def loaded(llama_dir):
+    return load_model_and_tokenizer(str(llama_dir), dtype="float32")
 
 
 def prompt_batch(tokenizer) -> DataProto:

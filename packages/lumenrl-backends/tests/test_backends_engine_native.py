@@ -17,15 +17,9 @@ torch.set_num_threads(1)
 PROMPTS = ["12+34=", "7*8=", "(1+2)*3 = what is it", "9", "abc def, ghi?", "100-1="]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # a larger init scale than the HF default makes next-token distributions non-flat
-    return build_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3"), seed=0, initializer_range=0.2)
-
-
 @pytest.fixture()
-def loaded(model_dir):
-    return load_model_and_tokenizer(str(model_dir), dtype="float32")
+def loaded(qwen3_dir):
+    return load_model_and_tokenizer(str(qwen3_dir), dtype="float32")
 
 
 def prompt_batch(tokenizer, prompts=PROMPTS) -> DataProto:
@@ -320,11 +314,11 @@ def test_interrupt_from_another_thread(loaded):
     assert out.batch["response_mask"].sum(1).max() < 200
 
 
-def test_from_config(model_dir):
+def test_from_config(qwen3_dir):
     from lumenrl_core.config.schema import RunConfig
 
     config = RunConfig()
-    config.policy.model_name = str(model_dir)
+    config.policy.model_name = str(qwen3_dir)
     config.policy.max_prompt_length = 20
     config.policy.rollout.max_new_tokens = 8
     config.policy.rollout.max_batch_size = 4
@@ -339,8 +333,8 @@ def test_from_config(model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_bf16_generation_matches_training_forward(model_dir):
-    model, tokenizer = load_model_and_tokenizer(str(model_dir), dtype="bfloat16", device="cuda")
+def test_cuda_bf16_generation_matches_training_forward(qwen3_dir):
+    model, tokenizer = load_model_and_tokenizer(str(qwen3_dir), dtype="bfloat16", device="cuda")
     engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64)
     out = engine.generate(prompt_batch(tokenizer), {"temperature": 1.0, "max_new_tokens": 16, "seed": 3})
     assert out.batch["rollout_log_probs"].dtype == torch.float32

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lumenrl_backends.engines import NativeEngine
-from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 from lumenrl_quant import QuantizedLinear
 
@@ -15,13 +15,6 @@ torch.set_num_threads(1)
 
 PROMPTS = ["12+34=", "7*8=", "(1+2)*3 = what is it", "9"]
 PARAMS = {"temperature": 1.0, "max_new_tokens": 12, "seed": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    # 128-wide layers so FP8 128x128 weight blocks are exercised whole
-    return build_tiny_model("qwen3", tmp_path_factory.mktemp("q"), seed=0, initializer_range=0.1,
-                            hidden_size=128, intermediate_size=256, head_dim=32)
 
 
 def prompt_batch(tokenizer) -> DataProto:
@@ -52,24 +45,34 @@ def perturbed(model, scale: float, seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("scheme", ["fp8_block", "fp8_row", "fp8_w8a16", "mxfp8", "mxfp4"])
-def test_quantized_weights_logprobs_are_self_consistent_and_close(model_dir, scheme):
-    reference, tokenizer = load_model_and_tokenizer(str(model_dir))
-    model, _ = load_model_and_tokenizer(str(model_dir))
+def test_quantized_weights_logprobs_are_self_consistent_and_close(qwen3_128_dir, scheme):
+    reference, tokenizer = load_model_and_tokenizer(str(qwen3_128_dir))
+    model, _ = load_model_and_tokenizer(str(qwen3_128_dir))
     engine = NativeEngine(model, tokenizer, max_batch_size=4, max_seq_len=64, quant_scheme=scheme)
     assert len(engine.quant_report.quantized) == 2 * 7  # q,k,v,o,gate,up,down per layer
     assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 14
     out = engine.generate(prompt_batch(tokenizer), PARAMS)
-    assert mean_delta(model, out) < 1e-4  # the engine's log-probs are its own (quantized) model's
+    # The engine's log-probs are its own (quantized) model's: equal up to float32 rounding, except where
+    # FP8 rounding of an activation flips. The engine's cached decode attention and the full-sequence
+    # forward sum in different orders (o_proj inputs differ by ~1 ulp, 1e-7 relative); an activation that
+    # sits on an FP8 rounding boundary then takes the neighbouring code in one of the two (a 1e-2 jump
+    # that the KV cache carries to the row's later tokens). Measured on the fresh tiny model: fp8_row
+    # flips 2 of 48 tokens, every fusion on or off alike; the other schemes none. So: most tokens agree
+    # to float error, and flips are rare.
+    mask = out.batch["response_mask"].bool()
+    delta = (forward_log_probs(model, out) - out.batch["rollout_log_probs"])[mask].abs()
+    assert delta.median() < 1e-5, delta
+    assert (delta > 1e-4).float().mean() <= 0.25, delta
     gap = mean_delta(reference, out)  # the train/infer mismatch that TIS corrects
     assert 1e-4 < gap < (0.6 if scheme == "mxfp4" else 0.25)  # measured: ~0.12-0.15 fp8/mxfp8, ~0.38 mxfp4
 
 
-def test_update_weights_requantizes_in_place(model_dir):
-    model, tokenizer = load_model_and_tokenizer(str(model_dir))
+def test_update_weights_requantizes_in_place(qwen3_128_dir):
+    model, tokenizer = load_model_and_tokenizer(str(qwen3_128_dir))
     engine = NativeEngine(model, tokenizer, max_batch_size=4, max_seq_len=64, quant_scheme="fp8_block")
     layer = model.model.layers[0].mlp.up_proj
     pointers = (layer.weight.data_ptr(), layer.weight_scale.data_ptr())
-    fresh, _ = load_model_and_tokenizer(str(model_dir))
+    fresh, _ = load_model_and_tokenizer(str(qwen3_128_dir))
     new = perturbed(fresh, 0.05, seed=1)
     engine.update_weights(new.items(), version=5)
     assert (layer.weight.data_ptr(), layer.weight_scale.data_ptr()) == pointers
@@ -87,8 +90,8 @@ def test_update_weights_requantizes_in_place(model_dir):
     assert 10 * torch.log10(w.pow(2).sum() / err.pow(2).sum()) > 25
 
 
-def test_fp8_kv_cache_stores_fp8_and_stays_close(model_dir):
-    reference, tokenizer = load_model_and_tokenizer(str(model_dir))
+def test_fp8_kv_cache_stores_fp8_and_stays_close(qwen3_128_dir):
+    reference, tokenizer = load_model_and_tokenizer(str(qwen3_128_dir))
     engine = NativeEngine(reference, tokenizer, max_batch_size=4, max_seq_len=64, kv_cache_dtype="fp8")
     out = engine.generate(prompt_batch(tokenizer), PARAMS)
     layer = engine.cache.layers[0]
@@ -97,9 +100,9 @@ def test_fp8_kv_cache_stores_fp8_and_stays_close(model_dir):
     assert 1e-5 < mean_delta(reference, out) < 0.1  # measured ~0.05 (E4M3 K/V, per-tensor scales)
 
 
-def test_fp8_kv_scales_recalibrate_after_weight_update(model_dir):
+def test_fp8_kv_scales_recalibrate_after_weight_update(qwen3_128_dir):
     def engine_after_growth(recalibrate: bool):
-        model, tokenizer = load_model_and_tokenizer(str(model_dir))
+        model, tokenizer = load_model_and_tokenizer(str(qwen3_128_dir))
         engine = NativeEngine(model, tokenizer, max_batch_size=4, max_seq_len=64, kv_cache_dtype="fp8")
         engine.generate(prompt_batch(tokenizer), PARAMS)  # calibrates on the initial policy
         before = engine.cache.layers[0].codec.scales.k_scale.clone()
@@ -120,12 +123,12 @@ def test_fp8_kv_scales_recalibrate_after_weight_update(model_dir):
     assert fresh_gap < 0.2 and stale_gap > 3 * fresh_gap, (fresh_gap, stale_gap)  # measured ~0.10 vs ~0.79
 
 
-def fp8_run_config(model_dir, **rollout_quant):
+def fp8_run_config(qwen3_128_dir, **rollout_quant):
     """A CPU run config of the tiny model with FP8 rollout and ``quantization.rollout`` overrides."""
     from lumenrl_core.config.schema import RunConfig
 
     config = RunConfig()
-    config.policy.model_name = str(model_dir)
+    config.policy.model_name = str(qwen3_128_dir)
     config.cluster.device = "cpu"
     config.policy.rollout.max_batch_size = 4
     config.quantization.rollout.precision = "fp8"
@@ -134,8 +137,8 @@ def fp8_run_config(model_dir, **rollout_quant):
     return config
 
 
-def test_from_config_fp8_rollout(model_dir):
-    config = fp8_run_config(model_dir, skip_last_n_layers=1, kv_cache_dtype="fp8")
+def test_from_config_fp8_rollout(qwen3_128_dir):
+    config = fp8_run_config(qwen3_128_dir, skip_last_n_layers=1, kv_cache_dtype="fp8")
     engine = NativeEngine.from_config(config)
     assert engine.quant_report.scheme == "fp8_block"
     assert len(engine.quant_report.quantized) == 7 and len(engine.quant_report.skipped) == 7
@@ -145,22 +148,22 @@ def test_from_config_fp8_rollout(model_dir):
     assert out.batch["rollout_log_probs"].isfinite().all()
 
 
-def test_from_config_fuse_mlp_switches_the_fused_fp8_swiglu(model_dir):
-    layers = NativeEngine.from_config(fp8_run_config(model_dir, scheme="fp8_row")).fusion_report
+def test_from_config_fuse_mlp_switches_the_fused_fp8_swiglu(qwen3_128_dir):
+    layers = NativeEngine.from_config(fp8_run_config(qwen3_128_dir, scheme="fp8_row")).fusion_report
     assert layers.mlp and not layers.mlp_fp8  # off by default
-    engine = NativeEngine.from_config(fp8_run_config(model_dir, scheme="fp8_row", fuse_mlp=True))
+    engine = NativeEngine.from_config(fp8_run_config(qwen3_128_dir, scheme="fp8_row", fuse_mlp=True))
     assert engine.fusion_report.mlp_fp8 == engine.fusion_report.mlp
     out = engine.generate(prompt_batch(engine.tokenizer), PARAMS)
     assert out.batch["rollout_log_probs"].isfinite().all()
-    block = NativeEngine.from_config(fp8_run_config(model_dir, scheme="fp8_block", fuse_mlp=True)).fusion_report
+    block = NativeEngine.from_config(fp8_run_config(qwen3_128_dir, scheme="fp8_block", fuse_mlp=True)).fusion_report
     assert not block.mlp_fp8 and all("'fp8_row'" in why for why in block.mlp_fp8_skipped.values())
 
 
-def test_from_config_quantize_lm_head_runs_and_requantizes_the_head_on_sync(model_dir):
-    config = fp8_run_config(model_dir, scheme="fp8_row", quantize_lm_head=True)
+def test_from_config_quantize_lm_head_runs_and_requantizes_the_head_on_sync(qwen3_128_dir):
+    config = fp8_run_config(qwen3_128_dir, scheme="fp8_row", quantize_lm_head=True)
     engine = NativeEngine.from_config(config)
     assert isinstance(engine.model.lm_head, QuantizedLinear) and engine.quant_report.quantized[-1] == "lm_head"
-    reference, _ = load_model_and_tokenizer(str(model_dir))
+    reference, _ = load_model_and_tokenizer(str(qwen3_128_dir))
     out = engine.generate(prompt_batch(engine.tokenizer), config.policy.rollout)
     # log-probs of the engine's own (FP8-head) model. Not to 1e-4 as with a bf16 head: the head's per-token
     # activation scale rounds the final hidden state, and a last-bit difference between the engine's

@@ -26,7 +26,7 @@ import torch
 
 from lumenrl_backends.engines import NativeEngine, triton_rope
 from lumenrl_backends.engines.kv_cache import CacheView, SlotKVCache, value_rows, value_tiles
-from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 
 torch.set_num_threads(1)
@@ -274,9 +274,8 @@ def run_engines(path, kv: str, dtype: str, *, compile: str = "none", max_new_tok
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory) -> dict:
-    return {family: build_tiny_model(family, tmp_path_factory.mktemp(family), seed=0, initializer_range=0.2)
-            for family in ("qwen3", "llama")}
+def tiny_models(qwen3_dir, llama_dir) -> dict:
+    return {"qwen3": qwen3_dir, "llama": llama_dir}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

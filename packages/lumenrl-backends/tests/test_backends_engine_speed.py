@@ -13,7 +13,7 @@ import torch
 from lumenrl_backends.engines import NativeEngine
 from lumenrl_backends.engines.graphs import DecodeGraphs, gc_paused, kv_bytes_per_token, slots_for_budget
 from lumenrl_backends.engines.quant import FP8KVCodec
-from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 
 torch.set_num_threads(1)
@@ -22,14 +22,9 @@ PROMPTS = ["12+34=", "7*8=", "(1+2)*3 = what is it", "9", "abc def, ghi?", "100-
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3speed"), seed=0, initializer_range=0.2)
-
-
 @pytest.fixture()
-def loaded(model_dir):
-    return load_model_and_tokenizer(str(model_dir), dtype="float32")
+def loaded(qwen3_dir):
+    return load_model_and_tokenizer(str(qwen3_dir), dtype="float32")
 
 
 def prompt_batch(tokenizer, prompts=PROMPTS) -> DataProto:
@@ -37,12 +32,12 @@ def prompt_batch(tokenizer, prompts=PROMPTS) -> DataProto:
     return DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
 
 
-def test_two_fp8_engines_in_two_threads_match_their_sequential_runs(model_dir):
+def test_two_fp8_engines_in_two_threads_match_their_sequential_runs(qwen3_dir):
     import threading
 
     runs = []
     for seed in (1, 2):  # two models with different weights, so different FP8 KV scales
-        model, tokenizer = load_model_and_tokenizer(str(model_dir))
+        model, tokenizer = load_model_and_tokenizer(str(qwen3_dir))
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1.0 + 0.5 * seed)
@@ -190,8 +185,8 @@ def test_fp8_kv_recalibration_keeps_scale_storage():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graph_decode_equals_eager(model_dir):
-    model, tokenizer = load_model_and_tokenizer(str(model_dir), dtype="bfloat16", device="cuda")
+def test_cuda_graph_decode_equals_eager(qwen3_dir):
+    model, tokenizer = load_model_and_tokenizer(str(qwen3_dir), dtype="bfloat16", device="cuda")
     batch = prompt_batch(tokenizer)
     outs = []
     for graphs in (True, False):
@@ -204,8 +199,8 @@ def test_cuda_graph_decode_equals_eager(model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
-def test_cuda_fused_sampling_engine_equals_torch_sampler(model_dir):
-    model, tokenizer = load_model_and_tokenizer(str(model_dir), dtype="bfloat16", device="cuda")
+def test_cuda_fused_sampling_engine_equals_torch_sampler(qwen3_dir):
+    model, tokenizer = load_model_and_tokenizer(str(qwen3_dir), dtype="bfloat16", device="cuda")
     batch = prompt_batch(tokenizer)
     outs = []
     for fused in (True, False):
@@ -218,8 +213,8 @@ def test_cuda_fused_sampling_engine_equals_torch_sampler(model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
-def test_cuda_fp8_kv_kernel_path_close_to_dequantized_path(model_dir):
-    model, tokenizer = load_model_and_tokenizer(str(model_dir), dtype="bfloat16", device="cuda")
+def test_cuda_fp8_kv_kernel_path_close_to_dequantized_path(qwen3_dir):
+    model, tokenizer = load_model_and_tokenizer(str(qwen3_dir), dtype="bfloat16", device="cuda")
     batch = prompt_batch(tokenizer)
     outs = []
     for raw in (True, False):
@@ -233,10 +228,10 @@ def test_cuda_fp8_kv_kernel_path_close_to_dequantized_path(model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
-def test_cuda_fp8_kv_v_tiles_generate_as_rows(model_dir):
+def test_cuda_fp8_kv_v_tiles_generate_as_rows(qwen3_dir):
     from lumenrl_backends.engines.kv_cache import V_TILE
 
-    model, tokenizer = load_model_and_tokenizer(str(model_dir), dtype="bfloat16", device="cuda")
+    model, tokenizer = load_model_and_tokenizer(str(qwen3_dir), dtype="bfloat16", device="cuda")
     batch = prompt_batch(tokenizer)
     outs = []
     for tiles in (False, True):  # rows (the default), then V in (D, 128) tiles
@@ -282,10 +277,10 @@ def test_compile_full_traces_decode_in_one_graph(loaded, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_two_compiled_engines_in_one_process_both_capture(model_dir):
+def test_cuda_two_compiled_engines_in_one_process_both_capture(qwen3_dir):
     """A second compiled engine built right after the first is dropped (no gc.collect: the dead one
     sits in a reference cycle) captures its graphs; both decode like an eager engine."""
-    model, tokenizer = load_model_and_tokenizer(str(model_dir), dtype="bfloat16", device="cuda")
+    model, tokenizer = load_model_and_tokenizer(str(qwen3_dir), dtype="bfloat16", device="cuda")
     batch = prompt_batch(tokenizer)
     params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
     eager = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, cuda_graphs=False)

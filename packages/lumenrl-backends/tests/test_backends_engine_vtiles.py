@@ -10,7 +10,7 @@ import torch
 
 from lumenrl_backends.engines import NativeEngine
 from lumenrl_backends.engines.kv_cache import V_TILE, CacheView, SlotKVCache, value_rows, value_tiles
-from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 
 torch.set_num_threads(1)
@@ -22,11 +22,6 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 
 def as_bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype == FP8 else x
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    return build_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3"), seed=0, initializer_range=0.2)
 
 
 def test_value_rows_inverts_the_tiling():

@@ -12,6 +12,7 @@ from lumenrl_backends.models import (
     FAMILIES,
     build_char_tokenizer,
     build_tiny_model,
+    builtin_key,
     builtin_names,
     load_model_and_tokenizer,
     model_cache_dir,
@@ -82,8 +83,9 @@ def test_builtin_arith_model_is_built_once_atomically(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a built-in must never need the network
     assert model_cache_dir() == tmp_path / "cache"
     path = resolve_model_path("lumenrl:tiny-qwen3-arith")
-    assert path == str(tmp_path / "cache" / "tiny-qwen3-arith")
-    assert sorted(os.listdir(tmp_path / "cache")) == ["tiny-qwen3-arith"]  # no staging leftovers
+    key = builtin_key("tiny-qwen3-arith")  # hashes the settings and the building code
+    assert path == str(tmp_path / "cache" / "tiny-qwen3-arith" / key)
+    assert sorted(os.listdir(tmp_path / "cache" / "tiny-qwen3-arith")) == [key]  # no staging leftovers
     stamp = os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns
     assert resolve_model_path("lumenrl:tiny-qwen3-arith") == path
     assert os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns == stamp  # not rebuilt

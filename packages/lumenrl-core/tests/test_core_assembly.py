@@ -72,6 +72,7 @@ def reg() -> PluginRegistry:
     add("controllers", "local", plugin("Local"))
     add("trainers", "rl", Trainer)
     add("trainers", "sddd", plugin("SDDDTrainer"))
+    add("trainers", "async_rl", plugin("AsyncRL", {"async"}))
     add("weight_syncs", "inprocess", plugin("InProc"))
     add("loggers", "jsonl", plugin("Jsonl"))
     add("quant_schemes", "fp8_block", plugin("Fp8Block"))
@@ -268,6 +269,8 @@ def test_partial_rollout_needs_interrupt_resume_and_async(cfg, reg):
     assert found[0].startswith("async_training.partial_rollout=True: partial rollout only exists in async")
     assert "lacks capability 'interrupt_resume' required by async_training.partial_rollout=True" in found[1]
     cfg.async_training.enabled, cfg.policy.rollout_engine = True, "native"
+    assert "trainer lacks capability 'async' required by async_training.enabled=True" in only(cfg, reg)
+    cfg.trainer.name = "async_rl"
     plan_run(cfg, registry=reg)
 
 
@@ -384,9 +387,11 @@ def test_config_is_moe_and_names(tmp_path, monkeypatch):
     is_moe, how = is_moe_model(str(tmp_path))
     assert is_moe is None and how.startswith(f"cannot read {tmp_path / 'config.json'}")
     assert model_type_of(str(tmp_path)) is None
-    built = tmp_path / "cache" / "tiny-custom"  # a materialised built-in: its config.json decides
+    built = tmp_path / "cache" / "tiny-custom" / "0123abcd"  # a materialised built-in (<name>/<key>/): its config decides
     built.mkdir(parents=True)
     (built / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4}))
+    assert is_moe_model("lumenrl:tiny-custom")[0] is not True  # no manifest: an unfinished build is not read
+    (built / "lumenrl-build.json").write_text(json.dumps({"key": "0123abcd"}))
     assert is_moe_model("lumenrl:tiny-custom")[0] is True
     assert model_type_of("lumenrl:tiny-custom") == "qwen3_moe"  # from the cached config.json
     assert model_type_of("lumenrl:tiny-glm4_moe") == "glm4_moe" and model_type_of("org/unknown") is None

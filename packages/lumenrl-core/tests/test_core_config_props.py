@@ -38,7 +38,8 @@ def _leaf_specs() -> list[tuple[str, type, Any]]:
 # config/refusals.py, tested in test_core_config_refused.py): left at their defaults here
 _COUPLED = {"policy.train.mini_batch_size", "policy.rollout.n", "policy.rollout.temperature",
             "algorithm.clip_ratio_c", "algorithm.overlong_buffer_len", "quantization.rollout.scheme",
-            "policy.rollout_engine", "cluster.device", "cluster.gpus_per_node"}
+            "policy.rollout_engine", "cluster.device", "cluster.gpus_per_node",
+            "controller.ray.roles"}  # roles: per-role dicts checked against num_workers (test_core_config_refused.py)
 LEAVES = [leaf for leaf in _leaf_specs() if leaf[0] not in _COUPLED and leaf[0] not in NOT_YET_BUILT]
 
 

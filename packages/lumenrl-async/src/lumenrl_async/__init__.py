@@ -1,6 +1,8 @@
 """Fully asynchronous RL training for LumenRL: staleness control and weight sync."""
 
 from lumenrl_async.__about__ import __version__
+from lumenrl_async.channel import ProcessChannel
+from lumenrl_async.queue import AccountingError, SampleGroup, SampleQueue, lag_of, versions_metrics
 from lumenrl_async.staleness import StalenessConfig, StalenessController
 from lumenrl_async.weight_sync import FilesystemWeightSync, InProcessWeightSync, SnapshotError
 
@@ -9,6 +11,12 @@ __all__ = [
     "InProcessWeightSync",
     "FilesystemWeightSync",
     "SnapshotError",
+    "AccountingError",
+    "ProcessChannel",
+    "SampleGroup",
+    "SampleQueue",
+    "lag_of",
+    "versions_metrics",
     "StalenessConfig",
     "StalenessController",
 ]

@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "config": "lumenrl_backends.cli:register_config",
     "train": "lumenrl_backends.cli_train:register_cli",
     "report": "lumenrl_backends.cli_report:register_cli",
+    "bench": "lumenrl_backends.cli_bench:register_cli",
 }
 
 

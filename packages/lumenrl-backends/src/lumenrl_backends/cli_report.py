@@ -1,4 +1,4 @@
-"""``lumenrl report RUN_DIR [--out PNG]``: plot a run's metrics.jsonl (see :mod:`.report`)."""
+"""``lumenrl report RUN_DIR [--out PNG] [--html PAGE]``: a run-health report (see :mod:`.report`)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,26 @@ __all__ = ["register_cli", "run_report"]
 
 def register_cli(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "report", help="write a PNG of a run's curves (reward, KL, entropy, lengths, speed)"
+        "report", help="run-health report: PNG of the curves and an HTML page with health verdicts"
     )
     p.add_argument("run_dir", help="a trainer.output_dir holding metrics.jsonl")
     p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/report.png)")
+    p.add_argument("--html", default=None, help="HTML path (default: RUN_DIR/report.html)")
     p.set_defaults(func=run_report)
 
 
 def run_report(args: argparse.Namespace) -> int:
     from lumenrl_backends.cli import CLIError
-    from lumenrl_backends.report import write_report
+    from lumenrl_backends.loggers import read_metrics
+    from lumenrl_backends.report import verdicts, write_html, write_report
 
     try:
-        path = write_report(args.run_dir, args.out)
+        png = write_report(args.run_dir, args.out)
+        page = write_html(args.run_dir, png, args.html)
     except (FileNotFoundError, ValueError) as exc:
         raise CLIError(str(exc)) from None
-    print(path)
+    for v in verdicts(read_metrics(args.run_dir)):
+        print(f"{'ok   ' if v.ok else 'CHECK'} {v.check}: {v.detail}")
+    print(png)
+    print(page)
     return 0

@@ -5,20 +5,21 @@ signal. ``trainer.warm_start_sft_steps`` > 0 first fine-tunes the policy on the 
 answers (prompt rendered exactly as the RL dataloader renders it, target = answer + EOS, loss on
 the target tokens only) with the training backend's ``sft_step``, to a partial accuracy that RL
 then raises. The result is an ordinary HF checkpoint under
-``$LUMENRL_CACHE/warmstart/<model>-<key>``, where ``key`` hashes every setting that affects it
-(base model config, dataset, prompt rendering, steps, lr, batch size, package version): a
-repeated run or test reuses it instead of training again. Written to a temporary directory
-and renamed into place, so a concurrent or crashed build never leaves a partial checkpoint.
+``$LUMENRL_CACHE/warmstart/<model>-<key>``, where ``key`` hashes everything that determines it:
+the base model's config, dataset, prompt rendering, steps, lr, batch size, the training
+backend class, the source of ``lumenrl_backends`` and ``lumenrl_core`` (the data pipeline,
+the backend's ``sft_step``, this module) and the torch / transformers versions. A repeated run
+or test reuses it instead of training again; a code change trains anew. An entry that fails
+its checks (manifest key, config, weight files: :mod:`lumenrl_backends.models.cache`) is
+rebuilt. Written to a temporary directory and renamed into place, so a concurrent or crashed
+build never leaves a partial checkpoint; staging directories of a crashed build are removed.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,8 +27,9 @@ from typing import Any
 
 import torch
 
-from lumenrl_backends.__about__ import __version__
-from lumenrl_backends.models import model_cache_dir
+import lumenrl_backends
+import lumenrl_core
+from lumenrl_backends.models import cache, model_cache_dir
 from lumenrl_backends.trainers.data import TASK_SEED, make_loader, split_records
 from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_core.data_proto import DataProto
@@ -45,7 +47,7 @@ def target_text(record: dict[str, Any]) -> str:
     return str(record["ground_truth"])
 
 
-def warm_start_key(cfg: Any, base_path: str) -> str:
+def warm_start_key(cfg: Any, base_path: str, backend_cls: type | None = None) -> str:
     """Hash of everything that determines the warm-started weights."""
     config_file = Path(base_path) / "config.json"
     ds, t = cfg.dataset, cfg.trainer
@@ -68,14 +70,14 @@ def warm_start_key(cfg: Any, base_path: str) -> str:
             _SFT_SEED,
         ],
         "micro_batch_size": cfg.policy.train.micro_batch_size,
-        "version": __version__,
+        "backend": f"{backend_cls.__module__}.{backend_cls.__qualname__}" if backend_cls else "",
     }
-    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return cache.artifact_key(material, [lumenrl_backends, lumenrl_core])
 
 
-def warm_start_dir(cfg: Any, base_path: str) -> Path:
+def warm_start_dir(cfg: Any, base_path: str, backend_cls: type | None = None) -> Path:
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.policy.model_name)
-    return model_cache_dir() / "warmstart" / f"{slug}-{warm_start_key(cfg, base_path)}"
+    return model_cache_dir() / "warmstart" / f"{slug}-{warm_start_key(cfg, base_path, backend_cls)}"
 
 
 def sft_batch(prompts: DataProto, records: list[dict[str, Any]], tokenizer: Any) -> DataProto:
@@ -125,42 +127,37 @@ def _train(cfg: Any, base_path: str, backend_cls: type, out: Path, log: Callable
 
 def warm_start(cfg: Any, base_path: str, backend_cls: type, log: Callable[[str], None] = print) -> str:
     """Path of the warm-started policy for ``cfg`` (trained now unless cached)."""
-    target = warm_start_dir(cfg, base_path)
-    if (target / "config.json").is_file():
+    target = warm_start_dir(cfg, base_path, backend_cls)
+    key = target.name.rsplit("-", 1)[1]
+    if cache.entry_is_valid(target, key):
         log(f"warm start: reusing cached SFT checkpoint {target}")
         return str(target)
     if dist_utils.world_size() > 1:
-        return _warm_start_ranks(cfg, base_path, backend_cls, target, log)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        steps = cfg.trainer.warm_start_sft_steps
-        log(f"warm start: {steps} SFT steps on {cfg.dataset.name} (cached at {target})")
-        _train(cfg, base_path, backend_cls, staging, log)
-        _publish(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        return _warm_start_ranks(cfg, base_path, backend_cls, target, key, log)
+    steps = cfg.trainer.warm_start_sft_steps
+    log(f"warm start: {steps} SFT steps on {cfg.dataset.name} (cached at {target})")
+    cache.build_entry(target, key, lambda staging: _train(cfg, base_path, backend_cls, staging, log))
     return str(target)
 
 
-def _publish(staging: Path, target: Path) -> None:
-    try:
-        os.rename(staging, target)
-    except OSError:
-        if not (target / "config.json").is_file():  # lost a race only if the winner finished
-            raise
-
-
-def _warm_start_ranks(cfg: Any, base_path: str, backend_cls: type, target: Path, log: Callable[[str], None]) -> str:
+def _warm_start_ranks(
+    cfg: Any, base_path: str, backend_cls: type, target: Path, key: str, log: Callable[[str], None]
+) -> str:
     """Under torchrun: all ranks train (the SFT step is collective); rank 0 writes and publishes."""
-    staging = target.parent / f".{target.name}.staging"
+    staging = target.parent / f".{target.name}.{os.getpid()}.staging"
     if dist_utils.rank() == 0:
-        shutil.rmtree(staging, ignore_errors=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        cache.clean_stale_staging(target.parent, target.name)
         staging.mkdir(parents=True)
     dist_utils.barrier()
     _train(cfg, base_path, backend_cls, staging, log)  # save_hf: rank 0 writes, then a barrier
     if dist_utils.rank() == 0:
-        _publish(staging, target)
+        cache.build_entry(target, key, lambda out: _move_contents(staging, out))
         shutil.rmtree(staging, ignore_errors=True)
     dist_utils.barrier()
     return str(target)
+
+
+def _move_contents(src: Path, dst: Path) -> None:
+    for item in src.iterdir():
+        shutil.move(str(item), dst / item.name)

@@ -277,6 +277,35 @@ class DataProto:
         metadata = {_FORMAT_KEY: json.dumps(header)}
         _atomic_save(_cpu_unshared(self.batch), Path(path), metadata)
 
+    def to_bytes(self) -> bytes:
+        """The ``save`` format as bytes (for a pipe or queue between processes)."""
+        from safetensors.torch import save
+
+        return save(_cpu_unshared(self.batch), metadata={_FORMAT_KEY: json.dumps(self._header())})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> DataProto:
+        """Inverse of :meth:`to_bytes`."""
+        import struct
+
+        from safetensors.torch import load
+
+        (n,) = struct.unpack("<Q", data[:8])  # safetensors: u64 header length, then the JSON header
+        header = json.loads(json.loads(data[8 : 8 + n])["__metadata__"][_FORMAT_KEY])
+        tensors = load(data)
+        arrays = {k: _decode_array(v) for k, v in header["non_tensor_batch"].items()}
+        return cls({k: tensors[k] for k in header["tensor_keys"]}, arrays, header["meta_info"],
+                   batch_size=header["batch_size"])
+
+    def _header(self) -> dict[str, Any]:
+        return {
+            "version": _FORMAT_VERSION,
+            "batch_size": len(self),
+            "tensor_keys": list(self.batch),
+            "non_tensor_batch": {k: _encode_array(k, a) for k, a in self.non_tensor_batch.items()},
+            "meta_info": _check_json(self.meta_info, "meta_info"),
+        }
+
     @classmethod
     def load(cls, path: str | os.PathLike[str], device: torch.device | str = "cpu") -> DataProto:
         """Read a file written by ``save``; tensors are placed on ``device``."""

@@ -6,19 +6,19 @@ and ``down`` is another ``fp8_row`` layer.
 
 Why: at decode the unfused FP8 MLP is five kernels per layer: the gate/up GEMM writes (M, 2I) in
 bf16; SiLU * up, its per-token amax (a reduction over I = 12288 features that inductor splits in
-two kernels for M = 64 rows) and the FP8 cast follow; then the down GEMM. On the H200 those three
-middle kernels cost 6.4 us per Qwen3-8B layer (0.23 ms per decode step, RESULTS.md session 4).
+two kernels for M = 64 rows) and the FP8 cast follow; then the down GEMM. Those three middle kernels cost
+time per layer on every decode step.
 Here the gate/up kernel (:func:`lumenrl_quant.triton_gemm.fp8_swiglu_quant`) computes ``group``
 features of both halves per program, applies SiLU * up to its float32 accumulators and quantizes
 the result in 1 x ``group`` blocks, which need no reduction across programs; the down GEMM
 (:func:`~lumenrl_quant.triton_gemm.fp8_group_act_gemm`) applies those block scales in its K loop.
 Two kernels, and ``h`` never exists in 16 bits.
 
-Measured (H200, Qwen3-8B, M = 64, benchmarks/RESULTS.md session 5): the fusion removes the three
-kernels and 0.21 ms of elementwise work per decode step, but the gate/up kernel with two accumulators
-runs 30.8 us against 27.3 us and the group-scaled down GEMM 20.3 us against cuBLAS' 16.3 us (the
-per-K-block scale multiply breaks the MMA accumulate chain), so the engine decodes at the same speed
-(14,294 vs 14,400 tok/s, one job). The native engine therefore uses it only when asked
+Measured on an H200 (Qwen3-8B, M = 64; figures: benchmarks/RESULTS.md, entry ``fused_mlp``): the
+fusion removes the three kernels' elementwise work, but the gate/up kernel with two accumulators and
+the group-scaled down GEMM (the per-K-block scale multiply breaks the MMA accumulate chain) are each
+slower than their unfused counterparts, so the engine decodes no faster. The native engine therefore
+uses it only when asked
 (``quantization.rollout.fuse_mlp``).
 
 Numerics: the down projection's input gets one scale per 1 x ``group`` block instead of one per
@@ -60,7 +60,6 @@ SWIGLU_GROUP = 128  # features per activation scale of the down projection's inp
 # launch configurations at decode M (<= 64) per (I, K) of the gate/up kernel (its "group" also sets the
 # down input's scale blocks, on every backend and M) and per (N, K) of the down GEMM; others take
 # _default_configs. Filled from benchmarks/quant/bench_fused_mlp.py --tune (RESULTS.md).
-# H200, M = 64, session 5 call 2 (fused_mlp_tune.json): Qwen3-8B's gate/up 30.9 us in the engine, down 20.4 us.
 SWIGLU_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
     (12288, 4096): {"group": 128, "block_m": 64, "block_k": 128, "num_warps": 8, "num_stages": 4},
 }

@@ -9,8 +9,7 @@ row. The row's ``1 / rms`` is a positive per-row factor, so it cancels out of th
 
 Both reductions (``sum(x^2)`` and ``amax(|x * w|)``) then read the same row at once, and the codes
 need no division by ``rms``. Under ``torch.compile`` these plain torch ops become one kernel with two
-parallel reductions (the engine's RMSNorm + quantize kernels had them in sequence: 3.0-3.8 us per
-call at Qwen3-8B's 4096 columns, RESULTS.md session 6). The numbers are those of quantizing the
+parallel reductions (the engine's RMSNorm + quantize kernels had them in sequence). The numbers are those of quantizing the
 float32 normalised row (no intermediate rounding to the activation dtype, which the HF module does
 before the weight multiply), up to float32 rounding.
 """

@@ -85,9 +85,8 @@ ROWWISE_EPILOGUE_MAX_M = 256
 # Rowwise GEMMs with M <= TRITON_ROWWISE_MAX_M whose (N, K) has a tuned launch configuration in
 # ``TRITON_ROWWISE_CONFIGS`` run the Triton split-K kernel (:mod:`lumenrl_quant.triton_gemm`) where
 # it beat cuBLAS in ``benchmarks/quant/bench_decode_gemm.py --tune`` (RESULTS.md); 0 disables.
-# H200, M = 64 (session 3, quant_decode_gemm.json): Triton 9.98 vs cuBLAS 10.5 us (+ the fp32 epilogue)
-# at the fused q/k/v shape of Qwen3-8B, 30.5 vs 32.1 us at its fused gate/up; cuBLAS stays faster at
-# its o (8.0 vs 8.2 us) and down (17.4 vs 18.2 us) shapes, which therefore have no entry.
+# On an H200 at M = 64 Triton wins at Qwen3-8B's fused q/k/v and gate/up shapes; cuBLAS stays faster at
+# its o and down shapes, which therefore have no entry (figures: entry decode_gemm of RESULTS.md).
 TRITON_ROWWISE_MIN_M, TRITON_ROWWISE_MAX_M = 33, 64  # measured at M = 64 only (one 64-row tile)
 TRITON_ROWWISE_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
     (6144, 4096): {"block_m": 64, "block_n": 64, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 5},
@@ -213,8 +212,8 @@ def gemm_path(
 
 def _cublas_blockwise_layout_ok(n: int, k: int) -> bool:
     """cuBLAS blockwise (torch 2.11, CUDA 13.0, H200) is silently wrong (-16 to -66 dB) when the weight
-    has more than one 128-row block and K / 128 is not a multiple of 4 (K = 128..768 except 512;
-    ``benchmarks/quant/diag_blockwise_scales.py``, RESULTS.md session 3); a padded scale stride is
+    has more than one 128-row block and K / 128 is not a multiple of 4 (K = 128..768 except 512,
+    found on an H200); a padded scale stride is
     refused by torch. Those shapes take the Triton kernel or the emulation instead."""
     return -(-n // 128) == 1 or (-(-k // 128)) % 4 == 0
 

@@ -76,8 +76,8 @@ _OUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.flo
 
 
 # launch configurations of the W8A16 kernel per (N, K); others use triton_gemm.DEFAULT_CONFIG. Best of
-# ``benchmarks/quant/bench_decode_gemm.py --tune`` for bf16 x at M = 64 on an H200 (RESULTS.md, session 4):
-# q/k/v 21.0, o 17.1, gate/up 62.5, down 44.6 us, i.e. 0.67-0.98x bf16's speed; the scheme is for memory.
+# ``benchmarks/quant/bench_decode_gemm.py --tune`` for bf16 x at M = 64 on an H200; slower than bf16
+# there (the scheme is for memory).
 _W8A16_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
     (6144, 4096): {"block_m": 64, "block_n": 64, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 3},
     (4096, 4096): {"block_m": 64, "block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 4},

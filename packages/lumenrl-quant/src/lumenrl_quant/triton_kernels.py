@@ -435,7 +435,7 @@ def fp8_quantize_blocks(
         raise ValueError(f"K={k} must be a multiple of block={block}")
     _require_pow2("block", block)
     cfg = _with({"impl": "2pass", "ng": 1, "rows": 64, "num_warps": 8, "num_stages": 3, "hints": 1, "tiles": 1,
-                 "k_first": 1}, config)  # H200 --tune (session 4: k_first 79.9% vs 77.4% of copy, one run)
+                 "k_first": 1}, config)  # H200 --tune (entry quantize)
     if cfg["impl"] not in ("tile", "2pass"):
         raise ValueError(f"config impl={cfg['impl']!r}; allowed: ['tile', '2pass']")
     _require_pow2("config ng", cfg["ng"])
@@ -520,8 +520,8 @@ def mx_quantize(
     emax, elem_max = _MX_PARAMS[elem_format]
     fp4 = elem_format == "e2m1"
     half = x.dtype in (torch.bfloat16, torch.float16)
-    # H200 --tune (session 3, 8192^2): MXFP8 2 x 2048 / 8 warps (101-105% of copy); MXFP4 words of bf16
-    # 4 x 1024 / 4 warps (92.7%; split 41%), of fp16 2 x 2048 / 8 warps (80.4%)
+    # H200 --tune at 8192^2 (entry quantize): MXFP8 2 x 2048 / 8 warps; MXFP4 words of bf16 4 x 1024 /
+    # 4 warps, of fp16 2 x 2048 / 8 warps
     words_bf16 = fp4 and x.dtype == torch.bfloat16 and (config or {}).get("impl", "words") == "words"
     cfg = _with({"impl": "words" if half else "split", "block_m": 4 if words_bf16 else 2,
                  "block_k": min(1024 if words_bf16 else 2048, _next_pow2(k)), "num_warps": 4 if words_bf16 else 8},

@@ -101,9 +101,9 @@ if triton is not None:
 
 
 def _silu_defaults(m: int, inter: int) -> dict:
-    # H200, Qwen3-8B (I = 12288), M = 64, bench_fused_mlp.py (RESULTS.md, session 6): one program per row
-    # with the row in registers 3.96 us (16 warps), split over 2-8 programs 4.2-7.1 us, inductor's three
-    # kernels 6.7 us. Fewer rows than that leave most multiprocessors idle: split them.
+    # H200, Qwen3-8B (I = 12288), M = 64, bench_fused_mlp.py: one program per row with the row in
+    # registers (16 warps) beat splitting it and inductor's three kernels. Fewer rows than that leave
+    # most multiprocessors idle: split them.
     if m >= 32:
         block = min(_next_pow2(inter), 16384)
         return {"block": block, "num_warps": 16 if block >= 8192 else 8 if block >= 2048 else 4, "split": 1}

@@ -18,6 +18,8 @@ __all__ = ["LocalController"]
 
 
 def _bound_method(worker: Any, method: str, group: WorkerGroup, rank: int):
+    if group.role is not None:  # an in-process RoleHost
+        worker = worker.roles[group.role]
     fn = getattr(worker, method, None)
     if fn is None or not callable(fn):
         raise AttributeError(

@@ -1,7 +1,7 @@
 """WorkerGroup: the ranks of one role (actor, ref, critic, rollout, reward, ...).
 
 For the local controller a rank is a plain in-process object; for the Ray controller it is an
-actor handle. ``group.call(method, *args, dispatch=mode)`` is shorthand for
+actor handle, or a role host (``role=...``: one process holding several roles). ``group.call(method, *args, dispatch=mode)`` is shorthand for
 ``controller.call(group, method, ...)`` with the group's controller (local by default).
 """
 
@@ -25,6 +25,7 @@ class WorkerGroup:
         name: str = "workers",
         controller: Any = None,
         worker_cls: type | None = None,
+        role: str | None = None,
     ) -> None:
         if not workers:
             raise ValueError(f"WorkerGroup {name!r} needs at least one worker, got an empty list")
@@ -32,6 +33,7 @@ class WorkerGroup:
         self.name = name
         self.controller = controller
         self.worker_cls = worker_cls or type(self.workers[0])  # remote handles: pass the worker class
+        self.role = role  # set: the workers are role hosts, a call runs ``worker.run(role, method, ...)``
 
     def declared_dispatch(self, method: str) -> str:
         """The dispatch mode ``method`` declared with ``@register`` on the worker class (else the default)."""

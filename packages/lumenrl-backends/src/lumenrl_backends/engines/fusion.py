@@ -450,9 +450,9 @@ def fuse_projections(
 
     ``fp8_mlp`` (opt-in): ``fp8_row`` SwiGLU MLPs run :func:`lumenrl_quant.fused_mlp.swiglu_mlp_fp8`
     (SiLU * up and the down projection's input quantization in the gate/up GEMM's epilogue, 1 x 128
-    group scales, every M); off keeps the per-token quantization between separate kernels. Measured
-    on the H200 (RESULTS.md, session 5): three fewer kernels per layer but a slower group-scaled down
-    GEMM, the same decode speed; hence not the default.
+    group scales, every M); off keeps the per-token quantization between separate kernels. Three
+    fewer kernels per layer but a slower group-scaled down GEMM: no faster decode on the GPU
+    (benchmarks/RESULTS.md, entry ``fused_mlp``); hence not the default.
 
     ``fp8_act_kernel`` (default on; when ``fp8_mlp`` is off or does not apply): ``fp8_row`` SwiGLU MLPs
     keep per-token scales and both GEMMs, and SiLU * up with the down input's quantization runs as one

@@ -34,8 +34,8 @@ V in tiles (``v_tile`` T > 0; the engine's opt-in ``kv_v_tiles``): ``values`` is
 column ``c`` of a head at ``[..., c // T, :, c % T]``. Each T-column block of a head is one contiguous
 (D, T) tile, so the kernel's p.v product reads V with the reduction dim (columns) contiguous: the
 layout the MMA wants for its B operand, which 8-bit rows cannot give (no 8-bit ``ldmatrix.trans``).
-Measured on the H200 (session 8): FP8 decode attention 23.0 -> 20.8 us per call at the 8B shape, but
-the decode step's V write scatters (one byte per D row), and whole 8B steps measured the same. Decode
+The attention call gets faster (benchmarks/RESULTS.md, entry ``attention``), but the decode step's V
+write scatters (one byte per D row), and whole 8B steps were no faster. Decode
 returns the tiles as stored (5-D) to the engine's attention; every other reader gets rows from
 :func:`value_rows`.
 
@@ -192,6 +192,9 @@ class _SlotLayer(CacheLayerMixin):
         return 0  # positions are always passed explicitly; there is no single length
 
     def get_max_length(self) -> int:
+        return self._owner.max_len
+
+    def get_max_cache_shape(self) -> int:  # transformers < 5.11 names get_max_length so (abstract there)
         return self._owner.max_len
 
     def reset(self) -> None:

@@ -358,7 +358,7 @@ class NativeEngine:
         if request.response[-1] in stops:
             request.finish_reason = STOP
         elif (
-            len(request.response) >= params.max_new_tokens
+            len(request.response) >= min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens)
             or self.slots.host_columns[slot] - lag >= self.max_seq_len
         ):
             request.finish_reason = LENGTH

@@ -6,7 +6,9 @@ right-padded with T = ``max_new_tokens``, ``input_ids``/``attention_mask``/``pos
 (B, P + T), non-tensor ``response_text``, ``finish_reason`` ("stop", "length", "interrupted"),
 with R3 recording ``routed_experts`` (B, P + T, L_moe, k) (:mod:`~lumenrl_backends.engines.routes`)
 and ``seed`` (the per-request sampling seed used; an input column ``sampling_seed`` sets it
-explicitly, otherwise row i gets ``sampling.seed + i``).
+explicitly, otherwise row i gets ``sampling.seed + i``). An optional input column
+``max_new_tokens`` caps a row's response below ``sampling.max_new_tokens`` (native engine;
+used by the long-tail benchmark).
 
 A batch returned with ``meta_info["interrupted"] = True`` is itself a valid input: rows whose
 ``finish_reason`` is "interrupted" continue from their partial response (keeping its tokens and
@@ -44,6 +46,7 @@ class Request:
     response: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # None while running; "interrupted" when cut short
+    max_new_tokens: int | None = None  # per-row cap (input column ``max_new_tokens``), None: the sampling's
     routes: Any = None  # R3: (context + response - 1, L_moe, k) int expert ids, when recorded
     route_probs: Any = None  # R3: (..., L_moe, E) router probabilities, with record_router_logits
 
@@ -120,6 +123,7 @@ def requests_from_batch(
     else:
         prompts, prompt_mask = batch.batch["input_ids"], batch.batch["attention_mask"]
         responses, log_probs, reasons = [[] for _ in range(rows)], [[] for _ in range(rows)], [None] * rows
+    caps = batch.non_tensor_batch.get("max_new_tokens")
     requests = [
         Request(
             index=i,
@@ -128,6 +132,7 @@ def requests_from_batch(
             response=list(r),
             log_probs=list(lp),
             finish_reason=reason if reason in (STOP, LENGTH) else None,
+            max_new_tokens=None if caps is None else int(caps[i]),
         )
         for i, (p, r, lp, reason) in enumerate(
             zip(_unpad(prompts, prompt_mask), responses, log_probs, reasons)

@@ -34,9 +34,9 @@ call at the 8B shape, ``bench_attention.py --space layouts``), so the engine doe
 What does pay in the kernel: V in (D, T) tiles, a 5-D ``(B, H_kv, L / T, D, T)`` tensor (the engine's
 opt-in ``kv_v_tiles``, :mod:`~lumenrl_backends.engines.kv_cache`): within a tile the columns are
 contiguous, so the p.v operand is K-major (what the MMA's B operand wants, no 8-bit transpose) and
-each tile is one contiguous 8 KB (FP8, T = 64) or 16 KB read. ``block_n`` must divide T. Session 8
-(H200, 8B shape, batch 64): FP8 23.0 us per call by rows, 20.8 us in 128-column tiles (``--space
-structure``); whole engine steps measured the same, since the decode write then scatters.
+each tile is one contiguous 8 KB (FP8, T = 64) or 16 KB read. ``block_n`` must divide T. Tiles make
+the call faster but whole engine steps no faster, since the decode write then scatters
+(benchmarks/RESULTS.md, entry ``attention``).
 Exposed as the custom op ``lumenrl::gqa_decode_attention`` (opaque to ``torch.compile``, safe
 inside CUDA-graph capture: no host sync, buffers from the caching allocator). Works in Triton's
 interpreter on CPU too (``TRITON_INTERPRET=1``), which the CPU tests use.
@@ -251,9 +251,8 @@ if triton is not None:
 # costs accuracy (2.6e-2 / 3.4e-2 relative error vs 1.7e-3) and measured no faster, so the engine never
 # turns it on by itself).
 # ``benchmarks/gpu/bench_attention.py --tune`` sweeps these on the GPU; see RESULTS.md.
-# H200, Qwen3-8B heads, batch 64, 384 of 512 columns (session 8, ``--space structure``, one job): bf16
-# cache 34.6 -> 30.2 us per call (k_trans + mask_ahead); FP8 cache 27.5 -> 23.0 us by rows (64 columns,
-# 2 warps, 3 stages, mask_ahead) and 20.8 us with V in (D, 128) tiles (the engine's FP8 layout).
+# Defaults: the fastest at Qwen3-8B heads, batch 64, 384 of 512 columns on an H200 (bf16: k_trans +
+# mask_ahead; FP8: 64 columns, 2 warps, 3 stages, mask_ahead); figures in RESULTS.md (entry attention).
 # ``config`` keys override the cache dtype's default.
 DEFAULT_CONFIG: dict[str, int] = {"block_n": 64, "chunk": 0, "num_warps": 4, "num_stages": 2, "k_trans": 1,
                                   "fp8_dots": 0, "mask_ahead": 1}

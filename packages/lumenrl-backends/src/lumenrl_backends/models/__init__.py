@@ -2,6 +2,7 @@
 
 from lumenrl_backends.models.builtin import (
     BUILTIN_PREFIX,
+    builtin_key,
     builtin_names,
     is_builtin,
     load_model_and_tokenizer,
@@ -18,6 +19,7 @@ __all__ = [
     "FAMILIES",
     "build_char_tokenizer",
     "build_tiny_model",
+    "builtin_key",
     "builtin_names",
     "is_builtin",
     "load_model_and_tokenizer",

@@ -2,18 +2,21 @@
 
 A built-in name (``lumenrl:tiny-qwen3-arith``, ``lumenrl:tiny-<family>``) is materialised once
 as an ordinary checkpoint: config from ``AutoConfig``, seeded random weights, the local char
-tokenizer, all written with ``save_pretrained`` under ``$LUMENRL_CACHE/<name>`` (default
-``~/.cache/lumenrl/models/<name>``). The directory is built under a temporary name and renamed
-into place, so a crashed or concurrent build never leaves a half-written model behind. After
-that it loads exactly like a user's checkpoint, always with ``local_files_only=True``.
+tokenizer, all written with ``save_pretrained`` under ``$LUMENRL_CACHE/<name>/<key>`` (default
+``~/.cache/lumenrl/models/<name>/<key>``). ``key`` hashes the builder's settings, the source of
+the modules that build it (this one, ``tiny``, ``tokenizer``, ``cache``) and the torch /
+transformers versions, so a code change builds a new model instead of reusing an old one; an
+entry that fails its checks (see :mod:`lumenrl_backends.models.cache`) is rebuilt. The directory
+is built under a temporary name and renamed into place, so a crashed or concurrent build never
+leaves a half-written model behind. After that it loads exactly like a user's checkpoint,
+always with ``local_files_only=True``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,10 +25,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from lumenrl_backends.models import cache, tiny
+from lumenrl_backends.models import tokenizer as char_tokenizer
 from lumenrl_backends.models.tiny import FAMILIES, build_tiny_model
 
 __all__ = [
     "BUILTIN_PREFIX",
+    "builtin_key",
     "builtin_names",
     "is_builtin",
     "model_cache_dir",
@@ -48,6 +54,12 @@ _ARITH_OVERRIDES: dict[str, Any] = {
     "max_position_embeddings": 256,
     "initializer_range": 0.02,
 }
+
+
+def builtin_key(short_name: str) -> str:
+    """Cache key of a built-in: its name and settings, the builders' source, torch/transformers versions."""
+    material = {"name": short_name, "arith": _ARITH_OVERRIDES, "seed": 0}
+    return cache.artifact_key(material, [sys.modules[__name__], tiny, char_tokenizer, cache])
 
 
 def _builders() -> dict[str, Callable[[Path], Path]]:
@@ -94,22 +106,13 @@ def _materialise(short_name: str) -> Path:
             f"model_name={BUILTIN_PREFIX + short_name!r} is not a built-in model; "
             f"built-ins are {', '.join(builtin_names())}"
         )
-    target = model_cache_dir() / short_name
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{short_name}.", dir=target.parent))
-    try:
+    key = builtin_key(short_name)
+
+    def build(staging: Path) -> None:
         with _quiet_progress():
             builders[short_name](staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # lost a race only if the winner finished
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+    return cache.build_entry(model_cache_dir() / short_name / key, key, build, {"name": short_name})
 
 
 def resolve_model_path(name: str) -> str:

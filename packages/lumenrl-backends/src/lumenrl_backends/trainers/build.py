@@ -2,7 +2,7 @@
 
 Plugins that read the run config are built with ``Cls.from_config``; pure-math plugins with the
 plan's ``build_*`` helpers. Roles, each a worker group on the plan's controller (``local``: in
-this process): ``actor`` (always), ``ref`` (a frozen copy of the initial policy, only when a KL
+this process; ``ray``: Ray actors, see :mod:`.placement`): ``actor`` (always), ``ref`` (a frozen copy of the initial policy, only when a KL
 term is used), ``critic`` (``critic.enabled``); then the rollout engine (its
 own copy of the policy, synced after every update), the reward scorer, the train loader and the
 greedy evaluator. Loggers are built after a resume point is known (see ``make_loggers``).
@@ -19,14 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from lumenrl_backends.controllers.worker_group import WorkerGroup
-from lumenrl_backends.models import is_builtin, load_model_and_tokenizer, resolve_model_path
+from lumenrl_backends.models import is_builtin, resolve_model_path
 from lumenrl_backends.trainers.data import EVAL_TASK_SEED, make_loader, split_records
 from lumenrl_backends.trainers.evaluation import Evaluator
 from lumenrl_backends.trainers.outputs import write_run_record
+from lumenrl_backends.trainers.placement import local_roles, ray_roles
 from lumenrl_backends.trainers.scoring import Scorer
 from lumenrl_backends.training import distributed as dist_utils
-from lumenrl_backends.workers import ActorWorker, CriticWorker, RefWorker
 
 __all__ = ["TrainerParts", "build_parts", "seed_everything", "needs_reference"]
 
@@ -70,6 +69,10 @@ class TrainerParts:
     logger_classes: dict[str, type] = field(default_factory=dict)
     loggers: list[Any] = field(default_factory=list)
     is_main: bool = True  # rank 0: the only rank that logs, prints and writes run files
+    sync: Callable[[int], dict[str, float]] | None = None  # actor weights -> rollout engine(s), as a version
+    release_rollout: Callable[[], dict[str, float]] = field(default=lambda: {})  # colocated: free KV cache
+    close: Callable[[], None] = field(default=lambda: None)  # stop worker processes (ray)
+    placement: dict[str, Any] = field(default_factory=dict)  # where the roles run (run record)
 
     def make_loggers(self, resume_step: int | None) -> None:
         """Instantiate ``logger.backends``; a resumed jsonl log drops records after ``resume_step``."""
@@ -109,35 +112,6 @@ def _policy_path(plan: Any, log: Callable[[str], None]) -> str:
     from lumenrl_backends.sft import warm_start
 
     return warm_start(cfg, base, plan.training_backend_cls, log=log)
-
-
-def _worker_groups(plan: Any, model_path: str) -> dict[str, WorkerGroup | None]:
-    """One rank-local worker per role, driven through the plan's controller."""
-    cfg, cls = plan.config, plan.training_backend_cls
-    controller = plan.controller_cls.from_config(cfg)
-
-    def group(worker_cls: type, path: str) -> WorkerGroup:
-        worker = worker_cls.from_config(cfg, model_path=path, backend_cls=cls)
-        return WorkerGroup([worker], name=worker_cls.role, controller=controller)
-
-    critic_path = resolve_model_path(cfg.critic.model_name) if cfg.critic.model_name else model_path
-    return {
-        "actor": group(ActorWorker, model_path),
-        "ref": group(RefWorker, model_path) if needs_reference(cfg) else None,
-        "critic": group(CriticWorker, critic_path) if cfg.critic.enabled else None,
-    }
-
-
-def _engine(plan: Any, model_path: str) -> tuple[Any, Any]:
-    cfg = plan.config
-    model, tokenizer = load_model_and_tokenizer(
-        model_path,
-        dtype=cfg.policy.dtype,
-        device=_device(cfg),
-        tokenizer_name=cfg.policy.tokenizer_name,
-        trust_remote_code=cfg.policy.trust_remote_code,
-    )
-    return plan.rollout_engine_cls.from_config(cfg, model=model, tokenizer=tokenizer), tokenizer
 
 
 def _device(cfg: Any) -> torch.device:
@@ -181,8 +155,11 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def build_parts(plan: Any, log: Callable[[str], None] = print) -> TrainerParts:
-    """Load models and data for ``plan`` (seeded by ``plan.config.seed``)."""
+def build_parts(
+    plan: Any, log: Callable[[str], None] = print, *, model_path_out: list[str] | None = None
+) -> TrainerParts:
+    """Load models and data for ``plan`` (seeded by ``plan.config.seed``); ``model_path_out``
+    receives the (warm-started) policy path, for a rollout engine built in another process."""
     cfg = plan.config
     _quiet_transformers()
     if _device(cfg).type == "cpu" and cfg.trainer.cpu_threads > 0:
@@ -193,9 +170,11 @@ def build_parts(plan: Any, log: Callable[[str], None] = print) -> TrainerParts:
     if is_main:
         write_run_record(cfg.trainer.output_dir, cfg, plan.describe())
     model_path = _policy_path(plan, log if is_main else _silent)
+    if model_path_out is not None:
+        model_path_out.append(model_path)
     seed_everything(cfg.seed)
-    groups = _worker_groups(plan, model_path)
-    engine, tokenizer = _engine(plan, model_path)
+    roles = (ray_roles if cfg.controller.name == "ray" else local_roles)(plan, model_path)
+    tokenizer = roles.tokenizer
     train_records, eval_records = split_records(cfg)
     r = cfg.policy.rollout
     scorer = Scorer(
@@ -209,10 +188,14 @@ def build_parts(plan: Any, log: Callable[[str], None] = print) -> TrainerParts:
     return TrainerParts(
         config=cfg,
         tokenizer=tokenizer,
-        actor=groups["actor"],
-        ref=groups["ref"],
-        critic=groups["critic"],
-        engine=engine,
+        actor=roles.actor,
+        ref=roles.ref,
+        critic=roles.critic,
+        engine=roles.engine,
+        sync=roles.sync,
+        release_rollout=roles.release_rollout,
+        close=roles.close,
+        placement=roles.placement,
         scorer=scorer,
         estimator=plan.build_adv_estimator(),
         policy_loss=plan.build_policy_loss(),

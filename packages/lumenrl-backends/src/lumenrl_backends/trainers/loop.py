@@ -16,6 +16,8 @@ uninterrupted one step for step.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,8 +33,7 @@ from lumenrl_backends.trainers.metrics import (
     train_tokens,
 )
 from lumenrl_backends.trainers.outputs import write_summary
-from lumenrl_backends.trainers.rollout import broadcast_from_rank0, collect_rollouts
-from lumenrl_backends.trainers.sync import sync_weights
+from lumenrl_backends.trainers.rollout import collect_rollouts
 from lumenrl_backends.trainers.update import (
     actor_loss_fn,
     apply_kl_in_reward,
@@ -128,8 +129,10 @@ class RLTrainer:
         timer, cfg = PhaseTimer(), self.config
         rollout = self._score_and_generate(step)
         timer.add("generate", rollout.generate_s)
-        batch = _trim_to_mini_batches(broadcast_from_rank0(rollout.batch), cfg)
+        # data-parallel rollout: every rank / the driver holds the whole gathered batch
+        batch = _trim_to_mini_batches(rollout.batch, cfg)
         metrics = dict(rollout.metrics)
+        metrics.update(self.parts.release_rollout())  # colocated: the engines' KV cache freed for training
         if len(batch):
             metrics.update(batch_metrics(batch, cfg.policy.rollout.max_new_tokens))
             self._compute_log_probs(batch, timer)
@@ -161,15 +164,13 @@ class RLTrainer:
         trainer_state, loader_state = CheckpointManager.load(latest, backends=self._backends())
         self.parts.train_loader.load_state_dict(loader_state)
         self.step = int(trainer_state["step"])
+        self.parts.announce(f"resumed from step {self.step} of {self.total_steps}: checkpoint {latest}")
         self.eval_before = dict(trainer_state.get("eval_before", {}))
         self.history = {k: list(v) for k, v in trainer_state.get("history", {}).items()}
         self._sync(self.step)
 
     def _sync(self, version: int) -> dict[str, float]:
-        actor_backend = self.parts.actor[0].backend  # colocated: this process's actor worker
-        return sync_weights(
-            actor_backend, self.parts.engine, version, bucket_size_mb=self.config.weight_sync.bucket_size_mb
-        )
+        return self.parts.sync(version)  # in process, per colocated rank, or over the weight channel
 
     def _backends(self) -> dict[str, Any]:
         roles = {"actor": _GroupCheckpoint(self.parts.actor)}
@@ -223,16 +224,15 @@ class RLTrainer:
                 bar.set_postfix(reward=f"{metrics.get('reward/mean', math.nan):.3f}")
                 if _due(cfg.checkpointing, step, self.total_steps):
                     self._save(step)
+            return self._finish()
         finally:
             bar.close()
             for logger in self.parts.loggers:
                 logger.close()
-        return self._finish()
+            self.parts.close()  # ray: the worker actors stop with the run
 
     def _finish(self) -> dict[str, Any]:
         cfg, out = self.config, Path(self.config.trainer.output_dir)
-        if cfg.checkpointing.export_hf:
-            self.parts.actor.call("save_hf", str(out / "final"), tokenizer=self.parts.tokenizer)
         rewards = self.history.get("reward/mean", [])
         summary = {
             "steps": self.step,
@@ -244,8 +244,14 @@ class RLTrainer:
             "eval_after": self.eval_after,
             "output_dir": str(out),
         }
-        if self.parts.is_main:
+        if self.parts.is_main:  # before the export: a kill during it keeps the final evaluation
             write_summary(out, summary)
+        if cfg.checkpointing.export_hf:  # staged, then renamed: final/ is whole or the previous one
+            staging = out / ".final.staging"
+            self.parts.actor.call("save_hf", str(staging), tokenizer=self.parts.tokenizer)
+            if self.parts.is_main:
+                shutil.rmtree(out / "final", ignore_errors=True)
+                os.replace(staging, out / "final")
         self.parts.announce(_fmt_summary(summary))
         return summary
 

@@ -33,7 +33,6 @@ __all__ = [
     "collect_rollouts",
     "keep_first_groups",
     "concat_rounds",
-    "broadcast_from_rank0",
 ]
 
 # Keys of the sampling config the engine reads (``n`` is applied here, by repetition).
@@ -192,23 +191,3 @@ def concat_rounds(batches: list[DataProto], pad_token_id: int = 0) -> DataProto:
     width_p = max(b.batch["prompts"].shape[1] for b in parts)
     width_t = max(b.batch["responses"].shape[1] for b in parts)
     return DataProto.concat([_align(b, width_p, width_t, pad_token_id) for b in parts])
-
-
-def broadcast_from_rank0(batch: DataProto) -> DataProto:
-    """Under torchrun every rank generates; training must see ONE batch, so rank 0's wins.
-
-    Sampling is seeded identically on every rank, but GPU kernels are not bit-deterministic
-    across devices, so sampled tokens could differ; the (small) rollout batch is broadcast.
-    A no-op in a single process.
-    """
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return batch
-    payload = [
-        {"batch": {k: v.cpu() for k, v in batch.batch.items()}, "non_tensor": batch.non_tensor_batch,
-         "meta": batch.meta_info, "rows": len(batch)}
-    ]
-    dist.broadcast_object_list(payload, src=0)
-    got = payload[0]
-    return DataProto(got["batch"], got["non_tensor"], got["meta"], batch_size=got["rows"])

@@ -50,10 +50,16 @@ def _hf_cache_config(repo_id: str) -> Path | None:
 
 
 def _builtin_cache_config(model_name: str) -> Path | None:
-    """A built-in ``lumenrl:<name>`` already materialised under ``$LUMENRL_CACHE/<name>``."""
+    """A built-in ``lumenrl:<name>`` already materialised under ``$LUMENRL_CACHE/<name>/<key>``.
+
+    The key (which hashes the building code) is computed by lumenrl-backends; here the newest
+    complete build (one with its ``lumenrl-build.json`` manifest) stands for the model's shape.
+    """
     root = os.environ.get("LUMENRL_CACHE") or os.path.join("~", ".cache", "lumenrl", "models")
-    path = Path(root).expanduser() / model_name.removeprefix("lumenrl:") / "config.json"
-    return path if path.is_file() else None
+    base = Path(root).expanduser() / model_name.removeprefix("lumenrl:")
+    found = [p / "config.json" for p in base.glob("*") if (p / "lumenrl-build.json").is_file()]
+    found = [p for p in found if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
 def find_local_config(model_name: str) -> Path | None:

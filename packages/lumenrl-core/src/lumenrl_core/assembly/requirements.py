@@ -74,6 +74,8 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
     if cfg.moe.r3.enabled:
         needs.append(Need("rollout_engine", "route_recording", "moe.r3.enabled", True))
         needs.append(Need("training_backend", "route_replay", "moe.r3.enabled", True))
+    if cfg.async_training.enabled:
+        needs.append(Need("trainer", "async", "async_training.enabled", True))
     if cfg.async_training.partial_rollout:
         needs.append(Need("rollout_engine", "interrupt_resume", "async_training.partial_rollout", True))
     if cfg.trainer.name == "sddd":

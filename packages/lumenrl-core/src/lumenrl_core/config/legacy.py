@@ -9,7 +9,7 @@ logs one note (once per key and process) naming the current key(s), e.g.::
     note: 'policy.generation_backend' (original LumenRL key) read as policy.rollout_engine='native'
 
 Per-role Ray groups (``controller.ray.<role>.{dispatch_mode, num_workers, ...}``) move under
-``controller.ray.roles.<role>``, which is refused until the Ray controller builds them.
+``controller.ray.roles.<role>`` (checked at load: config/rules.py ``_check_ray_roles``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ log = logging.getLogger("lumenrl.config")
 Getter = Callable[[str], Any]
 Handler = Callable[[Any, Getter], dict[str, Any]]
 _NOTED: set[str] = set()
-_RAY_FIELDS = ("address", "colocate", "num_cpus_per_worker", "roles", "enabled")
+_RAY_FIELDS = ("address", "colocate", "num_cpus_per_worker", "roles", "enabled", "num_workers", "rollout_workers",
+               "num_gpus_per_worker", "placement_strategy", "release_rollout_memory")
 
 
 class _Bad(Exception):

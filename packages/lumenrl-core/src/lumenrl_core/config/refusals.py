@@ -14,20 +14,8 @@ from lumenrl_core.config.errors import ConfigError
 
 __all__ = ["NOT_YET_BUILT", "refusal_errors"]
 
-_ASYNC = "async training lands with the async_rl trainer (issue #18); not available in this version"
-_RAY = "multi-node / per-role Ray workers land with the Ray controller; not available in this version"
-
 # dotted key -> why a non-default value is refused (delete an entry when its feature lands)
 NOT_YET_BUILT: dict[str, str] = {
-    "async_training.enabled": _ASYNC,
-    "async_training.staleness_threshold": _ASYNC,
-    "async_training.trigger_parameter_sync_step": _ASYNC,
-    "async_training.require_batches": _ASYNC,
-    "async_training.partial_rollout": _ASYNC,
-    "async_training.queue_size": _ASYNC,
-    "cluster.num_nodes": _RAY,
-    "controller.ray.colocate": _RAY + " (only colocated workers exist: colocate=true)",
-    "controller.ray.roles": _RAY,
 }
 
 

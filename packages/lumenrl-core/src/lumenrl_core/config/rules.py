@@ -177,6 +177,46 @@ def _check_r3(cfg: s.R3Config, key: str, source: Callable[[str], str | None]) ->
                           allowed="true (or replay_mode: hard_assignment)", source=source(k))
 
 
+_DISPATCH_MODES = ("dp_compute_proto", "dp_compute", "dp_compute_proto_with_func", "dp_compute_metric",
+                   "one_to_all", "all_to_all", "rank_zero")
+# the modes a role's batch method (compute_log_prob, compute_ref_log_prob, compute_values, generate) can
+# take and still return one batch: training roles run a collective forward on every rank (dp only);
+# a rollout group may also let replica 0 alone generate the whole batch
+_ROLE_MODES = {"actor": ("dp_compute_proto",), "ref": ("dp_compute_proto",), "critic": ("dp_compute_proto",),
+               "rollout": ("dp_compute_proto", "rank_zero")}
+_ROLE_KEYS = ("dispatch_mode", "num_workers")
+
+
+def _check_ray_roles(cfg: s.RayConfig, key: str, source: Callable[[str], str | None]) -> None:
+    """``controller.ray.roles.<role>.{dispatch_mode, num_workers}``: known roles/keys, modes normalized
+    (``broadcast`` -> ``one_to_all``), ``direct_rollout_method`` refused, worker counts consistent."""
+    for role, spec in cfg.roles.items():
+        rk = join_key(key, f"roles.{role}")
+        if role not in _ROLE_MODES:
+            raise ConfigError(rk, spec, problem="unknown role", allowed=", ".join(_ROLE_MODES), source=source(rk))
+        if not isinstance(spec, dict) or set(spec) - set(_ROLE_KEYS):
+            raise ConfigError(rk, spec, problem="a role takes only these keys", allowed=", ".join(_ROLE_KEYS),
+                              source=source(rk))
+        if "dispatch_mode" in spec:
+            mk, mode = f"{rk}.dispatch_mode", {"broadcast": "one_to_all"}.get(spec["dispatch_mode"], spec["dispatch_mode"])
+            if mode == "direct_rollout_method":
+                raise ConfigError(mk, mode, problem="refused: it bypasses the controller's dispatch",
+                                  allowed=", ".join(_ROLE_MODES[role]), source=source(mk))
+            if mode not in _DISPATCH_MODES or mode not in _ROLE_MODES[role]:
+                alias = " (broadcast is read as one_to_all)" if spec["dispatch_mode"] == "broadcast" else ""
+                raise ConfigError(mk, spec["dispatch_mode"], problem=f"not a dispatch mode the {role} batch method "
+                                  f"can take{alias}; it must return one batch",
+                                  allowed=", ".join(_ROLE_MODES[role]), source=source(mk))
+            spec["dispatch_mode"] = mode
+        if "num_workers" in spec:
+            nk, n = f"{rk}.num_workers", spec["num_workers"]
+            want = cfg.rollout_workers or cfg.num_workers if role == "rollout" else cfg.num_workers
+            if not isinstance(n, int) or n != want:
+                field_name = "rollout_workers" if role == "rollout" else "num_workers"
+                raise ConfigError(nk, n, problem=f"must equal controller.ray.{field_name} (roles share its pool)",
+                                  allowed=str(want), source=source(nk))
+
+
 def _check_exact_logprobs(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
     """policy.rollout.exact_logprobs: both sides must run the same full-precision batch-invariant kernels."""
     rollout = cfg.policy.rollout
@@ -208,6 +248,7 @@ CROSS_CHECKS: dict[type, Callable[[Any, str, Callable[[str], str | None]], None]
     s.OptimConfig: _check_betas,
     s.RolloutCorrectionConfig: _check_mask_band,
     s.R3Config: _check_r3,
+    s.RayConfig: _check_ray_roles,
     s.RunConfig: _check_exact_logprobs,
 }
 

@@ -179,8 +179,8 @@ class RolloutQuantConfig:
     skip_last_n_layers: int = 0
     quantize_lm_head: bool = False  # also the (untied) output head: faster decode, FP8 rounding in the logits
     # fp8_row SwiGLU MLPs: SiLU * up and the down input's FP8 quantization (1 x 128 group scales) in the gate/up
-    # GEMM's epilogue (lumenrl_quant.fused_mlp). Off by default: same decode speed on the H200 (8B b64: 14,294 vs
-    # 14,400 tok/s, benchmarks/RESULTS.md session 5), slightly lower KL; off = per-token scales, separate kernels
+    # GEMM's epilogue (lumenrl_quant.fused_mlp). Off by default: no faster decode on the H200 (figures: benchmarks/RESULTS.md,
+    # entry fused_mlp), slightly lower KL; off = per-token scales, separate kernels
     fuse_mlp: bool = False
     kv_cache_dtype: str = field(default="auto", metadata=choices("auto", "fp8"))
     kv_scale_recalibration: bool = True  # recompute KV scales after every weight sync
@@ -264,21 +264,29 @@ class WeightSyncConfig:
 
 @dataclass(kw_only=True, slots=True)
 class AsyncTrainingConfig:
+    # Read by trainer.name=async_rl (docs/decisions/0012-async-rl.md); with trainer.name=rl,
+    # enabled=true is refused by assembly.
     enabled: bool = False
-    staleness_threshold: float = 0.0
-    trigger_parameter_sync_step: int = 1
-    require_batches: int = 1
-    partial_rollout: bool = False
-    queue_size: int = 0  # 0: derived from the staleness bound
+    staleness_threshold: float = field(default=0.0, metadata={"ge": 0})  # extra window fraction produced ahead
+    trigger_parameter_sync_step: int = field(default=1, metadata={"ge": 1})  # local updates per weight sync
+    require_batches: int = field(default=1, metadata={"ge": 1})  # mini-batches per local update
+    partial_rollout: bool = False  # interrupt in-flight sequences at a sync, resume under the new weights
+    queue_size: int = field(default=0, metadata={"ge": 0})  # samples; 0: window capacity + one window
+    recompute_proximal_log_probs: bool = True  # decoupled PPO: old_log_probs = current policy before update
 
 
 @dataclass(kw_only=True, slots=True)
 class RayConfig:
     address: str = ""  # empty: start a local Ray; "auto": join a running cluster
-    colocate: bool = True
+    colocate: bool = True  # true: roles share one actor per rank; false: separate rollout pool (disaggregated)
+    num_workers: int = field(default=1, metadata={"ge": 1})  # training ranks (one Ray actor each)
+    rollout_workers: int = field(default=0, metadata={"ge": 0})  # disaggregated rollout replicas; 0: num_workers
     num_cpus_per_worker: float = 1.0
-    # per-role worker groups (original LumenRL: controller.ray.<role>.{dispatch_mode, num_workers, ...});
-    # not built yet: refused unless empty (config/refusals.py)
+    num_gpus_per_worker: float = field(default=0.0, metadata={"ge": 0})  # 0: CPU actors (gloo)
+    placement_strategy: str = field(default="PACK", metadata=choices("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+    release_rollout_memory: bool = True  # colocated: free the engine KV cache while training runs
+    # per-role groups (original LumenRL: controller.ray.<role>.{dispatch_mode, num_workers}); roles
+    # actor/ref/critic/rollout; checked and normalized at load (config/rules.py _check_ray_roles)
     roles: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -308,6 +316,9 @@ class TrainerConfig:
     warm_start_sft_lr: float = field(default=3e-3, metadata={"gt": 0})  # constant lr of the warm-start SFT
     warm_start_sft_batch_size: int = field(default=64, metadata={"ge": 1})  # examples per SFT step
     cpu_threads: int = field(default=0, metadata={"ge": 0})  # torch intra-op threads when on CPU; 0 = torch default
+    # output_dir holding another config's run (its config.yaml differs): refused unless true, which first
+    # removes that run's outputs (the same config: resumed with checkpointing.resume=true, else replaced)
+    overwrite: bool = False
 
 
 @dataclass(kw_only=True, slots=True)

@@ -5,7 +5,8 @@ with several mistakes reports every one at once. Two groups:
 
 - meaning (pure functions of the config): non-finite numbers, batch sizes that skip or trim rows,
   GRPO-style group size < 2, sampling temperature, dual-clip constant, rollout precision vs scheme,
-  overlong buffer vs max_new_tokens, an engine that is not installed;
+  overlong buffer vs max_new_tokens, an engine that is not installed, async_training keys outside
+  the async_rl trainer;
 - machine (``machine=True``): model/tokenizer names that resolve to nothing here (no network is
   tried: a local directory, a built-in ``lumenrl:`` name, or a Hugging Face id already in the local
   HF cache), and a device the machine lacks (CUDA probed through the driver library, no torch).
@@ -173,7 +174,27 @@ def _device(cfg: RunConfig, src: Source) -> list[ConfigError]:
     return []
 
 
-MEANING_CHECKS = (_non_finite, _batches, _sampling, _quant, _engine)
+_ASYNC_KEYS = ("staleness_threshold", "trigger_parameter_sync_step", "require_batches", "partial_rollout",
+               "queue_size", "recompute_proximal_log_probs")
+
+
+def _async(cfg: RunConfig, src: Source) -> list[ConfigError]:
+    """async_training.* is read by trainer.name=async_rl only: elsewhere a set key would be ignored."""
+    a, trainer = cfg.async_training, cfg.trainer.name
+    if a.enabled and trainer != "async_rl":
+        return [_err(src, "async_training.enabled", True, f"trainer.name={trainer!r} is synchronous and would "
+                     "ignore it", "false, or trainer.name=async_rl")]
+    if trainer == "async_rl" and not a.enabled:
+        return [_err(src, "trainer.name", trainer, "async_rl needs async_training.enabled=true", "true")]
+    if a.enabled:
+        return []
+    default = type(a)()
+    return [_err(src, f"async_training.{k}", getattr(a, k), "has no effect unless async_training.enabled=true "
+                 "(trainer.name=async_rl)", f"{getattr(default, k)!r} (the default)")
+            for k in _ASYNC_KEYS if getattr(a, k) != getattr(default, k)]
+
+
+MEANING_CHECKS = (_non_finite, _batches, _sampling, _quant, _engine, _async)
 MACHINE_CHECKS = (_models, _device)
 
 

@@ -37,7 +37,7 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
         "hf": _BACKENDS,
         "vllm": "lumenrl-backends[vllm]",
         "sglang": "lumenrl-backends[sglang]",
-        "atom": "lumenrl-backends[amd]",
+        "atom": _BACKENDS,  # the adapter; ATOM itself is built from source on ROCm (its probe says so)
     },
     "advantage_estimators": {n: "lumenrl-core" for n in ("grpo", "drgrpo", "rloo", "gae")},
     "policy_losses": {"ppo_clip": "lumenrl-core"},

@@ -1,0 +1,138 @@
+"""Async RL vs the synchronous trainer under long-tail response lengths.
+
+Every prompt group gets a response length drawn from a lognormal (median ``median`` tokens,
+capped at 8x the median) through the native engine's per-row ``max_new_tokens`` column, with
+``ignore_eos`` so the lengths are exactly the drawn ones; the draws depend only on (seed,
+prompt batch index), so every mode sees the same lengths for the same prompts. Same model, same
+number of steps and samples per step for every mode; measured: wall time of ``fit()`` to N
+steps (model loads excluded), trained samples/s, and the reward curve (``reward/mean`` per step).
+
+Modes: ``sync`` (trainer.name=rl) and the four async presets (on-policy, stream off-policy,
+stale, partial rollout), the rollouter sharing the process and device with the trainer
+(``weight_sync.method=inprocess``).
+
+    python -m benchmarks.async_rl.long_tail            # CPU, the smoke shapes
+    python -m benchmarks.async_rl.long_tail --gpu      # one GPU: rollouter and trainer share it
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+MODES = {
+    "sync": "grpo_dense_bf16.yaml",
+    "onpolicy": "grpo_async_onpolicy.yaml",
+    "stream": "grpo_async_stream.yaml",
+    "stale": "grpo_async_stale.yaml",
+    "partial": "grpo_async_partial.yaml",
+}
+
+
+def long_tail_lengths(rng: np.random.Generator, rows: int, median: int, sigma: float = 1.0) -> np.ndarray:
+    """Lognormal lengths with the given median, clipped to [1, 8 * median]."""
+    lengths = np.exp(np.log(median) + sigma * rng.standard_normal(rows))
+    return np.clip(np.rint(lengths), 1, 8 * median).astype(np.int64)
+
+
+def _with_lengths(loader: Any, median: int, seed: int) -> None:
+    """Wrap ``loader.next_batch``: each prompt batch gets a ``max_new_tokens`` column."""
+    original, counter = loader.next_batch, [0]
+
+    def next_batch():
+        batch = original()
+        counter[0] += 1
+        rng = np.random.default_rng([seed, counter[0]])
+        batch["max_new_tokens"] = long_tail_lengths(rng, len(batch), median)
+        return batch
+
+    loader.next_batch = next_batch
+
+
+def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: Path, extra: tuple[str, ...]) -> dict:
+    from lumenrl_backends.loggers import read_metrics
+    from lumenrl_core.assembly import plan_run
+    from lumenrl_core.config import load_config
+
+    overrides = [f"trainer.output_dir={out}", "logger.progress_bar=false", "logger.backends=[jsonl]",
+                 "eval.enabled=false", f"num_training_steps={steps}", f"dataset.train_batch_size={prompts}",
+                 f"policy.rollout.n={n}", f"policy.rollout.max_new_tokens={8 * median}",
+                 "policy.rollout.ignore_eos=true", f"policy.rollout.max_batch_size={max(256, 2 * prompts * n)}", *extra]
+    plan = plan_run(load_config(REPO / "configs" / MODES[mode], overrides))
+    trainer = plan.trainer_cls.from_plan(plan)
+    _with_lengths(trainer.parts.train_loader, median, seed=trainer.config.seed)
+    start = time.perf_counter()
+    trainer.fit()
+    wall = time.perf_counter() - start
+    records = read_metrics(out)
+    samples = steps * prompts * n
+    return {"wall_s": wall, "samples_per_s": samples / wall,
+            "reward": [round(r["reward/mean"], 4) for r in records],
+            "staleness_max": max((r.get("async/staleness_max", 0.0) for r in records), default=0.0),
+            "response_length_mean": sum(r["response_length/mean"] for r in records) / len(records),
+            "dropped_stale": records[-1].get("async/dropped_stale", 0.0),
+            "partial_rollouts": records[-1].get("async/partial_rollouts_total", 0.0),
+            "trainer_idle": records[-1].get("async/trainer_idle_ratio", float("nan"))}
+
+
+def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = None) -> dict:
+    """``fn(smoke) -> dict``: samples/s and time to N steps per mode, and each speed-up vs sync."""
+    if gpu and not smoke:
+        shape = {"steps": 8, "prompts": 32, "n": 8, "median": 64}
+        extra: tuple[str, ...] = ("cluster.device=cuda", "trainer.warm_start_sft_steps=50")
+    elif smoke:
+        shape, extra = {"steps": 2, "prompts": 4, "n": 4, "median": 4}, ("trainer.warm_start_sft_steps=0",)
+    else:
+        shape, extra = {"steps": 6, "prompts": 8, "n": 4, "median": 8}, ("trainer.warm_start_sft_steps=0",)
+    modes = modes or (("sync", "partial") if smoke else tuple(MODES))
+    if modes[0] != "sync":
+        modes = ("sync", *[m for m in modes if m != "sync"])
+    results: dict[str, Any] = {"shape": " ".join(f"{k}={v}" for k, v in shape.items())}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("LUMENRL_CACHE", str(Path(tmp) / "cache"))
+        for mode in modes:
+            got = run_mode(mode, out=Path(tmp) / mode, extra=extra, **shape)
+            results[f"{mode}/samples_per_s"] = round(got["samples_per_s"], 3)
+            results[f"{mode}/time_to_n_steps_s"] = round(got["wall_s"], 3)
+            results[f"{mode}/reward_last"] = got["reward"][-1]
+            results[f"{mode}/reward_curve"] = " ".join(f"{r:.3f}" for r in got["reward"])
+            results[f"{mode}/staleness_max"] = got["staleness_max"]
+            results[f"{mode}/response_length_mean"] = round(got["response_length_mean"], 2)
+            results[f"{mode}/dropped_stale"] = got["dropped_stale"]
+            results[f"{mode}/partial_rollouts"] = got["partial_rollouts"]
+    for mode in modes[1:]:
+        results[f"{mode}/speedup_vs_sync"] = round(results[f"{mode}/samples_per_s"] / results["sync/samples_per_s"], 3)
+    return results
+
+
+def bench_gpu(smoke: bool) -> dict:
+    return bench(smoke, gpu=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--modes", default="", help="comma-separated subset of: " + ", ".join(MODES))
+    args = parser.parse_args()
+    results = bench(args.smoke, gpu=args.gpu, modes=tuple(args.modes.split(",")) if args.modes else None)
+    print(f"{'mode':<10}{'samples/s':>12}{'time to N (s)':>15}{'speed-up':>10}{'resp len':>10}{'stale drop':>11}"
+          f"{'partial':>9}  reward curve")
+    for mode in MODES:
+        if f"{mode}/samples_per_s" in results:
+            print(f"{mode:<10}{results[f'{mode}/samples_per_s']:>12.2f}{results[f'{mode}/time_to_n_steps_s']:>15.2f}"
+                  f"{results.get(f'{mode}/speedup_vs_sync', 1.0):>10.2f}{results[f'{mode}/response_length_mean']:>10.1f}"
+                  f"{results[f'{mode}/dropped_stale']:>11.0f}{results[f'{mode}/partial_rollouts']:>9.0f}"
+                  f"  {results[f'{mode}/reward_curve']}")
+    print(results["shape"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Run suite entries, append their numbers to ``history.jsonl``, and render ``RESULTS.md`` from it.
+
+One JSON object per line: ``date`` (UTC, ISO), ``commit`` (short hash, ``+dirty`` when the tree had
+changes), ``hardware`` (GPU name or CPU), ``command``, ``entry``, ``seconds`` and ``numbers`` (what the
+entry returned). Smoke runs are not recorded. ``RESULTS.md`` shows, per goal of the suite, the latest
+record of its entry.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from benchmarks.suite import ENTRIES, Entry
+
+__all__ = ["HISTORY", "RESULTS", "check_numbers", "merge", "read_history", "render_results", "run_entries"]
+
+ROOT = Path(__file__).resolve().parent
+HISTORY = ROOT / "history.jsonl"
+RESULTS = ROOT / "RESULTS.md"
+
+
+def hardware() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU {platform.processor() or platform.machine()}"
+
+
+def commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def check_numbers(entry: Entry, numbers: dict[str, Any]) -> list[str]:
+    """Problems with an entry's result: declared numbers missing or not finite, values not flat."""
+    problems = [f"{k}: missing" for k in entry.numbers if k not in numbers]
+    problems += [f"{k}={numbers[k]!r}: not a finite number" for k in entry.numbers
+                 if k in numbers and not (isinstance(numbers[k], (int, float)) and math.isfinite(numbers[k]))]
+    problems += [f"{k}: {type(v).__name__} is not a number or short string" for k, v in numbers.items()
+                 if not isinstance(v, (int, float, str, bool)) or (isinstance(v, str) and len(v) > 200)]
+    return problems
+
+
+def run_entries(chosen: list[Entry], *, smoke: bool, command: str, record: bool = True) -> int:
+    """Run each entry; print a table; append full runs to the history. Return the number that failed."""
+    import torch
+
+    rows, failed = [], 0
+    for entry in chosen:
+        if not smoke and entry.device == "cuda" and not torch.cuda.is_available():
+            rows.append((entry.name, "skipped (needs CUDA)", ""))
+            continue
+        t0 = time.perf_counter()
+        try:
+            numbers = entry.load()(smoke)
+            problems = check_numbers(entry, numbers)
+        except Exception:  # one broken benchmark must not hide the others' numbers
+            traceback.print_exc()
+            numbers, problems = {}, ["raised (traceback above)"]
+        seconds = time.perf_counter() - t0
+        failed += bool(problems)
+        status = "FAILED: " + "; ".join(problems) if problems else f"ok {seconds:.1f}s"
+        rows.append((entry.name, status, _headline(entry, numbers)))
+        if record and not smoke and not problems:
+            append(entry, numbers, command=command, seconds=seconds)
+    _print_table(rows)
+    return failed
+
+
+def append(entry: Entry, numbers: dict[str, Any], *, command: str, seconds: float) -> None:
+    rec = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": commit(),
+           "hardware": hardware(), "command": command, "entry": entry.name, "seconds": round(seconds, 1),
+           "numbers": numbers}
+    line = json.dumps(rec, sort_keys=True) + "\n"
+    with HISTORY.open("a") as f:
+        f.write(line)
+    if os.environ.get("LUMENRL_BENCH_OUT"):  # a copy beside the detail JSON (a GPU job's $OUT comes back)
+        with (Path(os.environ["LUMENRL_BENCH_OUT"]) / "history_new.jsonl").open("a") as f:
+            f.write(line)
+
+
+def merge(path: Path) -> int:
+    """Append the records of ``path`` (e.g. a GPU job's history_new.jsonl) not already in the history."""
+    have = {json.dumps(r, sort_keys=True) for r in read_history()}
+    new = [r for r in read_history(path) if json.dumps(r, sort_keys=True) not in have]
+    with HISTORY.open("a") as f:
+        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in new)
+    return len(new)
+
+
+def _headline(entry: Entry, numbers: dict[str, Any]) -> str:
+    keys = entry.numbers[:4]
+    return "  ".join(f"{k}={_fmt(numbers[k])}" for k in keys if k in numbers)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _print_table(rows: list[tuple[str, str, str]]) -> None:
+    width = max([len(r[0]) for r in rows] + [5])
+    print(f"\n{'entry':<{width}}  status / numbers")
+    for name, status, head in rows:
+        print(f"{name:<{width}}  {status}  {head}")
+    sys.stdout.flush()
+
+
+def read_history(path: Path | None = None) -> list[dict[str, Any]]:
+    path = path or HISTORY
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _row(*cells: str) -> str:
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+
+def render_results(history: list[dict[str, Any]]) -> str:
+    """RESULTS.md: one row per goal, from the latest history record of its entry."""
+    latest: dict[str, dict[str, Any]] = {}
+    for rec in history:
+        if rec["date"] >= latest.get(rec["entry"], {}).get("date", ""):
+            latest[rec["entry"]] = rec
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `python -m benchmarks results` from `benchmarks/history.jsonl` (do not edit by hand).",
+        "Each row: the latest recorded figure of a goal's entry. Run `python -m benchmarks run gpu` on a GPU",
+        "to add figures; the history keeps every run (date, commit, hardware, command, numbers).",
+        "",
+        "| goal | entry | target | current | met? | date | commit | hardware | command |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in ENTRIES:
+        if not entry.goal:
+            continue
+        rec = latest.get(entry.name)
+        target = f"{entry.metric} {entry.bound}"
+        if rec is None:
+            lines.append(_row(entry.goal, f"`{entry.name}`", target, "not measured", "", "", "", "", ""))
+            continue
+        value = rec["numbers"].get(entry.metric)
+        met = entry.met(value)
+        lines.append(_row(entry.goal, f"`{entry.name}`", target, _fmt(value),
+                          "yes" if met else "no" if met is False else "?", rec["date"][:10], rec["commit"],
+                          rec["hardware"], f"`{rec['command']}`"))
+    others = sorted({r["entry"] for r in history} - {e.name for e in ENTRIES if e.goal})
+    if others:
+        lines += ["", "Measurements without a goal (latest): " + ", ".join(
+            f"`{n}` ({latest[n]['date'][:10]}, {latest[n]['commit']})" for n in others) + "."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,136 @@
+"""The benchmark suite: every LumenRL benchmark, named once.
+
+Adding a benchmark
+------------------
+Write ``fn(smoke: bool) -> dict`` in ``benchmarks/<area>/<module>.py``. It returns numbers (int/float)
+and short strings, flat. ``smoke=True`` means tiny shapes on the CPU, done in seconds: the test
+command runs every entry that way (``integration/test_benchmarks_smoke.py``), so no benchmark rots.
+``smoke=False`` is the real measurement (full sizes, on ``device``). Then add one line below::
+
+    Entry(name="my_bench", target="benchmarks.gpu.bench_x:run", suites=("gpu",),
+          numbers=("tok_s",), goal="decode tok/s of X", metric="tok_s", bound=">= 1000", device="cuda")
+
+* ``numbers``: keys the function must return as finite numbers (checked in smoke and full runs).
+* ``goal``/``metric``/``bound``: an entry that measures a project goal names the number and the bar
+  (``">= 1.5"`` or ``"<= 1e-3"``); ``benchmarks/RESULTS.md`` shows its latest figure.
+* ``suites``: the suite names it belongs to; every entry is in ``smoke`` implicitly.
+
+Run: ``python -m benchmarks run SUITE [--smoke] [--only NAME ...]`` (or ``lumenrl bench run SUITE``);
+full runs append to ``benchmarks/history.jsonl``; ``python -m benchmarks results`` rewrites RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ENTRIES", "Entry", "entries", "suite_names"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    name: str
+    target: str  # "benchmarks.<area>.<module>:<function>", called as fn(smoke: bool) -> dict
+    suites: tuple[str, ...]
+    numbers: tuple[str, ...] = ()  # keys that must come back finite
+    goal: str = ""  # what the goal is, in words ("" = no goal, a measurement only)
+    metric: str = ""  # the key of the returned dict that the goal judges
+    bound: str = ""  # ">= X" or "<= X"
+    device: str = "cuda"  # what a full run needs: "cuda" or "cpu"
+
+    def load(self) -> Callable[[bool], dict[str, Any]]:
+        module, _, func = self.target.partition(":")
+        return getattr(importlib.import_module(module), func)
+
+    def met(self, value: Any) -> bool | None:
+        if not self.bound or not isinstance(value, (int, float)):
+            return None
+        op, _, bar = self.bound.partition(" ")
+        return value >= float(bar) if op == ">=" else value <= float(bar)
+
+
+ENTRIES: tuple[Entry, ...] = (
+    # rollout: the native engine's decode
+    Entry(name="decode", target="benchmarks.gpu.bench_decode:run", suites=("gpu", "rollout"),
+          numbers=("native_decode_tok_s", "roofline_frac"), goal="native decode at 70% of the bandwidth roofline (8B, batch 64)",
+          metric="roofline_frac", bound=">= 0.7"),
+    Entry(name="decode_vs_hf", target="benchmarks.gpu.bench_decode:run_vs_hf", suites=("gpu", "rollout"),
+          numbers=("native_decode_tok_s", "hf_decode_tok_s", "speedup"), goal="native decode 10x HF generate (8B, batch 64)",
+          metric="speedup", bound=">= 10"),
+    Entry(name="fp8_rollout", target="benchmarks.gpu.bench_fp8_rollout:run", suites=("gpu", "rollout", "quant"),
+          numbers=("bf16_decode_tok_s", "fp8_decode_tok_s", "speedup"), goal="FP8 rollout decode 1.5x BF16 (8B, batch 64)",
+          metric="speedup", bound=">= 1.5"),
+    Entry(name="attention", target="benchmarks.gpu.bench_attention:run", suites=("gpu", "rollout"),
+          numbers=("bf16_us", "fp8_us")),
+    Entry(name="sampler", target="benchmarks.gpu.bench_sampler:run", suites=("gpu", "rollout"),
+          numbers=("plain_us", "greedy_us")),
+    Entry(name="weight_sync", target="benchmarks.gpu.bench_weight_sync:run", suites=("gpu", "train"),
+          numbers=("bf16_s", "fp8_s"), goal="trainer -> engine weight sync under 0.5 s (8B, one GPU)",
+          metric="bf16_s", bound="<= 0.5"),
+    # train
+    Entry(name="train", target="benchmarks.gpu.bench_train:run", suites=("gpu", "train"),
+          numbers=("mfu", "tokens_per_s"), goal="train step MFU 45% (1.7B, one GPU)", metric="mfu", bound=">= 0.45"),
+    Entry(name="grpo_step", target="benchmarks.gpu.bench_grpo_step:run", suites=("gpu", "train"),
+          numbers=("step_s",)),
+    Entry(name="grpo_step_vs_trl", target="benchmarks.gpu.bench_grpo_trl:run", suites=("gpu", "train"),
+          numbers=("lumenrl_step_s",), goal="GRPO step 5x faster than TRL (0.6B)",
+          metric="speedup", bound=">= 5"),
+    # quant
+    Entry(name="quantize", target="benchmarks.quant.bench_quantize:bench", suites=("gpu", "quant"),
+          numbers=("min_pct_copy",), goal="every quantize kernel at 80% of copy bandwidth",
+          metric="min_pct_copy", bound=">= 80"),
+    Entry(name="quant_agreement", target="benchmarks.quant.bench_agreement:bench", suites=("gpu", "quant"),
+          numbers=("cases", "disagreements")),
+    Entry(name="gemm", target="benchmarks.quant.bench_gemm:bench", suites=("gpu", "quant"),
+          numbers=("best_fp8_speedup",)),
+    Entry(name="linear", target="benchmarks.quant.bench_linear:bench", suites=("gpu", "quant"),
+          numbers=("best_fp8_speedup",)),
+    Entry(name="decode_gemm", target="benchmarks.quant.bench_decode_gemm:run", suites=("gpu", "quant"),
+          numbers=("best_fp8_speedup",)),
+    Entry(name="fused_mlp", target="benchmarks.quant.bench_fused_mlp:run", suites=("gpu", "quant"),
+          numbers=("fused_speedup",)),
+    Entry(name="fp8_training", target="benchmarks.quant.bench_fp8_training:run", suites=("gpu", "quant", "train"),
+          numbers=("bf16_step_s", "fp8_step_s", "speedup"), goal="FP8 training step 1.25x BF16 (8B-shaped layers)",
+          metric="speedup", bound=">= 1.25"),
+    Entry(name="rollout_kl_trained", target="benchmarks.quant.bench_rollout_kl_trained:run",
+          suites=("gpu", "quant", "rollout"), numbers=("kl_before_tis", "kl_after_tis"),
+          goal="KL(FP8 rollout || train) after TIS <= 1e-3 (trained 8B-shaped model)", metric="kl_after_tis",
+          bound="<= 1e-3"),
+    # exact (batch-invariant) log-probs: the cost of bitwise on-policy RL
+    Entry(name="exact_decode", target="benchmarks.exact.bench_exact:run", suites=("gpu", "rollout", "exact"),
+          numbers=("decode_ratio_exact_over_default", "train_ratio_exact_over_default", "logprob_max_abs_diff_decode"),
+          goal="exact-logprobs decode >= 0.8x the default fast path (8B, batch 64)",
+          metric="decode_ratio_exact_over_default", bound=">= 0.8"),
+    # fully asynchronous RL under long-tail response lengths
+    Entry(name="async_long_tail", target="benchmarks.async_rl.long_tail:bench", suites=("async_rl",),
+          numbers=("sync/samples_per_s", "partial/samples_per_s", "partial/speedup_vs_sync"), device="cpu"),
+    Entry(name="async_long_tail_gpu", target="benchmarks.async_rl.long_tail:bench_gpu", suites=("gpu", "async_rl"),
+          numbers=("sync/samples_per_s", "partial/samples_per_s", "partial/speedup_vs_sync"),
+          goal="async + partial rollout >= 2.0x synchronous samples/s (one H200, long-tail lengths)",
+          metric="partial/speedup_vs_sync", bound=">= 2.0"),
+    # scale-out: data-parallel rollout and the GRPO step over ranks
+    Entry(name="rollout_dp", target="benchmarks.scale.rollout_dp:run", suites=("scale",),
+          numbers=("tok_s_1proc", "tok_s_2proc", "speedup_2proc"), device="cpu"),
+    Entry(name="grpo_scaling", target="benchmarks.scale.grpo_scaling:run", suites=("scale",),
+          numbers=("step_s_1", "efficiency_2"),
+          goal="GRPO step (rollout + training) scaling efficiency at 8 GPUs (1.7B shape)",
+          metric="efficiency_8", bound=">= 0.85"),
+)
+
+
+def entries(suite: str, only: tuple[str, ...] = ()) -> list[Entry]:
+    """Entries of ``suite`` (``smoke`` and ``all``: every entry), restricted to ``only`` names if given."""
+    known = {e.name for e in ENTRIES}
+    unknown = sorted(set(only) - known)
+    if unknown:
+        raise SystemExit(f"unknown entries {unknown}; known: {sorted(known)}")
+    if suite not in suite_names():
+        raise SystemExit(f"unknown suite {suite!r}; known: {suite_names()}")
+    chosen = [e for e in ENTRIES if suite in ("smoke", "all") or suite in e.suites]
+    return [e for e in chosen if not only or e.name in only]
+
+
+def suite_names() -> list[str]:
+    return sorted({"smoke", "all", *(s for e in ENTRIES for s in e.suites)})

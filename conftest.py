@@ -1,0 +1,40 @@
+"""Every test session starts from an empty LumenRL model cache (a fresh machine), never ``~/.cache``.
+
+``LUMENRL_CACHE`` points at a temporary directory made for the session (shared by pytest-xdist
+workers, which inherit it from the controller) and removed at the end, whatever the caller's
+environment holds; built-in models and warm starts are then built once per session. To reuse a
+cache across sessions on purpose (faster local iterations), set ``LUMENRL_TEST_CACHE=<dir>``: the
+cache keys hash the building code, so a reused entry is still the current code's.
+
+Only the standard library and pytest here: every package's isolated env loads this file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+_OWNED = "_LUMENRL_TEST_CACHE_OWNED"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller set it up; workers share its cache
+    explicit = os.environ.get("LUMENRL_TEST_CACHE")
+    if explicit:
+        os.environ["LUMENRL_CACHE"] = explicit
+        return
+    path = tempfile.mkdtemp(prefix="lumenrl-test-cache-")
+    os.environ["LUMENRL_CACHE"] = path
+    os.environ[_OWNED] = path
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    path = os.environ.pop(_OWNED, None)
+    if path and os.environ.get("LUMENRL_CACHE") == path:
+        shutil.rmtree(path, ignore_errors=True)

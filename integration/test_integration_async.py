@@ -1,0 +1,72 @@
+"""``async_rl`` end to end on the tiny demo model (CPU): the on-policy mode reproduces the
+synchronous trainer; a resumed async run keeps its ledger and policy version and never trains
+a group twice; the rollouter as its own process, including a crash that is accounted for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lumenrl_backends.loggers import read_metrics
+from lumenrl_core.config import ConfigError
+
+FAST = ("eval.enabled=false", "dataset.train_batch_size=4", "policy.rollout.n=4", "trainer.warm_start_sft_steps=0",
+        "logger.backends=[jsonl]", "policy.rollout.max_new_tokens=6")
+LEDGER = ("async/produced", "async/consumed", "async/dropped", "async/queue_depth", "async/in_transit")
+
+
+def _balanced(record: dict) -> bool:
+    produced, consumed, dropped, queued, transit = (record[k] for k in LEDGER)
+    return produced == consumed + dropped + queued + transit
+
+
+def test_on_policy_mode_reproduces_the_synchronous_trainer(train, tmp_path):
+    train("grpo_dense_bf16.yaml", tmp_path / "sync", "num_training_steps=3", *FAST)
+    train("grpo_async_onpolicy.yaml", tmp_path / "async", "num_training_steps=3", *FAST)
+    sync, async_ = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "async")
+    assert len(sync) == len(async_) == 3
+    for a, b in zip(sync, async_):
+        for key in ("reward/mean", "actor/loss", "actor/pg_loss", "actor/grad_norm", "response_length/mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+        assert b["async/staleness_max"] == 0 and _balanced(b)
+
+
+def test_async_run_resumes_with_its_ledger_and_never_trains_a_group_twice(train, tmp_path):
+    args = ("checkpointing.save_every=1", "async_training.staleness_threshold=1.0", *FAST)
+    train("grpo_async_stale.yaml", tmp_path, "num_training_steps=2", *args)
+    saved = json.loads((tmp_path / "checkpoints" / "step_000002" / "trainer_state.json").read_text())["async"]
+    assert saved["policy_version"] == 2 and saved["queue"]["consumed"] == 2 * 16
+    train("grpo_async_stale.yaml", tmp_path, "num_training_steps=4", "checkpointing.resume=true", *args)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(_balanced(r) for r in records)
+    assert records[-1]["async/consumed"] == 4 * 16
+    in_flight = saved["queue"]["produced"] - saved["queue"]["consumed"] - sum(saved["queue"]["dropped"].values())
+    assert records[2].get("async/dropped_restart", 0) == in_flight  # in flight at the save: dropped, counted
+    final = json.loads((tmp_path / "checkpoints" / "step_000004" / "trainer_state.json").read_text())["async"]
+    uids = final["queue"]["consumed_uids"]
+    assert len(uids) == len(set(uids)) == 4 * 4  # 4 groups per step, none twice
+    assert all(r["async/staleness_max"] <= 1 for r in records)
+
+
+@pytest.mark.slow  # the spawned child imports torch/transformers and plans the run: ~20 s idle, minutes when loaded
+def test_rollouter_process_crash_is_accounted_and_raised(train, tmp_path, monkeypatch):
+    monkeypatch.setenv("LUMENRL_ASYNC_CRASH_AFTER", "6")  # the child exits abruptly after 6 groups
+    with pytest.raises(RuntimeError, match="rollouter stopped") as info:
+        train("grpo_async_stale.yaml", tmp_path, "num_training_steps=3", "weight_sync.method=filesystem", *FAST)
+    assert "exit 3" in str(info.value)
+    records = read_metrics(tmp_path)
+    assert len(records) == 1 and _balanced(records[0])  # 4 groups trained, then the ledger was settled
+
+
+def test_async_training_with_the_synchronous_trainer_is_refused(train, tmp_path):
+    with pytest.raises(ConfigError, match="async_training.enabled"):
+        train("grpo_dense_bf16.yaml", tmp_path, "async_training.enabled=true", *FAST)
+
+
+def test_async_keys_without_async_training_are_refused(train, tmp_path):
+    with pytest.raises(ConfigError, match="async_training.staleness_threshold"):
+        train("grpo_dense_bf16.yaml", tmp_path, "async_training.staleness_threshold=0.5", *FAST)
+    with pytest.raises(ConfigError, match="trainer.name"):
+        train("grpo_async_stale.yaml", tmp_path, "async_training.enabled=false", *FAST)

@@ -1,0 +1,109 @@
+"""Rollouter process -> trainer process: sample groups over a one-way ``multiprocessing`` pipe.
+
+A group travels as one message ``("group", uid, versions, newest_version, meta, payload_bytes)``
+(the payload is ``DataProto.to_bytes()``: safetensors bytes, no pickle of tensors). Shared
+counters make the cross-process ledger exact: the producer adds a group's samples to
+``produced`` *before* sending it, and the trainer's pump reads ``produced`` only *after*
+receiving a message, so ``produced - received`` (in transit) is never negative. The trainer
+writes ``taken`` (samples consumed or dropped) back so the rollouter can charge outstanding
+stale samples to its staleness budget. If the producer dies, whatever it counted but never
+delivered is dropped with reason ``rollouter_crash`` (:meth:`settle`). The parent closes its
+copy of the pipe's sending end once the child started (:meth:`started`), so a producer that dies
+mid-message gives the reader an end-of-file instead of a hang; a torn message is never decoded.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from lumenrl_async.queue import SampleGroup, SampleQueue
+
+__all__ = ["ProcessChannel", "STAT_KEYS"]
+
+STAT_KEYS = ("idle_s", "busy_s", "partial_rollouts", "interrupts", "refills", "samples", "tokens", "round")
+
+
+class ProcessChannel:
+    """Built in the parent with a ``multiprocessing`` context (spawn); passed to the child."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.reader, self.writer = ctx.Pipe(duplex=False)
+        self.eof = False
+        self.produced = ctx.Value("q", 0)
+        self.taken = ctx.Value("q", 0)
+        self.stats = ctx.Array("d", len(STAT_KEYS))
+        self._stop = ctx.Value("b", 0)  # a flag, not an Event: a waiter dying inside Event.wait hangs set()
+
+    def request_stop(self) -> None:
+        self._stop.value = 1
+
+    def stop_requested(self) -> bool:
+        return bool(self._stop.value)
+
+    # ------------------------------------------------------------------ producer (child)
+    def send(self, group: SampleGroup) -> None:
+        payload = group.payload.to_bytes() if hasattr(group.payload, "to_bytes") else group.payload
+        with self.produced.get_lock():
+            self.produced.value += group.size
+        self.writer.send(("group", group.uid, list(group.versions), group.newest_version, group.meta, payload))
+
+    def outstanding(self) -> int:
+        return int(self.produced.value) - int(self.taken.value)
+
+    def set_stats(self, stats: dict[str, float]) -> None:
+        for i, key in enumerate(STAT_KEYS):
+            if key in stats:
+                self.stats[i] = float(stats[key])
+
+    # ------------------------------------------------------------------ consumer (parent)
+    def started(self) -> None:
+        """Call in the parent right after the producer process started."""
+        self.writer.close()
+    def read_stats(self) -> dict[str, float]:
+        return {key: float(self.stats[i]) for i, key in enumerate(STAT_KEYS)}
+
+    def _receive(self, sample_queue: SampleQueue, decode: Any, timeout: float, closing: bool = False) -> bool:
+        if self.eof:
+            return False
+        try:
+            if not self.reader.poll(timeout):
+                return False
+            msg = self.reader.recv()
+        except (EOFError, OSError):  # the producer exited (a torn last message is discarded)
+            self.eof = True
+            return False
+        kind, uid, versions, newest, meta, payload = msg
+        remote = int(self.produced.value)  # read after receiving: includes this message
+        sample_queue.note_produced(remote - sample_queue.produced)
+        group = SampleGroup(uid=uid, payload=decode(payload), versions=tuple(versions), newest_version=newest, meta=meta)
+        if closing:  # shutting down: received, never trained
+            sample_queue.drop(group.size, "shutdown", counted=True)
+            return True
+        while not sample_queue.put(group, counted=True, timeout=0.1):
+            if sample_queue.closed:
+                sample_queue.drop(group.size, "shutdown", counted=True)
+                break
+        return True
+
+    def pump(self, sample_queue: SampleQueue, decode: Any, done: threading.Event) -> threading.Thread:
+        """A thread moving messages into ``sample_queue`` until ``done``; also mirrors ``taken``."""
+
+        def loop() -> None:
+            while not done.is_set():
+                self._receive(sample_queue, decode, 0.02)
+                self.taken.value = sample_queue.taken
+
+        thread = threading.Thread(target=loop, daemon=True, name="async-pump")
+        thread.start()
+        return thread
+
+    def drain(self, sample_queue: SampleQueue, decode: Any, *, closing: bool = False) -> None:
+        """Receive every message still in the pipe; ``closing``: count them dropped (``shutdown``)."""
+        while self._receive(sample_queue, decode, 0.05, closing):
+            pass
+
+    def settle(self, sample_queue: SampleQueue, reason: str) -> int:
+        """Counted by the producer but never delivered: dropped with ``reason``; returns samples."""
+        sample_queue.note_produced(int(self.produced.value) - sample_queue.produced)
+        return sample_queue.drop_in_transit(reason)

@@ -1,0 +1,339 @@
+"""``async_rl``: the fully asynchronous trainer (rollouter and trainer decoupled by a sample queue).
+
+The trainer is :class:`~lumenrl_backends.trainers.loop.RLTrainer` with its rollout phase
+replaced by the queue: one step (a *local update*) takes ``require_batches`` mini-batches of
+whole groups, scores them, recomputes log-probs and updates exactly as the synchronous step
+(same phase modules), and every ``trigger_parameter_sync_step`` steps publishes the weights
+(version = step) through the run's weight sync. The rollouter
+(:mod:`~lumenrl_backends.trainers.rollouter`) runs beside it:
+
+* ``weight_sync.method=inprocess``: a thread of this process with this process's engine;
+* ``weight_sync.method=filesystem`` / ``cuda_ipc``: its own process (``torch.multiprocessing``
+  spawn) with its own engine, fed by a :class:`lumenrl_async.ProcessChannel`, reading atomic
+  snapshots or (one GPU) the trainer's shared CUDA buffers under a seqlock.
+
+Staleness (``async_training.staleness_threshold`` s): the rollouter's production per window is
+bounded by the StalenessController; a sample more than ``ceil(s)`` syncs behind the trainer
+when taken is dropped as ``stale`` (counted, never trained). Off-policy: ``rollout_log_probs``
+are the behaviour policy; with ``recompute_proximal_log_probs`` (default) ``old_log_probs`` are
+the current policy's before the update (decoupled PPO: clip on pi/pi_prox, and the run's rollout
+correction weights pi_prox/pi_behav), otherwise ``old_log_probs = rollout_log_probs``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+import torch
+
+from lumenrl_async import ProcessChannel, SampleQueue, StalenessController, lag_of, versions_metrics
+from lumenrl_backends.sync.filesystem import LazyWeights
+from lumenrl_backends.trainers.build import build_parts
+from lumenrl_backends.trainers.loop import RLTrainer, _mismatch_metrics
+from lumenrl_backends.trainers.metrics import PhaseTimer, batch_metrics, throughput_metrics, train_tokens
+from lumenrl_backends.trainers.rollout import concat_rounds
+from lumenrl_backends.trainers.rollouter import Rollouter, RolloutHooks
+from lumenrl_core.config import ConfigError
+from lumenrl_core.data_proto import DataProto
+
+__all__ = ["AsyncRLTrainer", "load_newest"]
+
+
+def load_newest(sync: Any, engine: Any) -> int | None:
+    """Apply the newest published weights if newer than the engine's; returns the engine's version
+    (None before anything was published)."""
+    newest = sync.latest_version()
+    if newest is None:
+        return None
+    if newest > int(getattr(engine, "weight_version", -1)):
+        loaded = sync.latest()
+        if loaded is None:
+            return None
+        version, tensors = loaded
+        engine.update_weights(tensors, version)  # FP8/MX engines requantize here
+    return int(engine.weight_version)
+
+
+def check_async_config(cfg: Any) -> None:
+    """Refuse settings ``async_rl`` cannot honour (one-line ConfigError naming the key)."""
+    a = cfg.async_training
+    if not a.enabled:
+        raise ConfigError("async_training.enabled=false: trainer.name=async_rl needs async_training.enabled=true")
+    if cfg.algorithm.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling=true: not supported by async_rl yet; allowed: false")
+    if cfg.weight_sync.method not in ("inprocess", "filesystem", "cuda_ipc"):
+        raise ConfigError(f"weight_sync.method={cfg.weight_sync.method!r}: async_rl supports 'inprocess' "
+                          "(rollouter thread), 'filesystem' or 'cuda_ipc' (rollouter process)")
+    mini = cfg.policy.train.mini_batch_size or cfg.dataset.train_batch_size * cfg.policy.rollout.n
+    if mini % cfg.policy.rollout.n:
+        raise ConfigError(f"policy.train.mini_batch_size={mini}: must be a multiple of policy.rollout.n "
+                          f"({cfg.policy.rollout.n}) so mini-batches hold whole groups")
+
+
+class AsyncRLTrainer(RLTrainer):
+    """The ``async_rl`` trainer plugin."""
+
+    capabilities: frozenset[str] = frozenset({"grpo", "dapo", "ppo", "checkpoint", "resume", "async"})
+
+    def __init__(self, parts: Any, *, plan: Any = None, model_path: str | None = None) -> None:
+        super().__init__(parts)
+        cfg = self.config
+        check_async_config(cfg)
+        a = cfg.async_training
+        self.staleness = StalenessController.from_config(cfg)
+        sc = self.staleness.config
+        self.sync_step, self.max_lag = a.trigger_parameter_sync_step, math.ceil(a.staleness_threshold)
+        self.groups_per_step = a.require_batches * sc.mini_batch_size // cfg.policy.rollout.n
+        capacity = a.queue_size or sc.window_capacity() + sc.window_samples()
+        self.queue = SampleQueue(capacity, sync_step=self.sync_step)
+        self.process_mode = cfg.weight_sync.method in ("filesystem", "cuda_ipc")
+        self.weight_sync = plan.weight_sync_cls.from_config(cfg) if plan is not None else None
+        self.model_path = model_path
+        self.published: int | None = None
+        self.trainer_wait_s = 0.0
+        self.start_round = 0
+        self._t0 = time.perf_counter()
+        self._rollouter: Rollouter | None = None
+        self._worker: Any = None
+        self._channel: ProcessChannel | None = None
+        self._done = threading.Event()
+        self._samples_trained = 0
+
+    @classmethod
+    def from_plan(cls, plan: Any) -> AsyncRLTrainer:
+        check_async_config(plan.config)
+        paths: list[str] = []
+        parts = build_parts(plan, model_path_out=paths)
+        return cls(parts, plan=plan, model_path=paths[0] if paths else None)
+
+    # ------------------------------------------------------------------ weights
+    def _sync(self, version: int) -> dict[str, float]:
+        start = time.perf_counter()
+        backend = self.parts.actor[0].backend
+        dtype = None if self._engine_device().type == "cpu" else torch.bfloat16
+        self.weight_sync.publish(LazyWeights(backend, dtype), int(version))
+        self.published = int(version)
+        return {"timing/sync_s": time.perf_counter() - start, "weight_sync/version": float(version)}
+
+    def _engine_device(self) -> torch.device:
+        from lumenrl_backends.training import distributed as dist_utils
+
+        return dist_utils.resolve_device(self.config.cluster.device)
+
+    # ------------------------------------------------------------------ rollouter
+    def _start_rollouter(self) -> None:
+        cfg = self.config
+        if self.published is None:
+            self._sync(self.step)
+        if self.process_mode:
+            from lumenrl_backends.trainers.rollouter_process import start_process
+
+            self._channel, self._worker = start_process(self, cfg)
+            self._pump = self._channel.pump(self.queue, DataProto.from_bytes, self._done)
+            return
+        hooks = RolloutHooks(
+            sink=lambda g: self.queue.put(g),
+            outstanding=lambda: self.queue.produced - self.queue.taken,
+            newest_version=self.weight_sync.latest_version,
+            load_weights=lambda engine: load_newest(self.weight_sync, engine),
+        )
+        self._rollouter = make_rollouter(cfg, self.parts.engine, self.parts.train_loader, hooks,
+                                         start_round=self.start_round)
+        self._worker = threading.Thread(target=self._guarded_run, daemon=True, name="rollouter")
+        self._worker.start()
+
+    def _guarded_run(self) -> None:
+        try:
+            self._rollouter.run()
+        except BaseException as exc:  # surfaced by the trainer's next get()
+            self._rollouter_error = exc
+            raise
+
+    _rollouter_error: BaseException | None = None
+
+    def _alive(self) -> bool:
+        return self._worker is not None and self._worker.is_alive()
+
+    _pump: threading.Thread | None = None
+
+    def _stop_pump(self) -> None:
+        """Stop the pump thread: from now on only this thread reads the channel."""
+        self._done.set()
+        if self._pump is not None:
+            self._pump.join()
+
+    def _stop_rollouter(self) -> None:
+        self._stop_pump()
+        if self._rollouter is not None:
+            self._rollouter.hooks.stop.set()
+            self.parts.engine.interrupt()
+            self._worker.join(timeout=60)
+            self.parts.engine.resume()
+        elif self._channel is not None:
+            self._channel.request_stop()
+            deadline = time.monotonic() + 60
+            while self._worker.is_alive() and time.monotonic() < deadline:  # the child flushes its pipe at exit
+                self._channel.drain(self.queue, DataProto.from_bytes, closing=True)
+                self._worker.join(timeout=0.05)
+            if self._worker.is_alive():
+                self._worker.kill()
+            self._channel.drain(self.queue, DataProto.from_bytes, closing=True)
+            self._channel.settle(self.queue, "shutdown")
+        self.queue.close()
+        self.queue.drop_queued("shutdown")
+        self.queue.check()
+        self.parts.announce(f"async ledger: {_fmt_ledger(self.queue.metrics())}")
+
+    def _evaluate(self) -> dict[str, float]:
+        """Greedy eval on this process's engine with the newest published weights: in thread mode
+        the rollouter is interrupted and paused meanwhile (its in-flight rows resume after)."""
+        if self.parts.evaluator is None:
+            return {}
+        engine = self.parts.engine
+        if self._rollouter is None:
+            if self.process_mode and self.published is not None:  # this engine serves eval only
+                from lumenrl_backends.trainers.sync import sync_weights
+
+                sync_weights(self.parts.actor[0].backend, engine, self.published,
+                             bucket_size_mb=self.config.weight_sync.bucket_size_mb)
+            return super()._evaluate()
+        engine.interrupt()
+        with self._rollouter.lock:
+            engine.resume()
+            load_newest(self.weight_sync, engine)
+            return super()._evaluate()
+
+    def rollouter_stats(self) -> dict[str, float]:
+        if self._channel is not None:
+            return self._channel.read_stats()
+        return dict(self._rollouter.stats) if self._rollouter is not None else {}
+
+    # ------------------------------------------------------------------ one step
+    def _take(self) -> list[Any]:
+        start = time.perf_counter()
+        groups = self.queue.get(self.groups_per_step, current_version=self.published, max_lag=self.max_lag,
+                                alive=self._alive)
+        self.trainer_wait_s += time.perf_counter() - start
+        if groups is None:
+            if self._channel is not None:
+                self._stop_pump()
+                self._channel.drain(self.queue, DataProto.from_bytes, closing=True)
+                self._channel.settle(self.queue, "rollouter_crash")
+            self.queue.check()
+            raise RuntimeError(f"async_rl: the rollouter stopped (exit {getattr(self._worker, 'exitcode', None)}, "
+                               f"error {self._rollouter_error!r}); ledger {self.queue.metrics()}")
+        return groups
+
+    def train_step(self, step: int) -> dict[str, float]:
+        timer, cfg = PhaseTimer(), self.config
+        groups = self._take()
+        lags = [lag_of(self.published, v, self.sync_step) for g in groups for v in g.versions]
+        if max(lags) > self.max_lag:
+            raise AssertionError(f"staleness bound broken: lag {max(lags)} > {self.max_lag}")
+        batch = concat_rounds([g.payload for g in groups], pad_token_id=int(self.parts.tokenizer.pad_token_id or 0))
+        metrics = dict(self.parts.scorer(batch))
+        metrics.update(versions_metrics(lags))
+        metrics.update(batch_metrics(batch, cfg.policy.rollout.max_new_tokens))
+        self._log_probs(batch, timer)
+        metrics.update(_mismatch_metrics(batch))
+        metrics.update(self._update(batch, timer))
+        if step % self.sync_step == 0 or step == self.total_steps:  # the last step too: eval sees it
+            metrics.update(self._sync(step))
+        self.queue.check()
+        self._samples_trained += len(batch)
+        metrics.setdefault("actor/kl", math.nan)
+        metrics.update(timer.metrics())
+        metrics.update(throughput_metrics(
+            generated_tokens=int(batch.batch["response_mask"].sum()), generate_s=0.0,
+            train_tokens=train_tokens(batch, cfg.policy.train.ppo_epochs),
+            train_s=timer.seconds.get("update_actor", 0.0), step_s=timer.elapsed()))
+        metrics.pop("perf/rollout_tokens_per_s", None)  # the rollouter's rate is reported below
+        metrics.update(self._async_metrics(groups))
+        return metrics
+
+    def _log_probs(self, batch: DataProto, timer: PhaseTimer) -> None:
+        if self.config.async_training.recompute_proximal_log_probs:
+            self._compute_log_probs(batch, timer)
+            return
+        batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()  # behaviour policy as the anchor
+        p = self.parts
+        batch.meta_info["temperature"] = float(p.sampling["temperature"]) or 1.0
+        if p.ref is not None:
+            with timer("ref"):
+                batch.union(p.ref.call("compute_ref_log_prob", batch))
+        if p.critic is not None:
+            with timer("values"):
+                batch.union(p.critic.call("compute_values", batch))
+
+    def _async_metrics(self, groups: list[Any]) -> dict[str, float]:
+        wall = max(time.perf_counter() - self._t0, 1e-9)
+        stats = self.rollouter_stats()
+        out = dict(self.queue.metrics())
+        out.update({
+            "async/trainer_idle_ratio": self.trainer_wait_s / wall,
+            "async/rollouter_idle_ratio": stats.get("idle_s", 0.0) / wall,
+            "async/partial_rollouts": float(sum(g.meta.get("partial", 0) for g in groups)),
+            "async/partial_rollouts_total": stats.get("partial_rollouts", 0.0),
+            "async/interrupts_total": stats.get("interrupts", 0.0),
+            "async/refills_total": stats.get("refills", 0.0),
+            "async/policy_version": float(self.published),
+            "perf/samples_per_s": self._samples_trained / wall,
+            "perf/rollout_tokens_per_s": stats.get("tokens", 0.0) / max(stats.get("busy_s", 0.0), 1e-9),
+        })
+        return out
+
+    # ------------------------------------------------------------------ run / checkpoint
+    def fit(self) -> dict[str, Any]:
+        self._t0 = time.perf_counter()
+        try:
+            return super().fit()
+        finally:
+            if self._worker is not None:
+                self._stop_rollouter()
+
+    def _resume(self) -> None:
+        super()._resume()
+        latest = self.checkpoints.latest() if self.config.checkpointing.resume else None
+        if latest is not None:
+            import json
+
+            state = json.loads((latest / "trainer_state.json").read_text()).get("async", {})
+            if state:
+                self.queue.load_state_dict(state["queue"])
+                self.start_round = int(state["round"])
+        self._start_rollouter()
+
+    def _save(self, step: int) -> None:
+        self.checkpoints.save(
+            step, backends=self._backends(), dataloader_state=self._loader_state(),
+            trainer_state={"eval_before": self.eval_before, "history": self.history,
+                           "async": {"queue": self.queue.state_dict(), "round": self._round(),
+                                     "policy_version": self.published}})
+
+    def _round(self) -> int:
+        """The rollouter's prompt round at its newest delivered group (paired with its loader state)."""
+        return int(self.queue.last_meta.get("reader_round", self.start_round))
+
+    def _loader_state(self) -> dict[str, Any]:
+        return self.queue.last_meta.get("loader_state") or self.parts.train_loader.state_dict()
+
+
+def _fmt_ledger(m: dict[str, float]) -> str:
+    drops = ", ".join(f"{k.split('dropped_')[1]} {int(v)}" for k, v in m.items() if "dropped_" in k) or "none"
+    return f"produced {int(m['async/produced'])} = consumed {int(m['async/consumed'])} + dropped {int(m['async/dropped'])} ({drops})"
+
+
+def make_rollouter(cfg: Any, engine: Any, loader: Any, hooks: RolloutHooks, *, start_round: int) -> Rollouter:
+    from lumenrl_backends.trainers.build import _sampling
+
+    return Rollouter(
+        engine=engine, next_prompts=loader.next_batch, sampling=_sampling(cfg), n=cfg.policy.rollout.n,
+        run_seed=cfg.seed, budget=StalenessController.from_config(cfg), hooks=hooks,
+        partial_rollout=cfg.async_training.partial_rollout,
+        max_rows=max(cfg.policy.rollout.max_batch_size, cfg.dataset.train_batch_size * cfg.policy.rollout.n),
+        start_round=start_round, loader_state=loader.state_dict,
+    )
+
