@@ -120,6 +120,16 @@ ENTRIES: tuple[Entry, ...] = (
           numbers=("b1_speedup", "b1_tau", "b1_plain_tok_s", "b1_spec_tok_s"),
           goal="speculative decoding >= 2.0x plain at batch 1 (>= 1.3x at batch 8: b8_speedup), trained teacher + Eagle3",
           metric="b1_speedup", bound=">= 2.0"),
+    # MoE: R3 under a perturbed (FP8) rollout, and MoE decode speed
+    Entry(name="r3_mismatch", target="benchmarks.moe.r3_mismatch:r3_mismatch", suites=("moe",),
+          numbers=("route_flip_frac_without_r3", "route_flip_frac_with_r3", "train_infer_kl_without_r3",
+                   "train_infer_kl_with_r3", "kl_cut"),
+          goal="R3 cuts train/infer KL under FP8 rollout >= 2x (0 flips)", metric="kl_cut", bound=">= 2",
+          device="cpu"),
+    Entry(name="moe_decode_speed", target="benchmarks.moe.decode_speed:moe_decode_speed", suites=("gpu", "moe", "rollout"),
+          numbers=("native_decode_tok_s", "record_overhead_pct", "native_vs_hf"),
+          goal="native MoE decode >= 75% of the HBM roofline (Qwen3-30B-A3B shape x12 layers, batch 64, bf16)",
+          metric="roofline_pct", bound=">= 75"),
     # scale-out: data-parallel rollout and the GRPO step over ranks
     Entry(name="rollout_dp", target="benchmarks.scale.rollout_dp:run", suites=("scale",),
           numbers=("tok_s_1proc", "tok_s_2proc", "speedup_2proc"), device="cpu"),

@@ -250,8 +250,8 @@ def test_r3_router_by_model_type_or_by_name(cfg, reg, tmp_path):
     cfg.moe.r3.router = "qwen3_mo"
     assert only(cfg, reg).startswith("moe.r3.router='qwen3_mo': no moe_routers plugin named 'qwen3_mo'")
     cfg.moe.r3.router, cfg.policy.model_name = "", "lumenrl:tiny-mixtral"  # family from the built-in name
-    with pytest.warns(AssemblyWarning, match="no lumenrl.moe_routers plugin for model_type='mixtral'"):
-        assert plan_run(cfg, registry=reg).moe_router_cls is None
+    # an MoE family without a router plugin is refused, naming its model type
+    assert only(cfg, reg).startswith("moe.r3.enabled=True: no lumenrl.moe_routers plugin for model_type='mixtral'")
 
 
 def test_r3_on_unknown_model_warns_instead_of_guessing(cfg, reg):
@@ -476,3 +476,13 @@ def test_rollout_tensor_parallel_only_on_sharding_engines(cfg, reg):
     cfg.policy.rollout.tensor_parallel_size = 2
     assert only(cfg, reg) == ("policy.rollout.tensor_parallel_size=2: rollout engine 'native' decodes on one device; "
                               "use policy.rollout_engine='vllm' or 'sglang' for tensor parallel decode")
+
+
+def test_r3_distribution_mode_needs_recorded_router_probabilities():
+    from lumenrl_core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="moe.r3.record_router_logits"):
+        load_config(None, ["moe.r3.enabled=true", "moe.r3.replay_mode=distribution"])
+    cfg = load_config(None, ["moe.r3.enabled=true", "moe.r3.replay_mode=distribution",
+                             "moe.r3.record_router_logits=true"])
+    assert cfg.moe.r3.replay_mode == "distribution"

@@ -57,7 +57,6 @@ def test_every_key_read_or_refused():
 
 def test_read_detector_is_not_vacuous():
     sources = _sources()
-    assert not _is_read("moe.r3.record_router_logits", sources)  # really unread: so it must be refused
     assert not _is_read("policy.no_such_key_xyz", sources)
     assert _is_read("policy.rollout.temperature", sources)
 
@@ -98,8 +97,7 @@ SILENT = [
     (["policy.model_name=Nobody/not-cached-model-xyz"], "policy.model_name"),
     (["controller.ray.rollout.dispatch_mode=direct_rollout_method"], "controller.ray.roles.rollout.dispatch_mode"),
     (["controller.ray.actor.dispatch_mode=broadcast"], "controller.ray.roles.actor.dispatch_mode"),
-    (["moe.r3.mode=distribution"], "moe.r3.mode"),
-    (["moe.r3.enabled=true"], "moe.r3.enabled"),
+    (["moe.r3.enabled=true", "moe.r3.replay_mode=distribution"], "moe.r3.record_router_logits"),
     (["assembly.use_new_assembler=false"], "assembly.use_new_assembler"),
     (["dataset.prompt_key=[a, b]"], "dataset.prompt_key"),
     (["dataset.prompt_key={a: b}"], "dataset.prompt_key"),
@@ -180,7 +178,7 @@ ORIGINAL = [
     ("quantization.training.fp8_weight_cache=false", {"quantization.training.weight_cache": False}),
     ("quantization.rollout_correction.method=mis", {"quantization.rollout_correction.enabled": True,
                                                     "quantization.rollout_correction.mode": "mis_token"}),
-    ("moe.r3.replay_mode=replay", {"moe.r3.mode": "replay"}),
+    ("moe.r3.mode=replay", {"moe.r3.replay_mode": "hard_assignment"}),
     ("reward.type=countdown", {"reward.name": "countdown"}),
     ("reward.dataset=data/train.jsonl", {"dataset.name": "jsonl", "dataset.path": "data/train.jsonl"}),
     ("checkpointing.checkpoint_dir=runs/x", {"trainer.output_dir": "runs/x"}),
@@ -226,7 +224,6 @@ def test_original_keys_in_a_yaml_file(tmp_path):
 def test_original_keys_misused_are_refused_with_meaning():
     assert _problems(["quantization.rollout.use_deep_gemm=true"])[0].key == "quantization.rollout.use_deep_gemm"
     assert _problems(["quantization.training.fp8=yes"])[0].key == "quantization.training.fp8"
-    assert _problems(["moe.r3.record_router_logits=true"])[0].key == "moe.r3.record_router_logits"
     ray = _problems(["controller.ray.actor.num_workers=4"])  # the actor role's pool is controller.ray.num_workers
     assert ray[0].key == "controller.ray.roles.actor.num_workers" and "must equal" in ray[0].problem
     atom = str(_problems(["policy.generation_backend=atom"])[0])

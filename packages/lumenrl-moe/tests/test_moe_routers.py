@@ -113,3 +113,18 @@ def test_router_config_and_registration():
     assert registry.load("moe_routers", "deepseek_v3") is SigmoidGroupTopKRouter
     info = registry.info("moe_routers", "glm4_moe")
     assert info.available and info.distribution == "lumenrl-moe" and "route_replay" in info.capabilities
+
+
+def test_install_routing_refuses_a_model_without_moe_blocks_and_resolves_router_names():
+    import pytest
+    from torch import nn
+
+    from lumenrl_moe import install_routing
+    from lumenrl_moe.replay import router_class
+    from lumenrl_moe.routers import SigmoidGroupTopKRouter
+
+    dense = nn.Linear(2, 2)
+    dense.config = type("C", (), {"model_type": "llama"})()
+    with pytest.raises(ValueError, match="model_type='llama' has no MoE block"):
+        install_routing(dense)
+    assert router_class("deepseek_v3") is SigmoidGroupTopKRouter and router_class("") is None

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-__all__ = ["route_flip_fraction", "extreme_token_fraction", "extreme_token_fraction_from_log_probs",
+__all__ = ["expert_load_imbalance", "routing_step_metrics", "route_flip_fraction", "extreme_token_fraction", "extreme_token_fraction_from_log_probs",
            "train_infer_kl"]
 
 
@@ -75,3 +75,47 @@ def train_infer_kl(
     if estimator == "k3":
         return _masked_mean(torch.expm1(d) - d, mask)
     raise ValueError(f"estimator={estimator!r}: allowed 'k1', 'k3'")
+
+
+def expert_load_imbalance(routes: torch.Tensor, mask: torch.Tensor | None, num_experts: int) -> torch.Tensor:
+    """Per MoE layer max/mean expert load (L_moe,) float64 of ``routes`` (..., tokens, L_moe, k)
+    over the ``mask``ed (..., tokens) rows; 1.0 = perfectly balanced, ``num_experts / k`` = one
+    expert set takes every token."""
+    layers, k = routes.shape[-2:]
+    flat = routes.reshape(-1, layers, k).long()
+    if mask is not None:
+        flat = flat[mask.reshape(-1).bool()]
+    if flat.shape[0] == 0:
+        return torch.ones(layers, dtype=torch.float64)
+    offsets = torch.arange(layers, device=flat.device)[None, :, None] * num_experts
+    load = torch.bincount((flat + offsets).reshape(-1), minlength=layers * num_experts)
+    load = load.view(layers, num_experts).double()
+    return load.max(-1).values / load.mean(-1)
+
+
+def routing_step_metrics(
+    *,
+    logp_train: torch.Tensor,
+    logp_infer: torch.Tensor,
+    response_mask: torch.Tensor,
+    routes: torch.Tensor | None = None,
+    route_mask: torch.Tensor | None = None,
+    route_flips: torch.Tensor | None = None,
+    num_experts: int | None = None,
+) -> dict[str, float]:
+    """One RL step's ``moe/*`` metrics: train/infer KL (k3), extreme-token fractions F(2), F(5)
+    from sampled-token log-probs (B, T); with the recorded ``routes`` (B, P+T, L_moe, k) and
+    ``route_mask`` (B, P+T) (the fed tokens), the share of tokens whose live routes differ
+    (``route_flips`` (B, P+T) bool) and the expert load imbalance (max/mean, per layer: mean and max)."""
+    out = {
+        "moe/train_infer_kl": train_infer_kl(logp_train, logp_infer, response_mask),
+        "moe/extreme_token_frac@2": extreme_token_fraction_from_log_probs(logp_train, logp_infer, 2.0, response_mask),
+        "moe/extreme_token_frac@5": extreme_token_fraction_from_log_probs(logp_train, logp_infer, 5.0, response_mask),
+    }
+    if route_flips is not None:
+        out["moe/route_flip_frac"] = _masked_mean(route_flips, route_mask)
+    if routes is not None and num_experts is not None:
+        imbalance = expert_load_imbalance(routes, route_mask, num_experts)
+        out["moe/expert_load_imbalance_mean"] = float(imbalance.mean())
+        out["moe/expert_load_imbalance_max"] = float(imbalance.max())
+    return out

@@ -37,6 +37,7 @@ from lumenrl_backends.engines.requests import (
     rollout_meta,
     stop_ids_for,
 )
+from lumenrl_backends.engines.routes import record_generate_routes
 from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling
 from lumenrl_backends.engines.weights import copy_weights_
 
@@ -56,7 +57,7 @@ class _StopOnEvent(StoppingCriteria):
 class HFEngine:
     """Rollout through ``model.generate`` (see module docstring)."""
 
-    capabilities = frozenset({"logprobs", "interrupt_resume", "weight_update"})
+    capabilities = frozenset({"logprobs", "interrupt_resume", "weight_update", "route_recording"})
 
     def __init__(
         self,
@@ -66,6 +67,8 @@ class HFEngine:
         device: str | torch.device = "cpu",
         max_batch_size: int = 64,
         max_seq_len: int = 512,
+        record_routes: bool = False,
+        moe_router: str = "",
     ) -> None:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
@@ -75,6 +78,11 @@ class HFEngine:
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         self.pad_token_id = pad_token_id(tokenizer, self.eos_token_ids)
         self._interrupt = threading.Event()
+        self.routes = None  # R3: the routers' controller (record mode around each generate)
+        if record_routes:
+            from lumenrl_moe import install_routing
+
+            self.routes = install_routing(self.model, router_cls=moe_router or None)
 
     @classmethod
     def probe(cls) -> str | None:
@@ -82,7 +90,8 @@ class HFEngine:
 
     @classmethod
     def from_config(cls, run_config: Any, model: nn.Module | None = None, tokenizer: Any = None) -> HFEngine:
-        return cls(**engine_kwargs_from_config(run_config, model, tokenizer))
+        r3 = run_config.moe.r3
+        return cls(**engine_kwargs_from_config(run_config, model, tokenizer), record_routes=r3.enabled, moe_router=r3.router)
 
     def interrupt(self) -> None:
         self._interrupt.set()
@@ -154,18 +163,23 @@ class HFEngine:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                generation_config=config,
-                stopping_criteria=StoppingCriteriaList([_StopOnEvent(self._interrupt)]),
-            )
+            with record_generate_routes(self.model, self.routes, ids.shape, max_new) as recorded:
+                out = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    generation_config=config,
+                    stopping_criteria=StoppingCriteriaList([_StopOnEvent(self._interrupt)]),
+                )
         new = out.sequences[:, ids.shape[1] :]  # (n, t)
         temp = params.temperature if params.temperature > 0 else 1.0
         logits = torch.stack(out.logits, dim=1)[:, : new.shape[1]].float() / temp  # (n, t, V)
         log_probs = torch.log_softmax(logits, dim=-1).gather(2, new[..., None]).squeeze(-1)
-        for request, tokens, lps, budget in zip(chunk, new.tolist(), log_probs.tolist(), budgets):
+        for i, (request, tokens, lps, budget) in enumerate(zip(chunk, new.tolist(), log_probs.tolist(), budgets)):
+            context = len(request.context)
             self._absorb(request, tokens, lps, budget, stops, ids.shape[1])
+            if recorded is not None:  # the fed tokens: this context, then all kept new tokens but the last
+                width, kept = ids.shape[1], len(request.context) - context
+                request.routes = recorded[i, width - context : width + kept - 1].cpu()
 
     def _absorb(
         self,

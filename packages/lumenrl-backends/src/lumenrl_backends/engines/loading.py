@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["engine_kwargs_from_config", "eos_token_ids", "pad_token_id", "resolve_device"]
+__all__ = ["engine_kwargs_from_config", "eos_token_ids", "pad_token_id", "resolve_device", "sliding_window_of"]
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -59,3 +59,15 @@ def engine_kwargs_from_config(run_config: Any, model: nn.Module | None, tokenize
         "max_batch_size": policy.rollout.max_batch_size,
         "max_seq_len": policy.max_prompt_length + policy.rollout.max_new_tokens,
     }
+
+
+def sliding_window_of(config: Any) -> tuple[int | None, bool]:
+    """(window, mixed): the attention window if any layer uses one, and whether layers mix types."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kinds = set(layer_types)
+        return (window if "sliding_attention" in kinds else None), len(kinds) > 1
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return window, False
+    return None, False

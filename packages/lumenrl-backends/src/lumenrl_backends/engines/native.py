@@ -79,6 +79,7 @@ from lumenrl_backends.engines.loading import (
     eos_token_ids,
     pad_token_id,
     resolve_device,
+    sliding_window_of,
 )
 from lumenrl_backends.engines.quant import kv_cache_dtype as resolve_kv_dtype
 from lumenrl_backends.engines.quant import quantize_rollout_model, rollout_scheme
@@ -93,6 +94,7 @@ from lumenrl_backends.engines.requests import (
     rollout_meta,
     stop_ids_for,
 )
+from lumenrl_backends.engines.routes import engine_routes, r3_engine_kwargs
 from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling, sample_tokens
 from lumenrl_backends.engines.slots import SlotState, batch_buckets
 from lumenrl_backends.engines.speculative import attach_from_config, speculative_generate
@@ -115,18 +117,6 @@ class _Launched:
     event: Any  # CUDA event after the copy (None on CPU: the copy is synchronous)
 
 
-def sliding_window_of(config: Any) -> tuple[int | None, bool]:
-    """(window, mixed): the attention window if any layer uses one, and whether layers mix types."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        kinds = set(layer_types)
-        return (window if "sliding_attention" in kinds else None), len(kinds) > 1
-    if window is not None and getattr(config, "use_sliding_window", True):
-        return window, False
-    return None, False
-
-
 def _norm_quant_pays(compile: str, device: torch.device) -> bool:
     """RMSNorm + quantize in one pass (``fp8_norm_quant``) is one inductor kernel under ``compile="full"``;
     run eagerly on a GPU it is a dozen small torch kernels, more than the HF norm plus the Triton quantize
@@ -142,6 +132,7 @@ class NativeEngine:
     capabilities = frozenset({
         "logprobs", "interrupt_resume", "weight_update", "continuous_batching", "fp8_weights", "mx_weights",
         "fp8_kv_cache", "hidden_state_capture", "speculative_decoding",  # the last two: engines/speculative.py
+        "route_recording",  # engines/routes.py (R3)
     })
 
     def __init__(
@@ -168,6 +159,7 @@ class NativeEngine:
         fp8_norm_quant: bool = True,
         fused_qk_rope: bool = True,
         kv_v_tiles: bool = False,
+        record_routes: bool = False, record_router_logits: bool = False, moe_router: str = "",
         exact_logprobs: bool = False,
     ) -> None:
         if compile not in ("none", "full"):
@@ -230,6 +222,7 @@ class NativeEngine:
             kv_dtype is None or self.device.type != "cuda" or kernel_agrees(self.device, kv_dtype)
         )
         self.slots = SlotState.allocate(max_batch_size, self.device)
+        self.routes = engine_routes(self.model, record_routes, self.device, record_router_logits, moe_router, self.cache)
         self.buckets = batch_buckets(max_batch_size)
         self._interrupt = threading.Event()
         self._rows = torch.arange(max_batch_size, device=self.device)
@@ -273,6 +266,7 @@ class NativeEngine:
             fuse_projections=rollout.fuse_projections,
             overlap_sync=rollout.overlap_sync,
             fuse_fp8_mlp=rollout_quant.fuse_mlp, exact_logprobs=rollout.exact_logprobs,
+            **r3_engine_kwargs(run_config.moe.r3),
         )
         engine.kv_scale_recalibration = rollout_quant.kv_scale_recalibration
         attach_from_config(engine, rollout.speculative)  # speculative decoding when draft_path is set
@@ -324,6 +318,7 @@ class NativeEngine:
             prefill_seconds=self._prefill_seconds,
             cuda_graphs=self.graphs.enabled and self.graphs.error is None,
         )
+        self.routes.finish(requests, batch, meta)  # R3: rows finished before an interrupt keep their routes
         return build_rollout_batch(
             requests,
             prompts,
@@ -348,6 +343,7 @@ class NativeEngine:
                 if active and not self._interrupt.is_set():
                     self._decode(active, params, stops, speculate=self.overlap_sync and not queue)
         finally:
+            self.routes.take_all(active, self.slots.host_columns, 1 if self._inflight is not None else 0)
             self._inflight = None  # a speculative step left by an interrupt: dropped (slots are reset below)
             self.slots.release_all()
 
@@ -368,6 +364,7 @@ class NativeEngine:
         ):
             request.finish_reason = LENGTH
         if request.done:
+            self.routes.take(request, slot, self.slots.host_columns[slot] - lag)
             del active[slot]
             self.slots.release(slot)
 
@@ -467,6 +464,7 @@ class NativeEngine:
         columns = torch.arange(width, device=self.device).expand(len(admitted), width)
         self.cache.set_view(CacheView(rows=rows, columns=columns, decode=False, kv_len=width))
         allowed = prefill_mask(mask, self.window)
+        self.routes.prefill(rows, width, [width - len(c) for c in contexts])
         logits = self._forward(ids, positions, allowed, prefill_mask(mask, None))[:, -1]  # (n, V)
         self.cache.recalibrate = False
         self.slots.admit(rows, [r.seed for r in admitted], params)
@@ -570,6 +568,7 @@ class NativeEngine:
         allowed = decode_mask(valid, columns, kv_len, self.window)
         full = decode_mask(valid, columns, kv_len, None) if self._mixed_layers else allowed  # only mixed layers read it
         ids, positions = s.tokens[:batch, None], s.positions[:batch, None]
+        self.routes.decode(batch, columns)  # R3: static-index writes, captured with the step
         return self._forward(ids, positions, allowed, full, forward=self._model_forward)[:, -1]
 
     def _forward(
@@ -597,4 +596,5 @@ class NativeEngine:
                 **{self._cache_kwarg: self.cache},
             )
         self.cache.set_view(None)
+        self.routes.done()
         return out.logits

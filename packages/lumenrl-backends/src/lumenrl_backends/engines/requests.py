@@ -3,7 +3,8 @@
 Shared by every engine so they all emit the same layout (docs/decisions/0001-contracts.md):
 ``prompts`` (B, P) left-padded, ``responses``/``response_mask``/``rollout_log_probs`` (B, T)
 right-padded with T = ``max_new_tokens``, ``input_ids``/``attention_mask``/``position_ids``
-(B, P + T), non-tensor ``response_text``, ``finish_reason`` ("stop", "length", "interrupted")
+(B, P + T), non-tensor ``response_text``, ``finish_reason`` ("stop", "length", "interrupted"),
+with R3 recording ``routed_experts`` (B, P + T, L_moe, k) (:mod:`~lumenrl_backends.engines.routes`)
 and ``seed`` (the per-request sampling seed used; an input column ``sampling_seed`` sets it
 explicitly, otherwise row i gets ``sampling.seed + i``). An optional input column
 ``max_new_tokens`` caps a row's response below ``sampling.max_new_tokens`` (native engine;
@@ -46,6 +47,8 @@ class Request:
     log_probs: list[float] = field(default_factory=list)
     finish_reason: str | None = None  # None while running; "interrupted" when cut short
     max_new_tokens: int | None = None  # per-row cap (input column ``max_new_tokens``), None: the sampling's
+    routes: Any = None  # R3: (context + response - 1, L_moe, k) int expert ids, when recorded
+    route_probs: Any = None  # R3: (..., L_moe, E) router probabilities, with record_router_logits
 
     @property
     def done(self) -> bool:
@@ -168,6 +171,7 @@ def build_rollout_batch(
     meta_info: dict[str, Any],
 ) -> Any:
     """Assemble the rollout DataProto (layout in the module docstring)."""
+    from lumenrl_backends.engines.routes import routes_column
     from lumenrl_core.data_proto import DataProto
 
     rows, width = len(requests), max([width] + [len(r.response) for r in requests])
@@ -189,6 +193,7 @@ def build_rollout_batch(
         "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
         "rollout_log_probs": log_probs,
+        **routes_column(requests, prompts.shape[1], width),
     }
     texts = tokenizer.batch_decode([r.response for r in requests], skip_special_tokens=True)
     non_tensors = {

@@ -25,7 +25,13 @@ from typing import Any
 
 from lumenrl_backends.trainers.build import TrainerParts, build_parts
 from lumenrl_backends.trainers.checkpoint import CheckpointManager
-from lumenrl_backends.trainers.metrics import PhaseTimer, batch_metrics, throughput_metrics, train_tokens
+from lumenrl_backends.trainers.metrics import (
+    PhaseTimer,
+    batch_metrics,
+    moe_step_metrics,
+    throughput_metrics,
+    train_tokens,
+)
 from lumenrl_backends.trainers.outputs import write_summary
 from lumenrl_backends.trainers.rollout import collect_rollouts
 from lumenrl_backends.trainers.sddd_online import online_sddd
@@ -259,11 +265,14 @@ def _mismatch_metrics(batch: DataProto) -> dict[str, float]:
     mask = batch.batch["response_mask"]
     delta = (batch.batch["old_log_probs"].float() - batch.batch["rollout_log_probs"].float()).abs()
     worst = (delta * mask).max().item() if mask.any() else 0.0
-    return {
+    out = {
         "rollout/logprob_abs_diff_mean": masked_mean(delta, mask).item(),
         "rollout/logprob_abs_diff_max": worst,
         "actor/logprob_max_abs_diff": worst,  # 0 exactly under policy.rollout.exact_logprobs
     }
+    if "routed_experts" in batch.batch:  # R3 on: training/inference routing metrics (moe/*)
+        out.update(moe_step_metrics(batch))
+    return out
 
 
 def check_exact(metrics: dict[str, float], rollout: Any, step: int) -> None:

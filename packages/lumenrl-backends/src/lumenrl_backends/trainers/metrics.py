@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -77,3 +78,19 @@ def throughput_metrics(
 def train_tokens(batch: DataProto, epochs: int) -> int:
     """Prompt + response tokens the update processes (all PPO epochs)."""
     return int(batch.batch["attention_mask"].sum().item()) * max(epochs, 1)
+
+
+def moe_step_metrics(batch: Any) -> dict[str, float]:
+    """``moe/*`` of an R3 step (lumenrl_moe.routing_step_metrics): the fed tokens are every valid
+    token but each row's last (whose route row is padding)."""
+    from lumenrl_moe import routing_step_metrics
+
+    t = batch.batch
+    mask = t["attention_mask"].bool()
+    last = mask.long().cumsum(-1) == mask.long().sum(-1, keepdim=True)  # (B, P+T): the last valid token
+    fed = mask & ~last
+    return routing_step_metrics(
+        logp_train=t["old_log_probs"], logp_infer=t["rollout_log_probs"], response_mask=t["response_mask"],
+        routes=t["routed_experts"], route_mask=fed, route_flips=t.get("route_flips"),
+        num_experts=batch.meta_info.get("num_experts"),
+    )

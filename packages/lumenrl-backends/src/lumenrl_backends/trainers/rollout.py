@@ -149,6 +149,13 @@ def _pad_dim1(t: torch.Tensor, left: int, right: int, value: float) -> torch.Ten
     return F.pad(t, pad, value=value)
 
 
+def _pad_routes(t: torch.Tensor, left: int, right: int) -> torch.Tensor:
+    """(B, P+T, L_moe, k) routes padded on the token dim with rows 0..k-1."""
+    row = torch.arange(t.shape[-1], dtype=t.dtype, device=t.device)
+    parts = [row.expand(t.shape[0], left, *t.shape[2:]), t, row.expand(t.shape[0], right, *t.shape[2:])]
+    return torch.cat(parts, dim=1)
+
+
 def _align(batch: DataProto, prompt_width: int, response_width: int, pad_token_id: int) -> DataProto:
     """Left-pad the prompt part and right-pad the response part to the given widths."""
     batch = batch[:]  # a new DataProto: the caller's batch stays as it was
@@ -160,6 +167,8 @@ def _align(batch: DataProto, prompt_width: int, response_width: int, pad_token_i
             continue
         if key == "prompts":
             batch.batch[key] = _pad_dim1(t, d_p, 0, value)
+        elif key == "routed_experts":  # R3 pad rows list experts 0..k-1 (a row never repeats an expert)
+            batch.batch[key] = _pad_routes(t, d_p, d_t)
         elif t.shape[1] == P + T and key not in ("responses",):
             batch.batch[key] = _pad_dim1(t, d_p, d_t, value)
         elif t.shape[1] == T:

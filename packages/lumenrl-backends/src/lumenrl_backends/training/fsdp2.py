@@ -76,21 +76,18 @@ from lumenrl_backends.training.precision import (
     shard,
     write_hf,
 )
-from lumenrl_backends.training.schedules import LRSchedule, build_lr_scheduler
+from lumenrl_backends.training.routes import route_replay
+from lumenrl_backends.training.schedules import (
+    LRSchedule,
+    build_lr_scheduler,
+    optimizer_steps_per_training_step,
+)
 from lumenrl_backends.training.single_device import SingleDeviceWeights, check_single_device_mode
 
 __all__ = ["FSDP2Backend", "optimizer_steps_per_training_step"]
 
 ROLES = ("actor", "ref", "critic")
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
-
-
-def optimizer_steps_per_training_step(cfg: Any) -> int:
-    """ppo_epochs x mini-batches per rollout batch (train_batch_size x rollout.n rows)."""
-    train = cfg.policy.train
-    rows = cfg.dataset.train_batch_size * cfg.policy.rollout.n
-    mini = train.mini_batch_size or rows
-    return train.ppo_epochs * math.ceil(rows / mini)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +100,8 @@ _UNPLANNED = object()  # _forward plans the micro-batch layout itself
 class FSDP2Backend:
     """Actor, reference or critic model sharded with FSDP2, with its optimizer and LR schedule."""
 
-    capabilities = frozenset({"logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint", "lora"})
+    capabilities = frozenset({"logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint", "lora",
+                              "route_replay"})
 
     @classmethod
     def probe(cls) -> str | None:
@@ -123,7 +121,7 @@ class FSDP2Backend:
         optimizer_steps_per_training_step: int = 1,
         packing: str | None = None,
         compile_layers: bool | str | None = None,
-        single_device: str | None = None, exact_logprobs: bool = False,
+        single_device: str | None = None, exact_logprobs: bool = False, r3: Any | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -140,6 +138,7 @@ class FSDP2Backend:
         self.fp8_report = apply_fp8(model, fp8)
         compile_layers = train.compile_layers if compile_layers is None else compile_layers
         self.exact = exact_actor(model, exact_logprobs and role == "actor", self.fp8_report, compile_layers)
+        self.routes = route_replay(model, r3)  # R3: routers patched before sharding; forwards replay routed_experts
         if train.gradient_checkpointing and role != "ref":
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
@@ -192,7 +191,7 @@ class FSDP2Backend:
             value_head=role == "critic",
             fp8=cfg.quantization.training if role == "actor" else None,
             optimizer_steps_per_training_step=optimizer_steps_per_training_step(cfg),
-            exact_logprobs=cfg.policy.rollout.exact_logprobs)
+            exact_logprobs=cfg.policy.rollout.exact_logprobs, r3=cfg.moe.r3)
 
     def _use_single_device(self, mode: str) -> bool:
         """``auto``: one rank and no FP8 linears; ``on`` insists; ``off``: always ``fully_shard``."""
@@ -240,7 +239,7 @@ class FSDP2Backend:
             raise KeyError(
                 f"batch is missing {missing}; needs input_ids, attention_mask (B, P+T) and responses (B, T)"
             )
-        out = {k: tensors[k].to(self.device) for k in _MODEL_INPUTS if k in tensors}
+        out = {k: tensors[k].to(self.device) for k in _MODEL_INPUTS + self.routes.keys if k in tensors}
         if "position_ids" not in out:
             out["position_ids"] = position_ids_from_mask(out["attention_mask"])
         return out
@@ -271,6 +270,7 @@ class FSDP2Backend:
         T = inputs["responses"].shape[1]
         if plan is _UNPLANNED:
             plan = self._plan(inputs["attention_mask"], T, inputs.get("position_ids"))
+        self.routes.set(inputs, plan)
         if isinstance(plan, PackPlan):
             return self._forward_packed(plan, inputs, temperature, with_entropy)
         if isinstance(plan, TrimPlan):
@@ -340,11 +340,13 @@ class FSDP2Backend:
             first, second = self._forward(
                 {k: v[s : min(s + micro, hi)] for k, v in inputs.items()}, temperature, with_entropy
             )
+            self.routes.collect()
             firsts.append(first.float())
             seconds.append(second.float() if second is not None else None)
         out_device = batch.batch["input_ids"].device  # results live where the caller's batch lives
         gather = (lambda t: t) if presharded else dist_utils.all_gather_rows
         first = gather(torch.cat(firsts))[: total - pad].to(out_device)
+        self.routes.finish(gather, total - pad, out_device)
         if not with_entropy:
             return first, None
         return first, gather(torch.cat(seconds))[: total - pad].to(out_device)

@@ -38,6 +38,8 @@ __all__ = [
     "TrimPlan",
     "check_packing_mode",
     "first_fit_decreasing",
+    "layout_routes",
+    "unlayout_tokens",
     "pack_input_ids",
     "plan_micro_batch",
     "unpack_tokens",
@@ -202,3 +204,32 @@ def unpack_tokens(plan: PackPlan, values: torch.Tensor, shape: tuple[int, int]) 
     """Scatter per-token ``values`` (N,) into a zero (b, T) float32 grid (differentiable)."""
     out = values.new_zeros(shape, dtype=torch.float32)
     return out.index_put((plan.out_row, plan.out_col), values.float())
+
+
+def layout_routes(plan: TrimPlan | PackPlan | None, routes: torch.Tensor) -> torch.Tensor:
+    """R3: per-token rows (b, L, ...) -> (N, ...) in the forward's flattened token order: packed
+    (filler slots get the row 0..k-1 of a pad token, which repeats no expert), trimmed or padded."""
+    if isinstance(plan, PackPlan):
+        flat = routes.reshape(-1, *routes.shape[2:])[plan.src.clamp(min=0)]  # (R*C, ...)
+        if routes.dtype.is_floating_point:
+            return flat
+        pad = torch.arange(routes.shape[-1], dtype=routes.dtype, device=routes.device)
+        filler = (plan.src < 0).view(-1, *([1] * (flat.dim() - 1)))
+        return torch.where(filler, pad, flat)
+    if isinstance(plan, TrimPlan):
+        routes = routes[:, plan.lo : plan.hi]
+    return routes.reshape(-1, *routes.shape[2:])
+
+
+def unlayout_tokens(plan: TrimPlan | PackPlan | None, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Inverse of :func:`layout_routes` for per-token values (N,) -> (b, L) (zeros where not run)."""
+    out = values.new_zeros(shape[0] * shape[1])
+    if isinstance(plan, PackPlan):
+        real = plan.src >= 0
+        out[plan.src[real]] = values[real]
+        return out.view(shape)
+    if isinstance(plan, TrimPlan):
+        grid = out.view(shape)
+        grid[:, plan.lo : plan.hi] = values.view(shape[0], plan.hi - plan.lo)
+        return grid
+    return values.view(shape)

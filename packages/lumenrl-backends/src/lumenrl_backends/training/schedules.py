@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 
-__all__ = ["SCHEDULES", "LRSchedule", "lr_multiplier", "build_lr_scheduler"]
+__all__ = ["SCHEDULES", "LRSchedule", "lr_multiplier", "build_lr_scheduler", "optimizer_steps_per_training_step"]
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -71,3 +72,11 @@ def build_lr_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` applying ``schedule`` to every param group of ``optimizer``."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_multiplier, schedule))
+
+
+def optimizer_steps_per_training_step(cfg: Any) -> int:
+    """ppo_epochs x mini-batches per rollout batch (train_batch_size x rollout.n rows)."""
+    train = cfg.policy.train
+    rows = cfg.dataset.train_batch_size * cfg.policy.rollout.n
+    mini = train.mini_batch_size or rows
+    return train.ppo_epochs * -(-rows // mini)

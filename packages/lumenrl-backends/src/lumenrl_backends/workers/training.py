@@ -63,6 +63,9 @@ class ActorWorker(_TrainingWorker):
             batch, temperature=temperature, with_entropy=with_entropy
         )
         tensors = {"old_log_probs": log_probs}
+        flips = getattr(getattr(self.backend, "routes", None), "last_flips", None)
+        if flips is not None:  # R3: tokens whose live routes differ from the replayed ones (B, P+T)
+            tensors["route_flips"] = flips
         if entropy is not None:
             tensors["entropys"] = entropy
         return DataProto.from_dict(tensors=tensors)

@@ -127,9 +127,10 @@ class _Planner:
             return  # unknown model: check_model says so
         if ("moe_routers", model_type) in self.registry:
             self.resolve("moe_router", "moe_routers", "moe.r3.router", model_type)
-        else:
-            self.notes.append(f"moe.r3.router='': no lumenrl.moe_routers plugin for model_type={model_type!r}; "
-                              "route replay relies on the training backend's own router handling")
+        elif is_moe_model(cfg.policy.model_name)[0]:  # a dense model: check_model reports that instead
+            self.violations.append(Violation(
+                "moe.r3.enabled", True, f"no lumenrl.moe_routers plugin for model_type={model_type!r}: its MoE "
+                "block cannot be recorded or replayed; set moe.r3.enabled=false or install a router plugin"))
 
     def _rollout_quant_option(self, name: str) -> str | None:
         """The config key of the set ``quantization.rollout.<name>`` flag when the rollout is quantized;

@@ -14,14 +14,8 @@ from lumenrl_core.config.errors import ConfigError
 
 __all__ = ["NOT_YET_BUILT", "refusal_errors"]
 
-_R3 = "MoE rollout routing replay (R3) lands with the R3 feature; not available in this version"
-
 # dotted key -> why a non-default value is refused (delete an entry when its feature lands)
 NOT_YET_BUILT: dict[str, str] = {
-    "moe.r3.enabled": _R3,
-    "moe.r3.mode": _R3,
-    "moe.r3.router": _R3,
-    "moe.r3.record_router_logits": _R3,
 }
 
 

@@ -173,6 +173,13 @@ def _check_mask_band(cfg: s.RolloutCorrectionConfig, key: str, source: Callable[
         )
 
 
+def _check_r3(cfg: s.R3Config, key: str, source: Callable[[str], str | None]) -> None:
+    if cfg.enabled and cfg.replay_mode == "distribution" and not cfg.record_router_logits:
+        k = join_key(key, "record_router_logits")
+        raise ConfigError(k, False, problem="replay_mode 'distribution' replays the recorded router probabilities",
+                          allowed="true (or replay_mode: hard_assignment)", source=source(k))
+
+
 _DISPATCH_MODES = ("dp_compute_proto", "dp_compute", "dp_compute_proto_with_func", "dp_compute_metric",
                    "one_to_all", "all_to_all", "rank_zero")
 # the modes a role's batch method (compute_log_prob, compute_ref_log_prob, compute_values, generate) can
@@ -243,6 +250,7 @@ def _check_exact_logprobs(cfg: s.RunConfig, key: str, source: Callable[[str], st
 CROSS_CHECKS: dict[type, Callable[[Any, str, Callable[[str], str | None]], None]] = {
     s.OptimConfig: _check_betas,
     s.RolloutCorrectionConfig: _check_mask_band,
+    s.R3Config: _check_r3,
     s.RayConfig: _check_ray_roles,
     s.RunConfig: _check_exact_logprobs,
 }

@@ -254,9 +254,11 @@ class QuantizationConfig:
 
 @dataclass(kw_only=True, slots=True)
 class R3Config:
-    enabled: bool = False
-    mode: str = field(default="replay", metadata=choices("replay", "distribution"))
-    record_router_logits: bool = False  # also record router logits (original LumenRL key; not built yet)
+    enabled: bool = False  # the engine records routes (route_recording), the backend replays them (route_replay)
+    # hard_assignment: recorded experts, gate weights from the live router logits (router trained);
+    # distribution: recorded experts and recorded probabilities (needs record_router_logits)
+    replay_mode: str = field(default="hard_assignment", metadata=choices("hard_assignment", "distribution"))
+    record_router_logits: bool = False  # also record router probabilities (B, P+T, L_moe, E) float32
     router: str = ""  # lumenrl.moe_routers plugin name; empty = by model type
 
 

@@ -1,0 +1,178 @@
+"""Route recording for the ``native`` engine (R3; capability ``route_recording``).
+
+The engine's MoE routers are patched by :func:`lumenrl_moe.install_routing`; this module owns
+the per-slot record buffers, shaped like the KV cache: ``routes`` (S, L, L_moe, k) int16
+(int32 past 32767 experts) and, with ``record_router_logits``, ``probs`` (S, L, L_moe, E)
+float32. Each forward writes the routes of its input tokens at their (slot, cache column):
+prefill at ``(rows, 0..W-1)`` of its left-padded block, decode at ``(rows, columns)`` of slots
+0..b-1 (static tensors, so the writes are part of a captured CUDA-graph step). When a request
+finishes (or is interrupted) its rows ``[start, end)`` are copied out on the device (no host
+sync): one row per context token that was fed to the model, i.e. every token but the last.
+:func:`routes_column` lays them out as ``routed_experts`` (B, P+T, L_moe, k) aligned with
+``input_ids``; rows of padding and of the last token hold ``0..k-1`` (no repeated expert).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["EngineRoutes", "NoRoutes", "carry_routes", "engine_routes", "r3_engine_kwargs", "record_generate_routes", "routes_column"]
+
+
+class EngineRoutes:
+    enabled = True
+    def __init__(self, model: nn.Module, *, max_slots: int, max_len: int, device: torch.device,
+                 record_probs: bool, router: str = "") -> None:
+        from lumenrl_moe import RecordTarget, install_routing
+
+        self._target_cls = RecordTarget
+        self.ctl = install_routing(model, router_cls=router or None)
+        layers, k, experts = self.ctl.num_layers, self.ctl.top_k, self.ctl.num_experts
+        dtype = torch.int16 if experts <= torch.iinfo(torch.int16).max else torch.int32
+        self.routes = torch.zeros(max_slots, max_len, layers, k, dtype=dtype, device=device)
+        self.probs = (torch.zeros(max_slots, max_len, layers, experts, dtype=torch.float32, device=device)
+                      if record_probs else None)
+        self.max_len = max_len
+        self.start: dict[int, int] = {}  # slot -> first cache column of its request
+        self._rows = torch.arange(max_slots, device=device)
+
+    def prefill(self, rows: torch.Tensor, width: int, starts: list[int]) -> None:
+        """Record the next forward: a left-padded (n, W) block into slots ``rows``."""
+        n = rows.shape[0]
+        cols = torch.arange(width, device=rows.device)
+        index = (rows[:, None].expand(n, width).reshape(-1), cols.expand(n, width).reshape(-1))
+        self.ctl.record(self._target_cls(routes=self.routes, index=index, probs=self.probs))
+        for slot, start in zip(rows.tolist(), starts):
+            self.start[slot] = start
+
+    def decode(self, batch: int, columns: torch.Tensor) -> None:
+        """Record the next forward: one token per slot 0..batch-1 at ``columns`` (b,) (graph-safe)."""
+        index = (self._rows[:batch], columns.clamp(max=self.max_len - 1))
+        self.ctl.record(self._target_cls(routes=self.routes, index=index, probs=self.probs))
+
+    def done(self) -> None:
+        self.ctl.record(None)
+
+    def finish(self, requests: list[Any], batch: Any, meta: dict[str, Any]) -> None:
+        """After a generate call: rows that were finished on entry keep the routes they came with."""
+        carry_routes(requests, batch)
+        meta["num_experts"] = self.ctl.num_experts
+
+    def take_all(self, active: dict[int, Any], host_columns: list[int], lag: int) -> None:
+        """Interrupted rows: the routes of what they generated so far."""
+        for slot, request in active.items():
+            self.take(request, slot, host_columns[slot] - lag)
+
+    def take(self, request: Any, slot: int, end: int) -> None:
+        """Copy the slot's rows [start, end) to ``request.routes`` (device clone, no sync)."""
+        start = self.start.get(slot, 0)
+        request.routes = self.routes[slot, start:end].clone()
+        request.route_probs = self.probs[slot, start:end].clone() if self.probs is not None else None
+
+
+class NoRoutes:
+    """R3 off: every engine call is a no-op."""
+
+    enabled = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("prefill", "decode", "done", "finish", "take", "take_all"):
+            return _noop
+        raise AttributeError(name)
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def engine_routes(model: nn.Module, enabled: bool, device: torch.device, record_probs: bool, router: str,
+                  cache: Any) -> EngineRoutes | NoRoutes:
+    """The engine's R3 route recorder, sized like its KV ``cache`` (slots x columns), or a no-op one."""
+    if not enabled:
+        return NoRoutes()
+    return EngineRoutes(model, max_slots=cache.max_slots, max_len=cache.max_len, device=device,
+                        record_probs=record_probs, router=router)
+
+
+def r3_engine_kwargs(r3: Any) -> dict[str, Any]:
+    """Engine constructor arguments from ``moe.r3``."""
+    return {"record_routes": r3.enabled, "record_router_logits": r3.enabled and r3.record_router_logits,
+            "moe_router": r3.router}
+
+
+def routes_column(requests: list[Any], prompt_width: int, width: int) -> dict[str, torch.Tensor]:
+    """``routed_experts`` (B, P+T, L_moe, k) (+ ``router_probs`` (B, P+T, L_moe, E)) from the
+    requests' recorded rows; prompts are left-padded to ``prompt_width``, responses right-padded."""
+    recorded = [r.routes for r in requests if getattr(r, "routes", None) is not None]
+    if not recorded:
+        return {}
+    layers, k = recorded[0].shape[-2:]
+    pad_row = torch.arange(k, dtype=recorded[0].dtype)
+    routes = pad_row.expand(len(requests), prompt_width + width, layers, k).clone()
+    probs = None
+    first_probs = next((r.route_probs for r in requests if getattr(r, "route_probs", None) is not None), None)
+    if first_probs is not None:
+        probs = torch.zeros(len(requests), prompt_width + width, layers, first_probs.shape[-1])
+    for r in requests:
+        if getattr(r, "routes", None) is None:
+            continue
+        lo = prompt_width - len(r.prompt)
+        rows = r.routes.cpu()[: len(r.prompt) + len(r.response) - 1]  # the last token was never fed
+        routes[r.index, lo : lo + rows.shape[0]] = rows
+        if probs is not None and r.route_probs is not None:
+            probs[r.index, lo : lo + rows.shape[0]] = r.route_probs.cpu()[: rows.shape[0]]
+    out = {"routed_experts": routes}
+    if probs is not None:
+        out["router_probs"] = probs
+    return out
+
+
+def carry_routes(requests: list[Any], batch: Any) -> None:
+    """Continuing an interrupted batch: rows already finished keep the routes they were returned with."""
+    routes, probs = batch.batch.get("routed_experts"), batch.batch.get("router_probs")
+    if routes is None:
+        return
+    prompt_width = batch.batch["prompts"].shape[1] if "prompts" in batch.batch else 0
+    for r in requests:
+        if r.done and r.routes is None:  # finished before this call (none recorded now)
+            lo = prompt_width - len(r.prompt)
+            hi = lo + len(r.prompt) + len(r.response) - 1
+            r.routes = routes[r.index, lo:hi]
+            r.route_probs = probs[r.index, lo:hi] if probs is not None else None
+
+
+@contextmanager
+def record_generate_routes(model: nn.Module, ctl: Any, shape: tuple[int, int], max_new: int):
+    """HF ``generate`` (``hf`` engine): record into (n, W + max_new, L_moe, k) by a forward
+    pre-hook that points the routers at the columns of each forward: the (n, W) prefill, then
+    one column per decode step. Yields the buffer (None when ``ctl`` is None)."""
+    if ctl is None:
+        yield None
+        return
+    from lumenrl_moe import RecordTarget
+
+    n, width = shape
+    device = next(model.parameters()).device
+    routes = torch.arange(ctl.top_k, dtype=torch.int16, device=device).expand(
+        n, width + max_new, ctl.num_layers, ctl.top_k).clone()
+    column = [0]
+    rows = torch.arange(n, device=device)
+
+    def pre_hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        s = ids.shape[1]
+        cols = torch.arange(column[0], column[0] + s, device=device).clamp(max=width + max_new - 1)
+        ctl.record(RecordTarget(routes=routes, index=(rows[:, None].expand(n, s).reshape(-1),
+                                                      cols.expand(n, s).reshape(-1))))
+        column[0] += s
+
+    handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        yield routes
+    finally:
+        handle.remove()
+        ctl.record(None)
