@@ -149,7 +149,7 @@ def train_step(shape: str, layers: int, rows: int, prompt: int, resp: int, micro
 
 
 def grpo(shape: str, prompts: int, generations: int, new: int, micro: int, device: str, steps: int) -> dict[str, Any]:
-    import bench_grpo_step as G
+    from benchmarks.gpu import bench_grpo_step as G
 
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:

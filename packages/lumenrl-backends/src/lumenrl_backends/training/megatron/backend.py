@@ -29,6 +29,7 @@ from lumenrl_backends.training.megatron.model import MegatronCausalLM, build_gpt
 from lumenrl_backends.training.megatron.probe import missing_api
 from lumenrl_backends.training.nonfinite import NonFiniteGuard, refuse_nonfinite
 from lumenrl_backends.training.precision import compute_dtype
+from lumenrl_backends.training.routes import route_replay
 from lumenrl_backends.training.schedules import LRSchedule, build_lr_scheduler
 
 __all__ = ["MegatronBackend"]
@@ -91,6 +92,7 @@ class MegatronBackend(FSDP2Backend):
         self.model.to(self.device)
         self.model.compute_dtype = compute_dtype(train.mixed_precision, self.device)  # bf16 on CUDA (auto)
         self.fp8_report, self.exact, self.single = None, False, None
+        self.routes = route_replay(None, None)  # R3 replay is not wired into Megatron's MoE layer (refused)
         self.packing, self._pack_align, self._logprob_backend = "none", 8, None
         self.optimizer = self.scheduler = self._sft_optimizer = None
         if role != "ref":
