@@ -154,20 +154,20 @@ class FSDP2Backend:
         if compile_layers:
             compile_decoder_layers(self.model, compile_layers)
             self._logprob_backend = "inductor" if compile_layers is True else str(compile_layers)
-        self.optimizer = self.scheduler = self._sft_optimizer = None
-        if role != "ref":
-            self.optimizer = self._build_optimizer(optim.lr)
-            self.scheduler = build_lr_scheduler(
-                self.optimizer,
-                LRSchedule(
-                    name=optim.lr_schedule,
-                    num_training_steps=max(num_training_steps * optimizer_steps_per_training_step, 1),
-                    warmup_steps=optim.warmup_steps * optimizer_steps_per_training_step,
-                    min_lr_ratio=optim.min_lr_ratio,
-                ),
-            )
+        self._init_optimizer(num_training_steps, optimizer_steps_per_training_step)
 
     # ----------------------------------------------------------------- construction
+
+    def _init_optimizer(self, num_training_steps: int, steps_per_training_step: int) -> None:
+        """AdamW and its LR schedule (in optimizer steps) for a training role; none for ``ref``."""
+        self.optimizer = self.scheduler = self._sft_optimizer = None
+        if self.role == "ref":
+            return
+        o = self.optim_cfg
+        self.optimizer = self._build_optimizer(o.lr)
+        self.scheduler = build_lr_scheduler(self.optimizer, LRSchedule(
+            name=o.lr_schedule, num_training_steps=max(num_training_steps * steps_per_training_step, 1),
+            warmup_steps=o.warmup_steps * steps_per_training_step, min_lr_ratio=o.min_lr_ratio))
 
     @classmethod
     def from_config(cls, cfg: Any, *, role: str, model_path: str) -> FSDP2Backend:

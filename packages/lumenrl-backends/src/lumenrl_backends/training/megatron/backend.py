@@ -30,7 +30,6 @@ from lumenrl_backends.training.megatron.probe import missing_api
 from lumenrl_backends.training.nonfinite import NonFiniteGuard, refuse_nonfinite
 from lumenrl_backends.training.precision import compute_dtype
 from lumenrl_backends.training.routes import route_replay
-from lumenrl_backends.training.schedules import LRSchedule, build_lr_scheduler
 
 __all__ = ["MegatronBackend"]
 
@@ -94,18 +93,7 @@ class MegatronBackend(FSDP2Backend):
         self.fp8_report, self.exact, self.single = None, False, None
         self.routes = route_replay(None, None)  # R3 replay is not wired into Megatron's MoE layer (refused)
         self.packing, self._pack_align, self._logprob_backend = "none", 8, None
-        self.optimizer = self.scheduler = self._sft_optimizer = None
-        if role != "ref":
-            self.optimizer = self._build_optimizer(optim.lr)
-            self.scheduler = build_lr_scheduler(
-                self.optimizer,
-                LRSchedule(
-                    name=optim.lr_schedule,
-                    num_training_steps=max(num_training_steps * optimizer_steps_per_training_step, 1),
-                    warmup_steps=optim.warmup_steps * optimizer_steps_per_training_step,
-                    min_lr_ratio=optim.min_lr_ratio,
-                ),
-            )
+        self._init_optimizer(num_training_steps, optimizer_steps_per_training_step)
 
     @classmethod
     def from_config(cls, cfg: Any, *, role: str, model_path: str) -> MegatronBackend:
