@@ -103,10 +103,13 @@ def suggest_key(root: type, key: str) -> str | None:
     for i, part in enumerate(parts):
         specs = fields_of(cls)
         if part not in specs:
+            # an exact leaf name in a deeper section beats a near name here ("policy.lr" -> policy.optim.lr)
+            deeper = [k for k in all_keys(cls) if k.rsplit(".", 1)[-1] == parts[-1]]
+            if deeper and i == len(parts) - 1:
+                return ".".join([*prefix, deeper[0]])
             local = closest(part, specs)
             if local:
                 return ".".join([*prefix, local, *parts[i + 1 :]])
-            deeper = [k for k in all_keys(cls) if k.rsplit(".", 1)[-1] == parts[-1]]
             if deeper:
                 return ".".join([*prefix, deeper[0]])
             return closest(key, all_keys(root))
