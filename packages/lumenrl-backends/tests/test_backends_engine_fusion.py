@@ -111,7 +111,8 @@ def test_fused_equals_unfused_and_training_forward(family, tmp_path, monkeypatch
         assert_same(a, b)
         mask = a.batch["response_mask"].bool()
         assert (forward_log_probs(plain.model, a) - a.batch["rollout_log_probs"])[mask].abs().max() < 1e-4
-    groups = len(report.attention) + len(report.mlp)  # fused GEMMs per forward
+    # fused GEMMs every forward runs (per-expert MLPs, where transformers keeps them, run only when routed to)
+    groups = len(report.attention) + sum(".experts." not in name for name in report.mlp)
     assert calls["dense"] >= groups * 2 * GREEDY["max_new_tokens"]  # every prefill and decode step, both runs
 
 
