@@ -39,7 +39,8 @@ def test_installs_with_torch_only(torch_only_python):
     proc = _run([str(torch_only_python), "-m", "pip", "list", "--format=freeze"])
     installed = {line.split("==")[0].lower() for line in proc.stdout.splitlines()}
     assert "lumenrl-quant" in installed
-    assert not installed & {"lumenrl-core", "transformers", "numpy", "safetensors"}, installed
+    # numpy is declared (torch warns on import without it); nothing of the LLM stack comes along
+    assert not installed & {"lumenrl-core", "transformers", "safetensors"}, installed
     probe = "import sys, lumenrl_quant; print(sorted(m for m in ('lumenrl_core', 'transformers') if m in sys.modules))"
     proc = _run([str(torch_only_python), "-c", probe])
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -189,8 +189,8 @@ def test_from_config_quantize_lm_head_runs_and_requantizes_the_head_on_sync(qwen
 
 
 @pytest.mark.parametrize("recalibration", [True, False])
-def test_from_config_reads_kv_scale_recalibration(model_dir, recalibration):
-    config = fp8_run_config(model_dir, kv_cache_dtype="fp8", kv_scale_recalibration=recalibration)
+def test_from_config_reads_kv_scale_recalibration(qwen3_128_dir, recalibration):
+    config = fp8_run_config(qwen3_128_dir, kv_cache_dtype="fp8", kv_scale_recalibration=recalibration)
     engine = NativeEngine.from_config(config)
     engine.generate(prompt_batch(engine.tokenizer), config.policy.rollout)  # calibrates on the first prefill
     before = engine.cache.layers[0].codec.scales.k_scale.clone()
