@@ -38,6 +38,11 @@ def hardware() -> str:
 
 
 def commit() -> str:
+    """The checkout's short hash (``+dirty``); ``LUMENRL_COMMIT`` overrides it: a GPU machine runs a copy
+    of the tree whose git state is not ours (``benchmarks/gpu_env.sh`` reads the shipped ``.whl/COMMIT``)."""
+    if os.environ.get("LUMENRL_COMMIT"):
+        return os.environ["LUMENRL_COMMIT"]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 

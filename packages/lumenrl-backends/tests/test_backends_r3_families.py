@@ -30,11 +30,11 @@ _OVERRIDES = {
 }
 
 
-def _model(family: str, seed: int = 0):
+def _model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     config = tiny_config(family, num_hidden_layers=3, **_OVERRIDES[family])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         for module in model.modules():  # routers with a real spread (HF inits some at zero)
             gate = getattr(module, "gate", None)
             if gate is not None and hasattr(gate, "e_score_correction_bias"):
@@ -150,8 +150,9 @@ def test_engine_records_and_backend_replays(family):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recording_with_cuda_graphs_equals_eager(family):
-    """The record buffers are static tensors written inside the captured decode step."""
-    model, tokenizer = _model(family, seed=5), build_char_tokenizer()
+    """The record buffers are static tensors written inside the captured decode step (bf16: the
+    dtype whose grouped expert GEMM is capturable; a float32 MoE decodes eagerly, tested below)."""
+    model, tokenizer = _model(family, seed=5, dtype=torch.bfloat16), build_char_tokenizer()
     prompts = _prompts(tokenizer, ["1+2=", "13+4=", "7=", "9+9+9="])
     outs = []
     for graphs in (False, True):
@@ -201,3 +202,12 @@ def test_interrupted_and_resumed_rows_keep_aligned_routes():
     done = engine.generate(partial, params)  # prompt + partial response re-prefilled, same weights
     assert torch.equal(done.batch["responses"], full.batch["responses"])
     assert torch.equal(done.batch["routed_experts"], full.batch["routed_experts"])
+
+
+def test_float32_moe_is_known_not_capturable():
+    """A float32 MoE model decodes eagerly by decision, not by a failed capture."""
+    from lumenrl_backends.engines.graphs import graph_blocker
+
+    assert "bfloat16" in graph_blocker(_model("qwen3_moe"))
+    assert graph_blocker(_model("qwen3_moe", dtype=torch.bfloat16)) is None
+    assert graph_blocker(AutoModelForCausalLM.from_config(tiny_config("qwen3", num_hidden_layers=1))) is None

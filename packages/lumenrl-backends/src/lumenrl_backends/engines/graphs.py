@@ -40,7 +40,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["DecodeGraphs", "gc_paused", "kv_bytes_per_token", "slots_for_budget"]
+__all__ = ["DecodeGraphs", "gc_paused", "graph_blocker", "kv_bytes_per_token", "slots_for_budget"]
+
+
+def graph_blocker(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s decode step cannot be captured, known before trying; None if nothing is known.
+
+    HF MoE experts run ``torch._grouped_mm``; on CUDA only its bf16 kernel keeps the offsets on the
+    device, other dtypes take a fallback that copies them to the host (not capturable)."""
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    if not experts:
+        return None
+    dtypes = {p.dtype for m in experts for p in m.parameters(recurse=False)}
+    if dtypes and dtypes != {torch.bfloat16}:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        return f"MoE experts in {names}: torch._grouped_mm captures only in bfloat16 (load the model in bf16)"
+    return None
 
 
 @contextlib.contextmanager

@@ -65,7 +65,7 @@ from torch import nn
 from lumenrl_backends.engines.attention import engine_attention
 from lumenrl_backends.engines.fusion import fuse_projections as fuse_model_projections
 from lumenrl_backends.engines.fusion import unfuse_projections
-from lumenrl_backends.engines.graphs import DecodeGraphs, kv_bytes_per_token, slots_for_budget
+from lumenrl_backends.engines.graphs import DecodeGraphs, graph_blocker, kv_bytes_per_token, slots_for_budget
 from lumenrl_backends.engines.kv_cache import (
     V_TILE,
     CacheView,
@@ -232,6 +232,10 @@ class NativeEngine:
             # with a symbolic batch that every later bucket reuses (measured configs use the static one)
             self._model_forward = torch.compile(self.model.forward)
         self.graphs = DecodeGraphs(self._decode_step, enabled=cuda_graphs and self.device.type == "cuda")
+        blocker = graph_blocker(self.model) if self.graphs.enabled else None
+        if blocker:
+            self.graphs.enabled = False
+            warnings.warn(f"native engine: no CUDA graphs ({blocker}); decoding eagerly", stacklevel=2)
         # overlapped host sync: step N's (token, log-prob) pairs go to host buffers (pinned on CUDA,
         # two: N and N+1 in flight) while step N+1 is already queued (see _decode)
         self.overlap_sync = overlap_sync

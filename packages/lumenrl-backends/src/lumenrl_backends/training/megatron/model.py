@@ -228,6 +228,9 @@ class MegatronCausalLM(nn.Module):
             eye = torch.eye(s, dtype=torch.bool, device=input_ids.device)
             mask = (mask | (attention_mask == 0)[:, None, None, :]) & ~eye  # (b, 1, s, s)
         positions = torch.arange(s, device=input_ids.device)[None].expand(b, s)
+        rope = self.gpt.rotary_pos_emb  # inv_freq is a plain attribute: .to(device) leaves it behind
+        if rope.inv_freq.device != input_ids.device:
+            rope.inv_freq = rope.inv_freq.to(input_ids.device)
         low = self.compute_dtype != torch.float32
         with torch.autocast(input_ids.device.type, dtype=self.compute_dtype, enabled=low):
             logits = self.gpt(input_ids, positions, mask)  # (b, s, V)
