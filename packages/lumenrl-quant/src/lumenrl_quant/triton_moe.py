@@ -1,0 +1,188 @@
+"""Triton grouped GEMM over expert-sorted token blocks: the two launches of :func:`lumenrl_quant.fused_moe`.
+
+One kernel, two uses (``GATED`` / ``ROUTED`` are compile-time flags):
+
+* gate/up: rows ``a = hidden[pair // top_k]`` (H), expert weight ``w[e]`` (2I, H); each program owns
+  BLOCK_N features of both halves (rows ``n`` and ``I + n``) and writes ``silu(gate) * up`` (float32
+  math, one rounding to the output dtype) for the pairs of its block: ``inter[pair]`` (I);
+* down: rows ``a = inter[pair]`` (I), expert weight ``w[e]`` (H, I); the epilogue multiplies by the
+  pair's routing weight and writes ``out[pair]`` (H), one row per (token, k) pair; the caller sums
+  over k (deterministic: no atomics).
+
+A program handles one BLOCK_M block of the sorted pair list (:func:`lumenrl_quant.fused_moe.moe_align`:
+every block holds pairs of a single expert, padded with the sentinel ``num_pairs``) and one BLOCK_N
+tile of outputs; blocks past the used ones (their expert id is ``num_experts``) return at once, so
+the grid has a static size and the launch is CUDA-graph capturable. At decode each expert sees a few
+pairs, so the kernel streams each expert's weight once per block: memory-bound, tiles sized for
+small M.
+
+FP8 weights (``FP8``, w8a16): ``w`` holds float8 codes with dequant scales ``ws`` (E, ⌈rows/S⌉,
+⌈K/S⌉) for S x S blocks (S = ``SCALE_BLOCK``, 128 in lumenrl-quant's blockwise layout). A K tile
+lies inside one scale column (BLOCK_K divides S), so each tile's product of the exactly widened
+codes is scaled per output column: ``acc += dot(a, q) * s[n]``. Activations are never quantized.
+
+``UPCAST`` (set when Triton's CPU interpreter runs the kernel): 16-bit operands are widened to float32
+before ``tl.dot``, because Triton 3.6's interpreter computes bf16 dots wrongly (products of 16-bit
+values are exact in float32, so the math is unchanged), and bf16 outputs are rounded to nearest even
+explicitly, because its float32 -> bf16 cast truncates; the GPU compiles neither. ``DOT_PRECISION`` is ``ieee`` for float32
+activations (no TF32 rounding), else Triton's default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:  # optional dependency
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+
+__all__ = ["MoETile", "interpreted", "moe_grouped_gemm"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoETile:
+    """Launch parameters of one grouped GEMM (powers of two; ``block_n``: features per half for gate/up)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot_acc(acc, a, w, s, FP8: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+        # acc (BM, BN) float32 += a (BM, BK) @ w (BK, BN); FP8: w codes widened exactly, scaled per column s (BN,)
+        if UPCAST:
+            a = a.to(tl.float32)
+        if FP8:
+            w = w.to(tl.float32).to(a.dtype)  # via float32: the interpreter miscasts E4M3 -> bf16
+            return acc + tl.dot(a, w, input_precision=PREC) * s[None, :]
+        if UPCAST:
+            w = w.to(tl.float32)
+        return tl.dot(a, w, acc, input_precision=PREC)
+
+    @triton.jit
+    def _round_bf16(x):
+        # float32 -> the nearest bfloat16 value (ties to even) as float32, for the interpreter, whose own cast
+        # truncates; finite x only
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _moe_gemm_kernel(
+        a_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, block_expert_ptr, route_w_ptr,
+        N, num_pairs, num_experts,
+        stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
+        K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, FP8: tl.constexpr,
+        SCALE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        pid_m, pid_n = pid // tiles_n, pid % tiles_n
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert >= num_experts:  # past the last used block
+            return
+        expert = expert.to(tl.int64)
+        pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # (BM,) sentinel num_pairs = padding
+        valid = pairs < num_pairs
+        rows = (pairs // A_ROW_DIV).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]  # (BM, BK)
+        w_base = w_ptr + expert * stride_we
+        g_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # (BK, BN)
+        u_ptrs = g_ptrs + N * stride_wn  # GATED: the up half starts at row N
+        s_base = ws_ptr + expert * stride_se
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        s_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        s_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                w = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
+            else:
+                kmask = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if FP8:
+                s_g = tl.load(s_base + (offs_n // SCALE_BLOCK) * stride_sn + (k0 // SCALE_BLOCK) * stride_sk,
+                              mask=nmask, other=0.0)
+            acc = _dot_acc(acc, a, w, s_g, FP8, UPCAST, PREC)
+            if GATED:
+                if EVEN_K:
+                    wu = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
+                else:
+                    wu = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+                if FP8:
+                    s_u = tl.load(s_base + ((N + offs_n) // SCALE_BLOCK) * stride_sn + (k0 // SCALE_BLOCK) * stride_sk,
+                                  mask=nmask, other=0.0)
+                acc_u = _dot_acc(acc_u, a, wu, s_u, FP8, UPCAST, PREC)
+                u_ptrs += BLOCK_K * stride_wk
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K * stride_wk
+        if GATED:
+            acc = acc * tl.sigmoid(acc) * acc_u  # silu(gate) * up, float32
+        if ROUTED:
+            route = tl.load(route_w_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+            acc = acc * route[:, None]
+        if RNE_BF16:
+            acc = _round_bf16(acc)
+        out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+
+def interpreted() -> bool:
+    """True when Triton's CPU interpreter runs the kernels (``TRITON_INTERPRET=1`` before import)."""
+    return triton is not None and type(_moe_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def moe_grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    pairs: torch.Tensor,
+    block_experts: torch.Tensor,
+    route_weights: torch.Tensor | None,
+    *,
+    gated: bool,
+    a_row_div: int,
+    block_m: int,
+    tile: MoETile,
+    scale_block: int = 128,
+) -> torch.Tensor:
+    """One launch over every block of ``pairs`` (P,) (``block_experts`` (P / block_m,)): ``out[pair]`` =
+    ``silu(a[r] @ w[e, :N].T) * (a[r] @ w[e, N:].T)`` (``gated``, N = rows / 2) or ``route[pair] *
+    (a[r] @ w[e].T)`` (``route_weights`` given), with ``r = pair // a_row_div``. Inputs are checked by
+    :func:`lumenrl_quant.fused_moe.fused_moe`; ``out`` is written in place and returned."""
+    if triton is None:
+        raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
+    num_experts, rows, k = w.shape
+    n = rows // 2 if gated else rows
+    fp8 = w_scale is not None
+    scale = w_scale if fp8 else out  # any tensor: never read without FP8
+    upcast = interpreted() and a.dtype != torch.float32
+    grid = (block_experts.numel() * triton.cdiv(n, tile.block_n),)
+    _moe_gemm_kernel[grid](
+        a, w, scale, out, pairs, block_experts, route_weights if route_weights is not None else out,
+        n, out.shape[0], num_experts,  # out has one row per pair
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2),
+        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, scale.stride(2) if fp8 else 0,
+        out.stride(0),
+        K=k, A_ROW_DIV=a_row_div, GATED=gated, ROUTED=route_weights is not None, FP8=fp8, SCALE_BLOCK=scale_block,
+        UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16, PREC="ieee" if a.dtype == torch.float32 else "tf32", EVEN_K=k % tile.block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return out
