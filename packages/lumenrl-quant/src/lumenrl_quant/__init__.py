@@ -1,7 +1,7 @@
 """lumenrl-quant: low-precision library for RL, depends on torch only.
 
 FP8 / MXFP8 / MXFP4 formats and quantization, scaled GEMM, quantized linear layers and model
-quantization for rollout, FP8 KV cache with scale calibration, FP8 training, TIS/MIS rollout
+quantization for rollout, a fused MoE experts kernel (bf16 / FP8 weights), FP8 KV cache with scale calibration, FP8 training, TIS/MIS rollout
 correction. See the package README for examples.
 """
 
@@ -46,6 +46,17 @@ from lumenrl_quant.fp8 import (
     quantize_fp8_with_scale,
 )
 from lumenrl_quant.fused_mlp import silu_mul_quantize, swiglu_mlp_fp8, swiglu_mlp_fp8_tokenwise
+from lumenrl_quant.fused_moe import (
+    FusedMoEConfig,
+    MoETile,
+    dequantize_experts_fp8,
+    fused_moe,
+    fused_moe_config,
+    fused_moe_reference,
+    moe_align,
+    quantize_experts_fp8,
+    triton_moe_available,
+)
 from lumenrl_quant.fused_norm import rmsnorm_quantize_fp8
 from lumenrl_quant.gemm import emulated_scaled_mm, gemm_path, scaled_mm
 from lumenrl_quant.kv_cache import (
@@ -109,6 +120,16 @@ __all__ = [
     "seq_mis",
     "tis_sequence_weights",
     "tis_token_weights",
+    # fused MoE experts (lumenrl_quant.fused_moe)
+    "FusedMoEConfig",
+    "MoETile",
+    "dequantize_experts_fp8",
+    "fused_moe",
+    "fused_moe_config",
+    "fused_moe_reference",
+    "moe_align",
+    "quantize_experts_fp8",
+    "triton_moe_available",
     # formats, quantization, GEMM, rollout linears, KV cache
     "E4M3",
     "E4M3FNUZ",

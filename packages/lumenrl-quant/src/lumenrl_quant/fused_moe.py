@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 
 from lumenrl_quant.fp8 import dequantize_fp8, quantize_fp8
-from lumenrl_quant.triton_moe import MoETile
 
 __all__ = [
     "EXPERT_BLOCK",
@@ -61,6 +60,16 @@ __all__ = [
 
 EXPERT_BLOCK = (128, 128)  # FP8 expert weight scale blocks (rows, cols)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoETile:
+    """Launch parameters of one grouped GEMM (powers of two; ``block_n``: features per half for gate/up)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -30,9 +30,12 @@ activations (no TF32 rounding), else Triton's default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from lumenrl_quant.fused_moe import MoETile
 
 try:  # optional dependency
     import triton
@@ -41,17 +44,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
 
-__all__ = ["MoETile", "interpreted", "moe_grouped_gemm"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MoETile:
-    """Launch parameters of one grouped GEMM (powers of two; ``block_n``: features per half for gate/up)."""
-
-    block_n: int = 64
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
+__all__ = ["interpreted", "moe_grouped_gemm"]
 
 
 if triton is not None:
