@@ -102,6 +102,8 @@ SILENT = [
     (["dataset.prompt_key=[a, b]"], "dataset.prompt_key"),
     (["dataset.prompt_key={a: b}"], "dataset.prompt_key"),
     (["policy.generation_backend=atom"], "policy.rollout_engine"),
+    (["policy.rollout.fused_moe=on", "policy.rollout_engine=hf"], "policy.rollout.fused_moe"),
+    (["policy.rollout.fused_moe=yes"], "policy.rollout.fused_moe"),
 ]
 
 

@@ -47,8 +47,12 @@ def graph_blocker(model: torch.nn.Module) -> str | None:
     """Why ``model``'s decode step cannot be captured, known before trying; None if nothing is known.
 
     HF MoE experts run ``torch._grouped_mm``; on CUDA only its bf16 kernel keeps the offsets on the
-    device, other dtypes take a fallback that copies them to the host (not capturable)."""
-    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    device, other dtypes take a fallback that copies them to the host (not capturable). Experts running the
+    fused Triton kernel (:mod:`~lumenrl_backends.engines.moe`) capture in every dtype."""
+    from lumenrl_backends.engines.moe import FUSED_ATTR
+
+    experts = [m for m in model.modules()
+               if type(m).__name__.endswith("Experts") and m.__dict__.get(FUSED_ATTR) != "triton"]
     if not experts:
         return None
     dtypes = {p.dtype for m in experts for p in m.parameters(recurse=False)}

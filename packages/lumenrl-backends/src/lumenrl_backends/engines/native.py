@@ -23,6 +23,11 @@ Design (what the GPU-speed work builds on without a rewrite):
   RMSNorm hands its ``fp8_row`` consumer per-token FP8 input (``fp8_norm_quant``, on with ``compile="full"``
   and off the GPU), and each decode step's q/k norms, RoPE and KV write (FP8 included) run as one op
   (``fused_qk_rope``, :mod:`~lumenrl_backends.engines.triton_rope`, bit-identical to the HF sequence);
+* MoE experts (``fused_moe``, :mod:`~lumenrl_backends.engines.moe`): recognised experts modules run
+  lumenrl-quant's fused Triton kernel (expert-sorted blocks, two grouped GEMMs with SiLU * up and the
+  routing weight in their epilogues; ``auto``: on CUDA for bf16 experts), FP8 blockwise experts with the
+  ``fp8_block`` scheme (requantized in place at ``update_weights``); fused experts capture in CUDA graphs
+  in every dtype;
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv`` (one pass over
   the cache; :mod:`~lumenrl_backends.engines.attention`); ``kv_v_tiles`` (opt-in): V in (D, 128) tiles;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
@@ -81,6 +86,7 @@ from lumenrl_backends.engines.loading import (
     resolve_device,
     sliding_window_of,
 )
+from lumenrl_backends.engines.moe import install_fused_experts
 from lumenrl_backends.engines.quant import kv_cache_dtype as resolve_kv_dtype
 from lumenrl_backends.engines.quant import quantize_rollout_model, rollout_scheme
 from lumenrl_backends.engines.requests import (
@@ -159,6 +165,7 @@ class NativeEngine:
         fp8_norm_quant: bool = True,
         fused_qk_rope: bool = True,
         kv_v_tiles: bool = False,
+        fused_moe: str = "auto",
         record_routes: bool = False, record_router_logits: bool = False, moe_router: str = "",
         exact_logprobs: bool = False,
     ) -> None:
@@ -168,6 +175,8 @@ class NativeEngine:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        if exact_logprobs and fused_moe == "on":
+            raise ValueError("fused_moe='on' with exact_logprobs: the exact mode runs the HF modules; allowed: auto, off")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 2 (one prompt token + one new token)")
         self.device = resolve_device(device)
@@ -183,6 +192,9 @@ class NativeEngine:
                                                     fused_qk_rope=fused_qk_rope) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
+        # MoE experts on the fused Triton kernel (FP8 experts with fp8_block), or HF's implementation
+        self.moe = install_fused_experts(self.model, "off" if exact_logprobs else fused_moe, self.device,
+                                         quant_scheme=quant_scheme, fp8_dtype=getattr(quant_scheme, "fp8_dtype", None))
         self.tokenizer = tokenizer
         kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.device)
         if gpu_memory_utilization is not None and self.device.type == "cuda":
@@ -268,6 +280,7 @@ class NativeEngine:
             compile=rollout.compile,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
             fuse_projections=rollout.fuse_projections,
+            fused_moe=rollout.fused_moe,
             overlap_sync=rollout.overlap_sync,
             fuse_fp8_mlp=rollout_quant.fuse_mlp, exact_logprobs=rollout.exact_logprobs,
             **r3_engine_kwargs(run_config.moe.r3),
@@ -293,7 +306,8 @@ class NativeEngine:
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
     ) -> int:
         """Copy weights into the engine model in place (no reallocation); returns tensors copied."""
-        count = copy_weights_(self.model, named_tensors)  # requantizes quantized linears in place
+        # requantizes quantized linears and FP8 experts in place
+        count = copy_weights_(self.model, named_tensors, self.moe.reloaders)
         self.weight_version = int(version)
         # FP8 KV scales follow the new policy unless quantization.rollout.kv_scale_recalibration=false
         self.cache.recalibrate = self.cache.kv_dtype is not None and self.kv_scale_recalibration

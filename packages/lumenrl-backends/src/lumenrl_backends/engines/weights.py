@@ -5,13 +5,14 @@ Every incoming tensor is copied into the existing parameter or buffer storage (`
 and no memory is reallocated. Tied parameters (``lm_head.weight`` sharing ``embed_tokens``) are
 found under every name they are reachable by, so a trainer may send either name. The
 ``weight`` of a quantized layer (any module with ``reload_``, e.g. lumenrl-quant's
-``QuantizedLinear``) is requantized in place from the incoming high-precision tensor.
+``QuantizedLinear``) is requantized in place from the incoming high-precision tensor, and so is
+any tensor named in ``reloaders`` (the engine's FP8 MoE experts, :mod:`~lumenrl_backends.engines.moe`).
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -44,12 +45,15 @@ def _unknown(name: str, targets: Mapping[str, torch.Tensor]) -> KeyError:
 
 @torch.no_grad()
 def copy_weights_(
-    model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    reloaders: Mapping[str, Callable[[torch.Tensor], None]] | None = None,
 ) -> int:
     """Copy ``named_tensors`` into ``model`` in place; returns the number of tensors copied.
 
-    Shapes must match exactly; dtype and device are converted on the fly.
+    Shapes must match exactly; dtype and device are converted on the fly. ``reloaders``: normalised
+    name -> a function that stores the incoming tensor itself (requantizing in place).
     """
+    reloaders = reloaders or {}
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     targets = named_targets(model)
     modules = {normalise_name(n): m for n, m in model.named_modules(remove_duplicate=False)}
@@ -58,6 +62,10 @@ def copy_weights_(
         key = normalise_name(name)
         if hasattr(tensor, "full_tensor"):  # a DTensor shard from FSDP2: gather it
             tensor = tensor.full_tensor()
+        if key in reloaders:
+            reloaders[key](tensor.detach())
+            count += 1
+            continue
         owner, _, leaf = key.rpartition(".")
         if leaf == "weight" and hasattr(modules.get(owner), "reload_"):
             modules[owner].reload_(tensor.detach())  # requantize in place

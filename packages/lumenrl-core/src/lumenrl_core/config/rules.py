@@ -234,6 +234,7 @@ def _check_exact_logprobs(cfg: s.RunConfig, key: str, source: Callable[[str], st
         (cfg.quantization.training.precision in ("fp8", "mxfp8", "mxfp4"),
          f"quantization.training.precision={cfg.quantization.training.precision!r}: low-precision training GEMMs"),
         (rollout.compile != "none", f"policy.rollout.compile={rollout.compile!r}: the batch-invariant kernels run eagerly"),
+        (rollout.fused_moe == "on", "policy.rollout.fused_moe='on': the fused experts kernel is not the trainer's"),
         (bool(cfg.policy.train.compile_layers), "policy.train.compile_layers: the batch-invariant kernels run eagerly"),
         (cfg.policy.rollout_engine != "native", f"policy.rollout_engine={cfg.policy.rollout_engine!r}: only 'native' runs the trainer's kernels"),
         ((cfg.policy.dtype, cfg.policy.train.mixed_precision) in (("float16", "auto"), ("float16", "bf16"), ("float16", "fp32"),
@@ -247,12 +248,25 @@ def _check_exact_logprobs(cfg: s.RunConfig, key: str, source: Callable[[str], st
                               source=source(k))
 
 
+def _check_fused_moe(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
+    """policy.rollout.fused_moe='on' is a native-engine option: another engine would ignore it."""
+    if cfg.policy.rollout.fused_moe == "on" and cfg.policy.rollout_engine != "native":
+        k = join_key(key, "policy.rollout.fused_moe")
+        raise ConfigError(k, "on", problem=f"only the native engine runs fused MoE experts; policy.rollout_engine="
+                          f"{cfg.policy.rollout_engine!r} would ignore it", allowed="auto, off", source=source(k))
+
+
+def _check_run(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
+    _check_exact_logprobs(cfg, key, source)
+    _check_fused_moe(cfg, key, source)
+
+
 CROSS_CHECKS: dict[type, Callable[[Any, str, Callable[[str], str | None]], None]] = {
     s.OptimConfig: _check_betas,
     s.RolloutCorrectionConfig: _check_mask_band,
     s.R3Config: _check_r3,
     s.RayConfig: _check_ray_roles,
-    s.RunConfig: _check_exact_logprobs,
+    s.RunConfig: _check_run,
 }
 
 

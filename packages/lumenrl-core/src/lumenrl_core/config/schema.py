@@ -112,6 +112,10 @@ class SamplingConfig:
     compile: str = field(default="none", metadata=choices("none", "full"))  # full: torch.compile the decode forward (GPU)
     fuse_projections: bool = True  # native engine: one q/k/v and one gate/up GEMM per layer (fused weight views)
     overlap_sync: bool = True  # native engine: read step t's tokens while step t+1 runs (results unchanged)
+    # native engine, MoE experts on lumenrl-quant's fused Triton kernel (FP8 experts with the fp8_block scheme):
+    # auto = on for bf16 experts on CUDA with Triton; on = every recognised experts module on any device
+    # (CPU: torch emulation); off = transformers' experts implementation
+    fused_moe: str = field(default="auto", metadata=choices("auto", "on", "off"))
     # bitwise on-policy mode (native engine + fsdp2 actor): batch-invariant kernels on both sides, so rollout
     # log-probs equal the trainer's exactly; needs full-precision rollout (no FP8/MX weights or KV), compile none
     exact_logprobs: bool = False
