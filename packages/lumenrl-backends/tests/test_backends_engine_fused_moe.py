@@ -112,6 +112,27 @@ def test_fp8_experts_requantize_in_place_on_update_weights():
     assert torch.equal(a.batch["responses"], b.batch["responses"])
 
 
+FAMILY_EXPERTS = {"qwen3_moe": {"num_experts": 8}, "mixtral": {"num_local_experts": 8},
+                  "deepseek_v3": {"n_routed_experts": 8, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5},
+                  "glm4_moe": {"n_routed_experts": 8, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5}}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_EXPERTS))
+def test_every_r3_family_fuses_and_records_the_same_routes(family):
+    """The four R3 families' experts are recognised; route recording (the gate patch) is unchanged."""
+    config = tiny_config(family, num_hidden_layers=3, initializer_range=0.2, **FAMILY_EXPERTS[family])
+    outs = []
+    for mode in ("off", "on"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        eng = engine(model, mode, record_routes=True)
+        assert len(eng.moe.report.fused) == (eng.routes.ctl.num_layers if mode == "on" else 0)
+        outs.append(eng.generate(prompts(eng.tokenizer), GREEDY))
+    assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
+    assert torch.equal(outs[0].batch["routed_experts"], outs[1].batch["routed_experts"])
+
+
 def test_from_config_reads_fused_moe():
     from lumenrl_core.config.schema import RunConfig
 
