@@ -114,13 +114,15 @@ def _backend(mode: str, device: torch.device, dtypes: set[torch.dtype]) -> str:
     return "triton" if triton else "torch"
 
 
-def _forward(module: nn.Module) -> Callable[..., torch.Tensor]:
+def _forward(module: nn.Module, backend: str) -> Callable[..., torch.Tensor]:
+    """The fused forward of ``module``; its FP8 scales (if any) are bound here: reloads write into them."""
     from lumenrl_quant import fused_moe
 
+    gate_up_scale, down_scale = module._buffers.get("gate_up_proj_scale"), module._buffers.get("down_proj_scale")
+
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        buffers = module._buffers
         return fused_moe(hidden_states, module.gate_up_proj, module.down_proj, top_k_index, top_k_weights,
-                         w_gate_up_scale=buffers.get("gate_up_proj_scale"), w_down_scale=buffers.get("down_proj_scale"))
+                         w_gate_up_scale=gate_up_scale, w_down_scale=down_scale, backend=backend)
 
     return forward
 
@@ -194,7 +196,7 @@ def install_fused_experts(model: nn.Module, mode: str, device: torch.device, *, 
         if _is_fp8(module):
             handle.report.fp8.append(name)
             handle.reloaders.update({f"{name}.{w}": _reloader(module, w) for w in _WEIGHTS})
-        module.__dict__["forward"] = _forward(module)
+        module.__dict__["forward"] = _forward(module, backend)
         module.__dict__[FUSED_ATTR] = backend
         handle.report.fused.append(name)
     return handle
