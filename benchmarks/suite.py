@@ -127,7 +127,8 @@ ENTRIES: tuple[Entry, ...] = (
           goal="R3 cuts train/infer KL under FP8 rollout >= 2x (0 flips)", metric="kl_cut", bound=">= 2",
           device="cpu"),
     Entry(name="moe_decode_speed", target="benchmarks.moe.decode_speed:moe_decode_speed", suites=("gpu", "moe", "rollout"),
-          numbers=("native_decode_tok_s", "record_overhead_pct", "native_vs_hf"),
+          numbers=("native_decode_tok_s", "record_overhead_pct", "native_vs_hf", "grouped_mm_decode_tok_s",
+                   "fp8_experts_vs_bf16"),
           goal="native MoE decode >= 75% of the HBM roofline (Qwen3-30B-A3B shape x12 layers, batch 64, bf16)",
           metric="roofline_pct", bound=">= 75"),
     # scale-out: data-parallel rollout and the GRPO step over ranks

@@ -2,17 +2,25 @@
 
 Full shape (``smoke=False``, CUDA): hidden 2048, 128 experts, top-8, expert width 768, 32/4 heads
 of 128, 12 of the 48 layers, vocab 151936, bf16 random init; batch 64, 256 prompt + 128 new
-tokens, greedy, EOS ignored. Reported, each from one whole generate call after a warm-up call:
+tokens, greedy, EOS ignored. Reported, each from one whole generate call after a warm-up call, all
+engines ``compile="full"`` over the same model, in this order (the FP8 engines quantize it in place):
 
-* ``native_decode_tok_s``: batch x (new - 1) / (seconds - prefill seconds), ``compile="full"``;
+* ``native_decode_tok_s``: batch x (new - 1) / (seconds - prefill seconds), experts on the fused
+  Triton kernel (``fused_moe="on"``, lumenrl-quant ``fused_moe``);
 * ``roofline_pct``: that rate over the HBM roofline when every expert is read each step (all
   weights but the input embedding + the mean KV, over the measured copy bandwidth);
-* ``record_overhead_pct``: decode time with R3 recording on vs off (goal <= 3%);
+* ``record_overhead_pct``: decode time with R3 recording on vs off, fused experts (goal <= 3%);
+* ``grouped_mm_decode_tok_s``: the same engine with ``fused_moe="off"`` (transformers' ``grouped_mm``);
 * ``hf_decode_tok_s``: HF ``generate`` (dynamic cache), prefill timed separately;
-* ``fp8_experts_vs_bf16``: not measured (FP8 expert weights are not built: n/a).
+* ``fp8_experts_decode_tok_s`` / ``fp8_experts_vs_bf16``: FP8 expert weights (``fp8_block`` with the
+  attention linears skipped, so only the experts are FP8: 128 x 128 blocks, w8a16 in the fused
+  kernel), over ``native_decode_tok_s`` (goal >= 1.3); ``fp8_experts_roofline_pct`` against the
+  roofline of the FP8-expert weight bytes;
+* ``fp8_rollout_vs_bf16``: the whole ``fp8_block`` rollout scheme (attention linears FP8 too).
 
-Smoke (CPU, seconds): a hidden-64 / 8-expert version of the same measurements (no roofline).
-GPU: ``python -c "from benchmarks.moe.decode_speed import moe_decode_speed as f; print(f(False))"``.
+Smoke (CPU, seconds): a hidden-64 / 8-expert version of the same engines (fused experts on
+lumenrl-quant's torch path; no roofline).
+GPU: ``python -m benchmarks run gpu --only moe_decode_speed``.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lumenrl_backends.engines.native import NativeEngine
 from lumenrl_core.data_proto import DataProto
+from lumenrl_quant import get_quant_scheme
 
 __all__ = ["moe_decode_speed"]
 
@@ -55,12 +64,15 @@ def _model(shape: dict, device: str, dtype: torch.dtype):
     return model.eval()
 
 
-def _native(model, batch, new: int, *, device: str, compile: str, record: bool) -> tuple[float, float]:
+def _native(model, batch, new: int, *, device: str, compile: str, record: bool = False, fused_moe: str = "on",
+            quant_scheme=None) -> tuple[float, float]:
     """(decode tok/s, decode seconds) of the second of two generate calls."""
     torch._dynamo.reset()
     rows, prompt = batch.batch["input_ids"].shape
     engine = NativeEngine(model, _Tok(), device=device, max_batch_size=rows, max_seq_len=prompt + new,
-                          compile=compile, record_routes=record)
+                          compile=compile, record_routes=record, fused_moe=fused_moe, quant_scheme=quant_scheme)
+    if fused_moe == "on":
+        assert engine.moe.report.fused and not engine.moe.report.skipped, engine.moe.report
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": new}
     engine.generate(batch, params)
     _sync(device)
@@ -101,26 +113,40 @@ def moe_decode_speed(smoke: bool) -> dict:
     out = {"device": device, "shape": "smoke" if smoke else "qwen3-30b-a3b x12 layers", "batch": rows,
            "prompt": prompt, "new": new, "compile": compile,
            "experts_implementation": model.config._experts_implementation}
-    plain, plain_s = _native(model, batch, new, device=device, compile=compile, record=False)
+    fused, fused_s = _native(model, batch, new, device=device, compile=compile)
     recorded, recorded_s = _native(model, batch, new, device=device, compile=compile, record=True)
-    out["native_decode_tok_s"] = plain
+    out["native_decode_tok_s"] = fused
     out["native_record_decode_tok_s"] = recorded
-    out["record_overhead_pct"] = 100.0 * (recorded_s / plain_s - 1.0)
+    out["record_overhead_pct"] = 100.0 * (recorded_s / fused_s - 1.0)
+    out["grouped_mm_decode_tok_s"] = _native(model, batch, new, device=device, compile=compile, fused_moe="off")[0]
+    out["fused_vs_grouped_mm"] = fused / out["grouped_mm_decode_tok_s"]
     out["hf_decode_tok_s"] = _hf(model, batch, new, device)
-    out["native_vs_hf"] = plain / out["hf_decode_tok_s"]
+    out["native_vs_hf"] = fused / out["hf_decode_tok_s"]
     if device == "cuda":
-        import sys
-        from pathlib import Path
-
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-        import _common as C
-
-        roof = C.decode_roofline(model, batch=rows, prompt_len=prompt, new_tokens=new,
-                                 bandwidth_gbs=C.copy_bandwidth_gbs())
-        out["roofline_tok_s"] = roof["tokens_per_s"]
-        out["roofline_pct"] = 100.0 * plain / roof["tokens_per_s"]
-    out["fp8_experts_vs_bf16"] = "n/a (FP8 expert weights not built)"
+        out["roofline_tok_s"] = _roofline(model, rows, prompt, new)
+        out["roofline_pct"] = 100.0 * fused / out["roofline_tok_s"]
+    # FP8 experts only (attention linears skipped), then the whole fp8_block scheme; both quantize the model
+    experts_only = get_quant_scheme("fp8_block", skip_modules=("lm_head", "self_attn"))
+    fp8, _ = _native(model, batch, new, device=device, compile=compile, quant_scheme=experts_only)
+    out["fp8_experts_decode_tok_s"] = fp8
+    out["fp8_experts_vs_bf16"] = fp8 / fused
+    if device == "cuda":
+        out["fp8_experts_roofline_pct"] = 100.0 * fp8 / _roofline(model, rows, prompt, new)
+    out["fp8_rollout_vs_bf16"] = _native(model, batch, new, device=device, compile=compile,
+                                         quant_scheme="fp8_block")[0] / fused
     return out
+
+
+def _roofline(model, rows: int, prompt: int, new: int) -> float:
+    """Decode tokens/s at the measured copy bandwidth when every weight (as now stored) is read per step."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    import _common as C
+
+    roof = C.decode_roofline(model, batch=rows, prompt_len=prompt, new_tokens=new, bandwidth_gbs=C.copy_bandwidth_gbs())
+    return roof["tokens_per_s"]
 
 
 if __name__ == "__main__":
