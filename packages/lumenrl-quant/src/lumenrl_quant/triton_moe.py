@@ -55,7 +55,10 @@ if triton is not None:
         if UPCAST:
             a = a.to(tl.float32)
         if FP8:
-            w = w.to(tl.float32).to(a.dtype)  # via float32: the interpreter miscasts E4M3 -> bf16
+            if UPCAST:
+                w = w.to(tl.float32)  # the interpreter miscasts E4M3 -> bf16; a is float32 here
+            else:
+                w = w.to(a.dtype)  # exact: every E4M3 value is a bf16 / fp16 / fp32 value
             return acc + tl.dot(a, w, input_precision=PREC) * s[None, :]
         if UPCAST:
             w = w.to(tl.float32)
