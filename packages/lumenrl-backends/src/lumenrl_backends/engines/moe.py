@@ -168,10 +168,10 @@ def _reloader(module: nn.Module, name: str) -> Callable[[torch.Tensor], None]:
     return reload_
 
 
-def install_fused_experts(model: nn.Module, mode: str, device: torch.device, *, quant_scheme: Any = None,
-                          fp8_dtype: torch.dtype | None = None) -> FusedExperts:
+def install_fused_experts(model: nn.Module, mode: str, device: torch.device, quant_scheme: Any = None) -> FusedExperts:
     """Fuse (or, with ``off``, unfuse) the experts modules of ``model`` in place (see module doc);
-    ``quant_scheme``: the engine's rollout scheme (``fp8_block`` quantizes the fused experts)."""
+    ``quant_scheme``: the engine's rollout scheme, a name or object (``fp8_block`` quantizes the fused
+    experts, in its ``fp8_dtype`` if set)."""
     if mode not in FUSED_MOE_MODES:
         raise ValueError(f"fused_moe={mode!r}; allowed: {', '.join(FUSED_MOE_MODES)}")
     modules = _experts_modules(model)
@@ -192,7 +192,7 @@ def install_fused_experts(model: nn.Module, mode: str, device: torch.device, *, 
             handle.report.skipped[name] = problem or f"fused_moe={mode}"
             continue
         if not _is_fp8(module) and _fp8_wanted(quant_scheme, _layer_index(name), num_layers):
-            _quantize_(module, fp8_dtype or _e4m3(device))
+            _quantize_(module, getattr(quant_scheme, "fp8_dtype", None) or _e4m3(device))
         if _is_fp8(module):
             handle.report.fp8.append(name)
             handle.reloaders.update({f"{name}.{w}": _reloader(module, w) for w in _WEIGHTS})

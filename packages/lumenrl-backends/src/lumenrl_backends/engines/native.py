@@ -23,11 +23,8 @@ Design (what the GPU-speed work builds on without a rewrite):
   RMSNorm hands its ``fp8_row`` consumer per-token FP8 input (``fp8_norm_quant``, on with ``compile="full"``
   and off the GPU), and each decode step's q/k norms, RoPE and KV write (FP8 included) run as one op
   (``fused_qk_rope``, :mod:`~lumenrl_backends.engines.triton_rope`, bit-identical to the HF sequence);
-* MoE experts (``fused_moe``, :mod:`~lumenrl_backends.engines.moe`): recognised experts modules run
-  lumenrl-quant's fused Triton kernel (expert-sorted blocks, two grouped GEMMs with SiLU * up and the
-  routing weight in their epilogues; ``auto``: on CUDA for bf16 experts), FP8 blockwise experts with the
-  ``fp8_block`` scheme (requantized in place at ``update_weights``); fused experts capture in CUDA graphs
-  in every dtype;
+* MoE experts on lumenrl-quant's fused Triton kernel (``fused_moe``, :mod:`~lumenrl_backends.engines.moe`;
+  ``auto``: CUDA, bf16), FP8 blockwise experts with ``fp8_block`` (requantized in place at ``update_weights``);
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv`` (one pass over
   the cache; :mod:`~lumenrl_backends.engines.attention`); ``kv_v_tiles`` (opt-in): V in (D, 128) tiles;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
@@ -193,8 +190,7 @@ class NativeEngine:
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
         # MoE experts on the fused Triton kernel (FP8 experts with fp8_block), or HF's implementation
-        self.moe = install_fused_experts(self.model, "off" if exact_logprobs else fused_moe, self.device,
-                                         quant_scheme=quant_scheme, fp8_dtype=getattr(quant_scheme, "fp8_dtype", None))
+        self.moe = install_fused_experts(self.model, "off" if exact_logprobs else fused_moe, self.device, quant_scheme)
         self.tokenizer = tokenizer
         kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.device)
         if gpu_memory_utilization is not None and self.device.type == "cuda":
@@ -306,8 +302,7 @@ class NativeEngine:
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
     ) -> int:
         """Copy weights into the engine model in place (no reallocation); returns tensors copied."""
-        # requantizes quantized linears and FP8 experts in place
-        count = copy_weights_(self.model, named_tensors, self.moe.reloaders)
+        count = copy_weights_(self.model, named_tensors, self.moe.reloaders)  # requantizes FP8/MX weights in place
         self.weight_version = int(version)
         # FP8 KV scales follow the new policy unless quantization.rollout.kv_scale_recalibration=false
         self.cache.recalibrate = self.cache.kv_dtype is not None and self.kv_scale_recalibration
