@@ -245,3 +245,13 @@ def test_builtin_names_checked_at_load_with_a_suggestion():
     assert "did you mean 'lumenrl:tiny-qwen3-arith'" in str(error)
     for name in BUILTIN_MODELS:
         assert load_config(None, [f"policy.model_name=lumenrl:{name}"]).policy.model_name == f"lumenrl:{name}"
+
+
+def test_type_range_and_unknown_key_errors_are_all_reported_at_once():
+    overrides = ["policy.optim.lr=abc", "policy.rollout.n=zero", "policy.rollout.temprature=0.5",
+                 "critic.optim.lr=nan", "policy.train.mini_batch_size=-3"]
+    errors = _problems(overrides)
+    assert sorted(e.key for e in errors) == sorted(["policy.optim.lr", "policy.rollout.n", "policy.rollout.temprature",
+                                                    "policy.train.mini_batch_size", "critic.optim.lr"])
+    assert all("\n" not in str(e) for e in errors)
+    assert "did you mean" in str(errors[[e.key for e in errors].index("policy.rollout.temprature")])
