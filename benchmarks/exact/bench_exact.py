@@ -211,7 +211,7 @@ if __name__ == "__main__":
     main()
 
 
-def sweep_matmul(m_values: tuple[int, ...] = (64, 4096)) -> list[dict[str, Any]]:
+def sweep_matmul(m_values: tuple[int, ...] = (64, 4096), only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Tile configurations of the exact-mode GEMM on the 8B linear shapes (CUDA), against cuBLAS.
 
     A configuration may depend on (N, K) only (a weight's shape), never on M, so each row is one
@@ -221,9 +221,12 @@ def sweep_matmul(m_values: tuple[int, ...] = (64, 4096)) -> list[dict[str, Any]]
 
     from lumenrl_backends.exact import triton_ops as T
 
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-    configs = [(bn, bk, w, s) for bn in (32, 64, 128) for bk in (64, 128) for w in (4, 8) for s in (3, 4)
-               if not (bn == 128 and w == 4)]
+    shapes = {"kv": (1024, 4096), "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+              "down": (4096, 14336)}
+    configs = [(bn, bk, w, s) for bn in (16, 32, 64, 128) for bk in (64, 128) for w in (4, 8) for s in (3, 4)
+               if not (bn == 128 and w == 4) and not (bn == 16 and w == 8)]
+    if only:
+        shapes = {k: v for k, v in shapes.items() if k in only}
     rows = []
     for name, (n, k) in shapes.items():
         w_ = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)

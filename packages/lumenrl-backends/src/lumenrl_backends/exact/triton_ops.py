@@ -41,9 +41,14 @@ def mm_config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) of the GEMM for a weight (N, K): a function of the weight's
     shape only, so every M (a decode step, a training micro-batch) reduces K in the same order.
     From ``benchmarks.exact.bench_exact:sweep_matmul`` on an H200 (8B linears at M=64 and 4096):
-    wide weights (gate/up, LM head) keep more tiles in flight with short K steps; the rest stream
-    K in 128-wide steps with 8 warps."""
-    return (64, 64, 4, 3) if n >= 16384 else (64, 128, 8, 4)
+    narrow weights (K/V projections) need narrow tiles to put enough programs on the SMs at decode;
+    wide ones (gate/up, LM head) and the fused-width QKV take 128 x 128 tiles (fast training, near
+    cuBLAS at decode); the square-ish rest (o, down) stream K in 128-wide steps with 64-wide tiles."""
+    if n <= 2048:
+        return (32, 128, 4, 4)
+    if n >= 6144:
+        return (128, 128, 8, 4)
+    return (64, 128, 8, 4)
 
 
 ATTN_BLOCK_N, ATTN_WARPS = 64, 4  # a multiple of attention.BLOCK_KEYS (rank blocks stay aligned)
