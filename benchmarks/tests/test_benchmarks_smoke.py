@@ -24,9 +24,10 @@ def test_suite_is_well_formed():
     assert len(names) == len(set(names))
     for e in ENTRIES:
         assert e.device in ("cuda", "cpu") and e.suites and e.target.startswith("benchmarks.")
-        if e.goal:
-            assert e.metric and e.bound.split(" ")[0] in (">=", "<=")
-            float(e.bound.split(" ")[1])
+        for _goal, metric, bound in e.goals():
+            assert metric and bound.split(" ")[0] in (">=", "<=")
+            float(bound.split(" ")[1])
+        assert not e.more_goals or e.goal  # further goals only beside a main one
     assert {e.name for e in entries("smoke")} == set(names)
     assert all("gpu" in e.suites for e in entries("gpu"))
 
