@@ -343,6 +343,10 @@ def test_reward_function_syntax_and_module(cfg, reg, tmp_path, monkeypatch):
     plan = plan_run(cfg, registry=reg)
     assert plan.reward_cls is None and "reward" not in plan.plugin_names
     assert plan.build_reward()(["p", "q"], ["ab", "abc"], [{}, {}]) == [2.0, 3.0]
+    cfg.reward.function = f"{tmp_path / 'asm_user_reward.py'}:length_reward"  # a file path, as the loader takes
+    assert plan_run(cfg, registry=reg).build_reward()(["p"], ["abcd"], [{}]) == [4.0]
+    cfg.reward.function = f"{tmp_path / 'missing.py'}:length_reward"
+    assert "does not exist" in only(cfg, reg)
 
 
 def test_all_violations_reported_at_once(cfg, reg):
