@@ -4,11 +4,12 @@
 
     registry = get_registry()
     registry.names("rollout_engines")          # ['hf', 'native', ...] -- nothing imported
-    cls = registry.load("rollout_engines", "native")
     registry.info("rollout_engines", "vllm")   # PluginInfo(available=False, reason="module 'vllm' ...")
+    cls = registry.load("rollout_engines", "native")  # imports the class
 
 Plugins are selected by name from the run config and never auto-activated. See
-:mod:`lumenrl_core.plugins.registry` for the rules and :mod:`lumenrl_core.plugins.probes` for
+:mod:`lumenrl_core.plugins.registry` for the rules, :mod:`lumenrl_core.plugins.spec` for the
+torch-free :class:`PluginSpec` an entry point names, and :mod:`lumenrl_core.plugins.probes` for
 availability probes.
 """
 
@@ -25,6 +26,7 @@ from lumenrl_core.plugins.registry import (
     get_registry,
     set_registry,
 )
+from lumenrl_core.plugins.spec import PluginSpec
 
 __all__ = [
     "KINDS",
@@ -42,6 +44,7 @@ __all__ = [
     "DuplicatePluginError",
     "PluginLoadError",
     "PluginInfo",
+    "PluginSpec",
     "PluginRegistry",
     "get_registry",
     "set_registry",
