@@ -15,7 +15,7 @@ availability probes.
 
 from lumenrl_core.plugins.compat import core_requirement_problem, core_version
 from lumenrl_core.plugins.kinds import GROUP_PREFIX, KINDS, KNOWN_PROVIDERS, group_of, install_hint
-from lumenrl_core.plugins.probes import cuda_probe, first_reason, module_probe
+from lumenrl_core.plugins.probes import cuda_probe, first_reason, module_installed, module_probe
 from lumenrl_core.plugins.registry import (
     DuplicatePluginError,
     PluginError,
@@ -37,6 +37,7 @@ __all__ = [
     "core_version",
     "core_requirement_problem",
     "module_probe",
+    "module_installed",
     "cuda_probe",
     "first_reason",
     "PluginError",
