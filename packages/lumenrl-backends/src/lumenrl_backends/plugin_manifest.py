@@ -3,9 +3,9 @@
 them without importing torch. Each class reads its ``capabilities`` from here and its ``probe()``
 returns its spec's ``unavailable_reason()``.
 
-Probes import no torch, except where the answer is torch's: ``megatron`` (Megatron-Core imports
-it) and ``tensorboard`` (``torch.utils.tensorboard``), which run only for a config that names them
-or for ``lumenrl plugins``.
+Probes import no torch (what torch provides is read from its installed files until torch is
+imported), except ``megatron``'s once Megatron-Core is installed (it imports torch): probes run only
+for plugins a config names, and for ``lumenrl plugins``.
 """
 
 from __future__ import annotations
@@ -104,8 +104,11 @@ def _ray_reason() -> str | None:
 
 
 def _tensorboard_reason() -> str | None:
-    return module_probe("tensorboard", install="lumenrl-backends[tensorboard]") or module_probe(
-        "torch.utils.tensorboard", ["SummaryWriter"])
+    """The ``tensorboard`` package, and torch's writer for it (asked of torch once it is imported)."""
+    reason = module_probe("tensorboard", install="lumenrl-backends[tensorboard]")
+    if reason is None and "torch" not in sys.modules:
+        return None if module_installed("torch.utils.tensorboard") else "torch has no torch.utils.tensorboard"
+    return reason or module_probe("torch.utils.tensorboard", ["SummaryWriter"])
 
 
 def _wandb_reason() -> str | None:
