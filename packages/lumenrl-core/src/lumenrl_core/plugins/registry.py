@@ -156,11 +156,13 @@ class PluginRegistry:
         version: str = "0.0.0",
         requires: Iterable[str] = (),
     ) -> None:
-        """Register the plugin class ``obj`` under ``kind``/``name`` (tests, programmatic use).
+        """Register the plugin class (or :class:`PluginSpec`) ``obj`` under ``kind``/``name`` (tests,
+        programmatic use).
 
         ``requires`` are ``Requires-Dist`` lines checked like an installed distribution's;
         a name already taken in ``kind`` raises :class:`DuplicatePluginError`."""
-        target = f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
+        spec = as_spec(obj)
+        target = spec.target if spec else f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
         self.register_loader(kind, name, lambda: obj, target=target, distribution=distribution,
                              version=version, requires=requires)
 
