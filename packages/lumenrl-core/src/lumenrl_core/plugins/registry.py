@@ -250,7 +250,8 @@ class PluginRegistry:
             except Exception as exc:  # noqa: BLE001 - the plugin's module may raise anything
                 entry.import_error = f"cannot import {entry.spec.target}: {type(exc).__name__}: {exc}"
 
-    def _failure(self, kind: str, name: str, entry: _Entry, error: str | None) -> PluginLoadError:
+    @staticmethod
+    def _failure(kind: str, name: str, entry: _Entry, error: str | None) -> PluginLoadError:
         return PluginLoadError(f"{kind} plugin {name!r} ({entry.distribution} {entry.version}): {error}")
 
     def spec(self, kind: str, name: str, *, check_versions: bool | None = None) -> PluginSpec:
