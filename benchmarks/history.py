@@ -154,18 +154,17 @@ def render_results(history: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in ENTRIES:
-        if not entry.goal:
-            continue
-        rec = latest.get(entry.name)
-        target = f"{entry.metric} {entry.bound}"
-        if rec is None:
-            lines.append(_row(entry.goal, f"`{entry.name}`", target, "not measured", "", "", "", "", ""))
-            continue
-        value = rec["numbers"].get(entry.metric)
-        met = entry.met(value)
-        lines.append(_row(entry.goal, f"`{entry.name}`", target, _fmt(value),
-                          "yes" if met else "no" if met is False else "?", rec["date"][:10], rec["commit"],
-                          rec["hardware"], f"`{rec['command']}`"))
+        for goal, metric, bound in entry.goals():
+            rec = latest.get(entry.name)
+            target = f"{metric} {bound}"
+            if rec is None:
+                lines.append(_row(goal, f"`{entry.name}`", target, "not measured", "", "", "", "", ""))
+                continue
+            value = rec["numbers"].get(metric)
+            met = entry.met(value, bound)
+            lines.append(_row(goal, f"`{entry.name}`", target, _fmt(value),
+                              "yes" if met else "no" if met is False else "?", rec["date"][:10], rec["commit"],
+                              rec["hardware"], f"`{rec['command']}`"))
     others = sorted({r["entry"] for r in history} - {e.name for e in ENTRIES if e.goal})
     if others:
         lines += ["", "Measurements without a goal (latest): " + ", ".join(

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lumenrl_backends.training.megatron.probe import missing_api
+from lumenrl_backends.plugin_manifest import megatron_missing_api as missing_api
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -209,3 +209,43 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def sweep_matmul(m_values: tuple[int, ...] = (64, 4096), only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Tile configurations of the exact-mode GEMM on the 8B linear shapes (CUDA), against cuBLAS.
+
+    A configuration may depend on (N, K) only (a weight's shape), never on M, so each row is one
+    (N, K, config) timed at every M. ``python -c "from benchmarks.exact.bench_exact import sweep_matmul;
+    sweep_matmul()"``."""
+    import triton
+
+    from lumenrl_backends.exact import triton_ops as T
+
+    shapes = {"kv": (1024, 4096), "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+              "down": (4096, 14336)}
+    configs = [(bn, bk, w, s) for bn in (16, 32, 64, 128) for bk in (64, 128) for w in (4, 8) for s in (3, 4)
+               if not (bn == 128 and w == 4) and not (bn == 16 and w == 8)]
+    if only:
+        shapes = {k: v for k, v in shapes.items() if k in only}
+    rows = []
+    for name, (n, k) in shapes.items():
+        w_ = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in m_values}
+        base = {m: triton.testing.do_bench(lambda m=m: torch.nn.functional.linear(xs[m], w_)) for m in m_values}
+        for bn, bk, warps, stages in configs:
+            row: dict[str, Any] = {"shape": name, "bn": bn, "bk": bk, "warps": warps, "stages": stages}
+            for m in m_values:
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                grid = (triton.cdiv(m, T.MM_BLOCK_M) * triton.cdiv(n, bn),)
+
+                def call(m=m, out=out, grid=grid, bn=bn, bk=bk, warps=warps, stages=stages):
+                    T._matmul_kernel[grid](xs[m], w_, out, out, m, n, k, xs[m].stride(0), w_.stride(0), out.stride(0),
+                                           HAS_BIAS=False, BLOCK_M=T.MM_BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                                           num_warps=warps, num_stages=stages)
+                try:
+                    row[f"m{m}_vs_cublas"] = round(base[m] / triton.testing.do_bench(call), 3)
+                except Exception as exc:  # noqa: BLE001 - out of shared memory etc.: not a candidate
+                    row[f"m{m}_vs_cublas"] = f"{type(exc).__name__}"
+            rows.append(row)
+            print(row, flush=True)
+    return rows

@@ -12,7 +12,7 @@ step; :func:`benchmarks.quant._common.time_graph_ms`, median of 20 replays).
   float64 reference.
 * :func:`moe_kernel_sweep`: each grouped GEMM alone (the sort done once) over block_n x block_k x
   num_warps x num_stages at block_m 16, then the whole layer with the two best tiles; prints a table and
-  the ``TUNED_CONFIGS`` entry of the best (``lumenrl_quant.fused_moe``). About 70 Triton compiles.
+  the ``TUNED_CONFIGS`` entry of the best (``lumenrl_quant.moe``). About 70 Triton compiles.
 
     python -m benchmarks.moe.fused_moe_kernel            # bench: grouped_mm vs fused bf16 / fp8, GB/s
     python -m benchmarks.moe.fused_moe_kernel --sweep    # tune the bf16 tiles (--fp8: the FP8 ones)

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.models import build_tiny_model
+from lumenrl_backends.plugin_manifest import megatron_missing_api as missing_api
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
-from lumenrl_backends.training.megatron.probe import missing_api
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
 from lumenrl_core.data_proto import DataProto
 

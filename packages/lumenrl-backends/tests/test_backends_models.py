@@ -106,6 +106,9 @@ def test_every_builtin_name_resolves(tmp_path, monkeypatch):
     names = builtin_names()
     assert "lumenrl:tiny-qwen3-arith" in names
     assert {f"lumenrl:tiny-{family}" for family in FAMILIES} <= set(names)
+    from lumenrl_core.builtins import BUILTIN_MODELS  # what config checks accept, torch-free
+
+    assert set(names) == {f"lumenrl:{n}" for n in BUILTIN_MODELS}
     path = resolve_model_path("lumenrl:tiny-mixtral")
     assert AutoConfig.from_pretrained(path, local_files_only=True).model_type == "mixtral"
 

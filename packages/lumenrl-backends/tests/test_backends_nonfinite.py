@@ -7,6 +7,7 @@ import math
 import resource
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_backends.training.nonfinite import NonFiniteError
 from lumenrl_core.algorithms.kl import kl_estimate
+from lumenrl_core.config import load_config
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
 from lumenrl_core.data_proto import DataProto
 
@@ -115,6 +117,25 @@ def test_config_commands_torch_free_and_fast():
     assert proc.returncode == 0 and "NO-TORCH" in proc.stdout
     proc, _ = _cli("--version")
     assert proc.returncode == 0 and "NO-TORCH" in proc.stdout
+
+
+_PRESETS = sorted((Path(__file__).resolve().parents[3] / "configs").rglob("*.yaml"))
+
+
+def _runs_on_cpu(preset: Path) -> bool:
+    cluster = load_config(preset, machine=False).cluster
+    return cluster.device != "cuda" and cluster.gpus_per_node == 0
+
+
+@pytest.mark.parametrize("preset", _PRESETS, ids=lambda p: p.stem)
+def test_config_check_of_every_preset_is_torch_free(preset):
+    """Plugins are checked from their specs: no plugin class, hence no torch, is imported. A GPU preset is
+    checked with --skip-machine-checks (this machine may lack its GPUs) and must be torch-free as well."""
+    skip = [] if _runs_on_cpu(preset) else ["--skip-machine-checks"]
+    proc, cpu = _cli("config", "check", "--config", str(preset), *skip)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "NO-TORCH" and "ok: assembly policy" in proc.stdout
+    assert cpu < 2.5, f"config check of {preset.name} took {cpu:.2f} s of CPU"  # CPU time: robust to a loaded machine
 
 
 def test_train_refuses_config_mistakes_in_lines():

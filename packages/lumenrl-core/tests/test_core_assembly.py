@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 
 import pytest
@@ -18,7 +19,7 @@ from lumenrl_core.assembly import (
     plan_run,
 )
 from lumenrl_core.config.schema import RunConfig
-from lumenrl_core.plugins import PluginRegistry
+from lumenrl_core.plugins import PluginLoadError, PluginRegistry, PluginSpec
 
 ALL_ENGINE_CAPS = {"fp8_weights", "mx_weights", "fp8_kv_cache", "route_recording", "interrupt_resume",
                    "hidden_state_capture", "logprobs"}
@@ -159,6 +160,31 @@ def test_plugin_module_that_fails_to_import(cfg, reg):
     cfg.controller.name = "ray"
     msg = only(cfg, reg)
     assert msg.startswith("controller.name='ray': plugin cannot be loaded") and "ImportError" in msg
+
+
+def test_check_without_loading_classes_then_classes_on_first_access(cfg, reg, tmp_path, monkeypatch):
+    """plan_run(load_classes=False), as `lumenrl config check` runs it: plugins are checked from their
+    specs and no class is imported until the plan is asked for one."""
+    (tmp_path / "lumenrl_lazy_controller.py").write_text("class Local:\n    pass\n")
+    (tmp_path / "lumenrl_gpu_controller.py").write_text("raise ImportError('CUDA build of torch needed')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("lumenrl_lazy_controller", "lumenrl_gpu_controller"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    reg.register("controllers", "lazy", PluginSpec("lumenrl_lazy_controller:Local", {"in_process"}))
+    reg.register("controllers", "gpu", PluginSpec("lumenrl_gpu_controller:Local"))
+    cfg.controller.name = "lazy"
+    plan = plan_run(cfg, registry=reg, load_classes=False)
+    assert "lumenrl_lazy_controller" not in sys.modules and plan.version_of("controller") == "test 0.0.0"
+    assert plan.controller_cls.__name__ == "Local" and "lumenrl_lazy_controller" in sys.modules
+    assert plan.controller_cls is plan.controller_cls
+    assert plan.reward_cls.__name__ == "Math" and plan.moe_router_cls is None
+
+    cfg.controller.name = "gpu"
+    plan = plan_run(cfg, registry=reg, load_classes=False)  # the spec alone cannot tell the import fails
+    with pytest.raises(PluginLoadError, match="cannot import lumenrl_gpu_controller:Local: ImportError: CUDA build"):
+        plan.controller_cls  # noqa: B018 - the attribute access imports the class
+    msg = only(cfg, reg)  # load_classes=True (assemble): one more problem in the list
+    assert msg.startswith("controller.name='gpu': plugin cannot be loaded") and "CUDA build of torch needed" in msg
 
 
 def test_incompatible_plugin_distribution_version(cfg, reg):
@@ -343,6 +369,10 @@ def test_reward_function_syntax_and_module(cfg, reg, tmp_path, monkeypatch):
     plan = plan_run(cfg, registry=reg)
     assert plan.reward_cls is None and "reward" not in plan.plugin_names
     assert plan.build_reward()(["p", "q"], ["ab", "abc"], [{}, {}]) == [2.0, 3.0]
+    cfg.reward.function = f"{tmp_path / 'asm_user_reward.py'}:length_reward"  # a file path, as the loader takes
+    assert plan_run(cfg, registry=reg).build_reward()(["p"], ["abcd"], [{}]) == [4.0]
+    cfg.reward.function = f"{tmp_path / 'missing.py'}:length_reward"
+    assert "does not exist" in only(cfg, reg)
 
 
 def test_all_violations_reported_at_once(cfg, reg):

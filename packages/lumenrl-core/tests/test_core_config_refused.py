@@ -95,6 +95,8 @@ SILENT = [
     (["policy.model_name=123"], "policy.model_name"),
     (["policy.tokenizer_name=null"], "policy.tokenizer_name"),
     (["policy.model_name=Nobody/not-cached-model-xyz"], "policy.model_name"),
+    (["policy.model_name=lumenrl:tiny-qwen3-arithm"], "policy.model_name"),
+    (["policy.tokenizer_name=lumenrl:nope"], "policy.tokenizer_name"),
     (["controller.ray.rollout.dispatch_mode=direct_rollout_method"], "controller.ray.roles.rollout.dispatch_mode"),
     (["controller.ray.actor.dispatch_mode=broadcast"], "controller.ray.roles.actor.dispatch_mode"),
     (["moe.r3.enabled=true", "moe.r3.replay_mode=distribution"], "moe.r3.record_router_logits"),
@@ -236,3 +238,22 @@ def test_misleading_hints_are_gone():
     for text in ("policy.generation_backend=native", "quantization.rollout.use_deep_gemm=false",
                  "checkpointing.checkpoint_dir=runs/a"):
         load_config(None, [text])  # read, not "did you mean training_backend / fuse_mlp / export_hf"
+
+
+def test_builtin_names_checked_at_load_with_a_suggestion():
+    from lumenrl_core.builtins import BUILTIN_MODELS
+
+    (error,) = _problems(["policy.model_name=lumenrl:tiny-qwen3-arithm"])
+    assert "did you mean 'lumenrl:tiny-qwen3-arith'" in str(error)
+    for name in BUILTIN_MODELS:
+        assert load_config(None, [f"policy.model_name=lumenrl:{name}"]).policy.model_name == f"lumenrl:{name}"
+
+
+def test_type_range_and_unknown_key_errors_are_all_reported_at_once():
+    overrides = ["policy.optim.lr=abc", "policy.rollout.n=zero", "policy.rollout.temprature=0.5",
+                 "critic.optim.lr=nan", "policy.train.mini_batch_size=-3"]
+    errors = _problems(overrides)
+    assert sorted(e.key for e in errors) == sorted(["policy.optim.lr", "policy.rollout.n", "policy.rollout.temprature",
+                                                    "policy.train.mini_batch_size", "critic.optim.lr"])
+    assert all("\n" not in str(e) for e in errors)
+    assert "did you mean" in str(errors[[e.key for e in errors].index("policy.rollout.temprature")])

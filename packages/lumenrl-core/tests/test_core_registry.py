@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
+import json
 import sys
 
 import pytest
@@ -14,6 +16,7 @@ from lumenrl_core.plugins import (
     DuplicatePluginError,
     PluginLoadError,
     PluginRegistry,
+    PluginSpec,
     UnknownPluginError,
     core_requirement_problem,
     core_version,
@@ -21,6 +24,7 @@ from lumenrl_core.plugins import (
     first_reason,
     get_registry,
     group_of,
+    module_installed,
     module_probe,
     set_registry,
 )
@@ -96,6 +100,83 @@ def test_probe_is_cached(reg):
     reg.info("loggers", "count")
     reg.info("loggers", "count")
     assert len(calls) == 1
+
+
+def _write_module(tmp_path, monkeypatch, name: str, body: str) -> None:
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_spec_answers_info_and_load_imports_the_class(reg, tmp_path, monkeypatch):
+    _write_module(tmp_path, monkeypatch, "lumenrl_spec_plugin", "class Engine:\n    pass\n")
+    probes = []
+    spec = PluginSpec("lumenrl_spec_plugin:Engine", {"logprobs"}, probe=lambda: probes.append(1) or "no GPU here")
+    reg.register("rollout_engines", "speced", spec, distribution="lumenrl-x", version="0.1")
+    info = reg.info("rollout_engines", "speced")
+    assert (info.capabilities, info.available, info.reason) == ({"logprobs"}, False, "no GPU here")
+    assert info.target == "lumenrl_spec_plugin:Engine" and reg.spec("rollout_engines", "speced") is spec
+    assert "lumenrl_spec_plugin" not in sys.modules  # answered from the spec, nothing imported
+    cls = reg.load("rollout_engines", "speced")
+    assert cls.__name__ == "Engine" and "lumenrl_spec_plugin" in sys.modules
+    reg.info("rollout_engines", "speced")
+    assert probes == [1]  # probed once
+
+
+def test_spec_whose_target_fails_to_import(reg, tmp_path, monkeypatch):
+    _write_module(tmp_path, monkeypatch, "lumenrl_broken_plugin", "raise RuntimeError('needs a GPU build')\n")
+    reg.register("rollout_engines", "broken", PluginSpec("lumenrl_broken_plugin:Engine", {"logprobs"}),
+                 distribution="lumenrl-x", version="0.1")
+    assert reg.info("rollout_engines", "broken").available  # the spec alone cannot tell
+    with pytest.raises(PluginLoadError) as err:
+        reg.load("rollout_engines", "broken")
+    assert str(err.value) == ("rollout_engines plugin 'broken' (lumenrl-x 0.1): cannot import "
+                              "lumenrl_broken_plugin:Engine: RuntimeError: needs a GPU build")
+    info = reg.info("rollout_engines", "broken")
+    assert not info.available and info.reason == "cannot import lumenrl_broken_plugin:Engine: RuntimeError: needs a GPU build"
+    reg.register("rollout_engines", "missing_attr", PluginSpec("json:NoSuchEngine"))
+    with pytest.raises(PluginLoadError, match="cannot import json:NoSuchEngine: AttributeError"):
+        reg.load("rollout_engines", "missing_attr")
+
+
+def test_spec_of_a_core_free_distribution_is_read_by_shape(reg):
+    """lumenrl-quant depends on torch only: its manifest declares specs of PluginSpec's shape."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Spec:
+        target: str
+        capabilities: frozenset = frozenset()
+        probe: object = None
+
+    reg.register("quant_schemes", "shaped", Spec("json:JSONDecoder", frozenset({"fp8_weights"}), lambda: None))
+    assert reg.info("quant_schemes", "shaped").capabilities == {"fp8_weights"}
+    assert reg.load("quant_schemes", "shaped") is json.JSONDecoder
+
+
+def test_spec_of_a_class_entry_reads_the_class(reg):
+    reg.register("rollout_engines", "nogpu", NoGpuEngine)
+    spec = reg.spec("rollout_engines", "nogpu")
+    assert spec.capabilities == {"logprobs"} and spec.unavailable_reason() == "no CUDA/ROCm GPU visible to torch"
+    assert spec.target.endswith(":NoGpuEngine") and spec.load() is NoGpuEngine
+
+
+def test_plugin_spec_validates_its_target():
+    with pytest.raises(ValueError, match="expected 'package.module:Class'"):
+        PluginSpec("lumenrl_x.engines.Engine")
+    assert PluginSpec("json:JSONDecoder", ["a", "a"]).capabilities == frozenset({"a"})
+    assert PluginSpec("json:JSONDecoder").unavailable_reason() is None
+
+
+def test_module_installed_reads_files_without_importing(tmp_path, monkeypatch):
+    pkg = tmp_path / "lumenrl_files_pkg"
+    (pkg / "sub").mkdir(parents=True)
+    for path in (pkg / "__init__.py", pkg / "sub" / "__init__.py"):
+        path.write_text("raise RuntimeError('imported')\n")
+    (pkg / "sub" / "leaf.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert module_installed("lumenrl_files_pkg.sub") and module_installed("lumenrl_files_pkg.sub.leaf")
+    assert not module_installed("lumenrl_files_pkg.sub.other") and not module_installed("lumenrl_no_such_mod.x")
+    assert "lumenrl_files_pkg" not in sys.modules
 
 
 def test_duplicate_names_both_distributions(reg):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import statistics
 from importlib.metadata import entry_points
@@ -295,8 +296,10 @@ def test_plugins_compose_functions_and_kl_rejection(name):
 @pytest.mark.parametrize("name", sorted(CLASSES))
 def test_plugins_are_registered_and_follow_the_contract(name):
     registered = {ep.name: ep for ep in entry_points(group="lumenrl.rollout_corrections")}
-    cls = registered[name].load()
-    assert cls is CLASSES[name]
+    spec = registered[name].load()  # the torch-free spec in lumenrl_quant.plugin_manifest
+    module, _, attr = spec.target.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    assert cls is CLASSES[name] and cls.plugin_spec is spec
     assert cls.capabilities == frozenset() and cls.probe() is None
     plugin = cls(clip=2.0, mask_low=0.5, mask_high=2.0, extreme_tau=2.0)
     assert callable(plugin)

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from lumenrl_quant.fused_moe import (
+from lumenrl_quant.moe import (
     FusedMoEConfig,
     MoETile,
     dequantize_experts_fp8,
@@ -51,7 +51,7 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from lumenrl_quant.fused_moe import FusedMoEConfig, MoETile, fused_moe, fused_moe_reference, quantize_experts_fp8
+    from lumenrl_quant.moe import FusedMoEConfig, MoETile, fused_moe, fused_moe_reference, quantize_experts_fp8
     from test_quant_fused_moe import E, _inputs, _rel
 
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))

@@ -146,7 +146,8 @@ def test_scheme_plugins_registered_and_usable(qwen3):
     names = {e.name: e for e in entry_points(group="lumenrl.quant_schemes")}
     assert set(QUANT_SCHEMES) <= set(names)
     for name, cls in QUANT_SCHEMES.items():
-        assert names[name].load() is cls
+        spec = names[name].load()  # the torch-free spec in lumenrl_quant.plugin_manifest
+        assert spec is cls.plugin_spec and spec.target == f"lumenrl_quant.schemes:{cls.__name__}"
         assert cls.probe() is None and isinstance(cls.capabilities, frozenset)
         assert ("fp8_weights" if name.startswith("fp8") else "mx_weights") in cls.capabilities
         assert cls.fast_path("cpu") == "emulated" and not cls.has_fast_path("cpu")

@@ -1,22 +1,34 @@
-"""Fully asynchronous RL training for LumenRL: staleness control and weight sync."""
+"""Fully asynchronous RL training for LumenRL: staleness control and weight sync.
+
+Public names are imported from their modules on first use (PEP 562), so ``import lumenrl_async`` and
+its torch-free :mod:`lumenrl_async.plugin_manifest` (what the plugin registry reads) import no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from lumenrl_async.__about__ import __version__
-from lumenrl_async.channel import ProcessChannel
-from lumenrl_async.queue import AccountingError, SampleGroup, SampleQueue, lag_of, versions_metrics
-from lumenrl_async.staleness import StalenessConfig, StalenessController
-from lumenrl_async.weight_sync import FilesystemWeightSync, InProcessWeightSync, SnapshotError
 
-__all__ = [
-    "__version__",
-    "InProcessWeightSync",
-    "FilesystemWeightSync",
-    "SnapshotError",
-    "AccountingError",
-    "ProcessChannel",
-    "SampleGroup",
-    "SampleQueue",
-    "lag_of",
-    "versions_metrics",
-    "StalenessConfig",
-    "StalenessController",
-]
+_EXPORTS: dict[str, tuple[str, ...]] = {  # submodule -> the public names it defines
+    "weight_sync": ("InProcessWeightSync", "FilesystemWeightSync", "SnapshotError"),
+    "queue": ("AccountingError", "SampleGroup", "SampleQueue", "lag_of", "versions_metrics"),
+    "channel": ("ProcessChannel",),
+    "staleness": ("StalenessConfig", "StalenessController"),
+}
+_MODULE_OF = {name: f"{__name__}.{module}" for module, names in _EXPORTS.items() for name in names}
+
+__all__ = ["__version__", *_MODULE_OF]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    globals()[name] = value  # later lookups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

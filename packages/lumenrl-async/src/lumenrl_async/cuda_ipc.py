@@ -21,13 +21,15 @@ from typing import Any
 
 import torch
 
+from lumenrl_async import plugin_manifest as manifest
+
 __all__ = ["CudaIpcWeightSync"]
 
 
 class CudaIpcWeightSync:
     """Writer in the trainer process; ``reader_handle()`` is what the rollouter process receives."""
 
-    capabilities = frozenset({"cross_process", "versioned", "cuda_ipc"})
+    capabilities = manifest.CUDA_IPC.capabilities
 
     def __init__(self, seq: Any = None) -> None:
         self.buffers: dict[str, torch.Tensor] | None = None
@@ -36,7 +38,7 @@ class CudaIpcWeightSync:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None if torch.cuda.is_available() else "CUDA IPC needs a CUDA device"
+        return manifest.CUDA_IPC.unavailable_reason()
 
     @classmethod
     def from_config(cls, run_config: Any) -> CudaIpcWeightSync:

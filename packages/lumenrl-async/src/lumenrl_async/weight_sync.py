@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from lumenrl_async import plugin_manifest as manifest
 from lumenrl_core.storage import atomic_write, atomic_write_text, cpu_copies
 
 __all__ = ["InProcessWeightSync", "FilesystemWeightSync", "SnapshotError", "LATEST"]
@@ -45,7 +46,7 @@ def _check_version(version: int, last: int | None) -> None:
 class InProcessWeightSync:
     """Latest weights in memory; ``publish`` copies, so later in-place optimizer steps do not leak."""
 
-    capabilities = frozenset({"in_process", "versioned"})
+    capabilities = manifest.INPROCESS.capabilities
 
     def __init__(self, *, copy: bool = True) -> None:
         self.copy = copy
@@ -54,7 +55,7 @@ class InProcessWeightSync:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.INPROCESS.unavailable_reason()
 
     @classmethod
     def from_config(cls, run_config: Any) -> InProcessWeightSync:
@@ -89,7 +90,7 @@ class FilesystemWeightSync:
     the newest manifest). Manifest: ``{"version", "file", "sha256", "bytes", "num_tensors", "created"}``.
     """
 
-    capabilities = frozenset({"cross_process", "cross_node", "versioned", "checksum"})
+    capabilities = manifest.FILESYSTEM.capabilities
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int = 2, verify: bool = True) -> None:
         if keep_last < 1:
@@ -101,7 +102,7 @@ class FilesystemWeightSync:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.FILESYSTEM.unavailable_reason()
 
     @classmethod
     def from_config(cls, run_config: Any) -> FilesystemWeightSync:

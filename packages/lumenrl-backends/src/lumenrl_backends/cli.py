@@ -114,7 +114,7 @@ def register_config(subparsers: Any) -> None:
     p = subparsers.add_parser("config", help="inspect run configs")
     sub = p.add_subparsers(dest="config_command", required=True, metavar="{show,check}")
     show = sub.add_parser("show", help="print the fully resolved config (YAML) after overrides")
-    check = sub.add_parser("check", help="resolve every plugin and apply the assembly policy (no model is loaded)")
+    check = sub.add_parser("check", help="resolve every plugin and apply the assembly policy (no model, no torch)")
     for parser, func in ((show, run_config_show), (check, run_config_check)):
         parser.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
         parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. policy.rollout_engine=hf")
@@ -139,7 +139,7 @@ def run_config_check(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, machine=not args.skip_machine_checks)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tolerated violations are printed below, once each
-        plan = plan_run(cfg)
+        plan = plan_run(cfg, load_classes=False)  # checked from the plugins' specs: no torch import
     width = max(len(role) for role in plan.plugin_names)
     for role, name in plan.plugin_names.items():
         print(f"{role.ljust(width)}  {name}  ({plan.version_of(role)})")

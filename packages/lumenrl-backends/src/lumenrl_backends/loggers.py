@@ -17,7 +17,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from lumenrl_core.plugins.probes import module_probe
+from lumenrl_backends import plugin_manifest as manifest
 
 __all__ = [
     "METRICS_FILE",
@@ -65,7 +65,7 @@ class JsonlLogger:
     from) are dropped first, so the file has exactly one record per step.
     """
 
-    capabilities: frozenset[str] = frozenset({"file"})
+    capabilities = manifest.JSONL.capabilities
 
     def __init__(self, output_dir: str | os.PathLike[str], *, resume_step: int | None = None) -> None:
         self.path = Path(output_dir) / METRICS_FILE
@@ -78,7 +78,7 @@ class JsonlLogger:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.JSONL.unavailable_reason()
 
     @classmethod
     def from_config(cls, config: Any, *, resume_step: int | None = None) -> JsonlLogger:
@@ -113,7 +113,7 @@ class ConsoleLogger:
     Writes through ``tqdm.write`` so lines do not tear the live progress bar.
     """
 
-    capabilities: frozenset[str] = frozenset()
+    capabilities = manifest.CONSOLE.capabilities
 
     def __init__(self, *, log_every: int = 1, stream: TextIO | None = None) -> None:
         if log_every < 1:
@@ -123,7 +123,7 @@ class ConsoleLogger:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.CONSOLE.unavailable_reason()
 
     @classmethod
     def from_config(cls, config: Any, **_: Any) -> ConsoleLogger:
@@ -153,7 +153,7 @@ class ConsoleLogger:
 class TensorBoardLogger:
     """Scalars to ``trainer.output_dir/tensorboard`` via ``torch.utils.tensorboard``."""
 
-    capabilities: frozenset[str] = frozenset({"file"})
+    capabilities = manifest.TENSORBOARD.capabilities
 
     def __init__(self, log_dir: str | os.PathLike[str]) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -162,9 +162,7 @@ class TensorBoardLogger:
 
     @classmethod
     def probe(cls) -> str | None:
-        return module_probe("tensorboard", install="lumenrl-backends[tensorboard]") or module_probe(
-            "torch.utils.tensorboard", ["SummaryWriter"]
-        )
+        return manifest.TENSORBOARD.unavailable_reason()
 
     @classmethod
     def from_config(cls, config: Any, **_: Any) -> TensorBoardLogger:
@@ -183,7 +181,7 @@ class TensorBoardLogger:
 class WandbLogger:
     """Weights & Biases run named ``trainer.experiment_name`` in ``logger.wandb_project``."""
 
-    capabilities: frozenset[str] = frozenset({"remote"})
+    capabilities = manifest.WANDB.capabilities
 
     def __init__(self, *, project: str, name: str, run_config: Mapping[str, Any], output_dir: str) -> None:
         import wandb
@@ -192,7 +190,7 @@ class WandbLogger:
 
     @classmethod
     def probe(cls) -> str | None:
-        return module_probe("wandb", ["init", "log"], install="lumenrl-backends[wandb]")
+        return manifest.WANDB.unavailable_reason()
 
     @classmethod
     def from_config(cls, config: Any, **_: Any) -> WandbLogger:

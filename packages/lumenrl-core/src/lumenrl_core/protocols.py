@@ -1,12 +1,16 @@
 """The seams of LumenRL: one ``typing.Protocol`` per plugin kind.
 
 Plugins in other distributions satisfy these structurally (no inheritance, no import of core
-needed: ``lumenrl-quant`` never imports ``lumenrl_core``). Every plugin *class* registered
-under an entry point also carries two class-level attributes that the registry reads:
+needed: ``lumenrl-quant`` never imports ``lumenrl_core``). Every plugin *class* also carries two
+class-level attributes:
 
 - ``capabilities: frozenset[str]`` -- what it can do (``fp8_weights``, ``route_recording``, ...);
 - ``probe() -> str | None`` (a classmethod or staticmethod) -- ``None`` when it can run here,
   otherwise a one-line reason (library missing, namesake package, no GPU, wrong GPU arch).
+
+LumenRL's own plugins declare both in a torch-free :class:`~lumenrl_core.plugins.PluginSpec` that
+their entry point names and the registry reads without importing the class; the class reads them
+from that spec (decision 0019). An entry point may also name the class itself.
 
 Batches crossing a seam are ``DataProto`` objects (see :mod:`lumenrl_core.data_proto`).
 Tensor shapes use B = batch rows, T = response tokens, P = prompt tokens.

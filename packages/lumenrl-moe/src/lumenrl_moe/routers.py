@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from lumenrl_moe import plugin_manifest as manifest
+
 __all__ = ["SoftmaxTopKRouter", "SigmoidGroupTopKRouter"]
 
 
@@ -41,7 +43,7 @@ def _check_indices(logits: torch.Tensor, indices: torch.Tensor, top_k: int) -> N
 class SoftmaxTopKRouter:
     """Softmax over all experts, top-k, optional renormalization (Qwen2/3-MoE, Mixtral)."""
 
-    capabilities = frozenset({"route_recording", "route_replay"})
+    capabilities = manifest.SOFTMAX_TOPK.capabilities
 
     def __init__(self, *, top_k: int, norm_topk_prob: bool = True) -> None:
         if top_k < 1:
@@ -51,7 +53,7 @@ class SoftmaxTopKRouter:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.SOFTMAX_TOPK.unavailable_reason()
 
     @classmethod
     def from_model_config(cls, config: Any) -> SoftmaxTopKRouter:
@@ -79,7 +81,7 @@ class SoftmaxTopKRouter:
 class SigmoidGroupTopKRouter:
     """Sigmoid scores, bias-corrected group-limited top-k, scaled (DeepSeek-V3, GLM-4-MoE)."""
 
-    capabilities = frozenset({"route_recording", "route_replay"})
+    capabilities = manifest.SIGMOID_GROUP_TOPK.capabilities
 
     def __init__(
         self,
@@ -102,7 +104,7 @@ class SigmoidGroupTopKRouter:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.SIGMOID_GROUP_TOPK.unavailable_reason()
 
     @classmethod
     def from_model_config(cls, config: Any, e_score_correction_bias: torch.Tensor | None = None) -> SigmoidGroupTopKRouter:

@@ -1,10 +1,11 @@
 """Rollout quantization schemes as plugins (entry-point group ``lumenrl.quant_schemes``).
 
 Each scheme is a small keyword-constructed config class (``Fp8Block(skip_first_n_layers=1)``)
-that quantizes a model for rollout and requantizes it on weight sync. Class attributes the
-LumenRL registry reads: ``name``, ``capabilities`` (``fp8_weights`` or ``mx_weights``, plus what
-else the scheme does) and ``probe()``: ``None`` everywhere, because every scheme has an exact
-emulation path on any device. Whether a *fast* path exists on a device is a separate question,
+that quantizes a model for rollout and requantizes it on weight sync. Class attributes: ``name``,
+``capabilities`` (``fp8_weights`` or ``mx_weights``, plus what else the scheme does) and
+``probe()``: ``None`` everywhere, because every scheme has an exact emulation path on any device.
+Capabilities and probe come from the scheme's spec in :mod:`lumenrl_quant.plugin_manifest`, which
+is what the LumenRL registry reads. Whether a *fast* path exists on a device is a separate question,
 answered by :meth:`fast_path` (e.g. ``"scaled_mm_blockwise"`` on H100/H200, ``"emulated"`` on CPU
 and for the MX schemes on GPUs without MX tensor cores).
 """
@@ -18,6 +19,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from lumenrl_quant import plugin_manifest as manifest
 from lumenrl_quant.fp8 import quantize_fp8
 from lumenrl_quant.gemm import gemm_path
 from lumenrl_quant.linear import _FP8_LAYOUTS
@@ -49,6 +51,7 @@ class _RolloutScheme:
     """
 
     name: ClassVar[str] = ""
+    plugin_spec: ClassVar[manifest.Spec]  # each scheme's spec in lumenrl_quant.plugin_manifest
     capabilities: ClassVar[frozenset[str]] = frozenset()
     skip_first_n_layers: int = 0
     skip_last_n_layers: int = 0
@@ -59,7 +62,7 @@ class _RolloutScheme:
     @classmethod
     def probe(cls) -> str | None:
         """Always runnable: the emulation path works on every device torch supports."""
-        return None
+        return cls.plugin_spec.unavailable_reason()
 
     @classmethod
     def fast_path(cls, device: torch.device | str | None = None) -> str:
@@ -91,7 +94,8 @@ class Fp8Block(_RolloutScheme):
     """W8A8 FP8, 128x128 weight blocks and dynamic 1x128 activation groups (DeepSeek-V3 style)."""
 
     name: ClassVar[str] = "fp8_block"
-    capabilities: ClassVar[frozenset[str]] = frozenset({"fp8_weights", "fp8_activations", "inplace_reload"})
+    plugin_spec: ClassVar[manifest.Spec] = manifest.FP8_BLOCK
+    capabilities: ClassVar[frozenset[str]] = manifest.FP8_BLOCK.capabilities
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,7 +108,8 @@ class Fp8Row(_RolloutScheme):
     """
 
     name: ClassVar[str] = "fp8_row"
-    capabilities: ClassVar[frozenset[str]] = frozenset({"fp8_weights", "fp8_activations", "inplace_reload"})
+    plugin_spec: ClassVar[manifest.Spec] = manifest.FP8_ROW
+    capabilities: ClassVar[frozenset[str]] = manifest.FP8_ROW.capabilities
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,7 +122,8 @@ class Fp8W8A16(_RolloutScheme):
     """
 
     name: ClassVar[str] = "fp8_w8a16"
-    capabilities: ClassVar[frozenset[str]] = frozenset({"fp8_weights", "weight_only", "inplace_reload"})
+    plugin_spec: ClassVar[manifest.Spec] = manifest.FP8_W8A16
+    capabilities: ClassVar[frozenset[str]] = manifest.FP8_W8A16.capabilities
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,7 +131,8 @@ class Fp8Tensor(_RolloutScheme):
     """W8A8 FP8, one weight scale and one dynamic activation scale per call."""
 
     name: ClassVar[str] = "fp8_tensor"
-    capabilities: ClassVar[frozenset[str]] = frozenset({"fp8_weights", "fp8_activations", "inplace_reload"})
+    plugin_spec: ClassVar[manifest.Spec] = manifest.FP8_TENSOR
+    capabilities: ClassVar[frozenset[str]] = manifest.FP8_TENSOR.capabilities
 
 
 @dataclass(kw_only=True, slots=True)
@@ -133,7 +140,8 @@ class MXFP8(_RolloutScheme):
     """OCP MXFP8 (E4M3 elements, 32-element E8M0 scales) for weights and activations; emulated matmul."""
 
     name: ClassVar[str] = "mxfp8"
-    capabilities: ClassVar[frozenset[str]] = frozenset({"mx_weights", "mx_activations", "inplace_reload"})
+    plugin_spec: ClassVar[manifest.Spec] = manifest.MXFP8
+    capabilities: ClassVar[frozenset[str]] = manifest.MXFP8.capabilities
 
 
 @dataclass(kw_only=True, slots=True)
@@ -141,7 +149,8 @@ class MXFP4(_RolloutScheme):
     """OCP MXFP4 (E2M1 elements packed two per byte) weight-only; emulated matmul."""
 
     name: ClassVar[str] = "mxfp4"
-    capabilities: ClassVar[frozenset[str]] = frozenset({"mx_weights", "weight_only", "inplace_reload"})
+    plugin_spec: ClassVar[manifest.Spec] = manifest.MXFP4
+    capabilities: ClassVar[frozenset[str]] = manifest.MXFP4.capabilities
 
 
 QUANT_SCHEMES: dict[str, type[_RolloutScheme]] = {

@@ -9,7 +9,7 @@ One kernel, two uses (``GATED`` / ``ROUTED`` are compile-time flags):
   pair's routing weight and writes ``out[pair]`` (H), one row per (token, k) pair; the caller sums
   over k (deterministic: no atomics).
 
-A program handles one BLOCK_M block of the sorted pair list (:func:`lumenrl_quant.fused_moe.moe_align`:
+A program handles one BLOCK_M block of the sorted pair list (:func:`lumenrl_quant.moe.moe_align`:
 every block holds pairs of a single expert, padded with the sentinel ``num_pairs``) and one BLOCK_N
 tile of outputs; blocks past the used ones (their expert id is ``num_experts``) return at once, so
 the grid has a static size and the launch is CUDA-graph capturable. At decode each expert sees a few
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lumenrl_quant.fused_moe import MoETile
+    from lumenrl_quant.moe import MoETile
 
 try:  # optional dependency
     import triton
@@ -161,7 +161,7 @@ def moe_grouped_gemm(
     """One launch over every block of ``pairs`` (P,) (``block_experts`` (P / block_m,)): ``out[pair]`` =
     ``silu(a[r] @ w[e, :N].T) * (a[r] @ w[e, N:].T)`` (``gated``, N = rows / 2) or ``route[pair] *
     (a[r] @ w[e].T)`` (``route_weights`` given), with ``r = pair // a_row_div``. Inputs are checked by
-    :func:`lumenrl_quant.fused_moe.fused_moe`; ``out`` is written in place and returned."""
+    :func:`lumenrl_quant.moe.fused_moe`; ``out`` is written in place and returned."""
     if triton is None:
         raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
     num_experts, rows, k = w.shape

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lumenrl_sddd import plugin_manifest as manifest
 from lumenrl_sddd.layers import MLP, Attention, RMSNorm, attend
 
 __all__ = ["DFlashConfig", "DFlashDraft", "DFlashState"]
@@ -81,6 +82,11 @@ class DFlashState:
 
 class DFlashDraft(nn.Module):
     kind = "dflash"
+    capabilities = manifest.DFLASH.capabilities
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return manifest.DFLASH.unavailable_reason()
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()

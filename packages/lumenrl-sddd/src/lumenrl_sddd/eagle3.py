@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lumenrl_sddd import plugin_manifest as manifest
 from lumenrl_sddd.layers import MLP, Attention, RMSNorm, attend
 
 __all__ = ["Eagle3Config", "Eagle3Draft", "Eagle3State"]
@@ -97,6 +98,11 @@ class Eagle3State:
 
 class Eagle3Draft(nn.Module):
     kind = "eagle3"
+    capabilities = manifest.EAGLE3.capabilities
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return manifest.EAGLE3.unavailable_reason()
 
     def __init__(self, config: Eagle3Config) -> None:
         super().__init__()

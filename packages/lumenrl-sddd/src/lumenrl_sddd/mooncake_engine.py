@@ -27,21 +27,18 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from lumenrl_core.plugins.probes import module_probe
 from lumenrl_core.storage import atomic_write_text, cpu_copies
+from lumenrl_sddd import plugin_manifest as manifest
 from lumenrl_sddd._util import namespace_of
+from lumenrl_sddd.plugin_manifest import MOONCAKE_API
 
 __all__ = ["MooncakeTransferEngine", "MOONCAKE_API"]
-
-MOONCAKE_API = tuple(f"TransferEngine.{m}" for m in (
-    "initialize", "get_rpc_port", "allocate_managed_buffer", "free_managed_buffer",
-    "write_bytes_to_buffer", "read_bytes_from_buffer", "transfer_sync_read"))
 
 
 class MooncakeTransferEngine:
     """Key -> tensors through Mooncake; producer and consumer each create one (same ``index_dir``)."""
 
-    capabilities = frozenset({"cross_process", "cross_node", "rdma"})
+    capabilities = manifest.MOONCAKE.capabilities
 
     def __init__(
         self,
@@ -71,7 +68,7 @@ class MooncakeTransferEngine:
 
     @classmethod
     def probe(cls) -> str | None:
-        return module_probe("mooncake.engine", MOONCAKE_API, install="lumenrl-sddd[mooncake]")
+        return manifest.MOONCAKE.unavailable_reason()
 
     @classmethod
     def from_config(cls, run_config: Any) -> MooncakeTransferEngine:

@@ -6,24 +6,19 @@ MORI's I/O engine the way :class:`~lumenrl_sddd.mooncake_engine.MooncakeTransfer
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
-import torch
+from lumenrl_sddd import plugin_manifest as manifest
 
 __all__ = ["MoriTransferEngine"]
 
 
 class MoriTransferEngine:
-    capabilities = frozenset({"cross_process", "cross_node", "rdma"})
+    capabilities = manifest.MORI.capabilities
 
     @classmethod
     def probe(cls) -> str | None:
-        if getattr(torch.version, "hip", None) is None:
-            return "MORI needs a ROCm build of torch (torch.version.hip is None) and AMD GPUs; it has no CPU path"
-        if importlib.util.find_spec("mori") is None:
-            return "the 'mori' package (ROCm/mori) is not installed"
-        return "the MORI transfer path is not implemented yet in lumenrl-sddd (ROCm machine needed to build it)"
+        return manifest.MORI.unavailable_reason()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(f"MoriTransferEngine unavailable: {self.probe()}")

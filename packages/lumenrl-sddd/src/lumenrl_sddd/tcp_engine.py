@@ -21,6 +21,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from lumenrl_core.storage import cpu_copies
+from lumenrl_sddd import plugin_manifest as manifest
 
 __all__ = ["TCPTransferEngine"]
 
@@ -41,7 +42,7 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 class TCPTransferEngine:
     """Key -> tensors over TCP (module docstring)."""
 
-    capabilities = frozenset({"cross_process", "cross_node"})
+    capabilities = manifest.TCP.capabilities
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, serve: bool = True,
                  connect: tuple[str, int] | None = None, timeout: float = 60.0) -> None:
@@ -57,7 +58,7 @@ class TCPTransferEngine:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.TCP.unavailable_reason()
 
     @classmethod
     def from_config(cls, run_config: Any) -> TCPTransferEngine:

@@ -17,10 +17,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
-import sys
 import threading
 from collections.abc import Mapping
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import torch
@@ -28,7 +26,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from lumenrl_core.storage import cpu_copies
-from lumenrl_sddd._util import namespace_of
+from lumenrl_sddd import plugin_manifest as manifest
+from lumenrl_sddd._util import namespace_of, open_segment, unlink_segment
 from lumenrl_sddd.mooncake_engine import MooncakeTransferEngine
 
 __all__ = ["InProcessTransferEngine", "SharedMemoryTransferEngine", "MooncakeTransferEngine", "namespace_of"]
@@ -39,7 +38,7 @@ _HEADER = 8
 class InProcessTransferEngine:
     """Key -> tensors in memory. ``put`` copies to CPU so later in-place writes do not leak."""
 
-    capabilities = frozenset({"in_process"})
+    capabilities = manifest.INPROCESS.capabilities
 
     def __init__(self) -> None:
         self._store: dict[str, dict[str, torch.Tensor]] = {}
@@ -47,7 +46,7 @@ class InProcessTransferEngine:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.INPROCESS.unavailable_reason()
 
     @classmethod
     def from_config(cls, run_config: Any) -> InProcessTransferEngine:
@@ -82,30 +81,10 @@ class InProcessTransferEngine:
             self._store.clear()
 
 
-def _untrack(shm: shared_memory.SharedMemory) -> None:
-    """Stop this process's resource tracker from unlinking the segment at exit (Python < 3.13)."""
-    if sys.version_info < (3, 13):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-
-
-def _unlink_segment(shm: shared_memory.SharedMemory) -> None:
-    """Unlink ``shm``; re-register first on Python < 3.13, since ``unlink`` unregisters it."""
-    if sys.version_info < (3, 13):
-        resource_tracker.register(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    shm.unlink()
-
-
-def _open(name: str, *, create: bool, size: int = 0) -> shared_memory.SharedMemory:
-    kwargs: dict[str, Any] = {"track": False} if sys.version_info >= (3, 13) else {}
-    shm = shared_memory.SharedMemory(name=name, create=create, size=size, **kwargs)
-    _untrack(shm)
-    return shm
-
-
 class SharedMemoryTransferEngine:
     """Key -> tensors in POSIX shared memory, visible to every process using the same ``namespace``."""
 
-    capabilities = frozenset({"cross_process"})
+    capabilities = manifest.SHM.capabilities
 
     def __init__(self, namespace: str = "lumenrl") -> None:
         if not re.fullmatch(r"[A-Za-z0-9_]{1,48}", namespace):
@@ -116,13 +95,7 @@ class SharedMemoryTransferEngine:
 
     @classmethod
     def probe(cls) -> str | None:
-        try:
-            shm = _open(f"lrlprobe_{hashlib.sha1(str(id(cls)).encode()).hexdigest()[:12]}", create=True, size=8)
-        except OSError as exc:
-            return f"POSIX shared memory unusable here: {exc}"
-        shm.close()
-        _unlink_segment(shm)
-        return None
+        return manifest.SHM.unavailable_reason()
 
     @classmethod
     def from_config(cls, run_config: Any) -> SharedMemoryTransferEngine:
@@ -135,7 +108,7 @@ class SharedMemoryTransferEngine:
         payload = st_save(cpu_copies(tensors))
         name = self.segment_name(key)
         self._unlink(name)  # replacing a key
-        shm = _open(name, create=True, size=_HEADER + len(payload))
+        shm = open_segment(name, create=True, size=_HEADER + len(payload))
         try:
             shm.buf[_HEADER:_HEADER + len(payload)] = payload
             shm.buf[:_HEADER] = len(payload).to_bytes(_HEADER, "little")
@@ -146,7 +119,7 @@ class SharedMemoryTransferEngine:
 
     def get(self, key: str) -> dict[str, torch.Tensor]:
         try:
-            shm = _open(self.segment_name(key), create=False)
+            shm = open_segment(self.segment_name(key), create=False)
         except FileNotFoundError:
             raise KeyError(f"transfer key {key!r} not found in shared-memory namespace {self.namespace!r}") from None
         try:
@@ -166,12 +139,12 @@ class SharedMemoryTransferEngine:
 
     def _unlink(self, name: str) -> None:
         try:
-            shm = _open(name, create=False)
+            shm = open_segment(name, create=False)
         except FileNotFoundError:
             return
         shm.close()
         with contextlib.suppress(FileNotFoundError):  # another process unlinked it first
-            _unlink_segment(shm)
+            unlink_segment(shm)
         with self._lock:
             self._written.discard(name)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.controllers.dispatch import plan_dispatch
 from lumenrl_backends.controllers.worker_group import WorkerGroup
 
@@ -31,11 +32,11 @@ def _bound_method(worker: Any, method: str, group: WorkerGroup, rank: int):
 class LocalController:
     """Runs group methods in this process under the single-controller dispatch modes."""
 
-    capabilities = frozenset({"in_process", "dispatch_modes"})
+    capabilities = manifest.LOCAL.capabilities
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.LOCAL.unavailable_reason()
 
     @classmethod
     def from_config(cls, cfg: Any = None) -> LocalController:

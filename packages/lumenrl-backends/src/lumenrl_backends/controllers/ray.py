@@ -19,10 +19,10 @@ actor died raises :class:`WorkerDiedError` naming the group (role) and rank.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
+from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.controllers.dispatch import DispatchPlan, plan_dispatch
 from lumenrl_backends.controllers.worker_group import WorkerGroup
 
@@ -56,13 +56,11 @@ class Pending:
 class RayController:
     """Runs group methods on Ray actors under the single-controller dispatch modes."""
 
-    capabilities = frozenset({"dispatch_modes", "multi_node", "placement_groups", "colocated", "disaggregated"})
+    capabilities = manifest.RAY.capabilities
 
     @classmethod
     def probe(cls) -> str | None:
-        if importlib.util.find_spec("ray") is None:
-            return "ray is not installed (pip install 'lumenrl-backends[ray]')"
-        return None
+        return manifest.RAY.unavailable_reason()
 
     def __init__(self, *, address: str = "", num_cpus_per_worker: float = 1.0, num_gpus_per_worker: float = 0.0,
                  colocate: bool = True, num_workers: int = 1, rollout_workers: int = 0,

@@ -16,36 +16,18 @@ library's public offline API and returns the same rollout layout as ``native``. 
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.engines.requests import LENGTH, STOP, Request, build_rollout_batch, requests_from_batch
 from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling
+from lumenrl_backends.plugin_manifest import probe_module
 
 __all__ = ["VLLMEngine", "SGLangEngine", "AtomEngine", "probe_module"]
-
-
-def probe_module(module: str, attributes: tuple[str, ...], install: str) -> str | None:
-    """None if ``module`` imports and has every attribute, else a one-line reason."""
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):  # e.g. sys.modules[module] is None
-        spec = None
-    if spec is None:
-        return f"{module} is not installed ({install})"
-    try:
-        imported = importlib.import_module(module)
-    except Exception as exc:  # a broken install must not crash plugin listing
-        return f"{module} is installed but fails to import: {type(exc).__name__}: {exc}"
-    missing = [name for name in attributes if not hasattr(imported, name)]
-    if missing:
-        return f"the installed {module!r} package lacks {', '.join(missing)}: not the expected library ({install})"
-    return None
 
 
 def _finish(request: Request, tokens: list[int], log_probs: list[float], reason: str | None) -> None:
@@ -108,7 +90,7 @@ def _load_tokenizer(path: str) -> Any:
 class VLLMEngine(_NoInterrupt):
     """vLLM offline ``LLM`` (untested here)."""
 
-    capabilities = frozenset({"logprobs", "weight_update"})
+    capabilities = manifest.VLLM.capabilities
 
     def __init__(self, model_path: str, **llm_kwargs: Any) -> None:
         import vllm
@@ -119,7 +101,7 @@ class VLLMEngine(_NoInterrupt):
 
     @classmethod
     def probe(cls) -> str | None:
-        return probe_module("vllm", ("LLM", "SamplingParams"), "pip install lumenrl-backends[vllm]")
+        return manifest.VLLM.unavailable_reason()
 
     @classmethod
     def from_config(cls, run_config: Any, model: Any = None, tokenizer: Any = None) -> VLLMEngine:
@@ -166,7 +148,7 @@ class VLLMEngine(_NoInterrupt):
 class SGLangEngine(_NoInterrupt):
     """SGLang offline ``Engine`` (untested here)."""
 
-    capabilities = frozenset({"logprobs", "weight_update"})
+    capabilities = manifest.SGLANG.capabilities
 
     def __init__(self, model_path: str, **engine_kwargs: Any) -> None:
         import sglang
@@ -177,7 +159,7 @@ class SGLangEngine(_NoInterrupt):
 
     @classmethod
     def probe(cls) -> str | None:
-        return probe_module("sglang", ("Engine",), "pip install lumenrl-backends[sglang]")
+        return manifest.SGLANG.unavailable_reason()
 
     @classmethod
     def from_config(cls, run_config: Any, model: Any = None, tokenizer: Any = None) -> SGLangEngine:
@@ -228,7 +210,7 @@ class AtomEngine(_NoInterrupt):
     the import name alone.
     """
 
-    capabilities = frozenset()
+    capabilities = manifest.ATOM.capabilities
 
     def __init__(self, model_path: str, **engine_kwargs: Any) -> None:
         import atom
@@ -239,12 +221,7 @@ class AtomEngine(_NoInterrupt):
 
     @classmethod
     def probe(cls) -> str | None:
-        reason = probe_module(
-            "atom", ("LLMEngine", "SamplingParams"), "install ROCm/ATOM from source on a ROCm machine"
-        )
-        if reason is None and importlib.util.find_spec("atom.model_engine") is None:
-            return "the installed 'atom' package has no atom.model_engine: not AMD's ATOM"
-        return reason
+        return manifest.ATOM.unavailable_reason()
 
     @classmethod
     def from_config(cls, run_config: Any, model: Any = None, tokenizer: Any = None) -> AtomEngine:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
+from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.engines.loading import (
     engine_kwargs_from_config,
     eos_token_ids,
@@ -57,7 +58,7 @@ class _StopOnEvent(StoppingCriteria):
 class HFEngine:
     """Rollout through ``model.generate`` (see module docstring)."""
 
-    capabilities = frozenset({"logprobs", "interrupt_resume", "weight_update", "route_recording"})
+    capabilities = manifest.HF.capabilities
 
     def __init__(
         self,
@@ -86,7 +87,7 @@ class HFEngine:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.HF.unavailable_reason()
 
     @classmethod
     def from_config(cls, run_config: Any, model: nn.Module | None = None, tokenizer: Any = None) -> HFEngine:

@@ -64,6 +64,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.engines.attention import engine_attention
 from lumenrl_backends.engines.fusion import fuse_projections as fuse_model_projections
 from lumenrl_backends.engines.fusion import unfuse_projections
@@ -132,11 +133,7 @@ class NativeEngine:
     """Embedded rollout engine over an HF causal LM (see module docstring)."""
 
     kv_scale_recalibration = True  # from_config: quantization.rollout.kv_scale_recalibration
-    capabilities = frozenset({
-        "logprobs", "interrupt_resume", "weight_update", "continuous_batching", "fp8_weights", "mx_weights",
-        "fp8_kv_cache", "hidden_state_capture", "speculative_decoding",  # the last two: engines/speculative.py
-        "route_recording",  # engines/routes.py (R3)
-    })
+    capabilities = manifest.NATIVE.capabilities
 
     def __init__(
         self,
@@ -260,7 +257,7 @@ class NativeEngine:
     # ------------------------------------------------------------------ construction
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.NATIVE.unavailable_reason()
 
     @classmethod
     def from_config(

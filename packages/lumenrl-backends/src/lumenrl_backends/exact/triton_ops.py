@@ -34,7 +34,23 @@ __all__ = ["AVAILABLE", "attention", "lse", "matmul", "rms_norm"]
 
 AVAILABLE = triton is not None
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K, MM_WARPS, MM_STAGES = 64, 64, 64, 4, 4
+MM_BLOCK_M = 64
+
+
+def mm_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the GEMM for a weight (N, K): a function of the weight's
+    shape only, so every M (a decode step, a training micro-batch) reduces K in the same order.
+    From ``benchmarks.exact.bench_exact:sweep_matmul`` on an H200 (8B linears at M=64 and 4096):
+    narrow weights (K/V projections) need narrow tiles to put enough programs on the SMs at decode;
+    wide ones (gate/up, LM head) and the fused-width QKV take 128 x 128 tiles (fast training, near
+    cuBLAS at decode); the square-ish rest (o, down) stream K in 128-wide steps with 64-wide tiles."""
+    if n <= 2048:
+        return (32, 128, 4, 4)
+    if n >= 6144:
+        return (128, 128, 8, 4)
+    return (64, 128, 8, 4)
+
+
 ATTN_BLOCK_N, ATTN_WARPS = 64, 4  # a multiple of attention.BLOCK_KEYS (rank blocks stay aligned)
 LSE_BLOCK = 4096
 
@@ -153,10 +169,11 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     N = w.shape[0]
     w = w if w.stride(-1) == 1 else w.contiguous()
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, MM_BLOCK_M) * triton.cdiv(N, MM_BLOCK_N),)
+    block_n, block_k, warps, stages = mm_config(N, K)
+    grid = (triton.cdiv(M, MM_BLOCK_M) * triton.cdiv(N, block_n),)
     _matmul_kernel[grid](x, w, out, bias if bias is not None else out, M, N, K, x.stride(0), w.stride(0),
-                         out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=MM_BLOCK_M, BLOCK_N=MM_BLOCK_N,
-                         BLOCK_K=MM_BLOCK_K, GROUP_M=8, num_warps=MM_WARPS, num_stages=MM_STAGES)
+                         out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=MM_BLOCK_M, BLOCK_N=block_n,
+                         BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages)
     return out
 
 

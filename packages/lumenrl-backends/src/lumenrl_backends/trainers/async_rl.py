@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from lumenrl_async import ProcessChannel, SampleQueue, StalenessController, lag_of, versions_metrics
+from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.sync.filesystem import LazyWeights
 from lumenrl_backends.trainers.build import build_parts
 from lumenrl_backends.trainers.loop import RLTrainer, _mismatch_metrics
@@ -76,7 +77,11 @@ def check_async_config(cfg: Any) -> None:
 class AsyncRLTrainer(RLTrainer):
     """The ``async_rl`` trainer plugin."""
 
-    capabilities: frozenset[str] = frozenset({"grpo", "dapo", "ppo", "checkpoint", "resume", "async"})
+    capabilities = manifest.ASYNC_RL.capabilities
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return manifest.ASYNC_RL.unavailable_reason()
 
     def __init__(self, parts: Any, *, plan: Any = None, model_path: str | None = None) -> None:
         super().__init__(parts)

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.trainers.build import TrainerParts, build_parts
 from lumenrl_backends.trainers.checkpoint import CheckpointManager
 from lumenrl_backends.trainers.metrics import (
@@ -51,7 +52,7 @@ __all__ = ["RLTrainer"]
 class RLTrainer:
     """The ``rl`` trainer plugin: ``RLTrainer.from_plan(plan).fit()``."""
 
-    capabilities: frozenset[str] = frozenset({"grpo", "dapo", "ppo", "checkpoint", "resume"})
+    capabilities = manifest.RL.capabilities
 
     def __init__(self, parts: TrainerParts) -> None:
         self.parts = parts
@@ -69,7 +70,7 @@ class RLTrainer:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.RL.unavailable_reason()
 
     @property
     def total_steps(self) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.engines.speculative import attach_draft
 from lumenrl_backends.trainers.build import seed_everything
 from lumenrl_backends.trainers.checkpoint import CheckpointManager
@@ -96,7 +97,7 @@ class _DraftCheckpoint:
 class SDDDTrainer:
     """The ``sddd`` trainer plugin: ``SDDDTrainer.from_plan(plan).fit()``."""
 
-    capabilities: frozenset[str] = frozenset({"sddd", "checkpoint", "resume"})
+    capabilities = manifest.SDDD.capabilities
 
     def __init__(self, plan: Any) -> None:
         cfg = self.config = plan.config
@@ -125,7 +126,7 @@ class SDDDTrainer:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.SDDD.unavailable_reason()
 
     # ------------------------------------------------------------------ teacher -> transfer engine
     def _open_transfer(self) -> tuple[Any, Any, Any]:

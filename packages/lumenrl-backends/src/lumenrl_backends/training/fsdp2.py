@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.controllers.dispatch import DISPATCH_DP_SIZE_KEY
 from lumenrl_backends.exact import EXACT_BACKEND, exact_actor
 from lumenrl_backends.training import checkpoint as ckpt
@@ -71,7 +72,6 @@ from lumenrl_backends.training.precision import (
     apply_fp8,
     compute_dtype,
     fp8_api,
-    fully_shard_available,
     mixed_precision,
     shard,
     write_hf,
@@ -100,12 +100,11 @@ _UNPLANNED = object()  # _forward plans the micro-batch layout itself
 class FSDP2Backend:
     """Actor, reference or critic model sharded with FSDP2, with its optimizer and LR schedule."""
 
-    capabilities = frozenset({"logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint", "lora",
-                              "route_replay"})
+    capabilities = manifest.FSDP2.capabilities
 
     @classmethod
     def probe(cls) -> str | None:
-        return fully_shard_available()
+        return manifest.FSDP2.unavailable_reason()
 
     def __init__(
         self,

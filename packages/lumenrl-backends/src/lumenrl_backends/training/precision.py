@@ -1,6 +1,6 @@
 """How the FSDP2 backend holds its weights: sharding, mixed precision, FP8 linears, HF writing.
 
-- :func:`fully_shard_available` / :func:`shard`: ``fully_shard`` per decoder layer, then the
+- :func:`shard`: ``fully_shard`` per decoder layer, then the
   root, with the :func:`mixed_precision` policy (bf16 compute, fp32 gradient reduction on CUDA).
 - :func:`compute_dtype`: the forward/backward dtype of a mode on a device (bf16 on CUDA with
   ``auto``/``bf16``, else fp32); the single-device fast path uses it for its module weights.
@@ -18,17 +18,9 @@ from torch import nn
 from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training.modeling import decoder_layers
 
-__all__ = ["apply_fp8", "compute_dtype", "fp8_api", "fully_shard_available", "mixed_precision", "shard", "write_hf"]
+__all__ = ["apply_fp8", "compute_dtype", "fp8_api", "mixed_precision", "shard", "write_hf"]
 
 MIXED_PRECISION_MODES = ("auto", "bf16", "fp32")
-
-
-def fully_shard_available() -> str | None:
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError as exc:
-        return f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (FSDP2): {exc}"
-    return None
 
 
 def _check_mode(mode: str) -> str:

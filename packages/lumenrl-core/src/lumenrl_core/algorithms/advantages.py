@@ -22,11 +22,13 @@ GAE over a critic's values V (B, T) and token rewards r (B, T), walking valid to
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from lumenrl_core import plugin_manifest as manifest
 from lumenrl_core.algorithms.masked import masked_whiten
+from lumenrl_core.plugins.spec import PluginSpec
 
 __all__ = [
     "group_index",
@@ -144,11 +146,11 @@ def gae_advantage(
 class _OutcomeEstimator:
     """Shared plumbing of the outcome plugins: read the batch, call the pure function."""
 
-    capabilities: frozenset[str] = frozenset()
+    plugin_spec: ClassVar[PluginSpec]  # each plugin's spec in lumenrl_core.plugin_manifest
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return cls.plugin_spec.unavailable_reason()
 
     def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         rewards = batch.batch["token_level_rewards"]
@@ -164,6 +166,9 @@ class _OutcomeEstimator:
 class GRPOAdvantage(_OutcomeEstimator):
     """``grpo`` estimator; ``norm_adv_by_std=False`` is Dr.GRPO."""
 
+    plugin_spec = manifest.GRPO
+    capabilities = manifest.GRPO.capabilities
+
     def __init__(self, *, norm_adv_by_std: bool = True, eps: float = GRPO_EPS) -> None:
         self.norm_adv_by_std = norm_adv_by_std
         self.eps = eps
@@ -177,6 +182,9 @@ class GRPOAdvantage(_OutcomeEstimator):
 class DrGRPOAdvantage(_OutcomeEstimator):
     """``drgrpo`` estimator: group-mean baseline without std normalization."""
 
+    plugin_spec = manifest.DRGRPO
+    capabilities = manifest.DRGRPO.capabilities
+
     def _estimate(
         self, rewards: torch.Tensor, mask: torch.Tensor, uid: list[Any]
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,6 +193,9 @@ class DrGRPOAdvantage(_OutcomeEstimator):
 
 class RLOOAdvantage(_OutcomeEstimator):
     """``rloo`` estimator: leave-one-out baseline."""
+
+    plugin_spec = manifest.RLOO
+    capabilities = manifest.RLOO.capabilities
 
     def _estimate(
         self, rewards: torch.Tensor, mask: torch.Tensor, uid: list[Any]
@@ -195,7 +206,7 @@ class RLOOAdvantage(_OutcomeEstimator):
 class GAEAdvantage:
     """``gae`` estimator over the critic's ``values`` (needs ``critic.enabled``)."""
 
-    capabilities: frozenset[str] = frozenset()
+    capabilities = manifest.GAE.capabilities
 
     def __init__(self, *, gamma: float = 1.0, lam: float = 1.0) -> None:
         for name, value in (("gamma", gamma), ("lam", lam)):
@@ -206,7 +217,7 @@ class GAEAdvantage:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.GAE.unavailable_reason()
 
     def __call__(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if "values" not in batch.batch:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from lumenrl_core import plugin_manifest as manifest
 from lumenrl_core.algorithms.aggregation import LOSS_AGG_MODES, agg_loss
 from lumenrl_core.algorithms.masked import masked_mean
 
@@ -109,7 +110,7 @@ class PPOClipLoss:
     passes ``global_tokens`` / ``global_seqs`` per call to get exact mini-batch losses.
     """
 
-    capabilities: frozenset[str] = frozenset()
+    capabilities = manifest.PPO_CLIP.capabilities
 
     def __init__(
         self,
@@ -140,7 +141,7 @@ class PPOClipLoss:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.PPO_CLIP.unavailable_reason()
 
     def __call__(
         self,

@@ -1,6 +1,7 @@
 """Strict assembly: turn a :class:`~lumenrl_core.config.schema.RunConfig` into a runnable trainer.
 
     plan = plan_run(cfg)        # resolves + checks every plugin, raises AssemblyError with ALL problems
+    plan_run(cfg, load_classes=False)  # the same checks from the plugins' specs: no class (no torch) imported
     trainer = assemble(cfg)     # plan_run(cfg) then plan.trainer_cls.from_plan(plan)
 
 The rules (see docs/decisions/0001-contracts.md and :mod:`.requirements`): unknown or

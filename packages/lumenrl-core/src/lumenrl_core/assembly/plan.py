@@ -1,9 +1,9 @@
-"""The result of planning a run: resolved plugin classes per role, nothing built yet."""
+"""The result of planning a run: the plugin per role and its class, nothing built yet."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,9 +39,23 @@ def build_with_keywords(cls: Any, candidates: Mapping[str, Any]) -> Any:
     return cls(**{k: v for k, v in candidates.items() if k in accepted})
 
 
+class _RoleClass:
+    """``plan.<role>_cls``: the class of the plugin filling ``<role>`` (see :meth:`RunPlan.class_of`)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.role = name.removesuffix("_cls")
+
+    def __get__(self, plan: RunPlan | None, owner: type | None = None) -> Any:
+        return self if plan is None else plan.class_of(self.role)
+
+
 @dataclass(kw_only=True, slots=True)
 class RunPlan:
-    """Everything :func:`~lumenrl_core.assembly.assemble` resolved; classes, not instances.
+    """Everything :func:`~lumenrl_core.assembly.assemble` resolved: the plugin per role, its class.
+
+    ``plan.<role>_cls`` is the plugin class of a role (``None`` for a role the config leaves
+    empty); a class :func:`~lumenrl_core.assembly.plan_run` did not import (``load_classes=False``,
+    what ``lumenrl config check`` uses) is imported through the registry on first access.
 
     Pure-math plugins are built with :meth:`build_adv_estimator` & co., which map config fields
     to the keywords their constructors accept (the contract of docs/decisions/0001). Plugins that
@@ -49,24 +63,43 @@ class RunPlan:
     """
 
     config: RunConfig
-    training_backend_cls: type
-    rollout_engine_cls: type
-    adv_estimator_cls: type
-    policy_loss_cls: type
-    rollout_correction_cls: type | None = None
-    rollout_quant_scheme_cls: type | None = None
-    reward_cls: type | None = None  # None when reward.function names a user function
-    controller_cls: type
-    trainer_cls: type
-    logger_classes: dict[str, type] = field(default_factory=dict)  # logger name -> class, in config order
-    weight_sync_cls: type
-    moe_router_cls: type | None = None
     plugin_names: dict[str, str] = field(default_factory=dict)  # role -> plugin name
     plugin_kinds: dict[str, str] = field(default_factory=dict)  # role -> plugin kind
     plugin_versions: dict[str, str] = field(default_factory=dict)  # "kind/name" -> "distribution version"
     required_capabilities: dict[str, frozenset[str]] = field(default_factory=dict)  # role -> caps
     model_is_moe: bool | None = None
     warnings: tuple[str, ...] = ()
+    classes: dict[str, type] = field(default_factory=dict)  # role -> plugin class, imported so far
+    load_class: Callable[[str, str], type] | None = None  # (kind, name) -> class: the registry's load
+
+    training_backend_cls = _RoleClass()
+    rollout_engine_cls = _RoleClass()
+    adv_estimator_cls = _RoleClass()
+    policy_loss_cls = _RoleClass()
+    rollout_correction_cls = _RoleClass()
+    rollout_quant_scheme_cls = _RoleClass()
+    reward_cls = _RoleClass()  # None when reward.function names a user function
+    controller_cls = _RoleClass()
+    trainer_cls = _RoleClass()
+    weight_sync_cls = _RoleClass()
+    moe_router_cls = _RoleClass()
+
+    def class_of(self, role: str) -> type | None:
+        """The plugin class filling ``role``, imported on first use; ``None`` if no plugin fills it.
+
+        Raises :class:`~lumenrl_core.plugins.PluginLoadError` when the class cannot be imported."""
+        if role not in self.plugin_names:
+            return None
+        if role not in self.classes:
+            if self.load_class is None:
+                raise LookupError(f"RunPlan has no class for role {role!r} and no load_class to import it")
+            self.classes[role] = self.load_class(self.plugin_kinds[role], self.plugin_names[role])
+        return self.classes[role]
+
+    @property
+    def logger_classes(self) -> dict[str, type]:
+        """Logger name -> class, in config order."""
+        return {role.split(":", 1)[1]: self.class_of(role) for role in self.plugin_names if role.startswith("logger:")}
 
     def version_of(self, role: str) -> str:
         """``"distribution version"`` of the plugin filling ``role`` (e.g. ``"rollout_engine"``)."""

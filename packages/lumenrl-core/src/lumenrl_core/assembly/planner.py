@@ -9,6 +9,7 @@ together as one :class:`AssemblyError`, otherwise non-fatal ones become warnings
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,7 @@ def _roles(cfg: RunConfig) -> list[tuple[str, str, str, str]]:
 class _Planner:
     cfg: RunConfig
     registry: PluginRegistry
+    load_classes: bool = True
     violations: list[Violation] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     classes: dict[str, Any] = field(default_factory=dict)
@@ -89,14 +91,17 @@ class _Planner:
         dist, version = self.registry.distribution(kind, name)
         self.versions[f"{kind}/{name}"] = f"{dist} {version}"
         try:
-            cls = self.registry.load(kind, name, check_versions=check)
+            if self.load_classes:
+                self.classes[role] = self.registry.load(kind, name, check_versions=check)
+            else:
+                self.registry.spec(kind, name, check_versions=check)  # entry point and version; no class import
         except PluginLoadError as exc:
             self.violations.append(Violation(key, name, f"plugin cannot be loaded: {exc}", fatal=True))
             return
         info = self.registry.info(kind, name, check_versions=check)
         if not info.available:
             self.violations.append(Violation(key, name, f"{kind} plugin unavailable here: {info.reason}"))
-        self.classes[role], self.caps[role] = cls, info.capabilities
+        self.caps[role] = info.capabilities
 
     def _check_allow_list(self, role: str, key: str, name: str) -> None:
         allow_key = _ALLOW_LISTS.get(role)
@@ -195,26 +200,23 @@ def _finish(p: _Planner, required: dict[str, frozenset[str]], is_moe: bool | Non
     tolerated = [str(v) for v in p.violations]
     for message in tolerated + p.notes:
         warnings.warn(message, AssemblyWarning, stacklevel=3)
-    c = p.classes
+    load_class = functools.partial(p.registry.load, check_versions=p.cfg.assembly.check_plugin_versions)
     return RunPlan(
-        config=p.cfg,
-        training_backend_cls=c["training_backend"], rollout_engine_cls=c["rollout_engine"],
-        adv_estimator_cls=c["adv_estimator"], policy_loss_cls=c["policy_loss"],
-        rollout_correction_cls=c.get("rollout_correction"), rollout_quant_scheme_cls=c.get("rollout_quant_scheme"),
-        reward_cls=c.get("reward"), controller_cls=c["controller"], trainer_cls=c["trainer"],
-        logger_classes={r.split(":", 1)[1]: cls for r, cls in c.items() if r.startswith("logger:")},
-        weight_sync_cls=c["weight_sync"], moe_router_cls=c.get("moe_router"),
-        plugin_names=dict(p.names), plugin_kinds=dict(p.kinds), plugin_versions=dict(p.versions),
+        config=p.cfg, plugin_names=dict(p.names), plugin_kinds=dict(p.kinds), plugin_versions=dict(p.versions),
         required_capabilities=required, model_is_moe=is_moe, warnings=tuple(tolerated + p.notes),
+        classes=dict(p.classes), load_class=load_class,
     )
 
 
-def plan_run(cfg: RunConfig, *, registry: PluginRegistry | None = None) -> RunPlan:
+def plan_run(cfg: RunConfig, *, registry: PluginRegistry | None = None, load_classes: bool = True) -> RunPlan:
     """Resolve and check every plugin ``cfg`` names; raise :class:`AssemblyError` listing all problems.
 
-    Nothing heavy happens here: plugin classes are imported and probed, no model is loaded.
+    Nothing heavy happens here: no model is loaded. Plugins are checked from their specs
+    (capabilities, probe); ``load_classes`` also imports every plugin class now, so a class that
+    fails to import is one more problem in the list. ``load_classes=False`` (``lumenrl config
+    check``) imports none: no torch, and the plan imports each class on first access.
     """
-    p = _Planner(cfg=cfg, registry=registry or get_registry())
+    p = _Planner(cfg=cfg, registry=registry or get_registry(), load_classes=load_classes)
     p.violations.extend(config_violations(cfg))
     for role, kind, key, name in _roles(cfg):
         p.resolve(role, kind, key, name)

@@ -191,9 +191,14 @@ def _lora_violations(cfg: RunConfig) -> list[Violation]:
 
 
 def check_reward_function(spec: str) -> str | None:
-    """``None`` if ``spec`` is ``"module:function"`` naming an importable module, else the problem."""
+    """``None`` if ``spec`` is ``"module:function"`` naming an importable module, or
+    ``"path/to/file.py:function"`` naming an existing file; else the problem."""
+    path, sep, attr = spec.rpartition(":")
+    if path.endswith(".py") and sep and re.fullmatch(r"[A-Za-z_]\w*", attr):
+        return None if Path(path).expanduser().is_file() else f"file {path!r} does not exist"
     if not _REWARD_FN.match(spec):
-        return "expected 'package.module:function' (dotted module path, a colon, a function name)"
+        return ("expected 'package.module:function' (dotted module path, a colon, a function name) "
+                "or 'path/to/file.py:function'")
     module = spec.split(":", 1)[0]
     try:
         found = importlib.util.find_spec(module)

@@ -57,8 +57,13 @@ def load_config(
     if isinstance(overrides, str):
         overrides = [overrides]
     layers = _read_layers(Path(path), ()) if path is not None else []
-    layers += [_override_layer(text) for text in overrides or ()]
-    return _build(layers, machine=machine)
+    bad: list[ConfigError] = []  # every bad override is reported, with the file's own problems
+    for text in overrides or ():
+        try:
+            layers.append(_override_layer(text))
+        except ConfigError as exc:
+            bad.append(exc)
+    return _build(layers, machine=machine, bad_overrides=bad)
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "dict", *, machine: bool = True) -> RunConfig:
@@ -147,20 +152,28 @@ def _is_quoted(text: str) -> bool:
 
 
 # ------------------------------------------------------------------ internals
-def _build(layers: list[Layer], *, machine: bool = True) -> RunConfig:
+def _build(layers: list[Layer], *, machine: bool = True, bad_overrides: list[ConfigError] = ()) -> RunConfig:
     default = RunConfig()
     data = config_to_dict(default)
     sources: dict[str, str] = {}
     for layer, source in layers:
         _merge(data, translate(layer, data, source), "", source, sources)
     builder = Builder(RunConfig, sources)
-    cfg = builder.build(RunConfig, data)
-    errors = refusal_errors(cfg, default, builder.source) + semantic_errors(cfg, builder.source, machine=machine)
+    try:
+        cfg = builder.build(RunConfig, data)
+    except ConfigError as exc:  # type/range/unknown-key problems: all of them, with the bad overrides
+        found = exc.errors if isinstance(exc, ConfigProblems) else [exc]
+        _raise_all([*bad_overrides, *found])
+    _raise_all(list(bad_overrides))
+    _raise_all(refusal_errors(cfg, default, builder.source) + semantic_errors(cfg, builder.source, machine=machine))
+    return cfg
+
+
+def _raise_all(errors: list[ConfigError]) -> None:
     if len(errors) == 1:
         raise errors[0]
     if errors:
         raise ConfigProblems(errors)
-    return cfg
 
 
 def _merge(

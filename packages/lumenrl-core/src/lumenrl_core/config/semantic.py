@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import difflib
 import importlib.util
 import math
 import os
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from lumenrl_core.builtins import BUILTIN_MODELS, BUILTIN_PREFIX, is_builtin_name
 from lumenrl_core.config.errors import ConfigError
 from lumenrl_core.config.schema import RunConfig
 
@@ -128,7 +130,14 @@ def hf_cache_has(repo_id: str) -> bool:
 
 
 def _model_name(key: str, name: str, src: Source) -> list[ConfigError]:
-    if name.startswith("lumenrl:") or Path(name).expanduser().is_dir() or hf_cache_has(name):
+    if name.startswith(BUILTIN_PREFIX):
+        if is_builtin_name(name):
+            return []
+        names = [BUILTIN_PREFIX + n for n in BUILTIN_MODELS]
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return [_err(src, key, name, f"not a built-in model{hint}", ", ".join(names))]
+    if Path(name).expanduser().is_dir() or hf_cache_has(name):
         return []
     return [_err(src, key, name, f"not a local directory, a built-in 'lumenrl:' model, or a Hugging Face id "
                  f"in the local cache ({hf_cache_dir()}); no download is tried",

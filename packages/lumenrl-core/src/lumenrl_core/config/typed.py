@@ -17,7 +17,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, Union, get_args, get_origin
 
-from lumenrl_core.config.errors import ConfigError, closest
+from lumenrl_core.config.errors import ConfigError, ConfigProblems, closest
 from lumenrl_core.config.rules import check_range, cross_check, field_range, join_key
 
 __all__ = [
@@ -182,6 +182,7 @@ class Builder:
     def __init__(self, root: type, sources: Mapping[str, str] | None = None) -> None:
         self.root = root
         self.sources = dict(sources or {})
+        self._errors: list[ConfigError] | None = None  # collected while a top-level build runs
 
     def source(self, key: str) -> str | None:
         """Where ``key`` (or the closest enclosing section) was set; None for defaults."""
@@ -195,22 +196,43 @@ class Builder:
         return ConfigError(key or None, value, problem=problem, source=self.source(key), **extra)
 
     def build(self, cls: type, data: Any, prefix: str = "") -> Any:
-        """An instance of dataclass ``cls`` from a mapping, every field coerced and checked."""
+        """An instance of dataclass ``cls`` from a mapping, every field coerced and checked.
+
+        Every bad field of the whole tree is reported at once: the top-level call raises one
+        :class:`ConfigError`, or :class:`ConfigProblems` (one line each) when there are several."""
+        if self._errors is not None:
+            return self._build(cls, data, prefix)
+        self._errors = []
+        try:
+            obj = self._build(cls, data, prefix)
+        except ConfigError as exc:  # a section that cannot be built at all
+            self._errors.append(exc)
+        errors, self._errors = self._errors, None
+        if errors:
+            raise errors[0] if len(errors) == 1 else ConfigProblems(errors)
+        return obj
+
+    def _build(self, cls: type, data: Any, prefix: str) -> Any:
+        assert self._errors is not None
         if not isinstance(data, Mapping):
             raise self.error(prefix, data, f"wrong type ({type(data).__name__})", allowed=type_name(cls))
         specs = fields_of(cls)
-        kwargs = {}
+        kwargs, before = {}, len(self._errors)
         for raw_name, value in data.items():
             key = join_key(prefix, str(raw_name))
             spec = specs.get(raw_name) if isinstance(raw_name, str) else None
-            if spec is None:
-                raise self._unknown(key, value, specs, prefix)
-            kwargs[spec.name] = self._field(cls, spec, value, key)
+            try:
+                if spec is None:
+                    raise self._unknown(key, value, specs, prefix)
+                kwargs[spec.name] = self._field(cls, spec, value, key)
+            except ConfigError as exc:  # keep going: the field keeps its default, the error is reported
+                self._errors.append(exc)
         try:
             obj = cls(**kwargs)
         except TypeError as exc:  # a field without a default that the data does not set
             raise self.error(prefix, data, str(exc)) from None
-        cross_check(obj, prefix, self.source)
+        if len(self._errors) == before:  # cross-field rules judge only sections whose fields all parsed
+            cross_check(obj, prefix, self.source)
         return obj
 
     def _field(self, cls: type, spec: FieldSpec, value: Any, key: str) -> Any:

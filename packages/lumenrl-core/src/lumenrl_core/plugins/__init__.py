@@ -4,17 +4,18 @@
 
     registry = get_registry()
     registry.names("rollout_engines")          # ['hf', 'native', ...] -- nothing imported
-    cls = registry.load("rollout_engines", "native")
     registry.info("rollout_engines", "vllm")   # PluginInfo(available=False, reason="module 'vllm' ...")
+    cls = registry.load("rollout_engines", "native")  # imports the class
 
 Plugins are selected by name from the run config and never auto-activated. See
-:mod:`lumenrl_core.plugins.registry` for the rules and :mod:`lumenrl_core.plugins.probes` for
+:mod:`lumenrl_core.plugins.registry` for the rules, :mod:`lumenrl_core.plugins.spec` for the
+torch-free :class:`PluginSpec` an entry point names, and :mod:`lumenrl_core.plugins.probes` for
 availability probes.
 """
 
 from lumenrl_core.plugins.compat import core_requirement_problem, core_version
 from lumenrl_core.plugins.kinds import GROUP_PREFIX, KINDS, KNOWN_PROVIDERS, group_of, install_hint
-from lumenrl_core.plugins.probes import cuda_probe, first_reason, module_probe
+from lumenrl_core.plugins.probes import cuda_probe, first_reason, module_installed, module_probe
 from lumenrl_core.plugins.registry import (
     DuplicatePluginError,
     PluginError,
@@ -25,6 +26,7 @@ from lumenrl_core.plugins.registry import (
     get_registry,
     set_registry,
 )
+from lumenrl_core.plugins.spec import PluginSpec
 
 __all__ = [
     "KINDS",
@@ -35,6 +37,7 @@ __all__ = [
     "core_version",
     "core_requirement_problem",
     "module_probe",
+    "module_installed",
     "cuda_probe",
     "first_reason",
     "PluginError",
@@ -42,6 +45,7 @@ __all__ = [
     "DuplicatePluginError",
     "PluginLoadError",
     "PluginInfo",
+    "PluginSpec",
     "PluginRegistry",
     "get_registry",
     "set_registry",

@@ -1,15 +1,14 @@
-"""Availability probes that plugin classes call from their ``probe()`` classmethod.
+"""Availability probes that plugin specs (``plugin_manifest`` modules) run.
 
 A probe returns ``None`` when the plugin can run here, otherwise a one-line reason. Import
 names are not trusted: PyPI has unrelated packages named ``lumen`` and ``atom`` that shadow
 AMD's libraries, so :func:`module_probe` checks that the real API (named attributes) exists.
 
-    class AtomEngine:
-        capabilities = frozenset({"logprobs"})
+    ATOM = PluginSpec("lumenrl_x.engines:AtomEngine", {"logprobs"},
+                      probe=lambda: module_probe("atom", ["LLMEngine", "SamplingParams"]) or cuda_probe())
 
-        @classmethod
-        def probe(cls):
-            return module_probe("atom", ["LLMEngine", "SamplingParams"]) or cuda_probe()
+Probes of plugins that a CPU preset names must not import torch: :func:`module_installed` answers
+from the installed files where :func:`importlib.util.find_spec` would import the parent packages.
 """
 
 from __future__ import annotations
@@ -17,8 +16,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-__all__ = ["module_probe", "cuda_probe", "first_reason"]
+__all__ = ["module_probe", "module_installed", "cuda_probe", "first_reason"]
 
 
 def _find(import_name: str) -> bool:
@@ -67,6 +67,21 @@ def module_probe(import_name: str, required_attrs: Sequence[str] = (), *, instal
             f"an unrelated package with the same import name?{hint}"
         )
     return None
+
+
+def module_installed(dotted: str) -> bool:
+    """Whether pure-Python module ``dotted`` is installed, read from its top-level package's files:
+    nothing is imported (``find_spec("torch.distributed.fsdp")`` would import torch)."""
+    top, *rest = dotted.split(".")
+    if not _find(top):
+        return False
+    if not rest:
+        return True
+    for root in importlib.util.find_spec(top).submodule_search_locations or ():
+        base = Path(root, *rest)
+        if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
+            return True
+    return False
 
 
 def cuda_probe(min_capability: tuple[int, int] | None = None) -> str | None:

@@ -1,13 +1,16 @@
 """The plugin registry: lazy, cached discovery of ``lumenrl.<kind>`` entry points.
 
 - Discovery reads installed metadata (``importlib.metadata``) one kind at a time, on first use,
-  and never imports plugin code; a plugin class is imported only when it is named
-  (:meth:`PluginRegistry.load`, :meth:`PluginRegistry.info`) or listed (``lumenrl plugins``).
+  and never imports plugin code.
+- An entry point names a :class:`~lumenrl_core.plugins.spec.PluginSpec` (LumenRL's own plugins) or
+  a plugin class (third-party plugins, :meth:`PluginRegistry.register`). For a spec,
+  :meth:`PluginRegistry.info` answers from the spec (capabilities, probe) and only
+  :meth:`PluginRegistry.load` imports the class, so listing and planning need no torch.
 - Two distributions registering the same name in one kind is an error naming both.
 - Before a plugin module is imported, its distribution's declared requirement on
   ``lumenrl-core`` is checked against the installed core (:mod:`lumenrl_core.plugins.compat`).
-- A module that fails to import makes its plugin *unavailable* with the error as the reason;
-  it never breaks discovery of the others.
+- A module that fails to import makes its plugin *unavailable* with the error as the reason
+  (for a spec: once :meth:`PluginRegistry.load` tried it); it never breaks discovery of the others.
 - Tests build isolated registries: ``PluginRegistry(discover=False)`` plus :meth:`register`.
 """
 
@@ -22,6 +25,7 @@ from typing import Any
 
 from lumenrl_core.plugins.compat import core_requirement_problem
 from lumenrl_core.plugins.kinds import KINDS, check_kind, group_of, install_hint
+from lumenrl_core.plugins.spec import PluginSpec, as_spec
 
 __all__ = [
     "PluginError",
@@ -62,7 +66,7 @@ class PluginInfo:
     capabilities: frozenset[str] = frozenset()
     available: bool = False
     reason: str | None = None  # why not available; None when available
-    target: str = ""  # "module:attr" of the entry point
+    target: str = ""  # "module:attr" of the plugin class (of the entry point if it cannot be read)
 
 
 @dataclass(slots=True)
@@ -74,8 +78,10 @@ class _Entry:
     target: str
     loader: Callable[[], Any]
     requires: tuple[str, ...] = ()
-    obj: Any = None
-    load_error: str | None = None
+    spec: PluginSpec | None = None  # what the entry point declares (a class entry: read from the class)
+    plugin: Any = None  # the plugin class, once imported
+    load_error: str | None = None  # the entry point (or its version check) failed
+    import_error: str | None = None  # the spec's target failed to import
     loaded: bool = False
     probe_done: bool = False
     probe_reason: str | None = None
@@ -89,8 +95,7 @@ def _dist_of(ep: metadata.EntryPoint) -> tuple[str, str, tuple[str, ...]]:
     return dist.metadata["Name"], dist.version, tuple(dist.requires or ())
 
 
-def _run_probe(obj: Any) -> str | None:
-    probe = getattr(obj, "probe", None)
+def _run_probe(probe: Callable[[], str | None] | None) -> str | None:
     if probe is None:
         return None
     try:
@@ -151,11 +156,13 @@ class PluginRegistry:
         version: str = "0.0.0",
         requires: Iterable[str] = (),
     ) -> None:
-        """Register the plugin class ``obj`` under ``kind``/``name`` (tests, programmatic use).
+        """Register the plugin class (or :class:`PluginSpec`) ``obj`` under ``kind``/``name`` (tests,
+        programmatic use).
 
         ``requires`` are ``Requires-Dist`` lines checked like an installed distribution's;
         a name already taken in ``kind`` raises :class:`DuplicatePluginError`."""
-        target = f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
+        spec = as_spec(obj)
+        target = spec.target if spec else f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
         self.register_loader(kind, name, lambda: obj, target=target, distribution=distribution,
                              version=version, requires=requires)
 
@@ -212,7 +219,8 @@ class PluginRegistry:
         return "; ".join(parts)
 
     # ---------------------------------------------------------------- loading
-    def _load_entry(self, entry: _Entry, check_versions: bool) -> None:
+    def _resolve(self, entry: _Entry, check_versions: bool) -> None:
+        """Check the distribution's core requirement, then load the entry point (a spec or a class)."""
         with entry.lock:
             if entry.loaded:
                 return
@@ -222,36 +230,66 @@ class PluginRegistry:
                     entry.load_error = f"incompatible version: {problem}"
                     return  # not marked loaded: a later call with check_versions=False may import
             try:
-                entry.obj = entry.loader()
+                obj = entry.loader()
             except Exception as exc:  # noqa: BLE001 - ImportError, AttributeError, anything
                 where = f" {entry.target}" if entry.target else ""
                 entry.load_error = f"cannot import{where}: {type(exc).__name__}: {exc}"
             else:
+                spec = as_spec(obj)
+                entry.spec, entry.plugin = (spec, None) if spec else (PluginSpec.of_class(obj, entry.target), obj)
                 entry.load_error = None
             entry.loaded = True
 
-    def load(self, kind: str, name: str, *, check_versions: bool | None = None) -> Any:
-        """Import and return the plugin object; raises :class:`UnknownPluginError` or
-        :class:`PluginLoadError` (incompatible distribution version, import failure)."""
+    def _import(self, entry: _Entry) -> None:
+        """Import a spec's target class (once; a failure is remembered as the reason)."""
+        with entry.lock:
+            if entry.plugin is not None or entry.import_error is not None:
+                return
+            try:
+                entry.plugin = entry.spec.load()
+            except Exception as exc:  # noqa: BLE001 - the plugin's module may raise anything
+                entry.import_error = f"cannot import {entry.spec.target}: {type(exc).__name__}: {exc}"
+
+    @staticmethod
+    def _failure(kind: str, name: str, entry: _Entry, error: str | None) -> PluginLoadError:
+        return PluginLoadError(f"{kind} plugin {name!r} ({entry.distribution} {entry.version}): {error}")
+
+    def spec(self, kind: str, name: str, *, check_versions: bool | None = None) -> PluginSpec:
+        """The plugin's :class:`PluginSpec` without importing its class (an entry point that names
+        a class gives a spec read from that class); raises like :meth:`load` when the entry point
+        cannot be loaded or its distribution is incompatible."""
         entry = self._entry(kind, name)
-        self._load_entry(entry, self._check_versions if check_versions is None else check_versions)
+        self._resolve(entry, self._check_versions if check_versions is None else check_versions)
         if entry.load_error or not entry.loaded:
-            raise PluginLoadError(f"{kind} plugin {name!r} ({entry.distribution} {entry.version}): {entry.load_error}")
-        return entry.obj
+            raise self._failure(kind, name, entry, entry.load_error)
+        return entry.spec
+
+    def load(self, kind: str, name: str, *, check_versions: bool | None = None) -> Any:
+        """Import and return the plugin class; raises :class:`UnknownPluginError` or
+        :class:`PluginLoadError` (incompatible distribution version, import failure)."""
+        self.spec(kind, name, check_versions=check_versions)
+        entry = self._entry(kind, name)
+        self._import(entry)
+        if entry.import_error:
+            raise self._failure(kind, name, entry, entry.import_error)
+        return entry.plugin
 
     def info(self, kind: str, name: str, *, check_versions: bool | None = None) -> PluginInfo:
-        """Load (if needed) and probe one plugin; never raises for a known name."""
+        """Capabilities and availability of one plugin, from its spec (the class is not imported);
+        never raises for a known name."""
         entry = self._entry(kind, name)
-        self._load_entry(entry, self._check_versions if check_versions is None else check_versions)
-        base = dict(kind=kind, name=name, distribution=entry.distribution, version=entry.version, target=entry.target)
-        if entry.load_error or not entry.loaded:
-            return PluginInfo(**base, available=False, reason=entry.load_error)
+        self._resolve(entry, self._check_versions if check_versions is None else check_versions)
+        target = entry.spec.target if entry.spec else entry.target
+        base = dict(kind=kind, name=name, distribution=entry.distribution, version=entry.version, target=target)
+        error = entry.load_error or entry.import_error
+        if error or not entry.loaded:
+            return PluginInfo(**base, available=False, reason=error)
         with entry.lock:
             if not entry.probe_done:
-                entry.probe_reason = _run_probe(entry.obj)
+                entry.probe_reason = _run_probe(entry.spec.probe)
                 entry.probe_done = True
-        caps = frozenset(getattr(entry.obj, "capabilities", frozenset()) or ())
-        return PluginInfo(**base, capabilities=caps, available=entry.probe_reason is None, reason=entry.probe_reason)
+        return PluginInfo(**base, capabilities=entry.spec.capabilities, available=entry.probe_reason is None,
+                          reason=entry.probe_reason)
 
     def infos(self, kind: str | None = None) -> list[PluginInfo]:
         """:meth:`info` for every plugin of ``kind`` (or of all kinds), sorted by kind then name."""

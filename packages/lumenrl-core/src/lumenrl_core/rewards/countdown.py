@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
+from lumenrl_core import plugin_manifest as manifest
 from lumenrl_core.rewards.answers import extract_boxed
 from lumenrl_core.rewards.math_reward import _check_lengths, _field
 
@@ -100,7 +101,7 @@ class CountdownReward:
     """Countdown reward plugin; ``extra[i]`` carries ``numbers`` and ``target`` (``ground_truth``
     may hold ``{"numbers": ..., "target": ...}`` instead); optional per-row ``use_all_numbers``."""
 
-    capabilities: frozenset[str] = frozenset()
+    capabilities = manifest.COUNTDOWN.capabilities
 
     def __init__(
         self, *, format_score: float = 0.0, correct_score: float = 1.0, use_all_numbers: bool = True
@@ -111,7 +112,7 @@ class CountdownReward:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.COUNTDOWN.unavailable_reason()
 
     def __call__(
         self, prompts: Sequence[str], responses: Sequence[str], extra: Sequence[Mapping[str, Any]]

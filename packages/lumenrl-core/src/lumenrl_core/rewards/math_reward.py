@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lumenrl_core import plugin_manifest as manifest
 from lumenrl_core.rewards.answers import answers_match, extract_boxed, extract_final_answer
 
 __all__ = ["MathReward", "math_score", "ground_truth_answer"]
@@ -32,7 +33,7 @@ def math_score(
 class MathReward:
     """Verifiable math reward plugin; ``extra[i]["ground_truth"]`` holds the reference answer."""
 
-    capabilities: frozenset[str] = frozenset()
+    capabilities = manifest.MATH.capabilities
 
     def __init__(self, *, format_score: float = 0.0, correct_score: float = 1.0) -> None:
         self.format_score = format_score
@@ -40,7 +41,7 @@ class MathReward:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None
+        return manifest.MATH.unavailable_reason()
 
     def __call__(
         self, prompts: Sequence[str], responses: Sequence[str], extra: Sequence[Mapping[str, Any]]

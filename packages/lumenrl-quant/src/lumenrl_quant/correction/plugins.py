@@ -1,7 +1,8 @@
 """Rollout-correction plugins registered under the ``lumenrl.rollout_corrections`` entry-point group.
 
 Each class satisfies lumenrl-core's ``RolloutCorrection`` protocol structurally (this package
-never imports core): ``capabilities``, a classmethod ``probe()`` and
+never imports core): ``capabilities`` and a classmethod ``probe()`` (both from the plugin's spec in
+:mod:`lumenrl_quant.plugin_manifest`), and
 
     __call__(old_log_probs, rollout_log_probs, mask) -> (is_weights | None, keep_mask, metrics)
 
@@ -26,6 +27,7 @@ from typing import ClassVar
 
 import torch
 
+from lumenrl_quant import plugin_manifest as manifest
 from lumenrl_quant.correction.functional import (
     KL_ESTIMATORS,
     kl_rejection_mask,
@@ -54,6 +56,7 @@ class _RolloutCorrectionBase:
     reject_kl: str | None = None  # optional KL rejection: "k1" | "k2" | "k3"
     reject_kl_threshold: float = math.inf  # reject rows with mean KL estimate above this
 
+    plugin_spec: ClassVar[manifest.Spec]  # each mode's spec in lumenrl_quant.plugin_manifest
     capabilities: ClassVar[frozenset[str]] = frozenset()
 
     def __post_init__(self) -> None:
@@ -70,7 +73,7 @@ class _RolloutCorrectionBase:
 
     @classmethod
     def probe(cls) -> str | None:
-        return None  # pure torch: always available
+        return cls.plugin_spec.unavailable_reason()  # pure torch: always available
 
     def __call__(
         self, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor
@@ -114,6 +117,9 @@ def _sequence_exceeds(
 class TISToken(_RolloutCorrectionBase):
     """Token TIS: ``w_t = min(r_t, clip)``; nothing rejected."""
 
+    plugin_spec: ClassVar[manifest.Spec] = manifest.TIS_TOKEN
+    capabilities: ClassVar[frozenset[str]] = manifest.TIS_TOKEN.capabilities
+
     def _correct(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Parts:
         weights = tis_token_weights(old, rollout, mask, clip=self.clip)
         clipped = (rollout_log_ratio(old, rollout, mask) > math.log(self.clip)) & (mask != 0)
@@ -124,6 +130,9 @@ class TISToken(_RolloutCorrectionBase):
 class TISSequence(_RolloutCorrectionBase):
     """Sequence TIS: ``w = min(exp(sum_t log r_t), clip)`` for every token of the row."""
 
+    plugin_spec: ClassVar[manifest.Spec] = manifest.TIS_SEQ
+    capabilities: ClassVar[frozenset[str]] = manifest.TIS_SEQ.capabilities
+
     def _correct(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Parts:
         weights = tis_sequence_weights(old, rollout, mask, clip=self.clip)
         return weights, mask.clone(), _sequence_exceeds(old, rollout, mask, self.clip)
@@ -133,6 +142,9 @@ class TISSequence(_RolloutCorrectionBase):
 class MISToken(_RolloutCorrectionBase):
     """Token MIS: reject tokens whose ratio leaves ``[mask_low, mask_high]``; no weights."""
 
+    plugin_spec: ClassVar[manifest.Spec] = manifest.MIS_TOKEN
+    capabilities: ClassVar[frozenset[str]] = manifest.MIS_TOKEN.capabilities
+
     def _correct(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Parts:
         return None, mis_token_mask(old, rollout, mask, low=self.mask_low, high=self.mask_high), None
 
@@ -141,6 +153,9 @@ class MISToken(_RolloutCorrectionBase):
 class MISSequence(_RolloutCorrectionBase):
     """Sequence MIS: reject rows whose product ratio leaves ``[mask_low, mask_high]``; no weights."""
 
+    plugin_spec: ClassVar[manifest.Spec] = manifest.MIS_SEQ
+    capabilities: ClassVar[frozenset[str]] = manifest.MIS_SEQ.capabilities
+
     def _correct(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Parts:
         return None, mis_sequence_mask(old, rollout, mask, low=self.mask_low, high=self.mask_high), None
 
@@ -148,6 +163,9 @@ class MISSequence(_RolloutCorrectionBase):
 @dataclass(kw_only=True, slots=True)
 class MISGeometric(_RolloutCorrectionBase):
     """Geometric-mean MIS: reject rows whose per-token geometric-mean ratio leaves a tight band."""
+
+    plugin_spec: ClassVar[manifest.Spec] = manifest.MIS_GEO
+    capabilities: ClassVar[frozenset[str]] = manifest.MIS_GEO.capabilities
 
     mask_low: float = 0.999
     mask_high: float = 1.001
@@ -159,6 +177,9 @@ class MISGeometric(_RolloutCorrectionBase):
 @dataclass(kw_only=True, slots=True)
 class SeqMIS(_RolloutCorrectionBase):
     """Seq-MIS: sequence IS weights, rows with ratio outside ``[mask_low, mask_high]`` rejected."""
+
+    plugin_spec: ClassVar[manifest.Spec] = manifest.SEQ_MIS
+    capabilities: ClassVar[frozenset[str]] = manifest.SEQ_MIS.capabilities
 
     def _correct(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Parts:
         weights, keep = seq_mis(old, rollout, mask, low=self.mask_low, high=self.mask_high)

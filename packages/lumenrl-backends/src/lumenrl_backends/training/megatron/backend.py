@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
+from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.training import checkpoint as ckpt
 from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training.fsdp2 import FSDP2Backend, optimizer_steps_per_training_step
 from lumenrl_backends.training.megatron.families import adapter_for
 from lumenrl_backends.training.megatron.model import MegatronCausalLM, build_gpt_model, init_parallel
-from lumenrl_backends.training.megatron.probe import missing_api
 from lumenrl_backends.training.nonfinite import NonFiniteGuard, refuse_nonfinite
 from lumenrl_backends.training.precision import compute_dtype
 from lumenrl_backends.training.routes import route_replay
@@ -49,11 +49,11 @@ def _parallel_sizes(cfg: Any) -> tuple[int, int, int]:
 class MegatronBackend(FSDP2Backend):
     """Actor or reference model as a Megatron-Core GPTModel, HF weights in and out."""
 
-    capabilities = frozenset({"logprobs", "checkpoint"})
+    capabilities = manifest.MEGATRON.capabilities
 
     @classmethod
     def probe(cls) -> str | None:
-        return missing_api()
+        return manifest.MEGATRON.unavailable_reason()
 
     def __init__(  # noqa: PLR0913 - mirrors FSDP2Backend's keyword arguments
         self,
@@ -67,7 +67,7 @@ class MegatronBackend(FSDP2Backend):
         optimizer_steps_per_training_step: int = 1,
         parallel: tuple[int, int, int] = (1, 1, 1),
     ) -> None:
-        reason = missing_api()
+        reason = manifest.megatron_missing_api()
         if reason is not None:
             raise RuntimeError(reason)
         if role not in ("actor", "ref"):
