@@ -11,7 +11,7 @@ step; :func:`benchmarks.quant._common.time_graph_ms`, median of 20 replays).
   hits (their gate/up and down weights, plus FP8 scales) over the time; the error of each against a
   float64 reference.
 * :func:`moe_kernel_sweep`: each grouped GEMM alone (the sort done once) over block_n x block_k x
-  num_warps x num_stages at block_m 16, then the whole layer with the two best tiles; prints a table and
+  num_warps x num_stages at the load class's block_m (16 at N = 64), then the whole layer with the two best tiles; prints a table and
   the ``TUNED_CONFIGS`` entry of the best (``lumenrl_quant.moe``). About 70 Triton compiles.
 
     python -m benchmarks.moe.fused_moe_kernel            # bench: grouped_mm vs fused bf16 / fp8, GB/s
@@ -39,6 +39,7 @@ from lumenrl_quant import (
     moe_align,
     quantize_experts_fp8,
 )
+from lumenrl_quant.moe import load_class
 
 __all__ = ["moe_kernel_bench", "moe_kernel_sweep"]
 
@@ -151,7 +152,7 @@ def moe_kernel_sweep(n: int = 64, fp8: bool = False, smoke: bool = False) -> dic
     device = "cpu" if smoke or not torch.cuda.is_available() else "cuda"
     shape = SMOKE if device == "cpu" else FULL
     layer = _layer(shape, n, device)
-    block_m = 16
+    block_m = fused_moe_config(n, shape["top_k"], shape["experts"], fp8=fp8).block_m  # the load class's rows
     best: dict[str, tuple[float, MoETile]] = {}
     rows = []
     for which in ("gate_up", "down"):
@@ -179,7 +180,7 @@ def moe_kernel_sweep(n: int = 64, fp8: bool = False, smoke: bool = False) -> dic
                 for name, c in (("best", cfg), ("default", default))}
     e, h, i = w1.shape[0], w1.shape[2], w2.shape[2]
     print(f"whole layer: best {layer_us['best']:.1f} us, default {layer_us['default']:.1f} us")
-    print(f"TUNED_CONFIGS[({e}, {h}, {i}, {fp8}, 16)] = {cfg!r}")
+    print(f"TUNED_CONFIGS[({e}, {h}, {i}, {fp8}, {load_class(n * ids.shape[1], e)})] = {cfg!r}")
     return {"tokens": n, "fp8": fp8, "best_layer_us": layer_us["best"], "default_layer_us": layer_us["default"],
             "gate_up_us": best["gate_up"][0], "down_us": best["down"][0], "config": repr(cfg)}
 

@@ -77,6 +77,16 @@ SCRIPT = textwrap.dedent(
             err = _rel(got, want)
             assert err < bound[dtype], (name, n, dtype, used, cfg, err)
             worst[(name, str(dtype))] = max(worst.get((name, str(dtype)), 0.0), err)
+    # the Triton align (atomic placement): the torch align's block experts, the same pairs in every block
+    from lumenrl_quant.moe import moe_align, num_align_blocks
+    from lumenrl_quant.triton_moe import moe_align_triton
+    for n, k, e, block_m in ((1, 2, 8, 16), (17, 2, 8, 32), (64, 8, 128, 16), (300, 8, 128, 64), (3, 2, 6, 16)):
+        ids = torch.randn(n, e, generator=gen).topk(k, dim=-1).indices
+        pairs, blocks = moe_align(ids, e, block_m)
+        pairs_t, blocks_t = moe_align_triton(ids, e, block_m, num_align_blocks(n * k, e, block_m))
+        assert torch.equal(blocks, blocks_t), (n, k, e, block_m)
+        same = pairs.view(-1, block_m).sort(-1).values == pairs_t.view(-1, block_m).sort(-1).values
+        assert same.all(), (n, k, e, block_m)
     # the custom op traces whole under dynamo (fake shapes), and runs
     f = torch.compile(lambda *a: fused_moe(*a, backend="triton"), backend="aot_eager", fullgraph=True)
     x, w1, w2, ids, tw = _inputs(5, torch.float32, gen)
@@ -165,10 +175,11 @@ def test_fp8_needs_k_tiles_inside_one_scale_block_and_inputs_are_checked():
 
 
 def test_config_heuristic_uses_16_row_blocks_at_decode():
-    decode = fused_moe_config(64, 8, 128, 2048, 768)  # ~4 pairs per expert
-    assert decode.block_m == 16
+    from lumenrl_quant.moe import DEFAULT_CONFIGS
+
+    assert fused_moe_config(64, 8, 128, 2048, 768).block_m == 16  # ~4 pairs per expert: one block each
     assert fused_moe_config(16384, 8, 128, 2048, 768).block_m == 64
-    for cfg in (decode, fused_moe_config(16384, 8, 128, 2048, 768, fp8=True)):
+    for _, cfg in DEFAULT_CONFIGS:  # every default also serves FP8 weights (K tiles inside a scale block)
         cfg.check(fp8=True)
 
 

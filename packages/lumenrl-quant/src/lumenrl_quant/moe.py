@@ -9,15 +9,17 @@ with ``w_gate_up`` (E, 2I, H) = ``cat([gate, up], dim=1)`` per expert and ``w_do
 
 Method
 ------
-1. :func:`moe_align` sorts the N*k (token, slot) pairs by expert into blocks of ``block_m`` rows, each
-   expert's run padded to a whole number of blocks with the sentinel pair id N*k. Torch ops only, all
-   shapes static (the pair list is sized for the worst case N*k + min(N*k, E) * (block_m - 1)), no
-   host sync: the whole layer is capturable in a CUDA graph.
+1. Align: the N*k (token, slot) pairs sorted by expert into blocks of ``block_m`` rows, each expert's
+   run padded to a whole number of blocks with the sentinel pair id N*k; all shapes static (the pair list
+   is sized for the worst case N*k + min(N*k, E) * (block_m - 1)), no host sync, so the whole layer is
+   capturable in a CUDA graph. :func:`moe_align` is the torch version (stable sort: the reference); the
+   Triton path runs :func:`~lumenrl_quant.triton_moe.moe_align_triton` (a memset and three small
+   kernels instead of ~25 torch ops per layer: count, runs and block experts, atomic placement).
 2. Gate/up grouped GEMM (:mod:`lumenrl_quant.triton_moe`) with ``silu(gate) * up`` in its epilogue:
    ``inter`` (N*k, I) in the activation dtype.
 3. Down grouped GEMM times the pair's routing weight: ``per_pair`` (N*k, H) in the activation dtype.
-4. ``per_pair.view(N, k, H).sum(1)`` in float32, cast to the activation dtype: deterministic (no
-   atomics), the order HF's ``grouped_mm`` path sums in.
+4. ``per_pair.view(N, k, H).sum(1)``, accumulated in float32 and rounded once: deterministic (no
+   atomics; a pair's row in its block does not change its result), the order HF's ``grouped_mm`` sums in.
 
 Numerics: float32 accumulation; ``silu(gate) * up`` in float32 from the accumulators, rounded once to the
 activation dtype (HF rounds gate/up, then the product); each pair's weighted output rounded once (HF:
@@ -100,33 +102,47 @@ def _pow2(name: str, value: int, low: int) -> None:
         raise ValueError(f"{name}={value!r}; allowed: a power of two >= {low}")
 
 
-# tuned launch configurations per (E, H, I, fp8, per-expert class); the sweep in
-# benchmarks/moe/decode_speed.py (moe_kernel_sweep) prints the entry of its best row
-TUNED_CONFIGS: dict[tuple[int, int, int, bool, int], FusedMoEConfig] = {}
+# launch configurations by the mean pairs per expert (N*k/E): (upper bound, config). Starting points from the
+# shape of vLLM's published H200 tables for this layer width (E 128, I 768), translated to this kernel (a
+# gate/up tile holds block_n features of *both* halves); TUNED_CONFIGS overrides them per shape.
+def _tiles(m: int, up: tuple[int, int, int, int], down: tuple[int, int, int, int]) -> FusedMoEConfig:
+    def tile(t: tuple[int, int, int, int]) -> MoETile:
+        return MoETile(block_n=t[0], block_k=t[1], num_warps=t[2], num_stages=t[3])
+
+    return FusedMoEConfig(block_m=m, gate_up=tile(up), down=tile(down))
 
 
-def _per_expert_class(num_pairs: int, num_experts: int) -> int:
+DEFAULT_CONFIGS: tuple[tuple[float, FusedMoEConfig], ...] = (
+    (0.25, _tiles(16, (32, 64, 4, 4), (64, 64, 4, 4))),  # a few tokens: few experts hit, small tiles for programs
+    (2.0, _tiles(16, (32, 128, 4, 3), (64, 128, 4, 3))),
+    (16.0, _tiles(16, (64, 128, 4, 3), (128, 128, 4, 3))),  # decode batches (Qwen3-30B-A3B b64: 4 per expert)
+    (64.0, _tiles(32, (64, 128, 4, 3), (128, 128, 4, 3))),
+    (float("inf"), _tiles(64, (64, 64, 4, 4), (128, 64, 4, 4))),  # prefill
+)
+# tuned per (E, H, I, fp8, the DEFAULT_CONFIGS bound of N*k/E); the sweep in benchmarks/moe/fused_moe_kernel.py
+# (--sweep) prints the entry of its best configuration
+TUNED_CONFIGS: dict[tuple[int, int, int, bool, float], FusedMoEConfig] = {}
+
+
+def load_class(num_pairs: int, num_experts: int) -> float:
+    """The DEFAULT_CONFIGS bound that ``num_pairs / num_experts`` falls under."""
     mean = num_pairs / max(num_experts, 1)
-    return 16 if mean <= 16 else 64 if mean <= 64 else 1024
+    return next(bound for bound, _ in DEFAULT_CONFIGS if mean <= bound)
 
 
 def fused_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int = 0, inter: int = 0, *,
                      fp8: bool = False) -> FusedMoEConfig:
-    """The launch configuration for N tokens routed top-k over E experts: a tuned one for this (E, H, I)
-    when known, else by the mean pairs per expert: 16-row blocks at decode (<= 16 pairs per expert, one
-    block per expert, wide tiles for bandwidth), 32 up to 64, then 64-row blocks with shorter K tiles."""
-    cls = _per_expert_class(num_tokens * top_k, num_experts)
-    tuned = TUNED_CONFIGS.get((num_experts, hidden, inter, fp8, cls))
-    if tuned is not None:
-        return tuned
-    if cls == 16:
-        return FusedMoEConfig(block_m=16, gate_up=MoETile(block_n=64, block_k=128, num_warps=4, num_stages=3),
-                              down=MoETile(block_n=128, block_k=128, num_warps=4, num_stages=3))
-    if cls == 64:
-        return FusedMoEConfig(block_m=32, gate_up=MoETile(block_n=64, block_k=128, num_warps=4, num_stages=3),
-                              down=MoETile(block_n=128, block_k=128, num_warps=4, num_stages=3))
-    return FusedMoEConfig(block_m=64, gate_up=MoETile(block_n=64, block_k=64, num_warps=4, num_stages=4),
-                          down=MoETile(block_n=128, block_k=64, num_warps=4, num_stages=4))
+    """The launch configuration for N tokens routed top-k over E experts: the tuned one of this (E, H, I,
+    fp8, load class) when known, else the class's default (16-row blocks up to 16 pairs per expert: one
+    block per expert at decode; 32 and 64-row blocks for prefill)."""
+    bound = load_class(num_tokens * top_k, num_experts)
+    tuned = TUNED_CONFIGS.get((num_experts, hidden, inter, fp8, bound))
+    return tuned if tuned is not None else dict(DEFAULT_CONFIGS)[bound]
+
+
+def num_align_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks of the worst-case padded pair list: ``N*k + min(N*k, E) * (block_m - 1)`` rows, rounded up."""
+    return -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +154,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     ``N*k + min(N*k, E) * (block_m - 1)`` rounded up to ``block_m``: static, so no host sync."""
     flat = topk_ids.reshape(-1).to(torch.int64)  # (S,)
     s = flat.numel()
-    blocks = -(-(s + min(s, num_experts) * (block_m - 1)) // block_m)
+    blocks = num_align_blocks(s, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # (E,)
     padded = (counts + block_m - 1) // block_m * block_m
@@ -261,12 +277,12 @@ def _config_from_list(values: list[int]) -> FusedMoEConfig:
 
 def _fused_moe_triton(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_scale, w_down_scale,
                       config: list[int]) -> torch.Tensor:
-    from lumenrl_quant.triton_moe import moe_grouped_gemm
+    from lumenrl_quant.triton_moe import moe_align_triton, moe_grouped_gemm
 
     (n, h), (e, two_i, _), k = hidden.shape, w_gate_up.shape, topk_ids.shape[1]
     fp8 = w_gate_up_scale is not None
     cfg = _config_from_list(config) if config else fused_moe_config(n, k, e, h, two_i // 2, fp8=fp8)
-    pairs, block_experts = moe_align(topk_ids, e, cfg.block_m)
+    pairs, block_experts = moe_align_triton(topk_ids, e, cfg.block_m, num_align_blocks(n * k, e, cfg.block_m))
     hidden = hidden.contiguous()
     inter = hidden.new_empty((n * k, two_i // 2))  # (S, I)
     moe_grouped_gemm(hidden, w_gate_up, w_gate_up_scale, inter, pairs, block_experts, None, gated=True,
@@ -274,7 +290,7 @@ def _fused_moe_triton(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_
     per_pair = hidden.new_empty((n * k, h))  # (S, H)
     moe_grouped_gemm(inter, w_down, w_down_scale, per_pair, pairs, block_experts, topk_weights.reshape(-1).contiguous(),
                      gated=False, a_row_div=1, block_m=cfg.block_m, tile=cfg.down, scale_block=EXPERT_BLOCK[0])
-    return per_pair.view(n, k, h).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    return per_pair.view(n, k, h).sum(dim=1)  # float32 accumulation, one rounding (torch's reduction)
 
 
 def _fused_moe_fake(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_scale, w_down_scale, config):

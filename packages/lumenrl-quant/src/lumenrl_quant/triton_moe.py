@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
 
-__all__ = ["interpreted", "moe_grouped_gemm"]
+__all__ = ["interpreted", "moe_align_triton", "moe_grouped_gemm"]
 
 
 if triton is not None:
@@ -138,9 +138,69 @@ if triton is not None:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
 
+    @triton.jit
+    def _align_count_kernel(ids_ptr, counts_ptr, S, E: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+        # counts[e] += pairs routed to e among this program's CHUNK pairs (masked lanes go to the spare bin E_P2)
+        offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        inside = offs < S
+        experts = tl.where(inside, tl.load(ids_ptr + offs, mask=inside, other=0).to(tl.int32), E_P2)
+        hist = tl.histogram(experts, 2 * E_P2)
+        bins = tl.arange(0, 2 * E_P2)
+        tl.atomic_add(counts_ptr + bins, hist, mask=bins < E)
+
+    @triton.jit
+    def _align_blocks_kernel(counts_ptr, cursor_ptr, block_expert_ptr, pairs_ptr, S, NUM_BLOCKS,
+                             E: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+        # each program: the padded runs' ends (a cumsum over E), the expert of BLOCK_B blocks, and the
+        # sentinel S in their pair slots; program 0 also sets each expert's write cursor to its run's start
+        bins = tl.arange(0, E_P2)
+        counts = tl.load(counts_ptr + bins, mask=bins < E, other=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, 0)
+        if tl.program_id(0) == 0:
+            tl.store(cursor_ptr + bins, ends - padded, mask=bins < E)
+        blocks = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        first_row = blocks * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), axis=1)  # runs ended before it
+        tl.store(block_expert_ptr + blocks, tl.minimum(expert, E), mask=blocks < NUM_BLOCKS)
+        slots = first_row[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        sentinel = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.int32) + S
+        tl.store(pairs_ptr + slots, sentinel, mask=(blocks < NUM_BLOCKS)[:, None])
+
+    @triton.jit
+    def _align_place_kernel(ids_ptr, cursor_ptr, pairs_ptr, S, CHUNK: tl.constexpr):
+        # each pair takes the next slot of its expert's run (atomic: the order inside a run is arbitrary, which
+        # no result depends on: every row of a block is computed alone)
+        offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        inside = offs < S
+        experts = tl.load(ids_ptr + offs, mask=inside, other=0)
+        slot = tl.atomic_add(cursor_ptr + experts, 1, mask=inside)
+        tl.store(pairs_ptr + slot, offs, mask=inside)
+
+
 def interpreted() -> bool:
     """True when Triton's CPU interpreter runs the kernels (``TRITON_INTERPRET=1`` before import)."""
     return triton is not None and type(_moe_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`lumenrl_quant.moe.moe_align` in three launches (count, runs and blocks, placement) after one
+    memset: the same ``block_experts`` and the same pairs per block (their order inside an expert's run
+    may differ: slots are taken atomically)."""
+    ids = topk_ids.reshape(-1)
+    s, e_p2 = ids.numel(), triton.next_power_of_2(num_experts)
+    chunk = min(1024, triton.next_power_of_2(max(s, 16)))
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    _align_count_kernel[(triton.cdiv(s, chunk),)](ids, counts, s, E=num_experts, E_P2=e_p2, CHUNK=chunk)
+    block_b = 64
+    _align_blocks_kernel[(triton.cdiv(num_blocks, block_b),)](counts, cursor, block_experts, pairs, s, num_blocks,
+                                                              E=num_experts, E_P2=e_p2, BLOCK_M=block_m, BLOCK_B=block_b)
+    _align_place_kernel[(triton.cdiv(s, chunk),)](ids, cursor, pairs, s, CHUNK=chunk)
+    return pairs, block_experts
 
 
 def moe_grouped_gemm(
@@ -177,7 +237,8 @@ def moe_grouped_gemm(
         scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, scale.stride(2) if fp8 else 0,
         out.stride(0),
         K=k, A_ROW_DIV=a_row_div, GATED=gated, ROUTED=route_weights is not None, FP8=fp8, SCALE_BLOCK=scale_block,
-        UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16, PREC="ieee" if a.dtype == torch.float32 else "tf32", EVEN_K=k % tile.block_k == 0,
+        UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16,
+        PREC="ieee" if a.dtype == torch.float32 else "tf32", EVEN_K=k % tile.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
