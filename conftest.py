@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -20,8 +21,20 @@ import pytest
 _OWNED = "_LUMENRL_TEST_CACHE_OWNED"
 
 
+def _share_cores_among_workers() -> None:
+    """pytest-xdist workers split the machine's cores: torch (and subprocesses) get cores // workers
+    threads each, not every core each (oversubscribed OpenMP threads spin against each other)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    threads = max(1, (os.cpu_count() or 1) // max(1, workers))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch = sys.modules.get("torch")  # imported already by a package's conftest.py
+    if torch is not None:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
+        _share_cores_among_workers()
         return  # the controller set it up; workers share its cache
     explicit = os.environ.get("LUMENRL_TEST_CACHE")
     if explicit:
