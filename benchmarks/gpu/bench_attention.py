@@ -20,7 +20,7 @@ the same run. The best configuration per cache dtype is printed last; the kernel
     python benchmarks/gpu/bench_attention.py --tune --space structure --v-layouts rows,blocks128 --out attention_tune9.json
     python benchmarks/gpu/bench_attention.py --tune --space warp1 --dtypes fp8 --v-layouts blocks128 --out attention_tune10.json
 
-Smoke (``run(True)``): ``--shape tiny`` (2 KV heads x 4, head dim 32), batch 2, 40 of 64 columns, the
+Smoke (``run(True)``): ``--shape tiny`` (2 KV heads x 4, head dim 32), batch 1, 40 of 64 columns, the
 same checks and timing; without a GPU in Triton's CPU interpreter, where the bf16 cache is read with
 a float32 query (the kernel's float32-query path: Triton 3.6's interpreter multiplies bf16 ``tl.dot``
 operands as raw bits).
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     return {"rows": rows, "default": default}
 
 
-SMOKE_ARGS = ["--shape", "tiny", "--batch", "2", "--cache", "64", "--lengths", "40", "--iters", "3",
+SMOKE_ARGS = ["--shape", "tiny", "--batch", "1", "--cache", "64", "--lengths", "40", "--iters", "3",
               "--out", "attention_smoke.json"]
 
 
