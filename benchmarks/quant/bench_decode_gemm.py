@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--iters", type=int, default=20, help="timed replays per path")
+    ap.add_argument("--out", default="quant_decode_gemm", help="detail JSON name (under $LUMENRL_BENCH_OUT)")
     args = ap.parse_args(argv)
     configs = _sweep() if args.tune else [dict(tg.DEFAULT_CONFIG)]
     w8a16 = [{**tg.DEFAULT_CONFIG, "block_n": bn, "block_k": bk, "num_stages": st}
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
             for r in fixed:
                 r["shape"] = name
             best.extend(fixed)
-            write_json("quant_decode_gemm", {"rows": rows, "summary": best})
+            write_json(args.out, {"rows": rows, "summary": best})
     cols = ["shape", "M", "N", "K", "path", "block_n", "block_k", "split_k", "num_stages", "us", "weight_gbs", "x_bf16",
             "rel_err"]
     print(table("decode GEMMs, fp8_row (cuBLAS variants; best Triton config per shape)", best, cols))
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     return {"rows": rows, "summary": best}
 
 
-SMOKE_ARGS = ["--m", "4", "--shapes", "tiny", "--iters", "3"]
+SMOKE_ARGS = ["--m", "4", "--shapes", "tiny", "--iters", "3", "--out", "quant_decode_gemm_smoke"]
 
 
 def run(smoke: bool) -> dict:
