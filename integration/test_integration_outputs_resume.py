@@ -9,7 +9,6 @@ import contextlib
 import io
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -142,7 +141,7 @@ def _run_until_the_export_hangs(out, overrides: list[str], env: dict[str, str]) 
             assert child.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
     finally:
-        os.kill(child.pid, signal.SIGKILL)
+        child.send_signal(signal.SIGKILL)  # a no-op for a child that already ended
         child.wait()
     assert child.returncode == -signal.SIGKILL
 
