@@ -4,7 +4,7 @@ Adding a benchmark
 ------------------
 Write ``fn(smoke: bool) -> dict`` in ``benchmarks/<area>/<module>.py``. It returns numbers (int/float)
 and short strings, flat. ``smoke=True`` means tiny shapes on the CPU, done in seconds: the test
-command runs every entry that way (``integration/test_benchmarks_smoke.py``), so no benchmark rots.
+command runs every entry that way (``benchmarks/tests/test_benchmarks_smoke.py``), so no benchmark rots.
 ``smoke=False`` is the real measurement (full sizes, on ``device``). Then add one line below::
 
     Entry(name="my_bench", target="benchmarks.gpu.bench_x:run", suites=("gpu",),

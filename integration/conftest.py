@@ -36,6 +36,16 @@ def run_preset(preset: str, output_dir: Path, *overrides: str) -> dict[str, Any]
     return plan.trainer_cls.from_plan(plan).fit()
 
 
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def child_env() -> dict[str, str]:
+    """The environment for a run in a child process: this one's, less the 1-rank process group's
+    ``RANK`` / ``MASTER_PORT`` / ... that in-process runs of the session leave in ``os.environ``."""
+    return {k: v for k, v in os.environ.items() if k not in DIST_ENV}
+
+
 @pytest.fixture(scope="session")
 def train():
     """``train(preset, output_dir, *overrides) -> summary``: see :func:`run_preset`."""

@@ -1,11 +1,20 @@
 """Run outputs (metrics.jsonl, checkpoints, config + plugin record, HF export, report) and
 exact resume: a run stopped at step k and resumed gives the same step k+1 loss as an
-uninterrupted run."""
+uninterrupted run, and says where it resumed from; a run killed during its final export keeps
+its final evaluation, and a restart finishes the export."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -18,6 +27,7 @@ REQUIRED_KEYS = {
     "step", "reward/mean", "reward/std", "response_length/mean", "actor/pg_loss", "actor/kl", "actor/entropy",
     "actor/clip_frac", "perf/step_s", "perf/rollout_tokens_per_s", "perf/train_tokens_per_s",
 }
+PRESET = Path(__file__).resolve().parents[1] / "configs" / "grpo_dense_bf16.yaml"
 FAST = ("eval.enabled=false", "dataset.train_batch_size=8", "policy.rollout.n=4")
 
 
@@ -72,10 +82,79 @@ def test_report_cli_writes_png_and_html(full_run, tmp_path):
     assert len(keys) == len(set(keys))
 
 
-def test_resume_reproduces_the_next_step_loss(train, full_run, tmp_path):
-    train("grpo_dense_bf16.yaml", tmp_path, "num_training_steps=2", *FAST)  # stops after step 2
-    train("grpo_dense_bf16.yaml", tmp_path, "num_training_steps=3", "checkpointing.resume=true", *FAST)
-    resumed, uninterrupted = read_metrics(tmp_path), read_metrics(full_run)
+@pytest.fixture(scope="module")
+def resumed_run(train, tmp_path_factory):
+    """Stopped after step 2, then resumed to step 3: (run directory, what the resumed run printed)."""
+    out = tmp_path_factory.mktemp("resumed")
+    train("grpo_dense_bf16.yaml", out, "num_training_steps=2", *FAST)  # stops after step 2
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train("grpo_dense_bf16.yaml", out, "num_training_steps=3", "checkpointing.resume=true", *FAST)
+    return out, printed.getvalue()
+
+
+def test_resume_reproduces_the_next_step_loss(full_run, resumed_run):
+    resumed, uninterrupted = read_metrics(resumed_run[0]), read_metrics(full_run)
     assert [r["step"] for r in resumed] == [1, 2, 3]
     for key in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "reward/mean", "response_length/mean"):
         assert resumed[2][key] == pytest.approx(uninterrupted[2][key], rel=1e-5, abs=1e-7), key
+
+
+def test_a_resumed_run_prints_where_it_resumed_from(resumed_run):
+    out, printed = resumed_run
+    assert f"resumed from step 2 of 3: checkpoint {out / 'checkpoints' / 'step_000002'}" in printed.splitlines()
+
+
+# the run in a child process, whose final export starts (a partial file in its staging directory) and hangs
+HANG_IN_THE_FINAL_EXPORT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+
+    from lumenrl_backends.cli import main
+    from lumenrl_backends.training.fsdp2 import FSDP2Backend
+
+    def hang(self, path, tokenizer=None):
+        if Path(path).name != ".final.staging":  # a warm start's export, say
+            return save_hf(self, path, tokenizer=tokenizer)
+        Path(path).mkdir(parents=True)
+        (Path(path) / "model.safetensors").write_bytes(b"partial")
+        time.sleep(600)
+
+    save_hf, FSDP2Backend.save_hf = FSDP2Backend.save_hf, hang
+    sys.exit(main(["train", "--config", sys.argv[1], *sys.argv[2:]]))
+    """
+)
+
+
+def _run_until_the_export_hangs(out, overrides: list[str], env: dict[str, str]) -> None:
+    """Start the run in a child process (a fresh interpreter: a forked one would share this one's
+    process group), SIGKILL it once its final export has begun."""
+    log = out.parent / f"{out.name}.log"
+    with open(log, "w") as sink:
+        child = subprocess.Popen([sys.executable, "-c", HANG_IN_THE_FINAL_EXPORT, str(PRESET),
+                                  f"trainer.output_dir={out}", "logger.progress_bar=false", *overrides],
+                                 stdout=sink, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    try:
+        while not (out / ".final.staging" / "model.safetensors").exists():
+            assert child.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        child.send_signal(signal.SIGKILL)  # a no-op for a child that already ended
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+
+
+def test_a_kill_during_the_final_export_keeps_the_final_evaluation(train, tmp_path, child_env):
+    out = tmp_path / "run"
+    overrides = ["num_training_steps=1", "eval.num_examples=8", "dataset.train_batch_size=4", "policy.rollout.n=2"]
+    _run_until_the_export_hangs(out, overrides, child_env)
+    summary = json.loads((out / "summary.json").read_text())  # written (atomically) before the export
+    final_eval = summary["eval_after"]
+    assert set(final_eval) >= {"eval/accuracy", "eval/reward_mean"} and not (out / "final").exists()
+    assert read_metrics(out)[-1]["eval/accuracy"] == final_eval["eval/accuracy"]
+    train("grpo_dense_bf16.yaml", out, *overrides, "checkpointing.resume=true")  # the restart: export only
+    assert json.loads((out / "summary.json").read_text())["eval_after"] == final_eval
+    assert (out / "final" / "config.json").is_file() and not (out / ".final.staging").exists()
+    assert (out / "final" / "model.safetensors").read_bytes() != b"partial"

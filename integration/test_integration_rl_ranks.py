@@ -7,7 +7,6 @@ files. The optimizer-step loss (``actor/loss``) and gradient norm must match a s
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,27 +15,24 @@ import pytest
 
 from lumenrl_backends.loggers import read_metrics
 
-_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 ARGS = (
     "num_training_steps=2", "trainer.warm_start_sft_steps=20", "dataset.train_batch_size=8",
     "policy.rollout.n=4", "logger.progress_bar=false", "eval.enabled=false", "checkpointing.export_hf=false",
 )
 
 
-def _run(cmd_prefix: list[str], config: str, out: str) -> None:
+def _run(cmd_prefix: list[str], config: str, out: str, env: dict[str, str]) -> None:
     cmd = [*cmd_prefix, "-m", "lumenrl_backends.cli", "train", "--config", config, f"trainer.output_dir={out}", *ARGS]
-    # in-process runs of this session leave a 1-rank group's RANK/MASTER_PORT/... in os.environ
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_process(tmp_path):
+def test_two_ranks_match_one_process(tmp_path, child_env):
     config = str(Path(__file__).resolve().parents[1] / "configs" / "grpo_dense_bf16.yaml")
-    _run([sys.executable], config, str(tmp_path / "one"))  # builds (and caches) the 20-step warm start
+    _run([sys.executable], config, str(tmp_path / "one"), child_env)  # builds (and caches) the 20-step warm start
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    _run(torchrun, config, str(tmp_path / "two"))
+    _run(torchrun, config, str(tmp_path / "two"), child_env)
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [r["step"] for r in two] == [1, 2]  # rank 0 alone wrote the log
     for a, b in zip(one, two):

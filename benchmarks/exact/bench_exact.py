@@ -231,15 +231,15 @@ def sweep_matmul(m_values: tuple[int, ...] = (64, 4096), only: tuple[str, ...] =
     for name, (n, k) in shapes.items():
         w_ = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in m_values}
-        base = {m: triton.testing.do_bench(lambda m=m: torch.nn.functional.linear(xs[m], w_)) for m in m_values}
+        base = {m: triton.testing.do_bench(lambda x=xs[m], w=w_: torch.nn.functional.linear(x, w)) for m in m_values}
         for bn, bk, warps, stages in configs:
             row: dict[str, Any] = {"shape": name, "bn": bn, "bk": bk, "warps": warps, "stages": stages}
             for m in m_values:
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                 grid = (triton.cdiv(m, T.MM_BLOCK_M) * triton.cdiv(n, bn),)
 
-                def call(m=m, out=out, grid=grid, bn=bn, bk=bk, warps=warps, stages=stages):
-                    T._matmul_kernel[grid](xs[m], w_, out, out, m, n, k, xs[m].stride(0), w_.stride(0), out.stride(0),
+                def call(m=m, x=xs[m], w=w_, n=n, k=k, out=out, grid=grid, bn=bn, bk=bk, warps=warps, stages=stages):
+                    T._matmul_kernel[grid](x, w, out, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
                                            HAS_BIAS=False, BLOCK_M=T.MM_BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                                            num_warps=warps, num_stages=stages)
                 try:

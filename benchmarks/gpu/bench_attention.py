@@ -19,17 +19,27 @@ the same run. The best configuration per cache dtype is printed last; the kernel
         --out attention_tune7.json
     python benchmarks/gpu/bench_attention.py --tune --space structure --v-layouts rows,blocks128 --out attention_tune9.json
     python benchmarks/gpu/bench_attention.py --tune --space warp1 --dtypes fp8 --v-layouts blocks128 --out attention_tune10.json
+
+Smoke (``run(True)``): ``--shape tiny`` (2 KV heads x 4, head dim 32), batch 1, 40 of 64 columns, the
+same checks and timing; without a GPU in Triton's CPU interpreter, where the bf16 cache is read with
+a float32 query (the kernel's float32-query path: Triton 3.6's interpreter multiplies bf16 ``tl.dot``
+operands as raw bits).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 
 import torch
 
 import benchmarks.gpu._common as C  # noqa: E402
+from benchmarks.quant._common import run_interpreted  # noqa: E402
 from lumenrl_backends.engines import triton_attention as ta  # noqa: E402
+
+HEADS = {"8b": (8, 4, 128), "tiny": (2, 4, 32)}  # KV heads, query heads per KV head, head dim
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # as Triton reads it
 
 
 def _sweep() -> list[dict[str, int]]:
@@ -118,7 +128,8 @@ def _v_layout(v: torch.Tensor, layout: str) -> torch.Tensor:
 def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length: int, dtype: torch.dtype, seed: int,
            v_layout: str = "rows"):
     gen = torch.Generator(device=C.DEVICE).manual_seed(seed)
-    q = torch.randn((batch, kv_heads, groups, dim), generator=gen, device=C.DEVICE).to(torch.bfloat16)
+    q_dtype = torch.float32 if _INTERPRETED and dtype == torch.bfloat16 else torch.bfloat16  # see the module doc
+    q = torch.randn((batch, kv_heads, groups, dim), generator=gen, device=C.DEVICE).to(q_dtype)
     k = torch.randn((batch, kv_heads, cache, dim), generator=gen, device=C.DEVICE)
     v = torch.randn((batch, kv_heads, cache, dim), generator=gen, device=C.DEVICE)
     last = torch.full((batch,), length - 1, device=C.DEVICE, dtype=torch.int64)
@@ -137,6 +148,7 @@ def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="8b", choices=sorted(HEADS), help="heads: 8b (Qwen3-8B) or tiny (smoke)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--cache", type=int, default=512)
     ap.add_argument("--lengths", default="384", help="columns each row attends to (comma separated)")
@@ -146,9 +158,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="V stored by rows (L, D), columns (D, L) and/or (D, T) tiles (blocks64, ...), comma separated")
     ap.add_argument("--space", default="default", choices=("default", "fp8wide", "layouts", "vblocks", "structure", "warp1"),
                     help="--tune space: default (both dtypes, incl. E4M3 dots) or fp8wide (see _sweep_fp8_wide)")
+    ap.add_argument("--iters", type=int, default=20, help="timed replays per configuration")
     ap.add_argument("--out", default="attention_tune.json")
     args = ap.parse_args(argv)
-    kv_heads, groups, dim = 8, 4, 128
+    kv_heads, groups, dim = HEADS[args.shape]
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
     copy_gbs = C.copy_bandwidth_gbs()
     result["copy_bandwidth_gbs"] = copy_gbs
@@ -183,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
                     raise RuntimeError(f"relative error {err:.3g} > {bound}")
                 fns = [lambda s=s, c=cfg: ta._run(s[0], s[1], s[2], s[3], dim**-0.5, k_scale=s[5][0], v_scale=s[5][1],
                                                  last=s[4], config=c) for s in sets]
-                ms, how = C.time_graph_ms(fns)
+                ms, how = C.time_graph_ms(fns, iters=args.iters)
                 row.update(us=ms * 1e3, gbs=moved / (ms * 1e-3) / 1e9, timing=how)
                 row["pct_copy"] = 100 * row["gbs"] / copy_gbs
             except Exception as err:  # noqa: BLE001 - report, keep sweeping
@@ -210,16 +223,24 @@ def main(argv: list[str] | None = None) -> dict:
     return {"rows": rows, "default": default}
 
 
-SMOKE_ARGS = ["--batch", "2", "--cache", "64", "--lengths", "40", "--out", "attention_smoke.json"]
+SMOKE_ARGS = ["--shape", "tiny", "--batch", "1", "--cache", "64", "--lengths", "40", "--iters", "3",
+              "--out", "attention_smoke.json"]
 
 
 def run(smoke: bool) -> dict:
-    """Suite entry: decode attention microseconds per call, default configuration (8B heads, batch 64)."""
+    """Suite entry: decode attention microseconds per call, default configuration (8B heads, batch 64).
+    Smoke without a GPU: :func:`smoke` in Triton's CPU interpreter."""
     if smoke and not torch.cuda.is_available():
-        # Triton's interpreter (C.run_interpreted) takes minutes here and its bf16 result is off (rel err ~1e9
-        # at cache 64, length 40, while FP8 agrees to 3e-3): no CPU smoke path until that is understood
-        raise NotImplementedError("attention: no CPU smoke path yet (Triton kernel; the interpreter's bf16 run disagrees)")
-    rows = main(SMOKE_ARGS if smoke else ["--out", "attention.json"])["rows"]
+        return run_interpreted("benchmarks.gpu.bench_attention:smoke")
+    return _numbers(main(SMOKE_ARGS if smoke else ["--out", "attention.json"])["rows"])
+
+
+def smoke() -> dict:
+    """The smoke run (tiny heads, checked against float32 SDPA like the full run)."""
+    return _numbers(main(SMOKE_ARGS)["rows"])
+
+
+def _numbers(rows: list[dict]) -> dict:
     failed = [r["error"] for r in rows if "error" in r]
     if failed:
         raise RuntimeError(f"attention configurations failed: {failed}")

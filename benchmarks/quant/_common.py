@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import math
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -95,10 +99,11 @@ def time_rotating_ms(fns: list[Callable[[], object]], *, warmup: int = 3, iters:
 
 
 def time_graph_ms(fns: list[Callable[[], object]], *, iters: int = 20) -> tuple[float, str]:
-    """Median ms per call of ``fns`` captured in one CUDA graph and replayed (no launch/host overhead,
-    as in a CUDA-graph decode step). Falls back to :func:`time_rotating_ms` when capture fails."""
+    """Median ms per call of ``fns`` captured in one CUDA graph and replayed ``iters`` times (no
+    launch/host overhead, as in a CUDA-graph decode step). Falls back to :func:`time_rotating_ms` when
+    capture fails; on the CPU (smoke runs) that with ``iters`` calls."""
     if not torch.cuda.is_available():
-        return time_rotating_ms(fns), "eager"
+        return time_rotating_ms(fns, iters=iters), "eager"
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -127,6 +132,30 @@ def time_graph_ms(fns: list[Callable[[], object]], *, iters: int = 20) -> tuple[
     times.sort()
     del graph
     return times[len(times) // 2], "cuda_graph"
+
+
+def run_interpreted(target: str) -> dict:
+    """``target()`` (``"module:function"``, no arguments, returning a JSON-able dict) under Triton's
+    CPU interpreter, for the smoke runs of Triton kernels on a machine without a GPU: in this process
+    when ``TRITON_INTERPRET=1`` is set already, else in a fresh one (Triton reads the variable when it
+    decorates a kernel, so a process that imported the kernels cannot switch). The child's stdout is
+    passed through; its dict comes back as JSON; its failure raises with the end of its stderr."""
+    module, _, func = target.partition(":")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return getattr(importlib.import_module(module), func)()
+    root = Path(__file__).resolve().parents[2]  # the checkout: ``benchmarks`` importable as a package
+    code = (f"import json, pathlib, sys\nfrom {module} import {func}\n"
+            f"pathlib.Path(sys.argv[1]).write_text(json.dumps({func}(), default=str))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        done = subprocess.run([sys.executable, "-c", code, str(result)], env=env, cwd=root, capture_output=True,
+                              text=True, timeout=600)
+        sys.stdout.write(done.stdout)
+        if done.returncode != 0:
+            raise RuntimeError(f"{target} under TRITON_INTERPRET=1 failed:\n{done.stderr[-3000:]}")
+        return json.loads(result.read_text())
 
 
 def copies_for(bytes_per_copy: int, working_set: int = 256 * 2**20, cap: int = 64) -> int:

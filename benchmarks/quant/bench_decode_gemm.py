@@ -21,21 +21,28 @@ Paths (all produce the scaled result, checked against the float32 emulation, rel
   the bf16 x times the dequantized weight).
 
     python benchmarks/quant/bench_decode_gemm.py --tune
+
+Smoke (``run(True)``): M = 4 on one ``tiny`` shape (N 64, K 256), the same paths and checks, timed
+over 2 weight copies; without a GPU in Triton's CPU interpreter, where the bf16-dot W8A16 variant is
+left out (Triton 3.6's interpreter multiplies bf16 ``tl.dot`` operands as raw bits; the fp16 one runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 
 import torch
 
-from benchmarks.quant._common import copies_for, table, time_graph_ms, write_json  # noqa: E402
+from benchmarks.quant._common import copies_for, device, run_interpreted, table, time_graph_ms, write_json  # noqa: E402
 from lumenrl_quant import triton_gemm as tg  # noqa: E402
 from lumenrl_quant.fp8 import quantize_fp8  # noqa: E402
 from lumenrl_quant.gemm import _torch_scaled_mm, run_gemm_path  # noqa: E402
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+          "tiny": (64, 256)}  # tiny: the smoke run
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # as Triton reads it
 
 
 def _sweep() -> list[dict[str, int]]:
@@ -48,11 +55,12 @@ def _sweep() -> list[dict[str, int]]:
 
 
 def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]],
-                w8a16_configs: list[dict[str, int]]) -> list[dict]:
-    dev = torch.device("cuda")
+                w8a16_configs: list[dict[str, int]], iters: int = 20) -> list[dict]:
+    dev = device()
     a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     a_q, sa = quantize_fp8(a, granularity="rowwise")
-    copies = copies_for(n * k)
+    cap = 64 if dev.type == "cuda" else 2  # the CPU (smoke) has no L2 to defeat
+    copies = copies_for(n * k, cap=cap)
     weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     quantized = [quantize_fp8(w, granularity="rowwise") for w in weights]
     ref = (a_q.float() * sa.float().reshape(-1, 1)) @ (quantized[0][0].float() * quantized[0][1].float().reshape(-1, 1)).T
@@ -71,7 +79,7 @@ def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]],
                 row["rel_err"] = err
                 if not err <= 1e-2:
                     raise RuntimeError(f"relative error {err:.3g} > 1e-2 vs the float32 emulation")
-            ms, how = time_graph_ms(calls)
+            ms, how = time_graph_ms(calls, iters=iters)
             row.update(us=ms * 1e3, weight_gbs=bytes_per_call / ms / 1e6, timing=how)
             if path == "bf16":
                 base = ms
@@ -80,7 +88,8 @@ def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]],
             row["error"] = f"{type(err).__name__}: {err}"[:200]
         rows.append(row)
 
-    add("bf16", [lambda w=w: torch.mm(a, w.t()) for w in weights[: copies_for(2 * n * k)]], 2 * n * k, check=False)
+    add("bf16", [lambda w=w: torch.mm(a, w.t()) for w in weights[: copies_for(2 * n * k, cap=cap)]], 2 * n * k,
+        check=False)
     del weights
     add("cublas_unit_fp32+epi", [lambda q=q: run_gemm_path("scaled_mm_rowwise_epilogue", a_q, sa, q[0], q[1],
                                                            out_dtype=torch.bfloat16) for q in quantized], n * k)
@@ -95,7 +104,7 @@ def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]],
             continue
         add("triton", [lambda q=q, c=cfg: tg.fp8_rowwise_gemm(a_q, sa, q[0], q[1], config=c) for q in quantized],
             n * k, **{key: cfg[key] for key in ("block_n", "block_k", "split_k", "num_stages")})
-    for dot in (torch.bfloat16, torch.float16):  # W8A16: no activation quantization at all
+    for dot in (torch.float16,) if _INTERPRETED else (torch.bfloat16, torch.float16):  # W8A16: no activation quantization
         for cfg in w8a16_configs:
             if not tg.supports(k, cfg):
                 continue
@@ -112,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--m", default="64", help="decode batch sizes (comma separated)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--iters", type=int, default=20, help="timed replays per path")
+    ap.add_argument("--out", default="quant_decode_gemm", help="detail JSON name (under $LUMENRL_BENCH_OUT)")
     args = ap.parse_args(argv)
     configs = _sweep() if args.tune else [dict(tg.DEFAULT_CONFIG)]
     w8a16 = [{**tg.DEFAULT_CONFIG, "block_n": bn, "block_k": bk, "num_stages": st}
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     for m in (int(x) for x in args.m.split(",")):
         for name in args.shapes.split(","):
             n, k = SHAPES[name]
-            found = bench_shape(m, n, k, configs, w8a16)
+            found = bench_shape(m, n, k, configs, w8a16, iters=args.iters)
             rows.extend(found)
             timed = [r for r in found if "us" in r]
             fixed = [r for r in timed if not r["path"].startswith("triton")]
@@ -129,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
             for r in fixed:
                 r["shape"] = name
             best.extend(fixed)
-            write_json("quant_decode_gemm", {"rows": rows, "summary": best})
+            write_json(args.out, {"rows": rows, "summary": best})
     cols = ["shape", "M", "N", "K", "path", "block_n", "block_k", "split_k", "num_stages", "us", "weight_gbs", "x_bf16",
             "rel_err"]
     print(table("decode GEMMs, fp8_row (cuBLAS variants; best Triton config per shape)", best, cols))
@@ -139,11 +150,28 @@ def main(argv: list[str] | None = None) -> dict:
     return {"rows": rows, "summary": best}
 
 
+SMOKE_ARGS = ["--m", "4", "--shapes", "tiny", "--iters", "3", "--out", "quant_decode_gemm_smoke"]
+
+
 def run(smoke: bool) -> dict:
-    """Suite entry: the best fp8_row decode GEMM speedup over bf16 (M = 64, Qwen3-8B shapes)."""
+    """Suite entry: the best fp8_row decode GEMM speedup over bf16 (M = 64, Qwen3-8B shapes).
+    Smoke without a GPU: :func:`smoke` in Triton's CPU interpreter."""
     if smoke:
-        raise NotImplementedError("decode_gemm: no CPU smoke path yet (CUDA-only code: Triton kernels / CUDA graphs)")
-    best = max((r for r in main([])["summary"] if "x_bf16" in r), key=lambda r: r["x_bf16"])
+        return smoke() if torch.cuda.is_available() else run_interpreted("benchmarks.quant.bench_decode_gemm:smoke")
+    return _numbers(main([]))
+
+
+def smoke() -> dict:
+    """The smoke run: every path must pass its check against the float32 emulation."""
+    result = main(SMOKE_ARGS)
+    failed = [f"{r['path']}: {r['error']}" for r in result["rows"] if "error" in r]
+    if failed:
+        raise RuntimeError(f"decode GEMM paths failed: {failed}")
+    return _numbers(result)
+
+
+def _numbers(result: dict) -> dict:
+    best = max((r for r in result["summary"] if "x_bf16" in r), key=lambda r: r["x_bf16"])
     return {"best_fp8_speedup": best["x_bf16"], "best_path": f"{best['path']} {best['shape']}"}
 
 

@@ -25,17 +25,31 @@ Every variant's output is compared with a float64 MLP on the same (dequantized w
 originals: ``sqnr_db``.
 
     python benchmarks/quant/bench_fused_mlp.py --tune --out fused_mlp_tune.json
+
+Smoke (``run(True)``): the ``tiny`` MLP (K 128, I 128), M = 4, 2 weight copies, every variant's SQNR
+at least ``SMOKE_SQNR_DB``; without a GPU in Triton's CPU interpreter, eager (``--eager``: inductor's
+C++ compile would take minutes on a small CPU) and with the Triton kernels asked for by name
+(``--backend triton``; ``auto`` picks the torch path off CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.quant._common import copies_for, device, sqnr, table, time_graph_ms, write_json  # noqa: E402
+from benchmarks.quant._common import (  # noqa: E402
+    copies_for,
+    device,
+    run_interpreted,
+    sqnr,
+    table,
+    time_graph_ms,
+    write_json,
+)
 from lumenrl_quant import QuantizedLinear  # noqa: E402
 from lumenrl_quant import triton_gemm as tg  # noqa: E402
 from lumenrl_quant import triton_swiglu as ts  # noqa: E402
@@ -48,7 +62,7 @@ from lumenrl_quant.fused_mlp import (  # noqa: E402
     swiglu_mlp_fp8_tokenwise,
 )
 
-SHAPES = {"8b": (4096, 12288), "1.7b": (2048, 6144), "tiny": (256, 256)}  # tiny: CPU smoke run (TRITON_INTERPRET=1)
+SHAPES = {"8b": (4096, 12288), "1.7b": (2048, 6144), "tiny": (128, 128)}  # tiny: the smoke run
 
 
 def _up_sweep() -> list[dict[str, int]]:
@@ -68,10 +82,11 @@ def _down_sweep(group: int) -> list[dict[str, int]]:
     return out
 
 
-def bench(model: str, m: int, tune: bool, given: dict | None) -> tuple[list[dict], dict | None]:
+def bench(model: str, m: int, tune: bool, given: dict | None, *, compiled: bool = True, backend: str = "auto",
+          iters: int = 20) -> tuple[list[dict], dict | None]:
     k, inter = SHAPES[model]
     dev = device()
-    copies = copies_for(3 * inter * k)  # FP8 bytes of one MLP
+    copies = copies_for(3 * inter * k, cap=64 if dev.type == "cuda" else 2)  # FP8 bytes of one MLP
     gen = torch.Generator(device=dev).manual_seed(0)
     weights = [(torch.randn(2 * inter, k, generator=gen, device=dev) * 0.02,
                 torch.randn(k, inter, generator=gen, device=dev) * 0.02) for _ in range(copies)]
@@ -93,7 +108,7 @@ def bench(model: str, m: int, tune: bool, given: dict | None) -> tuple[list[dict
         try:
             if out0 is not None:
                 row["sqnr_db"] = sqnr(exact, out0())
-            ms, how = time_graph_ms(calls)
+            ms, how = time_graph_ms(calls, iters=iters)
             row.update(us=ms * 1e3, timing=how, weight_gbs=3 * inter * k / ms / 1e6)
             if variant == "bf16":
                 base = ms
@@ -112,8 +127,11 @@ def bench(model: str, m: int, tune: bool, given: dict | None) -> tuple[list[dict
         g = up(t)
         return down(F.silu(g[:, :inter]) * g[:, inter:])
 
-    c_bf16, c_unfused = torch.compile(mlp_bf16), torch.compile(mlp_unfused)
-    c_token = torch.compile(swiglu_mlp_fp8_tokenwise)
+    def mlp_token(t, up, down):
+        return swiglu_mlp_fp8_tokenwise(t, up, down, backend=backend)
+
+    wrap = torch.compile if compiled else (lambda fn: fn)
+    c_bf16, c_unfused, c_token = wrap(mlp_bf16), wrap(mlp_unfused), wrap(mlp_token)
     add("bf16", [lambda w=w: c_bf16(x, *w) for w in bf16], lambda: c_bf16(x, *bf16[0]))
     add("fp8_unfused", [lambda lay=lay: c_unfused(x, *lay) for lay in layers], lambda: c_unfused(x, *layers[0]))
     add("fp8_token", [lambda lay=lay: c_token(x, *lay) for lay in layers], lambda: c_token(x, *layers[0]))
@@ -172,9 +190,9 @@ def bench(model: str, m: int, tune: bool, given: dict | None) -> tuple[list[dict
     cfgs = (best["up"], best["down"]) if best else None
 
     def fused(t, up, down):
-        return swiglu_mlp_fp8(t, up, down, group=group, configs=cfgs)
+        return swiglu_mlp_fp8(t, up, down, group=group, backend=backend, configs=cfgs)
 
-    c_fused = torch.compile(fused)
+    c_fused = wrap(fused)
     add("fp8_fused", [lambda lay=lay: c_fused(x, *lay) for lay in layers], lambda: c_fused(x, *layers[0]),
         group=group)
     if dev.type == "cuda":
@@ -187,12 +205,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--models", default="8b")
     ap.add_argument("--m", default="64", help="decode batch sizes (comma separated)")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="no torch.compile (smoke runs on the CPU)")
+    ap.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
+                    help="the fused and tokenwise MLPs' kernel backend")
+    ap.add_argument("--iters", type=int, default=20, help="timed replays per variant")
     ap.add_argument("--out", default="fused_mlp.json")
     args = ap.parse_args(argv)
     rows, best_by = [], {}
     for model in args.models.split(","):
         for m in (int(v) for v in args.m.split(",")):
-            found, best = bench(model, m, args.tune and m == 64, None)
+            found, best = bench(model, m, args.tune and m == 64, None, compiled=not args.eager, backend=args.backend,
+                                iters=args.iters)
             rows.extend(found)
             if best:
                 best_by[f"{model}_M{m}"] = best
@@ -212,11 +235,31 @@ def main(argv: list[str] | None = None) -> dict:
     return {"rows": rows, "best": best_by}
 
 
+SMOKE_ARGS = ["--models", "tiny", "--m", "4", "--iters", "3", "--out", "fused_mlp_smoke.json"]
+SMOKE_SQNR_DB = 15.0  # E4M3 x and down input, random tiny weights: 21-24 dB (interpreter or not); a wrong kernel: ~0
+
+
 def run(smoke: bool) -> dict:
-    """Suite entry: fused FP8 SwiGLU MLP vs the unfused FP8 MLP at decode (Qwen3-8B, M = 64)."""
+    """Suite entry: fused FP8 SwiGLU MLP vs the unfused FP8 MLP at decode (Qwen3-8B, M = 64).
+    Smoke without a GPU: :func:`smoke` in Triton's CPU interpreter."""
     if smoke:
-        raise NotImplementedError("fused_mlp: no CPU smoke path yet (CUDA-only code: Triton kernels / CUDA graphs)")
-    us = {r["variant"]: r["us"] for r in main([])["rows"] if r["variant"] in ("fp8_unfused", "fp8_fused") and "us" in r}
+        return smoke() if torch.cuda.is_available() else run_interpreted("benchmarks.quant.bench_fused_mlp:smoke")
+    return _numbers(main([])["rows"])
+
+
+def smoke() -> dict:
+    """The smoke run: every variant runs, with an SQNR against the float64 MLP of ``SMOKE_SQNR_DB`` or more."""
+    cpu = ["--eager", "--backend", "triton"] if not torch.cuda.is_available() else []
+    rows = main(SMOKE_ARGS + cpu)["rows"]
+    failed = [f"{r['variant']}: {r['error']}" for r in rows if "error" in r]
+    failed += [f"{r['variant']}: SQNR {r['sqnr_db']:.1f} dB" for r in rows if r.get("sqnr_db", math.inf) < SMOKE_SQNR_DB]
+    if failed:
+        raise RuntimeError(f"fused MLP variants failed: {failed}")
+    return _numbers(rows)
+
+
+def _numbers(rows: list[dict]) -> dict:
+    us = {r["variant"]: r["us"] for r in rows if r["variant"] in ("fp8_unfused", "fp8_fused") and "us" in r}
     return {"fused_us": us["fp8_fused"], "unfused_us": us["fp8_unfused"], "fused_speedup": us["fp8_unfused"] / us["fp8_fused"]}
 
 

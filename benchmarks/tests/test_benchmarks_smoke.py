@@ -32,14 +32,7 @@ def test_suite_is_well_formed():
     assert all("gpu" in e.suites for e in entries("gpu"))
 
 
-# CUDA-only entries without a CPU smoke path yet (Triton kernels / CUDA graphs hard-wired to "cuda"):
-# listed so that the gap is visible; strict, so giving one a smoke path fails here until it is removed.
-NO_SMOKE_YET = {"attention", "decode_gemm", "fused_mlp"}
-
-
-@pytest.mark.parametrize("entry", [
-    pytest.param(e, marks=pytest.mark.xfail(raises=NotImplementedError, strict=True, reason="no CPU smoke path yet"))
-    if e.name in NO_SMOKE_YET else e for e in ENTRIES], ids=lambda e: e.name)
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
 def test_entry_smoke(entry):
     numbers = entry.load()(True)
     assert check_numbers(entry, numbers) == []

@@ -1,9 +1,15 @@
-"""Shared fixtures of lumenrl-backends' tests: tiny checkpoints built once per session, and one
-simulated two-node Ray cluster per session.
+"""Shared fixtures of lumenrl-backends' tests: tiny checkpoints built once per session, the small
+Qwen3 of the training-backend tests, and one simulated two-node Ray cluster per session.
 
-``tiny_model_dir(family, **overrides)`` builds ``build_tiny_model(family, seed=0, **overrides)`` the
-first time a (family, overrides) pair is asked for and returns the same directory afterwards
-(seconds each on 2 cores). The named fixtures are the checkpoints several files share.
+``tiny_model_dir(family, seed=0, **overrides)`` builds ``build_tiny_model(family, seed=seed, **overrides)``
+the first time a (family, seed, overrides) triple is asked for and returns the same directory afterwards
+(seconds each on 2 cores); tests read these directories, never write into them. The named fixtures are
+the checkpoints several files share.
+
+``tiny_qwen3_lm(seed=0, narrow=False, **overrides)`` makes a fresh float32 Qwen3 from
+``AutoConfig.for_model`` (``TINY_QWEN3``, or ``NARROW_QWEN3`` over it), initialised after
+``torch.manual_seed(seed)`` (the global generator, as the backend tests always did);
+``tiny_qwen3_path(**overrides)`` saves the seed-0 one with ``save_pretrained``, once per overrides.
 Imports only what lumenrl-backends declares (its iso env runs these tests).
 """
 
@@ -13,19 +19,52 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lumenrl_backends.models import build_tiny_model
+
+TINY_QWEN3 = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 96, "max_position_embeddings": 64}
+NARROW_QWEN3 = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+                "max_position_embeddings": 32}
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     built: dict[tuple, Path] = {}
 
-    def get(family: str, **overrides) -> Path:
-        key = (family, tuple(sorted(overrides.items())))
+    def get(family: str, seed: int = 0, **overrides) -> Path:
+        key = (family, seed, repr(sorted(overrides.items())))  # values may be lists (layer_types)
         if key not in built:
-            built[key] = Path(build_tiny_model(family, tmp_path_factory.mktemp(f"tiny-{family}"), seed=0, **overrides))
+            built[key] = Path(build_tiny_model(family, tmp_path_factory.mktemp(f"tiny-{family}"), seed=seed,
+                                               **overrides))
         return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_lm():
+    def make(seed: int = 0, narrow: bool = False, **overrides) -> torch.nn.Module:
+        config = AutoConfig.for_model("qwen3", **{**TINY_QWEN3, **(NARROW_QWEN3 if narrow else {}), **overrides})
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config).float()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_path(tiny_qwen3_lm, tmp_path_factory):
+    saved: dict[str, str] = {}
+
+    def get(**overrides) -> str:
+        key = repr(sorted(overrides.items()))
+        if key not in saved:
+            path = tmp_path_factory.mktemp("tiny_qwen3")
+            tiny_qwen3_lm(0, **overrides).save_pretrained(path)
+            saved[key] = str(path)
+        return saved[key]
 
     return get
 

@@ -4,12 +4,11 @@ the policy version that generated it; groups reach the sink whole; the budget is
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from lumenrl_async import StalenessConfig, StalenessController
 from lumenrl_backends.engines import NativeEngine
-from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_backends.trainers.rollouter import Rollouter, RolloutHooks
 from lumenrl_core.data_proto import DataProto
 
@@ -18,13 +17,8 @@ PROMPTS = ["12+34=", "7*8=", "9-3=", "5+5=", "1*1=", "8+0="]
 N = 2
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3"), seed=0, initializer_range=0.2)
-
-
-def _engine(model_dir) -> NativeEngine:
-    model, tokenizer = load_model_and_tokenizer(str(model_dir), dtype="float32")
+def _engine(qwen3_dir) -> NativeEngine:
+    model, tokenizer = load_model_and_tokenizer(str(qwen3_dir), dtype="float32")
     return NativeEngine(model, tokenizer, max_batch_size=16, max_seq_len=64)
 
 
@@ -80,13 +74,13 @@ def _by_uid(groups) -> dict:
     return out
 
 
-def test_interrupted_and_resumed_rows_equal_uninterrupted_ones(model_dir):
+def test_interrupted_and_resumed_rows_equal_uninterrupted_ones(qwen3_dir):
     plain, cut = [], []
-    a = _rollouter(_engine(model_dir), plain, budget_samples=12)
+    a = _rollouter(_engine(qwen3_dir), plain, budget_samples=12)
     a.max_rows = 12
     while len(plain) < 6:
         assert a.step()
-    b_engine = _engine(model_dir)
+    b_engine = _engine(qwen3_dir)
     b = _rollouter(b_engine, cut, budget_samples=12)
     b.max_rows = 4
     restore = _interrupt_after(b_engine, 4)
@@ -108,8 +102,8 @@ def test_interrupted_and_resumed_rows_equal_uninterrupted_ones(model_dir):
     assert all(g.size == N for g in cut) and a.stats["partial_rollouts"] == b.stats["partial_rollouts"] == 0
 
 
-def test_a_sequence_spanning_a_weight_update_records_per_token_versions(model_dir):
-    engine = _engine(model_dir)
+def test_a_sequence_spanning_a_weight_update_records_per_token_versions(qwen3_dir):
+    engine = _engine(qwen3_dir)
     perturbed = {k: v + 0.05 * torch.randn_like(v) for k, v in engine.model.state_dict().items()
                  if v.is_floating_point()}
     groups: list = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.controllers import LocalController, WorkerGroup
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
@@ -18,22 +18,8 @@ P, T, V = 4, 5, 64
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory) -> str:
-    cfg = AutoConfig.for_model(
-        "qwen3",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        vocab_size=V,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_workers")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return str(path)
+def tiny_path(tiny_qwen3_path) -> str:
+    return tiny_qwen3_path(narrow=True, vocab_size=V)
 
 
 def make_backend(path: str, role: str) -> FSDP2Backend:

@@ -7,13 +7,12 @@ same workers in actors). Per-row seeds make a row sample the same tokens on any 
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from lumenrl_backends.controllers import LocalController
 from lumenrl_backends.controllers.worker_group import WorkerGroup
 from lumenrl_backends.engines import NativeEngine
-from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_backends.trainers.rollout import collect_rollouts, expand_groups, generate
 from lumenrl_backends.workers.rollout import GroupRollout, RankShardedRollout, RolloutWorker
 from lumenrl_core.data_proto import DataProto
@@ -22,11 +21,6 @@ torch.set_num_threads(1)
 
 PROMPTS = ["12+34=", "7*8=", "(1+2)*3 =", "9", "abc def", "100-1=", "x", "5+5="]
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 6, "top_p": 1.0, "top_k": -1}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3"), seed=0, initializer_range=0.2)
 
 
 class RecordingWorker(RolloutWorker):
@@ -41,8 +35,8 @@ class RecordingWorker(RolloutWorker):
         return super().generate(batch, sampling)
 
 
-def replica(model_dir, cls=RolloutWorker):
-    model, tokenizer = load_model_and_tokenizer(str(model_dir), dtype="float32")
+def replica(qwen3_dir, cls=RolloutWorker):
+    model, tokenizer = load_model_and_tokenizer(str(qwen3_dir), dtype="float32")
     return cls(NativeEngine(model, tokenizer, max_batch_size=32, max_seq_len=48), tokenizer)
 
 
@@ -62,9 +56,9 @@ def assert_same_rollout(a: DataProto, b: DataProto) -> None:
     assert diff <= 1e-5
 
 
-def test_two_replicas_generate_disjoint_shards_and_the_one_engine_batch(model_dir):
-    single = replica(model_dir)
-    workers = [replica(model_dir, RecordingWorker) for _ in range(2)]
+def test_two_replicas_generate_disjoint_shards_and_the_one_engine_batch(qwen3_dir):
+    single = replica(qwen3_dir)
+    workers = [replica(qwen3_dir, RecordingWorker) for _ in range(2)]
     client = GroupRollout(WorkerGroup(workers, name="rollout", controller=LocalController()))
     batch = rows(single.tokenizer, PROMPTS, 4, "s1r0")  # 8 groups x 4 = 32 rows: 16 per replica
     one = generate(single.engine, batch[:], SAMPLING, seed=11)
@@ -75,9 +69,9 @@ def test_two_replicas_generate_disjoint_shards_and_the_one_engine_batch(model_di
     assert shard0.isdisjoint(shard1) and len(shard0 | shard1) == 8  # whole groups on one replica
 
 
-def test_uneven_rows_are_padded_and_unpadded(model_dir):
-    single = replica(model_dir)
-    workers = [replica(model_dir, RecordingWorker) for _ in range(3)]
+def test_uneven_rows_are_padded_and_unpadded(qwen3_dir):
+    single = replica(qwen3_dir)
+    workers = [replica(qwen3_dir, RecordingWorker) for _ in range(3)]
     client = GroupRollout(WorkerGroup(workers, name="rollout", controller=LocalController()))
     batch = rows(single.tokenizer, PROMPTS[:5], 2, "s2r0")  # 10 rows over 3 replicas: padded to 12
     one = generate(single.engine, batch[:], SAMPLING, seed=5)
@@ -86,10 +80,10 @@ def test_uneven_rows_are_padded_and_unpadded(model_dir):
     assert [len(w.seen) for w in workers] == [4, 4, 4]  # 2 padding rows generated, then dropped
 
 
-def test_dynamic_sampling_refill_is_the_same_over_two_replicas(model_dir):
-    single = replica(model_dir)
+def test_dynamic_sampling_refill_is_the_same_over_two_replicas(qwen3_dir):
+    single = replica(qwen3_dir)
     client = GroupRollout(
-        WorkerGroup([replica(model_dir) for _ in range(2)], name="rollout", controller=LocalController())
+        WorkerGroup([replica(qwen3_dir) for _ in range(2)], name="rollout", controller=LocalController())
     )
     tokenizer = single.tokenizer
 
@@ -117,9 +111,9 @@ def test_dynamic_sampling_refill_is_the_same_over_two_replicas(model_dir):
     assert bool(((scores.min(1).values != scores.max(1).values)).all())  # only mixed groups kept
 
 
-def test_rank_sharded_rollout_gathers_every_rank_shard(model_dir):
+def test_rank_sharded_rollout_gathers_every_rank_shard(qwen3_dir):
     """The torchrun form: rank r generates shard r; the gather returns all shards in rank order."""
-    engines = [replica(model_dir) for _ in range(2)]
+    engines = [replica(qwen3_dir) for _ in range(2)]
     batch = rows(engines[0].tokenizer, PROMPTS[:3], 2, "s3r0")  # 6 rows: 3 per rank
     one = generate(engines[0].engine, batch[:], SAMPLING, seed=2)
     shards: dict[int, dict] = {}

@@ -9,7 +9,7 @@ import torch
 
 from lumenrl_backends.engines import NativeEngine
 from lumenrl_backends.engines.hf import HFEngine
-from lumenrl_backends.models import FAMILIES, build_tiny_model, load_model_and_tokenizer
+from lumenrl_backends.models import FAMILIES, load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 
 torch.set_num_threads(1)
@@ -49,19 +49,19 @@ def check_engines(path) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_loads_and_generates(family, tmp_path):
-    path = build_tiny_model(family, tmp_path, seed=0, initializer_range=0.2)
+def test_family_loads_and_generates(family, tiny_model_dir):
+    path = tiny_model_dir(family, initializer_range=0.2)
     check_engines(path)
 
 
-def test_sliding_window_all_layers(tmp_path):
-    path = build_tiny_model("mixtral", tmp_path, seed=0, initializer_range=0.2, sliding_window=5)
+def test_sliding_window_all_layers(tiny_model_dir):
+    path = tiny_model_dir("mixtral", initializer_range=0.2, sliding_window=5)
     check_engines(path)
 
 
-def test_sliding_window_mixed_layer_types(tmp_path):
-    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2, use_sliding_window=True,
-                            sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+def test_sliding_window_mixed_layer_types(tiny_model_dir):
+    path = tiny_model_dir("qwen3", initializer_range=0.2, use_sliding_window=True,
+                          sliding_window=5, layer_types=["sliding_attention", "full_attention"])
     model, _ = load_model_and_tokenizer(str(path))
     assert set(model.config.layer_types) == {"sliding_attention", "full_attention"}
     check_engines(path)

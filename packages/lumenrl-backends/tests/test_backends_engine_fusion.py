@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lumenrl_backends.engines import NativeEngine, fusion
-from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 
 torch.set_num_threads(1)
@@ -82,8 +82,8 @@ def gated_mlps(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_fused_equals_unfused_and_training_forward(family, tmp_path, monkeypatch):
-    path = build_tiny_model(family, tmp_path, seed=0, initializer_range=0.2, **FAMILIES[family])
+def test_fused_equals_unfused_and_training_forward(family, tiny_model_dir, monkeypatch):
+    path = tiny_model_dir(family, initializer_range=0.2, **FAMILIES[family])
     plain = engine(path, fuse_projections=False)
     fused = engine(path)
     layers = plain.model.config.num_hidden_layers
@@ -116,9 +116,9 @@ def test_fused_equals_unfused_and_training_forward(family, tmp_path, monkeypatch
     assert calls["dense"] >= groups * 2 * GREEDY["max_new_tokens"]  # every prefill and decode step, both runs
 
 
-def test_gradients_reach_fused_parameters(tmp_path):
+def test_gradients_reach_fused_parameters(qwen3_dir):
     """A gradient-enabled forward of the fused model runs the original modules on the views."""
-    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
+    path = qwen3_dir
     fused = engine(path)
     model = fused.model
     ids = torch.tensor([[3, 4, 5, 6]])
@@ -128,8 +128,8 @@ def test_gradients_reach_fused_parameters(tmp_path):
     assert attn.q_proj.weight.grad.abs().sum() > 0
 
 
-def test_weight_update_writes_the_fused_storage(tmp_path):
-    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
+def test_weight_update_writes_the_fused_storage(qwen3_dir):
+    path = qwen3_dir
     fused = engine(path)
     batch = prompt_batch(fused.tokenizer)
     before = fused.generate(batch, GREEDY)
@@ -150,11 +150,10 @@ def test_weight_update_writes_the_fused_storage(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def quant_dir(tmp_path_factory):
+def quant_dir(tiny_model_dir):
     # 128-wide q/k/v and gate/up so whole 128x128 FP8 blocks are fused (k/v: 4 heads x 32)
-    return build_tiny_model("qwen3", tmp_path_factory.mktemp("q"), seed=0, initializer_range=0.1,
-                            hidden_size=128, intermediate_size=256, head_dim=32, num_attention_heads=4,
-                            num_key_value_heads=4)
+    return tiny_model_dir("qwen3", initializer_range=0.1, hidden_size=128, intermediate_size=256, head_dim=32,
+                          num_attention_heads=4, num_key_value_heads=4)
 
 
 @pytest.mark.parametrize("scheme", ["fp8_block", "fp8_row", "fp8_w8a16", "mxfp8"])
@@ -317,9 +316,9 @@ def test_per_tensor_fp8_is_left_unfused(quant_dir):
     assert out.batch["responses"].shape == (len(PROMPTS), GREEDY["max_new_tokens"])
 
 
-def test_block_fp8_with_unaligned_heads_is_left_unfused(tmp_path):
-    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.1, hidden_size=128,
-                            intermediate_size=256, head_dim=32, num_attention_heads=4, num_key_value_heads=2)
+def test_block_fp8_with_unaligned_heads_is_left_unfused(tiny_model_dir):
+    path = tiny_model_dir("qwen3", initializer_range=0.1, hidden_size=128, intermediate_size=256, head_dim=32,
+                          num_attention_heads=4, num_key_value_heads=2)
     fused = engine(path, quant_scheme="fp8_block")
     assert not fused.fusion_report.attention and len(fused.fusion_report.mlp) == 2  # k/v: 64 rows of 128-blocks
 
@@ -344,10 +343,10 @@ def test_block_fp8_members_with_partial_blocks_are_not_fused(rows):
         assert torch.equal(got, want)
 
 
-def test_speculative_step_keeps_results_bit_identical(tmp_path):
+def test_speculative_step_keeps_results_bit_identical(qwen3_dir):
     """Rows stop at different steps (stop tokens, max_seq_len): the overlapped loop discards
     over-generated tokens and rolls back steps whose shape changed; results equal the synchronous loop."""
-    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
+    path = qwen3_dir
     sync = engine(path, overlap_sync=False)
     overlap = engine(path)
     batch = prompt_batch(sync.tokenizer)
@@ -366,12 +365,12 @@ def test_speculative_step_keeps_results_bit_identical(tmp_path):
     assert sync.speculation["launched"] == 0
 
 
-def test_interrupt_from_another_thread_with_a_speculative_step_in_flight(tmp_path):
+def test_interrupt_from_another_thread_with_a_speculative_step_in_flight(qwen3_dir):
     """interrupt() from a second thread while the overlapped loop has a step queued: the queued
     step is dropped, kept tokens are unchanged, and resuming gives the uninterrupted result."""
     import threading
 
-    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
+    path = qwen3_dir
     overlap = engine(path)
     batch = prompt_batch(overlap.tokenizer)
     params = {**SAMPLED, "max_new_tokens": 20}
@@ -400,8 +399,8 @@ def test_interrupt_from_another_thread_with_a_speculative_step_in_flight(tmp_pat
     assert_same(overlap.generate(partial, params), full, atol=1e-5)
 
 
-def test_engines_sharing_a_model_apply_their_own_fusion_setting(tmp_path, monkeypatch):
-    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
+def test_engines_sharing_a_model_apply_their_own_fusion_setting(qwen3_dir, monkeypatch):
+    path = qwen3_dir
     model, tokenizer = load_model_and_tokenizer(str(path), dtype="float32")
     fused = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=48)
     again = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=48)  # already fused: kept, counted
@@ -416,9 +415,9 @@ def test_engines_sharing_a_model_apply_their_own_fusion_setting(tmp_path, monkey
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graphs_fused_and_overlapped_match_reference(tmp_path):
+def test_cuda_graphs_fused_and_overlapped_match_reference(qwen3_dir):
     """On the GPU (fp32, CUDA graphs): fused == unfused and overlapped == synchronous decode."""
-    path = build_tiny_model("qwen3", tmp_path, seed=0, initializer_range=0.2)
+    path = qwen3_dir
 
     def gpu_engine(**kwargs) -> NativeEngine:
         model, tokenizer = load_model_and_tokenizer(str(path), dtype="float32")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lumenrl_backends.engines import NativeEngine
-from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 
 torch.set_num_threads(1)
@@ -222,8 +222,8 @@ def test_update_weights_in_place_changes_outputs(loaded):
         engine.update_weights({"model.norm.weight": torch.zeros(3)}, version=4)
 
 
-def test_update_weights_tied_embeddings(tmp_path):
-    path = build_tiny_model("qwen3", tmp_path, seed=1, tie_word_embeddings=True)
+def test_update_weights_tied_embeddings(tiny_model_dir):
+    path = tiny_model_dir("qwen3", seed=1, tie_word_embeddings=True)
     model, tokenizer = load_model_and_tokenizer(str(path))
     engine = NativeEngine(model, tokenizer, max_batch_size=2, max_seq_len=32)
     embed = model.get_input_embeddings().weight

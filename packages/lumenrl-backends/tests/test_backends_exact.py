@@ -12,7 +12,7 @@ import torch
 
 from lumenrl_backends.engines import NativeEngine
 from lumenrl_backends.exact import exact_attention, exact_linear, exact_rms_norm, exact_token_log_probs
-from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_backends.trainers.update import apply_rollout_correction
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_core.config import load_config
@@ -33,8 +33,8 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
-def family_dir(request, tmp_path_factory):
-    return build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), seed=1, initializer_range=0.2)
+def family_dir(request, tiny_model_dir):
+    return tiny_model_dir(request.param, seed=1, initializer_range=0.2)
 
 
 def _prompts(tokenizer, n: int) -> DataProto:

@@ -98,14 +98,14 @@ def test_cuda_kernels_are_batch_invariant_in_bf16():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_cuda_engine_log_probs_equal_training_bitwise_bf16(family, tmp_path):
+def test_cuda_engine_log_probs_equal_training_bitwise_bf16(family, tiny_model_dir):
     from lumenrl_backends.engines import NativeEngine
-    from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+    from lumenrl_backends.models import load_model_and_tokenizer
     from lumenrl_backends.training.fsdp2 import FSDP2Backend
     from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
     from lumenrl_core.data_proto import DataProto
 
-    path = build_tiny_model(family, tmp_path / family, seed=2, initializer_range=0.2)
+    path = tiny_model_dir(family, seed=2, initializer_range=0.2)
     model, tokenizer = load_model_and_tokenizer(str(path), dtype="bfloat16")
     trainer_model, _ = load_model_and_tokenizer(str(path), dtype="float32")
     engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=24, max_seq_len=96, exact_logprobs=True)

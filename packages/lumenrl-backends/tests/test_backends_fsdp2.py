@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, RunConfig, TrainingQuantConfig
@@ -18,22 +18,8 @@ P, T, V = 5, 6, 96
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    cfg = AutoConfig.for_model(
-        "qwen3",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=V,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_qwen3")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return str(path)
+def tiny_path(tiny_qwen3_path) -> str:
+    return tiny_qwen3_path(vocab_size=V)
 
 
 def load(path: str) -> torch.nn.Module:

@@ -14,7 +14,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
@@ -107,22 +107,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    cfg = AutoConfig.for_model(
-        "qwen3",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        vocab_size=V,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_dist")
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return str(path)
+def model_path(tiny_qwen3_path) -> str:
+    return tiny_qwen3_path(narrow=True, vocab_size=V)
 
 
 def test_two_gloo_ranks_match_one_rank(model_path, tmp_path, request, monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lumenrl_backends.models import FAMILIES, build_tiny_model
+from lumenrl_backends.models import FAMILIES
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
 from lumenrl_core.data_proto import DataProto
@@ -40,8 +40,8 @@ def pg_loss(outputs, micro):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_family_log_probs_and_train_step(family, tmp_path):
-    path = build_tiny_model(family, tmp_path / family)
+def test_family_log_probs_and_train_step(family, tiny_model_dir):
+    path = tiny_model_dir(family)
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     backend = FSDP2Backend(
         AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_backends.training.packing import PackPlan, TrimPlan, first_fit_decreasing, plan_micro_batch
@@ -19,20 +18,8 @@ P, T, V = 7, 9, 96
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    cfg = AutoConfig.for_model(
-        "qwen3",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=V,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(3)
-    return AutoModelForCausalLM.from_config(cfg).float()
+def tiny(tiny_qwen3_lm):
+    return tiny_qwen3_lm(3, vocab_size=V)
 
 
 def ragged_batch(prompt_lens, resp_lens, seed=0) -> DataProto:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.engines import NativeEngine
 from lumenrl_backends.sync import sync_to_engine, trainer_weights
@@ -21,15 +21,6 @@ from lumenrl_core.data_proto import DataProto
 torch.set_num_threads(2)
 CPU = torch.device("cpu")
 P, T, V = 5, 6, 96
-
-
-def tiny_model(seed: int = 0) -> torch.nn.Module:
-    cfg = AutoConfig.for_model(
-        "qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=V, max_position_embeddings=64, tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg).float()
 
 
 def make_batch(rows: int = 4, seed: int = 1) -> DataProto:
@@ -52,10 +43,17 @@ def nll_loss(outputs, micro):
     return loss, {"actor/entropy": (outputs["entropy"].detach() * mask).sum() / mask.sum()}
 
 
-def backend(single: str, *, role: str = "actor", micro: int = 2, wd: float = 0.1, **kw) -> FSDP2Backend:
-    optim = None if role == "ref" else OptimConfig(lr=1e-2, grad_clip=0.5, weight_decay=wd, lr_schedule="linear")
-    train = PolicyTrainConfig(micro_batch_size=micro, single_device=single)
-    return FSDP2Backend(tiny_model(), role=role, optim=optim, train=train, num_training_steps=10, device=CPU, **kw)
+@pytest.fixture
+def backend(tiny_qwen3_lm):
+    """``backend(single, role=, micro=, wd=, **kw)``: an FSDP2 backend on a fresh tiny Qwen3 (tied embeddings)."""
+
+    def make(single: str, *, role: str = "actor", micro: int = 2, wd: float = 0.1, **kw) -> FSDP2Backend:
+        optim = None if role == "ref" else OptimConfig(lr=1e-2, grad_clip=0.5, weight_decay=wd, lr_schedule="linear")
+        train = PolicyTrainConfig(micro_batch_size=micro, single_device=single)
+        model = tiny_qwen3_lm(vocab_size=V, tie_word_embeddings=True)
+        return FSDP2Backend(model, role=role, optim=optim, train=train, num_training_steps=10, device=CPU, **kw)
+
+    return make
 
 
 def master_state(b: FSDP2Backend) -> dict[str, torch.Tensor]:
@@ -68,7 +66,7 @@ def assert_close_states(a: dict, b: dict, rel: float) -> None:
         assert (a[name] - b[name]).norm() <= rel * b[name].norm() + 1e-7, name
 
 
-def test_modes_and_layout():
+def test_modes_and_layout(backend):
     fast, sharded = backend("auto"), backend("off")
     assert fast.single is not None and sharded.single is None
     assert not any(hasattr(p, "full_tensor") for p in fast.model.parameters())
@@ -82,7 +80,7 @@ def test_modes_and_layout():
     assert names == [n for n, _ in sharded.named_weights()] and "lm_head.weight" in names  # tied name kept
 
 
-def test_bad_modes_are_named():
+def test_bad_modes_are_named(backend):
     with pytest.raises(ValueError, match="single_device='sometimes'.*auto, on, off"):
         backend("sometimes")
     with pytest.raises(ConfigError, match="single_device"):
@@ -108,7 +106,7 @@ def test_bad_weights_and_clip_are_named():
 
 
 @pytest.mark.parametrize("micro", [4, 1])
-def test_steps_match_the_fully_shard_path(micro):
+def test_steps_match_the_fully_shard_path(micro, backend):
     """Same loss, grad norm and fp32 master update as fully_shard on one rank, over 3 steps."""
     batch = make_batch(4)
     fast, sharded = backend("on", micro=micro), backend("off", micro=micro)
@@ -125,7 +123,7 @@ def test_steps_match_the_fully_shard_path(micro):
     assert torch.allclose(lp_f, lp_s, atol=1e-5)
 
 
-def test_bf16_compute_matches_fully_shard_mixed_precision(monkeypatch):
+def test_bf16_compute_matches_fully_shard_mixed_precision(monkeypatch, backend):
     """bf16 compute weights + fp32 masters vs FSDP2's MixedPrecisionPolicy(bf16, fp32), forced on CPU."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -169,7 +167,7 @@ def test_accumulate_grads_in_fp32_against_float64():
     assert all(m.grad is None for m in w.masters)
 
 
-def test_checkpoint_resume_and_cross_path_load(tmp_path):
+def test_checkpoint_resume_and_cross_path_load(tmp_path, backend):
     """Resume gives the same next steps; a fast-path checkpoint loads into fully_shard and back."""
     batch, batch2 = make_batch(4), make_batch(4, seed=7)
     first = backend("on")
@@ -196,7 +194,7 @@ def test_checkpoint_resume_and_cross_path_load(tmp_path):
     )
 
 
-def test_hf_export_writes_fp32_masters(tmp_path, monkeypatch):
+def test_hf_export_writes_fp32_masters(tmp_path, monkeypatch, backend):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     monkeypatch.setattr(fsdp2_mod, "compute_dtype", lambda mode, device: torch.bfloat16)
@@ -210,11 +208,11 @@ def test_hf_export_writes_fp32_masters(tmp_path, monkeypatch):
         assert torch.equal(tensor, dict(fast.named_weights())[name]), name
 
 
-def test_weight_sync_from_the_fast_path_to_the_native_engine():
+def test_weight_sync_from_the_fast_path_to_the_native_engine(backend, tiny_qwen3_lm):
     trainer = backend("on")
     trainer.train_step(make_batch(4), nll_loss)
-    engine = NativeEngine(tiny_model(seed=5), SimpleNamespace(eos_token_id=0, pad_token_id=0),
-                          max_batch_size=2, max_seq_len=32)
+    model = tiny_qwen3_lm(5, vocab_size=V, tie_word_embeddings=True)
+    engine = NativeEngine(model, SimpleNamespace(eos_token_id=0, pad_token_id=0), max_batch_size=2, max_seq_len=32)
     streamed = dict(trainer_weights(trainer))
     state = dict(trainer.named_weights())
     assert [n for n, _ in trainer.model.named_parameters()] == list(streamed)
@@ -224,7 +222,7 @@ def test_weight_sync_from_the_fast_path_to_the_native_engine():
         assert torch.equal(param, state[name]), name  # the updated masters (fp32 compute on CPU)
 
 
-def test_fused_adamw_clip_and_skip_match_the_host_path(monkeypatch):
+def test_fused_adamw_clip_and_skip_match_the_host_path(monkeypatch, backend):
     """Fused AdamW (the CUDA setting, forced on CPU): clip via grad_scale, skip via found_inf, no sync."""
     batch = make_batch(4)
     sharded = backend("off")
@@ -254,7 +252,7 @@ def test_fused_adamw_clip_and_skip_match_the_host_path(monkeypatch):
 
 
 @pytest.mark.parametrize("packing", ["auto", "none"])
-def test_compiled_layers_have_no_graph_breaks(packing):
+def test_compiled_layers_have_no_graph_breaks(packing, backend):
     """Without fully_shard's hooks every decoder layer is one dynamo graph (packed and padded masks)."""
     import torch._dynamo
     from torch._dynamo.utils import counters

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 peft = pytest.importorskip("peft")
 
@@ -25,13 +25,10 @@ CPU = torch.device("cpu")
 P, T, V = 5, 6, 96
 
 
-def tiny_model(seed: int = 0) -> torch.nn.Module:
-    cfg = AutoConfig.for_model(
-        "qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=V, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg).float().eval()
+@pytest.fixture
+def tiny_model(tiny_qwen3_lm):
+    """``tiny_model(seed=0)``: the shared tiny Qwen3, untied embeddings, in eval mode."""
+    return lambda seed=0: tiny_qwen3_lm(seed, vocab_size=V, tie_word_embeddings=False).eval()
 
 
 def lora_cfg(rank: int = 4, **kw) -> LoraConfig:
@@ -65,15 +62,21 @@ def nll_loss(outputs, micro):
     return loss, {}
 
 
-def lora_backend(single: str = "auto", lr: float = 1e-2) -> FSDP2Backend:
-    model = apply_lora(tiny_model(), lora_cfg())
-    return FSDP2Backend(
-        model, role="actor", optim=OptimConfig(lr=lr), train=PolicyTrainConfig(micro_batch_size=2, single_device=single),
-        num_training_steps=10, device=CPU,
-    )
+@pytest.fixture
+def lora_backend(tiny_model):
+    """``lora_backend(single="auto", lr=1e-2)``: an FSDP2 backend on the tiny model with LoRA adapters."""
+
+    def make(single: str = "auto", lr: float = 1e-2) -> FSDP2Backend:
+        model = apply_lora(tiny_model(), lora_cfg())
+        return FSDP2Backend(
+            model, role="actor", optim=OptimConfig(lr=lr),
+            train=PolicyTrainConfig(micro_batch_size=2, single_device=single), num_training_steps=10, device=CPU,
+        )
+
+    return make
 
 
-def test_merged_tensors_match_float64_reference_and_peft_merge():
+def test_merged_tensors_match_float64_reference_and_peft_merge(tiny_model):
     base = tiny_model()
     reference = {n: t.double() for n, t in base.state_dict().items()}
     model = apply_lora(base, lora_cfg(target_modules=["q_proj", "down_proj"]))
@@ -98,7 +101,7 @@ def test_merged_tensors_match_float64_reference_and_peft_merge():
 
 
 @pytest.mark.parametrize("single", ["auto", "off"])
-def test_only_adapters_train_and_reference_is_the_base(single):
+def test_only_adapters_train_and_reference_is_the_base(single, lora_backend):
     b = lora_backend(single)
     trainable = [p for g in b.optimizer.param_groups for p in g["params"]]
     n_adapter = sum(p.numel() for n, p in b.model.named_parameters() if ".lora_" in n)
@@ -117,7 +120,7 @@ def test_only_adapters_train_and_reference_is_the_base(single):
     assert (after_policy - after_ref).abs().max() > 1e-3  # the adapters did learn something
 
 
-def test_sync_sends_merged_weights_and_engine_matches_trainer():
+def test_sync_sends_merged_weights_and_engine_matches_trainer(tiny_model, lora_backend):
     b = lora_backend()
     batch = make_batch()
     b.train_step(batch, nll_loss)
@@ -130,7 +133,7 @@ def test_sync_sends_merged_weights_and_engine_matches_trainer():
         assert torch.equal(tensor, expect[name]), name
 
 
-def test_export_merged_model_and_peft_adapter(tmp_path):
+def test_export_merged_model_and_peft_adapter(tmp_path, tiny_model, lora_backend):
     from peft import PeftModel
 
     b = lora_backend()
@@ -148,7 +151,7 @@ def test_export_merged_model_and_peft_adapter(tmp_path):
         assert (got - want).abs().max() < 1e-5
 
 
-def test_checkpoint_holds_peft_adapter_and_resumes(tmp_path):
+def test_checkpoint_holds_peft_adapter_and_resumes(tmp_path, tiny_model, lora_backend):
     from peft import PeftModel
 
     b = lora_backend()
@@ -166,7 +169,7 @@ def test_checkpoint_holds_peft_adapter_and_resumes(tmp_path):
     assert torch.equal(got, expect)
 
 
-def test_bad_target_modules_and_config_rules():
+def test_bad_target_modules_and_config_rules(tiny_model):
     from lumenrl_core.assembly.requirements import config_violations
     from lumenrl_core.config import load_config
 

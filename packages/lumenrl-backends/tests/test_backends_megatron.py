@@ -8,7 +8,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lumenrl_backends.models import build_tiny_model
 from lumenrl_backends.plugin_manifest import megatron_missing_api as missing_api
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
@@ -20,9 +19,8 @@ P, T = 4, 5
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def tiny(request, tmp_path_factory):
-    path = build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
-    return request.param, path
+def tiny(request, tiny_model_dir):
+    return request.param, tiny_model_dir(request.param)
 
 
 def _hf(path):
@@ -110,10 +108,10 @@ def test_log_probs_and_train_step_match_fsdp2(tiny):
     assert any(not torch.equal(after[k], start[k]) for k in start)  # the step moved the weights
 
 
-def test_checkpoint_and_save_hf(tmp_path):
+def test_checkpoint_and_save_hf(tmp_path, tiny_model_dir):
     from lumenrl_backends.training.megatron import MegatronBackend
 
-    path = build_tiny_model("qwen3", tmp_path / "qwen3")  # one family: the path is family-independent
+    path = tiny_model_dir("qwen3")  # one family: the path is family-independent
     meg = _backend(MegatronBackend, path)
     batch = _batch(meg.hf_config.vocab_size, seed=3)
     meg.train_step(batch, pg_loss)
@@ -129,10 +127,10 @@ def test_checkpoint_and_save_hf(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_log_probs_and_train_step_match_fsdp2_on_gpu(tmp_path):
+def test_bf16_log_probs_and_train_step_match_fsdp2_on_gpu(tiny_model_dir):
     from lumenrl_backends.training.megatron import MegatronBackend
 
-    path = build_tiny_model("qwen3", tmp_path / "qwen3")
+    path = tiny_model_dir("qwen3")
     kw = dict(role="actor", optim=OptimConfig(lr=1e-3), num_training_steps=2, device=torch.device("cuda"))
     ref = FSDP2Backend(_hf(path), train=PolicyTrainConfig(micro_batch_size=2, single_device="on"), **kw)
     meg = MegatronBackend(_hf(path), train=PolicyTrainConfig(micro_batch_size=2), **kw)

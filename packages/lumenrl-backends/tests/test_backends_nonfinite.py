@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_backends.training.nonfinite import NonFiniteError
@@ -24,15 +23,17 @@ torch.set_num_threads(2)
 P, T, V = 4, 5, 64
 
 
-def _backend(single: str) -> FSDP2Backend:
-    cfg = AutoConfig.for_model("qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=V,
-                               max_position_embeddings=32, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float()
-    train = PolicyTrainConfig(micro_batch_size=2, single_device=single, max_consecutive_nonfinite_steps=2)
-    return FSDP2Backend(model, role="actor", optim=OptimConfig(lr=1e-2), train=train, num_training_steps=10,
-                        device=torch.device("cpu"))
+@pytest.fixture
+def backend(tiny_qwen3_lm):
+    """``backend(single)``: an FSDP2 actor on the narrow tiny Qwen3 that stops after 2 skipped steps."""
+
+    def make(single: str) -> FSDP2Backend:
+        model = tiny_qwen3_lm(0, narrow=True, vocab_size=V, tie_word_embeddings=True)
+        train = PolicyTrainConfig(micro_batch_size=2, single_device=single, max_consecutive_nonfinite_steps=2)
+        return FSDP2Backend(model, role="actor", optim=OptimConfig(lr=1e-2), train=train, num_training_steps=10,
+                            device=torch.device("cpu"))
+
+    return make
 
 
 def _batch(rows: int = 4) -> DataProto:
@@ -58,8 +59,8 @@ def _state(b: FSDP2Backend) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("single", ["on", "off"])
-def test_nonfinite_step_skipped_counted_and_streak_stops(single, tmp_path):
-    b = _backend(single)
+def test_nonfinite_step_skipped_counted_and_streak_stops(single, tmp_path, backend):
+    b = backend(single)
     m = b.train_step(_batch(), _loss(1.0))  # one real step creates the optimizer moments
     assert m["actor/nonfinite_skipped"] == 0.0
     before = _state(b)
@@ -74,8 +75,8 @@ def test_nonfinite_step_skipped_counted_and_streak_stops(single, tmp_path):
         b.train_step(_batch(), _loss(float("nan")))
 
 
-def test_nonfinite_weights_never_written(tmp_path):
-    b = _backend("on")
+def test_nonfinite_weights_never_written(tmp_path, backend):
+    b = backend("on")
     with torch.no_grad():
         next(iter(b.weights_module.parameters())).view(-1)[0] = float("nan")
     with pytest.raises(NonFiniteError, match="not finite"):

@@ -27,6 +27,8 @@ def _records(n: int, *, moe: bool, collapse: bool) -> list[dict[str, float]]:
             "rollout_correction/kl_k3": 1e-4, "rollout_correction/is_ratio_mean": 1.0,
             "rollout_correction/is_ratio_max": 1.5, "rollout_correction/clipped_frac": 0.01,
             "rollout_correction/masked_frac": 0.0, "actor/kl": 0.01 * s,
+            "rollout_correction/is_weight_p5": 0.9, "rollout_correction/is_weight_p50": 1.0,
+            "rollout_correction/is_weight_p95": 1.2,
             "actor/entropy": 1.0 * (0.01 if collapse and s == n else 1 - 0.02 * s),
             "response_length/mean": 10 + s, "response_length/clip_ratio": 0.05, "actor/grad_norm": 1 + rng.random(),
             "perf/rollout_tokens_per_s": 100.0, "timing/generate_s": 1.0, "timing/update_actor_s": 2.0,
@@ -70,7 +72,8 @@ def test_report_png_html_panels_follow_prefixes(tmp_path, moe, capsys):
     titles = [t for t, _ in plan_panels(read_metrics(tmp_path))]
     assert any(t.startswith("MoE") for t in titles) == moe
     assert not any(t.startswith(("async", "quantization", "SDDD")) for t in titles)
-    for wanted in ("reward", "eval", "train/infer log-prob gap", "KL", "IS ratio", "clipped", "entropy", "grad norm"):
+    for wanted in ("reward", "eval", "train/infer log-prob gap", "KL", "IS weight quantiles", "IS ratio", "clipped",
+                   "entropy", "grad norm"):
         assert any(t.startswith(wanted) for t in titles), wanted
     checks = {v.check: v.ok for v in verdicts(read_metrics(tmp_path))}
     assert checks["finite metrics"] is False  # the NaN loss at step 3

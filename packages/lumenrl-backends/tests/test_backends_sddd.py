@@ -16,7 +16,7 @@ import torch
 
 from lumenrl_backends.engines import NativeEngine
 from lumenrl_backends.engines.speculative import attach_draft, capture_hidden
-from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_backends.trainers.sddd import measure_tau
 from lumenrl_backends.trainers.sddd_teacher import prompt_batch
 from lumenrl_sddd.capture import capture, dflash_layer_ids, eagle3_layer_ids, regenerate
@@ -43,10 +43,10 @@ def _train(draft, cap, steps, loss_fn, lr=3e-3):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tiny_model_dir):
     """Teacher with learned structure, its captures, trained + untrained drafts (built once)."""
     torch.manual_seed(0)
-    path = build_tiny_model("qwen3", tmp_path_factory.mktemp("teacher"), seed=0, num_hidden_layers=4)
+    path = tiny_model_dir("qwen3", num_hidden_layers=4)
     model, tok = load_model_and_tokenizer(str(path), dtype="float32")
     train_causal_lm(model, encode_lines(tok, corpus_lines(1000, seed=0), 48), pad_id=tok.pad_token_id, steps=120,
                     batch_size=16)

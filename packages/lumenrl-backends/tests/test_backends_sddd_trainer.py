@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from lumenrl_backends.models import build_tiny_model
 from lumenrl_backends.trainers.sddd_teacher import aux_layer_ids, publish
 from lumenrl_core.assembly import assemble
 from lumenrl_core.config import config_from_dict
@@ -19,15 +18,10 @@ from lumenrl_sddd.export import load_draft
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    return build_tiny_model("qwen3", tmp_path_factory.mktemp("teacher"), seed=0, initializer_range=0.2)
-
-
-def _config(teacher_dir, out, **sddd):
+def _config(qwen3_dir, out, **sddd):
     return config_from_dict({
         "seed": 3, "num_training_steps": 4,
-        "policy": {"model_name": str(teacher_dir), "dtype": "float32",
+        "policy": {"model_name": str(qwen3_dir), "dtype": "float32",
                    "rollout": {"max_batch_size": 8, "cuda_graphs": False}},
         "algorithm": {"name": "sddd"},
         "trainer": {"name": "sddd", "output_dir": str(out), "experiment_name": out.name, "cpu_threads": 1},
@@ -40,23 +34,23 @@ def _config(teacher_dir, out, **sddd):
 
 
 @pytest.mark.parametrize("draft", ["eagle3", "dflash"])
-def test_online_fit_checkpoints_resumes_and_exports(teacher_dir, tmp_path, draft):
+def test_online_fit_checkpoints_resumes_and_exports(qwen3_dir, tmp_path, draft):
     out = tmp_path / draft
     extra = {"block_size": 4} if draft == "dflash" else {}
-    summary = assemble(_config(teacher_dir, out, draft=draft, **extra)).fit()
+    summary = assemble(_config(qwen3_dir, out, draft=draft, **extra)).fit()
     assert summary["steps"] == 4 and summary["draft"] == draft and summary["tau_before"] >= 1.0
     assert summary["loss_last"] < summary["loss_first"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4] and "sddd/loss" in records[0]
     assert (out / "checkpoints" / "step_000004").is_dir() and (out / "summary.json").is_file()
     assert load_draft(out / "final").kind == draft
-    resumed = assemble(_more_steps(teacher_dir, out, draft, extra)).fit()
+    resumed = assemble(_more_steps(qwen3_dir, out, draft, extra)).fit()
     assert resumed["steps"] == 6
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
 
 
-def _more_steps(teacher_dir, out, draft, extra):
-    cfg = _config(teacher_dir, out, draft=draft, **extra)
+def _more_steps(qwen3_dir, out, draft, extra):
+    cfg = _config(qwen3_dir, out, draft=draft, **extra)
     cfg.num_training_steps = 6
     cfg.checkpointing.resume = True
     return cfg
@@ -67,8 +61,8 @@ ENGINES = ["shm", "tcp", pytest.param("mooncake", marks=pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_disaggregated_moves_identical_hidden_states(teacher_dir, tmp_path, engine):
-    trainer = assemble(_config(teacher_dir, tmp_path / engine, mode="disaggregated", transfer_engine=engine))
+def test_disaggregated_moves_identical_hidden_states(qwen3_dir, tmp_path, engine):
+    trainer = assemble(_config(qwen3_dir, tmp_path / engine, mode="disaggregated", transfer_engine=engine))
     try:
         local = InProcessTransferEngine()  # the same teacher (saved weights) publishing in this process
         chunks = publish(trainer.config, trainer.engine, trainer.tokenizer, local,
@@ -85,10 +79,10 @@ def test_disaggregated_moves_identical_hidden_states(teacher_dir, tmp_path, engi
         trainer.close()
 
 
-def test_sddd_algorithm_needs_sddd_trainer(teacher_dir, tmp_path):
+def test_sddd_algorithm_needs_sddd_trainer(qwen3_dir, tmp_path):
     from lumenrl_core.assembly import AssemblyError
 
-    cfg = _config(teacher_dir, tmp_path / "x")
+    cfg = _config(qwen3_dir, tmp_path / "x")
     cfg.trainer.name = "rl"
     with pytest.raises(AssemblyError, match="trainer.name"):
         assemble(cfg)

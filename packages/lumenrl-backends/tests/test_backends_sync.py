@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from lumenrl_async import FilesystemWeightSync
 from lumenrl_backends.engines import NativeEngine
@@ -21,25 +20,15 @@ torch.set_num_threads(2)
 TOKENIZER = SimpleNamespace(eos_token_id=0, pad_token_id=0)
 
 
-def tiny_model(seed: int) -> torch.nn.Module:
-    cfg = AutoConfig.for_model(
-        "qwen3",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=128,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg).float()
+@pytest.fixture(scope="module")
+def tiny_model(tiny_qwen3_lm):
+    """``tiny_model(seed)``: the shared tiny Qwen3 at 128 wide (whole 128x128 FP8 blocks), tied embeddings."""
+    return lambda seed: tiny_qwen3_lm(seed, hidden_size=128, intermediate_size=256, head_dim=32, vocab_size=128,
+                                      tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
-def trainer():
+def trainer(tiny_model):
     return FSDP2Backend(
         tiny_model(1),
         role="ref",
@@ -65,7 +54,7 @@ def test_trainer_weights_streams_every_tensor_once_in_order(trainer):
         next(trainer_weights(trainer, bucket_bytes=0))
 
 
-def test_in_process_sync_copies_in_place(trainer):
+def test_in_process_sync_copies_in_place(trainer, tiny_model):
     engine = NativeEngine(tiny_model(2), TOKENIZER, max_batch_size=2, max_seq_len=32)
     ptrs = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
     state = trainer_state(trainer)
@@ -79,7 +68,7 @@ def test_in_process_sync_copies_in_place(trainer):
     assert torch.equal(engine.model.lm_head.weight, state["model.embed_tokens.weight"])  # tied
 
 
-def test_sync_requantizes_fp8_rollout_linears(trainer):
+def test_sync_requantizes_fp8_rollout_linears(trainer, tiny_model):
     engine = NativeEngine(tiny_model(2), TOKENIZER, max_batch_size=2, max_seq_len=32, quant_scheme="fp8_block")
     state = trainer_state(trainer)
     name = "model.layers.1.mlp.down_proj"
@@ -95,7 +84,7 @@ def test_sync_requantizes_fp8_rollout_linears(trainer):
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_filesystem_snapshot_round_trip(trainer, tmp_path, dtype):
+def test_filesystem_snapshot_round_trip(trainer, tmp_path, dtype, tiny_model):
     sync = FilesystemWeightSync(tmp_path / "snap")
     engine = NativeEngine(tiny_model(2), TOKENIZER, max_batch_size=2, max_seq_len=32)
     assert apply_latest_snapshot(sync, engine) is None  # nothing published yet
@@ -108,7 +97,7 @@ def test_filesystem_snapshot_round_trip(trainer, tmp_path, dtype):
         assert torch.equal(engine.model.get_parameter(name), expected), name
 
 
-def test_sync_rejects_a_non_module_source():
+def test_sync_rejects_a_non_module_source(tiny_model):
     engine = SimpleNamespace(update_weights=lambda items, version: len(list(items)))
     with pytest.raises(TypeError, match="source must be an nn.Module"):
         sync_to_engine(object(), engine, 1)

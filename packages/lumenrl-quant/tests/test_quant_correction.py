@@ -81,6 +81,14 @@ def geo_lr(lrs):
     return sum(lrs) / len(lrs) if lrs else 0.0
 
 
+def ref_quantile(values, percent):
+    """Linear interpolation between the order statistics around rank ``percent / 100 * (n - 1)``."""
+    ordered = sorted(values)
+    rank = percent / 100 * (len(ordered) - 1)
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
 def in_band(lr, lo, hi):
     return 1.0 if lo <= math.exp(lr) <= hi else 0.0
 
@@ -166,6 +174,7 @@ def test_metrics_match_reference(seed):
         "is_ratio_mean": sum(ratios) / len(ratios),
         "is_ratio_max": max(ratios),
         "is_weight_mean": sum(min(r, 2.0) for r in ratios) / len(ratios),
+        **{f"is_weight_p{q}": ref_quantile([min(r, 2.0) for r in ratios], q) for q in (5, 50, 95)},
         "clipped_frac": sum(r > 2.0 for r in ratios) / len(ratios),
         "masked_frac": 0.0,
         "kl_k1": sum(-x for x in lrs) / len(lrs),
@@ -176,6 +185,20 @@ def test_metrics_match_reference(seed):
     for key, value in expected.items():
         assert metrics["rollout_correction/" + key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
     assert expected["clipped_frac"] > 0 and expected["extreme_token_frac"] > 0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_weight_quantiles_are_over_kept_tokens(seed):
+    old, rollout, mask = make_batch(seed, spread=0.3)
+    weights, keep, metrics = SeqMIS(mask_low=0.5, mask_high=2.0)(old, rollout, mask)
+    kept = [w for w, k in zip(weights.flatten().tolist(), keep.flatten().tolist()) if k]
+    assert 0 < len(kept) < mask.sum().item()  # some rows rejected: their zero weights are left out
+    for q in (5, 50, 95):
+        assert metrics[f"rollout_correction/is_weight_p{q}"] == pytest.approx(ref_quantile(kept, q), rel=1e-9)
+    _, _, unweighted = MISToken()(old, rollout, mask)
+    _, _, empty = TISToken()(old, rollout, torch.zeros_like(mask))
+    for q in (5, 50, 95):
+        assert unweighted[f"rollout_correction/is_weight_p{q}"] == empty[f"rollout_correction/is_weight_p{q}"] == 1.0
 
 
 @pytest.mark.parametrize("seed", SEEDS)

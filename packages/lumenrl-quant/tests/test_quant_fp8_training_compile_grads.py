@@ -22,13 +22,7 @@ from torch import nn
 from lumenrl_quant.error import sqnr_db
 from lumenrl_quant.training import Fp8TrainingLinear, convert_to_fp8_training
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small GEMMs, a shared CPU
 
 
 @pytest.fixture

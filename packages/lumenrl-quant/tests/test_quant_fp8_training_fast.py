@@ -30,12 +30,7 @@ from lumenrl_quant.triton_training import (
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small GEMMs, a shared CPU
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

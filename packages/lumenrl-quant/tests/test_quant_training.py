@@ -22,13 +22,7 @@ RECIPES = ["tensorwise", "rowwise", "blockwise"]
 FORMATS = ["e4m3", "hybrid"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small GEMMs: one thread avoids oversubscribing a shared CPU (10x faster here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small GEMMs, a shared CPU
 
 
 def reference_and_fp8(recipe: str, fmt: str, seed: int, tokens=(3, 67), k=256, n=384):

@@ -2,13 +2,13 @@
 
 What decides whether an RL run is healthy, one panel each, drawn only when the run logged it:
 reward (mean with its mean +- std band, clipped to the batch's [min, max]) and eval; the train/infer
-log-prob gap and KL before/after rollout correction; IS ratios/weights and the clipped/masked
-fractions; entropy; lengths and truncation; grad norm; throughput and seconds per phase; and by prefix
-``moe/``, ``async/``, ``quant/``, ``sddd/`` when present. Metric names are read from the file: each
-key goes to the first panel whose patterns match it, so no series is drawn twice; a series equal to
-one already in its panel (``eval/reward_mean`` when the reward is the accuracy) is named in the
-legend instead of drawn again. The HTML page embeds the PNG (base64), a verdict list (:func:`verdicts`)
-and a table of the latest values.
+log-prob gap and KL before/after rollout correction; the IS-weight quantiles (p5/p50/p95), IS ratios
+and the clipped/masked fractions; entropy; lengths and truncation; grad norm; throughput and seconds
+per phase; and by prefix ``moe/``, ``async/``, ``quant/``, ``sddd/`` when present. Metric names are
+read from the file: each key goes to the first panel whose patterns match it, so no series is drawn
+twice; a series equal to one already in its panel (``eval/reward_mean`` when the reward is the
+accuracy) is named in the legend instead of drawn again. The HTML page embeds the PNG (base64), a
+verdict list (:func:`verdicts`) and a table of the latest values.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("eval", ("eval/accuracy", "eval/reward_mean", "eval/*reward*", "eval/*acc*")),
     ("train/infer log-prob gap |log p_train - log p_rollout|", ("rollout/logprob_abs_diff_*",)),
     ("KL (policy: actor/*; rollout vs train: k1/k3)", ("actor/kl", "actor/ppo_kl", "rollout_correction/kl_*")),
+    ("IS weight quantiles (p5, p50, p95 over kept tokens)", ("rollout_correction/is_weight_p*",)),
     ("IS ratio / weight", ("rollout_correction/is_*",)),
     ("clipped / masked fraction", ("rollout_correction/*_frac", "actor/clip_frac", "actor/pg_clipfrac*",
                                    "critic/vf_clipfrac")),

@@ -314,7 +314,7 @@ class AsyncRLTrainer(RLTrainer):
     def _save(self, step: int) -> None:
         self.checkpoints.save(
             step, backends=self._backends(), dataloader_state=self._loader_state(),
-            trainer_state={"eval_before": self.eval_before, "history": self.history,
+            trainer_state={**self._trainer_state(),
                            "async": {"queue": self.queue.state_dict(), "round": self._round(),
                                      "policy_version": self.published}})
 

@@ -169,6 +169,7 @@ class RLTrainer:
         self.step = int(trainer_state["step"])
         self.parts.announce(f"resumed from step {self.step} of {self.total_steps}: checkpoint {latest}")
         self.eval_before = dict(trainer_state.get("eval_before", {}))
+        self.eval_after = dict(trainer_state.get("eval_after", {}))
         self.history = {k: list(v) for k, v in trainer_state.get("history", {}).items()}
         self._sync(self.step)
 
@@ -186,8 +187,13 @@ class RLTrainer:
             step,
             backends=self._backends(),
             dataloader_state=self.parts.train_loader.state_dict(),
-            trainer_state={"eval_before": self.eval_before, "history": self.history},
+            trainer_state=self._trainer_state(),
         )
+
+    def _trainer_state(self) -> dict[str, Any]:
+        """What a resumed run needs besides weights and data order (the final evaluation included:
+        a run killed during its final export restarts straight into the export)."""
+        return {"eval_before": self.eval_before, "eval_after": self.eval_after, "history": self.history}
 
     def _evaluate(self) -> dict[str, float]:
         return self.parts.evaluator(self.parts.engine) if self.parts.evaluator is not None else {}
@@ -251,6 +257,8 @@ class RLTrainer:
             write_summary(out, summary)
         if cfg.checkpointing.export_hf:  # staged, then renamed: final/ is whole or the previous one
             staging = out / ".final.staging"
+            if self.parts.is_main:  # what a killed export left
+                shutil.rmtree(staging, ignore_errors=True)
             self.parts.actor.call("save_hf", str(staging), tokenizer=self.parts.tokenizer)
             if self.parts.is_main:
                 shutil.rmtree(out / "final", ignore_errors=True)

@@ -6,7 +6,8 @@ with its distribution and version, plus the versions of torch / transformers / L
 packages) and, at the end, ``summary.json`` (reward and eval before -> after) and then
 ``final/`` (the policy as a Hugging Face checkpoint with its tokenizer, written to a staging
 directory and renamed into place: a kill during the export loses neither the summary nor an
-earlier export).
+earlier export; the final evaluation is also in the last checkpoint, so a restart with
+``checkpointing.resume=true`` rewrites the same summary and finishes the export).
 
 A directory that already holds a run (a ``config.yaml``): the same config (compared without the
 keys that may change between a run and its continuation: ``RESUMABLE_KEYS``) with
