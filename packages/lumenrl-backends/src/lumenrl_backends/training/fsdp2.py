@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -43,7 +43,6 @@ from torch import nn
 from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.controllers.dispatch import DISPATCH_DP_SIZE_KEY
 from lumenrl_backends.exact import EXACT_BACKEND, exact_actor
-from lumenrl_backends.training import checkpoint as ckpt
 from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training.batching import (
     dp_slice_bounds,
@@ -51,7 +50,7 @@ from lumenrl_backends.training.batching import (
     position_ids_from_mask,
     split_rows,
 )
-from lumenrl_backends.training.lora import adapter_writer, apply_lora, is_lora_model, merged_tensors
+from lumenrl_backends.training.lora import apply_lora
 from lumenrl_backends.training.modeling import (
     CriticModel,
     compile_decoder_layers,
@@ -59,7 +58,7 @@ from lumenrl_backends.training.modeling import (
     response_logits,
     token_log_probs,
 )
-from lumenrl_backends.training.nonfinite import NonFiniteGuard, refuse_nonfinite
+from lumenrl_backends.training.nonfinite import NonFiniteGuard
 from lumenrl_backends.training.packing import (
     PackPlan,
     TrimPlan,
@@ -74,7 +73,6 @@ from lumenrl_backends.training.precision import (
     fp8_api,
     mixed_precision,
     shard,
-    write_hf,
 )
 from lumenrl_backends.training.routes import route_replay
 from lumenrl_backends.training.schedules import (
@@ -83,6 +81,7 @@ from lumenrl_backends.training.schedules import (
     optimizer_steps_per_training_step,
 )
 from lumenrl_backends.training.single_device import SingleDeviceWeights, check_single_device_mode
+from lumenrl_backends.training.weights_io import BackendWeights, full_tensor
 
 __all__ = ["FSDP2Backend", "optimizer_steps_per_training_step"]
 
@@ -90,14 +89,10 @@ ROLES = ("actor", "ref", "critic")
 _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 _UNPLANNED = object()  # _forward plans the micro-batch layout itself
 
 
-class FSDP2Backend:
+class FSDP2Backend(BackendWeights):
     """Actor, reference or critic model sharded with FSDP2, with its optimizer and LR schedule."""
 
     capabilities = manifest.FSDP2.capabilities
@@ -476,7 +471,7 @@ class FSDP2Backend:
         else:
             source = self.single.masters if self.single is not None else self.model.parameters()
             params = [p for p in source if p.grad is not None]
-            grad_norm = dist_utils.as_float(_full(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)))
+            grad_norm = dist_utils.as_float(full_tensor(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)))
             collected[f"{prefix}/grad_norm"].append(grad_norm)
             total_loss = dist_utils.all_reduce_sum(dist_utils.as_float(loss), self.device)
             if math.isfinite(grad_norm) and math.isfinite(total_loss):
@@ -546,78 +541,3 @@ class FSDP2Backend:
         return torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
         )
-
-    # ----------------------------------------------------------------- weights and export
-
-    @property
-    def weights_module(self) -> nn.Module:
-        """The module whose state dict holds the fp32 master weights under HF names (checkpoints,
-        export): the sharded model, or the single-device path's master mirror."""
-        return self.single.master_module if self.single is not None else self.model
-
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) fp32 master tensors with HF names, one at a time. Collective under torchrun."""
-        for name, tensor in self.weights_module.state_dict().items():
-            yield name, _full(tensor).detach()
-
-    @property
-    def is_lora(self) -> bool:
-        """True when the module carries LoRA adapters (``policy.lora.rank > 0``)."""
-        return is_lora_model(self.model)
-
-    def state_dict_for_export(self) -> dict[str, torch.Tensor]:
-        """The full state dict on CPU (rank 0; other ranks get ``{}``). Collective."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(
-            self.weights_module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-
-    def _check_finite(self, what: str) -> None:  # collective: every rank refuses together
-        refuse_nonfinite(self.weights_module.state_dict().items(), what, self.device)
-
-    def save_hf(self, path: str, tokenizer: Any = None) -> None:
-        """``save_pretrained`` of the full model into ``path`` (rank 0 writes). Collective.
-
-        A critic saves its backbone in HF format plus ``value_head.safetensors``. A LoRA policy
-        saves the merged model, and its adapter in peft's format under ``PATH/adapter``.
-        """
-        self._check_finite(f"the {self.role} export {path}")
-        state = self.state_dict_for_export()
-        if dist_utils.rank() == 0 and self.is_lora:
-            write_hf(self.model.get_base_model(), dict(merged_tensors(self.model, state.items())), path, critic=False)
-            adapter_writer(self.model, state)(path)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(path)
-        elif dist_utils.rank() == 0:
-            write_hf(self.model, state, path, critic=self.is_critic)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(path)
-        dist_utils.barrier()
-
-    # ----------------------------------------------------------------- checkpoints
-
-    def save_checkpoint(self, path: str, *, extra: Mapping[str, Any] | None = None) -> None:
-        """Model, optimizer, scheduler and RNG states (+ caller JSON ``extra``), written atomically.
-
-        A LoRA policy's checkpoint also holds its adapter in peft's format (``PATH/adapter``).
-        """
-        self._check_finite(f"the {self.role} checkpoint {path}")
-        files = adapter_writer(self.model, self.state_dict_for_export()) if self.is_lora else None
-        ckpt.save_training_state(
-            path,
-            model=self.weights_module,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            extra=extra,
-            files=files,
-        )
-
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Restore what :meth:`save_checkpoint` wrote; returns its ``extra`` dict."""
-        extra = ckpt.load_training_state(
-            path, model=self.weights_module, optimizer=self.optimizer, scheduler=self.scheduler
-        )
-        if self.single is not None:  # restored fp32 master -> compute weights
-            self.single.copy_back()
-        return extra
