@@ -12,8 +12,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from lumenrl_core.assembly import plan_run
+from lumenrl_core.assembly.requirements import moe_layout_supported
 from lumenrl_core.config import load_config
+
+pytestmark = pytest.mark.skipif(not moe_layout_supported(),
+                                reason="needs the transformers >= 5.0 MoE layout (router module + fused experts)")
+
 
 PRESET = Path(__file__).resolve().parents[1] / "configs" / "grpo_moe_fp8_r3.yaml"
 REWARD = '''

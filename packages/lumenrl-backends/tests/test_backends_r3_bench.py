@@ -6,6 +6,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
+from lumenrl_core.assembly.requirements import moe_layout_supported
+
+pytestmark = pytest.mark.skipif(not moe_layout_supported(),
+                                reason="needs the transformers >= 5.0 MoE layout (router module + fused experts)")
+
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root: benchmarks/
 
 

@@ -257,3 +257,15 @@ def test_type_range_and_unknown_key_errors_are_all_reported_at_once():
                                                     "policy.train.mini_batch_size", "critic.optim.lr"])
     assert all("\n" not in str(e) for e in errors)
     assert "did you mean" in str(errors[[e.key for e in errors].index("policy.rollout.temprature")])
+
+
+def test_moe_features_refused_on_transformers_before_the_moe_layout():
+    from lumenrl_core.assembly.requirements import _moe_layout_violations, moe_layout_supported
+
+    cfg = load_config(None, ["moe.r3.enabled=true", "moe.expert_parallel_size=2", "policy.rollout.fused_moe=on"],
+                      machine=False)
+    old = _moe_layout_violations(cfg, installed="4.57.6")
+    assert [v.key for v in old] == ["moe.r3.enabled", "moe.expert_parallel_size", "policy.rollout.fused_moe"]
+    assert all("transformers>=5.0" in str(v) and "4.57.6" in str(v) for v in old)
+    assert _moe_layout_violations(cfg, installed="5.0.0") == []
+    assert moe_layout_supported("5.24.0") and not moe_layout_supported("4.57.6")

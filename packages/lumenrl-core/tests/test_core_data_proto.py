@@ -287,7 +287,7 @@ def test_load_refuses_foreign_files(tmp_path):
     with pytest.raises(ValueError, match="without DataProto metadata"):
         DataProto.load(tmp_path / "plain.st")
     header = json.dumps({"version": 99})
-    save_file({}, str(tmp_path / "future.st"), metadata={"lumenrl.data_proto": header})
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "future.st"), metadata={"lumenrl.data_proto": header})
     with pytest.raises(ValueError, match="format version 99"):
         DataProto.load(tmp_path / "future.st")
 

@@ -6,12 +6,15 @@ test and to read. :mod:`lumenrl_core.assembly.planner` applies them to the resol
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from packaging.version import Version
 
 from lumenrl_core.config.schema import RunConfig
 
@@ -22,6 +25,7 @@ __all__ = [
     "rollout_scheme_name",
     "required_capabilities",
     "config_violations",
+    "moe_layout_supported",
     "check_reward_function",
 ]
 
@@ -207,10 +211,44 @@ def check_reward_function(spec: str) -> str | None:
     return None if found is not None else f"module {module!r} cannot be found on sys.path"
 
 
+MOE_LAYOUT_TRANSFORMERS = "5.0"  # first transformers whose MoE blocks route through a separate router module
+
+
+def _installed_transformers() -> str | None:
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def moe_layout_supported(installed: str | None = None) -> bool:
+    """The installed transformers has the MoE layout R3, expert parallelism and fused experts need."""
+    installed = installed or _installed_transformers()
+    return installed is None or Version(installed) >= Version(MOE_LAYOUT_TRANSFORMERS)
+
+
+def _moe_layout_violations(cfg: RunConfig, installed: str | None = None) -> list[Violation]:
+    """R3, expert parallelism and the fused experts work on transformers >= 5's MoE layout (a router
+    module returning (logits, weights, indices) and one fused experts module); older layouts are refused."""
+    installed = installed or _installed_transformers()
+    if moe_layout_supported(installed):
+        return []
+    why = (f"needs transformers>={MOE_LAYOUT_TRANSFORMERS} (its MoE layout: router module + fused experts); "
+           f"installed {installed}")
+    out = []
+    if cfg.moe.r3.enabled:
+        out.append(Violation("moe.r3.enabled", True, why))
+    if cfg.moe.expert_parallel_size > 1:
+        out.append(Violation("moe.expert_parallel_size", cfg.moe.expert_parallel_size, why))
+    if cfg.policy.rollout.fused_moe == "on":
+        out.append(Violation("policy.rollout.fused_moe", "on", why))
+    return out
+
+
 def config_violations(cfg: RunConfig) -> list[Violation]:
     """Config-level rules that need no plugin: precisions, algorithm/critic, async, reward function."""
     out = (_precision_violations(cfg) + _algorithm_violations(cfg) + _parallel_violations(cfg)
-           + _lora_violations(cfg))
+           + _lora_violations(cfg) + _moe_layout_violations(cfg))
     a = cfg.async_training
     if a.partial_rollout and not a.enabled:
         out.append(Violation("async_training.partial_rollout", True,
