@@ -134,8 +134,9 @@ def test_config_check_of_every_preset_is_torch_free(preset):
     checked with --skip-machine-checks (this machine may lack its GPUs) and must be torch-free as well."""
     skip = [] if _runs_on_cpu(preset) else ["--skip-machine-checks"]
     proc, cpu = _cli("config", "check", "--config", str(preset), *skip)
-    if proc.returncode != 0:  # only an optional extra this environment lacks (ray, peft, tensorboard, ...)
-        assert proc.returncode == 2 and "is not installed (pip install" in proc.stderr, proc.stderr
+    if proc.returncode != 0:  # only what this environment lacks: an optional extra, an older transformers
+        assert proc.returncode == 2 and ("is not installed (pip install" in proc.stderr
+                                         or "needs transformers>=" in proc.stderr), proc.stderr
     else:
         assert "ok: assembly policy" in proc.stdout
     assert proc.stdout.splitlines()[-1] == "NO-TORCH"

@@ -57,6 +57,15 @@ class Correction:
         return None
 
 
+@pytest.fixture(autouse=True)
+def _moe_layout_transformers(monkeypatch):
+    """These tests check assembly logic against fake plugins: judge them as on a transformers with the
+    MoE layout (the refusal on older ones is tested in test_core_config_refused.py)."""
+    from lumenrl_core.assembly import requirements
+
+    monkeypatch.setattr(requirements, "_installed_transformers", lambda: "5.0.0")
+
+
 @pytest.fixture
 def reg() -> PluginRegistry:
     r = PluginRegistry(discover=False)
