@@ -144,7 +144,7 @@ ENTRIES: tuple[Entry, ...] = (
                       ("R3 route recording costs <= 3% of MoE decode time", "record_overhead_pct", "<= 3"))),
     # scale-out: data-parallel rollout and the GRPO step over ranks
     Entry(name="rollout_dp", target="benchmarks.scale.rollout_dp:run", suites=("scale",),
-          numbers=("tok_s_1proc", "tok_s_2proc", "speedup_2proc"), device="cpu"),
+          numbers=("tok_s_1proc", "tok_s_2proc", "speedup_2proc", "speedup_2proc_same_batch"), device="cpu"),
     Entry(name="grpo_scaling", target="benchmarks.scale.grpo_scaling:run", suites=("scale",),
           numbers=("step_s_1", "efficiency_2"),
           goal="GRPO step (rollout + training) scaling efficiency at 8 GPUs (1.7B shape)",
