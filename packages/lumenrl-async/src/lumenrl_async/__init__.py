@@ -6,10 +6,8 @@ its torch-free :mod:`lumenrl_async.plugin_manifest` (what the plugin registry re
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
-from lumenrl_async.__about__ import __version__
+from lumenrl_async.__about__ import __version__ as __version__
+from lumenrl_core.lazy import lazy_exports
 
 _EXPORTS: dict[str, tuple[str, ...]] = {  # submodule -> the public names it defines
     "weight_sync": ("InProcessWeightSync", "FilesystemWeightSync", "SnapshotError"),
@@ -17,18 +15,4 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # submodule -> the public names it def
     "channel": ("ProcessChannel",),
     "staleness": ("StalenessConfig", "StalenessController"),
 }
-_MODULE_OF = {name: f"{__name__}.{module}" for module, names in _EXPORTS.items() for name in names}
-
-__all__ = ["__version__", *_MODULE_OF]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
-    globals()[name] = value  # later lookups do not come back here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__, __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
