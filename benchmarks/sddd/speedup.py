@@ -3,7 +3,7 @@
 In the job: a Qwen3-architecture teacher (char tokenizer) is trained on lumenrl-sddd's structured corpus
 (so it has learned structure), regenerates corpus prompts, and an Eagle3 draft is trained on its captured
 hidden states; then, per batch size, the same prompts are decoded greedily with the plain engine (its
-CUDA-graph decode step on GPU) and with speculative decoding (eager draft + verify, k = 5), timed after
+CUDA-graph decode step on GPU) and with speculative decoding (draft + verify rounds in CUDA graphs, k = 5), timed after
 one warm-up each. Reported per batch: plain / speculative tokens per second, speed-up, tau (accepted
 tokens per verify forward, measured), and whether the outputs were identical (they must be).
 

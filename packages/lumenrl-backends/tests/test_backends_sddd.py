@@ -174,3 +174,25 @@ def test_gpu_speculative_greedy_lossless_and_tau(world):
     spec = engine.generate(batch, {"temperature": 0.0, "max_new_tokens": 30})
     assert torch.equal(spec.batch["responses"], plain.batch["responses"])
     assert spec.meta_info["speculative"]["tau"] >= 3.0
+    assert spec.meta_info["perf"]["cuda_graphs"] and engine.spec_rounds.graphs.error is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_gpu_speculative_rounds_in_cuda_graphs_equal_eager(world, temperature):
+    """The captured rounds (draft + verify + acceptance) give the eager rounds' tokens and log-probs, in
+    greedy and in sampling mode (counter-based noise: the same draws)."""
+    batch = prompt_batch(world["eval_prompts"], world["tok"].pad_token_id)
+    params = {"temperature": temperature, "max_new_tokens": 30, "seed": 5}
+    outs = []
+    for graphs in (False, True):
+        engine = NativeEngine(copy.deepcopy(world["model"]).cuda(), world["tok"], device="cuda", max_batch_size=16,
+                              max_seq_len=96, cuda_graphs=graphs)
+        attach_draft(engine, copy.deepcopy(world["eagle3"]), K)
+        outs.append([engine.generate(batch, params) for _ in range(2)])  # the second call replays the graphs
+    (eager, _), (captured, replayed) = outs
+    assert replayed.meta_info["perf"]["cuda_graphs"] and not eager.meta_info["perf"]["cuda_graphs"]
+    for out in (captured, replayed):
+        assert torch.equal(out.batch["responses"], eager.batch["responses"])
+        assert torch.allclose(out.batch["rollout_log_probs"], eager.batch["rollout_log_probs"], atol=1e-5)

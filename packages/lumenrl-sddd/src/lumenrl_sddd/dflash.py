@@ -179,7 +179,8 @@ class DFlashDraft(nn.Module):
     @torch.no_grad()
     def propose(self, state: DFlashState, *, tokens: torch.Tensor, features: torch.Tensor, columns: torch.Tensor,
                 positions: torch.Tensor, valid: torch.Tensor, last: torch.Tensor, k: int,
-                sample: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                sample: Callable[[torch.Tensor], torch.Tensor], kv_len: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Same contract as :meth:`Eagle3Draft.propose`; k must be block_size - 1."""
         if k != self.config.block_size - 1:
             raise ValueError(f"DFlash drafts block_size - 1 = {self.config.block_size - 1} tokens per round; asked k={k}")
@@ -189,7 +190,8 @@ class DFlashDraft(nn.Module):
         state.positions[rows[:, None], columns - 1] = positions - 1
         state.valid[rows[:, None], columns - 1] = valid
         anchor_col = columns[rows, last]
-        kv_len = int(anchor_col.max())
+        if kv_len is None:
+            kv_len = int(anchor_col.max())
         cols = torch.arange(kv_len, device=tokens.device)
         ok = state.valid[:, :kv_len] & (cols[None, :] < anchor_col[:, None])
         logits = self._block(tokens[rows, last], state.features[:, :kv_len], state.positions[:, :kv_len], ok,

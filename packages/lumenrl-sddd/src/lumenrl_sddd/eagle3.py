@@ -213,16 +213,19 @@ class Eagle3Draft(nn.Module):
     @torch.no_grad()
     def propose(self, state: Eagle3State, *, tokens: torch.Tensor, features: torch.Tensor, columns: torch.Tensor,
                 positions: torch.Tensor, valid: torch.Tensor, last: torch.Tensor, k: int,
-                sample: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                sample: Callable[[torch.Tensor], torch.Tensor], kv_len: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Commit context entries and chain ``k`` draft tokens.
 
         tokens (B, q) committed tokens at ``columns`` (B, q) / ``positions`` (B, q); features (B, q, 3H)
         the teacher features of the token before each; ``valid`` (B, q) which entries are real;
         ``last`` (B,) index into q of each row's newest committed token. ``sample(logits (B, V))`` picks
-        a token from full-vocabulary logits. Returns (draft tokens (B, k), logits (B, k, V)).
+        a token from full-vocabulary logits. ``kv_len``: the columns attended (default: what the entries need;
+        a larger fixed value gives fixed shapes, for CUDA graphs). Returns (draft tokens (B, k), logits (B, k, V)).
         """
         rows = torch.arange(tokens.shape[0], device=tokens.device)
-        kv_len = int(columns.max()) + k + 1
+        if kv_len is None:
+            kv_len = int(columns.max()) + k + 1
         state.valid[rows[:, None], columns] = valid
         hid = self._step(state, tokens, self.fc(features.to(self.fc.weight.dtype)), columns, positions, kv_len)
         h = hid[rows, last][:, None]  # (B, 1, H)

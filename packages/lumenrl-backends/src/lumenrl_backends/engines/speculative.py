@@ -16,9 +16,9 @@ Acceptance:
 * sampling (Leviathan et al. 2023 / Chen et al. 2023): accept d_i with probability
   min(1, p(d_i) / q(d_i)); at the first rejection draw from norm(max(0, p - q)); if all k pass,
   draw the bonus token from p_k. Every emitted token is then distributed exactly as the target's
-  ``softmax(logits / T)`` (tested with a chi-square bound). Randomness: one ``torch.Generator``
-  per ``generate`` call seeded from the first row's seed, so outputs are reproducible, but not the
-  same draws as the plain engine's counter-based sampler. top-k / top-p are refused.
+  ``softmax(logits / T)`` (tested with a chi-square bound). Randomness: counter-based per request
+  (its seed, its position, a stream per draw), as the plain engine's sampler, but other draws than
+  the plain engine's. top-k / top-p are refused.
 
 Log-probs are the target's ``log_softmax(logits / T)`` at each emitted token (temperature 1 for
 greedy), the contracts' convention, from the verify forward. ``tau`` = tokens emitted per verify
@@ -28,15 +28,21 @@ Hidden-state capture (engine capability ``hidden_state_capture``): :func:`captur
 engine's model over a batch through its cache and attention (prefill view) and returns the
 lumenrl-sddd capture dict (chosen layers + logits), what the SDDD trainer's teacher sends.
 
-Limits (documented in docs/decisions/0013-sddd.md): no CUDA graphs for the draft and verify steps
-yet (eager forwards; one host sync per round for the acceptance bookkeeping); batches run in
-lockstep rounds (no continuous batching: rows that finish are frozen until the batch ends); no
-sliding-window models; no interrupt/resume mid-batch.
+Rounds (:class:`_Rounds`): after the first round of a chunk (eager: the draft reads the whole prompt),
+each round reads and writes static buffers only and is captured as one CUDA graph per (rows, kv_len,
+greedy) on CUDA (``cuda_graphs`` on), with one host sync per round to read the emitted tokens. Sampling
+noise is counter-based (``engines/sampling.py``'s hash of seed and position): reproducible per request,
+independent of the batch, and capturable.
+
+Limits (documented in docs/decisions/0013-sddd.md): batches run in lockstep rounds (no continuous
+batching: rows that finish are frozen until the batch ends); no sliding-window models; no
+interrupt/resume mid-batch.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -53,7 +59,7 @@ from lumenrl_backends.engines.requests import (
     rollout_meta,
     stop_ids_for,
 )
-from lumenrl_backends.engines.sampling import SamplingParams
+from lumenrl_backends.engines.sampling import SamplingParams, uniform_noise
 from lumenrl_sddd.capture import select_hidden
 
 __all__ = ["attach_draft", "attach_from_config", "speculative_generate", "capture_hidden", "accept_greedy", "accept_sampling",
@@ -73,6 +79,7 @@ def attach_draft(engine: Any, draft: Any, num_tokens: int) -> None:
         dtype = next(engine.model.parameters()).dtype
         draft = draft.to(engine.device, dtype).eval()
     engine.draft, engine.spec_tokens = draft, num_tokens
+    engine.spec_rounds = None  # buffers and graphs of the previous draft (its parameters may have moved)
 
 
 def attach_from_config(engine: Any, spec: Any) -> None:
@@ -135,29 +142,118 @@ def accept_greedy(drafted: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Te
     return m, best.gather(1, m[:, None])[:, 0]
 
 
-def accept_sampling(drafted: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator
+def accept_sampling(drafted: torch.Tensor, q: torch.Tensor, p: torch.Tensor, u: torch.Tensor, gumbel: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """drafted (b, k), draft probs q (b, k, V), target probs p (b, k + 1, V) -> (m (b,), next token (b,))."""
-    b, k = drafted.shape
+    """drafted (b, k), draft probs q (b, k, V), target probs p (b, k + 1, V), uniforms u (b, k) and Gumbel
+    noise (b, V), independent of each other and of the draft's draws -> (m (b,), next token (b,))."""
+    k = drafted.shape[1]
     pd = p[:, :k].gather(2, drafted[..., None])[..., 0]
     qd = q.gather(2, drafted[..., None])[..., 0]
-    u = torch.rand(b, k, generator=generator, device=p.device)
     m = (u * qd < pd).long().cumprod(1).sum(1)  # accept with probability min(1, p / q)
-    rows = torch.arange(b, device=p.device)
     q_pad = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1)  # all accepted: q = 0, residual = p_k
-    residual = (p[rows, m] - q_pad[rows, m]).clamp(min=0)
+    index = m[:, None, None].expand(-1, 1, p.shape[-1])
+    p_m, q_m = p.gather(1, index)[:, 0], q_pad.gather(1, index)[:, 0]
+    residual = (p_m - q_m).clamp(min=0)
     empty = residual.sum(-1, keepdim=True) <= 0  # p == q exactly: no residual mass, p itself
-    residual = torch.where(empty, p[rows, m], residual)
-    return m, torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+    residual = torch.where(empty, p_m, residual)
+    return m, (residual.log() + gumbel).argmax(-1)  # Gumbel-max: a draw from residual / residual.sum()
 
 
-def _sampler(temperature: float, generator: torch.Generator):
-    def sample(logits: torch.Tensor) -> torch.Tensor:
-        if temperature <= 0:
-            return logits.argmax(-1)
-        return torch.multinomial((logits.float() / temperature).softmax(-1), 1, generator=generator)[:, 0]
+def _gumbel(seeds: torch.Tensor, counters: torch.Tensor, width: int) -> torch.Tensor:
+    return -(-uniform_noise(seeds, counters, width).log()).log()
 
-    return sample
+
+# Noise streams (counter-based, as engines/sampling.py): counter = response index * _STREAMS + stream;
+# stream j < k for the j-th draft draw of a round, _ACCEPT for its acceptance uniforms, _RESIDUAL for its
+# correction / bonus draw (and the first token's draw). A row's draws depend on its seed and position only.
+_STREAMS, _ACCEPT, _RESIDUAL = 4096, 4094, 4095
+
+
+class _Rounds:
+    """Static buffers of speculative rounds over slots 0..n-1 and the CUDA graphs of one round.
+
+    One round (:meth:`step`) is draft (k chained steps) + verify forward + acceptance + the state
+    advance. It reads and writes only these buffers, the draft's state and the engine's slot cache, so a
+    captured graph (key: rows, kv_len, greedy) replays with fresh values at the same addresses. The
+    first round of a chunk runs eagerly (its draft input is the whole prompt); later rounds go through
+    :class:`~lumenrl_backends.engines.graphs.DecodeGraphs` (eager where the engine's graphs are off)."""
+
+    def __init__(self, engine: Any, draft: Any, k: int) -> None:
+        from lumenrl_backends.engines.graphs import DecodeGraphs
+
+        rows, device = engine.max_batch_size, engine.device
+        self.engine, self.draft, self.k = engine, draft, k
+        self.state = draft.start(rows, engine.max_seq_len, device)
+        long = dict(dtype=torch.long, device=device)
+        self.cur, self.last, self.col, self.pos = (torch.zeros(rows, **long) for _ in range(4))
+        self.seeds, self.counters = torch.zeros(rows, **long), torch.zeros(rows, **long)
+        self.live = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.temperature = torch.ones((), dtype=torch.float32, device=device)
+        self.inputs: dict[str, torch.Tensor] = {
+            "tokens": torch.zeros(rows, k + 1, **long), "columns": torch.ones(rows, k + 1, **long),
+            "positions": torch.zeros(rows, k + 1, **long),
+            "valid": torch.zeros(rows, k + 1, dtype=torch.bool, device=device)}  # + "features" at the first round
+        self.steps = torch.arange(k + 1, device=device)
+        self.graphs = DecodeGraphs(self._graph_step, enabled=engine.graphs.enabled and engine.graphs.error is None)
+
+    def draft_state(self, n: int) -> Any:
+        return type(self.state)(*(getattr(self.state, f.name)[:n] for f in fields(self.state)))
+
+    def _graph_step(self, n: int, kv_len: int, greedy: bool) -> torch.Tensor:
+        inputs = {**{key: value[:n] for key, value in self.inputs.items()}, "last": self.last[:n]}
+        return self.step(n, kv_len, greedy, inputs, first=False)
+
+    def _sampler(self, n: int, greedy: bool):
+        calls = iter(range(self.k))  # the j-th call draws the j-th draft token (its own noise stream)
+
+        def sample(logits: torch.Tensor) -> torch.Tensor:
+            j = next(calls)
+            if greedy:
+                return logits.argmax(-1)
+            noise = _gumbel(self.seeds[:n], self.counters[:n] * _STREAMS + j, logits.shape[-1])
+            return (logits.float() / self.temperature + noise).argmax(-1)
+
+        return sample
+
+    def step(self, n: int, kv_len: int, greedy: bool, inputs: dict[str, torch.Tensor], *, first: bool) -> torch.Tensor:
+        """One round over rows 0..n-1 -> (n, 2k + 3) float64: emitted tokens, their log-probs, accepted m."""
+        engine, k, cache = self.engine, self.k, self.engine.cache
+        cur, col, pos, live = self.cur[:n], self.col[:n], self.pos[:n], self.live[:n]
+        drafted, draft_logits = self.draft.propose(self.draft_state(n), k=k, sample=self._sampler(n, greedy),
+                                                   kv_len=kv_len, **inputs)
+        vcols, vpos = col[:, None] + self.steps, pos[:, None] + self.steps  # (n, k + 1)
+        rows = torch.arange(n, device=engine.device)
+        cache.valid[rows[:, None], vcols] = True
+        key_cols = torch.arange(kv_len, device=engine.device)
+        allowed = (cache.valid[:n, None, :kv_len] & (key_cols[None, None] <= vcols[..., None]))[:, None]
+        logits, hidden = target_forward(engine, torch.cat([cur[:, None], drafted], 1), vpos, vcols, decode=True,
+                                        kv_len=kv_len, allowed=allowed, layer_ids=self.draft.layer_ids)
+        scale = torch.ones_like(self.temperature) if greedy else self.temperature
+        if greedy:
+            m, nxt = accept_greedy(drafted, logits)
+        else:
+            p = (logits.float() / scale).softmax(-1)
+            q = (draft_logits.float() / scale).softmax(-1)
+            seeds, base = self.seeds[:n], self.counters[:n] * _STREAMS
+            m, nxt = accept_sampling(drafted, q, p, uniform_noise(seeds, base + _ACCEPT, k),
+                                     _gumbel(seeds, base + _RESIDUAL, p.shape[-1]))
+        emitted = torch.cat([drafted, torch.zeros_like(cur[:, None])], 1).scatter(1, m[:, None], nxt[:, None])
+        log_probs = (logits.float() / scale).log_softmax(-1).gather(-1, emitted[..., None])[..., 0]
+        if "features" not in self.inputs:  # the teacher features' width is known after the first verify
+            self.inputs["features"] = torch.zeros(self.cur.shape[0], k + 1, hidden.shape[-1], dtype=hidden.dtype,
+                                                  device=hidden.device)
+        new = {"tokens": emitted, "columns": vcols + 1, "positions": vpos + 1, "features": hidden,
+               "valid": torch.ones_like(vcols, dtype=torch.bool)}
+        keep = torch.ones_like(live) if first else live  # the first round fills every row's buffers
+        for key, value in new.items():
+            self.inputs[key][:n].copy_(_where_rows(keep, value, self.inputs[key][:n]))
+        self.last[:n].copy_(torch.where(keep, m, self.last[:n]))
+        advance = torch.where(live, m + 1, torch.zeros_like(m))  # rows that finished keep their columns
+        col += advance
+        pos += advance
+        self.counters[:n] += advance
+        cur.copy_(torch.where(live, nxt, cur))
+        return torch.cat([emitted.double(), log_probs.double(), m[:, None].double()], 1)
 
 
 @torch.no_grad()
@@ -170,23 +266,22 @@ def speculative_generate(engine: Any, batch: Any, params: SamplingParams) -> Any
     if any(r.response for r in requests):
         raise ValueError("speculative decoding does not continue interrupted batches")
     stops = stop_ids_for(params, engine.eos_token_ids)
+    rounds = getattr(engine, "spec_rounds", None)
+    if rounds is None or rounds.draft is not engine.draft or rounds.k != engine.spec_tokens:
+        rounds = engine.spec_rounds = _Rounds(engine, engine.draft, engine.spec_tokens)
     start = time.perf_counter()
     stats = {"rounds": 0, "emitted": 0}
     for first in range(0, len(requests), engine.max_batch_size):
-        _run_chunk(engine, requests[first:first + engine.max_batch_size], params, stops, stats)
+        _run_chunk(engine, rounds, requests[first:first + engine.max_batch_size], params, stops, stats)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     meta = rollout_meta(requests, params, weight_version=engine.weight_version, tokens=generated_tokens(requests),
-                        seconds=time.perf_counter() - start, cuda_graphs=False)
+                        seconds=time.perf_counter() - start,
+                        cuda_graphs=bool(rounds.graphs.graphs) and rounds.graphs.error is None)
     meta["speculative"] = {"tau": stats["emitted"] / max(stats["rounds"], 1), "row_rounds": stats["rounds"],
                            "draft_tokens": engine.spec_tokens, "draft": getattr(engine.draft, "kind", "?")}
     return build_rollout_batch(requests, prompts, prompt_mask, width=params.max_new_tokens, pad_id=engine.pad_token_id,
                                tokenizer=engine.tokenizer, meta_info=meta)
-
-
-def _log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    scale = temperature if temperature > 0 else 1.0
-    return (logits.float() / scale).log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
 
 
 def _emit(request: Any, tokens: list[int], log_probs: list[float], params: SamplingParams, stops: frozenset[int]) -> None:
@@ -201,67 +296,62 @@ def _emit(request: Any, tokens: list[int], log_probs: list[float], params: Sampl
             return
 
 
-def _run_chunk(engine: Any, requests: list[Any], params: SamplingParams, stops: frozenset[int], stats: dict) -> None:
-    draft, k, device = engine.draft, engine.spec_tokens, engine.device
+def _run_chunk(engine: Any, rounds: _Rounds, requests: list[Any], params: SamplingParams, stops: frozenset[int],
+               stats: dict) -> None:
+    k, device = rounds.k, engine.device
     ids, mask = left_pad([r.prompt for r in requests], engine.pad_token_id, device)
     n, width = ids.shape
-    if width + params.max_new_tokens + 2 * k + 2 > engine.max_seq_len:
+    if width + params.max_new_tokens + 2 * k + 3 > engine.max_seq_len:
         raise ValueError(f"speculative decoding needs max_seq_len >= prompt ({width}) + max_new_tokens "
-                         f"({params.max_new_tokens}) + 2 * k ({k}) + 2; engine max_seq_len={engine.max_seq_len}")
-    generator = torch.Generator(device=device)
-    generator.manual_seed(requests[0].seed)
-    sample = _sampler(params.temperature, generator)
+                         f"({params.max_new_tokens}) + 2 * k ({k}) + 3; engine max_seq_len={engine.max_seq_len}")
+    greedy = params.temperature <= 0
     rows = torch.arange(n, device=device)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     engine.cache.clear_slots(rows)
     engine.cache.valid[rows, :width] = mask.bool()
+    for name in fields(rounds.state):
+        getattr(rounds.state, name.name)[:n].zero_()
     logits, hidden = target_forward(engine, ids, positions, torch.arange(width, device=device).expand(n, width),
-                                    decode=False, kv_len=width, allowed=prefill_mask(mask), layer_ids=draft.layer_ids,
+                                    decode=False, kv_len=width, allowed=prefill_mask(mask), layer_ids=rounds.draft.layer_ids,
                                     last_only=True)
-    cur = sample(logits[:, -1])
-    lp = _log_probs(logits[:, -1], cur, params.temperature).tolist()
+    rounds.seeds[:n].copy_(torch.tensor([r.seed for r in requests]))
+    rounds.counters[:n].zero_()
+    rounds.temperature.fill_(1.0 if greedy else params.temperature)
+    last = logits[:, -1].float() / rounds.temperature
+    cur = last.argmax(-1) if greedy else (last + _gumbel(rounds.seeds[:n], rounds.counters[:n] + _RESIDUAL,
+                                                         last.shape[-1])).argmax(-1)
+    lp = last.log_softmax(-1).gather(-1, cur[:, None])[:, 0].tolist()
     for r, token, log_prob in zip(requests, cur.tolist(), lp):
         _emit(r, [token], [log_prob], params, stops)
-    state = draft.start(n, engine.max_seq_len, device)
-    inputs = {"tokens": torch.cat([ids[:, 1:], cur[:, None]], 1), "features": hidden,
-              "columns": torch.arange(1, width + 1, device=device).expand(n, width).contiguous(),
-              "positions": torch.cat([positions[:, 1:], positions[:, -1:] + 1], 1), "valid": mask.bool(),
-              "last": torch.full((n,), width - 1, dtype=torch.long, device=device)}
-    col = torch.full((n,), width, dtype=torch.long, device=device)
-    pos = positions[:, -1] + 1
-    steps = torch.arange(k + 1, device=device)
+    rounds.cur[:n].copy_(cur)
+    rounds.counters[:n].fill_(1)
+    rounds.col[:n].fill_(width)
+    rounds.pos[:n].copy_(positions[:, -1] + 1)
+    inputs: dict[str, torch.Tensor] | None = {
+        "tokens": torch.cat([ids[:, 1:], cur[:, None]], 1), "features": hidden,
+        "columns": torch.arange(1, width + 1, device=device).expand(n, width).contiguous(),
+        "positions": torch.cat([positions[:, 1:], positions[:, -1:] + 1], 1), "valid": mask.bool(),
+        "last": torch.full((n,), width - 1, dtype=torch.long, device=device)}
+    columns = [width] * n  # host mirror of rounds.col
     while not all(r.done for r in requests):
-        live = torch.tensor([not r.done for r in requests], device=device)
-        drafted, draft_logits = draft.propose(state, k=k, sample=sample, **inputs)
-        vcols, vpos = col[:, None] + steps, pos[:, None] + steps  # (n, k + 1)
-        engine.cache.valid[rows[:, None], vcols] = True
-        kv_len = min(engine.max_seq_len, -(-(int(vcols.max()) + 1) // engine.kv_block) * engine.kv_block)
-        key_cols = torch.arange(kv_len, device=device)
-        allowed = (engine.cache.valid[:n, None, :kv_len] & (key_cols[None, None] <= vcols[..., None]))[:, None]
-        logits, hidden = target_forward(engine, torch.cat([cur[:, None], drafted], 1), vpos, vcols, decode=True,
-                                        kv_len=kv_len, allowed=allowed, layer_ids=draft.layer_ids)
-        if params.temperature > 0:
-            p = (logits.float() / params.temperature).softmax(-1)
-            q = (draft_logits.float() / params.temperature).softmax(-1)
-            m, nxt = accept_sampling(drafted, q, p, generator)
+        live = [not r.done for r in requests]
+        rounds.live[:n].copy_(torch.tensor(live))
+        # the draft's columns reach max(col) + 2k + 2 (its inputs end at the previous round's col + k + 1)
+        need = max(columns) + 2 * k + 3
+        kv_len = min(engine.max_seq_len, -(-need // engine.kv_block) * engine.kv_block)
+        if inputs is not None:
+            packed, inputs = rounds.step(n, kv_len, greedy, inputs, first=True), None
         else:
-            m, nxt = accept_greedy(drafted, logits)
-        emitted = torch.cat([drafted, torch.zeros_like(cur[:, None])], 1).scatter(1, m[:, None], nxt[:, None])
-        lps = _log_probs(logits, emitted, params.temperature)
-        stats["rounds"] += int(live.sum())
-        stats["emitted"] += int(((m + 1) * live).sum())
-        for i, (r, count) in enumerate(zip(requests, (m + 1).tolist())):
-            if not r.done:
-                _emit(r, emitted[i, :count].tolist(), lps[i, :count].tolist(), params, stops)
-        go = live  # rows that finished before this round keep their inputs (no column overflow)
-        advance = torch.where(go, m + 1, torch.zeros_like(m))
-        new = {"tokens": emitted, "features": hidden, "columns": vcols + 1, "positions": vpos + 1,
-               "valid": torch.ones_like(vcols, dtype=torch.bool), "last": m}
-        if inputs["tokens"].shape[1] == k + 1:
-            new = {key: _where_rows(go, value, inputs[key]) for key, value in new.items()}
-        inputs = new
-        col, pos = col + advance, pos + advance
-        cur = torch.where(go, nxt, cur)
+            packed = rounds.graphs(n, kv_len, greedy)
+        host = packed[:n].tolist()  # the round's one host sync
+        for i, (r, row) in enumerate(zip(requests, host)):
+            if not live[i]:
+                continue
+            count = int(row[2 * k + 2]) + 1
+            stats["rounds"] += 1
+            stats["emitted"] += count
+            columns[i] += count
+            _emit(r, [int(t) for t in row[:count]], row[k + 1:k + 1 + count], params, stops)
     engine.cache.clear_slots(rows)
 
 
