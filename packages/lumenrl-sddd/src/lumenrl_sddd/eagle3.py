@@ -240,6 +240,6 @@ class Eagle3Draft(nn.Module):
             drafted.append(tok), all_logits.append(full)
             if j + 1 < k:
                 col, pos = col + 1, pos + 1
-                state.valid[rows, col[:, 0]] = True
+                state.valid.scatter_(1, col, True)  # no host copy (CUDA graph capture)
                 h = self._step(state, tok[:, None], h, col, pos, kv_len)
         return torch.stack(drafted, 1), torch.stack(all_logits, 1)

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import traceback
 import warnings
 from collections.abc import Callable, Hashable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,11 +114,17 @@ class DecodeGraphs:
             with gc_paused(collect=not self.graphs), torch.cuda.graph(graph, pool=self._pool):
                 outputs = self.step(*key)
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to eager decode
-            self.error = f"{type(err).__name__}: {err}"
+            self.error = f"{type(err).__name__}: {err}{_where(err)}"
             warnings.warn(f"native engine: CUDA graph capture failed ({self.error}); decoding eagerly", stacklevel=3)
             torch.cuda.synchronize()
             return
         self.graphs[key] = (graph, outputs)
+
+
+def _where(err: BaseException) -> str:
+    """' (at file:line)' of the innermost frame outside torch that raised ``err``, to find the op that broke capture."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if "/torch/" not in f.filename]
+    return f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
 
 
 def kv_bytes_per_token(config: Any, element_size: int) -> int:

@@ -222,8 +222,7 @@ class _Rounds:
         drafted, draft_logits = self.draft.propose(self.draft_state(n), k=k, sample=self._sampler(n, greedy),
                                                    kv_len=kv_len, **inputs)
         vcols, vpos = col[:, None] + self.steps, pos[:, None] + self.steps  # (n, k + 1)
-        rows = torch.arange(n, device=engine.device)
-        cache.valid[rows[:, None], vcols] = True
+        cache.valid[:n].scatter_(1, vcols, True)  # scatter, not index_put of a Python bool: no host copy (graphs)
         key_cols = torch.arange(kv_len, device=engine.device)
         allowed = (cache.valid[:n, None, :kv_len] & (key_cols[None, None] <= vcols[..., None]))[:, None]
         logits, hidden = target_forward(engine, torch.cat([cur[:, None], drafted], 1), vpos, vcols, decode=True,
