@@ -8,7 +8,7 @@ one warm-up each. Reported per batch: plain / speculative tokens per second, spe
 tokens per verify forward, measured), and whether the outputs were identical (they must be).
 
 ``fn(smoke)``: smoke = CPU, tiny shapes, seconds. Full (GPU): hidden 1024, 16 layers, batches 1, 8, 64.
-GPU command:  python -m benchmarks.sddd.speedup
+GPU command:  python -m benchmarks.sddd.speedup   (``--profile``: where a round's time goes, no training)
 """
 
 from __future__ import annotations
@@ -99,9 +99,47 @@ def run(smoke: bool) -> dict:
     return result
 
 
+def profile(batch: int = 8, k: int = 5) -> None:
+    """Where a speculative round's time goes (no training: an untrained teacher of the full shape and an
+    untrained draft; the round's work does not depend on acceptance): torch.profiler over one generate."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from lumenrl_backends.engines import NativeEngine
+    from lumenrl_backends.engines.speculative import attach_draft
+    from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+    from lumenrl_backends.trainers.sddd_teacher import prompt_batch
+    from lumenrl_sddd.capture import eagle3_layer_ids
+    from lumenrl_sddd.eagle3 import Eagle3Draft
+
+    path = build_tiny_model("qwen3", tempfile.mkdtemp(prefix="sddd_profile_"), seed=0, hidden_size=1024,
+                            intermediate_size=3072, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                            head_dim=64, max_position_embeddings=1024)
+    model, tok = load_model_and_tokenizer(str(path), dtype="bfloat16")
+    model.cuda()
+    draft = Eagle3Draft.from_teacher(model, counts=torch.ones(model.config.vocab_size), draft_vocab_size=model.config.vocab_size,
+                                     aux_layer_ids=eagle3_layer_ids(16), ttt_steps=k)
+    engine = NativeEngine(model, tok, device=torch.device("cuda"), max_batch_size=batch, max_seq_len=192)
+    attach_draft(engine, draft, k)
+    data = prompt_batch([[5 + i % 7] * 10 for i in range(batch)], tok.pad_token_id)
+    params = {"temperature": 0.0, "max_new_tokens": 96, "ignore_eos": True}
+    engine.generate(data, params)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = engine.generate(data, params)
+        torch.cuda.synchronize()
+    rounds = out.meta_info["speculative"]["row_rounds"] // batch
+    print(f"batch {batch}: {rounds} rounds, {out.meta_info['perf']['seconds'] * 1e3 / max(rounds, 1):.2f} ms/round, "
+          f"graphs={out.meta_info['perf']['cuda_graphs']}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
 def main() -> None:
     import sys
 
+    if "--profile" in sys.argv:
+        profile()
+        return
     result = run(smoke="--smoke" in sys.argv)
     width = max(len(key) for key in result)
     for key, value in result.items():

@@ -144,3 +144,32 @@ def test_eagle3_export_layout_and_reload(tmp_path):
     back = load_draft(tmp_path / "fp32")
     assert back.config.aux_layer_ids == [1, 1, 0]
     assert all(torch.equal(back.state_dict()[n], draft.state_dict()[n]) for n in EXPORT_TENSORS)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_context_committed_in_parts_proposes_as_one_call(kind):
+    """The engine commits a prompt's context, then re-commits its last entries in the first round (fixed
+    shapes for CUDA graphs): the proposals (and their logits) equal one propose over the whole context, also
+    with a larger fixed kv_len."""
+    if kind == "eagle3":
+        draft, k = _eagle3(), 3
+    else:
+        torch.manual_seed(0)
+        draft = DFlashDraft(DFlashConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=8, vocab_size=V, block_size=4, aux_layer_ids=[0, 1, 2]))
+        k = 3
+    draft.eval()
+    cap, (b, t) = _capture(), _capture()["input_ids"].shape
+    mask = cap["attention_mask"].bool()
+    ctx = {"tokens": cap["input_ids"], "features": cap["hidden"], "columns": torch.arange(1, t + 1).expand(b, t),
+           "positions": (mask.long().cumsum(1) - 1).clamp(min=0), "valid": mask}
+    greedy = lambda logits: logits.argmax(-1)  # noqa: E731
+
+    whole = draft.propose(draft.start(b, 40, torch.device("cpu")), k=k, sample=greedy,
+                          last=torch.full((b,), t - 1), **ctx)
+    state = draft.start(b, 40, torch.device("cpu"))
+    draft.commit(state, **{key: value[:, :t - k - 1] for key, value in ctx.items()})
+    parts = draft.propose(state, k=k, sample=greedy, last=torch.full((b,), k), kv_len=32,
+                          **{key: value[:, t - k - 1:] for key, value in ctx.items()})
+    assert torch.equal(whole[0], parts[0])
+    assert torch.allclose(whole[1], parts[1], atol=1e-5)

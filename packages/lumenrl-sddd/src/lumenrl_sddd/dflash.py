@@ -177,6 +177,16 @@ class DFlashDraft(nn.Module):
                            torch.zeros(batch, max_len, dtype=torch.bool, device=device))
 
     @torch.no_grad()
+    def commit(self, state: DFlashState, *, tokens: torch.Tensor, features: torch.Tensor, columns: torch.Tensor,
+               positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """Write context entries (as :meth:`propose` takes them) into ``state`` without drafting."""
+        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+        # the feature before the token at column c belongs to column c - 1
+        state.features[rows, columns - 1] = self.context(features)
+        state.positions[rows, columns - 1] = positions - 1
+        state.valid[rows, columns - 1] = valid
+
+    @torch.no_grad()
     def propose(self, state: DFlashState, *, tokens: torch.Tensor, features: torch.Tensor, columns: torch.Tensor,
                 positions: torch.Tensor, valid: torch.Tensor, last: torch.Tensor, k: int,
                 sample: Callable[[torch.Tensor], torch.Tensor], kv_len: int | None = None
@@ -185,10 +195,7 @@ class DFlashDraft(nn.Module):
         if k != self.config.block_size - 1:
             raise ValueError(f"DFlash drafts block_size - 1 = {self.config.block_size - 1} tokens per round; asked k={k}")
         rows = torch.arange(tokens.shape[0], device=tokens.device)
-        # the feature before the token at column c belongs to column c - 1
-        state.features[rows[:, None], columns - 1] = self.context(features)
-        state.positions[rows[:, None], columns - 1] = positions - 1
-        state.valid[rows[:, None], columns - 1] = valid
+        self.commit(state, tokens=tokens, features=features, columns=columns, positions=positions, valid=valid)
         anchor_col = columns[rows, last]
         if kv_len is None:
             kv_len = int(anchor_col.max())

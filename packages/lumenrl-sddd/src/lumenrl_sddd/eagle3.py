@@ -195,15 +195,30 @@ class Eagle3Draft(nn.Module):
         return Eagle3State(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(batch, max_len, dtype=torch.bool, device=device))
 
+    def _write(self, state: Eagle3State, tok: torch.Tensor, hid: torch.Tensor, columns: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """K/V of entries (B, q) into ``state`` at ``columns``; returns the layer input x. An entry's K/V
+        depend on that entry only, so entries written in several calls equal one call."""
+        x = self.midlayer.inputs(self.embed_tokens(tok).to(hid.dtype), hid)
+        k, v = self.midlayer.self_attn.key_value(x, positions)
+        rows = torch.arange(tok.shape[0], device=tok.device)[:, None]
+        state.keys[rows, :, columns] = k.transpose(1, 2)
+        state.values[rows, :, columns] = v.transpose(1, 2)
+        return x
+
+    @torch.no_grad()
+    def commit(self, state: Eagle3State, *, tokens: torch.Tensor, features: torch.Tensor, columns: torch.Tensor,
+               positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """Write context entries (as :meth:`propose` takes them) into ``state`` without drafting."""
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        state.valid[rows[:, None], columns] = valid
+        self._write(state, tokens, self.fc(features.to(self.fc.weight.dtype)), columns, positions)
+
     def _step(self, state: Eagle3State, tok: torch.Tensor, hid: torch.Tensor, columns: torch.Tensor,
               positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Write entries at ``columns`` (B, q) and attend causally by column; returns h (B, q, H)."""
         attn = self.midlayer.self_attn
-        x = self.midlayer.inputs(self.embed_tokens(tok).to(hid.dtype), hid)
-        k, v = attn.key_value(x, positions)
-        rows = torch.arange(tok.shape[0], device=tok.device)[:, None]
-        state.keys[rows, :, columns] = k.transpose(1, 2)
-        state.values[rows, :, columns] = v.transpose(1, 2)
+        x = self._write(state, tok, hid, columns, positions)
         key_cols = torch.arange(kv_len, device=tok.device)
         allowed = state.valid[:, None, :kv_len] & (key_cols[None, None, :] <= columns[:, :, None])  # (B, q, kv)
         allowed = allowed | (key_cols[None, None, :] == columns[:, :, None])

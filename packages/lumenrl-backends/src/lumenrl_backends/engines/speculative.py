@@ -28,9 +28,9 @@ Hidden-state capture (engine capability ``hidden_state_capture``): :func:`captur
 engine's model over a batch through its cache and attention (prefill view) and returns the
 lumenrl-sddd capture dict (chosen layers + logits), what the SDDD trainer's teacher sends.
 
-Rounds (:class:`_Rounds`): after the first round of a chunk (eager: the draft reads the whole prompt),
-each round reads and writes static buffers only and is captured as one CUDA graph per (rows, kv_len,
-greedy) on CUDA (``cuda_graphs`` on), with one host sync per round to read the emitted tokens. Sampling
+Rounds (:class:`_Rounds`): the draft commits a chunk's prompt context once (eagerly), then every round
+reads and writes static buffers only and is captured as one CUDA graph per (rows, kv_len, greedy) on
+CUDA (``cuda_graphs`` on), with one host sync per round to read the emitted tokens. Sampling
 noise is counter-based (``engines/sampling.py``'s hash of seed and position): reproducible per request,
 independent of the batch, and capturable.
 
@@ -174,9 +174,9 @@ class _Rounds:
 
     One round (:meth:`step`) is draft (k chained steps) + verify forward + acceptance + the state
     advance. It reads and writes only these buffers, the draft's state and the engine's slot cache, so a
-    captured graph (key: rows, kv_len, greedy) replays with fresh values at the same addresses. The
-    first round of a chunk runs eagerly (its draft input is the whole prompt); later rounds go through
-    :class:`~lumenrl_backends.engines.graphs.DecodeGraphs` (eager where the engine's graphs are off)."""
+    captured graph (key: rows, kv_len, greedy) replays with fresh values at the same addresses. Every
+    round goes through :class:`~lumenrl_backends.engines.graphs.DecodeGraphs` (eager where the engine's
+    graphs are off); a chunk's prompt context is committed to the draft first (:meth:`load_context`)."""
 
     def __init__(self, engine: Any, draft: Any, k: int) -> None:
         from lumenrl_backends.engines.graphs import DecodeGraphs
@@ -192,16 +192,31 @@ class _Rounds:
         self.inputs: dict[str, torch.Tensor] = {
             "tokens": torch.zeros(rows, k + 1, **long), "columns": torch.ones(rows, k + 1, **long),
             "positions": torch.zeros(rows, k + 1, **long),
-            "valid": torch.zeros(rows, k + 1, dtype=torch.bool, device=device)}  # + "features" at the first round
+            "valid": torch.zeros(rows, k + 1, dtype=torch.bool, device=device)}  # + "features" at the first chunk
         self.steps = torch.arange(k + 1, device=device)
         self.graphs = DecodeGraphs(self._graph_step, enabled=engine.graphs.enabled and engine.graphs.error is None)
 
     def draft_state(self, n: int) -> Any:
         return type(self.state)(*(getattr(self.state, f.name)[:n] for f in fields(self.state)))
 
+    def load_context(self, n: int, context: dict[str, torch.Tensor]) -> None:
+        """A chunk's prompt context (entries (n, width), the first token appended) -> the draft's state and the
+        round inputs: all but the last k + 1 entries are committed here, those k + 1 (the first entry repeated
+        when the prompt is shorter: re-committing an entry is idempotent) are the first round's inputs."""
+        width = context["tokens"].shape[1]
+        if width > self.k + 1:
+            self.draft.commit(self.draft_state(n), **{key: value[:, :width - self.k - 1] for key, value in context.items()})
+        window = (torch.arange(self.k + 1, device=self.cur.device) + width - self.k - 1).clamp(min=0)
+        if "features" not in self.inputs:  # the teacher features' width is known once a chunk is prefilled
+            self.inputs["features"] = context["features"].new_zeros(self.cur.shape[0], self.k + 1,
+                                                                    context["features"].shape[-1])
+        for key, value in context.items():
+            self.inputs[key][:n].copy_(value[:, window])
+        self.last[:n].fill_(self.k)
+
     def _graph_step(self, n: int, kv_len: int, greedy: bool) -> torch.Tensor:
         inputs = {**{key: value[:n] for key, value in self.inputs.items()}, "last": self.last[:n]}
-        return self.step(n, kv_len, greedy, inputs, first=False)
+        return self.step(n, kv_len, greedy, inputs)
 
     def _sampler(self, n: int, greedy: bool):
         calls = iter(range(self.k))  # the j-th call draws the j-th draft token (its own noise stream)
@@ -215,7 +230,7 @@ class _Rounds:
 
         return sample
 
-    def step(self, n: int, kv_len: int, greedy: bool, inputs: dict[str, torch.Tensor], *, first: bool) -> torch.Tensor:
+    def step(self, n: int, kv_len: int, greedy: bool, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One round over rows 0..n-1 -> (n, 2k + 3) float64: emitted tokens, their log-probs, accepted m."""
         engine, k, cache = self.engine, self.k, self.engine.cache
         cur, col, pos, live = self.cur[:n], self.col[:n], self.pos[:n], self.live[:n]
@@ -238,15 +253,11 @@ class _Rounds:
                                      _gumbel(seeds, base + _RESIDUAL, p.shape[-1]))
         emitted = torch.cat([drafted, torch.zeros_like(cur[:, None])], 1).scatter(1, m[:, None], nxt[:, None])
         log_probs = (logits.float() / scale).log_softmax(-1).gather(-1, emitted[..., None])[..., 0]
-        if "features" not in self.inputs:  # the teacher features' width is known after the first verify
-            self.inputs["features"] = torch.zeros(self.cur.shape[0], k + 1, hidden.shape[-1], dtype=hidden.dtype,
-                                                  device=hidden.device)
         new = {"tokens": emitted, "columns": vcols + 1, "positions": vpos + 1, "features": hidden,
                "valid": torch.ones_like(vcols, dtype=torch.bool)}
-        keep = torch.ones_like(live) if first else live  # the first round fills every row's buffers
-        for key, value in new.items():
-            self.inputs[key][:n].copy_(_where_rows(keep, value, self.inputs[key][:n]))
-        self.last[:n].copy_(torch.where(keep, m, self.last[:n]))
+        for key, value in new.items():  # rows that finished keep their inputs (no column overflow)
+            self.inputs[key][:n].copy_(_where_rows(live, value, self.inputs[key][:n]))
+        self.last[:n].copy_(torch.where(live, m, self.last[:n]))
         advance = torch.where(live, m + 1, torch.zeros_like(m))  # rows that finished keep their columns
         col += advance
         pos += advance
@@ -326,11 +337,10 @@ def _run_chunk(engine: Any, rounds: _Rounds, requests: list[Any], params: Sampli
     rounds.counters[:n].fill_(1)
     rounds.col[:n].fill_(width)
     rounds.pos[:n].copy_(positions[:, -1] + 1)
-    inputs: dict[str, torch.Tensor] | None = {
-        "tokens": torch.cat([ids[:, 1:], cur[:, None]], 1), "features": hidden,
-        "columns": torch.arange(1, width + 1, device=device).expand(n, width).contiguous(),
-        "positions": torch.cat([positions[:, 1:], positions[:, -1:] + 1], 1), "valid": mask.bool(),
-        "last": torch.full((n,), width - 1, dtype=torch.long, device=device)}
+    context = {"tokens": torch.cat([ids[:, 1:], cur[:, None]], 1), "features": hidden,
+               "columns": torch.arange(1, width + 1, device=device).expand(n, width),
+               "positions": torch.cat([positions[:, 1:], positions[:, -1:] + 1], 1), "valid": mask.bool()}
+    rounds.load_context(n, context)
     columns = [width] * n  # host mirror of rounds.col
     while not all(r.done for r in requests):
         live = [not r.done for r in requests]
@@ -338,10 +348,7 @@ def _run_chunk(engine: Any, rounds: _Rounds, requests: list[Any], params: Sampli
         # the draft's columns reach max(col) + 2k + 2 (its inputs end at the previous round's col + k + 1)
         need = max(columns) + 2 * k + 3
         kv_len = min(engine.max_seq_len, -(-need // engine.kv_block) * engine.kv_block)
-        if inputs is not None:
-            packed, inputs = rounds.step(n, kv_len, greedy, inputs, first=True), None
-        else:
-            packed = rounds.graphs(n, kv_len, greedy)
+        packed = rounds.graphs(n, kv_len, greedy)
         host = packed[:n].tolist()  # the round's one host sync
         for i, (r, row) in enumerate(zip(requests, host)):
             if not live[i]:
