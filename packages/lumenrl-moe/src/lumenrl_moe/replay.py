@@ -30,6 +30,7 @@ others keep float32), so replaying the recorded routes reproduces the recording 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,6 +55,16 @@ class RecordTarget:
     routes: torch.Tensor
     index: tuple[torch.Tensor, ...]  # each (N,): positions in the leading dims of ``routes``
     probs: torch.Tensor | None = None  # (*lead, L_moe, E) float32, or None
+
+    def write(self, j: int, indices: torch.Tensor, probs: Callable[[], torch.Tensor] | None = None) -> None:
+        """Routes (N, k) (and ``probs()`` (N, E) when recorded) of MoE layer ``j`` at ``index``. One
+        ``index_put_`` on the whole buffer, the layer index a device tensor: under ``torch.compile`` an
+        in-place write into a *view* of a graph input is functionalized into copies of the whole slice
+        per layer and step, a write into the input itself stays in place."""
+        layer = torch.full_like(self.index[0], j)
+        self.routes.index_put_((*self.index, layer), indices.to(self.routes.dtype))
+        if self.probs is not None and probs is not None:
+            self.probs.index_put_((*self.index, layer), probs())
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
@@ -128,9 +139,7 @@ class RouteController:
             weights, indices = router.select(logits)
             target = self.target
             if self.mode == "record" and target is not None:
-                target.routes.select(-2, j).index_put_(target.index, indices.to(target.routes.dtype))
-                if target.probs is not None:
-                    target.probs.select(-2, j).index_put_(target.index, _probs(router, logits))
+                target.write(j, indices, lambda: _probs(router, logits))
         else:
             indices = self.replay_routes[:, j].to(device=logits.device, dtype=torch.long)
             if indices.shape[0] != logits.shape[0]:
@@ -143,7 +152,7 @@ class RouteController:
             own = router.select(logits.detach())[1]
             self.flips |= (own.sort(-1).values != indices.sort(-1).values).any(-1)
             if self.target is not None:  # the experts this forward actually used (diagnostics)
-                self.target.routes.select(-2, j).index_put_(self.target.index, indices.to(self.target.routes.dtype))
+                self.target.write(j, indices)
         return (weights.to(logits.dtype) if cast else weights), indices
 
 
