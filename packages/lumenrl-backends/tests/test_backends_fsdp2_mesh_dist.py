@@ -4,7 +4,8 @@ Cases: tp=2 (qwen3), cp=2 (qwen3, 9 columns: padded to the cp multiple, left/rig
 replay of random routes (qwen3_moe) on 2 ranks; dp2 x tp2 (qwen3), tp2 x cp2 (llama) and dp2 x cp2 with ep=2
 laid over the four dp x cp ranks (qwen3_moe: expert slices FSDP-sharded over 2 ranks) on 4 ranks. Each
 case checks ``compute_log_probs`` (log-probs and entropy on the valid response tokens), one ``train_step``
-(loss, grad norm) and every updated parameter (full tensors from ``named_weights``) against one rank.
+(loss, grad norm) and every updated parameter (full tensors from ``named_weights``, the rank-0 HF export
+and the sharded checkpoint reloaded on one rank) against one rank.
 Bounds: log-probs/entropy 2e-5 absolute, loss and grad norm 1e-4 relative, parameters 2e-5 absolute after
 one AdamW step with lr 1e-2 and eps 1e-3 (a large eps keeps the first step a smooth function of the
 gradient: with eps 1e-8 it is lr * sign(g), which rounding flips where g is ~1e-8).
@@ -52,16 +53,24 @@ def loss_fn(outputs, micro):
     return loss, {}
 
 
-def run_case(path: str, tp: int = 1, cp: int = 1, ep: int = 1, r3: bool = False) -> dict:
-    """Log-probs, entropy, one update's metrics and the updated weights (full tensors, every rank)."""
+def build(path: str, **kwargs) -> FSDP2Backend:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    backend = FSDP2Backend(
-        model, role="actor", optim=OptimConfig(lr=1e-2, eps=1e-3), train=PolicyTrainConfig(mini_batch_size=ROWS, micro_batch_size=2),
-        num_training_steps=1, device=torch.device("cpu"), r3=R3 if r3 else None, tp=tp, cp=cp, ep=ep)
-    batch = make_batch(model.config.num_hidden_layers if r3 else 0)
+    train = PolicyTrainConfig(mini_batch_size=ROWS, micro_batch_size=2)
+    return FSDP2Backend(model, role="actor", optim=OptimConfig(lr=1e-2, eps=1e-3), train=train, num_training_steps=1,
+                        device=torch.device("cpu"), **kwargs)
+
+
+def run_case(path: str, tp: int = 1, cp: int = 1, ep: int = 1, r3: bool = False, out: str | None = None) -> dict:
+    """Log-probs, entropy, one update's metrics and the updated weights (full tensors, every rank);
+    with ``out``, the HF export (``out/hf``) and the checkpoint (``out/ckpt``) of the updated weights."""
+    backend = build(path, r3=R3 if r3 else None, tp=tp, cp=cp, ep=ep)
+    batch = make_batch(backend.hf_config.num_hidden_layers if r3 else 0)
     log_probs, entropy = backend.compute_log_probs(batch, with_entropy=True)
     metrics = backend.train_step(batch, loss_fn)
     weights = {k: v.clone() for k, v in backend.named_weights()}
+    if out is not None:
+        backend.save_hf(os.path.join(out, "hf"))
+        backend.save_checkpoint(os.path.join(out, "ckpt"))
     return {"log_probs": log_probs, "entropy": entropy, "loss": metrics["actor/loss"],
             "grad_norm": metrics["actor/grad_norm"], "weights": weights}
 
@@ -70,7 +79,7 @@ def _worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     for name, path, kwargs in cases:
-        result = run_case(path, **kwargs)
+        result = run_case(path, **kwargs, out=os.path.join(out_dir, name))
         torch.save(result, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
@@ -98,11 +107,18 @@ def _check(request, monkeypatch, tmp_path, world: int, cases: list) -> None:
             for k, v in one["weights"].items():
                 err = (got["weights"][k] - v).abs().max().item()
                 assert err < 2e-5, (name, rank, k, err)
-        moved = max((one["weights"][k] - w).abs().max().item() for k, w in _initial(path).items())
+        exported = _state(str(tmp_path / name / "hf"))  # the rank-0 HF export of the sharded weights
+        restored = build(path)
+        restored.load_checkpoint(str(tmp_path / name / "ckpt"))  # the sharded checkpoint, on one rank
+        for k, v in one["weights"].items():
+            assert (exported[k] - v).abs().max().item() < 2e-5, (name, "export", k)
+        for k, v in restored.named_weights():
+            assert (v - one["weights"][k]).abs().max().item() < 2e-5, (name, "checkpoint", k)
+        moved = max((one["weights"][k] - w).abs().max().item() for k, w in _state(path).items())
         assert moved > 1e-3, name  # the update is real
 
 
-def _initial(path: str) -> dict[str, torch.Tensor]:
+def _state(path: str) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
 
 

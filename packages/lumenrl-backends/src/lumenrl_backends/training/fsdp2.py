@@ -178,7 +178,6 @@ class FSDP2Backend(BackendWeights):
     def _check_parallel(self, model: nn.Module, fp8: Any, r3: Any) -> None:
         """Refuse what the mesh cannot carry (the numbers, and combinations not wired)."""
         dims = self.dims
-        check_mesh(model.config, dims)
         sizes = f"policy.parallel.tp={dims.tp}, cp={dims.cp}, moe.expert_parallel_size={dims.ep}"
         problem = None
         if max(dims.tp, dims.cp, dims.ep) > 1 and is_lora_model(model):
@@ -191,6 +190,7 @@ class FSDP2Backend(BackendWeights):
             problem = "R3 replay lays out whole rows, not sequence chunks; use moe.r3.enabled=false or cp=1"
         if problem:
             raise ValueError(f"{sizes}: {problem}")
+        check_mesh(model.config, dims)
 
     def _packing_mode(self, mode: str) -> str:
         """``policy.train.packing``; under cp > 1 ``auto`` trims pad columns but packs no rows."""
