@@ -1,7 +1,8 @@
 """FSDP2Backend on a parallelism mesh (gloo ranks, float32) == the 1-rank backend.
 
 Cases: tp=2 (qwen3), cp=2 (qwen3, 9 columns: padded to the cp multiple, left/right padding), ep=2 with R3
-replay of random routes (qwen3_moe) on 2 ranks; dp2 x tp2 (qwen3), tp2 x cp2 (llama) and dp2 x cp2 with ep=2
+replay of random routes (qwen3_moe) on 2 ranks; dp2 x tp2 (qwen3), tp2 x cp2 (llama, activation
+checkpointing: the recompute repeats the collectives) and dp2 x cp2 with ep=2
 laid over the four dp x cp ranks (qwen3_moe: expert slices FSDP-sharded over 2 ranks) on 4 ranks. Each
 case checks ``compute_log_probs`` (log-probs and entropy on the valid response tokens), one ``train_step``
 (loss, grad norm) and every updated parameter (full tensors from ``named_weights``, the rank-0 HF export
@@ -21,7 +22,9 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
+from lumenrl_backends.models.tiny import tiny_config
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
+from lumenrl_backends.training.parallelize import MeshDims, check_mesh
 from lumenrl_core.assembly.requirements import moe_layout_supported
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, R3Config
 from lumenrl_core.data_proto import DataProto
@@ -54,16 +57,20 @@ def loss_fn(outputs, micro):
 
 
 def build(path: str, **kwargs) -> FSDP2Backend:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    train = PolicyTrainConfig(mini_batch_size=ROWS, micro_batch_size=2)
+    return build_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), **kwargs)
+
+
+def build_model(model, recompute: bool = False, **kwargs) -> FSDP2Backend:
+    train = PolicyTrainConfig(mini_batch_size=ROWS, micro_batch_size=2, gradient_checkpointing=recompute)
     return FSDP2Backend(model, role="actor", optim=OptimConfig(lr=1e-2, eps=1e-3), train=train, num_training_steps=1,
                         device=torch.device("cpu"), **kwargs)
 
 
-def run_case(path: str, tp: int = 1, cp: int = 1, ep: int = 1, r3: bool = False, out: str | None = None) -> dict:
+def run_case(path: str, tp: int = 1, cp: int = 1, ep: int = 1, r3: bool = False, recompute: bool = False,
+             out: str | None = None) -> dict:
     """Log-probs, entropy, one update's metrics and the updated weights (full tensors, every rank);
     with ``out``, the HF export (``out/hf``) and the checkpoint (``out/ckpt``) of the updated weights."""
-    backend = build(path, r3=R3 if r3 else None, tp=tp, cp=cp, ep=ep)
+    backend = build(path, r3=R3 if r3 else None, tp=tp, cp=cp, ep=ep, recompute=recompute)
     batch = make_batch(backend.hf_config.num_hidden_layers if r3 else 0)
     log_probs, entropy = backend.compute_log_probs(batch, with_entropy=True)
     metrics = backend.train_step(batch, loss_fn)
@@ -141,6 +148,25 @@ def test_two_ranks_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeypatch
 def test_four_ranks_dp_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeypatch):
     _check(request, monkeypatch, tmp_path, 4, [
         ("dp2_tp2", paths["qwen3"], {"tp": 2}),
-        ("tp2_cp2", paths["llama"], {"tp": 2, "cp": 2}),
+        ("tp2_cp2", paths["llama"], {"tp": 2, "cp": 2, "recompute": True}),  # with activation checkpointing
         ("dp2_cp2_ep2", paths["qwen3_moe"], {"cp": 2, "ep": 2}),
     ])
+
+
+def test_mesh_refusals_name_the_numbers():
+    qwen3, moe = tiny_config("qwen3", vocab_size=V), tiny_config("qwen3_moe", vocab_size=V)  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match=r"policy.parallel.tp=2 \* cp=2 = 4 does not divide num_key_value_heads=2"):
+        check_mesh(qwen3, MeshDims(world=4, tp=2, cp=2))
+    with pytest.raises(ValueError, match=r"policy.parallel.tp=4 \* cp=1 = 4 must divide the world size 6"):
+        check_mesh(qwen3, MeshDims(world=6, tp=4))
+    with pytest.raises(ValueError, match=r"moe.expert_parallel_size=4 must divide the 2 data x context parallel ranks"):
+        check_mesh(moe, MeshDims(world=2, ep=4))
+    with pytest.raises(ValueError, match=r"no tensor-parallel plan for model_type='qwen3_moe'"):
+        check_mesh(moe, MeshDims(world=4, tp=2, ep=2))  # TP + EP: no MoE block plan
+    model = AutoModelForCausalLM.from_config(qwen3)
+    with pytest.raises(ValueError, match=r"R3 replay lays out whole rows, not sequence chunks"):
+        build_model(model, r3=R3, cp=2)
+    with pytest.raises(ValueError, match=r"a critic trains data-parallel over all ranks"):
+        build_model(model, value_head=True, tp=2)
+    with pytest.raises(ValueError, match=r"tp=2 \* cp=1 = 2 must divide the world size 1"):
+        build_model(model, tp=2)  # this process is one rank
