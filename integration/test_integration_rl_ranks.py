@@ -9,9 +9,9 @@ weights synced to each rank's engine from the TP DTensors).
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
-import math
 from pathlib import Path
 
 import pytest

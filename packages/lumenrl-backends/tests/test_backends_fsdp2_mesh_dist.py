@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.models.tiny import tiny_config
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
-from lumenrl_backends.training.parallelize import MeshDims, check_mesh
+from lumenrl_backends.training.parallelize import MeshDims, check_sizes
 from lumenrl_core.assembly.requirements import moe_layout_supported
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, R3Config
 from lumenrl_core.data_proto import DataProto
@@ -156,13 +156,13 @@ def test_four_ranks_dp_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeyp
 def test_mesh_refusals_name_the_numbers():
     qwen3, moe = tiny_config("qwen3", vocab_size=V), tiny_config("qwen3_moe", vocab_size=V)  # 4 heads, 2 KV heads
     with pytest.raises(ValueError, match=r"policy.parallel.tp=2 \* cp=2 = 4 does not divide num_key_value_heads=2"):
-        check_mesh(qwen3, MeshDims(world=4, tp=2, cp=2))
+        check_sizes(qwen3, MeshDims(world=4, tp=2, cp=2))
     with pytest.raises(ValueError, match=r"policy.parallel.tp=4 \* cp=1 = 4 must divide the world size 6"):
-        check_mesh(qwen3, MeshDims(world=6, tp=4))
+        check_sizes(qwen3, MeshDims(world=6, tp=4))
     with pytest.raises(ValueError, match=r"moe.expert_parallel_size=4 must divide the 2 data x context parallel ranks"):
-        check_mesh(moe, MeshDims(world=2, ep=4))
+        check_sizes(moe, MeshDims(world=2, ep=4))
     with pytest.raises(ValueError, match=r"no tensor-parallel plan for model_type='qwen3_moe'"):
-        check_mesh(moe, MeshDims(world=4, tp=2, ep=2))  # TP + EP: no MoE block plan
+        check_sizes(moe, MeshDims(world=4, tp=2, ep=2))  # TP + EP: no MoE block plan
     model = AutoModelForCausalLM.from_config(qwen3)
     with pytest.raises(ValueError, match=r"R3 replay lays out whole rows, not sequence chunks"):
         build_model(model, r3=R3, cp=2)

@@ -23,6 +23,7 @@ mask is None and SDPA runs ``is_causal``. Valid positions equal the unsharded ma
 right to a multiple of cp: causal, so earlier tokens are unchanged); :func:`gather_sequence` puts
 the per-chunk results back together on every rank (differentiable: its backward sums the
 gradients of the cp ranks, which hold identical losses, so the caller scales by the dp size only).
+:func:`context_parallel_forward` is the training backend's forward of RL rows with both.
 
 Limits (refused): cp must divide the query heads and the KV heads. Packed varlen rows are not
 exchanged by this attention function (the backend trims pad columns instead of packing); sliding
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 
 from lumenrl_backends.training.modeling import decoder_layers
 
-__all__ = ["ATTENTION_NAME", "enable_ulysses", "gather_sequence", "sequence_chunk", "shard_sequence"]
+__all__ = ["ATTENTION_NAME", "context_parallel_forward", "enable_ulysses", "gather_sequence", "sequence_chunk",
+           "shard_sequence"]
 
 ATTENTION_NAME = "lumenrl_ulysses"
 
@@ -139,3 +141,28 @@ def gather_sequence(local: torch.Tensor, group, cp: int) -> torch.Tensor:
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd  # torch < 2.10
     full = funcol.wait_tensor(gather(local.transpose(0, 1).contiguous(), 0, group))
     return full.transpose(0, 1)  # (S, b) -> (b, S)
+
+
+def context_parallel_forward(model: nn.Module, inputs: dict[str, torch.Tensor], cp_mesh, token_fn=None):
+    """Results for the T response tokens of (b, L) rows, whole on every rank of ``cp_mesh``.
+
+    This rank runs its chunk ``[lo, lo + S_l)``. ``token_fn(logits (b, n, V), tokens (b, n))`` returns a
+    tuple of (b, n) results (or None) for the n response tokens predicted inside the chunk (only those
+    positions reach the LM head); without it the model returns one value per position (a critic).
+    """
+    cp, group = cp_mesh.size(), cp_mesh.get_group()
+    L, T = inputs["input_ids"].shape[1], inputs["responses"].shape[1]
+    chunk, lo = sequence_chunk(inputs, cp_mesh.get_local_rank(), cp)
+    size = chunk["input_ids"].shape[1]
+
+    def whole(local: torch.Tensor) -> torch.Tensor:  # (b, S_l) -> (b, T) on every cp rank
+        return gather_sequence(local, group, cp)[:, L - T - 1 : L - 1]
+
+    if token_fn is None:
+        return whole(model(**chunk))
+    first, last = min(max(L - T - 1, lo), lo + size), max(min(L - 1, lo + size), lo)  # predicting columns here
+    keep = torch.arange(first - lo, last - lo, device=chunk["input_ids"].device)
+    logits = model(**chunk, logits_to_keep=keep, use_cache=False).logits  # (b, last - first, V)
+    results = token_fn(logits, inputs["responses"][:, first - (L - T - 1) : last - (L - T - 1)])
+    pad = (first - lo, lo + size - last)
+    return tuple(whole(F.pad(r, pad)) if r is not None else None for r in results)

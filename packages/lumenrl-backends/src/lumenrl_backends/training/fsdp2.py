@@ -66,8 +66,8 @@ from lumenrl_backends.training.batching import (
     position_ids_from_mask,
     split_rows,
 )
-from lumenrl_backends.training.context_parallel import gather_sequence, sequence_chunk
-from lumenrl_backends.training.lora import apply_lora, is_lora_model
+from lumenrl_backends.training.context_parallel import context_parallel_forward
+from lumenrl_backends.training.lora import apply_lora
 from lumenrl_backends.training.modeling import (
     CriticModel,
     compile_decoder_layers,
@@ -145,7 +145,8 @@ class FSDP2Backend(BackendWeights):
         self.nonfinite = NonFiniteGuard(getattr(train, "max_consecutive_nonfinite_steps", 3), self.prefix)
         dist_utils.ensure_process_group(self.device)
         self.dims = MeshDims(world=self.world_size, tp=tp, cp=cp, ep=ep)
-        self._check_parallel(model, fp8, r3)
+        check_mesh(model, self.dims, critic=self.is_critic, fp8=fp8 is not None and fp8.precision == "fp8",
+                   r3=r3 is not None and r3.enabled)
         if self.is_critic and not isinstance(model, CriticModel):
             model = CriticModel(model)
         self.hf_config = model.config
@@ -174,23 +175,6 @@ class FSDP2Backend(BackendWeights):
         self._init_optimizer(num_training_steps, optimizer_steps_per_training_step)
 
     # ----------------------------------------------------------------- construction
-
-    def _check_parallel(self, model: nn.Module, fp8: Any, r3: Any) -> None:
-        """Refuse what the mesh cannot carry (the numbers, and combinations not wired)."""
-        dims = self.dims
-        sizes = f"policy.parallel.tp={dims.tp}, cp={dims.cp}, moe.expert_parallel_size={dims.ep}"
-        problem = None
-        if max(dims.tp, dims.cp, dims.ep) > 1 and is_lora_model(model):
-            problem = "LoRA adapters are not planned for tensor/context/expert parallel; use policy.lora.rank=0"
-        elif dims.tp > 1 and fp8 is not None and fp8.precision == "fp8":
-            problem = "FP8 training linears have no tensor-parallel plan; use quantization.training.precision=bf16"
-        elif dims.tp * dims.cp > 1 and self.is_critic:
-            problem = "a critic trains data-parallel over all ranks (the mesh shards the policy); use tp=cp=1"
-        elif dims.cp > 1 and r3 is not None and r3.enabled:
-            problem = "R3 replay lays out whole rows, not sequence chunks; use moe.r3.enabled=false or cp=1"
-        if problem:
-            raise ValueError(f"{sizes}: {problem}")
-        check_mesh(model.config, dims)
 
     def _packing_mode(self, mode: str) -> str:
         """``policy.train.packing``; under cp > 1 ``auto`` trims pad columns but packs no rows."""
@@ -349,25 +333,11 @@ class FSDP2Backend(BackendWeights):
         )
 
     def _forward_cp(self, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool):
-        """Context parallel: this rank runs its chunk ``[lo, lo + S_l)`` of the (b, L) rows; the
-        per-position results are gathered over cp and cut to the T response predictions."""
-        cp_mesh = self.mesh["cp"]
-        L, T = inputs["input_ids"].shape[1], inputs["responses"].shape[1]
-        chunk, lo = sequence_chunk(inputs, cp_mesh.get_local_rank(), cp_mesh.size())
-        size = chunk["input_ids"].shape[1]
-
-        def whole(local: torch.Tensor) -> torch.Tensor:  # (b, S_l) -> (b, T) on every cp rank
-            return gather_sequence(local, cp_mesh.get_group(), cp_mesh.size())[:, L - T - 1 : L - 1]
-
+        """Context parallel: this rank's sequence chunk, results gathered over cp (whole on every rank)."""
         if self.is_critic:
-            return whole(self.model(**chunk)), None
-        first, last = min(max(L - T - 1, lo), lo + size), max(min(L - 1, lo + size), lo)  # predicting columns here
-        keep = torch.arange(first - lo, last - lo, device=self.device)
-        logits = self.model(**chunk, logits_to_keep=keep, use_cache=False).logits  # (b, last - first, V)
-        tokens = inputs["responses"][:, first - (L - T - 1) : last - (L - T - 1)]
-        results = token_log_probs(logits, tokens, temperature, with_entropy, compile_backend=self._logprob_backend)
-        pad = (first - lo, lo + size - last)
-        return tuple(whole(F.pad(r, pad)) if r is not None else None for r in results)
+            return context_parallel_forward(self.model, inputs, self.mesh["cp"]), None
+        return context_parallel_forward(self.model, inputs, self.mesh["cp"], lambda logits, tokens: token_log_probs(
+            logits, tokens, temperature, with_entropy, compile_backend=self._logprob_backend))
 
     def _forward_packed(self, plan: PackPlan, inputs: Mapping[str, torch.Tensor], temperature, with_entropy):
         """One forward over R packed rows; per-token results scattered back to (b, T)."""

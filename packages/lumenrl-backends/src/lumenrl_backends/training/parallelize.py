@@ -17,8 +17,8 @@ Design (torchtitan's composition, applied to the transformers modules):
   colwise, ``down_proj`` rowwise; RMSNorms ``SequenceParallel`` (the residual stream is a DTensor
   ``Shard(1)`` over the sequence; the final norm's output is gathered to the whole sequence, so
   ``logits_to_keep`` index tensors work as on one rank); embeddings rowwise (vocab-sharded) ->
-  ``Shard(1)``; ``lm_head`` colwise with a replicated output (full logits on every TP rank: the log-prob/entropy code reads
-  full rows). Qwen3's per-head ``q_norm``/``k_norm`` run on the local heads as ``SequenceParallel``
+  ``Shard(1)``; ``lm_head`` colwise with a replicated output (full logits on every TP rank: the
+  log-prob/entropy code reads full rows). Qwen3's per-head ``q_norm``/``k_norm`` run on the local heads as ``SequenceParallel``
   over dim 2 (the head dim of ``(B, S, H_local, D)``) so their weight gradient is summed over TP.
 * Local head counts: q/k/v outputs are local tensors (``use_local_output=True``) holding
   ``heads / tp`` heads; HF attention reshapes with ``(*input_shape, -1, head_dim)`` so the local
@@ -28,7 +28,8 @@ Design (torchtitan's composition, applied to the transformers modules):
 
 Refusals carry the numbers: tp must divide the world size, the query heads, the KV heads, the
 intermediate size and the vocabulary (:func:`check_tp`); tp*cp must divide the world and the
-heads, ep the ``dp_shard x cp`` ranks (:func:`check_mesh`).
+heads, ep the ``dp_shard x cp`` ranks (:func:`check_sizes`); :func:`check_mesh` adds the
+combinations the training backend does not wire.
 """
 
 from __future__ import annotations
@@ -37,14 +38,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from lumenrl_backends.training.context_parallel import enable_ulysses
 from lumenrl_backends.training.expert_parallel import apply_expert_parallel
+from lumenrl_backends.training.lora import is_lora_model
 from lumenrl_backends.training.modeling import decoder_layers
 
-__all__ = ["MeshDims", "TP_PLANS", "check_mesh", "check_tp", "build_mesh", "apply_tensor_parallel", "parallelize"]
+__all__ = ["MeshDims", "TP_PLANS", "check_mesh", "check_sizes", "check_tp", "build_mesh", "apply_tensor_parallel",
+           "parallelize"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -156,7 +158,25 @@ def check_tp(config: Any, tp: int, world: int) -> None:
         raise ValueError(f"policy.parallel.tp={tp}: tied embeddings ({family}) are not planned; untie or use tp=1")
 
 
-def check_mesh(config: Any, dims: MeshDims) -> None:
+def check_mesh(model: nn.Module, dims: MeshDims, *, critic: bool = False, fp8: bool = False, r3: bool = False) -> None:
+    """Refuse what the mesh cannot carry, in one line: combinations not wired (LoRA, FP8 linears or a
+    critic under TP, R3 under CP), then sizes the world or the model cannot meet, with the numbers."""
+    tp, cp, ep = dims.tp, dims.cp, dims.ep
+    problem = None
+    if max(tp, cp, ep) > 1 and is_lora_model(model):
+        problem = "LoRA adapters are not planned for tensor/context/expert parallel; use policy.lora.rank=0"
+    elif tp > 1 and fp8:
+        problem = "FP8 training linears have no tensor-parallel plan; use quantization.training.precision=bf16"
+    elif tp * cp > 1 and critic:
+        problem = "a critic trains data-parallel over all ranks (the mesh shards the policy); use tp=cp=1"
+    elif cp > 1 and r3:
+        problem = "R3 replay lays out whole rows, not sequence chunks; use moe.r3.enabled=false or cp=1"
+    if problem:
+        raise ValueError(f"policy.parallel.tp={tp}, cp={cp}, moe.expert_parallel_size={ep}: {problem}")
+    check_sizes(model.config, dims)
+
+
+def check_sizes(config: Any, dims: MeshDims) -> None:
     """Refuse mesh sizes the world or the model cannot meet (one line, with the numbers)."""
     tp, cp, ep = dims.tp, dims.cp, dims.ep
     if min(tp, cp, ep) < 1 or dims.world % (tp * cp):
@@ -210,12 +230,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
     return model
 
 
-def parallelize(model: nn.Module, mesh, *, ep: int = 1, mp_policy=None, reshard_after_forward: bool = True) -> nn.Module:
+def parallelize(
+    model: nn.Module, mesh, *, ep: int = 1, mp_policy=None, reshard_after_forward: bool = True
+) -> nn.Module:
     """EP over ``ep`` dp x cp ranks, TP + SP over ``mesh["tp"]``, Ulysses over ``mesh["cp"]`` (each when > 1),
     then FSDP2 (last): expert slices over ``efsdp``, everything else over dp_shard (x cp)."""
     from torch.distributed.fsdp import fully_shard
 
-    check_mesh(model.config, _dims(mesh, ep))
+    check_sizes(model.config, _dims(mesh, ep))
     emesh = expert_mesh(mesh, ep) if ep > 1 else None
     experts = apply_expert_parallel(model, emesh["ep"]) if emesh is not None else []
     if mesh["tp"].size() > 1:
