@@ -5,7 +5,7 @@ replay of random routes (qwen3_moe) on 2 ranks; dp2 x tp2 (qwen3), tp2 x cp2 (ll
 checkpointing: the recompute repeats the collectives) and dp2 x cp2 with ep=2
 laid over the four dp x cp ranks (qwen3_moe: expert slices FSDP-sharded over 2 ranks) on 4 ranks. Each
 case checks ``compute_log_probs`` (log-probs and entropy on the valid response tokens), one ``train_step``
-(loss, grad norm) and every updated parameter (full tensors from ``named_weights``, the rank-0 HF export
+and one ``sft_step`` (loss, grad norm) and every updated parameter (full tensors from ``named_weights``, the rank-0 HF export
 and the sharded checkpoint reloaded on one rank) against one rank.
 Bounds: log-probs/entropy 2e-5 absolute, loss and grad norm 1e-4 relative, parameters 2e-5 absolute after
 one AdamW step with lr 1e-2 and eps 1e-3 (a large eps keeps the first step a smooth function of the
@@ -78,8 +78,13 @@ def run_case(path: str, tp: int = 1, cp: int = 1, ep: int = 1, r3: bool = False,
     if out is not None:
         backend.save_hf(os.path.join(out, "hf"))
         backend.save_checkpoint(os.path.join(out, "ckpt"))
+    sft = {"sft/loss": 0.0, "sft/grad_norm": 0.0}
+    if not r3:  # the SFT forward too (sft_step does not reset R3 replay: its batches carry no routes)
+        labels = batch.batch["input_ids"].masked_fill(batch.batch["attention_mask"] == 0, -100)
+        labels[:, :P] = -100  # the response is the target (a pad position predicting a first token is noise)
+        sft = backend.sft_step(DataProto.from_dict(tensors={**batch.batch, "labels": labels}))
     return {"log_probs": log_probs, "entropy": entropy, "loss": metrics["actor/loss"],
-            "grad_norm": metrics["actor/grad_norm"], "weights": weights}
+            "grad_norm": metrics["actor/grad_norm"], "weights": weights, "sft": [sft["sft/loss"], sft["sft/grad_norm"]]}
 
 
 def _worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
@@ -110,6 +115,7 @@ def _check(request, monkeypatch, tmp_path, world: int, cases: list) -> None:
                 assert err < 2e-5, (name, rank, key, err)
             assert got["loss"] == pytest.approx(one["loss"], rel=1e-4), (name, rank)
             assert got["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4), (name, rank)
+            assert got["sft"] == pytest.approx(one["sft"], rel=1e-4), (name, rank)
             assert got["weights"].keys() == one["weights"].keys()
             for k, v in one["weights"].items():
                 err = (got["weights"][k] - v).abs().max().item()

@@ -360,7 +360,7 @@ class FSDP2Backend(BackendWeights):
     def _presharded(self, batch: Any) -> bool:
         """True when a controller already split the batch over the DP ranks (``dp_compute_proto``)."""
         split = int(batch.meta_info.get(DISPATCH_DP_SIZE_KEY, 1))
-        if split == 1 or self.dp_size == 1:
+        if split == 1 or self.world_size == 1:
             return False
         if split != self.dp_size:
             raise ValueError(
