@@ -1,6 +1,7 @@
 """FSDP2Backend on a parallelism mesh (gloo ranks, float32) == the 1-rank backend.
 
-Cases: tp=2 (qwen3), cp=2 (qwen3, 9 columns: padded to the cp multiple, left/right padding), ep=2 with R3
+Cases: tp=2 (qwen3), cp=2 (qwen3 actor and critic, 9 columns: padded to the cp multiple, left/right
+padding), ep=2 with R3
 replay of random routes (qwen3_moe) on 2 ranks; dp2 x tp2 (qwen3), tp2 x cp2 (llama, activation
 checkpointing: the recompute repeats the collectives) and dp2 x cp2 with ep=2
 laid over the four dp x cp ranks (qwen3_moe: expert slices FSDP-sharded over 2 ranks) on 4 ranks. Each
@@ -50,10 +51,10 @@ def make_batch(moe_layers: int = 0) -> DataProto:
     return DataProto.from_dict(tensors=tensors)
 
 
-def loss_fn(outputs, micro):
-    mask = micro.batch["response_mask"]
-    loss = -(micro.batch["advantages"] * outputs["log_probs"] * mask).sum() / micro.meta_info["mini_batch_tokens"]
-    return loss, {}
+def loss_fn(outputs, micro):  # policy gradient, or a value regression for the critic
+    adv = micro.batch["advantages"]
+    per_token = (outputs["values"] - adv) ** 2 if "values" in outputs else -adv * outputs["log_probs"]
+    return (per_token * micro.batch["response_mask"]).sum() / micro.meta_info["mini_batch_tokens"], {}
 
 
 def build(path: str, **kwargs) -> FSDP2Backend:
@@ -62,29 +63,33 @@ def build(path: str, **kwargs) -> FSDP2Backend:
 
 def build_model(model, recompute: bool = False, **kwargs) -> FSDP2Backend:
     train = PolicyTrainConfig(mini_batch_size=ROWS, micro_batch_size=2, gradient_checkpointing=recompute)
+    torch.manual_seed(0)  # the critic's value head: the same init on every rank and in the reference
     return FSDP2Backend(model, role="actor", optim=OptimConfig(lr=1e-2, eps=1e-3), train=train, num_training_steps=1,
                         device=torch.device("cpu"), **kwargs)
 
 
 def run_case(path: str, tp: int = 1, cp: int = 1, ep: int = 1, r3: bool = False, recompute: bool = False,
-             out: str | None = None) -> dict:
-    """Log-probs, entropy, one update's metrics and the updated weights (full tensors, every rank);
-    with ``out``, the HF export (``out/hf``) and the checkpoint (``out/ckpt``) of the updated weights."""
-    backend = build(path, r3=R3 if r3 else None, tp=tp, cp=cp, ep=ep, recompute=recompute)
+             critic: bool = False, out: str | None = None) -> dict:
+    """Log-probs and entropy (a critic: values), one update's metrics and the updated weights (full tensors,
+    every rank); with ``out``, the HF export (``out/hf``) and the checkpoint (``out/ckpt``) of the update."""
+    backend = build(path, r3=R3 if r3 else None, tp=tp, cp=cp, ep=ep, recompute=recompute, value_head=critic)
     batch = make_batch(backend.hf_config.num_hidden_layers if r3 else 0)
-    log_probs, entropy = backend.compute_log_probs(batch, with_entropy=True)
-    metrics = backend.train_step(batch, loss_fn)
+    if critic:
+        log_probs, entropy = backend.compute_values(batch), None
+    else:
+        log_probs, entropy = backend.compute_log_probs(batch, with_entropy=True)
+    metrics = {k.partition("/")[2]: v for k, v in backend.train_step(batch, loss_fn).items()}
     weights = {k: v.clone() for k, v in backend.named_weights()}
     if out is not None:
         backend.save_hf(os.path.join(out, "hf"))
         backend.save_checkpoint(os.path.join(out, "ckpt"))
     sft = {"sft/loss": 0.0, "sft/grad_norm": 0.0}
-    if not r3:  # the SFT forward too (sft_step does not reset R3 replay: its batches carry no routes)
+    if not (r3 or critic):  # the SFT forward too (sft_step does not reset R3 replay: its batches carry no routes)
         labels = batch.batch["input_ids"].masked_fill(batch.batch["attention_mask"] == 0, -100)
         labels[:, :P] = -100  # the response is the target (a pad position predicting a first token is noise)
         sft = backend.sft_step(DataProto.from_dict(tensors={**batch.batch, "labels": labels}))
-    return {"log_probs": log_probs, "entropy": entropy, "loss": metrics["actor/loss"],
-            "grad_norm": metrics["actor/grad_norm"], "weights": weights, "sft": [sft["sft/loss"], sft["sft/grad_norm"]]}
+    return {"log_probs": log_probs, "entropy": entropy, "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"], "weights": weights, "sft": [sft["sft/loss"], sft["sft/grad_norm"]]}
 
 
 def _worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
@@ -107,10 +112,10 @@ def _check(request, monkeypatch, tmp_path, world: int, cases: list) -> None:
     mp.spawn(_worker, args=(world, _free_port(), cases, str(tmp_path)), nprocs=world, join=True)
     valid = make_batch().batch["response_mask"].bool()
     for name, path, kwargs in cases:
-        one = run_case(path, r3=kwargs.get("r3", False))
+        one = run_case(path, r3=kwargs.get("r3", False), critic=kwargs.get("critic", False))
         for rank in range(world):  # every rank returns the whole results
             got = torch.load(tmp_path / f"{name}.rank{rank}.pt")
-            for key in ("log_probs", "entropy"):
+            for key in ("log_probs", "entropy")[: 1 if kwargs.get("critic") else 2]:
                 err = (got[key] - one[key])[valid].abs().max().item()
                 assert err < 2e-5, (name, rank, key, err)
             assert got["loss"] == pytest.approx(one["loss"], rel=1e-4), (name, rank)
@@ -121,13 +126,16 @@ def _check(request, monkeypatch, tmp_path, world: int, cases: list) -> None:
                 err = (got["weights"][k] - v).abs().max().item()
                 assert err < 2e-5, (name, rank, k, err)
         exported = _state(str(tmp_path / name / "hf"))  # the rank-0 HF export of the sharded weights
-        restored = build(path)
+        restored = build(path, value_head=kwargs.get("critic", False))
         restored.load_checkpoint(str(tmp_path / name / "ckpt"))  # the sharded checkpoint, on one rank
-        for k, v in one["weights"].items():
-            assert (exported[k] - v).abs().max().item() < 2e-5, (name, "export", k)
+        shared = exported.keys() & one["weights"].keys()  # a critic exports its backbone (+ value_head file)
+        assert len(shared) > 10, name
+        for k in shared:
+            assert (exported[k] - one["weights"][k]).abs().max().item() < 2e-5, (name, "export", k)
         for k, v in restored.named_weights():
             assert (v - one["weights"][k]).abs().max().item() < 2e-5, (name, "checkpoint", k)
-        moved = max((one["weights"][k] - w).abs().max().item() for k, w in _state(path).items())
+        initial = _state(path)
+        moved = max((one["weights"][k] - initial[k]).abs().max().item() for k in shared)
         assert moved > 1e-3, name  # the update is real
 
 
@@ -147,6 +155,7 @@ def test_two_ranks_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeypatch
     _check(request, monkeypatch, tmp_path, 2, [
         ("tp2", paths["qwen3"], {"tp": 2}),
         ("cp2", paths["qwen3"], {"cp": 2}),
+        ("cp2_critic", paths["qwen3"], {"cp": 2, "critic": True}),
         ("ep2_r3", paths["qwen3_moe"], {"ep": 2, "r3": True}),
     ])
 
@@ -172,7 +181,7 @@ def test_mesh_refusals_name_the_numbers():
     model = AutoModelForCausalLM.from_config(qwen3)
     with pytest.raises(ValueError, match=r"R3 replay lays out whole rows, not sequence chunks"):
         build_model(model, r3=R3, cp=2)
-    with pytest.raises(ValueError, match=r"a critic trains data-parallel over all ranks"):
+    with pytest.raises(ValueError, match=r"no tensor-parallel plan for the critic's value head"):
         build_model(model, value_head=True, tp=2)
     with pytest.raises(ValueError, match=r"tp=2 \* cp=1 = 2 must divide the world size 1"):
         build_model(model, tp=2)  # this process is one rank

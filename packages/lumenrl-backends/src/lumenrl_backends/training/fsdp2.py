@@ -20,9 +20,10 @@ token counts and losses are reduced over dp_shard only, results are gathered ove
 each rank runs its chunk of the sequence and the per-token results are gathered over cp
 (:func:`~lumenrl_backends.training.context_parallel.gather_sequence`), so log-probs, entropies and
 values are whole on every rank. ``from_config`` gives the mesh to the policy (actor, reference);
-a critic trains data-parallel over all ranks. Refused at build, with the numbers: sizes the world
-or the model cannot meet, LoRA with tp/cp/ep > 1, FP8 linears or a critic with tp > 1, R3 replay
-with cp > 1, a controller split over other than the dp ranks.
+a critic trains data-parallel over all ranks there (built directly, it takes cp and ep). Refused
+at build, with the numbers (:func:`~lumenrl_backends.training.parallelize.check_mesh`): sizes the
+world or the model cannot meet, LoRA with tp/cp/ep > 1, FP8 linears or a critic with tp > 1, R3
+replay with cp > 1; at call time, a batch a controller split over other than the dp ranks.
 
 Loss scaling: ``loss_fn`` returns a loss already normalized so that the sum over micro-batches
 and dp ranks is the mini-batch loss. FSDP2 averages gradients over its dp_shard x cp ranks; TP

@@ -159,16 +159,16 @@ def check_tp(config: Any, tp: int, world: int) -> None:
 
 
 def check_mesh(model: nn.Module, dims: MeshDims, *, critic: bool = False, fp8: bool = False, r3: bool = False) -> None:
-    """Refuse what the mesh cannot carry, in one line: combinations not wired (LoRA, FP8 linears or a
-    critic under TP, R3 under CP), then sizes the world or the model cannot meet, with the numbers."""
+    """Refuse what the mesh cannot carry, in one line: combinations not wired (LoRA; FP8 linears or a
+    critic under TP; R3 under CP), then sizes the world or the model cannot meet, with the numbers."""
     tp, cp, ep = dims.tp, dims.cp, dims.ep
     problem = None
     if max(tp, cp, ep) > 1 and is_lora_model(model):
         problem = "LoRA adapters are not planned for tensor/context/expert parallel; use policy.lora.rank=0"
     elif tp > 1 and fp8:
         problem = "FP8 training linears have no tensor-parallel plan; use quantization.training.precision=bf16"
-    elif tp * cp > 1 and critic:
-        problem = "a critic trains data-parallel over all ranks (the mesh shards the policy); use tp=cp=1"
+    elif tp > 1 and critic:
+        problem = "no tensor-parallel plan for the critic's value head; use tp=1 for a critic"
     elif cp > 1 and r3:
         problem = "R3 replay lays out whole rows, not sequence chunks; use moe.r3.enabled=false or cp=1"
     if problem:
