@@ -107,8 +107,11 @@ def _check_cp(family: str, world: int, rank: int, **over) -> None:
 
 def _check_ep(family: str, world: int, rank: int, **over) -> None:
     """ep = world: each rank owns E/ep experts and its own rows; tokens travel by all-to-all."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     ref = _model(family, **over)
-    par = apply_expert_parallel(copy.deepcopy(ref), None, world, rank)
+    par = copy.deepcopy(ref)
+    apply_expert_parallel(par, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
     ids = torch.randint(0, V, (2 * world, 10), generator=torch.Generator().manual_seed(3))
     loss_ref, lp_ref = _loss_and_logprobs(ref, ids)
     loss_ref.backward()
@@ -124,7 +127,8 @@ def _check_ep(family: str, world: int, rank: int, **over) -> None:
     assert expert_names
     for name, p in local.items():
         g = p.grad
-        if name in expert_names:  # this rank's slice of the experts
+        if name in expert_names:  # this rank's slice of the experts (a DTensor Shard(0) over the ep ranks)
+            g = g.to_local()
             n = g.shape[0]
             expected = ref_grads[name][rank * n : (rank + 1) * n]
         else:  # replicated: the data-parallel sum

@@ -79,7 +79,7 @@ def reg() -> PluginRegistry:
         add("advantage_estimators", name, plugin(name.upper()))
     add("policy_losses", "ppo_clip", plugin("PPOClip"))
     add("rewards", "math", plugin("Math"))
-    add("controllers", "local", plugin("Local"))
+    add("controllers", "local", plugin("Local", {"in_process", "dispatch_modes"}))
     add("trainers", "rl", Trainer)
     add("trainers", "sddd", plugin("SDDDTrainer"))
     add("trainers", "async_rl", plugin("AsyncRL", {"async"}))
@@ -509,6 +509,10 @@ def test_parallel_mesh_refusals_name_the_numbers(cfg, reg, tmp_path):
     cfg.policy.parallel.tp, cfg.cluster.gpus_per_node = 2, 3
     assert only(cfg, reg) == ("policy.parallel='tp=2 cp=1': tp*cp=2 must divide the world size 3 "
                               "(cluster.num_nodes*gpus_per_node)")
+    cfg.cluster.gpus_per_node = 2
+    reg.register("controllers", "ray", plugin("Ray", {"dispatch_modes", "multi_node"}))
+    cfg.controller.name = "ray"  # splits every batch over its workers: a TP group would get different rows
+    assert "controller lacks capability 'in_process' required by policy.parallel.tp=2" in only(cfg, reg)
 
 
 def test_rollout_tensor_parallel_only_on_sharding_engines(cfg, reg):

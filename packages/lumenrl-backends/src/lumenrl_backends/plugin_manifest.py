@@ -120,7 +120,8 @@ _TRAINING, _ENGINES = "lumenrl_backends.training", "lumenrl_backends.engines"
 
 # lumenrl.training_backends
 FSDP2 = PluginSpec(f"{_TRAINING}.fsdp2:FSDP2Backend", {
-    "logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint", "lora", "route_replay"},
+    "logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint", "lora", "route_replay",
+    "tensor_parallel", "context_parallel", "expert_parallel"},  # training/parallelize.py (decision 0016)
     probe=_fsdp2_reason)
 MEGATRON = PluginSpec(f"{_TRAINING}.megatron:MegatronBackend", {"logprobs", "checkpoint"}, probe=megatron_missing_api)
 

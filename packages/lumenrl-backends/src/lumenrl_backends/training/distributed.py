@@ -4,6 +4,8 @@ One process or torchrun ranks: when ``torch.distributed`` is not initialized yet
 initializes it from the torchrun environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/...) or,
 without one, as a 1-rank group on a free local port. gloo on CPU, nccl on CUDA.
 :func:`as_floats` turns a step's collected metric tensors into floats with one host copy per device.
+Reductions and gathers take an optional ``group`` (the data-parallel ranks of a TP/CP mesh); None
+is the whole world. :func:`clip_grad_norm_` clips gradients that are DTensors on several meshes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "resolve_device",
     "as_float",
     "as_floats",
+    "clip_grad_norm_",
 ]
 
 
@@ -65,12 +68,16 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(value: float | int, device: torch.device) -> float:
-    """Sum a Python scalar over all ranks (returned as float64-exact Python float)."""
-    if world_size() == 1:
+def _size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def all_reduce_sum(value: float | int, device: torch.device, group=None) -> float:
+    """Sum a Python scalar over the ranks of ``group`` (returned as float64-exact Python float)."""
+    if _size(group) == 1:
         return float(value)
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return float(t.item())
 
 
@@ -85,12 +92,12 @@ def all_reduce_mean_dict(metrics: dict[str, float], device: torch.device) -> dic
     return dict(zip(keys, t.tolist()))
 
 
-def all_gather_rows(local: torch.Tensor) -> torch.Tensor:
-    """Concatenate equally shaped per-rank tensors along dim 0, in rank order."""
-    if world_size() == 1:
+def all_gather_rows(local: torch.Tensor, group=None) -> torch.Tensor:
+    """Concatenate equally shaped per-rank tensors of ``group`` along dim 0, in rank order."""
+    if _size(group) == 1:
         return local
-    parts = [torch.empty_like(local) for _ in range(world_size())]
-    dist.all_gather(parts, local.contiguous())
+    parts = [torch.empty_like(local) for _ in range(_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat(parts, dim=0)
 
 
@@ -123,3 +130,22 @@ def as_floats(collected: Mapping[str, list]) -> dict[str, list[float]]:
         stacked = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors])
         host.update(zip(map(id, tensors), stacked.tolist()))
     return {k: [host[id(v)] if isinstance(v, torch.Tensor) else float(v) for v in vs] for k, vs in collected.items()}
+
+
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients that are DTensors on different meshes or
+    placements (FSDP2 1-D, TP 2-D, expert slices): one norm per (mesh, placements) group, made whole
+    (``full_tensor``: one collective per group), combined, and each group scaled on its own mesh.
+    Returns the total norm (a plain tensor)."""
+    groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        g = p.grad
+        groups[(g.device_mesh, g.placements) if hasattr(g, "device_mesh") else None].append(p)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return total

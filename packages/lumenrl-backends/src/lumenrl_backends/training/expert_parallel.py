@@ -14,7 +14,10 @@ call ``experts(hidden (T, H), top_k_index (T, K), top_k_weights (T, K))`` is the
 
 The backward of each exchange is the inverse exchange, so expert gradients collect the
 contributions of every rank's tokens; replicated (non-expert) parameters need the usual
-data-parallel gradient sum.
+data-parallel gradient sum. The expert tensors are DTensors ``Shard(0)`` over the ``ep`` mesh, so
+state dicts, checkpoints and weight export see the full ``(E, ...)`` tensors under the HF names;
+every local expert takes part in each forward (an empty row block when no token picks it), so
+every rank has a gradient for each expert tensor (FSDP2 reduces them in step).
 
 R3 replay: routing replay substitutes ``top_k_index`` (the recorded experts) in the router, before
 this module; dispatch is a pure function of the indices it is given, so replay under EP selects
@@ -40,24 +43,30 @@ def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch
 class ExpertParallelExperts(nn.Module):
     """This rank's ``E / ep`` experts of a fused-expert module, with all-to-all token dispatch."""
 
-    def __init__(self, experts: nn.Module, group, ep: int, ep_rank: int) -> None:
+    def __init__(self, experts: nn.Module, mesh) -> None:
+        from torch.distributed.tensor import DTensor, Shard
+
         super().__init__()
-        total = experts.num_experts
+        total, ep = experts.num_experts, mesh.size()
         if total % ep:
             raise ValueError(f"moe.expert_parallel_size={ep} does not divide the {total} experts")
-        self.num_experts, self.local, self.group, self.ep = total, total // ep, group, ep
-        lo, hi = ep_rank * self.local, (ep_rank + 1) * self.local
-        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[lo:hi].clone())  # (E/ep, 2I, H)
-        self.down_proj = nn.Parameter(experts.down_proj.detach()[lo:hi].clone())  # (E/ep, H, I)
+        self.num_experts, self.local, self.group, self.ep = total, total // ep, mesh.get_group(), ep
+        lo, hi = mesh.get_local_rank() * self.local, (mesh.get_local_rank() + 1) * self.local
+
+        def slice_of(full: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(DTensor.from_local(full.detach()[lo:hi].clone(), mesh, [Shard(0)], run_check=False))
+
+        self.gate_up_proj = slice_of(experts.gate_up_proj)  # (E, 2I, H), this rank: (E/ep, 2I, H)
+        self.down_proj = slice_of(experts.down_proj)  # (E, H, I), this rank: (E/ep, H, I)
         self.act_fn = experts.act_fn
 
     def _local_experts(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()  # (E/ep, 2I, H), (E/ep, H, I)
         out = torch.zeros_like(rows)  # rows (M, H), expert (M,) local expert ids
         for e in range(self.local):
             pick = (expert == e).nonzero().squeeze(-1)
-            if pick.numel():
-                gate, up = nn.functional.linear(rows[pick], self.gate_up_proj[e]).chunk(2, dim=-1)
-                out = out.index_add(0, pick, nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]))
+            gate, up = nn.functional.linear(rows[pick], gate_up[e]).chunk(2, dim=-1)
+            out = out.index_add(0, pick, nn.functional.linear(self.act_fn(gate) * up, down[e]))
         return out
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -77,16 +86,16 @@ class ExpertParallelExperts(nn.Module):
         return torch.zeros_like(hidden).index_add(0, token, back * weights)
 
 
-def apply_expert_parallel(model: nn.Module, group, ep: int, ep_rank: int) -> nn.Module:
-    """Replace every fused ``experts`` module of ``model`` by this rank's expert-parallel slice."""
-    replaced = 0
+def apply_expert_parallel(model: nn.Module, mesh) -> list[ExpertParallelExperts]:
+    """Replace every fused ``experts`` module of ``model`` by this rank's slice over the 1-D ``mesh``
+    (the EP group); returns the new modules."""
+    replaced = []
     for module in list(model.modules()):
         experts = getattr(module, "experts", None)
         if isinstance(experts, nn.Module) and hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj"):
-            module.experts = ExpertParallelExperts(experts, group, ep, ep_rank)
-            replaced += 1
+            module.experts = ExpertParallelExperts(experts, mesh)
+            replaced.append(module.experts)
     if not replaced:
-        raise ValueError(
-            f"moe.expert_parallel_size={ep}: {type(model).__name__} has no fused experts module (gate_up_proj/down_proj)"
-        )
-    return model
+        raise ValueError(f"moe.expert_parallel_size={mesh.size()}: {type(model).__name__} has no fused experts "
+                         "module (gate_up_proj/down_proj)")
+    return replaced

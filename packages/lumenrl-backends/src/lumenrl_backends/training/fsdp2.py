@@ -12,15 +12,31 @@ contiguous slice (data parallel), global token counts are all-reduced. A batch t
 controller already split (``dp_compute_proto`` stamps ``meta_info["dispatch_dp_size"]`` = W on
 each rank's chunk) is used as this rank's part as it is: no slicing, no gathering.
 
+Parallelism mesh (decision 0016; :mod:`~lumenrl_backends.training.parallelize`): ``tp`` / ``cp``
+(``policy.parallel``) and ``ep`` (``moe.expert_parallel_size``) build a ``("dp_shard", "cp", "tp")``
+mesh; EP, the family's TP + SP plan and Ulysses CP are applied, then FSDP2 over dp_shard x cp.
+"Data parallel" above means the ``dp_shard`` ranks: the ranks of one TP/CP group get the same rows,
+token counts and losses are reduced over dp_shard only, results are gathered over it. Under CP
+each rank runs its chunk of the sequence and the per-token results are gathered over cp
+(:func:`~lumenrl_backends.training.context_parallel.gather_sequence`), so log-probs, entropies and
+values are whole on every rank. ``from_config`` gives the mesh to the policy (actor, reference);
+a critic trains data-parallel over all ranks there (built directly, it takes cp and ep). Refused
+at build, with the numbers (:func:`~lumenrl_backends.training.parallelize.check_mesh`): sizes the
+world or the model cannot meet, LoRA with tp/cp/ep > 1, FP8 linears or a critic with tp > 1, R3
+replay with cp > 1; at call time, a batch a controller split over other than the dp ranks.
+
 Loss scaling: ``loss_fn`` returns a loss already normalized so that the sum over micro-batches
-and ranks is the mini-batch loss. FSDP2 averages gradients over ranks, so the backend
-back-propagates ``loss * world_size`` and the reduced gradient is the gradient of that sum.
+and dp ranks is the mini-batch loss. FSDP2 averages gradients over its dp_shard x cp ranks; TP
+ranks hold the same loss (DTensor backward counts it once) and the CP gather's backward sums the
+cp ranks' identical gradients, so the backend back-propagates ``loss * dp_shard`` and the reduced
+gradient is the gradient of that sum (expert slices: the same factor, see ``parallelize``).
 
 Padding-free forwards (``packing``, default ``auto``): every micro-batch runs either packed
 (valid tokens bin-packed into fewer rows, position ids restarting per sequence, block-diagonal
 attention) or with the all-padding columns trimmed, whichever feeds fewer token slots to the
 model (:mod:`~lumenrl_backends.training.packing`); ``none`` keeps the padded grid. Results equal
-the padded forward up to fp rounding (tested). ``compile_layers`` compiles each decoder layer
+the padded forward up to fp rounding (tested). Under cp > 1 ``auto`` trims only (logged): the
+Ulysses attention does not exchange packed varlen rows. ``compile_layers`` compiles each decoder layer
 (``nn.Module.compile``, names unchanged; ``True`` = inductor, or a torch.compile backend name),
 and the fused log-prob/entropy kernels with the same backend.
 
@@ -32,6 +48,7 @@ Schedule units: the LR scheduler steps once per optimizer step. ``num_training_s
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -50,6 +67,7 @@ from lumenrl_backends.training.batching import (
     position_ids_from_mask,
     split_rows,
 )
+from lumenrl_backends.training.context_parallel import context_parallel_forward
 from lumenrl_backends.training.lora import apply_lora
 from lumenrl_backends.training.modeling import (
     CriticModel,
@@ -67,13 +85,8 @@ from lumenrl_backends.training.packing import (
     plan_micro_batch,
     unpack_tokens,
 )
-from lumenrl_backends.training.precision import (
-    apply_fp8,
-    compute_dtype,
-    fp8_api,
-    mixed_precision,
-    shard,
-)
+from lumenrl_backends.training.parallelize import MeshDims, build_mesh, check_mesh, parallelize
+from lumenrl_backends.training.precision import apply_fp8, compute_dtype, fp8_api, mixed_precision
 from lumenrl_backends.training.routes import route_replay
 from lumenrl_backends.training.schedules import (
     LRSchedule,
@@ -81,7 +94,7 @@ from lumenrl_backends.training.schedules import (
     optimizer_steps_per_training_step,
 )
 from lumenrl_backends.training.single_device import SingleDeviceWeights, check_single_device_mode
-from lumenrl_backends.training.weights_io import BackendWeights, full_tensor
+from lumenrl_backends.training.weights_io import BackendWeights
 
 __all__ = ["FSDP2Backend", "optimizer_steps_per_training_step"]
 
@@ -90,6 +103,11 @@ _MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
 _UNPLANNED = object()  # _forward plans the micro-batch layout itself
+
+
+def _policy_mesh(cfg: Any) -> dict[str, int]:
+    """The policy's mesh sizes: ``policy.parallel.tp`` / ``cp`` and ``moe.expert_parallel_size``."""
+    return {"tp": cfg.policy.parallel.tp, "cp": cfg.policy.parallel.cp, "ep": cfg.moe.expert_parallel_size}
 
 
 class FSDP2Backend(BackendWeights):
@@ -116,6 +134,7 @@ class FSDP2Backend(BackendWeights):
         packing: str | None = None,
         compile_layers: bool | str | None = None,
         single_device: str | None = None, exact_logprobs: bool = False, r3: Any | None = None,
+        tp: int = 1, cp: int = 1, ep: int = 1,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -126,6 +145,9 @@ class FSDP2Backend(BackendWeights):
         self.is_critic = value_head or role == "critic"
         self.nonfinite = NonFiniteGuard(getattr(train, "max_consecutive_nonfinite_steps", 3), self.prefix)
         dist_utils.ensure_process_group(self.device)
+        self.dims = MeshDims(world=self.world_size, tp=tp, cp=cp, ep=ep)
+        check_mesh(model, self.dims, critic=self.is_critic, fp8=fp8 is not None and fp8.precision == "fp8",
+                   r3=r3 is not None and r3.enabled)
         if self.is_critic and not isinstance(model, CriticModel):
             model = CriticModel(model)
         self.hf_config = model.config
@@ -136,13 +158,16 @@ class FSDP2Backend(BackendWeights):
         if train.gradient_checkpointing and role != "ref":
             enable_activation_checkpointing(model)
         model.to(device=self.device, dtype=torch.float32)
+        self.mesh = build_mesh(self.dims, self.device.type)
+        self.dp_group = self.mesh.get_group("dp_shard")
         self.single: SingleDeviceWeights | None = None  # the one-rank fast path (single_device.py)
         if self._use_single_device(single_device if single_device is not None else train.single_device):
             self.single = SingleDeviceWeights(model, compute_dtype(train.mixed_precision, self.device))
             self.model = model
-        else:
-            self.model = shard(model, mixed_precision(train.mixed_precision, self.device))
-        self.packing = check_packing_mode(packing if packing is not None else train.packing)
+        else:  # on one rank keep the unsharded parameters after forward: nothing to save, backward reuses them
+            self.model = parallelize(model, self.mesh, ep=ep, reshard_after_forward=self.world_size > 1,
+                                     mp_policy=mixed_precision(train.mixed_precision, self.device))
+        self.packing = self._packing_mode(packing if packing is not None else train.packing)
         self._pack_align = 64 if self.device.type == "cuda" else 8
         self._logprob_backend = EXACT_BACKEND if self.exact else None  # exact log-softmax or torch.compile
         if compile_layers:
@@ -151,6 +176,15 @@ class FSDP2Backend(BackendWeights):
         self._init_optimizer(num_training_steps, optimizer_steps_per_training_step)
 
     # ----------------------------------------------------------------- construction
+
+    def _packing_mode(self, mode: str) -> str:
+        """``policy.train.packing``; under cp > 1 ``auto`` trims pad columns but packs no rows."""
+        check_packing_mode(mode)
+        if mode == "auto" and self.dims.cp > 1:
+            warnings.warn(f"fsdp2: policy.train.packing='auto' trims only under policy.parallel.cp={self.dims.cp}: "
+                          "the Ulysses attention does not exchange packed varlen rows", stacklevel=3)
+            return "trim"
+        return mode
 
     def _init_optimizer(self, num_training_steps: int, steps_per_training_step: int) -> None:
         """AdamW and its LR schedule (in optimizer steps) for a training role; none for ``ref``."""
@@ -185,7 +219,8 @@ class FSDP2Backend(BackendWeights):
             value_head=role == "critic",
             fp8=cfg.quantization.training if role == "actor" else None,
             optimizer_steps_per_training_step=optimizer_steps_per_training_step(cfg),
-            exact_logprobs=cfg.policy.rollout.exact_logprobs, r3=cfg.moe.r3)
+            exact_logprobs=cfg.policy.rollout.exact_logprobs, r3=cfg.moe.r3,
+            **(_policy_mesh(cfg) if role != "critic" else {}))
 
     def _use_single_device(self, mode: str) -> bool:
         """``auto``: one rank and no FP8 linears; ``on`` insists; ``off``: always ``fully_shard``."""
@@ -223,6 +258,15 @@ class FSDP2Backend(BackendWeights):
     @property
     def world_size(self) -> int:
         return dist_utils.world_size()
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (``dp_shard``): each holds its own rows."""
+        return self.dims.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp_shard")
 
     # ----------------------------------------------------------------- forward
 
@@ -277,6 +321,8 @@ class FSDP2Backend(BackendWeights):
         return self._forward_padded(inputs, temperature, with_entropy)
 
     def _forward_padded(self, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool):
+        if self.dims.cp > 1:
+            return self._forward_cp(inputs, temperature, with_entropy)
         T = inputs["responses"].shape[1]
         model_in = {k: inputs[k] for k in ("input_ids", "attention_mask", "position_ids")}
         if self.is_critic:
@@ -286,6 +332,13 @@ class FSDP2Backend(BackendWeights):
         return token_log_probs(
             logits, inputs["responses"], temperature, with_entropy, compile_backend=self._logprob_backend
         )
+
+    def _forward_cp(self, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool):
+        """Context parallel: this rank's sequence chunk, results gathered over cp (whole on every rank)."""
+        if self.is_critic:
+            return context_parallel_forward(self.model, inputs, self.mesh["cp"]), None
+        return context_parallel_forward(self.model, inputs, self.mesh["cp"], lambda logits, tokens: token_log_probs(
+            logits, tokens, temperature, with_entropy, compile_backend=self._logprob_backend))
 
     def _forward_packed(self, plan: PackPlan, inputs: Mapping[str, torch.Tensor], temperature, with_entropy):
         """One forward over R packed rows; per-token results scattered back to (b, T)."""
@@ -310,10 +363,11 @@ class FSDP2Backend(BackendWeights):
         split = int(batch.meta_info.get(DISPATCH_DP_SIZE_KEY, 1))
         if split == 1 or self.world_size == 1:
             return False
-        if split != self.world_size:
+        if split != self.dp_size:
             raise ValueError(
                 f"batch was dispatched over {split} ranks (meta_info[{DISPATCH_DP_SIZE_KEY!r}]) but this "
-                f"backend has {self.world_size} data-parallel ranks; they must match"
+                f"backend has {self.dp_size} data-parallel ranks (world {self.world_size} / policy.parallel.tp*cp "
+                f"{self.dims.tp * self.dims.cp}); they must match"
             )
         return True
 
@@ -325,9 +379,9 @@ class FSDP2Backend(BackendWeights):
         """
         self.model.eval()
         presharded = self._presharded(batch)
-        inputs, pad = pad_rows(self._inputs(batch), 1 if presharded else self.world_size)
+        inputs, pad = pad_rows(self._inputs(batch), 1 if presharded else self.dp_size)
         total = inputs["input_ids"].shape[0]
-        lo, hi = (0, total) if presharded else dp_slice_bounds(total, dist_utils.rank(), self.world_size)
+        lo, hi = (0, total) if presharded else dp_slice_bounds(total, self.dp_rank, self.dp_size)
         micro = max(self.train_cfg.micro_batch_size, 1)
         firsts, seconds = [], []
         for s in range(lo, hi, micro):
@@ -338,7 +392,7 @@ class FSDP2Backend(BackendWeights):
             firsts.append(first.float())
             seconds.append(second.float() if second is not None else None)
         out_device = batch.batch["input_ids"].device  # results live where the caller's batch lives
-        gather = (lambda t: t) if presharded else dist_utils.all_gather_rows
+        gather = (lambda t: t) if presharded else (lambda t: dist_utils.all_gather_rows(t, self.dp_group))
         first = gather(torch.cat(firsts))[: total - pad].to(out_device)
         self.routes.finish(gather, total - pad, out_device)
         if not with_entropy:
@@ -371,7 +425,7 @@ class FSDP2Backend(BackendWeights):
 
     def _mini_batches(self, batch: Any) -> tuple[list[Any], int]:
         """This rank's rows of every mini-batch, and the global mini-batch size in rows."""
-        world, presharded = self.world_size, self._presharded(batch)
+        world, presharded = self.dp_size, self._presharded(batch)
         total = len(batch) * (world if presharded else 1)
         mini = self.train_cfg.mini_batch_size or total
         if total % mini or mini % world:
@@ -382,7 +436,7 @@ class FSDP2Backend(BackendWeights):
         local = mini // world
         if presharded:  # rank r holds rows [r*B/W, (r+1)*B/W): its slices of the mini-batches, in order
             return split_rows(batch, local), mini
-        rank = dist_utils.rank()
+        rank = self.dp_rank
         return [
             batch[s + rank * local : s + (rank + 1) * local] for s in range(0, total, mini)
         ], mini
@@ -408,7 +462,7 @@ class FSDP2Backend(BackendWeights):
             {k: sum(v) / len(v) for k, v in collected.items() if k != f"{self.prefix}/lr"}, self.device
         )
         metrics[f"{self.prefix}/loss"] = dist_utils.all_reduce_sum(
-            sum(local_loss) / len(local_loss), self.device
+            sum(local_loss) / len(local_loss), self.device, self.dp_group
         )
         metrics[f"{self.prefix}/lr"] = collected[f"{self.prefix}/lr"][-1]
         metrics.update(guard)
@@ -429,9 +483,9 @@ class FSDP2Backend(BackendWeights):
         mask = local.batch.get("response_mask")
         local_tokens = float(mask.sum()) if mask is not None else float(local.batch["responses"].numel())
         local.meta_info.update(
-            mini_batch_tokens=dist_utils.all_reduce_sum(local_tokens, self.device),
+            mini_batch_tokens=dist_utils.all_reduce_sum(local_tokens, self.device, self.dp_group),
             mini_batch_seqs=mini_rows,
-            dp_size=self.world_size,
+            dp_size=self.dp_size,
         )
         self._zero_grad(self.optimizer)
         size = max(self.train_cfg.micro_batch_size, 1)
@@ -457,7 +511,7 @@ class FSDP2Backend(BackendWeights):
             self.model.set_requires_gradient_sync(enabled)
 
     def _backward(self, loss: torch.Tensor) -> None:
-        (loss * self.world_size).backward()
+        (loss * self.dp_size).backward()  # see "Loss scaling" in the module docstring
         if self.single is not None:  # bf16 module grads -> fp32 master grads (two foreach launches)
             self.single.accumulate_grads()
 
@@ -471,9 +525,9 @@ class FSDP2Backend(BackendWeights):
         else:
             source = self.single.masters if self.single is not None else self.model.parameters()
             params = [p for p in source if p.grad is not None]
-            grad_norm = dist_utils.as_float(full_tensor(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)))
+            grad_norm = dist_utils.as_float(dist_utils.clip_grad_norm_(params, clip))
             collected[f"{prefix}/grad_norm"].append(grad_norm)
-            total_loss = dist_utils.all_reduce_sum(dist_utils.as_float(loss), self.device)
+            total_loss = dist_utils.all_reduce_sum(dist_utils.as_float(loss), self.device, self.dp_group)
             if math.isfinite(grad_norm) and math.isfinite(total_loss):
                 optimizer.step()
                 if self.single is not None:
@@ -503,12 +557,12 @@ class FSDP2Backend(BackendWeights):
                 group["lr"] = lr
         self.model.train()
         tensors = {k: batch.batch[k] for k in ("input_ids", "attention_mask", "labels")}
-        tensors, pad = pad_rows(tensors, self.world_size)
+        tensors, pad = pad_rows(tensors, self.dp_size)
         if pad:  # padded copies must not count
             tensors["labels"][-pad:] = -100
-        lo, hi = dp_slice_bounds(tensors["input_ids"].shape[0], dist_utils.rank(), self.world_size)
+        lo, hi = dp_slice_bounds(tensors["input_ids"].shape[0], self.dp_rank, self.dp_size)
         local = {k: v[lo:hi].to(self.device) for k, v in tensors.items()}
-        n_tokens = dist_utils.all_reduce_sum(float((local["labels"][:, 1:] != -100).sum()), self.device)
+        n_tokens = dist_utils.all_reduce_sum(float((local["labels"][:, 1:] != -100).sum()), self.device, self.dp_group)
         collected: dict[str, list[float]] = defaultdict(list)
         self._zero_grad(self._sft_optimizer)
         micro = max(self.train_cfg.micro_batch_size, 1)
@@ -521,23 +575,17 @@ class FSDP2Backend(BackendWeights):
             total_loss += loss.detach()
         self._clip_and_step(self._sft_optimizer, None, collected, "sft")
         return {
-            "sft/loss": dist_utils.all_reduce_sum(dist_utils.as_float(total_loss), self.device),
+            "sft/loss": dist_utils.all_reduce_sum(dist_utils.as_float(total_loss), self.device, self.dp_group),
             "sft/grad_norm": dist_utils.as_float(collected["sft/grad_norm"][0]),
             "sft/lr": collected["sft/lr"][0],
             "sft/tokens": n_tokens,
         }
 
     def _sft_loss(self, micro: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Summed next-token cross-entropy over the micro-batch's valid labels."""
-        position_ids = position_ids_from_mask(micro["attention_mask"])
-        out = self.model(
-            input_ids=micro["input_ids"],
-            attention_mask=micro["attention_mask"],
-            position_ids=position_ids,
-            use_cache=False,
-        )
-        logits = out.logits[:, :-1].float()  # (b, L-1, V)
+        """Summed next-token cross-entropy over the micro-batch's valid labels: the padded (or
+        context-parallel) forward's log-probs of ``labels[:, 1:]`` as a (b, L-1) "response"."""
         labels = micro["labels"][:, 1:]  # (b, L-1)
-        return torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
-        )
+        inputs = {"input_ids": micro["input_ids"], "attention_mask": micro["attention_mask"],
+                  "position_ids": position_ids_from_mask(micro["attention_mask"]), "responses": labels.clamp(min=0)}
+        log_probs, _ = self._forward_padded(inputs, 1.0, with_entropy=False)  # (b, L-1)
+        return -(log_probs * (labels != -100)).sum()

@@ -2,15 +2,23 @@
 
 Design (torchtitan's composition, applied to the transformers modules):
 
-* Mesh: ``world = dp_shard * tp`` ranks as a 2-D :class:`DeviceMesh` with named dims
-  ``("dp_shard", "tp")``; ``tp`` is the fast (innermost) dim so a TP group is neighbouring ranks
-  (one NVLink island on a GPU host).
+* Mesh: ``world = dp_shard * cp * tp`` ranks as a 3-D :class:`DeviceMesh` with named dims
+  ``("dp_shard", "cp", "tp")``; ``tp`` is the fast (innermost) dim so a TP group is neighbouring
+  ranks (one NVLink island on a GPU host). Parameters are replicated over ``cp`` and sharded by
+  FSDP2 over the flattened ``dp_shard x cp`` ranks (torchtitan's ``dp_shard_cp``).
+* Expert parallel (:mod:`.expert_parallel`) is laid over the ``dp_shard x cp`` ranks (as torchtitan
+  does: EP borrows data/context-parallel ranks, whose tokens differ): ``ep`` consecutive ranks of
+  the flattened dim own the ``E / ep`` expert slices (a second mesh ``("efsdp", "ep", "tp")`` over
+  the same ranks); FSDP2 shards each expert slice over ``efsdp`` (the ranks holding the same
+  slice) and divides its reduced gradient by ``dp_shard * cp``, the factor every other parameter
+  gets. No TP plan covers an MoE block, so ``ep > 1`` comes with ``tp = 1``.
 * Tensor parallel (Megatron layout) with sequence parallel between the blocks, per family
   (:data:`TP_PLANS`): attention ``q/k/v_proj`` colwise, ``o_proj`` rowwise; MLP ``gate/up_proj``
   colwise, ``down_proj`` rowwise; RMSNorms ``SequenceParallel`` (the residual stream is a DTensor
-  ``Shard(1)`` over the sequence); embeddings rowwise (vocab-sharded) -> ``Shard(1)``; ``lm_head``
-  colwise with a replicated output (full logits on every TP rank: the log-prob/entropy code reads
-  full rows). Qwen3's per-head ``q_norm``/``k_norm`` run on the local heads as ``SequenceParallel``
+  ``Shard(1)`` over the sequence; the final norm's output is gathered to the whole sequence, so
+  ``logits_to_keep`` index tensors work as on one rank); embeddings rowwise (vocab-sharded) ->
+  ``Shard(1)``; ``lm_head`` colwise with a replicated output (full logits on every TP rank: the
+  log-prob/entropy code reads full rows). Qwen3's per-head ``q_norm``/``k_norm`` run on the local heads as ``SequenceParallel``
   over dim 2 (the head dim of ``(B, S, H_local, D)``) so their weight gradient is summed over TP.
 * Local head counts: q/k/v outputs are local tensors (``use_local_output=True``) holding
   ``heads / tp`` heads; HF attention reshapes with ``(*input_shape, -1, head_dim)`` so the local
@@ -19,7 +27,9 @@ Design (torchtitan's composition, applied to the transformers modules):
   TP DTensor parameters become 2-D DTensors, the rest 1-D over ``dp_shard``.
 
 Refusals carry the numbers: tp must divide the world size, the query heads, the KV heads, the
-intermediate size and the vocabulary (:func:`check_tp`).
+intermediate size and the vocabulary (:func:`check_tp`); tp*cp must divide the world and the
+heads, ep the ``dp_shard x cp`` ranks (:func:`check_sizes`); :func:`check_mesh` adds the
+combinations the training backend does not wire.
 """
 
 from __future__ import annotations
@@ -30,18 +40,31 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["MeshDims", "TP_PLANS", "check_tp", "build_mesh", "apply_tensor_parallel", "parallelize"]
+from lumenrl_backends.training.context_parallel import enable_ulysses
+from lumenrl_backends.training.expert_parallel import apply_expert_parallel
+from lumenrl_backends.training.lora import is_lora_model
+from lumenrl_backends.training.modeling import decoder_layers
+
+__all__ = ["MeshDims", "TP_PLANS", "check_mesh", "check_sizes", "check_tp", "build_mesh", "apply_tensor_parallel",
+           "parallelize"]
 
 
 @dataclass(kw_only=True, slots=True)
 class MeshDims:
-    """Sizes of the mesh dims; ``dp_shard`` is what remains of the world."""
+    """Sizes of the mesh dims; ``dp_shard`` is what remains of the world after ``tp * cp``."""
 
     world: int
-    tp: int = 1
+    tp: int = 1  # policy.parallel.tp
+    cp: int = 1  # policy.parallel.cp
+    ep: int = 1  # moe.expert_parallel_size, laid over dp_shard x cp
 
     @property
     def dp_shard(self) -> int:
+        return self.world // (self.tp * self.cp)
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks FSDP2 shards parameters over (``dp_shard x cp``)."""
         return self.world // self.tp
 
 
@@ -83,12 +106,20 @@ def _root_plan() -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+    class GatheredSequenceParallel(SequenceParallel):
+        """The final norm: sequence-parallel, its output the whole sequence as a local tensor, so
+        ``logits_to_keep`` (a column index tensor) can pick rows before the LM head."""
+
+        @staticmethod
+        def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):
+            return outputs.redistribute(placements=[Replicate()]).to_local()  # (B, S, H) on every TP rank
+
     return {
         "model.embed_tokens": RowwiseParallel(
             input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
         ),
-        "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+        "model.norm": GatheredSequenceParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
     }
 
 
@@ -127,11 +158,64 @@ def check_tp(config: Any, tp: int, world: int) -> None:
         raise ValueError(f"policy.parallel.tp={tp}: tied embeddings ({family}) are not planned; untie or use tp=1")
 
 
+def check_mesh(model: nn.Module, dims: MeshDims, *, critic: bool = False, fp8: bool = False, r3: bool = False) -> None:
+    """Refuse what the mesh cannot carry, in one line: combinations not wired (LoRA; FP8 linears or a
+    critic under TP; R3 under CP), then sizes the world or the model cannot meet, with the numbers."""
+    tp, cp, ep = dims.tp, dims.cp, dims.ep
+    problem = None
+    if max(tp, cp, ep) > 1 and is_lora_model(model):
+        problem = "LoRA adapters are not planned for tensor/context/expert parallel; use policy.lora.rank=0"
+    elif tp > 1 and fp8:
+        problem = "FP8 training linears have no tensor-parallel plan; use quantization.training.precision=bf16"
+    elif tp > 1 and critic:
+        problem = "no tensor-parallel plan for the critic's value head; use tp=1 for a critic"
+    elif cp > 1 and r3:
+        problem = "R3 replay lays out whole rows, not sequence chunks; use moe.r3.enabled=false or cp=1"
+    if problem:
+        raise ValueError(f"policy.parallel.tp={tp}, cp={cp}, moe.expert_parallel_size={ep}: {problem}")
+    check_sizes(model.config, dims)
+
+
+def check_sizes(config: Any, dims: MeshDims) -> None:
+    """Refuse mesh sizes the world or the model cannot meet (one line, with the numbers)."""
+    tp, cp, ep = dims.tp, dims.cp, dims.ep
+    if min(tp, cp, ep) < 1 or dims.world % (tp * cp):
+        raise ValueError(f"policy.parallel.tp={tp} * cp={cp} = {tp * cp} must divide the world size {dims.world}")
+    check_tp(config, tp, dims.world)
+    heads = {"num_attention_heads": config.num_attention_heads,
+             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
+    bad = [f"{k}={v}" for k, v in heads.items() if v % (tp * cp)]
+    if cp > 1 and bad:  # Ulysses splits each TP rank's heads over cp
+        raise ValueError(f"policy.parallel.tp={tp} * cp={cp} = {tp * cp} does not divide {', '.join(bad)}")
+    if dims.fsdp % ep:
+        raise ValueError(f"moe.expert_parallel_size={ep} must divide the {dims.fsdp} data x context parallel ranks "
+                         f"(world {dims.world} / tp {tp}) that expert parallelism is laid over")
+
+
 def build_mesh(dims: MeshDims, device_type: str):
-    """2-D ``("dp_shard", "tp")`` mesh over the initialized process group."""
+    """3-D ``("dp_shard", "cp", "tp")`` mesh over the initialized process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (dims.dp_shard, dims.tp), mesh_dim_names=("dp_shard", "tp"))
+    return init_device_mesh(device_type, (dims.dp_shard, dims.cp, dims.tp), mesh_dim_names=("dp_shard", "cp", "tp"))
+
+
+def _dims(mesh, ep: int) -> MeshDims:
+    return MeshDims(world=mesh.size(), tp=mesh["tp"].size(), cp=mesh["cp"].size(), ep=ep)
+
+
+def expert_mesh(mesh, ep: int):
+    """``("efsdp", "ep", "tp")`` over the ranks of ``mesh``: ``ep`` consecutive ``dp_shard x cp`` ranks
+    form an EP group; ``efsdp`` links the ranks that own the same expert slice."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dims = _dims(mesh, ep)
+    ranks = mesh.mesh.reshape(dims.fsdp // ep, ep, dims.tp)
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("efsdp", "ep", "tp"))
+
+
+def fsdp_mesh(mesh):
+    """The dim FSDP2 shards over: ``dp_shard``, or ``dp_shard x cp`` flattened when cp > 1."""
+    return mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if mesh["cp"].size() > 1 else mesh["dp_shard"]
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
@@ -140,22 +224,36 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
 
     check_tp(model.config, tp_mesh.size(), tp_mesh.size())
     block_plan = TP_PLANS[model.config.model_type]
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, block_plan())
     parallelize_module(model, tp_mesh, _root_plan())
     return model
 
 
-def parallelize(model: nn.Module, mesh, *, mp_policy=None, reshard_after_forward: bool = True) -> nn.Module:
-    """TP + SP over ``mesh["tp"]`` (when > 1), then FSDP2 over ``mesh["dp_shard"]`` (last)."""
+def parallelize(
+    model: nn.Module, mesh, *, ep: int = 1, mp_policy=None, reshard_after_forward: bool = True
+) -> nn.Module:
+    """EP over ``ep`` dp x cp ranks, TP + SP over ``mesh["tp"]``, Ulysses over ``mesh["cp"]`` (each when > 1),
+    then FSDP2 (last): expert slices over ``efsdp``, everything else over dp_shard (x cp)."""
     from torch.distributed.fsdp import fully_shard
 
+    check_sizes(model.config, _dims(mesh, ep))
+    emesh = expert_mesh(mesh, ep) if ep > 1 else None
+    experts = apply_expert_parallel(model, emesh["ep"]) if emesh is not None else []
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    kwargs: dict[str, Any] = {"mesh": mesh["dp_shard"], "reshard_after_forward": reshard_after_forward}
+    if mesh["cp"].size() > 1:
+        enable_ulysses(model, mesh["cp"].get_group(), mesh["cp"].size())
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    for layer in model.model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    dp = fsdp_mesh(mesh)
+    for module in experts:  # gradient = sum over every token's rank / (dp_shard * cp), like the rest
+        fully_shard(module, mesh=emesh["efsdp"], **kwargs)
+        module.set_gradient_divide_factor(float(dp.size()))
+        # a plain SUM, then the division (gloo has no PREMUL_SUM); not on one rank, where torch 2.13 would divide twice
+        module.set_force_sum_reduction_for_comms(emesh["efsdp"].size() > 1)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp, **kwargs)
+    fully_shard(model, mesh=dp, **kwargs)
     return model

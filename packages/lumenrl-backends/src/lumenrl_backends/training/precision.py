@@ -1,7 +1,7 @@
-"""How the FSDP2 backend holds its weights: sharding, mixed precision, FP8 linears, HF writing.
+"""How the FSDP2 backend holds its weights: mixed precision, FP8 linears, HF writing.
 
-- :func:`shard`: ``fully_shard`` per decoder layer, then the
-  root, with the :func:`mixed_precision` policy (bf16 compute, fp32 gradient reduction on CUDA).
+- :func:`mixed_precision`: the FSDP2 policy (bf16 compute, fp32 gradient reduction on CUDA) that
+  :func:`~lumenrl_backends.training.parallelize.parallelize` applies with ``fully_shard``.
 - :func:`compute_dtype`: the forward/backward dtype of a mode on a device (bf16 on CUDA with
   ``auto``/``bf16``, else fp32); the single-device fast path uses it for its module weights.
 - :func:`apply_fp8`: lumenrl-quant FP8 training linears (LM/value heads stay high precision).
@@ -15,10 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lumenrl_backends.training import distributed as dist_utils
-from lumenrl_backends.training.modeling import decoder_layers
-
-__all__ = ["apply_fp8", "compute_dtype", "fp8_api", "mixed_precision", "shard", "write_hf"]
+__all__ = ["apply_fp8", "compute_dtype", "fp8_api", "mixed_precision", "write_hf"]
 
 MIXED_PRECISION_MODES = ("auto", "bf16", "fp32")
 
@@ -85,24 +82,6 @@ def apply_fp8(model: nn.Module, fp8: Any) -> Any | None:
             f"{type(model).__name__}: {report}"
         )
     return report
-
-
-def shard(model: nn.Module, mp_policy) -> nn.Module:
-    """``fully_shard`` per decoder layer, then the root.
-
-    On one rank nothing is saved by freeing the unsharded (bf16) parameters after forward, and
-    the backward would have to gather (cast-copy) them again: keep them (``reshard_after_forward``
-    only with several ranks).
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    kwargs: dict = {"reshard_after_forward": dist_utils.world_size() > 1}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
 
 
 def write_hf(model: nn.Module, state: dict[str, torch.Tensor], path: str, *, critic: bool) -> None:

@@ -97,10 +97,12 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
         ep = cfg.moe.expert_parallel_size
         needs.append(Need("training_backend", "expert_parallel", "moe.expert_parallel_size", ep))
     par = cfg.policy.parallel
-    if par.tp > 1:
-        needs.append(Need("training_backend", "tensor_parallel", "policy.parallel.tp", par.tp))
-    if par.cp > 1:
-        needs.append(Need("training_backend", "context_parallel", "policy.parallel.cp", par.cp))
+    for key, degree, capability in (("tp", par.tp, "tensor_parallel"), ("cp", par.cp, "context_parallel")):
+        if degree > 1:
+            needs.append(Need("training_backend", capability, f"policy.parallel.{key}", degree))
+            # the ranks of a TP/CP group need the same rows: torchrun ranks each holding the batch
+            # (an in-process controller), not a controller that splits the rows over every worker
+            needs.append(Need("controller", "in_process", f"policy.parallel.{key}", degree))
     return needs
 
 
