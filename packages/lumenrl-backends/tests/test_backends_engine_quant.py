@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lumenrl_backends.engines import NativeEngine
+from lumenrl_backends.exact import exact_token_log_probs
 from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 from lumenrl_quant import QuantizedLinear
@@ -22,11 +23,18 @@ def prompt_batch(tokenizer) -> DataProto:
     return DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
 
 
-def forward_log_probs(model, out: DataProto) -> torch.Tensor:
+def forward_log_probs(model, out: DataProto, exact: bool = False) -> torch.Tensor:
+    """The model's own full forward over prompt + response, positions counted from each row's first real token
+    (as the engine counts them: left-padded rows otherwise get shifted RoPE angles and other roundings)."""
+    mask = out.batch["attention_mask"]
     with torch.no_grad():
-        logits = model(input_ids=out.batch["input_ids"], attention_mask=out.batch["attention_mask"]).logits
+        logits = model(input_ids=out.batch["input_ids"], attention_mask=mask,
+                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
     width = out.batch["prompts"].shape[1]
-    return torch.log_softmax(logits[:, width - 1 : -1].float(), -1).gather(2, out.batch["responses"][..., None]).squeeze(-1)
+    logits, responses = logits[:, width - 1 : -1], out.batch["responses"]
+    if exact:  # the engine's exact-mode log-softmax
+        return exact_token_log_probs(logits, responses, 1.0)
+    return torch.log_softmax(logits.float(), -1).gather(2, responses[..., None]).squeeze(-1)
 
 
 def mean_delta(model, out: DataProto) -> float:
@@ -53,18 +61,40 @@ def test_quantized_weights_logprobs_are_self_consistent_and_close(qwen3_128_dir,
     assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 14
     out = engine.generate(prompt_batch(tokenizer), PARAMS)
     # The engine's log-probs are its own (quantized) model's: equal up to float32 rounding, except where
-    # FP8 rounding of an activation flips. The engine's cached decode attention and the full-sequence
-    # forward sum in different orders (o_proj inputs differ by ~1 ulp, 1e-7 relative); an activation that
-    # sits on an FP8 rounding boundary then takes the neighbouring code in one of the two (a 1e-2 jump
-    # that the KV cache carries to the row's later tokens). Measured on the fresh tiny model: fp8_row
-    # flips 2 of 48 tokens, every fusion on or off alike; the other schemes none. So: most tokens agree
-    # to float error, and flips are rare.
+    # FP8 rounding of an activation flips. The engine's cached decode and the full-sequence forward sum in
+    # different orders (~1 ulp apart); an activation on an FP8 rounding boundary then takes the neighbouring
+    # code in one of the two (a 1e-2 jump that the KV cache carries to the row's later tokens). Seen with
+    # fp8_row and fp8_block alike, depending on the model's seed, every fusion on or off. So here: most
+    # tokens agree to float error, flips are rare; bitwise agreement is exact mode's
+    # (test_exact_mode_quantized_engine_equals_its_own_forward_bitwise).
     mask = out.batch["response_mask"].bool()
     delta = (forward_log_probs(model, out) - out.batch["rollout_log_probs"])[mask].abs()
     assert delta.median() < 1e-5, delta
     assert (delta > 1e-4).float().mean() <= 0.25, delta
     gap = mean_delta(reference, out)  # the train/infer mismatch that TIS corrects
     assert 1e-4 < gap < (0.6 if scheme == "mxfp4" else 0.25)  # measured: ~0.12-0.15 fp8/mxfp8, ~0.38 mxfp4
+
+
+@pytest.mark.parametrize("scheme", ["fp8_block", "fp8_row", "fp8_w8a16", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_exact_mode_quantized_engine_equals_its_own_forward_bitwise(tiny_model_dir, scheme, seed):
+    """Agreement of the engine with its own quantized model. In the default mode a dynamic activation
+    quantization turns the ~1 ulp differences between cached decode and the full forward (attention and GEMM
+    summation orders) into a different FP8 code now and then (fp8_row and fp8_block both, seed-dependent).
+    With exact_logprobs the engine runs batch-invariant kernels and rounds each token's activations alone
+    (``QuantizedLinear.rounded_input``): bit for bit the same log-probs, for every per-token scheme."""
+    path = tiny_model_dir("qwen3", seed=seed, initializer_range=0.1, hidden_size=128, intermediate_size=256, head_dim=32)
+    model, tokenizer = load_model_and_tokenizer(str(path))
+    engine = NativeEngine(model, tokenizer, max_batch_size=4, max_seq_len=64, quant_scheme=scheme, exact_logprobs=True)
+    out = engine.generate(prompt_batch(tokenizer), {**PARAMS, "seed": seed})
+    mask = out.batch["response_mask"].bool()
+    assert torch.equal(forward_log_probs(model, out, exact=True)[mask], out.batch["rollout_log_probs"][mask])
+
+
+def test_exact_mode_refuses_a_per_call_activation_scale(qwen3_128_dir):
+    model, tokenizer = load_model_and_tokenizer(str(qwen3_128_dir))
+    with pytest.raises(ValueError, match="quant_scheme='fp8_tensor'.*allowed: fp8_block"):
+        NativeEngine(model, tokenizer, max_batch_size=4, max_seq_len=64, quant_scheme="fp8_tensor", exact_logprobs=True)
 
 
 def test_update_weights_requantizes_in_place(qwen3_128_dir):

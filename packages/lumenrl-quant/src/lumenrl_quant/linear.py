@@ -209,6 +209,19 @@ class QuantizedLinear(nn.Module):
             return dequantize_mx(MXTensor(self.weight, self.weight_scale, _MX_ELEMS[self.scheme], shape), dtype)
         return dequantize_fp8(self.weight, self.weight_scale, block_size=_FP8_LAYOUTS[self.scheme][1], dtype=dtype)
 
+    def rounded_input(self, x2: torch.Tensor) -> torch.Tensor:
+        """Activations (M, K) as this scheme rounds them before its GEMM (quantized, then dequantized to
+        ``x2``'s dtype; unchanged for weight-only schemes), in plain torch ops: a token's values depend on
+        that token only, except ``fp8_tensor``'s (one scale per call). ``forward`` equals
+        ``F.linear(rounded_input(x), dequantized_weight())`` up to the GEMM's summation order."""
+        if self.scheme == "mxfp8":
+            return quantize_mx(x2, "e4m3").dequantize(x2.dtype)
+        if self.scheme not in _FP8_LAYOUTS or _FP8_LAYOUTS[self.scheme][2] is None:
+            return x2
+        _, _, a_gran, a_block = _FP8_LAYOUTS[self.scheme]
+        a_q, a_scale = quantize_fp8(x2, dtype=self.fp8_dtype, granularity=a_gran, block_size=a_block, backend="torch")
+        return dequantize_fp8(a_q, a_scale, block_size=a_block, dtype=x2.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, K)

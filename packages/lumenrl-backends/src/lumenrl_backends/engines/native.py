@@ -105,7 +105,7 @@ from lumenrl_backends.engines.speculative import attach_from_config, speculative
 from lumenrl_backends.engines.triton_attention import kernel_agrees
 from lumenrl_backends.engines.triton_sampling import fused_sample, fused_sampler_agrees
 from lumenrl_backends.engines.weights import copy_weights_
-from lumenrl_backends.exact import enable_exact, exact_token_log_probs
+from lumenrl_backends.exact import enable_exact, enable_exact_quantized, exact_token_log_probs
 
 __all__ = ["NativeEngine", "sliding_window_of"]
 
@@ -179,6 +179,8 @@ class NativeEngine:
         if exact_logprobs:  # the trainer's batch-invariant operators (lumenrl_backends.exact)
             enable_exact(self.model, engine_settings=(quant_scheme, kv_cache_dtype, compile))
         self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
+        if exact_logprobs and quant_scheme:  # agreement with its own quantized model (exact/patch.py)
+            enable_exact_quantized(self.model)
         # one q/k/v and one gate/up GEMM per layer; parameters become views of the fused storage
         self.fusion_report = fuse_model_projections(self.model, fp8_mlp=fuse_fp8_mlp,
                                                     fp8_act_kernel=fp8_act_kernel, fp8_attn_out=fp8_attn_out,

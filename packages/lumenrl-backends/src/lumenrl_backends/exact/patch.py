@@ -21,7 +21,8 @@ from torch import nn
 from lumenrl_backends.exact.attention import ATTN_NAME, register
 from lumenrl_backends.exact.ops import exact_linear, exact_rms_norm, exact_silu, vector_safe
 
-__all__ = ["SUPPORTED_FAMILIES", "check_engine_settings", "enable_exact", "exact_actor", "is_exact"]
+__all__ = ["EXACT_QUANT_SCHEMES", "SUPPORTED_FAMILIES", "check_engine_settings", "enable_exact",
+           "enable_exact_quantized", "exact_actor", "is_exact"]
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 _NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
@@ -115,17 +116,49 @@ def is_exact(model: Any) -> bool:
     return bool(getattr(model, "_lumenrl_exact", False))
 
 
+# rollout schemes whose rounding of a token depends on that token only (fp8_tensor: one scale per call)
+EXACT_QUANT_SCHEMES = ("fp8_block", "fp8_row", "fp8_w8a16", "mxfp8", "mxfp4")
+
+
 def check_engine_settings(quant_scheme: Any, kv_cache_dtype: Any, compile: str) -> None:
-    """The native engine's exact mode: full-precision weights and KV cache, no torch.compile (CUDA graphs
-    stay on); the engine also turns projection fusion off (the HF modules as the trainer runs them)."""
-    if quant_scheme:
-        raise ValueError("exact_logprobs=True needs full-precision rollout weights: an FP8/MX rollout computes "
-                         "other numbers than the trainer (quantization.rollout)")
+    """The native engine's exact mode: a KV cache in the model dtype, no torch.compile (CUDA graphs stay
+    on); the engine also turns projection fusion off (the HF modules as the trainer runs them). With
+    rollout weights in FP8/MX (:func:`enable_exact_quantized`) the engine's log-probs equal a forward of its
+    own quantized model bit for bit, not the full-precision trainer's: run configs refuse that
+    combination (``policy.rollout.exact_logprobs`` promises the trainer's numbers)."""
+    name = getattr(quant_scheme, "name", quant_scheme)
+    if quant_scheme and name not in EXACT_QUANT_SCHEMES:
+        raise ValueError(f"exact_logprobs=True with quant_scheme={name!r}: its activation scale is shared by every "
+                         f"token of a call, so a token's numbers depend on its batch; allowed: "
+                         f"{', '.join(EXACT_QUANT_SCHEMES)} or none")
     if kv_cache_dtype not in (None, "auto"):
         raise ValueError(f"exact_logprobs=True needs the KV cache in the model dtype; kv_cache_dtype={kv_cache_dtype!r}")
     if compile != "none":
         raise ValueError(f"exact_logprobs=True runs the batch-invariant kernels eagerly; compile={compile!r} is not "
                          "supported (use 'none'; CUDA graphs stay on)")
+
+
+def _quantized_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A lumenrl-quant ``QuantizedLinear`` in exact mode: the scheme's rounding of the activations (per token
+    or token group), then the batch-invariant GEMM against the dequantized weight."""
+    x2 = self.rounded_input(x.reshape(-1, self.in_features))
+    return exact_linear(x2, self.dequantized_weight(x.dtype), self.bias).reshape(*x.shape[:-1], self.out_features)
+
+
+def enable_exact_quantized(model: nn.Module) -> int:
+    """Rebind the forward of every ``QuantizedLinear`` of an exact-mode ``model`` (after the engine quantized
+    it) to :func:`_quantized_forward`; returns how many. Slower than the scheme's fused GEMMs (the weight is
+    dequantized per call): a mode for agreement, not speed."""
+    from lumenrl_quant import QuantizedLinear
+
+    if not is_exact(model):
+        raise ValueError("enable_exact_quantized: call enable_exact(model) first")
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for module in layers:
+        if module.scheme not in EXACT_QUANT_SCHEMES:
+            raise ValueError(f"exact mode: layer scheme {module.scheme!r}; allowed: {', '.join(EXACT_QUANT_SCHEMES)}")
+        module.forward = types.MethodType(_quantized_forward, module)
+    return len(layers)
 
 
 def exact_actor(model: nn.Module, enabled: bool, fp8_report: Any, compile_layers: Any) -> bool:
