@@ -128,3 +128,12 @@ def test_resolve_dtype():
     assert resolve_dtype(torch.float16, "cpu") == torch.float16
     with pytest.raises(ValueError, match="dtype='fp9'"):
         resolve_dtype("fp9", "cpu")
+
+
+def test_tiny_config_override_by_an_alias_wins_over_the_family_default():
+    """qwen3_moe's num_experts is an alias of num_local_experts (the family default): the caller's value holds."""
+    from lumenrl_backends.models.tiny import tiny_config
+
+    assert tiny_config("qwen3_moe", num_experts=8).num_experts == 8
+    assert tiny_config("qwen3_moe", num_local_experts=6).num_experts == 6
+    assert tiny_config("qwen3_moe").num_experts == 4

@@ -88,7 +88,12 @@ def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
     }
-    fields.update(overrides)
+    # an override may use an alias of a default's field (qwen3_moe: num_experts -> num_local_experts): the
+    # canonical name takes it, or the default would win over the caller's value
+    from transformers import CONFIG_MAPPING
+
+    aliases = getattr(CONFIG_MAPPING[family], "attribute_map", {})
+    fields.update({aliases.get(key, key): value for key, value in overrides.items()})
     return AutoConfig.for_model(family, **fields)
 
 
