@@ -321,25 +321,13 @@ class NativeEngine:
         self._run([r for r in requests if not r.done], params, stops)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        meta = rollout_meta(
-            requests,
-            params,
-            weight_version=self.weight_version,
-            tokens=generated_tokens(requests) - before,
-            seconds=time.perf_counter() - start,
-            prefill_seconds=self._prefill_seconds,
-            cuda_graphs=self.graphs.enabled and self.graphs.error is None,
-        )
+        meta = rollout_meta(requests, params, weight_version=self.weight_version,
+                            tokens=generated_tokens(requests) - before, seconds=time.perf_counter() - start,
+                            prefill_seconds=self._prefill_seconds,
+                            cuda_graphs=self.graphs.enabled and self.graphs.error is None)
         self.routes.finish(requests, batch, meta)  # R3: rows finished before an interrupt keep their routes
-        return build_rollout_batch(
-            requests,
-            prompts,
-            prompt_mask,
-            width=params.max_new_tokens,
-            pad_id=self.pad_token_id,
-            tokenizer=self.tokenizer,
-            meta_info=meta,
-        )
+        return build_rollout_batch(requests, prompts, prompt_mask, width=params.max_new_tokens, pad_id=self.pad_token_id,
+                                   tokenizer=self.tokenizer, meta_info=meta)
 
     def _run(self, requests: list[Request], params: SamplingParams, stops: frozenset[int]) -> None:
         queue: deque[Request] = deque(requests)
