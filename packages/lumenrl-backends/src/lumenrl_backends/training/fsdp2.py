@@ -582,10 +582,16 @@ class FSDP2Backend(BackendWeights):
         }
 
     def _sft_loss(self, micro: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Summed next-token cross-entropy over the micro-batch's valid labels: the padded (or
-        context-parallel) forward's log-probs of ``labels[:, 1:]`` as a (b, L-1) "response"."""
+        """Summed next-token cross-entropy over the micro-batch's valid labels. Under context parallel: the
+        sharded forward's gathered log-probs of ``labels[:, 1:]`` as a (b, L-1) "response" (same sum)."""
         labels = micro["labels"][:, 1:]  # (b, L-1)
-        inputs = {"input_ids": micro["input_ids"], "attention_mask": micro["attention_mask"],
-                  "position_ids": position_ids_from_mask(micro["attention_mask"]), "responses": labels.clamp(min=0)}
-        log_probs, _ = self._forward_padded(inputs, 1.0, with_entropy=False)  # (b, L-1)
-        return -(log_probs * (labels != -100)).sum()
+        position_ids = position_ids_from_mask(micro["attention_mask"])
+        if self.dims.cp > 1:
+            inputs = {"input_ids": micro["input_ids"], "attention_mask": micro["attention_mask"],
+                      "position_ids": position_ids, "responses": labels.clamp(min=0)}
+            log_probs, _ = self._forward_padded(inputs, 1.0, with_entropy=False)  # (b, L-1)
+            return -(log_probs * (labels != -100)).sum()
+        out = self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=position_ids,
+                         use_cache=False)
+        logits = out.logits[:, :-1].float()  # (b, L-1, V)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
