@@ -13,6 +13,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # submodule -> the public names it def
     "weight_sync": ("InProcessWeightSync", "FilesystemWeightSync", "SnapshotError"),
     "queue": ("AccountingError", "SampleGroup", "SampleQueue", "lag_of", "versions_metrics"),
     "channel": ("ProcessChannel",),
+    "collective": ("CollectiveWeightSync", "CollectiveReader", "WeightReceiveError"),
     "staleness": ("StalenessConfig", "StalenessController"),
 }
 __all__, __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
