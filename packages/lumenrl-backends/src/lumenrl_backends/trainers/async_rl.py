@@ -49,23 +49,22 @@ _METHODS = ("inprocess", "filesystem", "cuda_ipc", "collective")
 
 
 def check_async_config(cfg: Any) -> None:
-    """Refuse settings ``async_rl`` cannot honour (one-line ConfigError naming the key)."""
-    a = cfg.async_training
+    """Refuse settings ``async_rl`` cannot honour (one-line ConfigError naming key, value, what is allowed)."""
+    a, method = cfg.async_training, cfg.weight_sync.method
     if not a.enabled:
-        raise ConfigError("async_training.enabled=false: trainer.name=async_rl needs async_training.enabled=true")
+        raise ConfigError("async_training.enabled", False, problem="trainer.name=async_rl needs it", allowed="true")
     if cfg.algorithm.dynamic_sampling:
-        raise ConfigError("algorithm.dynamic_sampling=true: not supported by async_rl yet; allowed: false")
-    method = cfg.weight_sync.method
+        raise ConfigError("algorithm.dynamic_sampling", True, problem="not supported by async_rl yet", allowed="false")
     if method not in _METHODS:
-        raise ConfigError(f"weight_sync.method={method!r}: async_rl supports 'inprocess' (rollouter thread), "
-                          "'filesystem', 'cuda_ipc' or 'collective' (rollouter process / Ray actor)")
+        raise ConfigError("weight_sync.method", method, problem="not a weight sync async_rl can drive",
+                          allowed="inprocess (rollouter thread), filesystem, cuda_ipc, collective (rollouter process)")
     if cfg.controller.name == "ray" and method not in ("filesystem", "collective"):
-        raise ConfigError(f"weight_sync.method={method!r}: with controller.name=ray the rollouter is a Ray actor of "
-                          "its own; allowed: collective, filesystem")
+        raise ConfigError("weight_sync.method", method, problem="with controller.name=ray the rollouter is a Ray "
+                          "actor of its own", allowed="collective, filesystem")
     mini = cfg.policy.train.mini_batch_size or cfg.dataset.train_batch_size * cfg.policy.rollout.n
     if mini % cfg.policy.rollout.n:
-        raise ConfigError(f"policy.train.mini_batch_size={mini}: must be a multiple of policy.rollout.n "
-                          f"({cfg.policy.rollout.n}) so mini-batches hold whole groups")
+        raise ConfigError("policy.train.mini_batch_size", mini, problem="mini-batches must hold whole groups",
+                          allowed=f"a multiple of policy.rollout.n ({cfg.policy.rollout.n})")
 
 
 class AsyncRLTrainer(RLTrainer):

@@ -108,9 +108,9 @@ def rollouter_device(cfg: Any, weight_sync_cls: Any) -> str | None:
         return None
     index = (device.index or 0) + 1
     if index >= torch.cuda.device_count():
-        raise ConfigError(f"weight_sync.method={cfg.weight_sync.method!r}: the rollouter process needs a GPU of its "
-                          f"own (cuda:{index}; {torch.cuda.device_count()} visible, NCCL cannot join two members on "
-                          "one GPU); allowed: cuda_ipc (one GPU), controller.name=ray, or cluster.device=cpu")
+        raise ConfigError("weight_sync.method", cfg.weight_sync.method, problem=(
+            f"the rollouter process needs a GPU of its own (cuda:{index}; {torch.cuda.device_count()} visible, NCCL "
+            "cannot join two members on one GPU)"), allowed="cuda_ipc (one GPU), controller.name=ray, cluster.device=cpu")
     return f"cuda:{index}"
 
 
