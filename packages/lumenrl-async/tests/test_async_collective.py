@@ -149,8 +149,21 @@ def test_config_and_misuse():
 
 
 def test_a_failed_receiver_is_raised_not_ignored():
-    reader = CollectiveReader({"host": "127.0.0.1", "port": 1, "size": 2, "backend": "gloo", "timeout_s": 1.0})
-    reader.start()
-    reader._thread.join(timeout=30)
+    """The writer announces a publish, then never forms the group (it died): the reader's thread
+    times out and the rollouter's next ``latest_version()`` raises."""
+    writer = CollectiveWeightSync(device="cpu", timeout_s=1.0)
+    reader = CollectiveReader(writer.reader_handle()).start()
+    writer.wait_for_readers()
+    writer.store.set("publish/1", "0")
+    reader._thread.join(timeout=60)
     with pytest.raises(WeightReceiveError, match="weight receiver failed"):
         reader.latest_version()
+
+
+def test_waiting_for_a_reader_that_died_fails_fast():
+    writer = CollectiveWeightSync(device="cpu")
+    writer.reader_handle()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="reader ended before joining"):
+        writer.wait_for_readers(lambda: False)
+    assert time.monotonic() - start < 5

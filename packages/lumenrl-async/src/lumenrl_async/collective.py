@@ -5,7 +5,8 @@ Group
 -----
 ``1 + R`` members: member 0 is the writer (the trainer), members ``1..R`` rollouters. The writer
 hosts a ``TCPStore`` on a port the OS picks when it hands out :meth:`CollectiveWeightSync.reader_handle`;
-the group is built on it directly (``ProcessGroupNCCL`` / ``ProcessGroupGloo`` over a prefixed
+a reader registers there when it starts (:meth:`CollectiveWeightSync.wait_for_readers` waits for
+that while checking the reader's process is alive); the group is built on it directly (``ProcessGroupNCCL`` / ``ProcessGroupGloo`` over a prefixed
 store), never as the default group, so the trainer's own ``torch.distributed`` group (FSDP2) is
 untouched. NCCL cannot put two members on one GPU: a rollouter on CUDA needs a device of its own
 (one GPU shared by trainer and rollouter is ``cuda_ipc``).
@@ -46,7 +47,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -60,6 +61,7 @@ __all__ = ["CollectiveWeightSync", "CollectiveReader", "WeightReceiveError"]
 BUCKET, COMMIT = 1, 2
 _ALIGN = 16
 _ANNOUNCE = "publish/{}"
+_READY = "reader/{}"
 _CLOSE = "close"
 
 
@@ -142,6 +144,20 @@ class CollectiveWeightSync:
     def reader(cls, handle: Mapping[str, Any], *, device: str | torch.device = "cpu", member: int = 1) -> CollectiveReader:
         """The reading side in a rollouter process, its receive thread started."""
         return CollectiveReader(handle, member=member, device=device).start()
+
+    def wait_for_readers(self, alive: Callable[[], bool] = lambda: True, *, poll_s: float = 0.05) -> None:
+        """Block until every reader registered (``CollectiveReader.start``); raise at once when
+        ``alive()`` turns false (a rollouter that died before joining: the first publish would
+        otherwise wait ``timeout_s`` for it inside the group's rendezvous)."""
+        if self.store is None:
+            raise RuntimeError("CollectiveWeightSync.wait_for_readers: call reader_handle() first")
+        keys, deadline = [_READY.format(m) for m in range(1, self.readers + 1)], time.monotonic() + self.timeout_s
+        while not self.store.check(keys):
+            if not alive():
+                raise RuntimeError("a weight-sync reader ended before joining the broadcast group")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight-sync readers did not join within {self.timeout_s:.0f} s")
+            time.sleep(poll_s)
 
     # ------------------------------------------------------------------ publish
     def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
@@ -238,21 +254,26 @@ class CollectiveReader:
         return self._close_announced and self._finished.is_set()
 
     def start(self) -> CollectiveReader:
-        self._thread = threading.Thread(target=self._guarded, daemon=True, name="lumenrl-weight-receiver")
+        """Connect to the writer's store (here: a wrong address fails now) and register as ready,
+        then receive in a daemon thread."""
+        h = self.handle
+        store = dist.TCPStore(h["host"], int(h["port"]), int(h["size"]), False, timedelta(seconds=h["timeout_s"]))
+        store.set(_READY.format(self.member), "1")
+        self._thread = threading.Thread(target=self._guarded, args=(store,), daemon=True,
+                                        name="lumenrl-weight-receiver")
         self._thread.start()
         return self
 
-    def _guarded(self) -> None:
+    def _guarded(self, store: Any) -> None:
         try:
-            self._loop()  # returns after its group is released (a process exiting during that aborts)
+            self._loop(store)  # returns after its group is released (a process exiting during that aborts)
         except BaseException as exc:  # surfaced by latest_version()
             self._error = exc
         finally:
             self._finished.set()
 
-    def _loop(self) -> None:
+    def _loop(self, store: Any) -> None:
         h = self.handle
-        store = dist.TCPStore(h["host"], int(h["port"]), int(h["size"]), False, timedelta(seconds=h["timeout_s"]))
         group, n = None, 0
         while not self._stop.is_set():
             n += 1

@@ -165,7 +165,12 @@ class AsyncRLTrainer(RLTrainer):
             self._remote = RayRollouter(self.parts.actor.controller, self.config, start)
         else:
             self._remote = ProcessRollouter(self.config, start_args(self, handle, rollouter_device(self.config, self.sync_cls)))
-        if collective:  # the first publish forms the group: the reader is up and waiting
+        if collective:  # the first publish forms the group: wait for the reader (on Ray: registered in add_role)
+            if not self.on_ray:
+                try:
+                    self.publisher.wait_for_readers(self._remote.alive)
+                except RuntimeError:
+                    self._rollouter_stopped()
             self._publish(self.step)
         self._remote.begin(self.queue)
         self.parts.placement.update(self._remote.placement())

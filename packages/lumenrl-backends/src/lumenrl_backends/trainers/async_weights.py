@@ -42,6 +42,12 @@ class LocalPublisher:
             return self.writer.reader_handle(host)
         return self.writer.reader_handle()
 
+    def wait_for_readers(self, alive: Any) -> None:
+        """A broadcast group: block until the rollouter's reader registered, failing as soon as
+        ``alive()`` is false (other syncs need no reader to publish)."""
+        if "collective" in self.writer.capabilities:
+            self.writer.wait_for_readers(alive)
+
     def publish(self, version: int) -> dict[str, float]:
         return self.writer.publish(LazyWeights(self.backend, self.dtype), int(version)) or {}
 
