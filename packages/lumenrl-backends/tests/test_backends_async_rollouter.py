@@ -4,10 +4,9 @@ the policy version that generated it; groups reach the sink whole; the budget is
 
 from __future__ import annotations
 
-import torch
-
 import numpy as np
 import pytest
+import torch
 
 from lumenrl_async import StalenessConfig, StalenessController
 from lumenrl_backends.engines import NativeEngine
