@@ -60,6 +60,21 @@ def test_rollouter_process_crash_is_accounted_and_raised(train, tmp_path, monkey
     assert len(records) == 1 and _balanced(records[0])  # 4 groups trained, then the ledger was settled
 
 
+@pytest.mark.slow  # a spawned rollouter process, as above
+def test_collective_weight_sync_run_completes_with_its_ledger(train, tmp_path):
+    """The rollouter process reads the weights from a gloo broadcast group (1 MB buckets)."""
+    train("grpo_async_stale.yaml", tmp_path, "num_training_steps=3", "weight_sync.method=collective",
+          "weight_sync.bucket_size_mb=1", *FAST)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3] and all(_balanced(r) for r in records)
+    synced = [r for r in records if "weight_sync/version" in r]
+    assert [r["weight_sync/version"] for r in synced] == [2.0, 3.0]  # every 2 steps, and the last step
+    assert all(r["weight_sync/tensors"] > 0 and r["weight_sync/gb"] > 0 for r in synced)
+    assert records[-1]["async/consumed"] == 3 * 16 and all(r["async/staleness_max"] <= 1 for r in records)
+    state = json.loads((tmp_path / "checkpoints" / "step_000003" / "trainer_state.json").read_text())["async"]
+    assert state["policy_version"] == 3 and state["queue"]["consumed"] == 3 * 16
+
+
 def test_async_training_with_the_synchronous_trainer_is_refused(train, tmp_path):
     with pytest.raises(ConfigError, match="async_training.enabled"):
         train("grpo_dense_bf16.yaml", tmp_path, "async_training.enabled=true", *FAST)

@@ -5,11 +5,23 @@ capped at 8x the median) through the native engine's per-row ``max_new_tokens`` 
 ``ignore_eos`` so the lengths are exactly the drawn ones; the draws depend only on (seed,
 prompt batch index), so every mode sees the same lengths for the same prompts. Same model, same
 number of steps and samples per step for every mode; measured: wall time of ``fit()`` to N
-steps (model loads excluded), trained samples/s, and the reward curve (``reward/mean`` per step).
+steps (model loads excluded; no checkpoint or HF export at the end: not what is compared),
+trained samples/s, and the reward curve (``reward/mean`` per step); ``{mode}/build_s`` is the
+untimed set-up (plan, models, engine) per mode.
 
 Modes: ``sync`` (trainer.name=rl) and the four async presets (on-policy, stream off-policy,
 stale, partial rollout), the rollouter sharing the process and device with the trainer
-(``weight_sync.method=inprocess``).
+(``weight_sync.method=inprocess``). The engine holds two steps of rows (``max_batch_size`` =
+2 x prompts x n: what the async modes keep in flight), not more.
+
+GPU shape (one H200, the ``async_long_tail_gpu`` entry): 4 steps x 8 prompts x 8 samples,
+median 32 tokens (cap 256). What a full run costs besides the timed steps is per mode (engine
+and two FSDP2 backends built, CUDA graphs captured per (batch bucket, KV length) key) and once
+per process (Triton kernels compiled at their first shape): the cap sets the number of KV-length
+keys (cap / 64 + 1) and the decode steps per call, rows x cap the prefill after each interrupt,
+so halving both (from 16 prompts, median 64) cuts generation about fourfold. Before the timed
+modes an untimed one-step ``sync`` warm-up pays the process-wide compiles, so they are charged
+to no mode (on the CPU there are none: no warm-up).
 
     python -m benchmarks.async_rl.long_tail            # CPU, the smoke shapes
     python -m benchmarks.async_rl.long_tail --gpu      # one GPU: rollouter and trainer share it
@@ -62,18 +74,21 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
     from lumenrl_core.config import load_config
 
     overrides = [f"trainer.output_dir={out}", "logger.progress_bar=false", "logger.backends=[jsonl]",
-                 "eval.enabled=false", f"num_training_steps={steps}", f"dataset.train_batch_size={prompts}",
-                 f"policy.rollout.n={n}", f"policy.rollout.max_new_tokens={8 * median}",
-                 "policy.rollout.ignore_eos=true", f"policy.rollout.max_batch_size={max(256, 2 * prompts * n)}", *extra]
+                 "eval.enabled=false", "checkpointing.enabled=false", "checkpointing.export_hf=false",
+                 f"num_training_steps={steps}", f"dataset.train_batch_size={prompts}", f"policy.rollout.n={n}",
+                 f"policy.rollout.max_new_tokens={8 * median}", "policy.rollout.ignore_eos=true",
+                 f"policy.rollout.max_batch_size={2 * prompts * n}", *extra]
+    start = time.perf_counter()
     plan = plan_run(load_config(REPO / "configs" / MODES[mode], overrides))
     trainer = plan.trainer_cls.from_plan(plan)
     _with_lengths(trainer.parts.train_loader, median, seed=trainer.config.seed)
+    build = time.perf_counter() - start
     start = time.perf_counter()
     trainer.fit()
     wall = time.perf_counter() - start
     records = read_metrics(out)
     samples = steps * prompts * n
-    return {"wall_s": wall, "samples_per_s": samples / wall,
+    return {"wall_s": wall, "build_s": build, "samples_per_s": samples / wall,
             "reward": [round(r["reward/mean"], 4) for r in records],
             "staleness_max": max((r.get("async/staleness_max", 0.0) for r in records), default=0.0),
             "response_length_mean": sum(r["response_length/mean"] for r in records) / len(records),
@@ -84,8 +99,8 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
 
 def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = None) -> dict:
     """``fn(smoke) -> dict``: samples/s and time to N steps per mode, and each speed-up vs sync."""
-    if gpu and not smoke:
-        shape = {"steps": 6, "prompts": 16, "n": 8, "median": 64}
+    if gpu and not smoke:  # one H200 within ~240 s (module docstring)
+        shape = {"steps": 4, "prompts": 8, "n": 8, "median": 32}
         extra: tuple[str, ...] = ("cluster.device=cuda", "trainer.warm_start_sft_steps=20")
     elif smoke:
         shape, extra = {"steps": 2, "prompts": 4, "n": 4, "median": 4}, ("trainer.warm_start_sft_steps=0",)
@@ -95,12 +110,16 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     if modes[0] != "sync":
         modes = ("sync", *[m for m in modes if m != "sync"])
     results: dict[str, Any] = {"shape": " ".join(f"{k}={v}" for k, v in shape.items())}
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("LUMENRL_CACHE", str(Path(tmp) / "cache"))
+        if gpu and not smoke:  # process-wide compiles (Triton, CUDA context) charged to no mode
+            run_mode("sync", out=Path(tmp) / "warmup", extra=extra, **{**shape, "steps": 1})
         for mode in modes:
             got = run_mode(mode, out=Path(tmp) / mode, extra=extra, **shape)
             results[f"{mode}/samples_per_s"] = round(got["samples_per_s"], 3)
             results[f"{mode}/time_to_n_steps_s"] = round(got["wall_s"], 3)
+            results[f"{mode}/build_s"] = round(got["build_s"], 3)
             results[f"{mode}/reward_last"] = got["reward"][-1]
             results[f"{mode}/reward_curve"] = " ".join(f"{r:.3f}" for r in got["reward"])
             results[f"{mode}/staleness_max"] = got["staleness_max"]
@@ -109,6 +128,7 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
             results[f"{mode}/partial_rollouts"] = got["partial_rollouts"]
     for mode in modes[1:]:
         results[f"{mode}/speedup_vs_sync"] = round(results[f"{mode}/samples_per_s"] / results["sync/samples_per_s"], 3)
+    results["total_s"] = round(time.perf_counter() - start, 1)
     return results
 
 
@@ -131,7 +151,7 @@ def main() -> None:
                   f"{results.get(f'{mode}/speedup_vs_sync', 1.0):>10.2f}{results[f'{mode}/response_length_mean']:>10.1f}"
                   f"{results[f'{mode}/dropped_stale']:>11.0f}{results[f'{mode}/partial_rollouts']:>9.0f}"
                   f"  {results[f'{mode}/reward_curve']}")
-    print(results["shape"])
+    print(f"{results['shape']}; total {results['total_s']} s (warm-up and builds included)")
 
 
 if __name__ == "__main__":

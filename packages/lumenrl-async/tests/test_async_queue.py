@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from lumenrl_async import (
     AccountingError,
+    Outbox,
     ProcessChannel,
     SampleGroup,
     SampleQueue,
@@ -22,6 +23,7 @@ from lumenrl_async import (
     lag_of,
     versions_metrics,
 )
+from lumenrl_async.channel import deliver
 
 
 def _group(uid: str, version: int, n: int = 2) -> SampleGroup:
@@ -122,6 +124,42 @@ def test_accounting_holds_under_random_delays_and_a_producer_crash(groups, crash
     if not crash:
         assert lost == 0 and q.produced == channel.produced.value
     assert proc.exitcode == (7 if crash else 0)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(groups=st.integers(4, 24), seed=st.integers(0, 2**16), take=st.integers(1, 3), capacity=st.integers(0, 12))
+def test_polled_outbox_keeps_the_ledger_and_reports_taken(groups, seed, take, capacity):
+    """A producer thread queues groups in an Outbox; a consumer polls it (as the Ray driver polls
+    its rollouter actor): in transit never negative, every group delivered once, ``taken`` mirrored."""
+    box, q, rng = Outbox(), SampleQueue(capacity), random.Random(seed)
+
+    def produce() -> None:
+        for i in range(groups):
+            time.sleep(rng.random() * 0.002)
+            box.send(SampleGroup(uid=f"u{i}", payload=b"x" * (i + 1), versions=(0,) * (1 + i % 3)))
+
+    def pump() -> None:  # the driver's polling thread
+        while not done.is_set():
+            messages, produced = box.poll(q.taken, wait_s=0.01)
+            for msg in messages:
+                deliver(q, msg, produced, bytes)
+                assert q.in_transit >= 0
+
+    done = threading.Event()
+    threads = [threading.Thread(target=produce), threading.Thread(target=pump)]
+    for t in threads:
+        t.start()
+    seen: list[str] = []
+    while len(seen) < groups:
+        got = q.get(min(take, groups - len(seen)), current_version=0, timeout=0.01)
+        seen += [g.uid for g in got or []]
+        q.check()
+    done.set()
+    for t in threads:
+        t.join()
+    box.poll(q.taken)
+    assert sorted(seen, key=lambda u: int(u[1:])) == [f"u{i}" for i in range(groups)]
+    assert box.taken == box.produced == q.produced == q.consumed and box.outstanding() == 0
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))

@@ -4,12 +4,15 @@ the policy version that generated it; groups reach the sink whole; the budget is
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from lumenrl_async import StalenessConfig, StalenessController
 from lumenrl_backends.engines import NativeEngine
 from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_backends.trainers.rollouter import Rollouter, RolloutHooks
+from lumenrl_core.assembly.requirements import moe_layout_supported
 from lumenrl_core.data_proto import DataProto
 
 torch.set_num_threads(1)
@@ -17,9 +20,9 @@ PROMPTS = ["12+34=", "7*8=", "9-3=", "5+5=", "1*1=", "8+0="]
 N = 2
 
 
-def _engine(qwen3_dir) -> NativeEngine:
+def _engine(qwen3_dir, **kwargs) -> NativeEngine:
     model, tokenizer = load_model_and_tokenizer(str(qwen3_dir), dtype="float32")
-    return NativeEngine(model, tokenizer, max_batch_size=16, max_seq_len=64)
+    return NativeEngine(model, tokenizer, max_batch_size=16, max_seq_len=64, **kwargs)
 
 
 class _Prompts:
@@ -128,3 +131,57 @@ def test_a_sequence_spanning_a_weight_update_records_per_token_versions(qwen3_di
     assert r.stats["partial_rollouts"] == 4
     # each window's budget (4 samples) was honoured: no group started after it ran out
     assert not r.step() and sum(g.size for g in groups) == 8
+
+
+def _uneven_lengths(r: Rollouter) -> None:
+    """Rows of one group get different lengths (3 and 12 tokens): a group can be half finished."""
+    original = r._next_round
+
+    def next_round():
+        rows = original()
+        rows["max_new_tokens"] = np.array([12 if i % 2 else 3 for i in range(len(rows))], dtype=np.int64)
+        return rows
+
+    r._next_round = next_round
+
+
+def _fed_routes(group) -> dict:
+    """uid/row -> routes (S - 1, L, k) of the positions fed to the model (prompt + response but the last)."""
+    out, batch = {}, group.payload.batch
+    P = batch["prompts"].shape[1]
+    for row in range(len(group.payload)):
+        lo = P - int(batch["attention_mask"][row, :P].sum())
+        fed = P - lo + int(batch["response_mask"][row].sum()) - 1
+        out[(group.uid, row)] = batch["routed_experts"][row, lo : lo + fed]
+    return out
+
+
+@pytest.mark.skipif(not moe_layout_supported(), reason="R3 needs the transformers >= 5.0 MoE layout")
+def test_r3_routes_of_a_half_finished_group_survive_an_interrupt(tiny_model_dir):
+    """R3 on: a group interrupted with one row finished (3 tokens) and one running (12) continues
+    together with fresh rows; the finished row keeps its routes, the running row is re-prefilled:
+    every row's routes equal an uninterrupted run's (weights unchanged)."""
+    moe_dir = tiny_model_dir("qwen3_moe", initializer_range=0.2)
+    plain, cut = [], []
+    a = _rollouter(_engine(moe_dir, record_routes=True), plain, budget_samples=12)
+    _uneven_lengths(a)
+    a.max_rows = 12
+    while len(plain) < 6:
+        assert a.step()
+    b_engine = _engine(moe_dir, record_routes=True)
+    b = _rollouter(b_engine, cut, budget_samples=12)
+    _uneven_lengths(b)
+    b.max_rows = 4
+    restore = _interrupt_after(b_engine, 6)
+    assert b.step() and not cut  # interrupted: each group has its 3-token row done, its 12-token row not
+    restore()
+    left = b._leftover.non_tensor_batch["finish_reason"].tolist()
+    assert left.count("length") == 2 and left.count("interrupted") == 2
+    b.max_rows = 12
+    while len(cut) < 6:  # the half-finished groups continue together with fresh rows
+        assert b.step()
+    x = {k: v for g in plain for k, v in _fed_routes(g).items()}
+    y = {k: v for g in cut for k, v in _fed_routes(g).items()}
+    assert x.keys() == y.keys()
+    for key in x:
+        assert torch.equal(y[key], x[key]), key

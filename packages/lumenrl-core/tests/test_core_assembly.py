@@ -309,6 +309,18 @@ def test_partial_rollout_needs_interrupt_resume_and_async(cfg, reg):
     plan_run(cfg, registry=reg)
 
 
+def test_async_rl_on_ray_needs_a_cross_node_weight_sync(cfg, reg):
+    reg.register("controllers", "ray", plugin("Ray"))
+    reg.register("weight_syncs", "collective", plugin("Collective", {"cross_process", "cross_node", "collective"}))
+    cfg.trainer.name, cfg.async_training.enabled, cfg.controller.name = "async_rl", True, "ray"
+    assert only(cfg, reg) == ("weight_sync.method='inprocess': weight sync lacks capability 'cross_node' required "
+                              "by controller.name='ray'; choose a weight sync that declares it")
+    cfg.weight_sync.method = "collective"
+    plan_run(cfg, registry=reg)
+    cfg.trainer.name, cfg.async_training.enabled, cfg.weight_sync.method = "rl", False, "inprocess"
+    plan_run(cfg, registry=reg)  # the synchronous trainer on Ray syncs over its own channel
+
+
 def test_sddd_trainer_needs_hidden_state_capture(cfg, reg):
     cfg.trainer.name, cfg.algorithm.name, cfg.policy.rollout_engine = "sddd", "sddd", "hf"
     assert "lacks capability 'hidden_state_capture' required by trainer.name='sddd'" in only(cfg, reg)

@@ -40,9 +40,10 @@ _COUPLED = {"policy.train.mini_batch_size", "policy.rollout.n", "policy.rollout.
             "algorithm.clip_ratio_c", "algorithm.overlong_buffer_len", "quantization.rollout.scheme",
             "policy.rollout_engine", "cluster.device", "cluster.gpus_per_node",
             "controller.ray.roles"}  # roles: per-role dicts checked against num_workers (test_core_config_refused.py)
-# sections whose keys are checked together at load (async modes, R3, SDDD, Ray pools, meshes, speculative
-# decoding, trainer/algorithm pairs): their coupled values are tested in test_core_config_refused.py
-_COUPLED_PREFIXES = ("async_training.", "moe.", "sddd.", "controller.", "cluster.", "policy.parallel.",
+# sections whose keys are checked together at load (async modes and their weight sync, R3, SDDD, Ray pools,
+# meshes, speculative decoding, trainer/algorithm pairs): their coupled values are tested in
+# test_core_config_refused.py
+_COUPLED_PREFIXES = ("async_training.", "weight_sync.method", "weight_sync.snapshot_dir", "moe.", "sddd.", "controller.", "cluster.", "policy.parallel.",
                      "policy.rollout.speculative.", "policy.rollout.tensor_parallel_size", "algorithm.name",
                      "trainer.name")
 LEAVES = [leaf for leaf in _leaf_specs()

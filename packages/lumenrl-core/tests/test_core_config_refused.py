@@ -82,6 +82,8 @@ SILENT = [
     (["policy.train.mini_batch_size=3"], "policy.train.mini_batch_size"),
     (["async_training.enabled=true"], "async_training.enabled"),
     (["async_training.queue_size=4"], "async_training.queue_size"),
+    (["weight_sync.method=collective"], "weight_sync.method"),
+    (["weight_sync.snapshot_dir=/tmp/snap"], "weight_sync.snapshot_dir"),
     (["critic.cliprange_value=0"], "critic.cliprange_value"),
     (["algorithm.overlong_buffer_len=100"], "algorithm.overlong_buffer_len"),
     (["policy.rollout.temperature=inf"], "policy.rollout.temperature"),
@@ -141,6 +143,9 @@ def test_accepted_neighbours_of_refused_values():
                              "dataset.prompt_template={prompt}", "assembly.use_new_assembler=true"])
     assert cfg.algorithm.clip_ratio_c is None and cfg.dataset.prompt_template == "{prompt}"
     assert load_config(None, ["dataset.prompt_key='null'"]).dataset.prompt_key == "null"
+    async_rl = ["trainer.name=async_rl", "async_training.enabled=true"]
+    assert load_config(None, [*async_rl, "weight_sync.method=collective"]).weight_sync.method == "collective"
+    load_config(None, [*async_rl, "weight_sync.method=filesystem", "weight_sync.snapshot_dir=/tmp/snap"])
 
 
 def test_hub_id_accepted_only_from_local_cache(tmp_path, monkeypatch):

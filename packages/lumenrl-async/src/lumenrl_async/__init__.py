@@ -12,7 +12,8 @@ from lumenrl_core.lazy import lazy_exports
 _EXPORTS: dict[str, tuple[str, ...]] = {  # submodule -> the public names it defines
     "weight_sync": ("InProcessWeightSync", "FilesystemWeightSync", "SnapshotError"),
     "queue": ("AccountingError", "SampleGroup", "SampleQueue", "lag_of", "versions_metrics"),
-    "channel": ("ProcessChannel",),
+    "channel": ("ProcessChannel", "Outbox", "deliver"),
+    "collective": ("CollectiveWeightSync", "CollectiveReader", "WeightReceiveError"),
     "staleness": ("StalenessConfig", "StalenessController"),
 }
 __all__, __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -1,4 +1,5 @@
-"""Rollouter process -> trainer process: sample groups over a one-way ``multiprocessing`` pipe.
+"""Rollouter process -> trainer process: sample groups over a one-way ``multiprocessing`` pipe
+(:class:`ProcessChannel`), or polled out of an :class:`Outbox` (a Ray actor's method).
 
 A group travels as one message ``("group", uid, versions, newest_version, meta, payload_bytes)``
 (the payload is ``DataProto.to_bytes()``: safetensors bytes, no pickle of tensors). Shared
@@ -10,6 +11,11 @@ stale samples to its staleness budget. If the producer dies, whatever it counted
 delivered is dropped with reason ``rollouter_crash`` (:meth:`settle`). The parent closes its
 copy of the pipe's sending end once the child started (:meth:`started`), so a producer that dies
 mid-message gives the reader an end-of-file instead of a hang; a torn message is never decoded.
+
+An :class:`Outbox` is the same protocol for a transport the consumer polls (an RPC): the producer
+counts a group in ``produced`` when it queues it; one ``poll(taken)`` returns the queued messages
+and ``produced`` read under the same lock (so again never fewer produced than delivered) and
+records the consumer's ``taken``. :func:`deliver` is the consumer's side of both.
 """
 
 from __future__ import annotations
@@ -19,9 +25,60 @@ from typing import Any
 
 from lumenrl_async.queue import SampleGroup, SampleQueue
 
-__all__ = ["ProcessChannel", "STAT_KEYS"]
+__all__ = ["ProcessChannel", "Outbox", "STAT_KEYS", "deliver", "encode"]
 
 STAT_KEYS = ("idle_s", "busy_s", "partial_rollouts", "interrupts", "refills", "samples", "tokens", "round")
+
+
+def encode(group: SampleGroup) -> tuple[Any, ...]:
+    """The message of one group (payload as ``DataProto.to_bytes()`` when it has that method)."""
+    payload = group.payload.to_bytes() if hasattr(group.payload, "to_bytes") else group.payload
+    return ("group", group.uid, list(group.versions), group.newest_version, group.meta, payload)
+
+
+def deliver(sample_queue: SampleQueue, msg: tuple[Any, ...], produced: int, decode: Any, *,
+            closing: bool = False) -> None:
+    """Consumer side: one received message into ``sample_queue``; ``produced`` is the producer's
+    count read after receiving it (so it includes it). ``closing``: received, never trained."""
+    kind, uid, versions, newest, meta, payload = msg
+    sample_queue.note_produced(produced - sample_queue.produced)
+    group = SampleGroup(uid=uid, payload=decode(payload), versions=tuple(versions), newest_version=newest, meta=meta)
+    if closing:
+        sample_queue.drop(group.size, "shutdown", counted=True)
+        return
+    while not sample_queue.put(group, counted=True, timeout=0.1):
+        if sample_queue.closed:
+            sample_queue.drop(group.size, "shutdown", counted=True)
+            return
+
+
+class Outbox:
+    """Producer side of a polled channel: groups wait here until the consumer's next ``poll``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._messages: list[tuple[Any, ...]] = []
+        self.produced = 0
+        self.taken = 0
+
+    def send(self, group: SampleGroup) -> None:
+        msg = encode(group)
+        with self._lock:
+            self.produced += group.size
+            self._messages.append(msg)
+            self._lock.notify_all()
+
+    def outstanding(self) -> int:
+        return self.produced - self.taken
+
+    def poll(self, taken: int, wait_s: float = 0.0) -> tuple[list[tuple[Any, ...]], int]:
+        """``(messages, produced)``: everything queued (waiting up to ``wait_s`` for something)."""
+        with self._lock:
+            self.taken = int(taken)
+            if not self._messages and wait_s > 0:
+                self._lock.wait(wait_s)
+            messages, self._messages = self._messages, []
+            return messages, self.produced
 
 
 class ProcessChannel:
@@ -43,10 +100,10 @@ class ProcessChannel:
 
     # ------------------------------------------------------------------ producer (child)
     def send(self, group: SampleGroup) -> None:
-        payload = group.payload.to_bytes() if hasattr(group.payload, "to_bytes") else group.payload
+        msg = encode(group)
         with self.produced.get_lock():
             self.produced.value += group.size
-        self.writer.send(("group", group.uid, list(group.versions), group.newest_version, group.meta, payload))
+        self.writer.send(msg)
 
     def outstanding(self) -> int:
         return int(self.produced.value) - int(self.taken.value)
@@ -60,6 +117,7 @@ class ProcessChannel:
     def started(self) -> None:
         """Call in the parent right after the producer process started."""
         self.writer.close()
+
     def read_stats(self) -> dict[str, float]:
         return {key: float(self.stats[i]) for i, key in enumerate(STAT_KEYS)}
 
@@ -73,17 +131,7 @@ class ProcessChannel:
         except (EOFError, OSError):  # the producer exited (a torn last message is discarded)
             self.eof = True
             return False
-        kind, uid, versions, newest, meta, payload = msg
-        remote = int(self.produced.value)  # read after receiving: includes this message
-        sample_queue.note_produced(remote - sample_queue.produced)
-        group = SampleGroup(uid=uid, payload=decode(payload), versions=tuple(versions), newest_version=newest, meta=meta)
-        if closing:  # shutting down: received, never trained
-            sample_queue.drop(group.size, "shutdown", counted=True)
-            return True
-        while not sample_queue.put(group, counted=True, timeout=0.1):
-            if sample_queue.closed:
-                sample_queue.drop(group.size, "shutdown", counted=True)
-                break
+        deliver(sample_queue, msg, int(self.produced.value), decode, closing=closing)  # read after receiving
         return True
 
     def pump(self, sample_queue: SampleQueue, decode: Any, done: threading.Event) -> threading.Thread:

@@ -75,6 +75,11 @@ class CudaIpcWeightSync:
             raise RuntimeError("publish once before handing the buffers to a reader")
         return {"buffers": self.buffers, "seq": self.seq}
 
+    @classmethod
+    def reader(cls, handle: Mapping[str, Any], *, device: Any = None) -> CudaIpcReader:
+        """The reading side in the rollouter process (the buffers' device is the writer's GPU)."""
+        return CudaIpcReader(handle)
+
     # ------------------------------------------------------------------ reader
     @staticmethod
     def read(handle: Mapping[str, Any], apply: Callable[[dict[str, torch.Tensor], int], Any],

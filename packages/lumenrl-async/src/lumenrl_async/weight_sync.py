@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from lumenrl_async import plugin_manifest as manifest
 from lumenrl_core.storage import atomic_write, atomic_write_text, cpu_copies
 
-__all__ = ["InProcessWeightSync", "FilesystemWeightSync", "SnapshotError", "LATEST"]
+__all__ = ["InProcessWeightSync", "FilesystemWeightSync", "SnapshotError", "LATEST", "load_newest"]
 
 LATEST = "LATEST.json"
 _CHUNK = 1 << 20
@@ -73,6 +73,24 @@ class InProcessWeightSync:
     def latest(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         with self._lock:
             return None if self._latest is None else (self._latest[0], dict(self._latest[1]))
+
+    def load_into(self, engine: Any) -> int | None:
+        return load_newest(self, engine)
+
+
+def load_newest(sync: Any, engine: Any) -> int | None:
+    """Apply ``sync``'s newest weights if newer than the engine's (``engine.update_weights``: FP8/MX
+    engines requantize there); returns the engine's version, None before anything was published."""
+    newest = sync.latest_version()
+    if newest is None:
+        return None
+    if newest > int(getattr(engine, "weight_version", -1)):
+        loaded = sync.latest()
+        if loaded is None:
+            return None
+        version, tensors = loaded
+        engine.update_weights(tensors, version)
+    return int(engine.weight_version)
 
 
 def _sha256(path: Path) -> str:
@@ -130,6 +148,18 @@ class FilesystemWeightSync:
                 (self.root / f"v{old:08d}{suffix}").unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ reader
+    def reader_handle(self) -> dict[str, Any]:
+        """What a rollouter process needs to read these snapshots (picklable)."""
+        return {"root": str(self.root)}
+
+    @classmethod
+    def reader(cls, handle: Mapping[str, Any], *, device: Any = None) -> FilesystemWeightSync:
+        """The reading side in another process (``device`` unused: snapshots load to host memory)."""
+        return cls(handle["root"])
+
+    def load_into(self, engine: Any) -> int | None:
+        return load_newest(self, engine)
+
     def versions(self) -> list[int]:
         """Versions whose manifest is on disk, oldest first."""
         found = []

@@ -189,6 +189,16 @@ class RayController:
         """Fan ``method`` out over the group's actors by ``dispatch`` and wait for the results."""
         return self.wait(self.submit(group, method, *args, dispatch=dispatch, **kwargs))
 
+    def release(self, group: WorkerGroup, placement_group: Any) -> None:
+        """Kill one group's actors and remove the placement group made for it (the others stay)."""
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in group.workers:
+            self.ray.kill(actor)
+        if placement_group in self._placement_groups:
+            self._placement_groups.remove(placement_group)
+            remove_placement_group(placement_group)
+
     def shutdown(self, *groups: WorkerGroup) -> None:
         """Kill the groups' actors (their processes exit) and release this controller's placement groups."""
         from ray.util.placement_group import remove_placement_group

@@ -8,9 +8,12 @@ whole groups, scores them, recomputes log-probs and updates exactly as the synch
 (:mod:`~lumenrl_backends.trainers.rollouter`) runs beside it:
 
 * ``weight_sync.method=inprocess``: a thread of this process with this process's engine;
-* ``weight_sync.method=filesystem`` / ``cuda_ipc``: its own process (``torch.multiprocessing``
-  spawn) with its own engine, fed by a :class:`lumenrl_async.ProcessChannel`, reading atomic
-  snapshots or (one GPU) the trainer's shared CUDA buffers under a seqlock.
+* ``weight_sync.method=filesystem`` / ``cuda_ipc`` / ``collective``: its own process
+  (``torch.multiprocessing`` spawn, :mod:`.rollouter_process`) with its own engine, fed by a
+  :class:`lumenrl_async.ProcessChannel`, reading atomic snapshots, (one GPU) the trainer's shared
+  CUDA buffers under a seqlock, or a broadcast group (gloo / NCCL: a GPU of its own);
+* ``controller.name=ray``: a Ray actor of its own (:mod:`.rollouter_ray`), the training roles in
+  their ``RoleHost`` actors; ``collective`` or ``filesystem`` weight sync.
 
 Staleness (``async_training.staleness_threshold`` s): the rollouter's production per window is
 bounded by the StalenessController; a sample more than ``ceil(s)`` syncs behind the trainer
@@ -29,9 +32,9 @@ from typing import Any
 
 import torch
 
-from lumenrl_async import ProcessChannel, SampleQueue, StalenessController, lag_of, versions_metrics
+from lumenrl_async import SampleQueue, StalenessController, lag_of, versions_metrics
 from lumenrl_backends import plugin_manifest as manifest
-from lumenrl_backends.sync.filesystem import LazyWeights
+from lumenrl_backends.trainers.async_weights import LocalPublisher, RayPublisher
 from lumenrl_backends.trainers.build import build_parts
 from lumenrl_backends.trainers.loop import RLTrainer, _mismatch_metrics
 from lumenrl_backends.trainers.metrics import PhaseTimer, batch_metrics, throughput_metrics, train_tokens
@@ -40,38 +43,28 @@ from lumenrl_backends.trainers.rollouter import Rollouter, RolloutHooks
 from lumenrl_core.config import ConfigError
 from lumenrl_core.data_proto import DataProto
 
-__all__ = ["AsyncRLTrainer", "load_newest"]
+__all__ = ["AsyncRLTrainer", "check_async_config", "make_rollouter"]
 
-
-def load_newest(sync: Any, engine: Any) -> int | None:
-    """Apply the newest published weights if newer than the engine's; returns the engine's version
-    (None before anything was published)."""
-    newest = sync.latest_version()
-    if newest is None:
-        return None
-    if newest > int(getattr(engine, "weight_version", -1)):
-        loaded = sync.latest()
-        if loaded is None:
-            return None
-        version, tensors = loaded
-        engine.update_weights(tensors, version)  # FP8/MX engines requantize here
-    return int(engine.weight_version)
+_METHODS = ("inprocess", "filesystem", "cuda_ipc", "collective")
 
 
 def check_async_config(cfg: Any) -> None:
-    """Refuse settings ``async_rl`` cannot honour (one-line ConfigError naming the key)."""
-    a = cfg.async_training
+    """Refuse settings ``async_rl`` cannot honour (one-line ConfigError naming key, value, what is allowed)."""
+    a, method = cfg.async_training, cfg.weight_sync.method
     if not a.enabled:
-        raise ConfigError("async_training.enabled=false: trainer.name=async_rl needs async_training.enabled=true")
+        raise ConfigError("async_training.enabled", False, problem="trainer.name=async_rl needs it", allowed="true")
     if cfg.algorithm.dynamic_sampling:
-        raise ConfigError("algorithm.dynamic_sampling=true: not supported by async_rl yet; allowed: false")
-    if cfg.weight_sync.method not in ("inprocess", "filesystem", "cuda_ipc"):
-        raise ConfigError(f"weight_sync.method={cfg.weight_sync.method!r}: async_rl supports 'inprocess' "
-                          "(rollouter thread), 'filesystem' or 'cuda_ipc' (rollouter process)")
+        raise ConfigError("algorithm.dynamic_sampling", True, problem="not supported by async_rl yet", allowed="false")
+    if method not in _METHODS:
+        raise ConfigError("weight_sync.method", method, problem="not a weight sync async_rl can drive",
+                          allowed="inprocess (rollouter thread), filesystem, cuda_ipc, collective (rollouter process)")
+    if cfg.controller.name == "ray" and method not in ("filesystem", "collective"):
+        raise ConfigError("weight_sync.method", method, problem="with controller.name=ray the rollouter is a Ray "
+                          "actor of its own", allowed="collective, filesystem")
     mini = cfg.policy.train.mini_batch_size or cfg.dataset.train_batch_size * cfg.policy.rollout.n
     if mini % cfg.policy.rollout.n:
-        raise ConfigError(f"policy.train.mini_batch_size={mini}: must be a multiple of policy.rollout.n "
-                          f"({cfg.policy.rollout.n}) so mini-batches hold whole groups")
+        raise ConfigError("policy.train.mini_batch_size", mini, problem="mini-batches must hold whole groups",
+                          allowed=f"a multiple of policy.rollout.n ({cfg.policy.rollout.n})")
 
 
 class AsyncRLTrainer(RLTrainer):
@@ -94,18 +87,21 @@ class AsyncRLTrainer(RLTrainer):
         self.groups_per_step = a.require_batches * sc.mini_batch_size // cfg.policy.rollout.n
         capacity = a.queue_size or sc.window_capacity() + sc.window_samples()
         self.queue = SampleQueue(capacity, sync_step=self.sync_step)
-        self.process_mode = cfg.weight_sync.method in ("filesystem", "cuda_ipc")
-        self.weight_sync = plan.weight_sync_cls.from_config(cfg) if plan is not None else None
+        self.sync_cls = plan.weight_sync_cls if plan is not None else None
+        self.on_ray = cfg.controller.name == "ray"
+        self.process_mode = self.on_ray or cfg.weight_sync.method != "inprocess"  # rollouter process / actor
+        self.publisher = self._publisher() if plan is not None else None
         self.model_path = model_path
         self.published: int | None = None
         self.trainer_wait_s = 0.0
         self.start_round = 0
         self._t0 = time.perf_counter()
-        self._rollouter: Rollouter | None = None
-        self._worker: Any = None
-        self._channel: ProcessChannel | None = None
-        self._done = threading.Event()
+        self._started = False
+        self._rollouter: Rollouter | None = None  # thread mode
+        self._worker: threading.Thread | None = None
+        self._remote: Any = None  # ProcessRollouter / RayRollouter
         self._samples_trained = 0
+        self._closed = False
 
     @classmethod
     def from_plan(cls, plan: Any) -> AsyncRLTrainer:
@@ -115,13 +111,24 @@ class AsyncRLTrainer(RLTrainer):
         return cls(parts, plan=plan, model_path=paths[0] if paths else None)
 
     # ------------------------------------------------------------------ weights
+    def _publisher(self) -> Any:
+        if self.on_ray:
+            return RayPublisher(self.parts.actor, self.sync_cls, self.config)
+        return LocalPublisher(self.sync_cls.from_config(self.config), self.parts.actor[0].backend,
+                              self._engine_device())
+
     def _sync(self, version: int) -> dict[str, float]:
+        if not self._started:  # resuming: the first publish is the rollouter's start (_start_rollouter)
+            return {}
+        if self._remote is not None and not self._remote.alive():
+            self._rollouter_stopped()  # a collective publish would wait for a reader that is gone
+        return self._publish(version)
+
+    def _publish(self, version: int) -> dict[str, float]:
         start = time.perf_counter()
-        backend = self.parts.actor[0].backend
-        dtype = None if self._engine_device().type == "cpu" else torch.bfloat16
-        self.weight_sync.publish(LazyWeights(backend, dtype), int(version))
+        stats = self.publisher.publish(int(version))
         self.published = int(version)
-        return {"timing/sync_s": time.perf_counter() - start, "weight_sync/version": float(version)}
+        return {**stats, "timing/sync_s": time.perf_counter() - start, "weight_sync/version": float(version)}
 
     def _engine_device(self) -> torch.device:
         from lumenrl_backends.training import distributed as dist_utils
@@ -130,25 +137,44 @@ class AsyncRLTrainer(RLTrainer):
 
     # ------------------------------------------------------------------ rollouter
     def _start_rollouter(self) -> None:
-        cfg = self.config
-        if self.published is None:
-            self._sync(self.step)
+        self._started = True
         if self.process_mode:
-            from lumenrl_backends.trainers.rollouter_process import start_process
-
-            self._channel, self._worker = start_process(self, cfg)
-            self._pump = self._channel.pump(self.queue, DataProto.from_bytes, self._done)
+            self._start_remote()
             return
-        hooks = RolloutHooks(
-            sink=lambda g: self.queue.put(g),
-            outstanding=lambda: self.queue.produced - self.queue.taken,
-            newest_version=self.weight_sync.latest_version,
-            load_weights=lambda engine: load_newest(self.weight_sync, engine),
-        )
-        self._rollouter = make_rollouter(cfg, self.parts.engine, self.parts.train_loader, hooks,
+        sync = self.publisher.writer  # InProcessWeightSync: the thread reads what the trainer publishes
+        self._publish(self.step)
+        hooks = RolloutHooks(sink=lambda g: self.queue.put(g), outstanding=lambda: self.queue.produced - self.queue.taken,
+                             newest_version=sync.latest_version, load_weights=sync.load_into)
+        self._rollouter = make_rollouter(self.config, self.parts.engine, self.parts.train_loader, hooks,
                                          start_round=self.start_round)
         self._worker = threading.Thread(target=self._guarded_run, daemon=True, name="rollouter")
         self._worker.start()
+
+    def _start_remote(self) -> None:
+        """A rollouter process (local controller) or Ray actor, reading the run's weight sync."""
+        from lumenrl_backends.trainers.rollouter_process import ProcessRollouter, rollouter_device, start_args
+
+        collective = "collective" in self.sync_cls.capabilities
+        if not collective:  # snapshots / IPC buffers exist before the reader opens them
+            self._publish(self.step)
+        handle = self.publisher.reader_handle()
+        if self.on_ray:
+            from lumenrl_backends.trainers.rollouter_ray import RayRollouter
+
+            start = start_args(self, handle, None)
+            self._remote = RayRollouter(self.parts.actor.controller, self.config, start)
+        else:
+            self._remote = ProcessRollouter(self.config, start_args(self, handle, rollouter_device(self.config, self.sync_cls)))
+        if collective:  # the first publish forms the group: wait for the reader (on Ray: registered in add_role)
+            if not self.on_ray:
+                try:
+                    self.publisher.wait_for_readers(self._remote.alive)
+                except RuntimeError:
+                    self._rollouter_stopped()
+            self._publish(self.step)
+        self._remote.begin(self.queue)
+        self.parts.placement.update(self._remote.placement())
+        self.parts.announce(f"async rollouter: {self._remote.placement()}")
 
     def _guarded_run(self) -> None:
         try:
@@ -160,60 +186,43 @@ class AsyncRLTrainer(RLTrainer):
     _rollouter_error: BaseException | None = None
 
     def _alive(self) -> bool:
+        if self._remote is not None:
+            return self._remote.alive()
         return self._worker is not None and self._worker.is_alive()
 
-    _pump: threading.Thread | None = None
-
-    def _stop_pump(self) -> None:
-        """Stop the pump thread: from now on only this thread reads the channel."""
-        self._done.set()
-        if self._pump is not None:
-            self._pump.join()
-
     def _stop_rollouter(self) -> None:
-        self._stop_pump()
         if self._rollouter is not None:
             self._rollouter.hooks.stop.set()
             self.parts.engine.interrupt()
             self._worker.join(timeout=60)
             self.parts.engine.resume()
-        elif self._channel is not None:
-            self._channel.request_stop()
-            deadline = time.monotonic() + 60
-            while self._worker.is_alive() and time.monotonic() < deadline:  # the child flushes its pipe at exit
-                self._channel.drain(self.queue, DataProto.from_bytes, closing=True)
-                self._worker.join(timeout=0.05)
-            if self._worker.is_alive():
-                self._worker.kill()
-            self._channel.drain(self.queue, DataProto.from_bytes, closing=True)
-            self._channel.settle(self.queue, "shutdown")
+        elif self._remote is not None:
+            self.publisher.close(notify=self._remote.alive())  # a broadcast group's readers leave it
+            self._remote.stop(self.queue)
         self.queue.close()
         self.queue.drop_queued("shutdown")
         self.queue.check()
         self.parts.announce(f"async ledger: {_fmt_ledger(self.queue.metrics())}")
 
     def _evaluate(self) -> dict[str, float]:
-        """Greedy eval on this process's engine with the newest published weights: in thread mode
+        """Greedy eval on this run's own engine with the newest published weights: in thread mode
         the rollouter is interrupted and paused meanwhile (its in-flight rows resume after)."""
         if self.parts.evaluator is None:
             return {}
         engine = self.parts.engine
         if self._rollouter is None:
-            if self.process_mode and self.published is not None:  # this engine serves eval only
-                from lumenrl_backends.trainers.sync import sync_weights
-
-                sync_weights(self.parts.actor[0].backend, engine, self.published,
-                             bucket_size_mb=self.config.weight_sync.bucket_size_mb)
+            if self.process_mode and self.published is not None:  # the engine(s) serving eval only
+                self.parts.sync(self.published)
             return super()._evaluate()
         engine.interrupt()
         with self._rollouter.lock:
             engine.resume()
-            load_newest(self.weight_sync, engine)
+            self.publisher.writer.load_into(engine)
             return super()._evaluate()
 
     def rollouter_stats(self) -> dict[str, float]:
-        if self._channel is not None:
-            return self._channel.read_stats()
+        if self._remote is not None:
+            return self._remote.stats()
         return dict(self._rollouter.stats) if self._rollouter is not None else {}
 
     # ------------------------------------------------------------------ one step
@@ -223,14 +232,18 @@ class AsyncRLTrainer(RLTrainer):
                                 alive=self._alive)
         self.trainer_wait_s += time.perf_counter() - start
         if groups is None:
-            if self._channel is not None:
-                self._stop_pump()
-                self._channel.drain(self.queue, DataProto.from_bytes, closing=True)
-                self._channel.settle(self.queue, "rollouter_crash")
-            self.queue.check()
-            raise RuntimeError(f"async_rl: the rollouter stopped (exit {getattr(self._worker, 'exitcode', None)}, "
-                               f"error {self._rollouter_error!r}); ledger {self.queue.metrics()}")
+            self._rollouter_stopped()
         return groups
+
+    def _rollouter_stopped(self) -> None:
+        """The rollouter ended on its own: settle the ledger (``rollouter_crash``) and raise."""
+        if self._remote is not None:
+            self._remote.settle_crash(self.queue)
+            info = self._remote.exit_info()
+        else:
+            info = f"thread error {self._rollouter_error!r}"
+        self.queue.check()
+        raise RuntimeError(f"async_rl: the rollouter stopped ({info}); ledger {self.queue.metrics()}")
 
     def train_step(self, step: int) -> dict[str, float]:
         timer, cfg = PhaseTimer(), self.config
@@ -293,11 +306,23 @@ class AsyncRLTrainer(RLTrainer):
     # ------------------------------------------------------------------ run / checkpoint
     def fit(self) -> dict[str, Any]:
         self._t0 = time.perf_counter()
+        close_roles = self.parts.close
+
+        def close() -> None:  # the rollouter stops before the training roles' actors (ray) go
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self._started:
+                    self._stop_rollouter()
+            finally:
+                close_roles()
+
+        self.parts.close = close
         try:
             return super().fit()
         finally:
-            if self._worker is not None:
-                self._stop_rollouter()
+            close()
 
     def _resume(self) -> None:
         super()._resume()

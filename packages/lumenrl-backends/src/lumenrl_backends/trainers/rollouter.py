@@ -35,7 +35,7 @@ from lumenrl_async import SampleGroup, StalenessController
 from lumenrl_backends.trainers.rollout import concat_rounds, expand_groups, generate, sampling_seed
 from lumenrl_core.data_proto import DataProto
 
-__all__ = ["Rollouter", "RolloutHooks", "tag_token_versions", "as_continuation"]
+__all__ = ["Rollouter", "RolloutHooks", "tag_token_versions", "as_continuation", "carry_token_columns"]
 
 
 @dataclass(kw_only=True)
@@ -66,6 +66,23 @@ def as_continuation(rows: DataProto) -> DataProto:
     out["finish_reason"] = np.array(["interrupted"] * B, dtype=object)
     out["seed"] = np.asarray(rows.non_tensor_batch["sampling_seed"], dtype=np.int64)
     return out
+
+
+def carry_token_columns(left: DataProto, fresh: DataProto) -> None:
+    """Keep the leftover's per-token columns (B, P+T, ...) through its concatenation with fresh rows:
+    R3 ``routed_experts`` / ``router_probs`` of rows that finished before the interrupt are what the
+    engine hands back for them (``carry_routes``), so fresh rows get placeholders of their width
+    (routes ``0..k-1``, zeros) that the engine overwrites; other extra keys are produced anew."""
+    width = left.batch["prompts"].shape[1] + left.batch["responses"].shape[1]
+    B, P = len(fresh), fresh.batch["prompts"].shape[1]
+    for key in set(left.batch) - set(fresh.batch):
+        t = left.batch[key]
+        if t.dim() < 2 or t.shape[1] != width:
+            left.batch.pop(key)
+        elif key == "routed_experts":  # (B, P+T, L_moe, k): a pad row lists experts 0..k-1
+            fresh.batch[key] = torch.arange(t.shape[-1], dtype=t.dtype).expand(B, P, *t.shape[2:]).clone()
+        else:
+            fresh.batch[key] = torch.zeros(B, P, *t.shape[2:], dtype=t.dtype)
 
 
 def _concat_prompts(parts: list[DataProto], pad_id: int) -> DataProto:
@@ -176,8 +193,7 @@ class Rollouter:
         for key, values in left.non_tensor_batch.items():  # e.g. response_text: refreshed by the engine
             if key not in fresh.non_tensor_batch:
                 fresh[key] = np.array([""] * len(fresh), dtype=object) if values.dtype == object else np.zeros(len(fresh), values.dtype)
-        for key in set(left.batch) - set(fresh.batch):  # produced anew by the engine's call
-            left.batch.pop(key)
+        carry_token_columns(left, fresh)
         return concat_rounds([left, fresh], pad_token_id=self._pad_id())
 
     def step(self) -> bool:

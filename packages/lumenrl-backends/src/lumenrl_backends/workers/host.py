@@ -26,6 +26,7 @@ class RoleHost:
         os.environ.update(env or {})
         self.roles: dict[str, Any] = {}
         self.channel: Any = None
+        self.publisher: Any = None  # async_rl, training rank 0: the weight sync's writer
         self.cpu_threads = cpu_threads
         if cpu_threads > 0:
             import torch
@@ -87,6 +88,31 @@ class RoleHost:
 
     def receive_weights(self, version: int) -> int:
         return self.channel.receive(self.roles["rollout"].engine, version)
+
+    # ------------------------------------------------------------------ async_rl weight publishing
+
+    def open_weight_sync(self, sync_cls: type, cfg: Any) -> Any:
+        """Training rank 0: the writer of ``weight_sync.method``; returns its reader handle."""
+        import ray
+
+        from lumenrl_backends.trainers.async_weights import LocalPublisher
+
+        self.publisher = LocalPublisher(sync_cls.from_config(cfg), self.roles["actor"].backend, self._device())
+        return self.publisher.reader_handle(host=ray.util.get_node_ip_address())
+
+    def publish_weights(self, version: int) -> dict[str, float]:
+        """Every training rank: rank 0 publishes, the others join its gathers."""
+        from lumenrl_backends.trainers.async_weights import LocalPublisher
+
+        if self.publisher is None:
+            LocalPublisher.walk(self.roles["actor"].backend, self._device())
+            return {}
+        return self.publisher.publish(version)
+
+    def close_weight_sync(self, notify: bool) -> None:
+        if self.publisher is not None:
+            self.publisher.close(notify=notify)
+            self.publisher = None
 
     def _device(self):
         import torch

@@ -84,6 +84,8 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
         needs.append(Need("trainer", "async", "async_training.enabled", True))
     if cfg.async_training.partial_rollout:
         needs.append(Need("rollout_engine", "interrupt_resume", "async_training.partial_rollout", True))
+    if cfg.trainer.name == "async_rl" and cfg.controller.name == "ray":  # the rollouter is an actor, maybe elsewhere
+        needs.append(Need("weight_sync", "cross_node", "controller.name", "ray"))
     if cfg.trainer.name == "sddd":
         needs.append(Need("rollout_engine", "hidden_state_capture", "trainer.name", "sddd"))
     if cfg.policy.rollout.speculative.draft_path:

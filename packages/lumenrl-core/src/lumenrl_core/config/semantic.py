@@ -6,7 +6,7 @@ with several mistakes reports every one at once. Two groups:
 - meaning (pure functions of the config): non-finite numbers, batch sizes that skip or trim rows,
   GRPO-style group size < 2, sampling temperature, dual-clip constant, rollout precision vs scheme,
   overlong buffer vs max_new_tokens, an engine that is not installed, async_training keys outside
-  the async_rl trainer;
+  the async_rl trainer, a weight_sync.method (or snapshot_dir) the trainer would not use;
 - machine (``machine=True``): model/tokenizer names that resolve to nothing here (no network is
   tried: a local directory, a built-in ``lumenrl:`` name, or a Hugging Face id already in the local
   HF cache), and a device the machine lacks (CUDA probed through the driver library, no torch).
@@ -187,6 +187,19 @@ _ASYNC_KEYS = ("staleness_threshold", "trigger_parameter_sync_step", "require_ba
                "queue_size", "recompute_proximal_log_probs")
 
 
+def _weight_sync(cfg: RunConfig, src: Source) -> list[ConfigError]:
+    """weight_sync.method picks async_rl's trainer -> rollouter sync; the synchronous trainers sync in
+    process (or over the Ray controller's own channel) and would ignore another method."""
+    w, trainer = cfg.weight_sync, cfg.trainer.name
+    if w.method != "inprocess" and trainer != "async_rl":
+        return [_err(src, "weight_sync.method", w.method, f"trainer.name={trainer!r} syncs in process and would "
+                     "ignore it", "inprocess, or trainer.name=async_rl")]
+    if w.snapshot_dir and w.method != "filesystem":
+        return [_err(src, "weight_sync.snapshot_dir", w.snapshot_dir, f"only weight_sync.method=filesystem writes "
+                     f"snapshots (method is {w.method!r})", "'' (the default), or weight_sync.method=filesystem")]
+    return []
+
+
 def _async(cfg: RunConfig, src: Source) -> list[ConfigError]:
     """async_training.* is read by trainer.name=async_rl only: elsewhere a set key would be ignored."""
     a, trainer = cfg.async_training, cfg.trainer.name
@@ -203,7 +216,7 @@ def _async(cfg: RunConfig, src: Source) -> list[ConfigError]:
             for k in _ASYNC_KEYS if getattr(a, k) != getattr(default, k)]
 
 
-MEANING_CHECKS = (_non_finite, _batches, _sampling, _quant, _engine, _async)
+MEANING_CHECKS = (_non_finite, _batches, _sampling, _quant, _engine, _async, _weight_sync)
 MACHINE_CHECKS = (_models, _device)
 
 

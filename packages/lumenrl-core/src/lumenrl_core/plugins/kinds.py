@@ -47,7 +47,7 @@ KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
     },
     "quant_schemes": {n: "lumenrl-quant" for n in ("fp8_block", "fp8_tensor", "fp8_row", "fp8_w8a16", "mxfp8", "mxfp4")},
     "moe_routers": {n: "lumenrl-moe" for n in ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")},
-    "weight_syncs": {"inprocess": "lumenrl-async", "filesystem": "lumenrl-async", "cuda_ipc": "lumenrl-async"},
+    "weight_syncs": {n: "lumenrl-async" for n in ("inprocess", "filesystem", "cuda_ipc", "collective")},
     "transfer_engines": {"inprocess": "lumenrl-sddd", "shm": "lumenrl-sddd", "tcp": "lumenrl-sddd",
                          "mooncake": "lumenrl-sddd[mooncake]", "mori": "lumenrl-sddd"},
     "draft_models": {"eagle3": "lumenrl-sddd", "dflash": "lumenrl-sddd"},
