@@ -167,7 +167,7 @@ def _spawn(request, monkeypatch, world: int, cases: list) -> None:
 
 def test_two_ranks_tp_sp_cp_ep_match_one_rank(request, monkeypatch):
     _spawn(request, monkeypatch, 2, [("qwen3", 2, {}), ("llama", 2, {}), ("qwen3", "cp", {}), ("llama", "cp", {}),
-                                      ("qwen3_moe", "ep", {})])
+                                      ("qwen3_moe", "ep", {}), ("deepseek_v3", "ep", {"kv": 4}), ("glm4_moe", "ep", {})])
 
 
 def test_four_ranks_fsdp_tp_and_ep_match_one_rank(request, monkeypatch):
