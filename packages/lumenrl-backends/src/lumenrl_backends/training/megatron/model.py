@@ -76,9 +76,11 @@ def _rope_theta(config) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
-def _moe_kwargs(config, adapter: FamilyAdapter) -> dict[str, Any]:
+def _moe_kwargs(config, adapter: FamilyAdapter, sizes: tuple[int, int, int]) -> dict[str, Any]:
     """Qwen3-MoE routing in Megatron terms: top-k over the logits then softmax over the k
-    (= HF's softmax, top-k, renormalize when ``norm_topk_prob``); no aux loss in the model."""
+    (= HF's softmax, top-k, renormalize when ``norm_topk_prob``); no aux loss in the model.
+    Dispatcher: ``allgather`` on one rank (runs on CPU), ``alltoall`` under EP or PP (Megatron's
+    allgather dispatcher refuses the variable shapes of pipeline micro-batches; both need CUDA there)."""
     if not adapter.moe:
         return {}
     if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
@@ -91,7 +93,7 @@ def _moe_kwargs(config, adapter: FamilyAdapter) -> dict[str, Any]:
         moe_ffn_hidden_size=config.moe_intermediate_size,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="allgather",
+        moe_token_dispatcher_type="alltoall" if sizes[1] > 1 or sizes[2] > 1 else "allgather",
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not config.norm_topk_prob,
         moe_grouped_gemm=False,
@@ -106,7 +108,7 @@ def _transformer_config(config, adapter: FamilyAdapter, sizes: tuple[int, int, i
             raise ValueError(f"megatron backend: {config.model_type} with {key}=True is not supported")
     heads = config.num_attention_heads
     return TransformerConfig(
-        **_moe_kwargs(config, adapter),
+        **_moe_kwargs(config, adapter, sizes),
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         ffn_hidden_size=config.intermediate_size,
@@ -133,7 +135,7 @@ def _transformer_config(config, adapter: FamilyAdapter, sizes: tuple[int, int, i
         expert_model_parallel_size=sizes[2],
         sequence_parallel=False,
         pipeline_dtype=torch.float32,  # the residual stream stays fp32 under bf16 autocast
-        variable_seq_lengths=True,  # micro-batches differ in rows and columns: stages exchange shapes first
+        variable_seq_lengths=sizes[1] > 1,  # pipeline micro-batches differ in rows and columns: shapes exchanged
         calculate_per_token_loss=True,  # the backend's losses are already normalized: no division by micro-batches
     )
 
