@@ -57,9 +57,11 @@ def check_parallel(config, adapter: FamilyAdapter, sizes: tuple[int, int, int], 
         raise ValueError(f"policy.parallel.tp={tp} with the MoE model {config.model_type}: Megatron's MoE layer "
                          "trains under TP only with sequence parallelism, not wired here; allowed: 1 (use "
                          "moe.expert_parallel_size)")
-    if tp > 1 and config.vocab_size % tp:
-        raise ValueError(f"policy.parallel.tp={tp} does not divide vocab_size={config.vocab_size} "
-                         "(vocab-parallel embedding and output layer)")
+    sizes_tp = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+                "vocab_size": config.vocab_size}  # whole query groups per rank (no KV-head replication)
+    bad = [f"{k}={v}" for k, v in sizes_tp.items() if v % tp]
+    if bad:
+        raise ValueError(f"policy.parallel.tp={tp} does not divide {', '.join(bad)} of {config.model_type}")
     if device.type != "cuda":
         for key, size in (("policy.parallel.pp", pp), ("moe.expert_parallel_size", ep)):
             if size > 1:
