@@ -1,22 +1,31 @@
-"""Megatron backend on 2 gloo ranks (spawned CPU processes) against the same run on 1 rank.
+"""Megatron backend on 2 ranks (spawned processes) against the same run on 1 rank.
 
-Layouts: tp=2 (one replica, vocab-parallel logits) and dp=2 (two replicas, Megatron's DP rank
-slices the rows). Each run: log-probs and entropies (temperature 0.7), two training steps of a
-policy-gradient + entropy loss, the gathered HF weights, a checkpoint, then a third step. The
-2-rank results must equal the 1-rank Megatron backend's: float32 throughout, the only difference
-is the order of the sums that TP splits (row-parallel partial sums, vocab-sliced log-sum-exp) or
-DP reduces (gradients), so log-probs within 1e-5 absolute, loss and grad norm within 1e-5
-relative, weights after the steps within 2e-5 absolute (Adam eps 1e-3, so a step cannot amplify
-gradient rounding). Before training the gathered HF weights equal the checkpoint's bit for bit;
-the 2-rank checkpoint (TP slices as DTensors) reloads on 1 rank and takes the same third step.
-pp / ep > 1 need CUDA in Megatron-Core 0.16: their 2-GPU counterparts are at the end.
+Layouts: tp=2 (one replica, vocab-parallel logits), dp=2 (two replicas, Megatron's DP rank slices
+the rows), pp=2 (Megatron's 1F1B schedule, one layer per stage) and ep=2 (Qwen3-MoE, two experts
+per rank, DP over the dense weights). Each run: log-probs and entropies (temperature 0.7), two
+training steps of a policy-gradient + entropy loss, the gathered HF weights, a checkpoint, then a
+third step. The 2-rank results must equal the 1-rank Megatron backend's: float32 throughout, the
+only difference is the order of the sums that TP splits (row-parallel partial sums, vocab-sliced
+log-sum-exp) or DP reduces (gradients), so log-probs within 1e-5 absolute, loss, grad norm and
+the entropy metric within 1e-5 relative, weights after the steps within 2e-5 absolute (Adam eps
+1e-3, so a step cannot amplify gradient rounding). Before training the gathered HF weights equal
+the checkpoint's bit for bit; the 2-rank checkpoint (TP slices as DTensors, stages and experts under
+their global names) reloads on 1 rank and takes the same third step.
+
+CPU (gloo): tp and dp run as in production. Megatron-Core 0.16 allocates on CUDA inside its
+pipeline schedule, P2P communicator and expert token gather (production refuses pp/ep > 1 on CPU,
+``model.CUDA_ONLY``), so the CPU pp/ep runs redirect exactly those allocations to the CPU
+(:class:`_CpuTorch`, test-only) to check this backend's pipeline and expert code paths on gloo.
+On 2 GPUs (nccl) the same four layouts run unredirected.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import importlib
 import os
 import socket
+import types
 
 import pytest
 import torch
@@ -79,12 +88,78 @@ def run(backend, model_path: str, ckpt_dir: str) -> dict:
             "trained": trained, "after": {n: t.cpu() for n, t in backend.named_weights()}}
 
 
+class _Stream:
+    """A CUDA stream/event stand-in: nothing to order on the CPU."""
+
+    def wait_stream(self, other):
+        return None
+
+    def record_event(self):
+        return self
+
+    def synchronize(self):
+        return None
+
+
+class _CpuCuda:
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    current_device = staticmethod(lambda: "cpu")
+    synchronize = staticmethod(lambda *a, **k: None)
+    Stream = current_stream = staticmethod(lambda *a, **k: _Stream())
+    stream = staticmethod(lambda s: contextlib.nullcontext())
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` as the named Megatron modules see it in the CPU pp/ep tests: ``torch.cuda`` device and
+    stream calls and ``device="cuda"`` allocations land on the CPU; everything else is torch."""
+
+    _MODULES = ("pipeline_parallel.schedules", "pipeline_parallel.p2p_communication", "tensor_parallel.mappings",
+                "transformer.moe.token_dispatcher", "transformer.moe.moe_utils", "utils")
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _cpu(kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return kwargs
+
+    def zeros(self, *a, **k):
+        return torch.zeros(*a, **self._cpu(k))
+
+    def empty(self, *a, **k):
+        return torch.empty(*a, **self._cpu(k))
+
+    def tensor(self, *a, **k):
+        return torch.tensor(*a, **self._cpu(k))
+
+    @classmethod
+    def install(cls) -> None:
+        """Redirect the Megatron modules, and let the backend build pp/ep > 1 on the CPU."""
+        import lumenrl_backends.training.megatron.backend as backend
+        from lumenrl_backends.training.megatron.model import check_parallel
+
+        for name in cls._MODULES:
+            importlib.import_module(f"megatron.core.{name}").torch = cls()
+        backend.check_parallel = lambda config, adapter, sizes, device: check_parallel(
+            config, adapter, sizes, torch.device("cuda"))  # the model checks stay, the CPU refusal goes
+
+
 def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str, sizes: tuple, device: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(rank)
+    elif sizes[1] > 1 or sizes[2] > 1:
+        _CpuTorch.install()
     result = run(build(model_path, *sizes, device=device), model_path, os.path.join(out_dir, "ckpt"))
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
@@ -105,12 +180,24 @@ def _spawn(request, monkeypatch, tmp_path, model_path: str, sizes: tuple, device
 
 @pytest.fixture(scope="module")
 def model_path(tiny_qwen3_path) -> str:
-    return tiny_qwen3_path(vocab_size=V)  # Qwen3: 4 heads, 2 KV heads (q/k norms reduced over TP)
+    return tiny_qwen3_path(vocab_size=V)  # Qwen3: 4 heads, 2 KV heads (q/k norms reduced over TP), 2 layers
 
 
 @pytest.fixture(scope="module")
-def one_rank(model_path, tmp_path_factory) -> dict:
-    return run(build(model_path), model_path, str(tmp_path_factory.mktemp("one") / "ckpt"))
+def moe_path(tiny_model_dir) -> str:
+    return str(tiny_model_dir("qwen3_moe", vocab_size=V))  # 4 experts, top-2, 2 layers
+
+
+@pytest.fixture(scope="module")
+def one_rank(model_path, moe_path, tmp_path_factory):
+    done: dict[str, dict] = {}
+
+    def get(path: str) -> dict:
+        if path not in done:
+            done[path] = run(build(path), path, str(tmp_path_factory.mktemp("one") / "ckpt"))
+        return done[path]
+
+    return get
 
 
 def _assert_matches(two: list[dict], one: dict) -> None:
@@ -134,12 +221,30 @@ def _assert_reloads_on_one_rank(two: list[dict], model_path: str, ckpt: str) -> 
         assert (two[0]["after"][name] - tensor).abs().max() < 2e-5, name
 
 
-def test_tensor_parallel_two_ranks_match_one_rank(model_path, one_rank, tmp_path, request, monkeypatch):
-    two = _spawn(request, monkeypatch, tmp_path, model_path, (2, 1, 1))
-    _assert_matches(two, one_rank)
-    _assert_reloads_on_one_rank(two, model_path, str(tmp_path / "ckpt"))
+LAYOUTS = {"tp2": ("dense", (2, 1, 1)), "dp2": ("dense", (1, 1, 1)), "pp2": ("dense", (1, 2, 1)),
+           "ep2": ("moe", (1, 1, 2))}
 
 
-def test_data_parallel_two_ranks_match_one_rank(model_path, one_rank, tmp_path, request, monkeypatch):
-    two = _spawn(request, monkeypatch, tmp_path, model_path, (1, 1, 1))
-    _assert_matches(two, one_rank)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_gloo_ranks_match_one_rank(layout, model_path, moe_path, one_rank, tmp_path, request, monkeypatch):
+    kind, sizes = LAYOUTS[layout]
+    path = model_path if kind == "dense" else moe_path
+    two = _spawn(request, monkeypatch, tmp_path, path, sizes)
+    _assert_matches(two, one_rank(path))
+    _assert_reloads_on_one_rank(two, path, str(tmp_path / "ckpt"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_gpus_match_one_gpu(layout, model_path, moe_path, tmp_path, request, monkeypatch):
+    """nccl, no redirection; bf16 autocast (``mixed_precision`` auto on CUDA), so the bounds are the
+    1-GPU bf16 test's (rounding differs between layouts, the math does not)."""
+    kind, sizes = LAYOUTS[layout]
+    path = model_path if kind == "dense" else moe_path
+    two = _spawn(request, monkeypatch, tmp_path, path, sizes, device="cuda")
+    one = run(build(path, device="cuda"), path, str(tmp_path / "one"))
+    for result in two:
+        assert result["exact"]
+        assert torch.allclose(torch.tensor(result["log_probs"]), torch.tensor(one["log_probs"]), atol=0.05)
+        assert sum(result["steps"], []) == pytest.approx(sum(one["steps"], []), rel=0.05, abs=1e-3)

@@ -81,8 +81,8 @@ def _rope_theta(config) -> float:
 def _moe_kwargs(config, adapter: FamilyAdapter, sizes: tuple[int, int, int]) -> dict[str, Any]:
     """Qwen3-MoE routing in Megatron terms: top-k over the logits then softmax over the k
     (= HF's softmax, top-k, renormalize when ``norm_topk_prob``); no aux loss in the model.
-    Dispatcher: ``allgather`` on one rank (runs on CPU), ``alltoall`` under EP or PP (Megatron's
-    allgather dispatcher refuses the variable shapes of pipeline micro-batches; both need CUDA there)."""
+    Dispatcher (in :func:`_transformer_config`): ``allgather`` (EP included), ``alltoall`` under PP
+    (Megatron's allgather dispatcher refuses the variable shapes of pipeline micro-batches)."""
     if not adapter.moe:
         return {}
     if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
@@ -95,7 +95,6 @@ def _moe_kwargs(config, adapter: FamilyAdapter, sizes: tuple[int, int, int]) -> 
         moe_ffn_hidden_size=config.moe_intermediate_size,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall" if sizes[1] > 1 or sizes[2] > 1 else "allgather",
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not config.norm_topk_prob,
         moe_grouped_gemm=False,
@@ -137,6 +136,8 @@ def _transformer_config(config, adapter: FamilyAdapter, sizes: tuple[int, int, i
         expert_model_parallel_size=sizes[2],
         sequence_parallel=False,
         pipeline_dtype=torch.float32,  # the residual stream stays fp32 under bf16 autocast
+        # Megatron's allgather dispatcher (its default, checked for any model) refuses variable_seq_lengths
+        moe_token_dispatcher_type="alltoall" if sizes[1] > 1 else "allgather",
         variable_seq_lengths=sizes[1] > 1,  # pipeline micro-batches differ in rows and columns: shapes exchanged
         calculate_per_token_loss=True,  # the backend's losses are already normalized: no division by micro-batches
     )
