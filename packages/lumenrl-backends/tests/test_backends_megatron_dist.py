@@ -7,7 +7,7 @@ training steps of a policy-gradient + entropy loss, the gathered HF weights, a c
 third step. The 2-rank results must equal the 1-rank Megatron backend's: float32 throughout, the
 only difference is the order of the sums that TP splits (row-parallel partial sums, vocab-sliced
 log-sum-exp) or DP reduces (gradients), so log-probs within 1e-5 absolute, loss, grad norm and
-the entropy metric within 1e-5 relative, weights after the steps within 2e-5 absolute (Adam eps
+the entropy metric (and one SFT step's loss and grad norm) within 1e-5 relative, weights after the steps within 2e-5 absolute (Adam eps
 1e-3, so a step cannot amplify gradient rounding). Before training the gathered HF weights equal
 the checkpoint's bit for bit; the 2-rank checkpoint (TP slices as DTensors, stages and experts under
 their global names) reloads on 1 rank and takes the same third step.
@@ -80,12 +80,18 @@ def run(backend, model_path: str, ckpt_dir: str) -> dict:
     exact = all(torch.equal(t.cpu(), hf[n]) for n, t in backend.named_weights())
     log_probs, entropy = backend.compute_log_probs(batch[:5], temperature=0.7, with_entropy=True)  # 5 rows: padded
     steps = [backend.train_step(batch, loss_fn) for _ in range(2)]
-    trained = {n: t.cpu() for n, t in backend.named_weights()}
+    trained = {n: t.cpu().clone() for n, t in backend.named_weights()}  # named_weights may alias the parameters
     backend.save_checkpoint(ckpt_dir, extra={"step": 2})
     third = backend.train_step(batch, loss_fn)
+    after = {n: t.cpu().clone() for n, t in backend.named_weights()}
+    labels = batch.batch["input_ids"].masked_fill(batch.batch["attention_mask"] == 0, -100)
+    labels[:, :P] = -100  # the response tokens are the targets
+    sft_batch = DataProto.from_dict(tensors={k: batch.batch[k] for k in ("input_ids", "attention_mask")})
+    sft_batch.batch["labels"] = labels
+    sft = backend.sft_step(sft_batch, lr=1e-3)
     return {"exact": exact, "log_probs": log_probs.cpu().tolist(), "entropy": entropy.cpu().tolist(),
-            "steps": [[m["actor/loss"], m["actor/grad_norm"], m["actor/entropy"]] for m in steps + [third]],
-            "trained": trained, "after": {n: t.cpu() for n, t in backend.named_weights()}}
+            "steps": [[m["actor/loss"], m["actor/grad_norm"], m["actor/entropy"]] for m in steps + [third]]
+            + [[sft["sft/loss"], sft["sft/grad_norm"], sft["sft/tokens"]]], "trained": trained, "after": after}
 
 
 class _Stream:
@@ -189,7 +195,12 @@ def moe_path(tiny_model_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_rank(model_path, moe_path, tmp_path_factory):
+def paths(tiny_qwen3_path, model_path, moe_path) -> dict[str, str]:
+    return {"dense": model_path, "moe": moe_path, "tied": tiny_qwen3_path(vocab_size=V, tie_word_embeddings=True)}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
     done: dict[str, dict] = {}
 
     def get(path: str) -> dict:
@@ -221,14 +232,15 @@ def _assert_reloads_on_one_rank(two: list[dict], model_path: str, ckpt: str) -> 
         assert (two[0]["after"][name] - tensor).abs().max() < 2e-5, name
 
 
-LAYOUTS = {"tp2": ("dense", (2, 1, 1)), "dp2": ("dense", (1, 1, 1)), "pp2": ("dense", (1, 2, 1)),
-           "ep2": ("moe", (1, 1, 2))}
+LAYOUTS = {"tp2": ("dense", (2, 1, 1)), "tp2_tied": ("tied", (2, 1, 1)), "dp2": ("dense", (1, 1, 1)),
+           "pp2": ("dense", (1, 2, 1)), "ep2": ("moe", (1, 1, 2))}
+GPU_LAYOUTS = {**LAYOUTS, "pp2_tied": ("tied", (1, 2, 1))}  # Megatron moves the tied copy with .cuda() at build
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_two_gloo_ranks_match_one_rank(layout, model_path, moe_path, one_rank, tmp_path, request, monkeypatch):
+def test_two_gloo_ranks_match_one_rank(layout, paths, one_rank, tmp_path, request, monkeypatch):
     kind, sizes = LAYOUTS[layout]
-    path = model_path if kind == "dense" else moe_path
+    path = paths[kind]
     two = _spawn(request, monkeypatch, tmp_path, path, sizes)
     _assert_matches(two, one_rank(path))
     _assert_reloads_on_one_rank(two, path, str(tmp_path / "ckpt"))
@@ -236,12 +248,12 @@ def test_two_gloo_ranks_match_one_rank(layout, model_path, moe_path, one_rank, t
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_two_gpus_match_one_gpu(layout, model_path, moe_path, tmp_path, request, monkeypatch):
+@pytest.mark.parametrize("layout", sorted(GPU_LAYOUTS))
+def test_two_gpus_match_one_gpu(layout, paths, tmp_path, request, monkeypatch):
     """nccl, no redirection; bf16 autocast (``mixed_precision`` auto on CUDA), so the bounds are the
     1-GPU bf16 test's (rounding differs between layouts, the math does not)."""
-    kind, sizes = LAYOUTS[layout]
-    path = model_path if kind == "dense" else moe_path
+    kind, sizes = GPU_LAYOUTS[layout]
+    path = paths[kind]
     two = _spawn(request, monkeypatch, tmp_path, path, sizes, device="cuda")
     one = run(build(path, device="cuda"), path, str(tmp_path / "one"))
     for result in two:
