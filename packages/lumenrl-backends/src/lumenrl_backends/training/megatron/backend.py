@@ -100,24 +100,27 @@ class MegatronBackend(FSDP2Backend):
         self.device, self.is_critic = torch.device(device), False
         self.nonfinite = NonFiniteGuard(getattr(train, "max_consecutive_nonfinite_steps", 3), self.prefix)
         dist_utils.ensure_process_group(self.device)
-        self.hf_config, adapter = model.config, adapter_for(model.config)
-        check_parallel(model.config, adapter, parallel, self.device)
-        self.groups = init_parallel(*parallel)
-        self.dp_group = self.groups.dp_group
-        g = self.groups
-        self.coords = RankCoords(
-            num_layers=model.config.num_hidden_layers, num_experts=getattr(model.config, "num_experts", 0) or 0,
-            tp=g.tp, pp=g.pp, ep=g.ep, tp_rank=g.tp_rank, pp_rank=g.pp_rank, ep_rank=g.ep_rank,
-        )
-        gpt = build_gpt_model(model.config, adapter, parallel, stage=g.pp_rank)
-        self.model = MegatronCausalLM(gpt, model.config, adapter, self.coords)
-        self.full_shapes = self.model.load_hf_state_dict({k: v.float() for k, v in model.state_dict().items()})
-        self.model.to(self.device)
+        self._build_model(model, parallel)
         self.model.compute_dtype = compute_dtype(train.mixed_precision, self.device)  # bf16 on CUDA (auto)
         self.fp8_report, self.exact, self.single = None, False, None
         self.routes = route_replay(None, None)  # R3 replay is not wired into Megatron's MoE layer (refused)
         self.packing, self._pack_align, self._logprob_backend = "none", 8, None
         self._init_optimizer(num_training_steps, optimizer_steps_per_training_step)
+
+    def _build_model(self, hf_model: Any, parallel: tuple[int, int, int]) -> None:
+        """Megatron's groups, then this rank's GPTModel slice loaded from ``hf_model``'s weights."""
+        self.hf_config, adapter = hf_model.config, adapter_for(hf_model.config)
+        check_parallel(hf_model.config, adapter, parallel, self.device)
+        self.groups = g = init_parallel(*parallel)
+        self.dp_group = g.dp_group
+        self.coords = RankCoords(
+            num_layers=self.hf_config.num_hidden_layers, num_experts=getattr(self.hf_config, "num_experts", 0) or 0,
+            tp=g.tp, pp=g.pp, ep=g.ep, tp_rank=g.tp_rank, pp_rank=g.pp_rank, ep_rank=g.ep_rank,
+        )
+        gpt = build_gpt_model(self.hf_config, adapter, parallel, stage=g.pp_rank)
+        self.model = MegatronCausalLM(gpt, self.hf_config, adapter, self.coords)
+        self.full_shapes = self.model.load_hf_state_dict({k: v.float() for k, v in hf_model.state_dict().items()})
+        self.model.to(self.device)
 
     @classmethod
     def from_config(cls, cfg: Any, *, role: str, model_path: str) -> MegatronBackend:

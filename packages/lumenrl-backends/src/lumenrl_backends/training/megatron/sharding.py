@@ -134,9 +134,11 @@ def tp_merge(shards: list[torch.Tensor], split: str | None) -> torch.Tensor:
 
 
 def _check_divisible(name: str, full: torch.Tensor, split: str | None, tp: int) -> None:
-    dim = {"rows": 0, "cols": 1, "swiglu": 0}.get(split or "", None)
-    size = full.shape[dim] // (2 if split == "swiglu" else 1) if dim is not None else 0
-    if dim is not None and size % tp:
+    if split is None:
+        return
+    dim = 1 if split == "cols" else 0
+    size = full.shape[dim] // (2 if split == "swiglu" else 1)
+    if size % tp:
         raise ValueError(f"policy.parallel.tp={tp} does not divide dim {dim} ({size}) of {name}")
 
 
