@@ -227,6 +227,9 @@ def test_from_config_builds_each_role(tiny_path):
     assert actor.scheduler.lr_lambdas[0].args[0].num_training_steps == cfg.num_training_steps * 4
     assert FSDP2Backend.from_config(cfg, role="ref", model_path=tiny_path).optimizer is None
     assert FSDP2Backend.from_config(cfg, role="critic", model_path=tiny_path).is_critic
+    cfg.policy.parallel.pp = 2  # pipeline stages are the megatron backend's
+    with pytest.raises(ValueError, match=r"policy.parallel.pp=2: the fsdp2 backend has no pipeline parallelism; allowed: 1"):
+        FSDP2Backend.from_config(cfg, role="actor", model_path=tiny_path)
 
 
 def test_bad_arguments_are_named(tiny_path):

@@ -125,6 +125,42 @@ def test_checkpoint_and_save_hf(tmp_path, tiny_model_dir):
     assert all(torch.equal(v, trained[k]) for k, v in fresh.named_weights())
 
 
+def test_parallel_sizes_the_model_or_device_cannot_run_are_refused(tiny_model_dir):
+    from lumenrl_backends.training.megatron import MegatronBackend
+
+    def build(family, sizes, **overrides):
+        hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir(family, **overrides), dtype=torch.float32)
+        return MegatronBackend(hf, role="ref", optim=None, train=PolicyTrainConfig(), num_training_steps=1,
+                               device=torch.device("cpu"), parallel=sizes)
+
+    with pytest.raises(ValueError, match=r"^policy.parallel.pp=2 on cpu: Megatron-Core needs CUDA here \(.*"
+                                         r"schedules.py.*\); allowed on CPU: 1$"):
+        build("qwen3", (1, 2, 1))
+    with pytest.raises(ValueError, match=r"^moe.expert_parallel_size=2 on cpu: .*_gather_along_first_dim"):
+        build("qwen3_moe", (1, 1, 2))
+    with pytest.raises(ValueError, match=r"^moe.expert_parallel_size=2: llama has no experts; allowed: 1$"):
+        build("llama", (1, 1, 2))
+    with pytest.raises(ValueError, match=r"^policy.parallel.tp=2 with the MoE model qwen3_moe: .*allowed: 1"):
+        build("qwen3_moe", (2, 1, 1))
+    with pytest.raises(ValueError, match=r"^policy.parallel.tp=2 does not divide vocab_size=57 of qwen3$"):
+        build("qwen3", (2, 1, 1))
+    with pytest.raises(ValueError, match=r"^policy.parallel.tp=2 \* pp=1 = 2 must divide the world size 1$"):
+        build("qwen3", (2, 1, 1), vocab_size=96)
+
+
+def test_from_config_reads_every_parallel_key(tiny_model_dir):
+    from lumenrl_backends.training.megatron.backend import _parallel_sizes
+    from lumenrl_core.config.schema import RunConfig
+
+    cfg = RunConfig()
+    cfg.policy.parallel.tp, cfg.policy.parallel.pp, cfg.moe.expert_parallel_size = 2, 4, 8
+    assert _parallel_sizes(cfg) == (2, 4, 8)
+    cfg.policy.parallel.cp = 2
+    with pytest.raises(ValueError, match=r"^policy.parallel.cp=2: the megatron backend has no context parallelism; "
+                                         r"allowed: 1$"):
+        _parallel_sizes(cfg)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_log_probs_and_train_step_match_fsdp2_on_gpu(tiny_model_dir):

@@ -507,7 +507,9 @@ def test_parallel_mesh_refusals_name_the_numbers(cfg, reg, tmp_path):
     assert "'tensor_parallel' required by policy.parallel.tp=2" in only(cfg, reg)  # backend lacks the capability
     cfg.policy.parallel.tp, cfg.policy.parallel.cp = 1, 2
     assert "'context_parallel' required by policy.parallel.cp=2" in only(cfg, reg)
-    cfg.policy.parallel.cp = 1
+    cfg.policy.parallel.cp, cfg.policy.parallel.pp = 1, 2
+    assert "'pipeline_parallel' required by policy.parallel.pp=2" in only(cfg, reg)
+    cfg.policy.parallel.pp = 1
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "qwen3_moe", "num_attention_heads": 6, "num_key_value_heads": 2, "num_experts": 6}))
     cfg.policy.model_name, cfg.policy.training_backend = str(tmp_path), "megatron"
@@ -519,7 +521,7 @@ def test_parallel_mesh_refusals_name_the_numbers(cfg, reg, tmp_path):
     cfg.policy.training_backend, cfg.policy.parallel.tp = "tpb", 3
     assert only(cfg, reg) == f"policy.parallel.tp=3: does not divide num_key_value_heads=2 of {tmp_path}"
     cfg.policy.parallel.tp, cfg.cluster.gpus_per_node = 2, 3
-    assert only(cfg, reg) == ("policy.parallel='tp=2 cp=1': tp*cp=2 must divide the world size 3 "
+    assert only(cfg, reg) == ("policy.parallel='tp=2 cp=1 pp=1': tp*cp*pp=2 must divide the world size 3 "
                               "(cluster.num_nodes*gpus_per_node)")
     cfg.cluster.gpus_per_node = 2
     reg.register("controllers", "ray", plugin("Ray", {"dispatch_modes", "multi_node"}))

@@ -123,7 +123,8 @@ FSDP2 = PluginSpec(f"{_TRAINING}.fsdp2:FSDP2Backend", {
     "logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint", "lora", "route_replay",
     "tensor_parallel", "context_parallel", "expert_parallel"},  # training/parallelize.py (decision 0016)
     probe=_fsdp2_reason)
-MEGATRON = PluginSpec(f"{_TRAINING}.megatron:MegatronBackend", {"logprobs", "checkpoint"}, probe=megatron_missing_api)
+MEGATRON = PluginSpec(f"{_TRAINING}.megatron:MegatronBackend", {  # training/megatron (decision 0017)
+    "logprobs", "checkpoint", "tensor_parallel", "pipeline_parallel", "expert_parallel"}, probe=megatron_missing_api)
 
 # lumenrl.rollout_engines
 NATIVE = PluginSpec(f"{_ENGINES}.native:NativeEngine", {

@@ -11,6 +11,9 @@ Layout of a checkpoint directory::
       extra.json              caller-owned JSON (e.g. the trainer's dataloader position)
       COMPLETE                written last
 
+A backend whose modules are not laid out for ``get_state_dict`` (Megatron-Core's TP/PP shards) passes
+``tree``: a :class:`DcpTree` that makes the ``{"model", "optim"}`` tree and takes it back after loading.
+
 Atomicity: everything is written into ``PATH.tmp``; after a barrier rank 0 moves an existing
 ``PATH`` aside, renames ``PATH.tmp`` to ``PATH`` and deletes the old one. A reader only
 trusts a directory containing ``COMPLETE``. Assumes a filesystem shared by all ranks.
@@ -23,7 +26,7 @@ import os
 import random
 import shutil
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -32,9 +35,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from lumenrl_backends.training import distributed as dist_utils
 
-__all__ = ["save_training_state", "load_training_state", "rng_state", "set_rng_state", "is_complete"]
+__all__ = ["DcpTree", "save_training_state", "load_training_state", "rng_state", "set_rng_state", "is_complete"]
 
 _MARKER = "COMPLETE"
+
+
+class DcpTree(Protocol):
+    """The model/optimizer part of a checkpoint as a DCP state tree (saved, then filled in place by load)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 def rng_state() -> dict[str, Any]:
@@ -93,6 +104,7 @@ def save_training_state(
     scheduler=None,
     extra: Mapping[str, Any] | None = None,
     files: Callable[[str], None] | None = None,
+    tree: DcpTree | None = None,
 ) -> None:
     """Collective: every rank calls it. Writes ``path`` atomically (see module docstring).
 
@@ -106,7 +118,8 @@ def save_training_state(
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist_utils.barrier()
-    dcp.save(_model_optim_state(model, optimizer), checkpoint_id=os.path.join(tmp, "model_optim"))
+    state = tree.state_dict() if tree is not None else _model_optim_state(model, optimizer)
+    dcp.save(state, checkpoint_id=os.path.join(tmp, "model_optim"))
     local = {"rng": rng_state(), "scheduler": scheduler.state_dict() if scheduler is not None else None}
     torch.save(local, os.path.join(tmp, f"rank_{rank}.pt"))
     if rank == 0:
@@ -120,15 +133,18 @@ def save_training_state(
     dist_utils.barrier()
 
 
-def load_training_state(path: str, *, model, optimizer=None, scheduler=None) -> dict[str, Any]:
+def load_training_state(path: str, *, model, optimizer=None, scheduler=None, tree: DcpTree | None = None) -> dict[str, Any]:
     """Collective: restores model, optimizer, scheduler and this rank's RNG; returns ``extra``."""
     path = os.path.abspath(path)
     if not is_complete(path):
         raise FileNotFoundError(f"checkpoint path={path!r} is missing or incomplete (no {_MARKER} marker)")
-    state = _model_optim_state(model, optimizer)
+    state = tree.state_dict() if tree is not None else _model_optim_state(model, optimizer)
     dcp.load(state, checkpoint_id=os.path.join(path, "model_optim"))
-    optims = [optimizer] if optimizer is not None else []
-    set_state_dict(model, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+    if tree is not None:
+        tree.load_state_dict(state)
+    else:
+        optims = [optimizer] if optimizer is not None else []
+        set_state_dict(model, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
     rank_file = os.path.join(path, f"rank_{dist_utils.rank()}.pt")
     if not os.path.isfile(rank_file):  # resumed with more ranks than saved: reuse rank 0's scheduler
         rank_file = os.path.join(path, "rank_0.pt")

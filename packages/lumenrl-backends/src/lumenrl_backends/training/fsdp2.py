@@ -106,7 +106,11 @@ _UNPLANNED = object()  # _forward plans the micro-batch layout itself
 
 
 def _policy_mesh(cfg: Any) -> dict[str, int]:
-    """The policy's mesh sizes: ``policy.parallel.tp`` / ``cp`` and ``moe.expert_parallel_size``."""
+    """The policy's mesh sizes: ``policy.parallel.tp`` / ``cp`` and ``moe.expert_parallel_size``;
+    ``policy.parallel.pp`` > 1 is refused (pipeline stages are the megatron backend's)."""
+    if cfg.policy.parallel.pp != 1:
+        raise ValueError(f"policy.parallel.pp={cfg.policy.parallel.pp}: the fsdp2 backend has no pipeline "
+                         "parallelism; allowed: 1 (policy.training_backend='megatron' runs pipeline stages)")
     return {"tp": cfg.policy.parallel.tp, "cp": cfg.policy.parallel.cp, "ep": cfg.moe.expert_parallel_size}
 
 
@@ -366,8 +370,8 @@ class FSDP2Backend(BackendWeights):
         if split != self.dp_size:
             raise ValueError(
                 f"batch was dispatched over {split} ranks (meta_info[{DISPATCH_DP_SIZE_KEY!r}]) but this "
-                f"backend has {self.dp_size} data-parallel ranks (world {self.world_size} / policy.parallel.tp*cp "
-                f"{self.dims.tp * self.dims.cp}); they must match"
+                f"backend has {self.dp_size} data-parallel ranks (world {self.world_size} / model-parallel ranks "
+                f"{self.world_size // self.dp_size}); they must match"
             )
         return True
 
@@ -382,22 +386,26 @@ class FSDP2Backend(BackendWeights):
         inputs, pad = pad_rows(self._inputs(batch), 1 if presharded else self.dp_size)
         total = inputs["input_ids"].shape[0]
         lo, hi = (0, total) if presharded else dp_slice_bounds(total, self.dp_rank, self.dp_size)
-        micro = max(self.train_cfg.micro_batch_size, 1)
-        firsts, seconds = [], []
-        for s in range(lo, hi, micro):
-            first, second = self._forward(
-                {k: v[s : min(s + micro, hi)] for k, v in inputs.items()}, temperature, with_entropy
-            )
-            self.routes.collect()
-            firsts.append(first.float())
-            seconds.append(second.float() if second is not None else None)
+        first, second = self._infer_rows({k: v[lo:hi] for k, v in inputs.items()}, temperature, with_entropy)
         out_device = batch.batch["input_ids"].device  # results live where the caller's batch lives
         gather = (lambda t: t) if presharded else (lambda t: dist_utils.all_gather_rows(t, self.dp_group))
-        first = gather(torch.cat(firsts))[: total - pad].to(out_device)
+        first = gather(first)[: total - pad].to(out_device)
         self.routes.finish(gather, total - pad, out_device)
         if not with_entropy:
             return first, None
-        return first, gather(torch.cat(seconds))[: total - pad].to(out_device)
+        return first, gather(second)[: total - pad].to(out_device)
+
+    def _infer_rows(self, inputs: Mapping[str, torch.Tensor], temperature: float, with_entropy: bool):
+        """(log-probs or values, entropies or None) of this rank's rows, one micro-batch at a time."""
+        micro = max(self.train_cfg.micro_batch_size, 1)
+        rows = inputs["input_ids"].shape[0]
+        firsts, seconds = [], []
+        for s in range(0, rows, micro):
+            first, second = self._forward({k: v[s : s + micro] for k, v in inputs.items()}, temperature, with_entropy)
+            self.routes.collect()
+            firsts.append(first.float())
+            seconds.append(second.float() if second is not None else None)
+        return torch.cat(firsts), (torch.cat(seconds) if with_entropy else None)
 
     def compute_log_probs(
         self, batch: Any, *, temperature: float = 1.0, with_entropy: bool = False
@@ -488,6 +496,12 @@ class FSDP2Backend(BackendWeights):
             dp_size=self.dp_size,
         )
         self._zero_grad(self.optimizer)
+        mini_loss = self._accumulate(local, loss_fn, collected)
+        collected[f"{self.prefix}/loss"].append(mini_loss)
+        self._clip_and_step(self.optimizer, self.scheduler, collected, self.prefix, mini_loss)
+
+    def _accumulate(self, local: Any, loss_fn: Callable, collected: dict[str, list[float]]) -> Any:
+        """Forward and backward every micro-batch of ``local``; returns the summed loss (on the device)."""
         size = max(self.train_cfg.micro_batch_size, 1)
         micros = split_rows(local, size)
         mini_loss = 0.0  # tensors stay on the device until train_step's one host copy
@@ -498,8 +512,7 @@ class FSDP2Backend(BackendWeights):
             mini_loss = mini_loss + loss.detach()
             for k, v in micro_metrics.items():
                 collected[k].append(v.detach() if isinstance(v, torch.Tensor) else float(v))
-        collected[f"{self.prefix}/loss"].append(mini_loss)
-        self._clip_and_step(self.optimizer, self.scheduler, collected, self.prefix, mini_loss)
+        return mini_loss
 
     def _zero_grad(self, optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -523,9 +536,7 @@ class FSDP2Backend(BackendWeights):
             collected[f"{prefix}/grad_norm"].append(norm)
             collected[f"{prefix}/skipped_steps"].append(skipped)  # zeros are dropped in train_step
         else:
-            source = self.single.masters if self.single is not None else self.model.parameters()
-            params = [p for p in source if p.grad is not None]
-            grad_norm = dist_utils.as_float(dist_utils.clip_grad_norm_(params, clip))
+            grad_norm = self._clip_grads(clip)
             collected[f"{prefix}/grad_norm"].append(grad_norm)
             total_loss = dist_utils.all_reduce_sum(dist_utils.as_float(loss), self.device, self.dp_group)
             if math.isfinite(grad_norm) and math.isfinite(total_loss):
@@ -538,6 +549,12 @@ class FSDP2Backend(BackendWeights):
         collected[f"{prefix}/lr"].append(float(optimizer.param_groups[0]["lr"]))
         if scheduler is not None:
             scheduler.step()
+
+    def _clip_grads(self, clip: float) -> float:
+        """Clip the gradients to total norm ``clip`` (inf: measure only); returns the norm before clipping."""
+        source = self.single.masters if self.single is not None else self.model.parameters()
+        params = [p for p in source if p.grad is not None]
+        return dist_utils.as_float(dist_utils.clip_grad_norm_(params, clip))
 
     # ----------------------------------------------------------------- SFT warm start
 
@@ -565,14 +582,7 @@ class FSDP2Backend(BackendWeights):
         n_tokens = dist_utils.all_reduce_sum(float((local["labels"][:, 1:] != -100).sum()), self.device, self.dp_group)
         collected: dict[str, list[float]] = defaultdict(list)
         self._zero_grad(self._sft_optimizer)
-        micro = max(self.train_cfg.micro_batch_size, 1)
-        starts = list(range(0, hi - lo, micro))
-        total_loss = 0.0
-        for i, s in enumerate(starts):
-            self._grad_sync(i == len(starts) - 1)
-            loss = self._sft_loss({k: v[s : s + micro] for k, v in local.items()}) / max(n_tokens, 1.0)
-            self._backward(loss)
-            total_loss += loss.detach()
+        total_loss = self._sft_accumulate(local, max(n_tokens, 1.0))
         self._clip_and_step(self._sft_optimizer, None, collected, "sft")
         return {
             "sft/loss": dist_utils.all_reduce_sum(dist_utils.as_float(total_loss), self.device, self.dp_group),
@@ -580,6 +590,18 @@ class FSDP2Backend(BackendWeights):
             "sft/lr": collected["sft/lr"][0],
             "sft/tokens": n_tokens,
         }
+
+    def _sft_accumulate(self, local: Mapping[str, torch.Tensor], n_tokens: float) -> Any:
+        """Forward and backward every micro-batch of this rank's SFT rows; returns the summed loss."""
+        micro = max(self.train_cfg.micro_batch_size, 1)
+        starts = list(range(0, local["input_ids"].shape[0], micro))
+        total_loss = 0.0
+        for i, s in enumerate(starts):
+            self._grad_sync(i == len(starts) - 1)
+            loss = self._sft_loss({k: v[s : s + micro] for k, v in local.items()}) / n_tokens
+            self._backward(loss)
+            total_loss += loss.detach()
+        return total_loss
 
     def _sft_loss(self, micro: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Summed next-token cross-entropy over the micro-batch's valid labels. Under context parallel: the

@@ -99,10 +99,11 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
         ep = cfg.moe.expert_parallel_size
         needs.append(Need("training_backend", "expert_parallel", "moe.expert_parallel_size", ep))
     par = cfg.policy.parallel
-    for key, degree, capability in (("tp", par.tp, "tensor_parallel"), ("cp", par.cp, "context_parallel")):
+    for key, degree, capability in (("tp", par.tp, "tensor_parallel"), ("cp", par.cp, "context_parallel"),
+                                    ("pp", par.pp, "pipeline_parallel")):
         if degree > 1:
             needs.append(Need("training_backend", capability, f"policy.parallel.{key}", degree))
-            # the ranks of a TP/CP group need the same rows: torchrun ranks each holding the batch
+            # the ranks of a TP/CP/PP group need the same rows: torchrun ranks each holding the batch
             # (an in-process controller), not a controller that splits the rows over every worker
             needs.append(Need("controller", "in_process", f"policy.parallel.{key}", degree))
     return needs
@@ -131,9 +132,10 @@ def _parallel_violations(cfg: RunConfig) -> list[Violation]:
                              f"rollout engine {cfg.policy.rollout_engine!r} decodes on one device; "
                              f"use policy.rollout_engine={' or '.join(map(repr, _TP_ROLLOUT_ENGINES))} for tensor parallel decode"))
     world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-    if world and world % (par.tp * par.cp):
-        out.append(Violation("policy.parallel", f"tp={par.tp} cp={par.cp}",
-                             f"tp*cp={par.tp * par.cp} must divide the world size {world} (cluster.num_nodes*gpus_per_node)"))
+    model_parallel = par.tp * par.cp * par.pp
+    if world and world % model_parallel:
+        out.append(Violation("policy.parallel", f"tp={par.tp} cp={par.cp} pp={par.pp}",
+                             f"tp*cp*pp={model_parallel} must divide the world size {world} (cluster.num_nodes*gpus_per_node)"))
     model = _local_model_config(cfg.policy.model_name)
     if model is None:
         return out  # hub id or built-in: the backend checks at build

@@ -107,7 +107,7 @@ RULES: dict[type, dict[str, Range]] = {
         "extreme_tau": Range(ge=1),
     },
     s.MoEConfig: {"expert_parallel_size": POSITIVE},
-    s.ParallelConfig: {"tp": POSITIVE, "cp": POSITIVE},
+    s.ParallelConfig: {"tp": POSITIVE, "cp": POSITIVE, "pp": POSITIVE},
     s.CriticConfig: {"cliprange_value": STRICTLY_POSITIVE, "value_loss_coef": NON_NEGATIVE},
     s.CheckpointingConfig: {"save_every": NON_NEGATIVE, "keep_last": NON_NEGATIVE},
     s.LoggerConfig: {"log_every": POSITIVE},

@@ -129,11 +129,12 @@ class SamplingConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    """Training model parallelism (decision 0016); data-parallel (FSDP2) size = world / (tp * cp).
+    """Training model parallelism (decisions 0016, 0017); data-parallel size = world / (tp * cp * pp).
     Expert parallelism stays ``moe.expert_parallel_size`` (one key)."""
 
     tp: int = 1  # tensor (+ sequence) parallel degree over the mesh dim "tp"
     cp: int = 1  # context parallel degree over the mesh dim "cp"
+    pp: int = 1  # pipeline stages (megatron backend only: Megatron's 1F1B schedule; fsdp2 refuses > 1)
 
 
 @dataclass(kw_only=True, slots=True)

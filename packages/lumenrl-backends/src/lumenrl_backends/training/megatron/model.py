@@ -1,9 +1,11 @@
 """Build a Megatron-Core ``GPTModel`` from an HF config and wrap it behind the HF call shape.
 
-Process groups: ``parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)``
-on the default group (``dist_utils.ensure_process_group``: a 1-rank gloo group on CPU).
-Only tp = pp = ep = 1 trains in this release (no pipelined schedule, no TP-aware data split);
-larger sizes are refused by :func:`init_parallel`.
+Parallel sizes come from :mod:`.parallel` (``parallel_state``): the ``TransformerConfig`` carries
+tp / pp / ep, so Megatron builds this rank's slice: TP-split linears and vocab-parallel embedding and
+output layer (``parallel_output=True``: logits stay split, see :mod:`.vocab_parallel`), this
+pipeline stage's layers (``pre_process`` on the first stage, ``post_process`` on the last), this EP
+rank's experts. No sequence parallelism (Megatron's sequence-parallel gathers allocate on CUDA), so
+an MoE model runs tp = 1 (Megatron's MoE layer refuses TP without SP when training).
 
 Layers: ``get_gpt_layer_local_spec`` (plain torch linears/attention, no TransformerEngine/apex),
 unfused softmax/rope/bias-dropout, fp32 params, ``use_cpu_initialization``. Megatron's RoPE
@@ -33,25 +35,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from lumenrl_backends.training.megatron.families import FamilyAdapter
+from lumenrl_backends.training.megatron.sharding import RankCoords, rank_state_dict
 
-__all__ = ["MegatronCausalLM", "build_gpt_model", "init_parallel"]
+__all__ = ["MegatronCausalLM", "build_gpt_model", "check_parallel"]
+
+# Megatron-Core 0.16 calls that allocate on CUDA whatever the model's device: why pp / ep need GPUs
+CUDA_ONLY = {
+    "policy.parallel.pp": "pipeline_parallel/schedules.py allocates torch.zeros([], device='cuda') and "
+    "P2PCommunicator._communicate its receive buffers on torch.cuda.current_device()",
+    "moe.expert_parallel_size": "the token dispatcher's gather (tensor_parallel/mappings.py "
+    "_gather_along_first_dim) allocates on torch.cuda.current_device()",
+}
 
 
-def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> None:
-    """Megatron's model-parallel groups over the default process group (idempotent)."""
-    from megatron.core import parallel_state as ps
-
-    if (tp, pp, ep) != (1, 1, 1):
-        raise ValueError(
-            f"policy.training_backend='megatron' runs tp=pp=ep=1 only in this release (got tp={tp}, "
-            f"pp={pp}, ep={ep}): the pipelined schedule and TP/EP-aware batch split are not implemented"
-        )
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
-        if torch.cuda.is_available():  # Megatron's CUDA RNG tracker (dropout forks) must be seeded
-            from megatron.core import tensor_parallel
-
-            tensor_parallel.model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
+def check_parallel(config, adapter: FamilyAdapter, sizes: tuple[int, int, int], device: torch.device) -> None:
+    """Refuse, in one line naming the key, what the model or the device cannot run."""
+    tp, pp, ep = sizes
+    if ep > 1 and not adapter.moe:
+        raise ValueError(f"moe.expert_parallel_size={ep}: {config.model_type} has no experts; allowed: 1")
+    if tp > 1 and adapter.moe:
+        raise ValueError(f"policy.parallel.tp={tp} with the MoE model {config.model_type}: Megatron's MoE layer "
+                         "trains under TP only with sequence parallelism, not wired here; allowed: 1 (use "
+                         "moe.expert_parallel_size)")
+    sizes_tp = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+                "vocab_size": config.vocab_size}  # whole query groups per rank (no KV-head replication)
+    bad = [f"{k}={v}" for k, v in sizes_tp.items() if v % tp]
+    if bad:
+        raise ValueError(f"policy.parallel.tp={tp} does not divide {', '.join(bad)} of {config.model_type}")
+    if device.type != "cuda":
+        for key, size in (("policy.parallel.pp", pp), ("moe.expert_parallel_size", ep)):
+            if size > 1:
+                raise ValueError(f"{key}={size} on {device.type}: Megatron-Core needs CUDA here "
+                                 f"({CUDA_ONLY[key]}); allowed on CPU: 1")
 
 
 def _rope_theta(config) -> float:
@@ -63,9 +78,11 @@ def _rope_theta(config) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
-def _moe_kwargs(config, adapter: FamilyAdapter) -> dict[str, Any]:
+def _moe_kwargs(config, adapter: FamilyAdapter, sizes: tuple[int, int, int]) -> dict[str, Any]:
     """Qwen3-MoE routing in Megatron terms: top-k over the logits then softmax over the k
-    (= HF's softmax, top-k, renormalize when ``norm_topk_prob``); no aux loss in the model."""
+    (= HF's softmax, top-k, renormalize when ``norm_topk_prob``); no aux loss in the model.
+    Dispatcher (in :func:`_transformer_config`): ``allgather`` (EP included), ``alltoall`` under PP
+    (Megatron's allgather dispatcher refuses the variable shapes of pipeline micro-batches)."""
     if not adapter.moe:
         return {}
     if getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1:
@@ -78,14 +95,13 @@ def _moe_kwargs(config, adapter: FamilyAdapter) -> dict[str, Any]:
         moe_ffn_hidden_size=config.moe_intermediate_size,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="allgather",
         moe_router_score_function="softmax",
         moe_router_pre_softmax=not config.norm_topk_prob,
         moe_grouped_gemm=False,
     )
 
 
-def _transformer_config(config, adapter: FamilyAdapter):
+def _transformer_config(config, adapter: FamilyAdapter, sizes: tuple[int, int, int]):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     for key in ("attention_bias", "mlp_bias"):
@@ -93,7 +109,7 @@ def _transformer_config(config, adapter: FamilyAdapter):
             raise ValueError(f"megatron backend: {config.model_type} with {key}=True is not supported")
     heads = config.num_attention_heads
     return TransformerConfig(
-        **_moe_kwargs(config, adapter),
+        **_moe_kwargs(config, adapter, sizes),
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         ffn_hidden_size=config.intermediate_size,
@@ -115,6 +131,15 @@ def _transformer_config(config, adapter: FamilyAdapter):
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        tensor_model_parallel_size=sizes[0],
+        pipeline_model_parallel_size=sizes[1],
+        expert_model_parallel_size=sizes[2],
+        sequence_parallel=False,
+        pipeline_dtype=torch.float32,  # the residual stream stays fp32 under bf16 autocast
+        # Megatron's allgather dispatcher (its default, checked for any model) refuses variable_seq_lengths
+        moe_token_dispatcher_type="alltoall" if sizes[1] > 1 else "allgather",
+        variable_seq_lengths=sizes[1] > 1,  # pipeline micro-batches differ in rows and columns: shapes exchanged
+        calculate_per_token_loss=True,  # the backend's losses are already normalized: no division by micro-batches
     )
 
 
@@ -132,7 +157,8 @@ def _keep_rope_on_device(rope: nn.Module) -> None:
 
 
 class SDPACoreAttention(nn.Module):
-    """Megatron core-attention module: q (sq, b, np, hd), k/v (sk, b, ng, hd) -> (sq, b, np*hd)."""
+    """Megatron core-attention module: q (sq, b, np, hd), k/v (sk, b, ng, hd) -> (sq, b, np*hd),
+    np / ng this TP rank's query heads / query groups."""
 
     def __init__(
         self,
@@ -147,8 +173,8 @@ class SDPACoreAttention(nn.Module):
         **_: Any,
     ) -> None:
         super().__init__()
-        if config.context_parallel_size != 1 or config.tensor_model_parallel_size != 1:
-            raise ValueError("SDPACoreAttention runs without tensor/context parallelism")
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPACoreAttention runs without context parallelism")
         self.config, self.softmax_scale = config, softmax_scale
 
     def forward(
@@ -182,8 +208,10 @@ def _router_gating(self, input):
     return F.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
-def build_gpt_model(config, adapter: FamilyAdapter) -> nn.Module:
-    """An fp32 Megatron-Core GPTModel with the shapes of HF ``config`` (random init)."""
+def build_gpt_model(config, adapter: FamilyAdapter, sizes: tuple[int, int, int] = (1, 1, 1), *,
+                    stage: int = 0) -> nn.Module:
+    """This rank's fp32 Megatron-Core GPTModel with the shapes of HF ``config`` (random init):
+    ``sizes`` = (tp, pp, ep) as initialized in ``parallel_state``, ``stage`` its pipeline stage."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -195,7 +223,9 @@ def build_gpt_model(config, adapter: FamilyAdapter) -> nn.Module:
     )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = GPTModel(
-        config=_transformer_config(config, adapter),
+        config=_transformer_config(config, adapter, sizes),
+        pre_process=stage == 0,
+        post_process=stage == sizes[1] - 1,
         transformer_layer_spec=spec,
         vocab_size=config.vocab_size,
         max_sequence_length=config.max_position_embeddings,
@@ -211,16 +241,17 @@ def build_gpt_model(config, adapter: FamilyAdapter) -> nn.Module:
 
 
 class MegatronCausalLM(nn.Module):
-    """A GPTModel answering the HF causal-LM call the backend's shared forward code makes."""
+    """This rank's GPTModel (its TP slice of its pipeline stage), answering the HF causal-LM call the
+    backend's shared forward code makes (pp = 1) and the stage call of the pipeline schedule."""
 
-    def __init__(self, gpt: nn.Module, hf_config: Any, adapter: FamilyAdapter) -> None:
+    def __init__(self, gpt: nn.Module, hf_config: Any, adapter: FamilyAdapter, coords: RankCoords) -> None:
         super().__init__()
-        self.gpt, self.config, self.adapter = gpt, hf_config, adapter
+        self.gpt, self.config, self.adapter, self.coords = gpt, hf_config, adapter, coords
         self.compute_dtype = torch.float32  # bf16: autocast over fp32 master weights (CUDA)
 
-    def forward(
-        self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=None, use_cache=False
-    ):
+    def stage_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """This stage's output: logits (b, s, V/tp) on the last stage, hidden states (s, b, H) before
+        it; a stage after the first reads its input from ``gpt.set_input_tensor`` (the schedule)."""
         b, s = input_ids.shape
         causal = torch.ones(s, s, dtype=torch.bool, device=input_ids.device).triu(1)  # True = masked
         mask = causal[None, None].expand(b, 1, s, s)
@@ -233,19 +264,22 @@ class MegatronCausalLM(nn.Module):
             rope.inv_freq = rope.inv_freq.to(input_ids.device)
         low = self.compute_dtype != torch.float32
         with torch.autocast(input_ids.device.type, dtype=self.compute_dtype, enabled=low):
-            logits = self.gpt(input_ids, positions, mask)  # (b, s, V)
+            return self.gpt(input_ids, positions, mask)
+
+    def forward(
+        self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=None, use_cache=False
+    ):
+        logits = self.stage_forward(input_ids, attention_mask)  # (b, s, V/tp): one stage
         if logits_to_keep is not None:
             logits = logits[:, logits_to_keep] if isinstance(logits_to_keep, torch.Tensor) else logits
         return types.SimpleNamespace(logits=logits)
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        mc = {k: v for k, v in self.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
-        return dict(self.adapter.to_hf(self.config, mc))
-
-    def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.gpt.load_state_dict(
-            self.adapter.to_megatron(self.config, hf), strict=False
-        )
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Size]:
+        """Load this rank's slice of the HF weights; returns the full Megatron shapes by global name."""
+        full = self.adapter.to_megatron(self.config, hf)
+        local = rank_state_dict(full, self.coords, tied=bool(self.config.tie_word_embeddings))
+        missing, unexpected = self.gpt.load_state_dict(local, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise ValueError(f"HF->Megatron conversion mismatch: missing={missing} unexpected={unexpected}")
+        return {name: tensor.shape for name, tensor in full.items()}
