@@ -217,6 +217,9 @@ class MegatronBackend(FSDP2Backend):
             collected[k].extend(values)
         return loss
 
+    def _sft_uses_log_probs(self) -> bool:  # vocab-parallel logits: the log-prob forward reduces over the TP ranks
+        return True
+
     def _sft_accumulate(self, local: Mapping[str, torch.Tensor], n_tokens: float) -> Any:
         if self.groups.pp == 1:
             return super()._sft_accumulate(local, n_tokens)
