@@ -21,6 +21,7 @@ engines ``compile="full"`` over the same model, in this order (the FP8 engines q
 Smoke (CPU, seconds): a hidden-64 / 8-expert version of the same engines (fused experts on
 lumenrl-quant's torch path; no roofline).
 GPU: ``python -m benchmarks run gpu --only moe_decode_speed``.
+Profile (where the recording and FP8-expert time goes): ``python -m benchmarks.moe.decode_speed --profile``.
 """
 
 from __future__ import annotations
@@ -149,8 +150,56 @@ def _roofline(model, rows: int, prompt: int, new: int) -> float:
     return roof["tokens_per_s"]
 
 
+def profile(new: int = 32) -> None:
+    """Kernel tables of one decode call per variant (bf16; R3 router patched but not writing; R3 recording;
+    FP8 experts): decode ms/step side by side, then the top kernels by CUDA time of each variant."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from lumenrl_moe import RecordTarget
+
+    model = _model(FULL, "cuda", torch.bfloat16)
+    ids = torch.randint(10, FULL["vocab_size"] - 1, (64, 256), generator=torch.Generator().manual_seed(1))
+    batch = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    write = RecordTarget.write
+    variants = {"bf16": {}, "r3_no_write": {"record": True}, "r3_record": {"record": True},
+                "fp8_experts": {"quant_scheme": get_quant_scheme("fp8_block", skip_modules=("lm_head", "self_attn"))}}
+    rows, tables = [], {}
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": new}
+    for name, kwargs in variants.items():
+        RecordTarget.write = (lambda *a, **k: None) if name == "r3_no_write" else write
+        torch._dynamo.reset()
+        engine = NativeEngine(model, _Tok(), device="cuda", max_batch_size=64, max_seq_len=256 + new, compile="full",
+                              record_routes=kwargs.get("record", False), fused_moe="on",
+                              quant_scheme=kwargs.get("quant_scheme"))
+        engine.generate(batch, params)  # compile + capture
+        _sync("cuda")
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            out = engine.generate(batch, params)
+            _sync("cuda")
+            decode_s = time.perf_counter() - start - out.meta_info["perf"]["prefill_seconds"]
+        if engine.routes.enabled:
+            engine.routes.ctl.record(None)
+        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        tables[name] = sorted(kernels, key=lambda e: -e.device_time_total)[:8]
+        rows.append((name, 1e3 * decode_s / (new - 1), sum(e.count for e in kernels),
+                     sum(e.device_time_total for e in kernels) / 1e3))
+    RecordTarget.write = write
+    for name, events in tables.items():
+        print(f"-- {name}: top kernels (name, calls, total ms)")
+        for e in events:
+            print(f"   {e.key[:70]:70s} {e.count:7d} {e.device_time_total / 1e3:9.2f}")
+    print(f"{'variant':14s} {'ms/step':>8s} {'kernels':>8s} {'kernel ms':>10s}  (one generate: prefill + {new - 1} steps)")
+    for name, ms, count, total in rows:
+        print(f"{name:14s} {ms:8.3f} {count:8d} {total:10.2f}")
+
+
 if __name__ == "__main__":
     import sys
 
-    for key, value in moe_decode_speed(smoke="--full" not in sys.argv).items():
-        print(f"{key:28s} {value}")
+    if "--profile" in sys.argv:
+        profile()
+    else:
+        for key, value in moe_decode_speed(smoke="--full" not in sys.argv).items():
+            print(f"{key:28s} {value}")
