@@ -150,9 +150,10 @@ def _roofline(model, rows: int, prompt: int, new: int) -> float:
     return roof["tokens_per_s"]
 
 
-def profile(new: int = 32) -> None:
+def profile(new: int = 64) -> None:
     """Kernel tables of one decode call per variant (bf16; R3 router patched but not writing; R3 recording;
     FP8 experts): decode ms/step side by side, then the top kernels by CUDA time of each variant."""
+    from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -169,16 +170,27 @@ def profile(new: int = 32) -> None:
     for name, kwargs in variants.items():
         RecordTarget.write = (lambda *a, **k: None) if name == "r3_no_write" else write
         torch._dynamo.reset()
+        counters.clear()
         engine = NativeEngine(model, _Tok(), device="cuda", max_batch_size=64, max_seq_len=256 + new, compile="full",
                               record_routes=kwargs.get("record", False), fused_moe="on",
                               quant_scheme=kwargs.get("quant_scheme"))
         engine.generate(batch, params)  # compile + capture
-        _sync("cuda")
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            out = engine.generate(batch, params)
+        timed = {}
+        for steps in (new // 4, new):  # per decode step by difference: prefill and per-call costs cancel
+            engine.generate(batch, {**params, "max_new_tokens": steps})
             _sync("cuda")
-            decode_s = time.perf_counter() - start - out.meta_info["perf"]["prefill_seconds"]
+            start = time.perf_counter()
+            out = engine.generate(batch, {**params, "max_new_tokens": steps})
+            _sync("cuda")
+            timed[steps] = time.perf_counter() - start
+        decode_s = timed[new] - out.meta_info["perf"]["prefill_seconds"]
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(batch, params)
+            _sync("cuda")
+        print(f"{name}: cuda_graphs={out.meta_info['perf']['cuda_graphs']} graph_error={engine.graphs.error!r} "
+              f"graph_breaks={sum(counters['graph_break'].values())} prefill_s={out.meta_info['perf']['prefill_seconds']:.4f} "
+              f"call_s={timed[new]:.4f} per-step by difference "
+              f"{1e3 * (timed[new] - timed[new // 4]) / (new - new // 4):.3f} ms")
         if engine.routes.enabled:
             engine.routes.ctl.record(None)
         kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
