@@ -18,6 +18,9 @@ engines ``compile="full"`` over the same model, in this order (the FP8 engines q
   roofline of the FP8-expert weight bytes;
 * ``fp8_rollout_vs_bf16``: the whole ``fp8_block`` rollout scheme (attention linears FP8 too).
 
+The recording engine patches the model's routers (R3); they are restored (``uninstall_routing``) before
+the next engine, so every other engine runs the model's own routers.
+
 Smoke (CPU, seconds): a hidden-64 / 8-expert version of the same engines (fused experts on
 lumenrl-quant's torch path; no roofline).
 GPU: ``python -m benchmarks run gpu --only moe_decode_speed``.
@@ -33,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lumenrl_backends.engines.native import NativeEngine
 from lumenrl_core.data_proto import DataProto
+from lumenrl_moe import uninstall_routing
 from lumenrl_quant import get_quant_scheme
 
 __all__ = ["moe_decode_speed"]
@@ -81,8 +85,8 @@ def _native(model, batch, new: int, *, device: str, compile: str, record: bool =
     out = engine.generate(batch, params)
     _sync(device)
     decode_s = time.perf_counter() - start - out.meta_info["perf"]["prefill_seconds"]
-    if engine.routes.enabled:  # restore the model's own routing for the next engine
-        engine.routes.ctl.record(None)
+    if engine.routes.enabled:  # restore the model's own routers for the next engine
+        uninstall_routing(model)
     return rows * (new - 1) / decode_s, decode_s
 
 
@@ -192,7 +196,7 @@ def profile(new: int = 64) -> None:
               f"call_s={timed[new]:.4f} per-step by difference "
               f"{1e3 * (timed[new] - timed[new // 4]) / (new - new // 4):.3f} ms")
         if engine.routes.enabled:
-            engine.routes.ctl.record(None)
+            uninstall_routing(model)
         kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
         tables[name] = sorted(kernels, key=lambda e: -e.device_time_total)[:8]
         rows.append((name, 1e3 * decode_s / (new - 1), sum(e.count for e in kernels),
