@@ -173,3 +173,25 @@ def test_context_committed_in_parts_proposes_as_one_call(kind):
                           **{key: value[:, t - k - 1:] for key, value in ctx.items()})
     assert torch.equal(whole[0], parts[0])
     assert torch.allclose(whole[1], parts[1], atol=1e-5)
+
+
+def test_decode_attend_packs_query_heads_and_shares_rope_tables():
+    """One query per row (the draft's chained steps): the group's heads packed onto their KV head (no
+    repeat_interleave copy of the draft cache) give float64 GQA attention; RoPE tables made once for query
+    and key give what apply_rope makes from the positions, bit for bit."""
+    from lumenrl_sddd.layers import apply_rope, attend, rope_tables
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(3, 8, 1, 16, generator=gen), torch.randn(3, 2, 20, 16, generator=gen), torch.randn(
+        3, 2, 20, 16, generator=gen)
+    allowed = torch.rand(3, 1, 1, 20, generator=gen) > 0.3
+    allowed[..., 0] = True
+    out = attend(q, k, v, allowed)  # (B, 1, H * D)
+    k64, v64 = k.double().repeat_interleave(4, 1), v.double().repeat_interleave(4, 1)
+    scores = (q.double() @ k64.transpose(-1, -2) / 4.0).masked_fill(~allowed, float("-inf"))
+    ref = (scores.softmax(-1) @ v64).transpose(1, 2).flatten(2)
+    assert out.shape == (3, 1, 128) and float((out.double() - ref).norm() / ref.norm()) < 1e-6
+    positions = torch.randint(0, 500, (3, 4), generator=gen)
+    x = torch.randn(3, 2, 4, 16, generator=gen)
+    tables = rope_tables(positions, 16, 1e6, x.dtype)
+    assert torch.equal(apply_rope(x, positions, 1e6, tables), apply_rope(x, positions, 1e6))
