@@ -195,3 +195,20 @@ def test_decode_attend_packs_query_heads_and_shares_rope_tables():
     x = torch.randn(3, 2, 4, 16, generator=gen)
     tables = rope_tables(positions, 16, 1e6, x.dtype)
     assert torch.equal(apply_rope(x, positions, 1e6, tables), apply_rope(x, positions, 1e6))
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
+def test_draft_rmsnorm_against_float64(dtype, bound):
+    from lumenrl_sddd.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    norm = RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+    x = torch.randn(5, 3, 64, generator=gen) * 3
+    norm, x = norm.to(dtype), x.to(dtype)
+    x64, w64 = x.double(), norm.weight.detach().double()
+    ref = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w64
+    with torch.no_grad():
+        out = norm(x)
+    assert out.dtype == dtype and float((out.double() - ref).norm() / ref.norm()) < bound
