@@ -216,12 +216,14 @@ class Eagle3Draft(nn.Module):
         self._write(state, tokens, self.fc(features.to(self.fc.weight.dtype)), columns, positions)
 
     def _step(self, state: Eagle3State, tok: torch.Tensor, hid: torch.Tensor, columns: torch.Tensor,
-              positions: torch.Tensor, key_cols: torch.Tensor) -> torch.Tensor:
+              positions: torch.Tensor, key_cols: torch.Tensor, tables: tuple | None = None) -> torch.Tensor:
         """Write entries at ``columns`` (B, q) and attend causally by column over ``key_cols`` (arange(kv_len),
-        made once per round); returns h (B, q, H). The RoPE tables are made once for query and key."""
+        made once per round); returns h (B, q, H). The RoPE ``tables`` of ``positions`` (made here when not
+        given) serve query and key."""
         attn = self.midlayer.self_attn
         kv_len = key_cols.shape[0]
-        tables = attn.rope_tables(positions, hid.dtype)
+        if tables is None:
+            tables = attn.rope_tables(positions, hid.dtype)
         x = self._write(state, tok, hid, columns, positions, tables)
         allowed = state.valid[:, None, :kv_len] & (key_cols[None, None, :] <= columns[:, :, None])  # (B, q, kv)
         allowed = allowed | (key_cols[None, None, :] == columns[:, :, None])
@@ -249,7 +251,10 @@ class Eagle3Draft(nn.Module):
         key_cols = torch.arange(kv_len, device=tokens.device)
         hid = self._step(state, tokens, self.fc(features.to(self.fc.weight.dtype)), columns, positions, key_cols)
         h = hid[rows, last][:, None]  # (B, 1, H)
-        col, pos = columns[rows, last][:, None], positions[rows, last][:, None]
+        # the chained steps' columns, positions and RoPE tables, made once: step j + 1 takes slice j (views)
+        ahead = torch.arange(1, k, device=tokens.device)
+        chain_cols, chain_pos = columns[rows, last][:, None] + ahead, positions[rows, last][:, None] + ahead  # (B, k-1)
+        chain_cos, chain_sin = self.midlayer.self_attn.rope_tables(chain_pos, h.dtype)  # (B, 1, k-1, D/2)
         target_ids = self.target_ids()
         drafted, all_logits = [], []
         for j in range(k):
@@ -259,7 +264,8 @@ class Eagle3Draft(nn.Module):
             tok = sample(full)
             drafted.append(tok), all_logits.append(full)
             if j + 1 < k:
-                col, pos = col + 1, pos + 1
+                col, pos = chain_cols[:, j:j + 1], chain_pos[:, j:j + 1]
                 state.valid.scatter_(1, col, True)  # no host copy (CUDA graph capture)
-                h = self._step(state, tok[:, None], h, col, pos, key_cols)
+                h = self._step(state, tok[:, None], h, col, pos, key_cols,
+                               (chain_cos[:, :, j:j + 1], chain_sin[:, :, j:j + 1]))
         return torch.stack(drafted, 1), torch.stack(all_logits, 1)
