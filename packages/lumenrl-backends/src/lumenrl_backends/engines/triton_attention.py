@@ -137,12 +137,16 @@ if triton is not None:
     def _visible_tile(M, b, s_mb, s_mq, mask_rows, col0, end, offs_n, NQ: tl.constexpr):
         """The tile's visibility: (BLOCK_N,) shared by every packed row (NQ = 1), or (BLOCK_G, BLOCK_N) with
         packed row r reading the mask row of its query, ``mask_rows = r % NQ`` (NQ > 1)."""
+        # if / else, not an early return: compiled Triton generates the statements after a static if's
+        # return too, and the two return types differ
         if NQ == 1:
-            return _visible(M, b, s_mb, col0, end, offs_n)
-        cols = col0 + offs_n
-        in_range = cols < end
-        ptrs = M + b * s_mb + mask_rows[:, None] * s_mq + cols[None, :]
-        return (tl.load(ptrs, mask=in_range[None, :], other=0) != 0) & in_range[None, :]
+            visible = _visible(M, b, s_mb, col0, end, offs_n)
+        else:
+            cols = col0 + offs_n
+            in_range = cols < end
+            ptrs = M + b * s_mb + mask_rows[:, None] * s_mq + cols[None, :]
+            visible = (tl.load(ptrs, mask=in_range[None, :], other=0) != 0) & in_range[None, :]
+        return visible
 
     @triton.jit
     def _attend(q, q8, q_scale, k, v, allowed, m_i, l_i, acc, scale, K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr,
