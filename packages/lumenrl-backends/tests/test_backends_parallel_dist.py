@@ -183,3 +183,9 @@ def test_tp_refusals_name_the_numbers():
         check_tp(cfg, 3, 4)
     with pytest.raises(ValueError, match=r"no tensor-parallel plan for model_type='mixtral'"):
         check_tp(tiny_config("mixtral"), 2, 2)
+
+
+def test_two_ranks_moe_tp_match_one_rank(request, monkeypatch):
+    # tp2 on MoE blocks: experts split over the intermediate dim (gate/up rows matched), router replicated;
+    # glm4_moe adds shared experts (a dense MLP inside the block) and a dense first layer
+    _spawn(request, monkeypatch, 2, [("qwen3_moe", 2, {}), ("mixtral", 2, {}), ("glm4_moe", 2, {"use_qk_norm": True})])

@@ -41,11 +41,11 @@ from typing import Any
 import torch.nn as nn
 
 from lumenrl_backends.training.context_parallel import enable_ulysses
-from lumenrl_backends.training.expert_parallel import apply_expert_parallel
+from lumenrl_backends.training.expert_parallel import ShardedExperts, apply_expert_parallel, has_fused_experts
 from lumenrl_backends.training.lora import is_lora_model
 from lumenrl_backends.training.modeling import decoder_layers
 
-__all__ = ["MeshDims", "TP_PLANS", "check_mesh", "check_sizes", "check_tp", "build_mesh", "apply_tensor_parallel",
+__all__ = ["MeshDims", "TP_PLANS", "NO_TP_PLAN", "check_mesh", "check_sizes", "check_tp", "build_mesh", "apply_tensor_parallel",
            "parallelize"]
 
 
@@ -68,37 +68,59 @@ class MeshDims:
         return self.world // self.tp
 
 
-def _dense_block_plan(family: str) -> Callable[[], dict[str, Any]]:
-    def plan() -> dict[str, Any]:
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            RowwiseParallel,
-            SequenceParallel,
-        )
+def _attention_plan(layer: nn.Module) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-        block: dict[str, Any] = {
-            "input_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            ),
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        }
-        if family == "qwen3":  # per-head RMSNorm on (B, S, H_local, D): shard dim 2 = heads
-            block["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            block["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        return block
+    plan: dict[str, Any] = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        ),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "post_attention_layernorm": SequenceParallel(),
+    }
+    for norm in ("q_norm", "k_norm"):  # per-head RMSNorm (qwen3, glm4_moe) on (B, S, H_local, D): dim 2 = heads
+        if isinstance(getattr(layer.self_attn, norm, None), nn.Module):
+            plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
 
+
+def _mlp_plan(prefix: str, output) -> dict[str, Any]:
+    """SwiGLU MLP ``prefix``: gate/up colwise, down rowwise to ``output`` (a placement)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {f"{prefix}.gate_proj": ColwiseParallel(), f"{prefix}.up_proj": ColwiseParallel(),
+            f"{prefix}.down_proj": RowwiseParallel(output_layouts=output, use_local_output=False)}
+
+
+def _block_plan(layer: nn.Module) -> dict[str, Any]:
+    """Plan of one decoder layer (keys relative to it): attention, then a dense MLP or an MoE block.
+
+    MoE block: its input gathered to the whole sequence as a local tensor (the router is replicated
+    and routes every token on every TP rank); its ``experts`` already a :class:`ShardedExperts` over
+    tp (intermediate slices: a partial sum); shared experts (glm4_moe, deepseek_v3) a dense MLP whose
+    down projection stays a partial sum too; the block's output, the sum of partial sums, is
+    reduce-scattered to the sequence shards (``Partial -> Shard(1)``)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput
+
+    plan = _attention_plan(layer)
+    if not has_fused_experts(layer.mlp):
+        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        return {**plan, **_mlp_plan("mlp", Shard(1))}
+    plan["mlp"] = PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=False,
+    )
+    if isinstance(getattr(layer.mlp, "shared_experts", None), nn.Module):
+        shared = _mlp_plan("mlp.shared_experts", Partial())
+        shared["mlp.shared_experts.down_proj"].use_local_output = True  # added to the experts' local partial sum
+        plan.update(shared)
     return plan
 
 
@@ -123,13 +145,15 @@ def _root_plan() -> dict[str, Any]:
     }
 
 
-# model_type -> per-decoder-layer plan factory (keys relative to the layer). Families share the
-# Llama layout; Qwen3 adds its per-head q/k norms.
-TP_PLANS: dict[str, Callable[[], dict[str, Any]]] = {
-    "llama": _dense_block_plan("llama"),
-    "mistral": _dense_block_plan("mistral"),
-    "qwen2": _dense_block_plan("qwen2"),
-    "qwen3": _dense_block_plan("qwen3"),
+# model_type -> per-decoder-layer plan factory (keys relative to the layer). The families share the
+# Llama attention layout (per-head q/k norms where present) and a dense SwiGLU MLP or an MoE block
+# with fused experts (+ shared experts); :data:`NO_TP_PLAN` names the families refused, with why.
+TP_PLANS: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
+    family: _block_plan for family in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
+}
+NO_TP_PLAN: dict[str, str] = {
+    "deepseek_v3": "multi-head latent attention (q_a_proj/kv_a_proj_with_mqa low-rank projections) has no "
+                   "tensor-parallel plan",
 }
 
 
@@ -140,6 +164,8 @@ def check_tp(config: Any, tp: int, world: int) -> None:
     if tp == 1:
         return
     family = getattr(config, "model_type", "?")
+    if family in NO_TP_PLAN:
+        raise ValueError(f"policy.parallel.tp={tp}: model_type={family!r}: {NO_TP_PLAN[family]}; use tp=1")
     if family not in TP_PLANS:
         raise ValueError(
             f"policy.parallel.tp={tp}: no tensor-parallel plan for model_type={family!r}; "
@@ -151,11 +177,16 @@ def check_tp(config: Any, tp: int, world: int) -> None:
         "intermediate_size": config.intermediate_size,
         "vocab_size": config.vocab_size,
     }
+    if getattr(config, "moe_intermediate_size", None):  # the experts' (and shared experts') intermediate dim
+        sizes["moe_intermediate_size"] = config.moe_intermediate_size
     bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
     if bad:
         raise ValueError(f"policy.parallel.tp={tp} does not divide {', '.join(bad)} of {family}")
     if getattr(config, "tie_word_embeddings", False):
         raise ValueError(f"policy.parallel.tp={tp}: tied embeddings ({family}) are not planned; untie or use tp=1")
+    if getattr(config, "router_jitter_noise", 0.0):  # random per rank: the TP ranks would route differently
+        raise ValueError(f"policy.parallel.tp={tp}: router_jitter_noise={config.router_jitter_noise} of {family} "
+                         "perturbs each TP rank's router input differently; use 0.0 or tp=1")
 
 
 def check_mesh(model: nn.Module, dims: MeshDims, *, critic: bool = False, fp8: bool = False, r3: bool = False) -> None:
@@ -225,7 +256,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
     check_tp(model.config, tp_mesh.size(), tp_mesh.size())
     block_plan = TP_PLANS[model.config.model_type]
     for layer in decoder_layers(model):
-        parallelize_module(layer, tp_mesh, block_plan())
+        if has_fused_experts(layer.mlp) and not isinstance(layer.mlp.experts, ShardedExperts):
+            layer.mlp.experts = ShardedExperts(layer.mlp.experts, tp_mesh)  # intermediate slices over tp
+        parallelize_module(layer, tp_mesh, block_plan(layer))
     parallelize_module(model, tp_mesh, _root_plan())
     return model
 
@@ -239,7 +272,8 @@ def parallelize(
 
     check_sizes(model.config, _dims(mesh, ep))
     emesh = expert_mesh(mesh, ep) if ep > 1 else None
-    experts = apply_expert_parallel(model, emesh["ep"]) if emesh is not None else []
+    # EP x TP on the experts: E/ep experts per EP rank, each split over tp along the intermediate dim
+    experts = apply_expert_parallel(model, emesh["ep", "tp"] if mesh["tp"].size() > 1 else emesh["ep"]) if ep > 1 else []
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if mesh["cp"].size() > 1:
