@@ -1,10 +1,11 @@
 """FSDP2Backend on a parallelism mesh (gloo ranks, float32) == the 1-rank backend.
 
 Cases: tp=2 (qwen3), cp=2 (qwen3 actor and critic, 9 columns: padded to the cp multiple, left/right
-padding), ep=2 with R3
+padding), ep=2 and tp=2 (experts split over the intermediate dim) each with R3
 replay of random routes (qwen3_moe) on 2 ranks; dp2 x tp2 (qwen3), tp2 x cp2 (llama, activation
-checkpointing: the recompute repeats the collectives) and dp2 x cp2 with ep=2
-laid over the four dp x cp ranks (qwen3_moe: expert slices FSDP-sharded over 2 ranks) on 4 ranks. Each
+checkpointing: the recompute repeats the collectives), dp2 x cp2 with ep=2
+laid over the four dp x cp ranks (qwen3_moe: expert slices FSDP-sharded over 2 ranks) and dp2 x tp2 with
+ep=2 over the dp ranks (mixtral: EP x TP on the experts) on 4 ranks. Each
 case checks ``compute_log_probs`` (log-probs and entropy on the valid response tokens), one ``train_step``
 and one ``sft_step`` (loss, grad norm) and every updated parameter (full tensors from ``named_weights``, the rank-0 HF export
 and the sharded checkpoint reloaded on one rank) against one rank.
@@ -27,7 +28,8 @@ from lumenrl_backends.models.tiny import tiny_config
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_backends.training.parallelize import MeshDims, check_sizes
 from lumenrl_core.assembly.requirements import moe_layout_supported
-from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, R3Config
+from lumenrl_backends.training.lora import apply_lora
+from lumenrl_core.config.schema import LoraConfig, OptimConfig, PolicyTrainConfig, R3Config
 from lumenrl_core.data_proto import DataProto
 
 pytestmark = pytest.mark.skipif(not moe_layout_supported(),
@@ -57,8 +59,15 @@ def loss_fn(outputs, micro):  # policy gradient, or a value regression for the c
     return (per_token * micro.batch["response_mask"]).sum() / micro.meta_info["mini_batch_tokens"], {}
 
 
-def build(path: str, **kwargs) -> FSDP2Backend:
-    return build_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), **kwargs)
+def build(path: str, lora: bool = False, **kwargs) -> FSDP2Backend:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if lora:  # adapters on every dense linear (not the fused experts); B made non-zero so A gets gradients too
+        model = apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+        g = torch.Generator().manual_seed(5)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return build_model(model, **kwargs)
 
 
 def build_model(model, recompute: bool = False, **kwargs) -> FSDP2Backend:
@@ -69,10 +78,10 @@ def build_model(model, recompute: bool = False, **kwargs) -> FSDP2Backend:
 
 
 def run_case(path: str, tp: int = 1, cp: int = 1, ep: int = 1, r3: bool = False, recompute: bool = False,
-             critic: bool = False, out: str | None = None) -> dict:
+             critic: bool = False, lora: bool = False, out: str | None = None) -> dict:
     """Log-probs and entropy (a critic: values), one update's metrics and the updated weights (full tensors,
     every rank); with ``out``, the HF export (``out/hf``) and the checkpoint (``out/ckpt``) of the update."""
-    backend = build(path, r3=R3 if r3 else None, tp=tp, cp=cp, ep=ep, recompute=recompute, value_head=critic)
+    backend = build(path, lora, r3=R3 if r3 else None, tp=tp, cp=cp, ep=ep, recompute=recompute, value_head=critic)
     batch = make_batch(backend.hf_config.num_hidden_layers if r3 else 0)
     if critic:
         log_probs, entropy = backend.compute_values(batch), None
@@ -112,7 +121,9 @@ def _check(request, monkeypatch, tmp_path, world: int, cases: list) -> None:
     mp.spawn(_worker, args=(world, _free_port(), cases, str(tmp_path)), nprocs=world, join=True)
     valid = make_batch().batch["response_mask"].bool()
     for name, path, kwargs in cases:
-        one = run_case(path, r3=kwargs.get("r3", False), critic=kwargs.get("critic", False))
+        lora = kwargs.get("lora", False)
+        one = run_case(path, r3=kwargs.get("r3", False), critic=kwargs.get("critic", False), lora=lora,
+                       out=str(tmp_path / f"{name}.one") if lora else None)
         for rank in range(world):  # every rank returns the whole results
             got = torch.load(tmp_path / f"{name}.rank{rank}.pt")
             for key in ("log_probs", "entropy")[: 1 if kwargs.get("critic") else 2]:
@@ -125,8 +136,11 @@ def _check(request, monkeypatch, tmp_path, world: int, cases: list) -> None:
             for k, v in one["weights"].items():
                 err = (got["weights"][k] - v).abs().max().item()
                 assert err < 2e-5, (name, rank, k, err)
+        restored = build(path, lora, value_head=kwargs.get("critic", False))
+        if lora:
+            _check_lora(tmp_path, name, path, one, restored)
+            continue
         exported = _state(str(tmp_path / name / "hf"))  # the rank-0 HF export of the sharded weights
-        restored = build(path, value_head=kwargs.get("critic", False))
         restored.load_checkpoint(str(tmp_path / name / "ckpt"))  # the sharded checkpoint, on one rank
         shared = exported.keys() & one["weights"].keys()  # a critic exports its backbone (+ value_head file)
         assert len(shared) > 10, name
@@ -139,6 +153,30 @@ def _check(request, monkeypatch, tmp_path, world: int, cases: list) -> None:
         assert moved > 1e-3, name  # the update is real
 
 
+def _check_lora(tmp_path, name: str, path: str, one: dict, restored: FSDP2Backend) -> None:
+    """LoRA on the mesh: the merged export equals one rank's; the checkpoint's peft adapter loads with peft and
+    holds the trained adapters; the sharded checkpoint reloads on one rank; only adapters moved."""
+    from peft import PeftModel
+
+    exported, expected = _state(str(tmp_path / name / "hf")), _state(str(tmp_path / f"{name}.one" / "hf"))
+    assert exported.keys() == expected.keys()
+    for k, v in expected.items():
+        assert (exported[k] - v).abs().max().item() < 2e-5, (name, "merged export", k)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                        str(tmp_path / name / "ckpt" / "adapter"))
+    adapters = {k: v for k, v in adapted.state_dict().items() if "lora_" in k}
+    assert len(adapters) > 10, name
+    for k, v in adapters.items():
+        assert (v - one["weights"][k]).abs().max().item() < 2e-5, (name, "peft adapter", k)
+    restored.load_checkpoint(str(tmp_path / name / "ckpt"))
+    initial = build(path, True)
+    start = dict(initial.named_weights())
+    for k, v in restored.named_weights():
+        assert (v - one["weights"][k]).abs().max().item() < 2e-5, (name, "checkpoint", k)
+        moved = (one["weights"][k] - start[k]).abs().max().item()
+        assert (moved > 1e-3) == (".lora_" in k), (name, "moved", k, moved)  # adapters train, the base is frozen
+
+
 def _state(path: str) -> dict[str, torch.Tensor]:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
 
@@ -148,7 +186,8 @@ def paths(tiny_model_dir) -> dict[str, str]:
     common = {"vocab_size": V, "initializer_range": 0.2}
     return {"qwen3": str(tiny_model_dir("qwen3", **common)),
             "llama": str(tiny_model_dir("llama", num_key_value_heads=4, **common)),
-            "qwen3_moe": str(tiny_model_dir("qwen3_moe", **common))}
+            "qwen3_moe": str(tiny_model_dir("qwen3_moe", **common)),
+            "mixtral": str(tiny_model_dir("mixtral", intermediate_size=32, **common))}
 
 
 def test_two_ranks_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeypatch):
@@ -157,6 +196,8 @@ def test_two_ranks_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeypatch
         ("cp2", paths["qwen3"], {"cp": 2}),
         ("cp2_critic", paths["qwen3"], {"cp": 2, "critic": True}),
         ("ep2_r3", paths["qwen3_moe"], {"ep": 2, "r3": True}),
+        ("tp2_moe_r3", paths["qwen3_moe"], {"tp": 2, "r3": True}),  # experts split over tp; replayed routes
+        ("cp2_lora", paths["qwen3"], {"cp": 2, "lora": True}),
     ])
 
 
@@ -165,6 +206,8 @@ def test_four_ranks_dp_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeyp
         ("dp2_tp2", paths["qwen3"], {"tp": 2}),
         ("tp2_cp2", paths["llama"], {"tp": 2, "cp": 2, "recompute": True}),  # with activation checkpointing
         ("dp2_cp2_ep2", paths["qwen3_moe"], {"cp": 2, "ep": 2}),
+        ("dp2_tp2_ep2", paths["mixtral"], {"tp": 2, "ep": 2}),  # EP x TP on the experts, TP on attention
+        ("cp2_ep4_lora", paths["qwen3_moe"], {"cp": 2, "ep": 4, "lora": True}),  # frozen experts, 1 per rank
     ])
 
 
@@ -176,8 +219,8 @@ def test_mesh_refusals_name_the_numbers():
         check_sizes(qwen3, MeshDims(world=6, tp=4))
     with pytest.raises(ValueError, match=r"moe.expert_parallel_size=4 must divide the 2 data x context parallel ranks"):
         check_sizes(moe, MeshDims(world=2, ep=4))
-    with pytest.raises(ValueError, match=r"no tensor-parallel plan for model_type='qwen3_moe'"):
-        check_sizes(moe, MeshDims(world=4, tp=2, ep=2))  # TP + EP: no MoE block plan
+    with pytest.raises(ValueError, match=r"moe.expert_parallel_size=4 must divide the 2 data x context parallel"):
+        check_sizes(moe, MeshDims(world=4, tp=2, ep=4))  # EP is laid over dp x cp, not over the TP ranks
     model = AutoModelForCausalLM.from_config(qwen3)
     with pytest.raises(ValueError, match=r"R3 replay lays out whole rows, not sequence chunks"):
         build_model(model, r3=R3, cp=2)

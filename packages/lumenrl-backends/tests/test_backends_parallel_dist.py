@@ -166,8 +166,11 @@ def _spawn(request, monkeypatch, world: int, cases: list) -> None:
 
 
 def test_two_ranks_tp_sp_cp_ep_match_one_rank(request, monkeypatch):
+    # tp2 on MoE blocks (qwen3_moe, mixtral, glm4_moe): experts split over the intermediate dim (gate/up rows
+    # matched), router replicated; glm4_moe adds shared experts (a dense MLP in the block) and a dense first layer
     _spawn(request, monkeypatch, 2, [("qwen3", 2, {}), ("llama", 2, {}), ("qwen3", "cp", {}), ("llama", "cp", {}),
-                                      ("qwen3_moe", "ep", {}), ("deepseek_v3", "ep", {"kv": 4}), ("glm4_moe", "ep", {})])
+                                      ("qwen3_moe", "ep", {}), ("deepseek_v3", "ep", {"kv": 4}), ("glm4_moe", "ep", {}),
+                                      ("qwen3_moe", 2, {}), ("mixtral", 2, {}), ("glm4_moe", 2, {"use_qk_norm": True})])
 
 
 def test_four_ranks_fsdp_tp_and_ep_match_one_rank(request, monkeypatch):
@@ -181,11 +184,10 @@ def test_tp_refusals_name_the_numbers():
         check_tp(cfg, 4, 4)
     with pytest.raises(ValueError, match=r"tp=3 must divide the world size 4"):
         check_tp(cfg, 3, 4)
-    with pytest.raises(ValueError, match=r"no tensor-parallel plan for model_type='mixtral'"):
-        check_tp(tiny_config("mixtral"), 2, 2)
+    with pytest.raises(ValueError, match=r"model_type='deepseek_v3': multi-head latent attention"):
+        check_tp(tiny_config("deepseek_v3"), 2, 2)
+    with pytest.raises(ValueError, match=r"tp=2 does not divide moe_intermediate_size=33"):
+        check_tp(tiny_config("qwen3_moe", moe_intermediate_size=33), 2, 2)
+    with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 of mixtral"):
+        check_tp(tiny_config("mixtral", router_jitter_noise=0.1), 2, 2)
 
-
-def test_two_ranks_moe_tp_match_one_rank(request, monkeypatch):
-    # tp2 on MoE blocks: experts split over the intermediate dim (gate/up rows matched), router replicated;
-    # glm4_moe adds shared experts (a dense MLP inside the block) and a dense first layer
-    _spawn(request, monkeypatch, 2, [("qwen3_moe", 2, {}), ("mixtral", 2, {}), ("glm4_moe", 2, {"use_qk_norm": True})])

@@ -108,8 +108,11 @@ class ShardedExperts(nn.Module):
         ep_place = [Shard(0)] if "ep" in names else []
         tp_gate_up, tp_down = ([_StridedShard(1, split_factor=2)], [Shard(2)]) if "tp" in names else ([], [])
 
+        frozen = not experts.gate_up_proj.requires_grad  # a LoRA policy's base: stays frozen
+
         def param(local: torch.Tensor, placements: list) -> nn.Parameter:
-            return nn.Parameter(DTensor.from_local(local.clone(), mesh, placements, run_check=False))
+            local = DTensor.from_local(local.clone(), mesh, placements, run_check=False)
+            return nn.Parameter(local, requires_grad=not frozen)
 
         self.gate_up_proj = param(gate_up, ep_place + tp_gate_up)  # full (E, 2I, H)
         self.down_proj = param(down, ep_place + tp_down)  # full (E, H, I)

@@ -11,7 +11,8 @@ Design (torchtitan's composition, applied to the transformers modules):
   the flattened dim own the ``E / ep`` expert slices (a second mesh ``("efsdp", "ep", "tp")`` over
   the same ranks); FSDP2 shards each expert slice over ``efsdp`` (the ranks holding the same
   slice) and divides its reduced gradient by ``dp_shard * cp``, the factor every other parameter
-  gets. No TP plan covers an MoE block, so ``ep > 1`` comes with ``tp = 1``.
+  gets. With ``tp > 1`` too, each expert slice is further split over tp (EP x TP on the experts,
+  parameters on the 2-D ``("ep", "tp")`` submesh; dispatch between the EP ranks of one TP coordinate).
 * Tensor parallel (Megatron layout) with sequence parallel between the blocks, per family
   (:data:`TP_PLANS`): attention ``q/k/v_proj`` colwise, ``o_proj`` rowwise; MLP ``gate/up_proj``
   colwise, ``down_proj`` rowwise; RMSNorms ``SequenceParallel`` (the residual stream is a DTensor
@@ -20,6 +21,12 @@ Design (torchtitan's composition, applied to the transformers modules):
   ``Shard(1)``; ``lm_head`` colwise with a replicated output (full logits on every TP rank: the
   log-prob/entropy code reads full rows). Qwen3's per-head ``q_norm``/``k_norm`` run on the local heads as ``SequenceParallel``
   over dim 2 (the head dim of ``(B, S, H_local, D)``) so their weight gradient is summed over TP.
+* MoE blocks (qwen3_moe, mixtral, glm4_moe): the block's input is gathered to the whole sequence (a
+  local tensor: the replicated router routes every token identically on each TP rank, so R3 replay
+  is unchanged); the fused experts become :class:`~.expert_parallel.ShardedExperts` split over tp
+  along the expert intermediate dim (matching gate/up rows); shared experts are a dense MLP whose
+  down projection stays a partial sum; the block's output (a partial sum) is reduce-scattered to the
+  sequence shards. DeepSeek-V3 (MLA attention) has no plan (:data:`NO_TP_PLAN`).
 * Local head counts: q/k/v outputs are local tensors (``use_local_output=True``) holding
   ``heads / tp`` heads; HF attention reshapes with ``(*input_shape, -1, head_dim)`` so the local
   count follows from the tensor, and the GQA repeat factor ``heads / kv_heads`` is unchanged.
@@ -194,8 +201,9 @@ def check_mesh(model: nn.Module, dims: MeshDims, *, critic: bool = False, fp8: b
     critic under TP; R3 under CP), then sizes the world or the model cannot meet, with the numbers."""
     tp, cp, ep = dims.tp, dims.cp, dims.ep
     problem = None
-    if max(tp, cp, ep) > 1 and is_lora_model(model):
-        problem = "LoRA adapters are not planned for tensor/context/expert parallel; use policy.lora.rank=0"
+    if tp > 1 and is_lora_model(model):
+        problem = ("LoRA under tensor parallel is not planned (peft's lora.Linear wraps the linears the TP plan "
+                   "shards; its A/B would need their own colwise/rowwise styles); use tp=1 with LoRA (cp/ep work)")
     elif tp > 1 and fp8:
         problem = "FP8 training linears have no tensor-parallel plan; use quantization.training.precision=bf16"
     elif tp > 1 and critic:
