@@ -198,6 +198,7 @@ def test_two_ranks_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeypatch
         ("ep2_r3", paths["qwen3_moe"], {"ep": 2, "r3": True}),
         ("tp2_moe_r3", paths["qwen3_moe"], {"tp": 2, "r3": True}),  # experts split over tp; replayed routes
         ("cp2_lora", paths["qwen3"], {"cp": 2, "lora": True}),
+        ("tp2_lora", paths["qwen3"], {"tp": 2, "lora": True}),  # A/B colwise/rowwise around the sharded bases
     ])
 
 

@@ -50,6 +50,7 @@ import torch.nn as nn
 from lumenrl_backends.training.context_parallel import enable_ulysses
 from lumenrl_backends.training.expert_parallel import ShardedExperts, apply_expert_parallel, has_fused_experts
 from lumenrl_backends.training.lora import is_lora_model
+from lumenrl_backends.training.lora_tp import expand_lora_plan
 from lumenrl_backends.training.modeling import decoder_layers
 
 __all__ = ["MeshDims", "TP_PLANS", "NO_TP_PLAN", "check_mesh", "check_sizes", "check_tp", "build_mesh", "apply_tensor_parallel",
@@ -197,13 +198,13 @@ def check_tp(config: Any, tp: int, world: int) -> None:
 
 
 def check_mesh(model: nn.Module, dims: MeshDims, *, critic: bool = False, fp8: bool = False, r3: bool = False) -> None:
-    """Refuse what the mesh cannot carry, in one line: combinations not wired (LoRA; FP8 linears or a
-    critic under TP; R3 under CP), then sizes the world or the model cannot meet, with the numbers."""
+    """Refuse what the mesh cannot carry, in one line: combinations not wired (LoRA dropout, FP8 linears
+    or a critic under TP; R3 under CP), then sizes the world or the model cannot meet, with the numbers."""
     tp, cp, ep = dims.tp, dims.cp, dims.ep
     problem = None
-    if tp > 1 and is_lora_model(model):
-        problem = ("LoRA under tensor parallel is not planned (peft's lora.Linear wraps the linears the TP plan "
-                   "shards; its A/B would need their own colwise/rowwise styles); use tp=1 with LoRA (cp/ep work)")
+    if tp > 1 and is_lora_model(model) and _lora_dropout(model) > 0:
+        problem = (f"policy.lora.dropout={_lora_dropout(model)} draws a different mask on each TP rank of a "
+                   "replicated adapter input; use dropout 0.0 with tp > 1")
     elif tp > 1 and fp8:
         problem = "FP8 training linears have no tensor-parallel plan; use quantization.training.precision=bf16"
     elif tp > 1 and critic:
@@ -213,6 +214,10 @@ def check_mesh(model: nn.Module, dims: MeshDims, *, critic: bool = False, fp8: b
     if problem:
         raise ValueError(f"policy.parallel.tp={tp}, cp={cp}, moe.expert_parallel_size={ep}: {problem}")
     check_sizes(model.config, dims)
+
+
+def _lora_dropout(model: nn.Module) -> float:
+    return max((float(getattr(c, "lora_dropout", 0.0)) for c in getattr(model, "peft_config", {}).values()), default=0.0)
 
 
 def check_sizes(config: Any, dims: MeshDims) -> None:
@@ -266,8 +271,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
     for layer in decoder_layers(model):
         if has_fused_experts(layer.mlp) and not isinstance(layer.mlp.experts, ShardedExperts):
             layer.mlp.experts = ShardedExperts(layer.mlp.experts, tp_mesh)  # intermediate slices over tp
-        parallelize_module(layer, tp_mesh, block_plan(layer))
-    parallelize_module(model, tp_mesh, _root_plan())
+        parallelize_module(layer, tp_mesh, expand_lora_plan(block_plan(layer), layer))  # LoRA: base, A, B
+    hf = model.get_base_model() if is_lora_model(model) else model
+    parallelize_module(hf, tp_mesh, expand_lora_plan(_root_plan(), hf))
     return model
 
 

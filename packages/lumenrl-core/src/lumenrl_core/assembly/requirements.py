@@ -196,11 +196,10 @@ def _lora_violations(cfg: RunConfig) -> list[Violation]:
         out.append(Violation("policy.lora.rank", rank,
                              "LoRA adapters on FP8 training linears are not supported; use "
                              "quantization.training.precision=bf16 with LoRA, or policy.lora.rank=0"))
-    if cfg.policy.parallel.tp > 1:
-        out.append(Violation("policy.lora.rank", rank,
-                             f"LoRA under tensor parallel (policy.parallel.tp={cfg.policy.parallel.tp}) is not planned "
-                             "(peft wraps the linears the TP plan shards); use tp=1 with LoRA (cp and "
-                             "moe.expert_parallel_size work), or policy.lora.rank=0"))
+    if cfg.policy.parallel.tp > 1 and cfg.policy.lora.dropout > 0:
+        out.append(Violation("policy.lora.dropout", cfg.policy.lora.dropout,
+                             f"draws a different mask on each rank of a tensor-parallel group (policy.parallel.tp="
+                             f"{cfg.policy.parallel.tp}) for a replicated adapter input; use 0.0 with tp > 1"))
     if importlib.util.find_spec("peft") is None:
         out.append(Violation("policy.lora.rank", rank,
                              "LoRA needs peft, which is not installed (pip install 'lumenrl-backends[lora]')"))
