@@ -267,6 +267,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     check_tp(model.config, tp_mesh.size(), tp_mesh.size())
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}  # a LoRA policy's base
     block_plan = TP_PLANS[model.config.model_type]
     for layer in decoder_layers(model):
         if has_fused_experts(layer.mlp) and not isinstance(layer.mlp.experts, ShardedExperts):
@@ -274,6 +275,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
         parallelize_module(layer, tp_mesh, expand_lora_plan(block_plan(layer), layer))  # LoRA: base, A, B
     hf = model.get_base_model() if is_lora_model(model) else model
     parallelize_module(hf, tp_mesh, expand_lora_plan(_root_plan(), hf))
+    for name, p in model.named_parameters():  # the TP styles re-register parameters as trainable
+        p.requires_grad_(name not in frozen)
     return model
 
 
