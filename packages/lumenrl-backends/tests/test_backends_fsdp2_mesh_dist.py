@@ -29,6 +29,7 @@ from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_backends.training.parallelize import MeshDims, check_sizes
 from lumenrl_core.assembly.requirements import moe_layout_supported
 from lumenrl_backends.training.lora import apply_lora
+from lumenrl_backends.training.weights_io import full_tensor
 from lumenrl_core.config.schema import LoraConfig, OptimConfig, PolicyTrainConfig, R3Config
 from lumenrl_core.data_proto import DataProto
 
@@ -89,6 +90,7 @@ def run_case(path: str, tp: int = 1, cp: int = 1, ep: int = 1, r3: bool = False,
         log_probs, entropy = backend.compute_log_probs(batch, with_entropy=True)
     metrics = {k.partition("/")[2]: v for k, v in backend.train_step(batch, loss_fn).items()}
     weights = {k: v.clone() for k, v in backend.named_weights()}
+    optim = optim_state(backend)
     if out is not None:
         backend.save_hf(os.path.join(out, "hf"))
         backend.save_checkpoint(os.path.join(out, "ckpt"))
@@ -97,8 +99,14 @@ def run_case(path: str, tp: int = 1, cp: int = 1, ep: int = 1, r3: bool = False,
         labels = batch.batch["input_ids"].masked_fill(batch.batch["attention_mask"] == 0, -100)
         labels[:, :P] = -100  # the response is the target (a pad position predicting a first token is noise)
         sft = backend.sft_step(DataProto.from_dict(tensors={**batch.batch, "labels": labels}))
-    return {"log_probs": log_probs, "entropy": entropy, "loss": metrics["loss"],
+    return {"log_probs": log_probs, "entropy": entropy, "loss": metrics["loss"], "optim": optim,
             "grad_norm": metrics["grad_norm"], "weights": weights, "sft": [sft["sft/loss"], sft["sft/grad_norm"]]}
+
+
+def optim_state(backend: FSDP2Backend) -> dict[str, torch.Tensor]:
+    """Parameter name -> full Adam ``exp_avg_sq`` (collective under FSDP2: every rank, the same order)."""
+    names = {id(p): n for n, p in backend.weights_module.named_parameters()}
+    return {names[id(p)]: full_tensor(st["exp_avg_sq"]).clone() for p, st in backend.optimizer.state.items()}
 
 
 def _worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
@@ -148,9 +156,19 @@ def _check(request, monkeypatch, tmp_path, world: int, cases: list) -> None:
             assert (exported[k] - one["weights"][k]).abs().max().item() < 2e-5, (name, "export", k)
         for k, v in restored.named_weights():
             assert (v - one["weights"][k]).abs().max().item() < 2e-5, (name, "checkpoint", k)
+        _check_optim(name, restored, one)
         initial = _state(path)
         moved = max((one["weights"][k] - initial[k]).abs().max().item() for k in shared)
         assert moved > 1e-3, name  # the update is real
+
+
+def _check_optim(name: str, restored: FSDP2Backend, one: dict) -> None:
+    """The sharded checkpoint's Adam state (fused gate_up_proj through its (E, 2, I, H) view) reloaded on one rank."""
+    got = optim_state(restored)
+    assert got.keys() == one["optim"].keys() and got, name
+    for k, v in one["optim"].items():
+        # (1 - beta2) g^2: the gradients agree to ~1e-4 relative; a misplaced gate/up half would be O(1) off
+        assert (got[k] - v).abs().max().item() <= 1e-3 * v.abs().max().item(), (name, "adam state", k)
 
 
 def _check_lora(tmp_path, name: str, path: str, one: dict, restored: FSDP2Backend) -> None:
@@ -169,6 +187,7 @@ def _check_lora(tmp_path, name: str, path: str, one: dict, restored: FSDP2Backen
     for k, v in adapters.items():
         assert (v - one["weights"][k]).abs().max().item() < 2e-5, (name, "peft adapter", k)
     restored.load_checkpoint(str(tmp_path / name / "ckpt"))
+    _check_optim(name, restored, one)
     initial = build(path, True)
     start = dict(initial.named_weights())
     for k, v in restored.named_weights():
@@ -229,3 +248,8 @@ def test_mesh_refusals_name_the_numbers():
         build_model(model, value_head=True, tp=2)
     with pytest.raises(ValueError, match=r"tp=2 \* cp=1 = 2 must divide the world size 1"):
         build_model(model, tp=2)  # this process is one rank
+    lora = apply_lora(AutoModelForCausalLM.from_config(qwen3), LoraConfig(rank=4, dropout=0.1))
+    with pytest.raises(ValueError, match=r"policy.lora.dropout=0.1 draws a different mask on each TP rank"):
+        build_model(lora, tp=2)
+    with pytest.raises(ValueError, match=r"model_type='deepseek_v3': multi-head latent attention"):
+        check_sizes(tiny_config("deepseek_v3", vocab_size=V), MeshDims(world=2, tp=2))

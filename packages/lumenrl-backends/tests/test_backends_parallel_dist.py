@@ -187,7 +187,7 @@ def test_tp_refusals_name_the_numbers():
     with pytest.raises(ValueError, match=r"model_type='deepseek_v3': multi-head latent attention"):
         check_tp(tiny_config("deepseek_v3"), 2, 2)
     with pytest.raises(ValueError, match=r"tp=2 does not divide moe_intermediate_size=33"):
-        check_tp(tiny_config("qwen3_moe", moe_intermediate_size=33), 2, 2)
+        check_tp(tiny_config("qwen3_moe", moe_intermediate_size=33, vocab_size=V), 2, 2)
     with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 of mixtral"):
-        check_tp(tiny_config("mixtral", router_jitter_noise=0.1), 2, 2)
+        check_tp(tiny_config("mixtral", router_jitter_noise=0.1, vocab_size=V), 2, 2)
 
