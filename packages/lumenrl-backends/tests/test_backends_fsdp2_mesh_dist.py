@@ -26,10 +26,10 @@ from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.models.tiny import tiny_config
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
-from lumenrl_backends.training.parallelize import MeshDims, check_sizes
-from lumenrl_core.assembly.requirements import moe_layout_supported
 from lumenrl_backends.training.lora import apply_lora
+from lumenrl_backends.training.parallelize import MeshDims, check_sizes
 from lumenrl_backends.training.weights_io import full_tensor
+from lumenrl_core.assembly.requirements import moe_layout_supported
 from lumenrl_core.config.schema import LoraConfig, OptimConfig, PolicyTrainConfig, R3Config
 from lumenrl_core.data_proto import DataProto
 

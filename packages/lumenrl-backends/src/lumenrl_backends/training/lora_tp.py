@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["Replicated", "expand_lora_plan"]
+__all__ = ["expand_lora_plan", "replicated"]
 
 
 def _is_lora_layer(module: nn.Module) -> bool:
@@ -67,7 +67,8 @@ def _replicated_style():
     return Replicated
 
 
-def Replicated(**kwargs: Any):  # noqa: N802 - a ParallelStyle factory (torch imported lazily)
+def replicated(**kwargs: Any):
+    """A ``Replicated`` parallel style (the class is built on first use: torch's TP module imported lazily)."""
     return _replicated_style()(**kwargs)
 
 
@@ -92,9 +93,9 @@ def expand_lora_plan(plan: dict[str, Any], root: nn.Module) -> dict[str, Any]:
                              "use tp=1")
         for name in module.lora_A:
             if isinstance(style, ColwiseParallel):
-                out[f"{key}.lora_A.{name}"] = Replicated()
+                out[f"{key}.lora_A.{name}"] = replicated()
                 out[f"{key}.lora_B.{name}"] = copy.copy(style)
             else:
                 out[f"{key}.lora_A.{name}"] = RowwiseParallel(output_layouts=Replicate(), use_local_output=False)
-                out[f"{key}.lora_B.{name}"] = Replicated(output_layout=layout, use_local_output=style.use_local_output)
+                out[f"{key}.lora_B.{name}"] = replicated(output_layout=layout, use_local_output=style.use_local_output)
     return out

@@ -78,7 +78,12 @@ class MeshDims:
 
 def _attention_plan(layer: nn.Module) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     plan: dict[str, Any] = {
         "input_layernorm": SequenceParallel(),
