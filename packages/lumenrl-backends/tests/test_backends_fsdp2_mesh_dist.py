@@ -251,5 +251,5 @@ def test_mesh_refusals_name_the_numbers():
     lora = apply_lora(AutoModelForCausalLM.from_config(qwen3), LoraConfig(rank=4, dropout=0.1))
     with pytest.raises(ValueError, match=r"policy.lora.dropout=0.1 draws a different mask on each TP rank"):
         build_model(lora, tp=2)
-    with pytest.raises(ValueError, match=r"model_type='deepseek_v3': multi-head latent attention"):
-        check_sizes(tiny_config("deepseek_v3", vocab_size=V), MeshDims(world=2, tp=2))
+    with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 of mixtral"):
+        check_sizes(tiny_config("mixtral", vocab_size=V, router_jitter_noise=0.1), MeshDims(world=2, tp=2))

@@ -23,7 +23,7 @@ Both compose (EP x TP on the experts: mesh ``("ep", "tp")``): dispatch runs betw
 one TP coordinate, every rank computes its experts' intermediate slice. Routing weights are applied
 at the source, after the exchange back, so the router's gradient stays local; under tp the
 gradients reaching ``hidden`` and ``top_k_weights`` are partial sums over tp (each rank's slice), so
-both pass :func:`_sum_grad_over` (identity forward, all-reduce backward: Megatron's "copy to the
+both pass :func:`sum_grad_over` (identity forward, all-reduce backward: Megatron's "copy to the
 model-parallel region"), and the replicated router gets the full gradient on every TP rank.
 
 The weights are DTensors (``Shard(0)`` over ep, the layouts above over tp), so state dicts, weight
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["ShardedExperts", "apply_expert_parallel", "checkpoint_view", "has_fused_experts"]
+__all__ = ["ShardedExperts", "apply_expert_parallel", "checkpoint_view", "has_fused_experts", "sum_grad_over"]
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -70,7 +70,7 @@ class _SumGradOver(torch.autograd.Function):
         return grad, None
 
 
-def _sum_grad_over(x: torch.Tensor, group) -> torch.Tensor:
+def sum_grad_over(x: torch.Tensor, group) -> torch.Tensor:
     return _SumGradOver.apply(x, group) if group is not None else x
 
 
@@ -129,7 +129,7 @@ class ShardedExperts(nn.Module):
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """(T, H) output: whole over ep; a partial sum over tp (the caller reduces it)."""
-        hidden, top_k_weights = _sum_grad_over(hidden, self.tp_group), _sum_grad_over(top_k_weights, self.tp_group)
+        hidden, top_k_weights = sum_grad_over(hidden, self.tp_group), sum_grad_over(top_k_weights, self.tp_group)
         t, k = top_k_index.shape  # hidden (T, H)
         flat = top_k_index.reshape(-1)  # (T*K,)
         owner = torch.div(flat, self.local, rounding_mode="floor")

@@ -21,12 +21,13 @@ Design (torchtitan's composition, applied to the transformers modules):
   ``Shard(1)``; ``lm_head`` colwise with a replicated output (full logits on every TP rank: the
   log-prob/entropy code reads full rows). Qwen3's per-head ``q_norm``/``k_norm`` run on the local heads as ``SequenceParallel``
   over dim 2 (the head dim of ``(B, S, H_local, D)``) so their weight gradient is summed over TP.
-* MoE blocks (qwen3_moe, mixtral, glm4_moe): the block's input is gathered to the whole sequence (a
+* MoE blocks (qwen3_moe, mixtral, glm4_moe, deepseek_v3): the block's input is gathered to the whole sequence (a
   local tensor: the replicated router routes every token identically on each TP rank, so R3 replay
   is unchanged); the fused experts become :class:`~.expert_parallel.ShardedExperts` split over tp
   along the expert intermediate dim (matching gate/up rows); shared experts are a dense MLP whose
   down projection stays a partial sum; the block's output (a partial sum) is reduce-scattered to the
-  sequence shards. DeepSeek-V3 (MLA attention) has no plan (:data:`NO_TP_PLAN`).
+  sequence shards. DeepSeek MLA attention: low-rank down projections replicated, up projections colwise
+  (whole heads per rank), o_proj rowwise (:func:`_mla_plan`). Qwen2-MoE is refused (:data:`NO_TP_PLAN`).
 * Local head counts: q/k/v outputs are local tensors (``use_local_output=True``) holding
   ``heads / tp`` heads; HF attention reshapes with ``(*input_shape, -1, head_dim)`` so the local
   count follows from the tensor, and the GQA repeat factor ``heads / kv_heads`` is unchanged.
@@ -45,10 +46,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from lumenrl_backends.training.context_parallel import enable_ulysses
-from lumenrl_backends.training.expert_parallel import ShardedExperts, apply_expert_parallel, has_fused_experts
+from lumenrl_backends.training.expert_parallel import (
+    ShardedExperts,
+    apply_expert_parallel,
+    has_fused_experts,
+    sum_grad_over,
+)
 from lumenrl_backends.training.lora import is_lora_model
 from lumenrl_backends.training.lora_tp import expand_lora_plan
 from lumenrl_backends.training.modeling import decoder_layers
@@ -100,7 +107,44 @@ def _attention_plan(layer: nn.Module) -> dict[str, Any]:
     for norm in ("q_norm", "k_norm"):  # per-head RMSNorm (qwen3, glm4_moe) on (B, S, H_local, D): dim 2 = heads
         if isinstance(getattr(layer.self_attn, norm, None), nn.Module):
             plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if _is_mla(layer.self_attn):
+        plan = _mla_plan(layer.self_attn, plan)
     return plan
+
+
+def _is_mla(attn: nn.Module) -> bool:
+    return isinstance(getattr(attn, "kv_a_proj_with_mqa", None), nn.Module)
+
+
+def _mla_plan(attn: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek multi-head latent attention: the low-rank down projections (``q_a_proj``,
+    ``kv_a_proj_with_mqa``) and their norms run replicated on the whole sequence (the attention's
+    input is a local tensor); the up projections (``q_b_proj`` or ``q_proj``, ``kv_b_proj``; head-major
+    outputs) colwise, so each rank holds whole heads; ``o_proj`` rowwise. The rope key slice, shared by
+    all heads, gets partial gradients over tp: :func:`_sum_rope_key_grad` sums them."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
+
+    out = {k: v for k, v in plan.items() if k.split(".")[-1] not in ("q_proj", "k_proj", "v_proj")}
+    out["self_attn"] = PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        use_local_output=True,
+    )
+    out["self_attn.q_b_proj" if getattr(attn, "q_b_proj", None) is not None else "self_attn.q_proj"] = ColwiseParallel()
+    out["self_attn.kv_b_proj"] = ColwiseParallel()
+    return out
+
+
+def _sum_rope_key_grad(attn: nn.Module, tp_group) -> None:
+    """``kv_a_proj_with_mqa`` output = [kv latent (kv_lora_rank); rope key]: the latent feeds the colwise
+    ``kv_b_proj`` (whose input gradient is summed over tp); the rope key is expanded to this rank's heads
+    only, so its gradient is a partial sum: summed here (identity forward)."""
+    rank = attn.kv_lora_rank
+
+    def hook(_module, _args, out):
+        return torch.cat([out[..., :rank], sum_grad_over(out[..., rank:], tp_group)], dim=-1)
+
+    attn.kv_a_proj_with_mqa.register_forward_hook(hook)
 
 
 def _mlp_plan(prefix: str, output) -> dict[str, Any]:
@@ -162,11 +206,12 @@ def _root_plan() -> dict[str, Any]:
 # Llama attention layout (per-head q/k norms where present) and a dense SwiGLU MLP or an MoE block
 # with fused experts (+ shared experts); :data:`NO_TP_PLAN` names the families refused, with why.
 TP_PLANS: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
-    family: _block_plan for family in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
+    family: _block_plan
+    for family in ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
 }
 NO_TP_PLAN: dict[str, str] = {
-    "deepseek_v3": "multi-head latent attention (q_a_proj/kv_a_proj_with_mqa low-rank projections) has no "
-                   "tensor-parallel plan",
+    "qwen2_moe": "the shared expert's sigmoid gate (shared_expert_gate) scales a partial sum, so its gradient "
+                 "would be partial too; no tensor-parallel plan",
 }
 
 
@@ -278,6 +323,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
         if has_fused_experts(layer.mlp) and not isinstance(layer.mlp.experts, ShardedExperts):
             layer.mlp.experts = ShardedExperts(layer.mlp.experts, tp_mesh)  # intermediate slices over tp
         parallelize_module(layer, tp_mesh, expand_lora_plan(block_plan(layer), layer))  # LoRA: base, A, B
+        if _is_mla(layer.self_attn):
+            _sum_rope_key_grad(layer.self_attn, tp_mesh.get_group())
     hf = model.get_base_model() if is_lora_model(model) else model
     parallelize_module(hf, tp_mesh, expand_lora_plan(_root_plan(), hf))
     for name, p in model.named_parameters():  # the TP styles re-register parameters as trainable
