@@ -97,7 +97,8 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
             "trainer_idle": records[-1].get("async/trainer_idle_ratio", float("nan"))}
 
 
-def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = None) -> dict:
+def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = None,
+          shape_override: dict[str, int] | None = None) -> dict:
     """``fn(smoke) -> dict``: samples/s and time to N steps per mode, and each speed-up vs sync."""
     if gpu and not smoke:  # one H200 within ~240 s (module docstring)
         shape = {"steps": 4, "prompts": 8, "n": 8, "median": 32}
@@ -106,6 +107,7 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
         shape, extra = {"steps": 2, "prompts": 4, "n": 4, "median": 4}, ("trainer.warm_start_sft_steps=0",)
     else:
         shape, extra = {"steps": 6, "prompts": 8, "n": 4, "median": 8}, ("trainer.warm_start_sft_steps=0",)
+    shape.update(shape_override or {})
     modes = modes or (("sync", "partial") if smoke or gpu else tuple(MODES))  # GPU: the goal's pair (time)
     if modes[0] != "sync":
         modes = ("sync", *[m for m in modes if m != "sync"])
@@ -141,8 +143,11 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--modes", default="", help="comma-separated subset of: " + ", ".join(MODES))
+    parser.add_argument("--shape", default="", help="override the shape, e.g. steps=8,prompts=16,n=8,median=64")
     args = parser.parse_args()
-    results = bench(args.smoke, gpu=args.gpu, modes=tuple(args.modes.split(",")) if args.modes else None)
+    shape = {k: int(v) for k, v in (item.split("=") for item in args.shape.split(",") if item)}
+    results = bench(args.smoke, gpu=args.gpu, modes=tuple(args.modes.split(",")) if args.modes else None,
+                    shape_override=shape)
     print(f"{'mode':<10}{'samples/s':>12}{'time to N (s)':>15}{'speed-up':>10}{'resp len':>10}{'stale drop':>11}"
           f"{'partial':>9}  reward curve")
     for mode in MODES:

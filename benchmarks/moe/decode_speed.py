@@ -18,9 +18,13 @@ engines ``compile="full"`` over the same model, in this order (the FP8 engines q
   roofline of the FP8-expert weight bytes;
 * ``fp8_rollout_vs_bf16``: the whole ``fp8_block`` rollout scheme (attention linears FP8 too).
 
+The recording engine patches the model's routers (R3); they are restored (``uninstall_routing``) before
+the next engine, so every other engine runs the model's own routers.
+
 Smoke (CPU, seconds): a hidden-64 / 8-expert version of the same engines (fused experts on
 lumenrl-quant's torch path; no roofline).
 GPU: ``python -m benchmarks run gpu --only moe_decode_speed``.
+Profile (where the recording and FP8-expert time goes): ``python -m benchmarks.moe.decode_speed --profile``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lumenrl_backends.engines.native import NativeEngine
 from lumenrl_core.data_proto import DataProto
+from lumenrl_moe import uninstall_routing
 from lumenrl_quant import get_quant_scheme
 
 __all__ = ["moe_decode_speed"]
@@ -80,8 +85,8 @@ def _native(model, batch, new: int, *, device: str, compile: str, record: bool =
     out = engine.generate(batch, params)
     _sync(device)
     decode_s = time.perf_counter() - start - out.meta_info["perf"]["prefill_seconds"]
-    if engine.routes.enabled:  # restore the model's own routing for the next engine
-        engine.routes.ctl.record(None)
+    if engine.routes.enabled:  # restore the model's own routers for the next engine
+        uninstall_routing(model)
     return rows * (new - 1) / decode_s, decode_s
 
 
@@ -149,8 +154,68 @@ def _roofline(model, rows: int, prompt: int, new: int) -> float:
     return roof["tokens_per_s"]
 
 
+def profile(new: int = 64) -> None:
+    """Kernel tables of one decode call per variant (bf16; R3 router patched but not writing; R3 recording;
+    FP8 experts): decode ms/step side by side, then the top kernels by CUDA time of each variant."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from lumenrl_moe import RecordTarget
+
+    model = _model(FULL, "cuda", torch.bfloat16)
+    ids = torch.randint(10, FULL["vocab_size"] - 1, (64, 256), generator=torch.Generator().manual_seed(1))
+    batch = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    write = RecordTarget.write
+    variants = {"bf16": {}, "r3_no_write": {"record": True}, "r3_record": {"record": True},
+                "fp8_experts": {"quant_scheme": get_quant_scheme("fp8_block", skip_modules=("lm_head", "self_attn"))}}
+    rows, tables = [], {}
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": new}
+    for name, kwargs in variants.items():
+        RecordTarget.write = (lambda *a, **k: None) if name == "r3_no_write" else write
+        torch._dynamo.reset()
+        counters.clear()
+        engine = NativeEngine(model, _Tok(), device="cuda", max_batch_size=64, max_seq_len=256 + new, compile="full",
+                              record_routes=kwargs.get("record", False), fused_moe="on",
+                              quant_scheme=kwargs.get("quant_scheme"))
+        engine.generate(batch, params)  # compile + capture
+        timed = {}
+        for steps in (new // 4, new):  # per decode step by difference: prefill and per-call costs cancel
+            engine.generate(batch, {**params, "max_new_tokens": steps})
+            _sync("cuda")
+            start = time.perf_counter()
+            out = engine.generate(batch, {**params, "max_new_tokens": steps})
+            _sync("cuda")
+            timed[steps] = time.perf_counter() - start
+        decode_s = timed[new] - out.meta_info["perf"]["prefill_seconds"]
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.generate(batch, params)
+            _sync("cuda")
+        print(f"{name}: cuda_graphs={out.meta_info['perf']['cuda_graphs']} graph_error={engine.graphs.error!r} "
+              f"graph_breaks={sum(counters['graph_break'].values())} prefill_s={out.meta_info['perf']['prefill_seconds']:.4f} "
+              f"call_s={timed[new]:.4f} per-step by difference "
+              f"{1e3 * (timed[new] - timed[new // 4]) / (new - new // 4):.3f} ms")
+        if engine.routes.enabled:
+            uninstall_routing(model)
+        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        tables[name] = sorted(kernels, key=lambda e: -e.device_time_total)[:8]
+        rows.append((name, 1e3 * decode_s / (new - 1), sum(e.count for e in kernels),
+                     sum(e.device_time_total for e in kernels) / 1e3))
+    RecordTarget.write = write
+    for name, events in tables.items():
+        print(f"-- {name}: top kernels (name, calls, total ms)")
+        for e in events:
+            print(f"   {e.key[:70]:70s} {e.count:7d} {e.device_time_total / 1e3:9.2f}")
+    print(f"{'variant':14s} {'ms/step':>8s} {'kernels':>8s} {'kernel ms':>10s}  (one generate: prefill + {new - 1} steps)")
+    for name, ms, count, total in rows:
+        print(f"{name:14s} {ms:8.3f} {count:8d} {total:10.2f}")
+
+
 if __name__ == "__main__":
     import sys
 
-    for key, value in moe_decode_speed(smoke="--full" not in sys.argv).items():
-        print(f"{key:28s} {value}")
+    if "--profile" in sys.argv:
+        profile()
+    else:
+        for key, value in moe_decode_speed(smoke="--full" not in sys.argv).items():
+            print(f"{key:28s} {value}")

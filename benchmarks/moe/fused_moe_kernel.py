@@ -38,8 +38,9 @@ from lumenrl_quant import (
     fused_moe_reference,
     moe_align,
     quantize_experts_fp8,
+    quantize_fp8,
 )
-from lumenrl_quant.moe import load_class
+from lumenrl_quant.moe import load_class, weights_mode
 
 __all__ = ["moe_kernel_bench", "moe_kernel_sweep"]
 
@@ -102,19 +103,23 @@ def moe_kernel_bench(smoke: bool = False, n: int = 64) -> dict[str, Any]:
         "grouped_mm": (_hf_experts(layer), False),
         "fused_bf16": (lambda: fused_moe(x, layer["w1"], layer["w2"], ids, tw), False),
         "fused_fp8": (lambda: fused_moe(x, layer["q1"], layer["q2"], ids, tw, **fp8), True),
+        "fused_w8a8": (lambda: fused_moe(x, layer["q1"], layer["q2"], ids, tw, fp8_activations=True, **fp8), True),
     }
     ref = fused_moe_reference(x.double(), layer["w1"].double(), layer["w2"].double(), ids, tw.double())
     ref8 = fused_moe_reference(x.double(), layer["q1"], layer["q2"], ids, tw.double(), **fp8)
+    ref8a8 = fused_moe_reference(x.double(), layer["q1"], layer["q2"], ids, tw.double(), fp8_activations=True,
+                                 inter_dtype=x.dtype, **fp8)
     out: dict[str, Any] = {"device": device, "tokens": n, **(SMOKE if device == "cpu" else FULL),
                            "experts_hit": int(ids.unique().numel())}
     for name, (fn, is_fp8) in variants.items():
         ms, how = time_graph_ms([fn])
         out[f"{name}_us"] = ms * 1e3
         out[f"{name}_gbs"] = _hit_bytes(layer, is_fp8) / (ms * 1e-3) / 1e9
-        out[f"{name}_rel_err"] = _rel_err(fn(), ref8 if is_fp8 else ref)
+        out[f"{name}_rel_err"] = _rel_err(fn(), ref8a8 if name == "fused_w8a8" else ref8 if is_fp8 else ref)
         out["timing"] = how
     out["fused_bf16_vs_grouped_mm"] = out["grouped_mm_us"] / out["fused_bf16_us"]
     out["fused_fp8_vs_fused_bf16"] = out["fused_bf16_us"] / out["fused_fp8_us"]
+    out["fused_w8a8_vs_fused_bf16"] = out["fused_bf16_us"] / out["fused_w8a8_us"]
     return out
 
 
@@ -126,7 +131,7 @@ def _tiles(fp8: bool, smoke: bool) -> list[MoETile]:
             for bn, bk, w, s in itertools.product((32, 64, 128), ks, (4, 8), (3, 4))]
 
 
-def _time_gemm(layer: dict[str, Any], which: str, tile: MoETile, fp8: bool, block_m: int) -> float:
+def _time_gemm(layer: dict[str, Any], which: str, tile: MoETile, fp8: bool, block_m: int, a8: bool = False) -> float:
     """Microseconds of one grouped GEMM alone (``gate_up`` or ``down``) with ``tile``."""
     from lumenrl_quant.triton_moe import moe_grouped_gemm
 
@@ -140,19 +145,23 @@ def _time_gemm(layer: dict[str, Any], which: str, tile: MoETile, fp8: bool, bloc
         a = torch.randn(n * k, inter, device=x.device).to(x.dtype)
         w, scale, route = layer["q2" if fp8 else "w2"], layer["s2"] if fp8 else None, layer["tw"].reshape(-1).contiguous()
         out, kind = x.new_empty((n * k, x.shape[1])), {"gated": False, "a_row_div": 1}
+    a_scale = None
+    if a8:
+        a, a_scale = quantize_fp8(a, dtype=w.dtype, granularity="block", block_size=(1, 128))
     ms, _ = time_graph_ms([lambda: moe_grouped_gemm(a, w, scale, out, pairs, blocks, route, block_m=block_m,
-                                                     tile=tile, **kind)])
+                                                     tile=tile, a_scale=a_scale, **kind)])
     return ms * 1e3
 
 
 @torch.no_grad()
-def moe_kernel_sweep(n: int = 64, fp8: bool = False, smoke: bool = False) -> dict[str, Any]:
+def moe_kernel_sweep(n: int = 64, fp8: bool = False, smoke: bool = False, a8: bool = False) -> dict[str, Any]:
     """Time each grouped GEMM over its launch grid, then the whole layer with the best two; prints a table
     and the ``TUNED_CONFIGS`` line of the best (see module doc). Returns the best configuration's numbers."""
     device = "cpu" if smoke or not torch.cuda.is_available() else "cuda"
     shape = SMOKE if device == "cpu" else FULL
     layer = _layer(shape, n, device)
-    block_m = fused_moe_config(n, shape["top_k"], shape["experts"], fp8=fp8).block_m  # the load class's rows
+    fp8 = fp8 or a8
+    block_m = fused_moe_config(n, shape["top_k"], shape["experts"], fp8=fp8, fp8_activations=a8).block_m
     best: dict[str, tuple[float, MoETile]] = {}
     rows = []
     for which in ("gate_up", "down"):
@@ -160,7 +169,7 @@ def moe_kernel_sweep(n: int = 64, fp8: bool = False, smoke: bool = False) -> dic
         hit_bytes = int(layer["ids"].unique().numel()) * w[0].numel() * w.element_size()
         for tile in _tiles(fp8, smoke):
             try:
-                us = _time_gemm(layer, which, tile, fp8, block_m)
+                us = _time_gemm(layer, which, tile, fp8, block_m, a8)
             except Exception as err:  # noqa: BLE001 - a tile that does not fit (shared memory): listed, skipped
                 rows.append((which, tile, float("nan"), f"failed: {type(err).__name__}"))
                 continue
@@ -175,12 +184,13 @@ def moe_kernel_sweep(n: int = 64, fp8: bool = False, smoke: bool = False) -> dic
     x, ids, tw = layer["x"], layer["ids"], layer["tw"]
     w1, w2 = (layer["q1"], layer["q2"]) if fp8 else (layer["w1"], layer["w2"])
     scales = {"w_gate_up_scale": layer["s1"], "w_down_scale": layer["s2"]} if fp8 else {}
-    default = fused_moe_config(n, ids.shape[1], w1.shape[0], w1.shape[2], w2.shape[2], fp8=fp8)
-    layer_us = {name: time_graph_ms([lambda c=c: fused_moe(x, w1, w2, ids, tw, config=c, **scales)])[0] * 1e3
+    default = fused_moe_config(n, ids.shape[1], w1.shape[0], w1.shape[2], w2.shape[2], fp8=fp8, fp8_activations=a8)
+    layer_us = {name: time_graph_ms([lambda c=c: fused_moe(x, w1, w2, ids, tw, config=c, fp8_activations=a8,
+                                                           **scales)])[0] * 1e3
                 for name, c in (("best", cfg), ("default", default))}
     e, h, i = w1.shape[0], w1.shape[2], w2.shape[2]
     print(f"whole layer: best {layer_us['best']:.1f} us, default {layer_us['default']:.1f} us")
-    print(f"TUNED_CONFIGS[({e}, {h}, {i}, {fp8}, {load_class(n * ids.shape[1], e)})] = {cfg!r}")
+    print(f"TUNED_CONFIGS[({e}, {h}, {i}, {weights_mode(fp8, a8)!r}, {load_class(n * ids.shape[1], e)})] = {cfg!r}")
     return {"tokens": n, "fp8": fp8, "best_layer_us": layer_us["best"], "default_layer_us": layer_us["default"],
             "gate_up_us": best["gate_up"][0], "down_us": best["down"][0], "config": repr(cfg)}
 
@@ -188,12 +198,13 @@ def moe_kernel_sweep(n: int = 64, fp8: bool = False, smoke: bool = False) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="tune the launch tiles instead of the comparison")
-    ap.add_argument("--fp8", action="store_true", help="--sweep: the FP8-weight kernels")
+    ap.add_argument("--fp8", action="store_true", help="--sweep: the FP8-weight kernels (w8a16)")
+    ap.add_argument("--a8", action="store_true", help="--sweep: the W8A8 kernels (FP8 weights and activations)")
     ap.add_argument("--n", type=int, default=64, help="tokens (decode batch)")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU shapes")
     args = ap.parse_args()
     if args.sweep:
-        moe_kernel_sweep(args.n, fp8=args.fp8, smoke=args.smoke)
+        moe_kernel_sweep(args.n, fp8=args.fp8, smoke=args.smoke, a8=args.a8)
         return
     for key, value in moe_kernel_bench(args.smoke, args.n).items():
         print(f"{key:28s} {value:.4g}" if isinstance(value, float) else f"{key:28s} {value}")

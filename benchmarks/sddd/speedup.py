@@ -102,7 +102,8 @@ def run(smoke: bool) -> dict:
 def profile(batch: int = 8, k: int = 5) -> None:
     """Where a speculative round's time goes (no training: an untrained teacher of the full shape and an
     untrained draft; the round's work does not depend on acceptance): torch.profiler over one generate."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     from lumenrl_backends.engines import NativeEngine
     from lumenrl_backends.engines.speculative import attach_draft

@@ -296,3 +296,46 @@ def test_cuda_two_compiled_engines_in_one_process_both_capture(qwen3_dir):
         del engine, out
 
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_capture_while_another_thread_syncs():
+    """The async trainer trains (host syncs, allocations) while the rollouter's engine captures in another
+    thread: the capture mode is thread-local, so neither thread fails and the graph replays correctly."""
+    import threading
+
+    x = torch.randn(512, 512, device="cuda")
+    out = torch.empty_like(x)
+
+    def step():
+        y = x
+        for _ in range(200):  # a capture long enough to overlap the other thread's syncs
+            y = torch.tanh(y @ x) * 0.5
+        out.copy_(y)
+        return (out,)
+
+    stop, errors, syncs = threading.Event(), [], [0]
+
+    def trainer():
+        try:
+            while not stop.is_set():
+                float(torch.randn(64, device="cuda").sum())  # a host sync and an allocation, as train_step does
+                syncs[0] += 1
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        graphs = DecodeGraphs(step, enabled=True)
+        eager = graphs()[0].clone()
+        graphs()  # replay
+        torch.cuda.synchronize()
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert graphs.error is None and graphs.graphs, graphs.error
+    assert syncs[0] > 0
+    assert torch.equal(out, eager), (out - eager).abs().max()

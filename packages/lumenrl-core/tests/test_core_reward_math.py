@@ -96,6 +96,16 @@ def test_answers_match(pred, gt, same):
     assert answers_match(pred, gt) is same
 
 
+def test_answers_match_huge_values_do_not_overflow():
+    # a policy sampling random digits writes numbers past float range; the comparison stays exact
+    huge = "9" * 400
+    assert answers_match(huge, huge) is True
+    assert answers_match(huge, "2" + "0" * 400) is False
+    assert answers_match("1e400", "1e400") is True and answers_match("1e400", "2e400") is False
+    assert parse_number("1e999999999") is None  # not built as 10**999999999
+    assert answers_match("1e999999999", "5") is False
+
+
 def test_ground_truth_forms():
     assert ground_truth_answer("Natalia sold 48/2 = 24 clips.\n#### 72") == "72"
     assert ground_truth_answer("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"

@@ -128,3 +128,36 @@ def test_install_routing_refuses_a_model_without_moe_blocks_and_resolves_router_
     with pytest.raises(ValueError, match="model_type='llama' has no MoE block"):
         install_routing(dense)
     assert router_class("deepseek_v3") is SigmoidGroupTopKRouter and router_class("") is None
+
+
+def test_uninstall_routing_restores_the_models_own_router():
+    from torch import nn
+
+    from lumenrl_moe import install_routing, uninstall_routing
+
+    class Gate(nn.Module):  # an HF-style router: its own forward returns (logits, weights, indices)
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 8))
+
+        def forward(self, h):
+            logits = h @ self.weight.T
+            w, i = logits.softmax(-1).topk(2, dim=-1)
+            return logits, w, i
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.experts = Gate(), nn.Linear(8, 8)
+
+    model = nn.Sequential(Block())
+    model.config = type("C", (), {"model_type": "qwen3_moe", "num_experts_per_tok": 2, "norm_topk_prob": True})()
+    gate = model[0].gate
+    ctl = install_routing(model)
+    assert "forward" in gate.__dict__ and model.lumenrl_routes is ctl
+    x = torch.randn(3, 8)
+    assert torch.equal(gate(x)[2].sort(-1).values, Gate.forward(gate, x)[2].sort(-1).values)  # same experts
+    assert uninstall_routing(model) is True
+    assert "forward" not in gate.__dict__ and not hasattr(model, "lumenrl_routes")
+    assert uninstall_routing(model) is False
+    assert install_routing(model) is not ctl  # a fresh controller after uninstalling

@@ -32,6 +32,10 @@ from lumenrl_quant.moe import (
 )
 
 E, K, H, INTER = 8, 2, 64, 32
+# W8A8 against its float64 reference, which rounds the activations to the same 1 x 128 FP8 groups: the
+# scales are computed in float64 there, so a value on a rounding boundary can take the neighbouring code
+# (one FP8 step, ~6% of that element), and the 16-bit rounding of silu(gate) * up differs in order
+A8_BOUND = 2e-2
 
 
 def _inputs(n: int, dtype: torch.dtype, gen: torch.Generator, experts: int = E):
@@ -52,7 +56,7 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from lumenrl_quant.moe import FusedMoEConfig, MoETile, fused_moe, fused_moe_reference, quantize_experts_fp8
-    from test_quant_fused_moe import E, _inputs, _rel
+    from test_quant_fused_moe import A8_BOUND, E, _inputs, _rel
 
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     configs = [None,  # the decode default: block_k 128 > H, masked K tail
@@ -72,10 +76,16 @@ SCRIPT = textwrap.dedent(
         ref8 = fused_moe_reference(x.double(), q1, q2, ids, tw.double(), w_gate_up_scale=s1, w_down_scale=s2)
         out = fused_moe(x, w1, w2, ids, tw, config=cfg, backend="triton")
         out8 = fused_moe(x, q1, q2, ids, tw, w_gate_up_scale=s1, w_down_scale=s2, config=cfg, backend="triton")
-        for name, got, want in (("bf", out, ref), ("fp8", out8, ref8)):
+        ref_a8 = fused_moe_reference(x.double(), q1, q2, ids, tw.double(), w_gate_up_scale=s1, w_down_scale=s2,
+                                     fp8_activations=True, inter_dtype=dtype)
+        a8_cfg = None if cfg is None else FusedMoEConfig(block_m=cfg.block_m, gate_up=cfg.gate_up,
+                                                         down=MoETile(block_n=cfg.down.block_n, block_k=32))
+        out_a8 = fused_moe(x, q1, q2, ids, tw, w_gate_up_scale=s1, w_down_scale=s2, config=a8_cfg, backend="triton",
+                           fp8_activations=True)
+        for name, got, want in (("bf", out, ref), ("fp8", out8, ref8), ("w8a8", out_a8, ref_a8)):
             assert got.dtype == dtype and got.shape == x.shape
             err = _rel(got, want)
-            assert err < bound[dtype], (name, n, dtype, used, cfg, err)
+            assert err < (A8_BOUND if name == "w8a8" else bound[dtype]), (name, n, dtype, used, cfg, err)
             worst[(name, str(dtype))] = max(worst.get((name, str(dtype)), 0.0), err)
     # the Triton align (atomic placement): the torch align's block experts, the same pairs in every block
     from lumenrl_quant.moe import moe_align, num_align_blocks
@@ -133,6 +143,18 @@ def test_torch_backend_matches_float64_and_bf16_weights_are_refused_with_float_h
     x, w1, w2, ids, tw = _inputs(17, torch.float32, gen)
     ref = fused_moe_reference(x.double(), w1.double(), w2.double(), ids, tw.double())
     assert _rel(fused_moe(x, w1, w2, ids, tw, backend="torch"), ref) < 1e-6
+    # W8A8 on the torch backend: the float64 reference with the same activation rounding; and that rounding
+    # is real (far from the w8a16 result at this bound's scale, close to it at FP8 resolution)
+    (q1, s1), (q2, s2) = quantize_experts_fp8(w1), quantize_experts_fp8(w2)
+    scales = {"w_gate_up_scale": s1, "w_down_scale": s2}
+    a8 = fused_moe(x, q1, q2, ids, tw, backend="torch", fp8_activations=True, **scales)
+    ref_a8 = fused_moe_reference(x.double(), q1, q2, ids, tw.double(), fp8_activations=True, inter_dtype=x.dtype,
+                                 **scales)
+    w8a16 = fused_moe_reference(x.double(), q1, q2, ids, tw.double(), **scales)
+    assert _rel(a8, ref_a8) < A8_BOUND
+    assert 1e-4 < _rel(a8, w8a16) < 0.1
+    with pytest.raises(ValueError, match="fp8_activations=True needs FP8 expert weights"):
+        fused_moe(x, w1, w2, ids, tw, fp8_activations=True)
     with pytest.raises(ValueError, match="one dtype"):
         fused_moe(x, w1.bfloat16(), w2.bfloat16(), ids, tw, backend="torch")
 
@@ -185,9 +207,10 @@ def test_config_heuristic_uses_16_row_blocks_at_decode():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", [False, True, "w8a8"])
 def test_fused_moe_on_the_gpu_in_a_cuda_graph(fp8):
     """Qwen3-30B-A3B layer shape at decode batch 64 (and a prefill-sized batch): float64 bound, graph = eager."""
+    a8 = fp8 == "w8a8"
     gen = torch.Generator(device="cuda").manual_seed(3)
     e, k, h, inter = 128, 8, 2048, 768
     w1 = (torch.randn(e, 2 * inter, h, generator=gen, device="cuda") * 0.02).bfloat16()
@@ -196,14 +219,16 @@ def test_fused_moe_on_the_gpu_in_a_cuda_graph(fp8):
     if fp8:
         (w1, s1), (w2, s2) = quantize_experts_fp8(w1), quantize_experts_fp8(w2)
         scales = {"w_gate_up_scale": s1, "w_down_scale": s2}
+        if a8:
+            scales["fp8_activations"] = True
     for n in (64, 1000):
         x = torch.randn(n, h, generator=gen, device="cuda").bfloat16()
         weights, ids = torch.randn(n, e, generator=gen, device="cuda").softmax(-1).topk(k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
         ref = fused_moe_reference(x.double(), w1 if fp8 else w1.double(), w2 if fp8 else w2.double(), ids,
-                                  weights.double(), **scales)
+                                  weights.double(), inter_dtype=x.dtype, **scales)
         out = fused_moe(x, w1, w2, ids, weights, **scales)
-        assert _rel(out, ref) < 5e-3, (n, _rel(out, ref))
+        assert _rel(out, ref) < (A8_BOUND if a8 else 5e-3), (n, _rel(out, ref))
     graph, static = torch.cuda.CUDAGraph(), fused_moe(x, w1, w2, ids, weights, **scales)
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):

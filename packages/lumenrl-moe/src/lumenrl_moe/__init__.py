@@ -16,6 +16,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # submodule -> the public names it def
         "extreme_token_fraction_from_log_probs", "train_infer_kl",
     ),
     "routers": ("SoftmaxTopKRouter", "SigmoidGroupTopKRouter"),
-    "replay": ("REPLAY_MODES", "RecordTarget", "RouteController", "install_routing", "moe_blocks"),
+    "replay": ("REPLAY_MODES", "RecordTarget", "RouteController", "install_routing", "uninstall_routing", "moe_blocks"),
 }
 __all__, __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

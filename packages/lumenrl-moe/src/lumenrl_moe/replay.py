@@ -29,8 +29,8 @@ others keep float32), so replaying the recorded routes reproduces the recording 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from torch import nn
 
 from lumenrl_moe.routers import SigmoidGroupTopKRouter, SoftmaxTopKRouter
 
-__all__ = ["RecordTarget", "RouteController", "install_routing", "moe_blocks", "router_class", "REPLAY_MODES", "SOFTMAX_FAMILIES",
+__all__ = ["RecordTarget", "RouteController", "install_routing", "uninstall_routing", "moe_blocks", "router_class", "REPLAY_MODES", "SOFTMAX_FAMILIES",
            "SIGMOID_FAMILIES"]
 
 REPLAY_MODES = ("hard_assignment", "distribution")
@@ -222,3 +222,15 @@ def install_routing(model: nn.Module, *, replay_mode: str = "hard_assignment", r
         _patch(block, j, ctl, layer_router, float_logits=sigmoid, cast=model_type in _CAST_WEIGHTS)
     object.__setattr__(model, "lumenrl_routes", ctl)  # not a submodule: no state_dict entry
     return ctl
+
+
+def uninstall_routing(model: nn.Module) -> bool:
+    """Undo :func:`install_routing`: every MoE router runs its model's own forward again; returns whether
+    anything was installed."""
+    if not isinstance(getattr(model, "lumenrl_routes", None), RouteController):
+        return False
+    for block in moe_blocks(model):
+        if block.gate.__dict__.pop("_lumenrl_r3", False):
+            block.gate.__dict__.pop("forward", None)
+    object.__delattr__(model, "lumenrl_routes")
+    return True

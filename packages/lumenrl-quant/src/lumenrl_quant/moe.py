@@ -23,11 +23,21 @@ Method
 
 Numerics: float32 accumulation; ``silu(gate) * up`` in float32 from the accumulators, rounded once to the
 activation dtype (HF rounds gate/up, then the product); each pair's weighted output rounded once (HF:
-twice). FP8 expert weights (w8a16): float8 codes with 128 x 128 block dequant scales, lumenrl-quant's
-blockwise layout (:func:`quantize_experts_fp8`: ``scale`` (E, ⌈rows/128⌉, ⌈cols/128⌉), ``w ≈ q * scale``);
-the kernel widens each weight tile exactly and scales the tile's product per output column, so the
-result equals the 16-bit product with the dequantized weight up to float32 summation order;
-activations stay 16-bit. Exact: the routing (given), the sort; approximate: float32 summation order.
+twice). FP8 expert weights: float8 codes with 128 x 128 block dequant scales, lumenrl-quant's blockwise
+layout (:func:`quantize_experts_fp8`: ``scale`` (E, ⌈rows/128⌉, ⌈cols/128⌉), ``w ≈ q * scale``), in one
+of two modes:
+
+* w8a16 (default): activations stay 16-bit; the kernel widens each weight tile exactly and scales the
+  tile's product per output column, so the result equals the 16-bit product with the dequantized weight
+  up to float32 summation order;
+* w8a8 (``fp8_activations=True``: the ``fp8_block`` scheme, "W8A8, 1x128 activation groups"): each GEMM's
+  input is quantized per token in 1 x 128 groups (:func:`~lumenrl_quant.quantize_fp8`, the hidden
+  states before gate/up, ``silu(gate) * up`` (rounded to the activation dtype) before down) and the
+  dots run on FP8 codes, scaled by the row's group scale times the column's block scale. Approximate
+  by the activation rounding (as every W8A8 linear of the scheme); :func:`fused_moe_reference` with
+  the same flag quantizes the same way.
+
+Exact: the routing (given), the sort; approximate: float32 summation order.
 
 Launch configuration: :class:`FusedMoEConfig` (``block_m`` shared by both GEMMs, a :class:`MoETile` each),
 picked by :func:`fused_moe_config` from the mean pairs per expert N*k/E (decode sees ~4 on
@@ -83,7 +93,7 @@ class FusedMoEConfig:
     gate_up: MoETile = field(default_factory=MoETile)
     down: MoETile = field(default_factory=lambda: MoETile(block_n=128))
 
-    def check(self, *, fp8: bool) -> None:
+    def check(self, *, fp8: bool, fp8_activations: bool = False) -> None:
         """Raise ValueError naming the first bad field."""
         _pow2("block_m", self.block_m, 16)
         for name, tile in (("gate_up", self.gate_up), ("down", self.down)):
@@ -95,6 +105,9 @@ class FusedMoEConfig:
             if fp8 and EXPERT_BLOCK[1] % tile.block_k:
                 raise ValueError(f"{name}.block_k={tile.block_k} with FP8 weights; allowed: a divisor of "
                                  f"{EXPERT_BLOCK[1]} (one scale block per K tile)")
+            if fp8_activations and tile.block_k < 32:
+                raise ValueError(f"{name}.block_k={tile.block_k} with FP8 activations; allowed: 32, 64 or 128 "
+                                 "(the FP8 dot's smallest K)")
 
 
 def _pow2(name: str, value: int, low: int) -> None:
@@ -119,13 +132,18 @@ DEFAULT_CONFIGS: tuple[tuple[float, FusedMoEConfig], ...] = (
     (64.0, _tiles(32, (64, 128, 4, 3), (128, 128, 4, 3))),
     (float("inf"), _tiles(64, (64, 64, 4, 4), (128, 64, 4, 4))),  # prefill
 )
-# tuned per (E, H, I, fp8, the DEFAULT_CONFIGS bound of N*k/E); the sweep in benchmarks/moe/fused_moe_kernel.py
-# (--sweep) prints the entry of its best configuration
-TUNED_CONFIGS: dict[tuple[int, int, int, bool, float], FusedMoEConfig] = {
+# tuned per (E, H, I, weights mode, the DEFAULT_CONFIGS bound of N*k/E), mode one of "16bit", "w8a16", "w8a8";
+# the sweep in benchmarks/moe/fused_moe_kernel.py (--sweep) prints the entry of its best configuration
+TUNED_CONFIGS: dict[tuple[int, int, int, str, float], FusedMoEConfig] = {
     # H200, Qwen3-30B-A3B experts, decode batch 64 (python -m benchmarks.moe.fused_moe_kernel --sweep --fp8):
     # whole layer 229 us vs 236 us with the class default. The bf16 sweep kept the default (302 us).
-    (128, 2048, 768, True, 16.0): _tiles(16, (32, 128, 4, 3), (64, 128, 4, 3)),
+    (128, 2048, 768, "w8a16", 16.0): _tiles(16, (32, 128, 4, 3), (64, 128, 4, 3)),
 }
+
+
+def weights_mode(fp8: bool, fp8_activations: bool = False) -> str:
+    """The TUNED_CONFIGS mode: ``16bit``, ``w8a16`` or ``w8a8``."""
+    return "w8a8" if fp8 and fp8_activations else "w8a16" if fp8 else "16bit"
 
 
 def load_class(num_pairs: int, num_experts: int) -> float:
@@ -135,12 +153,12 @@ def load_class(num_pairs: int, num_experts: int) -> float:
 
 
 def fused_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int = 0, inter: int = 0, *,
-                     fp8: bool = False) -> FusedMoEConfig:
+                     fp8: bool = False, fp8_activations: bool = False) -> FusedMoEConfig:
     """The launch configuration for N tokens routed top-k over E experts: the tuned one of this (E, H, I,
-    fp8, load class) when known, else the class's default (16-row blocks up to 16 pairs per expert: one
-    block per expert at decode; 32 and 64-row blocks for prefill)."""
+    weights mode, load class) when known, else the class's default (16-row blocks up to 16 pairs per
+    expert: one block per expert at decode; 32 and 64-row blocks for prefill)."""
     bound = load_class(num_tokens * top_k, num_experts)
-    tuned = TUNED_CONFIGS.get((num_experts, hidden, inter, fp8, bound))
+    tuned = TUNED_CONFIGS.get((num_experts, hidden, inter, weights_mode(fp8, fp8_activations), bound))
     return tuned if tuned is not None else dict(DEFAULT_CONFIGS)[bound]
 
 
@@ -199,6 +217,14 @@ def dequantize_experts_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
     return dequantize_fp8(q, scale, block_size=EXPERT_BLOCK, dtype=dtype)
 
 
+def _fp8_rows(x: torch.Tensor, dtype: torch.dtype, fp8_activations: bool) -> torch.Tensor:
+    """``x`` rounded as the w8a8 kernel sees it (1 x 128 group codes times scales), or ``x`` itself."""
+    if not fp8_activations:
+        return x
+    q, s = quantize_fp8(x, dtype=dtype, granularity="block", block_size=(1, EXPERT_BLOCK[1]), backend="torch")
+    return dequantize_fp8(q, s, block_size=(1, EXPERT_BLOCK[1]), dtype=x.dtype)
+
+
 def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: torch.dtype) -> torch.Tensor:
     if scale is None:
         return w[e].to(dtype)
@@ -208,17 +234,25 @@ def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, e: int, dtype: t
 def fused_moe_reference(
     hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
     topk_weights: torch.Tensor, *, activation: str = "silu", w_gate_up_scale: torch.Tensor | None = None,
-    w_down_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None, fp8_activations: bool = False, inter_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The HF experts formula, one expert at a time, in ``hidden``'s dtype (pass float64 inputs for a
-    float64 reference); FP8 weights are dequantized with their scales. Same arguments as :func:`fused_moe`."""
+    float64 reference); FP8 weights are dequantized with their scales. Same arguments as :func:`fused_moe`;
+    with ``fp8_activations`` both GEMM inputs are rounded to 1 x 128 FP8 groups first, the down input
+    after rounding ``silu(gate) * up`` to ``inter_dtype`` (the kernel's activation dtype; default
+    ``hidden``'s)."""
     _check_activation(activation)
     dtype, inter = hidden.dtype, w_down.shape[-1]
+    fp8 = w_gate_up.dtype if w_gate_up.dtype in _FP8 else torch.float8_e4m3fn
     out = torch.zeros_like(hidden)
     for e in topk_ids.unique().tolist():
         token, slot = torch.where(topk_ids == e)
-        gate, up = F.linear(hidden[token], _expert_weight(w_gate_up, w_gate_up_scale, e, dtype)).split(inter, -1)
-        y = F.linear(F.silu(gate) * up, _expert_weight(w_down, w_down_scale, e, dtype))
+        x = _fp8_rows(hidden[token], fp8, fp8_activations)
+        gate, up = F.linear(x, _expert_weight(w_gate_up, w_gate_up_scale, e, dtype)).split(inter, -1)
+        act = F.silu(gate) * up
+        if fp8_activations:
+            act = _fp8_rows(act.to(inter_dtype or dtype), fp8, True).to(dtype)
+        y = F.linear(act, _expert_weight(w_down, w_down_scale, e, dtype))
         out.index_add_(0, token, y * topk_weights[token, slot, None].to(dtype))
     return out
 
@@ -279,25 +313,37 @@ def _config_from_list(values: list[int]) -> FusedMoEConfig:
                           down=MoETile(block_n=rest[4], block_k=rest[5], num_warps=rest[6], num_stages=rest[7]))
 
 
+def _group_codes(x: torch.Tensor, dtype: torch.dtype, a8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """w8a8: ``x`` (rows, K) as 1 x 128 FP8 group codes and scales (rows, ⌈K/128⌉); else ``(x, None)``."""
+    if not a8:
+        return x, None
+    return quantize_fp8(x, dtype=dtype, granularity="block", block_size=(1, EXPERT_BLOCK[1]))
+
+
 def _fused_moe_triton(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_scale, w_down_scale,
-                      config: list[int]) -> torch.Tensor:
+                      config: list[int], fp8_activations: bool = False) -> torch.Tensor:
     from lumenrl_quant.triton_moe import moe_align_triton, moe_grouped_gemm
 
     (n, h), (e, two_i, _), k = hidden.shape, w_gate_up.shape, topk_ids.shape[1]
     fp8 = w_gate_up_scale is not None
-    cfg = _config_from_list(config) if config else fused_moe_config(n, k, e, h, two_i // 2, fp8=fp8)
+    cfg = _config_from_list(config) if config else fused_moe_config(n, k, e, h, two_i // 2, fp8=fp8,
+                                                                    fp8_activations=fp8_activations)
     pairs, block_experts = moe_align_triton(topk_ids, e, cfg.block_m, num_align_blocks(n * k, e, cfg.block_m))
     hidden = hidden.contiguous()
     inter = hidden.new_empty((n * k, two_i // 2))  # (S, I)
-    moe_grouped_gemm(hidden, w_gate_up, w_gate_up_scale, inter, pairs, block_experts, None, gated=True,
-                     a_row_div=k, block_m=cfg.block_m, tile=cfg.gate_up, scale_block=EXPERT_BLOCK[0])
+    a, a_scale = _group_codes(hidden, w_gate_up.dtype, fp8_activations)  # (N, H) [+ (N, H/128)]
+    moe_grouped_gemm(a, w_gate_up, w_gate_up_scale, inter, pairs, block_experts, None, gated=True,
+                     a_row_div=k, block_m=cfg.block_m, tile=cfg.gate_up, scale_block=EXPERT_BLOCK[0], a_scale=a_scale)
     per_pair = hidden.new_empty((n * k, h))  # (S, H)
-    moe_grouped_gemm(inter, w_down, w_down_scale, per_pair, pairs, block_experts, topk_weights.reshape(-1).contiguous(),
-                     gated=False, a_row_div=1, block_m=cfg.block_m, tile=cfg.down, scale_block=EXPERT_BLOCK[0])
+    a, a_scale = _group_codes(inter, w_down.dtype, fp8_activations)  # (S, I) [+ (S, I/128)]
+    moe_grouped_gemm(a, w_down, w_down_scale, per_pair, pairs, block_experts, topk_weights.reshape(-1).contiguous(),
+                     gated=False, a_row_div=1, block_m=cfg.block_m, tile=cfg.down, scale_block=EXPERT_BLOCK[0],
+                     a_scale=a_scale)
     return per_pair.view(n, k, h).sum(dim=1)  # float32 accumulation, one rounding (torch's reduction)
 
 
-def _fused_moe_fake(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_scale, w_down_scale, config):
+def _fused_moe_fake(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_scale, w_down_scale, config,
+                    fp8_activations=False):
     return torch.empty_like(hidden)
 
 
@@ -307,7 +353,7 @@ if _OP is None:
     _OP = torch.library.custom_op(
         "lumenrl_quant::fused_moe", mutates_args=(),
         schema="(Tensor hidden, Tensor w_gate_up, Tensor w_down, Tensor topk_ids, Tensor topk_weights, "
-               "Tensor? w_gate_up_scale, Tensor? w_down_scale, int[] config) -> Tensor",
+               "Tensor? w_gate_up_scale, Tensor? w_down_scale, int[] config, bool fp8_activations=False) -> Tensor",
     )(_fused_moe_triton)
     _OP.register_fake(_fused_moe_fake)
 
@@ -324,18 +370,23 @@ def fused_moe(
     w_down_scale: torch.Tensor | None = None,
     config: FusedMoEConfig | None = None,
     backend: str = "auto",
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """The MoE experts layer (see module doc): ``hidden`` (N, H), ``w_gate_up`` (E, 2I, H), ``w_down``
     (E, H, I), ``topk_ids`` / ``topk_weights`` (N, k) -> (N, H) in ``hidden``'s dtype. FP8 weights
     (float8 codes) need ``w_gate_up_scale`` / ``w_down_scale`` from :func:`quantize_experts_fp8`.
     ``config``: launch configuration (default :func:`fused_moe_config`); ``backend``: ``auto`` (Triton
-    where :func:`triton_moe_available`, else torch), ``triton`` or ``torch``."""
+    where :func:`triton_moe_available`, else torch), ``triton`` or ``torch``. ``fp8_activations``: with
+    FP8 weights, W8A8 (both GEMM inputs in 1 x 128 FP8 groups, FP8 dots; module doc)."""
     _check_activation(activation)
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend={backend!r}; allowed: auto, triton, torch")
     fp8 = _check(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_scale, w_down_scale)
+    if fp8_activations and not fp8:
+        raise ValueError("fp8_activations=True needs FP8 expert weights with scales (W8A8); allowed with 16/32-bit "
+                         "weights: fp8_activations=False")
     if config is not None:
-        config.check(fp8=fp8)
+        config.check(fp8=fp8, fp8_activations=fp8_activations)
     if backend == "auto":
         backend = "triton" if triton_moe_available(hidden.device) else "torch"
     if hidden.shape[0] == 0:
@@ -343,7 +394,9 @@ def fused_moe(
     if backend == "torch":
         out = fused_moe_reference(hidden.float(), w_gate_up if fp8 else w_gate_up.float(),
                                   w_down if fp8 else w_down.float(), topk_ids, topk_weights.float(),
-                                  w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)
+                                  w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale,
+                                  fp8_activations=fp8_activations, inter_dtype=hidden.dtype)
         return out.to(hidden.dtype)
     op = _OP if torch.compiler.is_compiling() else _fused_moe_triton
-    return op(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_scale, w_down_scale, _config_list(config))
+    return op(hidden, w_gate_up, w_down, topk_ids, topk_weights, w_gate_up_scale, w_down_scale, _config_list(config),
+              fp8_activations)

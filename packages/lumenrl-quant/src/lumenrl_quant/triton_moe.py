@@ -16,10 +16,14 @@ the grid has a static size and the launch is CUDA-graph capturable. At decode ea
 pairs, so the kernel streams each expert's weight once per block: memory-bound, tiles sized for
 small M.
 
-FP8 weights (``FP8``, w8a16): ``w`` holds float8 codes with dequant scales ``ws`` (E, ⌈rows/S⌉,
-⌈K/S⌉) for S x S blocks (S = ``SCALE_BLOCK``, 128 in lumenrl-quant's blockwise layout). A K tile
-lies inside one scale column (BLOCK_K divides S), so each tile's product of the exactly widened
-codes is scaled per output column: ``acc += dot(a, q) * s[n]``. Activations are never quantized.
+FP8 weights (``FP8``): ``w`` holds float8 codes with dequant scales ``ws`` (E, ⌈rows/S⌉, ⌈K/S⌉) for
+S x S blocks (S = ``SCALE_BLOCK``, 128 in lumenrl-quant's blockwise layout). A K tile lies inside one
+scale column (BLOCK_K divides S), so each tile's product is scaled per output column:
+
+* w8a16 (``A8`` off): 16-bit activations, the codes widened exactly: ``acc += dot(a, q) * s[n]``;
+* w8a8 (``A8``, the ``fp8_block`` scheme): ``a`` holds FP8 codes with 1 x S group scales ``as`` (rows,
+  ⌈K/S⌉) (:func:`lumenrl_quant.quantize_fp8`, ``block_size=(1, S)``); the dot runs on FP8 codes
+  (FP8 tensor cores, no widening of the weight tile): ``acc += dot(qa, q) * as[r] * s[n]``.
 
 ``UPCAST`` (set when Triton's CPU interpreter runs the kernel): 16-bit operands are widened to float32
 before ``tl.dot``, because Triton 3.6's interpreter computes bf16 dots wrongly (products of 16-bit
@@ -50,8 +54,13 @@ __all__ = ["interpreted", "moe_align_triton", "moe_grouped_gemm"]
 if triton is not None:
 
     @triton.jit
-    def _dot_acc(acc, a, w, s, FP8: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-        # acc (BM, BN) float32 += a (BM, BK) @ w (BK, BN); FP8: w codes widened exactly, scaled per column s (BN,)
+    def _dot_acc(acc, a, w, s, a_s, FP8: tl.constexpr, A8: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+        # acc (BM, BN) float32 += a (BM, BK) @ w (BK, BN); FP8: w codes widened exactly, scaled per column s (BN,);
+        # A8: a holds FP8 codes too, scaled per row a_s (BM,)
+        if A8:
+            if UPCAST:  # the interpreter: exact float32 products of the codes
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            return acc + tl.dot(a, w, input_precision=PREC) * (a_s[:, None] * s[None, :])
         if UPCAST:
             a = a.to(tl.float32)
         if FP8:
@@ -74,10 +83,11 @@ if triton is not None:
 
     @triton.jit
     def _moe_gemm_kernel(
-        a_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, block_expert_ptr, route_w_ptr,
+        a_ptr, w_ptr, ws_ptr, out_ptr, pairs_ptr, block_expert_ptr, route_w_ptr, as_ptr,
         N, num_pairs, num_experts,
-        stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
+        stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, stride_asm,
         K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, ROUTED: tl.constexpr, FP8: tl.constexpr,
+        A8: tl.constexpr,
         SCALE_BLOCK: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
@@ -103,6 +113,7 @@ if triton is not None:
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         s_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
         s_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        a_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
@@ -114,7 +125,9 @@ if triton is not None:
             if FP8:
                 s_g = tl.load(s_base + (offs_n // SCALE_BLOCK) * stride_sn + (k0 // SCALE_BLOCK) * stride_sk,
                               mask=nmask, other=0.0)
-            acc = _dot_acc(acc, a, w, s_g, FP8, UPCAST, PREC)
+            if A8:
+                a_s = tl.load(as_ptr + rows * stride_asm + k0 // SCALE_BLOCK, mask=valid, other=0.0)
+            acc = _dot_acc(acc, a, w, s_g, a_s, FP8, A8, UPCAST, PREC)
             if GATED:
                 if EVEN_K:
                     wu = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
@@ -123,7 +136,7 @@ if triton is not None:
                 if FP8:
                     s_u = tl.load(s_base + ((N + offs_n) // SCALE_BLOCK) * stride_sn + (k0 // SCALE_BLOCK) * stride_sk,
                                   mask=nmask, other=0.0)
-                acc_u = _dot_acc(acc_u, a, wu, s_u, FP8, UPCAST, PREC)
+                acc_u = _dot_acc(acc_u, a, wu, s_u, a_s, FP8, A8, UPCAST, PREC)
                 u_ptrs += BLOCK_K * stride_wk
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K * stride_wk
@@ -217,28 +230,33 @@ def moe_grouped_gemm(
     block_m: int,
     tile: MoETile,
     scale_block: int = 128,
+    a_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One launch over every block of ``pairs`` (P,) (``block_experts`` (P / block_m,)): ``out[pair]`` =
     ``silu(a[r] @ w[e, :N].T) * (a[r] @ w[e, N:].T)`` (``gated``, N = rows / 2) or ``route[pair] *
     (a[r] @ w[e].T)`` (``route_weights`` given), with ``r = pair // a_row_div``. Inputs are checked by
-    :func:`lumenrl_quant.moe.fused_moe`; ``out`` is written in place and returned."""
+    :func:`lumenrl_quant.moe.fused_moe`; ``out`` is written in place and returned. ``a_scale`` (rows,
+    ⌈K/scale_block⌉) float32: ``a`` holds FP8 codes (w8a8; FP8 weights only)."""
     if triton is None:
         raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
     num_experts, rows, k = w.shape
     n = rows // 2 if gated else rows
-    fp8 = w_scale is not None
+    fp8, a8 = w_scale is not None, a_scale is not None
+    if a8 and not fp8:
+        raise ValueError("a_scale (FP8 activations) needs FP8 weights with w_scale")
     scale = w_scale if fp8 else out  # any tensor: never read without FP8
     upcast = interpreted() and a.dtype != torch.float32
     grid = (block_experts.numel() * triton.cdiv(n, tile.block_n),)
     _moe_gemm_kernel[grid](
         a, w, scale, out, pairs, block_experts, route_weights if route_weights is not None else out,
+        a_scale if a8 else out,  # never read without A8
         n, out.shape[0], num_experts,  # out has one row per pair
         a.stride(0), w.stride(0), w.stride(1), w.stride(2),
         scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0, scale.stride(2) if fp8 else 0,
-        out.stride(0),
-        K=k, A_ROW_DIV=a_row_div, GATED=gated, ROUTED=route_weights is not None, FP8=fp8, SCALE_BLOCK=scale_block,
-        UPCAST=upcast, RNE_BF16=upcast and out.dtype == torch.bfloat16,
-        PREC="ieee" if a.dtype == torch.float32 else "tf32", EVEN_K=k % tile.block_k == 0,
+        out.stride(0), a_scale.stride(0) if a8 else 0,
+        K=k, A_ROW_DIV=a_row_div, GATED=gated, ROUTED=route_weights is not None, FP8=fp8, A8=a8,
+        SCALE_BLOCK=scale_block, UPCAST=upcast or (a8 and interpreted()), RNE_BF16=upcast and out.dtype == torch.bfloat16,
+        PREC="ieee" if a.dtype == torch.float32 or (a8 and interpreted()) else "tf32", EVEN_K=k % tile.block_k == 0,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )

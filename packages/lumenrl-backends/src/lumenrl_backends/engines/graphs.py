@@ -23,6 +23,12 @@ its destructors (CUDA graphs, events, pinned buffers) then invalidate that captu
 process). :func:`gc_paused` collects once before an engine's first capture (dead engines free
 their memory outside capture) and disables the collector for the duration of every capture.
 
+Capture and other threads: the capture mode is ``thread_local``. In the async trainer the rollouter's
+engine captures while the trainer thread of the same process keeps training; under CUDA's default
+(``global``) mode the trainer's host syncs and allocations during that window fail the *trainer*
+(``operation not permitted when stream is capturing``, seen on an H200). Thread-local mode checks only
+the capturing thread's own calls; the other thread's work runs on its own streams, outside the graph.
+
 Memory budget
 -------------
 :func:`kv_bytes_per_token` reads the per-token K/V size from an HF config (GQA and DeepSeek MLA
@@ -111,7 +117,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             # no destructor of a dead engine may run inside the capture (see module doc)
-            with gc_paused(collect=not self.graphs), torch.cuda.graph(graph, pool=self._pool):
+            with gc_paused(collect=not self.graphs), torch.cuda.graph(graph, pool=self._pool,
+                                                                   capture_error_mode="thread_local"):
                 outputs = self.step(*key)
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to eager decode
             self.error = f"{type(err).__name__}: {err}{_where(err)}"

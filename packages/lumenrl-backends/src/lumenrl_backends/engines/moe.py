@@ -21,7 +21,8 @@ DeepSeek-V3, GLM-4-MoE, ...): a class named ``*Experts`` with ``gate_up_proj`` (
 FP8 experts: with the ``fp8_block`` rollout scheme and the fused path on, ``gate_up_proj`` and
 ``down_proj`` become float8 buffers of the same names with 128 x 128 block scales
 ``gate_up_proj_scale`` / ``down_proj_scale`` (as :class:`~lumenrl_quant.QuantizedLinear` does with
-``weight``), read by the kernel as w8a16; the scheme's ``skip_first_n_layers`` / ``skip_last_n_layers``
+``weight``), run W8A8 as the scheme defines it for every linear (each GEMM input quantized per token in
+1 x 128 groups, FP8 dots: ``fused_moe(..., fp8_activations=True)``); the scheme's ``skip_first_n_layers`` / ``skip_last_n_layers``
 keep those layers' experts in high precision. :attr:`FusedExperts.reloaders` requantize incoming
 high-precision tensors into those buffers in place at ``update_weights`` (same storage: captured CUDA
 graphs stay valid). Other schemes leave the experts in the model dtype.
@@ -122,7 +123,8 @@ def _forward(module: nn.Module, backend: str) -> Callable[..., torch.Tensor]:
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         return fused_moe(hidden_states, module.gate_up_proj, module.down_proj, top_k_index, top_k_weights,
-                         w_gate_up_scale=gate_up_scale, w_down_scale=down_scale, backend=backend)
+                         w_gate_up_scale=gate_up_scale, w_down_scale=down_scale, backend=backend,
+                         fp8_activations=gate_up_scale is not None)  # fp8_block: W8A8, 1 x 128 activation groups
 
     return forward
 

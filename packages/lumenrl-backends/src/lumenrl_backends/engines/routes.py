@@ -117,17 +117,32 @@ def routes_column(requests: list[Any], prompt_width: int, width: int) -> dict[st
     first_probs = next((r.route_probs for r in requests if getattr(r, "route_probs", None) is not None), None)
     if first_probs is not None:
         probs = torch.zeros(len(requests), prompt_width + width, layers, first_probs.shape[-1])
-    for r in requests:
-        if getattr(r, "routes", None) is None:
-            continue
+    owners = [r for r in requests if getattr(r, "routes", None) is not None]
+    host = _to_host([r.routes for r in owners])  # one device -> host copy for the whole batch
+    host_probs = _to_host([r.route_probs for r in owners]) if probs is not None else [None] * len(owners)
+    for r, rows, row_probs in zip(owners, host, host_probs):
         lo = prompt_width - len(r.prompt)
-        rows = r.routes.cpu()[: len(r.prompt) + len(r.response) - 1]  # the last token was never fed
+        rows = rows[: len(r.prompt) + len(r.response) - 1]  # the last token was never fed
         routes[r.index, lo : lo + rows.shape[0]] = rows
-        if probs is not None and r.route_probs is not None:
-            probs[r.index, lo : lo + rows.shape[0]] = r.route_probs.cpu()[: rows.shape[0]]
+        if row_probs is not None:
+            probs[r.index, lo : lo + rows.shape[0]] = row_probs[: rows.shape[0]]
     out = {"routed_experts": routes}
     if probs is not None:
         out["router_probs"] = probs
+    return out
+
+
+def _to_host(parts: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """``parts`` on the host with one copy per device (not one sync per request); None stays None."""
+    out: list[torch.Tensor | None] = [None] * len(parts)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, part in enumerate(parts):
+        if part is not None:
+            by_device.setdefault(part.device, []).append(i)
+    for index in by_device.values():
+        flat = torch.cat([parts[i].reshape(-1) for i in index]).cpu()
+        for i, chunk in zip(index, flat.split([parts[i].numel() for i in index])):
+            out[i] = chunk.view(parts[i].shape)
     return out
 
 

@@ -11,7 +11,9 @@ trailing period, ``\\!`` thin spaces, thousands separators) and, when both parse
 (integers, decimals, ``a/b``, ``\\frac{a}{b}``, percentages, scientific notation), compared
 exactly as rationals (``0.50 == .5``, ``3/4 == 0.75``, ``1,000 == 1000``); a float answer and
 a float ground truth that are not exactly equal still match within a relative 1e-9 (rounding
-of the stated value). Otherwise the normalized strings must be equal (case-insensitive).
+of the stated value; compared exactly, so huge values cannot overflow). Scientific notation with an
+exponent past 1000 is not parsed as a number (its string is compared). Otherwise the normalized
+strings must be equal (case-insensitive).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ _NUMBER = re.compile(
 )
 _FRAC = re.compile(r"^(-?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
-_REL_TOL = 1e-9
+_REL_TOL = Fraction(1, 10**9)  # exact: comparing with a float would convert huge rationals to float (overflow)
+_MAX_EXPONENT = 1000  # |e| of scientific notation past this is not parsed as a number (10**e would be built)
+_EXPONENT = re.compile(r"[eE]([-+]?\d+)")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -80,6 +84,8 @@ def parse_number(answer: str) -> Fraction | None:
         sign, num, den = frac.groups()
         s = f"{sign}{num}/{den}"
     if s.endswith("/") or s.startswith("/"):
+        return None
+    if any(abs(int(e)) > _MAX_EXPONENT for e in _EXPONENT.findall(s)):  # "1e999999999": no 10**e
         return None
     try:
         if "/" in s:
