@@ -22,9 +22,11 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.models.tiny import tiny_config
+from lumenrl_backends.training.expert_parallel import apply_expert_parallel
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_backends.training.lora import apply_lora
 from lumenrl_backends.training.parallelize import MeshDims, check_sizes
@@ -60,10 +62,11 @@ def loss_fn(outputs, micro):  # policy gradient, or a value regression for the c
     return (per_token * micro.batch["response_mask"]).sum() / micro.meta_info["mini_batch_tokens"], {}
 
 
-def build(path: str, lora: bool = False, **kwargs) -> FSDP2Backend:
+def build(path: str, lora: bool | list[str] = False, **kwargs) -> FSDP2Backend:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if lora:  # adapters on every dense linear (not the fused experts); B made non-zero so A gets gradients too
-        model = apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+    if lora:  # adapters on the dense linears (a list: these targets); B made non-zero so A gets gradients too
+        targets = {"target_modules": lora} if isinstance(lora, list) else {}
+        model = apply_lora(model, LoraConfig(rank=4, alpha=8.0, **targets))
         g = torch.Generator().manual_seed(5)
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -146,7 +149,7 @@ def _check(request, monkeypatch, tmp_path, world: int, cases: list) -> None:
                 assert err < 2e-5, (name, rank, k, err)
         restored = build(path, lora, value_head=kwargs.get("critic", False))
         if lora:
-            _check_lora(tmp_path, name, path, one, restored)
+            _check_lora(tmp_path, name, path, one, restored, lora)
             continue
         exported = _state(str(tmp_path / name / "hf"))  # the rank-0 HF export of the sharded weights
         restored.load_checkpoint(str(tmp_path / name / "ckpt"))  # the sharded checkpoint, on one rank
@@ -171,7 +174,7 @@ def _check_optim(name: str, restored: FSDP2Backend, one: dict) -> None:
         assert (got[k] - v).abs().max().item() <= 1e-3 * v.abs().max().item(), (name, "adam state", k)
 
 
-def _check_lora(tmp_path, name: str, path: str, one: dict, restored: FSDP2Backend) -> None:
+def _check_lora(tmp_path, name: str, path: str, one: dict, restored: FSDP2Backend, lora: bool | list[str]) -> None:
     """LoRA on the mesh: the merged export equals one rank's; the checkpoint's peft adapter loads with peft and
     holds the trained adapters; the sharded checkpoint reloads on one rank; only adapters moved."""
     from peft import PeftModel
@@ -188,7 +191,7 @@ def _check_lora(tmp_path, name: str, path: str, one: dict, restored: FSDP2Backen
         assert (v - one["weights"][k]).abs().max().item() < 2e-5, (name, "peft adapter", k)
     restored.load_checkpoint(str(tmp_path / name / "ckpt"))
     _check_optim(name, restored, one)
-    initial = build(path, True)
+    initial = build(path, lora)
     start = dict(initial.named_weights())
     for k, v in restored.named_weights():
         assert (v - one["weights"][k]).abs().max().item() < 2e-5, (name, "checkpoint", k)
@@ -206,7 +209,8 @@ def paths(tiny_model_dir) -> dict[str, str]:
     return {"qwen3": str(tiny_model_dir("qwen3", **common)),
             "llama": str(tiny_model_dir("llama", num_key_value_heads=4, **common)),
             "qwen3_moe": str(tiny_model_dir("qwen3_moe", **common)),
-            "mixtral": str(tiny_model_dir("mixtral", intermediate_size=32, **common))}
+            "mixtral": str(tiny_model_dir("mixtral", intermediate_size=32, **common)),
+            "glm4_moe": str(tiny_model_dir("glm4_moe", attention_bias=True, **common))}
 
 
 def test_two_ranks_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeypatch):
@@ -218,6 +222,8 @@ def test_two_ranks_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeypatch
         ("tp2_moe_r3", paths["qwen3_moe"], {"tp": 2, "r3": True}),  # experts split over tp; replayed routes
         ("cp2_lora", paths["qwen3"], {"cp": 2, "lora": True}),
         ("tp2_lora", paths["qwen3"], {"tp": 2, "lora": True}),  # A/B colwise/rowwise around the sharded bases
+        # attention adapters (with biases) on an MoE model: frozen split experts, shared experts, dense first layer
+        ("tp2_lora_moe", paths["glm4_moe"], {"tp": 2, "lora": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
     ])
 
 
@@ -251,5 +257,9 @@ def test_mesh_refusals_name_the_numbers():
     lora = apply_lora(AutoModelForCausalLM.from_config(qwen3), LoraConfig(rank=4, dropout=0.1))
     with pytest.raises(ValueError, match=r"policy.lora.dropout=0.1 draws a different mask on each TP rank"):
         build_model(lora, tp=2)
+    # the default targets (gate/up/down_proj) make peft adapt glm4_moe's fused expert tensors: EP/TP refuse
+    glm = apply_lora(AutoModelForCausalLM.from_config(tiny_config("glm4_moe", vocab_size=V)), LoraConfig(rank=4))
+    with pytest.raises(ValueError, match=r"peft put LoRA adapters on the fused experts"):
+        apply_expert_parallel(glm, init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)))
     with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 of mixtral"):
         check_sizes(tiny_config("mixtral", vocab_size=V, router_jitter_noise=0.1), MeshDims(world=2, tp=2))

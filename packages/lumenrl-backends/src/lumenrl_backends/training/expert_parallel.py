@@ -75,8 +75,17 @@ def sum_grad_over(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def has_fused_experts(module: nn.Module) -> bool:
+    """True when ``module`` (an MoE block) has a fused ``experts`` module; raises when peft wrapped it (LoRA on
+    the expert tensors, which sharding them would drop)."""
     experts = getattr(module, "experts", None)
-    return isinstance(experts, nn.Module) and hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")
+    if not isinstance(experts, nn.Module):
+        return False
+    if hasattr(experts, "lora_A") and hasattr(experts, "base_layer"):  # peft's ParamWrapper (target_parameters)
+        raise ValueError("policy.lora.target_modules: peft put LoRA adapters on the fused experts (gate_up_proj/"
+                         "down_proj, from gate_proj/up_proj/down_proj targets); expert and tensor parallel shard the "
+                         "experts without them: leave gate_proj/up_proj/down_proj out of the targets, or use tp=1 "
+                         "and moe.expert_parallel_size=1")
+    return hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj")
 
 
 class ShardedExperts(nn.Module):

@@ -10,13 +10,12 @@ in the layout the base produces:
   (B, S, r) output whole on every TP rank), ``B`` colwise like the base (out features sharded);
 * rowwise base (o_proj, down_proj; input sharded over its in features, output reduced): ``A``
   rowwise with its small (B, S, r) output all-reduced, ``B`` replicated with its output laid out
-  as the base's (sequence-sharded under SP: a local slice, no communication). A base whose output
-  stays a partial sum (shared experts' down_proj inside an MoE block, reduced with the experts'):
-  ``A``'s output stays a partial sum and so does ``B``'s (linear in it), added to the base's.
+  as the base's (sequence-sharded under SP: a local slice, no communication).
 
 Replicated A/B are DTensors ``Replicate`` on the TP mesh; their gradients arrive as partial sums
 over tp and FSDP2 reduces them to the parameter's placement (an all-reduce over tp), as for the
-sequence-parallel norms. Adapters on embeddings are refused by name.
+sequence-parallel norms. Adapters on embeddings or on a linear whose output stays a partial sum
+(shared experts inside an MoE block) are refused by name.
 """
 
 from __future__ import annotations
@@ -87,7 +86,8 @@ def expand_lora_plan(plan: dict[str, Any], root: nn.Module) -> dict[str, Any]:
             continue
         out[f"{key}.base_layer"] = style
         layout = style.output_layouts[0] if isinstance(style, RowwiseParallel) else None
-        if not isinstance(style, (ColwiseParallel, RowwiseParallel)) or isinstance(module.base_layer, nn.Embedding):
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)) or isinstance(module.base_layer, nn.Embedding) \
+                or isinstance(layout, Partial):
             raise ValueError(f"policy.lora.target_modules: LoRA on {key} ({type(module.base_layer).__name__} under "
                              f"{type(style).__name__}) has no tensor-parallel plan; leave it out of the targets or "
                              "use tp=1")
@@ -96,8 +96,6 @@ def expand_lora_plan(plan: dict[str, Any], root: nn.Module) -> dict[str, Any]:
                 out[f"{key}.lora_A.{name}"] = replicated()
                 out[f"{key}.lora_B.{name}"] = copy.copy(style)
             else:
-                # a base left as a partial sum (shared experts): A's output stays partial, so is B's (linear)
-                a_out = layout if isinstance(layout, Partial) else Replicate()
-                out[f"{key}.lora_A.{name}"] = RowwiseParallel(output_layouts=a_out, use_local_output=False)
+                out[f"{key}.lora_A.{name}"] = RowwiseParallel(output_layouts=Replicate(), use_local_output=False)
                 out[f"{key}.lora_B.{name}"] = replicated(output_layout=layout, use_local_output=style.use_local_output)
     return out
