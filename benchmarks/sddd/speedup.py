@@ -99,9 +99,24 @@ def run(smoke: bool) -> dict:
     return result
 
 
+def kernel_summary(events, per: int, top: int = 8) -> dict:
+    """Profiler events (``prof.events()``) -> GPU kernels (memcpy/memset excluded) and their GPU time per
+    ``per`` (rounds or steps), and the ``top`` kernel names by launches per ``per``."""
+    from collections import Counter
+
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    names = Counter(e.name for e in kernels)
+    return {"kernels": len(kernels) / per, "gpu_ms": sum(e.device_time for e in kernels) / 1e3 / per,
+            "top": [(name[:70], round(count / per, 1)) for name, count in names.most_common(top)]}
+
+
 def profile(batch: int = 8, k: int = 5) -> None:
     """Where a speculative round's time goes (no training: an untrained teacher of the full shape and an
-    untrained draft; the round's work does not depend on acceptance): torch.profiler over one generate."""
+    untrained draft; the round's work does not depend on acceptance): torch.profiler over one generate.
+    Prints the GPU kernels per round (the whole generate's kernels, prefill included, over its rounds) and
+    per plain decode step for comparison, their GPU time, the most launched kernels, and the op tables."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -120,17 +135,28 @@ def profile(batch: int = 8, k: int = 5) -> None:
     draft = Eagle3Draft.from_teacher(model, counts=torch.ones(model.config.vocab_size), draft_vocab_size=model.config.vocab_size,
                                      aux_layer_ids=eagle3_layer_ids(16), ttt_steps=k)
     engine = NativeEngine(model, tok, device=torch.device("cuda"), max_batch_size=batch, max_seq_len=192)
-    attach_draft(engine, draft, k)
     data = prompt_batch([[5 + i % 7] * 10 for i in range(batch)], tok.pad_token_id)
     params = {"temperature": 0.0, "max_new_tokens": 96, "ignore_eos": True}
+    engine.generate(data, params)  # plain decode: warm-up, then profiled
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = engine.generate(data, params)
+        torch.cuda.synchronize()
+    plain = kernel_summary(prof.events(), params["max_new_tokens"])
+    plain_ms = out.meta_info["perf"]["seconds"] * 1e3 / params["max_new_tokens"]
+    attach_draft(engine, draft, k)
     engine.generate(data, params)
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         out = engine.generate(data, params)
         torch.cuda.synchronize()
     rounds = out.meta_info["speculative"]["row_rounds"] // batch
+    spec = kernel_summary(prof.events(), max(rounds, 1))
     print(f"batch {batch}: {rounds} rounds, {out.meta_info['perf']['seconds'] * 1e3 / max(rounds, 1):.2f} ms/round, "
           f"graphs={out.meta_info['perf']['cuda_graphs']}")
+    print(f"kernels per round: {spec['kernels']:.0f} ({spec['gpu_ms']:.2f} ms GPU); plain decode: "
+          f"{plain['kernels']:.0f} kernels per step ({plain['gpu_ms']:.2f} ms GPU, {plain_ms:.2f} ms wall)")
+    print("most launched per round:", spec["top"])
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
 
@@ -139,7 +165,7 @@ def main() -> None:
     import sys
 
     if "--profile" in sys.argv:
-        profile()
+        profile(batch=int(sys.argv[sys.argv.index("--batch") + 1]) if "--batch" in sys.argv else 8)
         return
     result = run(smoke="--smoke" in sys.argv)
     width = max(len(key) for key in result)

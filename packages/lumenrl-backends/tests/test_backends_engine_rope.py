@@ -154,9 +154,9 @@ def test_reference_is_the_engines_unfused_sequence_bit_for_bit(family, fp8):
     fused = hf_cache(case, fp8)
     fused.raw_fp8_decode = True
     target = fused.decode_write_target(0, case.key[:, :, None], case.value[:, :, None])
-    assert target.columns.shape == (5,) and target.keys is fused.layers[0].keys
+    assert target.columns.shape == (5, 1) and target.keys is fused.layers[0].keys
     out = triton_rope.decode_qk_rope_kv_write(
-        case.query, case.key, case.value, case.cos, case.sin, target.keys, target.values, target.columns,
+        case.query, case.key, case.value, case.cos, case.sin, target.keys, target.values, target.columns[:, 0],
         q_weight=case.q_weight, k_weight=case.k_weight, eps=1e-6, k_scale=target.k_scale, v_scale=target.v_scale)
     assert torch.equal(out, query) and out.is_contiguous()
     for a, b in ((unfused.layers[0].keys, fused.layers[0].keys), (unfused.layers[0].values, fused.layers[0].values),

@@ -173,3 +173,42 @@ def test_context_committed_in_parts_proposes_as_one_call(kind):
                           **{key: value[:, t - k - 1:] for key, value in ctx.items()})
     assert torch.equal(whole[0], parts[0])
     assert torch.allclose(whole[1], parts[1], atol=1e-5)
+
+
+def test_decode_attend_packs_query_heads_and_shares_rope_tables():
+    """One query per row (the draft's chained steps): the group's heads packed onto their KV head (no
+    repeat_interleave copy of the draft cache) give float64 GQA attention; RoPE tables made once for query
+    and key give what apply_rope makes from the positions, bit for bit."""
+    from lumenrl_sddd.layers import apply_rope, attend, rope_tables
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(3, 8, 1, 16, generator=gen), torch.randn(3, 2, 20, 16, generator=gen), torch.randn(
+        3, 2, 20, 16, generator=gen)
+    allowed = torch.rand(3, 1, 1, 20, generator=gen) > 0.3
+    allowed[..., 0] = True
+    out = attend(q, k, v, allowed)  # (B, 1, H * D)
+    k64, v64 = k.double().repeat_interleave(4, 1), v.double().repeat_interleave(4, 1)
+    scores = (q.double() @ k64.transpose(-1, -2) / 4.0).masked_fill(~allowed, float("-inf"))
+    ref = (scores.softmax(-1) @ v64).transpose(1, 2).flatten(2)
+    assert out.shape == (3, 1, 128) and float((out.double() - ref).norm() / ref.norm()) < 1e-6
+    positions = torch.randint(0, 500, (3, 4), generator=gen)
+    x = torch.randn(3, 2, 4, 16, generator=gen)
+    tables = rope_tables(positions, 16, 1e6, x.dtype)
+    assert torch.equal(apply_rope(x, positions, 1e6, tables), apply_rope(x, positions, 1e6))
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
+def test_draft_rmsnorm_against_float64(dtype, bound):
+    from lumenrl_sddd.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    norm = RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+    x = torch.randn(5, 3, 64, generator=gen) * 3
+    norm, x = norm.to(dtype), x.to(dtype)
+    x64, w64 = x.double(), norm.weight.detach().double()
+    ref = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w64
+    with torch.no_grad():
+        out = norm(x)
+    assert out.dtype == dtype and float((out.double() - ref).norm() / ref.norm()) < bound

@@ -196,11 +196,12 @@ class Eagle3Draft(nn.Module):
                            torch.zeros(batch, max_len, dtype=torch.bool, device=device))
 
     def _write(self, state: Eagle3State, tok: torch.Tensor, hid: torch.Tensor, columns: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """K/V of entries (B, q) into ``state`` at ``columns``; returns the layer input x. An entry's K/V
-        depend on that entry only, so entries written in several calls equal one call."""
+        depend on that entry only, so entries written in several calls equal one call. ``tables``: the
+        positions' RoPE tables, when the caller shares them with the query."""
         x = self.midlayer.inputs(self.embed_tokens(tok).to(hid.dtype), hid)
-        k, v = self.midlayer.self_attn.key_value(x, positions)
+        k, v = self.midlayer.self_attn.key_value(x, positions, tables)
         rows = torch.arange(tok.shape[0], device=tok.device)[:, None]
         state.keys[rows, :, columns] = k.transpose(1, 2)
         state.values[rows, :, columns] = v.transpose(1, 2)
@@ -215,14 +216,19 @@ class Eagle3Draft(nn.Module):
         self._write(state, tokens, self.fc(features.to(self.fc.weight.dtype)), columns, positions)
 
     def _step(self, state: Eagle3State, tok: torch.Tensor, hid: torch.Tensor, columns: torch.Tensor,
-              positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """Write entries at ``columns`` (B, q) and attend causally by column; returns h (B, q, H)."""
+              positions: torch.Tensor, key_cols: torch.Tensor, tables: tuple | None = None) -> torch.Tensor:
+        """Write entries at ``columns`` (B, q) and attend causally by column over ``key_cols`` (arange(kv_len),
+        made once per round); returns h (B, q, H). The RoPE ``tables`` of ``positions`` (made here when not
+        given) serve query and key."""
         attn = self.midlayer.self_attn
-        x = self._write(state, tok, hid, columns, positions)
-        key_cols = torch.arange(kv_len, device=tok.device)
+        kv_len = key_cols.shape[0]
+        if tables is None:
+            tables = attn.rope_tables(positions, hid.dtype)
+        x = self._write(state, tok, hid, columns, positions, tables)
         allowed = state.valid[:, None, :kv_len] & (key_cols[None, None, :] <= columns[:, :, None])  # (B, q, kv)
         allowed = allowed | (key_cols[None, None, :] == columns[:, :, None])
-        out = attend(attn.query(x, positions), state.keys[:, :, :kv_len], state.values[:, :, :kv_len], allowed[:, None])
+        out = attend(attn.query(x, positions, tables), state.keys[:, :, :kv_len], state.values[:, :, :kv_len],
+                     allowed[:, None])
         return self.midlayer.finish(out, hid)
 
     @torch.no_grad()
@@ -242,9 +248,13 @@ class Eagle3Draft(nn.Module):
         if kv_len is None:
             kv_len = int(columns.max()) + k + 1
         state.valid[rows[:, None], columns] = valid
-        hid = self._step(state, tokens, self.fc(features.to(self.fc.weight.dtype)), columns, positions, kv_len)
+        key_cols = torch.arange(kv_len, device=tokens.device)
+        hid = self._step(state, tokens, self.fc(features.to(self.fc.weight.dtype)), columns, positions, key_cols)
         h = hid[rows, last][:, None]  # (B, 1, H)
-        col, pos = columns[rows, last][:, None], positions[rows, last][:, None]
+        # the chained steps' columns, positions and RoPE tables, made once: step j + 1 takes slice j (views)
+        ahead = torch.arange(1, k, device=tokens.device)
+        chain_cols, chain_pos = columns[rows, last][:, None] + ahead, positions[rows, last][:, None] + ahead  # (B, k-1)
+        chain_cos, chain_sin = self.midlayer.self_attn.rope_tables(chain_pos, h.dtype)  # (B, 1, k-1, D/2)
         target_ids = self.target_ids()
         drafted, all_logits = [], []
         for j in range(k):
@@ -254,7 +264,8 @@ class Eagle3Draft(nn.Module):
             tok = sample(full)
             drafted.append(tok), all_logits.append(full)
             if j + 1 < k:
-                col, pos = col + 1, pos + 1
+                col, pos = chain_cols[:, j:j + 1], chain_pos[:, j:j + 1]
                 state.valid.scatter_(1, col, True)  # no host copy (CUDA graph capture)
-                h = self._step(state, tok[:, None], h, col, pos, kv_len)
+                h = self._step(state, tok[:, None], h, col, pos, key_cols,
+                               (chain_cos[:, :, j:j + 1], chain_sin[:, :, j:j + 1]))
         return torch.stack(drafted, 1), torch.stack(all_logits, 1)

@@ -73,6 +73,12 @@ def packed_decode_attention(
 ) -> tuple[torch.Tensor, None]:
     """query (B, H, 1, D), key/value (B, H_kv, L, D), mask (B, 1, 1, L) -> (B, 1, H, D_v).
 
+    Multi-query decode (speculative decoding's verify forward: the engine's decode view with Q columns per
+    row, mask (B, 1, Q, L)): query (B, H, Q, D) -> (B, Q, H, D_v), packed as (B, H_kv, G * Q, D) (row
+    ``g * Q + j``: head g of the group, query j; each row masked by its query's mask row), so K/V are read
+    once per KV head here too (:mod:`~lumenrl_backends.engines.triton_attention`). Any other Q > 1 (prefill)
+    goes to transformers' ``sdpa``.
+
     ``lumenrl_fp8_out`` (keyword, an FP8 dtype; the engine's fused attention passes it when the output
     projection takes per-token FP8 input): over the engine's FP8 cache with one V scale, the output is
     returned as FP8 codes in V's code units (``out ≈ codes * v_scale``, see
@@ -82,46 +88,54 @@ def packed_decode_attention(
     batch, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
     d_v = value.shape[-2] if value.dim() == 5 else value.shape[-1]  # 5-D: the cache's V tiles (B, H_kv, n, D, T)
+    columns = _view_columns(batch)  # (B, q): the engine's decode view, else None
+    packable = q_len == 1 or (columns is not None and columns.shape[1] == q_len)  # a decode step or a verify forward
     kv_scales = v_scale = None
     if key.dtype in triton_attention.FP8_DTYPES:  # the engine's FP8 cache, as stored (decode only)
         kv_scales = _ACTIVE_CACHE[0].current_scales
         kernel_scales = kv_scales.k_scale.numel() == 1 and kv_scales.v_scale.numel() == 1
-        if fp8_out is not None and kernel_scales and q_len == 1 and torch.finfo(fp8_out).max >= torch.finfo(key.dtype).max:
+        if fp8_out is not None and kernel_scales and packable and torch.finfo(fp8_out).max >= torch.finfo(key.dtype).max:
             v_scale = kv_scales.v_scale
-        if not (query.is_cuda and kernel_scales and q_len == 1 and kv_heads < heads
+        if not (query.is_cuda and kernel_scales and packable and kv_heads < heads
                 and triton_attention.supports(query, key, attention_mask)):
             from lumenrl_quant import dequantize_kv
 
             key, value = dequantize_kv(key, value_rows(value, key.shape[2]), kv_scales, dtype=query.dtype)
             kv_scales = None
-    mask_ok = attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
-    if q_len != 1 or kv_heads == heads or not mask_ok or kwargs.get("softcap") is not None or dropout:
+    mask_ok = (attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+               and attention_mask.shape[2] in (1, q_len))
+    if not packable or kv_heads == heads or not mask_ok or kwargs.get("softcap") is not None or dropout:
         out, weights = _original_sdpa()(
             module, query, key, value_rows(value, key.shape[2]), attention_mask, dropout=dropout, scaling=scaling,
             **kwargs
         )
         return (out if v_scale is None else _codes(out, v_scale, fp8_out)), weights
-    packed = query.reshape(batch, kv_heads, heads // kv_heads, query.shape[-1])  # (B, H_kv, G, D)
+    groups = heads // kv_heads
+    packed = query.reshape(batch, kv_heads, groups * q_len, query.shape[-1])  # (B, H_kv, G * Q, D)
+    last = None if columns is None else columns[:, -1]  # the last (largest) write column: no later key is read
+    rows_mask = attention_mask[:, 0, 0] if q_len == 1 else attention_mask[:, 0].expand(batch, q_len, -1)  # (B[, Q], L)
+    if rows_mask.stride(-1) != 1:
+        rows_mask = rows_mask.contiguous()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if v_scale is not None and kv_scales is not None:  # the kernel writes the codes
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = triton_attention.gqa_decode_attention_fp8(
-            packed, key, value, attention_mask[:, 0, 0, :], scale, kv_scales.k_scale, v_scale,
-            last=_write_columns(batch), out_dtype=fp8_out,
+            packed, key, value, rows_mask, scale, kv_scales.k_scale, v_scale, last=last, out_dtype=fp8_out,
         )
     elif query.is_cuda and triton_attention.supports(query, key, attention_mask):
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = triton_attention.gqa_decode_attention(
-            packed, key, value, attention_mask[:, 0, 0, :], scale,
+            packed, key, value, rows_mask, scale,
             k_scale=None if kv_scales is None else kv_scales.k_scale,
             v_scale=None if kv_scales is None else kv_scales.v_scale,
-            last=_write_columns(batch),
+            last=last,
         )
-    else:
-        out = F.scaled_dot_product_attention(packed, key, value_rows(value, key.shape[2]), attn_mask=attention_mask,
+    else:  # SDPA over the packed rows: each packed row g * Q + j takes mask row j
+        mask = attention_mask if q_len == 1 else attention_mask[:, :, None].expand(
+            batch, 1, groups, q_len, attention_mask.shape[-1]).reshape(batch, 1, groups * q_len, -1)
+        out = F.scaled_dot_product_attention(packed, key, value_rows(value, key.shape[2]), attn_mask=mask,
                                              scale=scaling)
     if v_scale is not None and out.dtype != fp8_out:  # dequantized path: the same codes, from the float output
         out = _codes(out, v_scale, fp8_out)
-    return out.reshape(batch, heads, 1, d_v).transpose(1, 2).contiguous(), None
+    return out.reshape(batch, heads, q_len, d_v).transpose(1, 2).contiguous(), None
 
 
 def _codes(out: torch.Tensor, v_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -130,14 +144,21 @@ def _codes(out: torch.Tensor, v_scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (out.float() / v_scale.float().reshape(1)).clamp(-limit, limit).to(dtype)
 
 
-def _write_columns(batch: int) -> torch.Tensor | None:
-    """(B,) cache column each decode row writes (its last visible key: the mask never allows a later
-    column), from the active engine cache's decode view; None outside the engine's decode."""
+def _view_columns(batch: int) -> torch.Tensor | None:
+    """(B, q) cache columns the decode rows write, from the active engine cache's decode view; None outside
+    the engine's decode. q > 1 (the verify forward): increasing within a row, so the last is the largest."""
     cache = _ACTIVE_CACHE[0]
     view = getattr(cache, "view", None)
     if view is None or not view.decode or view.columns.shape[0] != batch:
         return None
-    return view.columns[:, -1]
+    return view.columns
+
+
+def _write_columns(batch: int) -> torch.Tensor | None:
+    """(B,) last cache column each decode row writes (its last visible key: the mask never allows a later
+    column), from the active engine cache's decode view; None outside the engine's decode."""
+    columns = _view_columns(batch)
+    return None if columns is None else columns[:, -1]
 
 
 @contextlib.contextmanager

@@ -27,13 +27,14 @@ small M). :func:`fuse_projections` does this at engine load, in place:
   gradient-enabled forward) runs the original forward on the member views, so gradients and other
   caches behave exactly as before.
 
-``fused_qk_rope`` (default on): in the engine's decode step (one token per row, rows ``0..b-1``) the
+``fused_qk_rope`` (default on): in the engine's decode step (one token per row, rows ``0..b-1``, or
+q > 1 tokens per row at consecutive columns in speculative decoding's verify forward) the
 q/k RMSNorms (Qwen3), RoPE and the KV-cache write run as one kernel,
 :func:`~lumenrl_backends.engines.triton_rope.decode_qk_rope_kv_write`, instead of the norm modules,
 ``apply_rotary_pos_emb`` and ``cache.update`` (same rounding sequence; see that module). It is set
 per attention only where the HF pieces compute what the op computes (checked at fusion on small
 inputs: the family's ``apply_rotary_pos_emb`` and the module's own q/k norms); at run time it falls
-back to the HF sequence for prefill, cos/sin not ``(b, 1, D)`` in the model dtype, and an FP8 cache
+back to the HF sequence for prefill, cos/sin not ``(b, q, D)`` in the model dtype, and an FP8 cache
 without per-tensor scales yet (the first prefill calibrates them through ``update``).
 
 The fused modules are kept outside the module tree (a plain attribute), so ``named_modules``,
@@ -286,15 +287,16 @@ def _decode_qk_rope(
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``fused_qk_rope``: q/k norms, RoPE and the KV-cache write of a decode step as one op. query
-    (b, 1, H, D), key/value (b, 1, H_kv, D) -> (query (b, H, 1, D), key, value as ``cache.update``
-    returns them), or None where the HF sequence runs instead (see the module doc)."""
+    (b, q, H, D), key/value (b, q, H_kv, D) (q = 1: a decode step; q > 1: speculative decoding's verify
+    forward, q columns per row) -> (query (b, H, q, D), key, value as ``cache.update`` returns them), or
+    None where the HF sequence runs instead (see the module doc)."""
     from lumenrl_backends.engines.triton_rope import decode_qk_rope_kv_write
 
     batch, q_len, _, dim = query.shape
-    if q_len != 1 or position_embeddings is None or value.shape[-1] != dim:
+    if position_embeddings is None or value.shape[-1] != dim:
         return None
     cos, sin = position_embeddings
-    if cos.shape != (batch, 1, dim) or sin.shape != cos.shape or cos.dtype != query.dtype or sin.dtype != cos.dtype:
+    if cos.shape != (batch, q_len, dim) or sin.shape != cos.shape or cos.dtype != query.dtype or sin.dtype != cos.dtype:
         return None
     norms = (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else None
     if norms is not None and (norms[0].weight.dtype != query.dtype or norms[1].weight.dtype != query.dtype):
@@ -303,7 +305,7 @@ def _decode_qk_rope(
     if target is None:
         return None
     query = decode_qk_rope_kv_write(
-        query[:, 0], key[:, 0], value[:, 0], cos[:, 0], sin[:, 0], target.keys, target.values, target.columns,
+        query, key, value, cos, sin, target.keys, target.values, target.columns,
         q_weight=None if norms is None else norms[0].weight, k_weight=None if norms is None else norms[1].weight,
         eps=1e-6 if norms is None else norms[0].variance_epsilon, k_scale=target.k_scale, v_scale=target.v_scale)
     return (query, *cache.decode_read(self.layer_idx))

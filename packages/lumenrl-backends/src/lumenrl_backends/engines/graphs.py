@@ -28,6 +28,9 @@ engine captures while the trainer thread of the same process keeps training; und
 (``global``) mode the trainer's host syncs and allocations during that window fail the *trainer*
 (``operation not permitted when stream is capturing``, seen on an H200). Thread-local mode checks only
 the capturing thread's own calls; the other thread's work runs on its own streams, outside the graph.
+One limit stays: a capture registers the default CUDA generator, so another thread drawing from it
+(``torch.randn`` on CUDA, dropout) during a capture fails ("Offset increment outside graph capture"); the
+trainers draw no CUDA random numbers in their steps (the engine's sampling noise is counter-based).
 
 Memory budget
 -------------

@@ -17,8 +17,9 @@ before each forward:
 
 * prefill view (fresh sequences in arbitrary slots): the new K/V are written to their slots and
   returned as-is, since a fresh prompt attends only to itself (no gather of the cache);
-* decode view (rows ``0..b-1``, one new token each): the token is written at each row's own
-  column and the layer gets the first ``kv_len`` columns of rows ``0..b-1`` (a view, no copy).
+* decode view (rows ``0..b-1``, one new token each, or q each in speculative decoding's verify
+  forward): the tokens are written at each row's own columns and the layer gets the first ``kv_len``
+  columns of rows ``0..b-1`` (a view, no copy).
   A layer whose decode kernel writes K/V itself (``fused_qk_rope``:
   :mod:`~lumenrl_backends.engines.triton_rope`) takes the buffers from :meth:`SlotKVCache.decode_write_target`
   and then reads what ``update`` would have returned from :meth:`SlotKVCache.decode_read`.
@@ -95,7 +96,7 @@ class DecodeWrite(NamedTuple):
 
     keys: torch.Tensor  # (S, H_kv, L, D_k) the layer's key storage: FP8 codes or the model dtype
     values: torch.Tensor  # (S, H_kv, L, D_v), or (S, H_kv, L / T, D_v, T) tiles
-    columns: torch.Tensor  # (b,) int64 write column of rows 0..b-1
+    columns: torch.Tensor  # (b, q) int64 write columns of rows 0..b-1 (q > 1: distinct within a row)
     k_scale: torch.Tensor | None  # FP8 cache: one-element dequant scales (x ≈ code * scale); else None
     v_scale: torch.Tensor | None
 
@@ -171,16 +172,17 @@ class _SlotLayer(CacheLayerMixin):
         """The buffers and scales for a kernel that writes this decode step's K/V itself, or None where
         ``update`` must write (no decode view; an FP8 cache before its first calibration, which only a
         prefill's ``update`` does, or with scales that are not one per tensor). key/value_states
-        (b, H_kv, 1, D) size the buffers on first use, as ``update`` does."""
+        (b, H_kv, q, D) size the buffers on first use, as ``update`` does; q > 1 (speculative decoding's
+        verify forward) writes q columns per row, the view's (distinct within a row: ``col + arange(q)``)."""
         view = self._owner.view
-        if view is None or not view.decode or view.columns.shape != (view.rows.shape[0], 1):
+        if view is None or not view.decode or view.columns.shape != (view.rows.shape[0], key_states.shape[2]):
             return None
         scales = None if self.codec is None else self.codec.scales
         if self.codec is not None and (scales is None or scales.k_scale.numel() != 1 or scales.v_scale.numel() != 1):
             return None
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        return DecodeWrite(self.keys, self.values, view.columns[:, 0], None if scales is None else scales.k_scale,
+        return DecodeWrite(self.keys, self.values, view.columns, None if scales is None else scales.k_scale,
                            None if scales is None else scales.v_scale)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -15,6 +15,13 @@ the multiprocessors about twice. Masked-out columns get ``-inf`` scores; a row w
 all masked in a split contributes nothing (``lse = -inf``). The engine always leaves the written
 column visible, so every row has at least one key.
 
+Multi-query decode (speculative decoding's verify forward: Q = k + 1 query tokens per row at
+consecutive cache columns): the G query heads x Q queries of one KV head are G * Q packed rows of the
+same program (the (B, H, Q, D) query viewed as (B, H_kv, G * Q, D), no copy), so K/V are still read
+once per KV head (no ``repeat_kv``); each packed row takes its own query's mask row, ``allowed``
+(B, Q, L) (the engine: the row's valid columns up to that query's own column), loaded per tile as a
+(rows, BLOCK_N) tile instead of one shared (BLOCK_N,) vector. Up to :data:`MAX_ROWS` packed rows.
+
 Bounded walk: the engine passes each row's write column (``last``; the mask never allows a later
 column), and a program's loop ends there, so columns past a row's length are neither loaded nor
 computed. This matters under ``compile="full"``, where the attended length is fixed at
@@ -64,6 +71,7 @@ except ImportError:  # pragma: no cover - CPU environments without Triton
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does at import
+MAX_ROWS = 64  # packed query rows per KV head (G heads x Q queries) the kernel takes (registers: rows x D fp32)
 
 
 def available() -> bool:
@@ -71,11 +79,12 @@ def available() -> bool:
 
 
 def supports(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Shapes/dtypes the kernel handles: (B, H, 1, D) query, power-of-two D in 32..256, bool mask (B,1,1,L)."""
+    """Shapes/dtypes the kernel handles: (B, H, Q, D) query with (H / H_kv) * Q <= MAX_ROWS, power-of-two D
+    in 32..256, bool mask (B, 1, 1 or Q, L)."""
     d = query.shape[-1]
     return (
         available()
-        and query.shape[2] == 1
+        and (query.shape[1] // max(1, key.shape[1])) * query.shape[2] <= MAX_ROWS
         and key.shape[-1] == d
         and d in (32, 64, 128, 256)
         and query.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -84,7 +93,7 @@ def supports(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) 
         and mask.dtype == torch.bool
         and mask.dim() == 4
         and mask.shape[1] == 1
-        and mask.shape[2] == 1
+        and mask.shape[2] in (1, query.shape[2])
         and query.shape[1] % key.shape[1] == 0
     )
 
@@ -125,7 +134,19 @@ if triton is not None:
         return (tl.load(M + b * s_mb + cols, mask=in_range, other=0) != 0) & in_range
 
     @triton.jit
-    def _attend(q, q8, q_scale, k, v, allowed, m_i, l_i, acc, scale, K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr):
+    def _visible_tile(M, b, s_mb, s_mq, mask_rows, col0, end, offs_n, NQ: tl.constexpr):
+        """The tile's visibility: (BLOCK_N,) shared by every packed row (NQ = 1), or (BLOCK_G, BLOCK_N) with
+        packed row r reading the mask row of its query, ``mask_rows = r % NQ`` (NQ > 1)."""
+        if NQ == 1:
+            return _visible(M, b, s_mb, col0, end, offs_n)
+        cols = col0 + offs_n
+        in_range = cols < end
+        ptrs = M + b * s_mb + mask_rows[:, None] * s_mq + cols[None, :]
+        return (tl.load(ptrs, mask=in_range[None, :], other=0) != 0) & in_range[None, :]
+
+    @triton.jit
+    def _attend(q, q8, q_scale, k, v, allowed, m_i, l_i, acc, scale, K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr,
+                NQ: tl.constexpr = 1):
         """One tile of the online softmax: scores, running max / sum, accumulator."""
         if K_TRANS:
             if FP8_DOTS >= 1:
@@ -139,7 +160,10 @@ if triton is not None:
                 qk = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale  # (BLOCK_G, BLOCK_N)
         if FP8_DOTS >= 1:
             qk = qk * q_scale[:, None]
-        qk = tl.where(allowed[None, :], qk, float("-inf"))
+        if NQ == 1:
+            qk = tl.where(allowed[None, :], qk, float("-inf"))
+        else:  # a mask row per query: (BLOCK_G, BLOCK_N)
+            qk = tl.where(allowed, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(qk - m_safe[:, None])
@@ -157,11 +181,11 @@ if triton is not None:
         Q, K, V, M, PART, LSE, K_SCALE, V_SCALE, LAST, scale,
         s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_mb,
         s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_last, s_vt,
-        kv_len,
+        kv_len, s_mq,
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_SCALE: tl.constexpr, HAS_LAST: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr, DIRECT: tl.constexpr,
         K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-        V_BLOCK: tl.constexpr = 0, MASK_AHEAD: tl.constexpr = False,
+        V_BLOCK: tl.constexpr = 0, MASK_AHEAD: tl.constexpr = False, NQ: tl.constexpr = 1,
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b = b.to(tl.int64)  # row offsets: a long cache's b * s_kb passes 2**31 elements (int32 wrapped)
@@ -189,16 +213,17 @@ if triton is not None:
         lo, hi = (start, end) if RUNTIME_BOUNDS else (0, CHUNK)
         # MASK_AHEAD: the next tile's visibility (a small load that feeds no dot, so Triton's pipeliner
         # leaves it synchronous) is loaded one iteration early, in registers
-        allowed = _visible(M, b, s_mb, start, end, offs_n)
+        mask_rows = offs_g % NQ  # packed row r = g * NQ + j (query head g, query j) reads mask row j
+        allowed = _visible_tile(M, b, s_mb, s_mq, mask_rows, start, end, offs_n, NQ)
         for n0 in range(lo, hi, BLOCK_N):
             col0 = n0 if RUNTIME_BOUNDS else start + n0
             if MASK_AHEAD:
-                allowed_next = _visible(M, b, s_mb, col0 + BLOCK_N, end, offs_n)
+                allowed_next = _visible_tile(M, b, s_mb, s_mq, mask_rows, col0 + BLOCK_N, end, offs_n, NQ)
             else:
-                allowed = _visible(M, b, s_mb, col0, end, offs_n)
+                allowed = _visible_tile(M, b, s_mb, s_mq, mask_rows, col0, end, offs_n, NQ)
             k, v = _kv_tile(K, V, b, h, col0, end, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_vt,
                             offs_n, offs_d, RUNTIME_BOUNDS, K_TRANS, V_BLOCK, BLOCK_N)
-            m_i, l_i, acc = _attend(q, q8, q_scale, k, v, allowed, m_i, l_i, acc, scale, K_TRANS, FP8_DOTS)
+            m_i, l_i, acc = _attend(q, q8, q_scale, k, v, allowed, m_i, l_i, acc, scale, K_TRANS, FP8_DOTS, NQ)
             if MASK_AHEAD:
                 allowed = allowed_next
         has = l_i > 0
@@ -298,6 +323,10 @@ def _run(
     last: torch.Tensor | None = None, config: dict[str, int] | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     batch, kv_heads, groups, dim = query.shape
+    n_q = allowed.shape[1] if allowed.dim() == 3 else 1  # queries per head: packed rows g * n_q + j
+    if groups % n_q or allowed.shape[0] != batch:
+        raise ValueError(f"allowed {tuple(allowed.shape)}: (B, L) or (B, Q, L) with Q dividing the packed rows of "
+                         f"query {tuple(query.shape)}")
     out_fp8 = out_dtype is not None and out_dtype in FP8_DTYPES
     if out_fp8 and (k_scale is None or torch.finfo(out_dtype).max < torch.finfo(key.dtype).max):
         raise ValueError(f"out_dtype={out_dtype} needs an FP8 cache whose codes it can hold; got a {key.dtype} cache")
@@ -336,12 +365,13 @@ def _run(
         key.stride(0), key.stride(1), key.stride(2),
         *v_strides, mask.stride(0),
         *p_strides, *l_strides, 0 if last is None else last.stride(0), value.stride(2) if v_block else 0,
-        kv_len,
+        kv_len, mask.stride(1) if n_q > 1 else 0,
         CHUNK=chunk, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
         HAS_SCALE=has_scale, HAS_LAST=last is not None, RUNTIME_BOUNDS=not _INTERPRETED, DIRECT=direct,
         K_TRANS=bool(cfg["k_trans"]), FP8_DOTS=cfg["fp8_dots"], OUT_FP8=out_fp8,
         FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0,
-        V_BLOCK=v_block, MASK_AHEAD=bool(cfg["mask_ahead"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        V_BLOCK=v_block, MASK_AHEAD=bool(cfg["mask_ahead"]), NQ=n_q, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if not direct:
         _merge_kernel[(batch, kv_heads, groups)](
@@ -402,7 +432,13 @@ def gqa_decode_attention(
     """query (B, H_kv, G, D), key/value (B, H_kv, L, D), allowed (B, L) bool; K with unit last stride, V
     with a unit stride in either of its last two dims (a cache stored (D, L) per head, see the module doc),
     or V in (B, H_kv, L / T, D, T) tiles
-    -> (B, H_kv, G, D) in the query dtype. FP8 key/value take one-element dequant scales
+    -> (B, H_kv, G, D) in the query dtype.
+
+    Multi-query decode (speculative decoding's verify forward, Q query tokens per row): query
+    (B, H_kv, G * Q, D) with packed row ``g * Q + j`` = query head g of the group at query j (a free
+    view of the (B, H, Q, D) query), allowed (B, Q, L): row ``g * Q + j`` attends where ``allowed[:, j]``
+    (e.g. the row's valid columns up to query j's own column: causal by column). ``last`` must then be
+    at or past every query's last allowed column (the engine: the last query's column). FP8 key/value take one-element dequant scales
     ``k_scale``/``v_scale`` (``x = q * scale``), applied in-kernel (no dequantized copy).
     ``last`` (B,) int64, optional: each row's last column that ``allowed`` may mark (the engine's
     write column); later columns are neither read nor computed (bounded loop)."""

@@ -76,8 +76,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's ``apply_rotary_pos_emb`` for one tensor: x (b, H, D), cos/sin (b, D) -> (b, H, D)."""
-    cos, sin = cos[:, None], sin[:, None]
+    """HF's ``apply_rotary_pos_emb`` for one tensor: x (b, H, D), cos/sin (b, D) -> (b, H, D); or x
+    (b, Q, H, D), cos/sin (b, Q, D) -> (b, Q, H, D)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     half = x.shape[-1] // 2
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
@@ -121,23 +122,33 @@ def reference_decode_qk_rope_kv_write(
     value_cache: torch.Tensor, columns: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     """The op in torch, exactly the HF sequence the engine runs unfused (arguments: see
-    :func:`decode_qk_rope_kv_write`)."""
+    :func:`decode_qk_rope_kv_write`; 3-D arguments are the Q = 1 case) -> query (b, H, Q, D)."""
+    query, key, value, cos, sin, columns = _multi(query, key, value, cos, sin, columns)
     if q_weight is not None:
         query, key = rms_norm(query, q_weight, eps), rms_norm(key, k_weight, eps)
-    query, key = rope(query, cos, sin), rope(key, cos, sin)  # (b, H, D), (b, H_kv, D)
+    query, key = rope(query, cos, sin), rope(key, cos, sin)  # (b, Q, H, D), (b, Q, H_kv, D)
     if k_scale is not None:  # the cache's FP8 codec (FP8KVCodec.encode -> lumenrl_quant.quantize_kv)
         from lumenrl_quant import quantize_fp8_with_scale
 
         key = quantize_fp8_with_scale(key, k_scale.reshape(()), dtype=key_cache.dtype)
         value = quantize_fp8_with_scale(value, v_scale.reshape(()), dtype=value_cache.dtype)
-    rows = torch.arange(query.shape[0], device=columns.device)
-    key_cache[rows, :, columns] = key.to(key_cache.dtype)  # (b, H_kv, D) at [i, :, columns[i]]
+    rows = torch.arange(query.shape[0], device=columns.device)[:, None]  # (b, 1) against columns (b, Q)
+    key_cache[rows, :, columns] = key.to(key_cache.dtype)  # (b, Q, H_kv, D) at [i, :, columns[i, j]]
     if value_cache.dim() == 5:  # (S, H_kv, L / T, D, T) tiles: column c is [..., c // T, :, c % T]
         tile = value_cache.shape[-1]
         value_cache[rows, :, columns // tile, :, columns % tile] = value.to(value_cache.dtype)
     else:
         value_cache[rows, :, columns] = value.to(value_cache.dtype)
-    return query.unsqueeze(2).contiguous()  # (b, H, 1, D)
+    return query.transpose(1, 2).contiguous()  # (b, H, Q, D)
+
+
+def _multi(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           columns: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One query per row, 3-D (b, H, D) / cos (b, D) / columns (b,), as the Q = 1 case of the 4-D form
+    (views, no copy); 4-D arguments as they are."""
+    if query.dim() == 3:
+        return query[:, None], key[:, None], value[:, None], cos[:, None], sin[:, None], columns[:, None]
+    return query, key, value, cos, sin, columns
 
 
 if triton is not None:
@@ -184,33 +195,37 @@ if triton is not None:
     def _decode_qk_rope_kv_kernel(
         Q, K, V, Q_W, K_W, COS, SIN, K_CACHE, V_CACHE, COLUMNS, K_SCALE, V_SCALE, Q_OUT,
         s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_cos, s_sin, s_col, s_kcb, s_kch, s_kcl, s_vcb, s_vch, s_vcl,
-        s_ob, s_oh, eps, s_vct,
+        s_ob, s_oh, eps, s_vct, n_q, s_qq, s_kq, s_vq, s_cosq, s_sinq, s_colq, s_oq,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr,
         FP8_MAX: tl.constexpr, EMULATED: tl.constexpr, V_TILE: tl.constexpr = 0,
     ):
-        row, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)  # int64: row * cache stride > 2**31
+        # program (row * n_q + j, KV head): query j of the row; int64: row * cache stride > 2**31
+        pid, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        row, j = pid // n_q, pid % n_q
         offs_h = tl.arange(0, D // 2)[None, :]  # (1, D/2): columns of the first half; + D/2: the second
-        cos1 = tl.load(COS + row * s_cos + offs_h).to(tl.float32)
-        cos2 = tl.load(COS + row * s_cos + D // 2 + offs_h).to(tl.float32)
-        sin1 = tl.load(SIN + row * s_sin + offs_h).to(tl.float32)
-        sin2 = tl.load(SIN + row * s_sin + D // 2 + offs_h).to(tl.float32)
-        column = tl.load(COLUMNS + row * s_col)
+        COS = COS + row * s_cos + j * s_cosq
+        SIN = SIN + row * s_sin + j * s_sinq
+        cos1 = tl.load(COS + offs_h).to(tl.float32)
+        cos2 = tl.load(COS + D // 2 + offs_h).to(tl.float32)
+        sin1 = tl.load(SIN + offs_h).to(tl.float32)
+        sin2 = tl.load(SIN + D // 2 + offs_h).to(tl.float32)
+        column = tl.load(COLUMNS + row * s_col + j * s_colq)
         offs_g = tl.arange(0, BLOCK_G)[:, None]
         g_ok = offs_g < G
         heads = kv_head * G + offs_g  # (BLOCK_G, 1): the query heads of this KV head
-        q_ptrs = Q + row * s_qb + heads * s_qh + offs_h
+        q_ptrs = Q + row * s_qb + j * s_qq + heads * s_qh + offs_h
         q1, q2 = _norm_rope(tl.load(q_ptrs, mask=g_ok, other=0.0), tl.load(q_ptrs + D // 2, mask=g_ok, other=0.0),
                             Q_W, offs_h, cos1, cos2, sin1, sin2, eps, HAS_NORM, D, EMULATED)
-        out_ptrs = Q_OUT + row * s_ob + heads * s_oh + offs_h
+        out_ptrs = Q_OUT + row * s_ob + j * s_oq + heads * s_oh + offs_h
         tl.store(out_ptrs, q1, mask=g_ok)
         tl.store(out_ptrs + D // 2, q2, mask=g_ok)
-        k_ptrs = K + row * s_kb + kv_head * s_kh + offs_h  # (1, D/2)
+        k_ptrs = K + row * s_kb + j * s_kq + kv_head * s_kh + offs_h  # (1, D/2)
         k1, k2 = _norm_rope(tl.load(k_ptrs), tl.load(k_ptrs + D // 2), K_W, offs_h, cos1, cos2, sin1, sin2, eps,
                             HAS_NORM, D, EMULATED)
         k_cache = K_CACHE + row * s_kcb + kv_head * s_kch + column * s_kcl + offs_h
         _store_kv(k1, k_cache, K_SCALE, FP8, FP8_MAX)
         _store_kv(k2, k_cache + D // 2, K_SCALE, FP8, FP8_MAX)
-        v_ptrs = V + row * s_vb + kv_head * s_vh + offs_h
+        v_ptrs = V + row * s_vb + j * s_vq + kv_head * s_vh + offs_h
         if V_TILE > 0:  # (D, V_TILE) tiles: the column's D values are V_TILE apart
             v_cache = V_CACHE + row * s_vcb + kv_head * s_vch + (column // V_TILE) * s_vct + column % V_TILE
             _store_kv(tl.load(v_ptrs), v_cache + offs_h * V_TILE, V_SCALE, FP8, FP8_MAX)
@@ -237,20 +252,23 @@ def _launch(
     k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
     value_cache: torch.Tensor, columns: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    batch, heads, dim = query.shape
-    kv_heads = key.shape[1]
-    out = torch.empty((batch, heads, 1, dim), dtype=query.dtype, device=query.device)
+    query, key, value, cos, sin, columns = _multi(query, key, value, cos, sin, columns)
+    batch, n_q, heads, dim = query.shape
+    kv_heads = key.shape[2]
+    out = torch.empty((batch, heads, n_q, dim), dtype=query.dtype, device=query.device)
     fp8 = k_scale is not None
     group = heads // kv_heads
     block_g = triton.next_power_of_2(group)
-    _decode_qk_rope_kv_kernel[(batch, kv_heads)](
+    _decode_qk_rope_kv_kernel[(batch * n_q, kv_heads)](
         query, key, value, q_weight if q_weight is not None else query, k_weight if k_weight is not None else key,
         cos, sin, key_cache, value_cache, columns, k_scale if fp8 else cos, v_scale if fp8 else cos, out,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        query.stride(0), query.stride(2), key.stride(0), key.stride(2), value.stride(0), value.stride(2),
         cos.stride(0), sin.stride(0), columns.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         out.stride(0), out.stride(1), float(eps), value_cache.stride(2) if value_cache.dim() == 5 else 0,
+        n_q, query.stride(1), key.stride(1), value.stride(1), cos.stride(1), sin.stride(1), columns.stride(1),
+        out.stride(2),
         G=group, BLOCK_G=block_g, D=dim, HAS_NORM=q_weight is not None, FP8=fp8,
         FP8_MAX=_fp8_max(key_cache.dtype) if fp8 else 0.0, EMULATED=_INTERPRETED,
         V_TILE=value_cache.shape[-1] if value_cache.dim() == 5 else 0,
@@ -278,7 +296,9 @@ def _op_fake(
     k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
     value_cache: torch.Tensor, columns: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    return query.new_empty((query.shape[0], query.shape[1], 1, query.shape[2]))
+    if query.dim() == 3:  # (b, H, D) -> (b, H, 1, D)
+        return query.new_empty((query.shape[0], query.shape[1], 1, query.shape[2]))
+    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))  # (b, H, Q, D)
 
 
 def _register():  # noqa: ANN202 - a torch.library CustomOpDef
@@ -301,18 +321,21 @@ def _checked(
     key_cache: torch.Tensor, value_cache: torch.Tensor, columns: torch.Tensor, q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
 ) -> None:
-    """Raise ValueError naming the argument whose shape, dtype or layout the op cannot take."""
-    if query.dim() != 3 or key.dim() != 3 or value.shape != key.shape:
-        raise ValueError(f"query (b, H, D), key and value (b, H_kv, D) expected; got {tuple(query.shape)}, "
-                         f"{tuple(key.shape)}, {tuple(value.shape)}")
-    batch, heads, dim = query.shape
-    if key.shape[0] != batch or key.shape[2] != dim or heads % key.shape[1]:
-        raise ValueError(f"key {tuple(key.shape)} does not fit query {tuple(query.shape)}: same b and D, H_kv dividing H")
+    """Raise ValueError naming the argument whose shape, dtype or layout the op cannot take (4-D form:
+    the Q = 1 case of 3-D arguments is checked after :func:`_multi`)."""
+    if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
+        raise ValueError(f"query (b, H, D) or (b, Q, H, D), key and value (b, H_kv, D) or (b, Q, H_kv, D) expected; "
+                         f"got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    batch, n_q, heads, dim = query.shape
+    if key.shape[:2] != (batch, n_q) or key.shape[3] != dim or heads % key.shape[2]:
+        raise ValueError(f"key {tuple(key.shape)} does not fit query {tuple(query.shape)}: same b, Q and D, H_kv "
+                         "dividing H")
     if not head_dim_supported(dim):
         raise ValueError(f"head dim {dim} is not supported; allowed: a power of two from 2 to {MAX_HEAD_DIM}")
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (batch, dim) or t.dtype != query.dtype:
-            raise ValueError(f"{name}: ({batch}, {dim}) in {query.dtype} expected; got {tuple(t.shape)} {t.dtype}")
+        if t.shape != (batch, n_q, dim) or t.dtype != query.dtype:
+            raise ValueError(f"{name}: ({batch}, {n_q}, {dim}) in {query.dtype} expected; got {tuple(t.shape)} "
+                             f"{t.dtype}")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q_weight and k_weight: give both (q/k RMSNorm) or neither")
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
@@ -320,13 +343,14 @@ def _checked(
             raise ValueError(f"{name}: ({dim},) in {query.dtype} expected; got {tuple(w.shape)} {w.dtype}")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         tiles = name == "value_cache" and cache.dim() == 5  # (S, H_kv, L / T, D, T): V in (D, T) tiles
-        if (cache.dim() != (5 if tiles else 4) or cache.shape[0] < batch or cache.shape[1] != key.shape[1]
+        if (cache.dim() != (5 if tiles else 4) or cache.shape[0] < batch or cache.shape[1] != key.shape[2]
                 or cache.shape[3 if not tiles else -2] != dim or cache.stride(-1) != 1):
-            raise ValueError(f"{name}: (S >= {batch}, {key.shape[1]}, L, {dim}) with unit last stride expected"
+            raise ValueError(f"{name}: (S >= {batch}, {key.shape[2]}, L, {dim}) with unit last stride expected"
                              f"{' (value_cache also (S, H_kv, L / T, D, T) tiles)' if name == 'value_cache' else ''}; "
                              f"got {tuple(cache.shape)} strides {cache.stride()}")
-    if columns.shape != (batch,) or columns.dtype != torch.int64:
-        raise ValueError(f"columns: ({batch},) int64 expected; got {tuple(columns.shape)} {columns.dtype}")
+    if columns.shape != (batch, n_q) or columns.dtype != torch.int64:
+        raise ValueError(f"columns: ({batch},) or ({batch}, {n_q}) int64 expected; got {tuple(columns.shape)} "
+                         f"{columns.dtype}")
     fp8 = key_cache.dtype in FP8_DTYPES
     if fp8 != (k_scale is not None) or (k_scale is None) != (v_scale is None) or key_cache.dtype != value_cache.dtype:
         raise ValueError(f"an FP8 cache takes k_scale and v_scale, a {query.dtype} cache neither; got cache "
@@ -349,6 +373,13 @@ def decode_qk_rope_kv_write(
     """One decode token per row: q/k RMSNorm (when ``q_weight``/``k_weight`` are given), RoPE, and
     K/V written into the cache; returns the roped query (b, H, 1, D), contiguous.
 
+    Multi-query decode (speculative decoding's verify forward): query (b, Q, H, D), key/value
+    (b, Q, H_kv, D), cos/sin (b, Q, D) and columns (b, Q) -> query (b, H, Q, D). Every (row, query)
+    is normed, roped and written at its own column ``columns[i, j]``, exactly as Q separate one-token
+    steps would (the 3-D form is the Q = 1 case). Precondition: a row's Q columns are distinct (two
+    writes to one column would race); the engine's verify forward writes ``col_i + arange(Q)``, distinct
+    by construction, and attention bounds each query by its own column.
+
     query (b, H, D), key/value (b, H_kv, D): any strides with a unit last one (e.g. the q/k/v
     slices of one fused projection output; no copy); cos/sin (b, D) in the query's dtype;
     key_cache/value_cache (S, H_kv, L, D), S >= b, written in place at ``[i, :, columns[i]]`` for
@@ -356,6 +387,8 @@ def decode_qk_rope_kv_write(
     ``[i, :, c // T, :, c % T]``, see :mod:`~lumenrl_backends.engines.kv_cache`); columns (b,) int64. An FP8 cache takes one-element float32 dequant scales
     ``k_scale``/``v_scale`` and stores ``clamp(x / scale)`` codes; a cache in the model dtype takes
     neither. See the module docstring for the rounding (the HF sequence)."""
+    if query.dim() == 3 and key.dim() == 3 and value.dim() == 3 and columns.dim() == 1:
+        query, key, value, cos, sin, columns = _multi(query, key, value, cos, sin, columns)
     _checked(query, key, value, cos, sin, key_cache, value_cache, columns, q_weight, k_weight, k_scale, v_scale)
     query, key, value, cos, sin = (_rows(t) for t in (query, key, value, cos, sin))
     return _OP(query, key, value, q_weight, k_weight, float(eps), cos, sin, key_cache, value_cache, columns,
