@@ -263,3 +263,28 @@ def test_mesh_refusals_name_the_numbers():
         apply_expert_parallel(glm, init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)))
     with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 of mixtral"):
         check_sizes(tiny_config("mixtral", vocab_size=V, router_jitter_noise=0.1), MeshDims(world=2, tp=2))
+
+
+def test_moe_checkpoint_of_the_older_fused_layout_still_loads(paths, tmp_path, monkeypatch):
+    """Checkpoints store fused gate_up_proj as (E, 2, I, H); one written as (E, 2I, H) (before) loads too."""
+    from lumenrl_backends.training import checkpoint
+
+    backend = build(paths["qwen3_moe"])
+    backend.train_step(make_batch(), loss_fn)
+    trained = {k: v.clone() for k, v in backend.named_weights()}
+    for name, old in (("new", False), ("old", True)):
+        with monkeypatch.context() as m:
+            if old:
+                m.setattr(checkpoint, "_stored_layout", lambda state: state)
+            backend.save_checkpoint(str(tmp_path / name))
+        meta = torch.distributed.checkpoint.FileSystemReader(str(tmp_path / name / "model_optim")).read_metadata()
+        fused = [v.size for k, v in meta.state_dict_metadata.items() if k.endswith("experts.gate_up_proj")]
+        assert fused and all(len(size) == (3 if old else 4) for size in fused), (name, fused)
+        restored = build(paths["qwen3_moe"])
+        restored.load_checkpoint(str(tmp_path / name))
+        for k, v in restored.named_weights():
+            assert torch.equal(v, trained[k]), (name, k)
+        got, expected = optim_state(restored), optim_state(backend)
+        assert got.keys() == expected.keys()
+        for k, v in expected.items():
+            assert torch.equal(got[k], v), (name, "adam", k)

@@ -107,6 +107,14 @@ def _stored_layout(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _fused_views_stored(checkpoint_id: str) -> bool:
+    """False for a checkpoint written before fused ``gate_up_proj`` was stored as its (E, 2, I, H) view
+    (3-D entries): it loads as it was saved (on layouts without the tensor-parallel split)."""
+    meta = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    sizes = [m.size for k, m in meta.items() if k.endswith("experts.gate_up_proj") and hasattr(m, "size")]
+    return not sizes or len(sizes[0]) == 4
+
+
 def _publish(tmp: str, path: str) -> None:
     """Rank 0: replace ``path`` by ``tmp`` (old copy moved aside, then removed)."""
     with open(os.path.join(tmp, _MARKER), "w") as fh:
@@ -162,7 +170,9 @@ def load_training_state(path: str, *, model, optimizer=None, scheduler=None, tre
     if not is_complete(path):
         raise FileNotFoundError(f"checkpoint path={path!r} is missing or incomplete (no {_MARKER} marker)")
     state = tree.state_dict() if tree is not None else _model_optim_state(model, optimizer)
-    dcp.load(state if tree is not None else _stored_layout(state), checkpoint_id=os.path.join(path, "model_optim"))
+    checkpoint_id = os.path.join(path, "model_optim")
+    dcp.load(state if tree is not None or not _fused_views_stored(checkpoint_id) else _stored_layout(state),
+             checkpoint_id=checkpoint_id)
     if tree is not None:
         tree.load_state_dict(state)
     else:
