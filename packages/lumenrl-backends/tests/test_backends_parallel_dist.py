@@ -14,7 +14,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lumenrl_backends.models.tiny import tiny_config
 from lumenrl_backends.training.context_parallel import enable_ulysses, shard_sequence
@@ -166,8 +166,13 @@ def _spawn(request, monkeypatch, world: int, cases: list) -> None:
 
 
 def test_two_ranks_tp_sp_cp_ep_match_one_rank(request, monkeypatch):
+    # tp2 on MoE blocks (qwen3_moe, mixtral, glm4_moe, deepseek_v3): experts split over the intermediate dim (gate/up
+    # rows matched), router replicated; glm4_moe/deepseek_v3 add shared experts (a dense MLP in the block) and a dense
+    # first layer; deepseek_v3 MLA attention (replicated low-rank down projections, colwise up projections)
     _spawn(request, monkeypatch, 2, [("qwen3", 2, {}), ("llama", 2, {}), ("qwen3", "cp", {}), ("llama", "cp", {}),
-                                      ("qwen3_moe", "ep", {}), ("deepseek_v3", "ep", {"kv": 4}), ("glm4_moe", "ep", {})])
+                                      ("qwen3_moe", "ep", {}), ("deepseek_v3", "ep", {"kv": 4}), ("glm4_moe", "ep", {}),
+                                      ("qwen3_moe", 2, {}), ("mixtral", 2, {}), ("glm4_moe", 2, {"use_qk_norm": True}),
+                                      ("deepseek_v3", 2, {"kv": 4})])
 
 
 def test_four_ranks_fsdp_tp_and_ep_match_one_rank(request, monkeypatch):
@@ -181,5 +186,10 @@ def test_tp_refusals_name_the_numbers():
         check_tp(cfg, 4, 4)
     with pytest.raises(ValueError, match=r"tp=3 must divide the world size 4"):
         check_tp(cfg, 3, 4)
-    with pytest.raises(ValueError, match=r"no tensor-parallel plan for model_type='mixtral'"):
-        check_tp(tiny_config("mixtral"), 2, 2)
+    with pytest.raises(ValueError, match=r"model_type='qwen2_moe': the shared expert's sigmoid gate"):
+        check_tp(AutoConfig.for_model("qwen2_moe"), 2, 2)
+    with pytest.raises(ValueError, match=r"tp=2 does not divide moe_intermediate_size=33"):
+        check_tp(tiny_config("qwen3_moe", moe_intermediate_size=33, vocab_size=V), 2, 2)
+    with pytest.raises(ValueError, match=r"router_jitter_noise=0.1 of mixtral"):
+        check_tp(tiny_config("mixtral", router_jitter_noise=0.1, vocab_size=V), 2, 2)
+

@@ -524,6 +524,18 @@ def test_parallel_mesh_refusals_name_the_numbers(cfg, reg, tmp_path):
     assert only(cfg, reg) == ("policy.parallel='tp=2 cp=1 pp=1': tp*cp*pp=2 must divide the world size 3 "
                               "(cluster.num_nodes*gpus_per_node)")
     cfg.cluster.gpus_per_node = 2
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_attention_heads": 6,
+                                                      "num_key_value_heads": 2, "num_experts": 6,
+                                                      "moe_intermediate_size": 3}))
+    assert only(cfg, reg) == f"policy.parallel.tp=2: does not divide moe_intermediate_size=3 of {tmp_path}"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_attention_heads": 6,
+                                                      "num_key_value_heads": 2, "num_experts": 6}))
+    reg.register("training_backends", "tpl", plugin("TPL", {"tensor_parallel", "expert_parallel", "lora"}))
+    cfg.policy.training_backend, cfg.policy.lora.rank, cfg.policy.lora.dropout = "tpl", 4, 0.1
+    assert only(cfg, reg).startswith("policy.lora.dropout=0.1: draws a different mask on each rank of a tensor")
+    cfg.policy.lora.dropout = 0.0
+    plan_run(cfg, registry=reg)  # LoRA under tp=2 (dropout 0)
+    cfg.policy.training_backend, cfg.policy.lora.rank = "tpb", 0
     reg.register("controllers", "ray", plugin("Ray", {"dispatch_modes", "multi_node"}))
     cfg.controller.name = "ray"  # splits every batch over its workers: a TP group would get different rows
     assert "controller lacks capability 'in_process' required by policy.parallel.tp=2" in only(cfg, reg)

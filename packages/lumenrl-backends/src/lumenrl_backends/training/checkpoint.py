@@ -11,6 +11,11 @@ Layout of a checkpoint directory::
       extra.json              caller-owned JSON (e.g. the trainer's dataloader position)
       COMPLETE                written last
 
+Fused MoE expert tensors ``*.experts.gate_up_proj`` (E, 2I, H) = [gate; up] are stored as their
+(E, 2, I, H) view (model and optimizer state; :func:`~lumenrl_backends.training.expert_parallel.checkpoint_view`):
+under tensor parallel each rank holds [gate_t; up_t], not one box of (E, 2I, H), which DCP cannot
+save; every layout goes through the same view, so a checkpoint reloads on any other mesh.
+
 A backend whose modules are not laid out for ``get_state_dict`` (Megatron-Core's TP/PP shards) passes
 ``tree``: a :class:`DcpTree` that makes the ``{"model", "optim"}`` tree and takes it back after loading.
 
@@ -84,6 +89,32 @@ def _model_optim_state(model, optimizer) -> dict[str, Any]:
     return state
 
 
+def _stored_layout(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every fused ``gate_up_proj`` tensor (model and optimizer state) as its checkpoint
+    view (shares storage: loading into the view fills the original)."""
+    from lumenrl_backends.training.expert_parallel import checkpoint_view
+
+    def fused(name: str) -> bool:
+        return name.endswith("experts.gate_up_proj")
+
+    out = dict(state)
+    out["model"] = {k: checkpoint_view(v) if fused(k) else v for k, v in state["model"].items()}
+    if isinstance(state.get("optim"), Mapping) and isinstance(state["optim"].get("state"), Mapping):
+        optim_state = {k: ({n: checkpoint_view(t) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+                            for n, t in v.items()} if fused(k) and isinstance(v, Mapping) else v)
+                       for k, v in state["optim"]["state"].items()}
+        out["optim"] = {**state["optim"], "state": optim_state}
+    return out
+
+
+def _fused_views_stored(checkpoint_id: str) -> bool:
+    """False for a checkpoint written before fused ``gate_up_proj`` was stored as its (E, 2, I, H) view
+    (3-D entries): it loads as it was saved (on layouts without the tensor-parallel split)."""
+    meta = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    sizes = [m.size for k, m in meta.items() if k.endswith("experts.gate_up_proj") and hasattr(m, "size")]
+    return not sizes or len(sizes[0]) == 4
+
+
 def _publish(tmp: str, path: str) -> None:
     """Rank 0: replace ``path`` by ``tmp`` (old copy moved aside, then removed)."""
     with open(os.path.join(tmp, _MARKER), "w") as fh:
@@ -118,7 +149,7 @@ def save_training_state(
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist_utils.barrier()
-    state = tree.state_dict() if tree is not None else _model_optim_state(model, optimizer)
+    state = tree.state_dict() if tree is not None else _stored_layout(_model_optim_state(model, optimizer))
     dcp.save(state, checkpoint_id=os.path.join(tmp, "model_optim"))
     local = {"rng": rng_state(), "scheduler": scheduler.state_dict() if scheduler is not None else None}
     torch.save(local, os.path.join(tmp, f"rank_{rank}.pt"))
@@ -139,7 +170,9 @@ def load_training_state(path: str, *, model, optimizer=None, scheduler=None, tre
     if not is_complete(path):
         raise FileNotFoundError(f"checkpoint path={path!r} is missing or incomplete (no {_MARKER} marker)")
     state = tree.state_dict() if tree is not None else _model_optim_state(model, optimizer)
-    dcp.load(state, checkpoint_id=os.path.join(path, "model_optim"))
+    checkpoint_id = os.path.join(path, "model_optim")
+    dcp.load(state if tree is not None or not _fused_views_stored(checkpoint_id) else _stored_layout(state),
+             checkpoint_id=checkpoint_id)
     if tree is not None:
         tree.load_state_dict(state)
     else:

@@ -22,7 +22,7 @@ each rank runs its chunk of the sequence and the per-token results are gathered 
 values are whole on every rank. ``from_config`` gives the mesh to the policy (actor, reference);
 a critic trains data-parallel over all ranks there (built directly, it takes cp and ep). Refused
 at build, with the numbers (:func:`~lumenrl_backends.training.parallelize.check_mesh`): sizes the
-world or the model cannot meet, LoRA with tp/cp/ep > 1, FP8 linears or a critic with tp > 1, R3
+world or the model cannot meet, LoRA, FP8 linears or a critic with tp > 1, R3
 replay with cp > 1; at call time, a batch a controller split over other than the dp ranks.
 
 Loss scaling: ``loss_fn`` returns a loss already normalized so that the sum over micro-batches

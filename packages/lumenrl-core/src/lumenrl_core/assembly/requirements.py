@@ -142,6 +142,8 @@ def _parallel_violations(cfg: RunConfig) -> list[Violation]:
     sizes = {"num_attention_heads": model.get("num_attention_heads"),
              "num_key_value_heads": model.get("num_key_value_heads") or model.get("num_attention_heads")}
     for key, degree in (("policy.parallel.tp", par.tp), ("policy.parallel.cp", par.cp)):
+        if key.endswith("tp"):  # TP also splits the experts' intermediate dim (MoE families)
+            sizes = {**sizes, "moe_intermediate_size": model.get("moe_intermediate_size")}
         bad = [f"{k}={v}" for k, v in sizes.items() if degree > 1 and isinstance(v, int) and v % degree]
         if bad:
             out.append(Violation(key, degree, f"does not divide {', '.join(bad)} of {cfg.policy.model_name}"))
@@ -194,6 +196,10 @@ def _lora_violations(cfg: RunConfig) -> list[Violation]:
         out.append(Violation("policy.lora.rank", rank,
                              "LoRA adapters on FP8 training linears are not supported; use "
                              "quantization.training.precision=bf16 with LoRA, or policy.lora.rank=0"))
+    if cfg.policy.parallel.tp > 1 and cfg.policy.lora.dropout > 0:
+        out.append(Violation("policy.lora.dropout", cfg.policy.lora.dropout,
+                             f"draws a different mask on each rank of a tensor-parallel group (policy.parallel.tp="
+                             f"{cfg.policy.parallel.tp}) for a replicated adapter input; use 0.0 with tp > 1"))
     if importlib.util.find_spec("peft") is None:
         out.append(Violation("policy.lora.rank", rank,
                              "LoRA needs peft, which is not installed (pip install 'lumenrl-backends[lora]')"))
