@@ -25,6 +25,8 @@ to no mode (on the CPU there are none: no warm-up).
 
     python -m benchmarks.async_rl.long_tail            # CPU, the smoke shapes
     python -m benchmarks.async_rl.long_tail --gpu      # one GPU: rollouter and trainer share it
+    python -m benchmarks.async_rl.long_tail --gpu --async-override weight_sync.method=cuda_ipc
+        # the same, the async rollouter in its own process (no GIL shared with the trainer)
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
 
 
 def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = None,
-          shape_override: dict[str, int] | None = None) -> dict:
+          shape_override: dict[str, int] | None = None, async_overrides: tuple[str, ...] = ()) -> dict:
     """``fn(smoke) -> dict``: samples/s and time to N steps per mode, and each speed-up vs sync."""
     if gpu and not smoke:  # one H200 within ~240 s (module docstring)
         shape = {"steps": 4, "prompts": 8, "n": 8, "median": 32}
@@ -112,13 +114,16 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     if modes[0] != "sync":
         modes = ("sync", *[m for m in modes if m != "sync"])
     results: dict[str, Any] = {"shape": " ".join(f"{k}={v}" for k, v in shape.items())}
+    if async_overrides:
+        results["async_overrides"] = " ".join(async_overrides)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("LUMENRL_CACHE", str(Path(tmp) / "cache"))
         if gpu and not smoke:  # process-wide compiles (Triton, CUDA context) charged to no mode
             run_mode("sync", out=Path(tmp) / "warmup", extra=extra, **{**shape, "steps": 1})
         for mode in modes:
-            got = run_mode(mode, out=Path(tmp) / mode, extra=extra, **shape)
+            more = async_overrides if mode != "sync" else ()  # e.g. weight_sync.method=cuda_ipc: a rollouter process
+            got = run_mode(mode, out=Path(tmp) / mode, extra=(*extra, *more), **shape)
             results[f"{mode}/samples_per_s"] = round(got["samples_per_s"], 3)
             results[f"{mode}/time_to_n_steps_s"] = round(got["wall_s"], 3)
             results[f"{mode}/build_s"] = round(got["build_s"], 3)
@@ -144,10 +149,12 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--modes", default="", help="comma-separated subset of: " + ", ".join(MODES))
     parser.add_argument("--shape", default="", help="override the shape, e.g. steps=8,prompts=16,n=8,median=64")
+    parser.add_argument("--async-override", action="append", default=[],
+                        help="a config override for the async modes only, e.g. weight_sync.method=cuda_ipc")
     args = parser.parse_args()
     shape = {k: int(v) for k, v in (item.split("=") for item in args.shape.split(",") if item)}
     results = bench(args.smoke, gpu=args.gpu, modes=tuple(args.modes.split(",")) if args.modes else None,
-                    shape_override=shape)
+                    shape_override=shape, async_overrides=tuple(args.async_override))
     print(f"{'mode':<10}{'samples/s':>12}{'time to N (s)':>15}{'speed-up':>10}{'resp len':>10}{'stale drop':>11}"
           f"{'partial':>9}  reward curve")
     for mode in MODES:
