@@ -146,7 +146,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(name="rollout_dp", target="benchmarks.scale.rollout_dp:run", suites=("scale",),
           numbers=("tok_s_1proc", "tok_s_2proc", "speedup_2proc", "speedup_2proc_same_batch"), device="cpu"),
     Entry(name="grpo_scaling", target="benchmarks.scale.grpo_scaling:run", suites=("scale",),
-          numbers=("step_s_1", "efficiency_2"),
+          numbers=("step_s_1", "samples_s_1"),
           goal="GRPO step (rollout + training) scaling efficiency at 8 GPUs (1.7B shape)",
           metric="efficiency_8", bound=">= 0.85"),
     # model parallelism: FSDP2 x TP+SP mesh (needs >= 2 GPUs: not in the 1-GPU "gpu" suite)
