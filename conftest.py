@@ -45,6 +45,22 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[_OWNED] = path
 
 
+# Test files that each keep one worker busy for a minute or more on 2 cores, longest first. pytest-xdist's
+# ``--dist loadfile`` hands files out in collection order; these go first, so the run ends on short files
+# (longest-first scheduling) rather than one worker finishing a long file while the other idles.
+_LONG_FILES = (
+    "test_benchmarks_smoke.py", "test_backends_sddd.py", "test_backends_megatron_dist.py",
+    "test_backends_fsdp2_mesh_dist.py", "test_backends_ray_trainer.py", "test_integration_quant_standalone.py",
+    "test_backends_parallel_dist.py", "test_backends_engine_kernels.py", "test_quant_training_lm.py",
+    "test_integration_rl_learning.py", "test_quant_triton_interpret.py", "test_integration_rl_ranks.py",
+)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: every other file keeps its order
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
