@@ -9,8 +9,8 @@ throughput(W) / (W * throughput(1)); the goal is >= 0.85 at W=8 (rollout + train
 
 GPU (one command, prints a table):
     python -c "from benchmarks.scale.grpo_scaling import main; main()"
-``smoke`` (CPU): the same path with the built-in tiny model, W=1 (one Ray rank), 1 timed step; two ranks
-on Ray are covered by the Ray trainer tests (``test_backends_ray_trainer.py``).
+``smoke`` (CPU): the harness with the built-in tiny model, W=1 on the local controller, 1 timed step; the
+Ray controller's ranks are covered by the Ray trainer tests (``test_backends_ray_trainer.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def _step_times(world: int, *, model: str, prompts: int, new_tokens: int, steps:
             "checkpointing.export_hf=false", "algorithm.use_kl_loss=false", "policy.rollout.n=8",
             f"dataset.train_batch_size={prompts * world}", f"policy.rollout.max_new_tokens={new_tokens}",
             "policy.rollout.ignore_eos=true", f"policy.rollout.max_batch_size={prompts * 8}",
-            f"num_training_steps={steps + 1}", "controller.name=ray", f"controller.ray.num_workers={world}",
-            f"controller.ray.num_gpus_per_worker={1 if gpu else 0}",
+            f"num_training_steps={steps + 1}",
+            *(("controller.name=ray", f"controller.ray.num_workers={world}", "controller.ray.num_gpus_per_worker=1")
+               if gpu else ("controller.name=local",)),
             "policy.dtype=bfloat16" if gpu else "policy.dtype=float32",
             "cluster.device=cuda" if gpu else "cluster.device=cpu", "trainer.cpu_threads=0" if gpu else "trainer.cpu_threads=1",
         ]
@@ -54,7 +55,7 @@ def run(smoke: bool) -> dict[str, Any]:
     gpu = torch.cuda.is_available() and not smoke
     worlds = [w for w in (1, 2, 4, 8) if w <= torch.cuda.device_count()] if gpu else [1]
     prompts, new_tokens, steps = (16, 256, 3) if gpu else (2, 8, 1)
-    started = not ray.is_initialized()
+    started = gpu and not ray.is_initialized()
     if started:
         # "local": a fresh instance even when another Ray runs on this machine
         ray.init(address="local", include_dashboard=False, **({} if gpu else {"num_cpus": 4}))

@@ -43,7 +43,7 @@ def corruption(draw) -> tuple[Path, list[str]]:
     return preset, overrides
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=corruption())
 def test_corrupted_presets_load_or_refuse_in_lines(case):
     preset, overrides = case

@@ -237,6 +237,9 @@ def test_original_keys_misused_are_refused_with_meaning():
     assert ray[0].key == "controller.ray.roles.actor.num_workers" and "must equal" in ray[0].problem
     atom = str(_problems(["policy.generation_backend=atom"])[0])
     assert "not installed" in atom and "native" in atom
+    for value in (".inf", "-.inf", ".nan"):  # found by the fuzz test: int(inf) raised OverflowError
+        (error,) = _problems([f"policy.max_total_sequence_length={value}"])
+        assert error.key == "policy.max_total_sequence_length" and "positive integer" in str(error)
 
 
 def test_misleading_hints_are_gone():

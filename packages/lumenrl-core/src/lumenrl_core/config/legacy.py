@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -47,7 +48,8 @@ def _rename(new: str, values: Mapping[Any, Any] | None = None) -> Handler:
 
 
 def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value < 1:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or int(value) != value or value < 1):  # inf / nan: refused, not an OverflowError from int()
         raise _Bad("not a positive integer", "int >= 1")
     return int(value)
 
