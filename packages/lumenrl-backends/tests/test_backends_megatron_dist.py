@@ -158,16 +158,24 @@ class _CpuTorch(types.ModuleType):
             config, adapter, sizes, torch.device("cuda"))  # the model checks stay, the CPU refusal goes
 
 
-def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str, sizes: tuple, device: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, layouts: list, device: str) -> None:
+    """Run each ``(name, model_path, sizes)`` layout in turn in one process group (a spawn, imports and gloo
+    set-up cost seconds per rank); Megatron's model-parallel groups are rebuilt for every layout."""
+    from megatron.core import parallel_state
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(rank)
-    elif sizes[1] > 1 or sizes[2] > 1:
-        _CpuTorch.install()
-    result = run(build(model_path, *sizes, device=device), model_path, os.path.join(out_dir, "ckpt"))
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    for name, model_path, sizes in layouts:
+        if device != "cuda" and (sizes[1] > 1 or sizes[2] > 1):
+            _CpuTorch.install()  # tp-only layouts come first: they run unredirected, as in production
+        out = os.path.join(out_dir, name)
+        result = run(build(model_path, *sizes, device=device), model_path, os.path.join(out, "ckpt"))
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        torch.distributed.barrier()
+        parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 
 
@@ -177,11 +185,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(request, monkeypatch, tmp_path, model_path: str, sizes: tuple, device: str = "cpu") -> list[dict]:
+def _spawn(request, monkeypatch, out_dir, layouts: list, device: str = "cpu") -> dict[str, list[dict]]:
+    """Two ranks run ``layouts`` (``(name, model_path, sizes)``); the name -> both ranks' results."""
     # Spawned ranks unpickle _worker by this module's importlib-mode name: the repo root must be on sys.path
     monkeypatch.syspath_prepend(str(request.config.rootpath))
-    mp.spawn(_worker, args=(2, _free_port(), model_path, str(tmp_path), sizes, device), nprocs=2, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for name, _, _ in layouts:
+        os.makedirs(os.path.join(out_dir, name), exist_ok=True)
+    mp.spawn(_worker, args=(2, _free_port(), str(out_dir), layouts, device), nprocs=2, join=True)
+    return {name: [torch.load(os.path.join(out_dir, name, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+            for name, _, _ in layouts}
 
 
 @pytest.fixture(scope="module")
@@ -240,13 +252,22 @@ GPU_LAYOUTS = {**LAYOUTS, "dp2": ("dense", (1, 1, 1)),
                "pp2_tied": ("tied", (1, 2, 1))}  # Megatron moves the tied copy with .cuda() at build
 
 
+@pytest.fixture(scope="module")
+def two_gloo_ranks(paths, tmp_path_factory, request):
+    """Every CPU layout on one pair of spawned gloo ranks (tp-only layouts first, see ``_worker``)."""
+    out = tmp_path_factory.mktemp("two")
+    order = sorted(LAYOUTS, key=lambda name: (max(LAYOUTS[name][1][1:]) > 1, name))  # pp/ep > 1: redirected
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return out, _spawn(request, monkeypatch, out, [(name, paths[LAYOUTS[name][0]], LAYOUTS[name][1])
+                                                       for name in order])
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_two_gloo_ranks_match_one_rank(layout, paths, one_rank, tmp_path, request, monkeypatch):
-    kind, sizes = LAYOUTS[layout]
-    path = paths[kind]
-    two = _spawn(request, monkeypatch, tmp_path, path, sizes)
-    _assert_matches(two, one_rank(path))
-    _assert_reloads_on_one_rank(two, path, str(tmp_path / "ckpt"))
+def test_two_gloo_ranks_match_one_rank(layout, paths, one_rank, two_gloo_ranks):
+    path = paths[LAYOUTS[layout][0]]
+    out, results = two_gloo_ranks
+    _assert_matches(results[layout], one_rank(path))
+    _assert_reloads_on_one_rank(results[layout], path, str(out / layout / "ckpt"))
 
 
 @pytest.mark.gpu
@@ -257,7 +278,7 @@ def test_two_gpus_match_one_gpu(layout, paths, tmp_path, request, monkeypatch):
     1-GPU bf16 test's (rounding differs between layouts, the math does not)."""
     kind, sizes = GPU_LAYOUTS[layout]
     path = paths[kind]
-    two = _spawn(request, monkeypatch, tmp_path, path, sizes, device="cuda")
+    two = _spawn(request, monkeypatch, tmp_path, [(layout, path, sizes)], device="cuda")[layout]
     one = run(build(path, device="cuda"), path, str(tmp_path / "one"))
     for result in two:
         assert result["exact"]
