@@ -6,6 +6,8 @@ the first time a (family, seed, overrides) triple is asked for and returns the s
 (seconds each on 2 cores); tests read these directories, never write into them. The named fixtures are
 the checkpoints several files share.
 
+``triton_interpreted({name: code, ...})`` runs test scripts under Triton's CPU interpreter (see its docstring).
+
 ``tiny_qwen3_lm(seed=0, narrow=False, **overrides)`` makes a fresh float32 Qwen3 from
 ``AutoConfig.for_model`` (``TINY_QWEN3``, or ``NARROW_QWEN3`` over it), initialised after
 ``torch.manual_seed(seed)`` (the global generator, as the backend tests always did);
@@ -15,7 +17,11 @@ Imports only what lumenrl-backends declares (its iso env runs these tests).
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,6 +91,60 @@ def qwen3_128_dir(tiny_model_dir) -> Path:
     """128-wide layers so FP8 128x128 weight blocks are exercised whole."""
     return tiny_model_dir("qwen3", initializer_range=0.1, hidden_size=128, intermediate_size=256, head_dim=32)
 
+
+# The scripts of one ``triton_interpreted`` call, each as ``__main__`` with fresh globals and the generator
+# state of a fresh process; what each prints, or its traceback, comes back in one JSON line after ``_MARK``.
+_MARK = "@@lumenrl-interpreted@@"
+_RUNNER = f"""
+import contextlib, io, json, sys, traceback
+import torch
+seed = torch.initial_seed()
+results = {{}}
+for name, code in json.loads(sys.stdin.read()).items():
+    torch.manual_seed(seed)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "<" + name + ">", "exec"), {{"__name__": "__main__"}})
+        results[name] = {{"stdout": out.getvalue()}}
+    except BaseException:
+        results[name] = {{"stdout": out.getvalue(), "error": traceback.format_exc()}}
+print({_MARK!r} + json.dumps(results))
+"""
+
+
+class InterpretedRuns(dict):
+    """name -> what the script printed; reading a script that raised fails with its traceback."""
+
+    def __getitem__(self, name: str) -> str:
+        run = super().__getitem__(name)
+        assert "error" not in run, f"interpreted script {name!r} failed:\n{run['error'][-3000:]}"
+        return run["stdout"]
+
+    def json_rows(self, name: str, key: str = "case") -> dict[str, dict]:
+        """The JSON object lines script ``name`` printed, by their ``key`` field."""
+        rows = [json.loads(line) for line in self[name].splitlines() if line.startswith("{")]
+        return {row.pop(key): row for row in rows}
+
+
+@pytest.fixture(scope="session")
+def triton_interpreted():
+    """``run({name: code, ...}) -> InterpretedRuns``: the scripts in ONE fresh process with Triton's CPU
+    interpreter on (``TRITON_INTERPRET`` is read when triton is imported, hence a process) and this
+    directory importable, so a test file pays the process start and imports once, not once per script."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton (runs in its interpreter on CPU)")
+
+    def run(scripts: dict[str, str], timeout: int = 600) -> InterpretedRuns:
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+            [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run([sys.executable, "-c", _RUNNER], input=json.dumps(scripts), env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, done.stderr[-3000:]
+        line = next(line for line in done.stdout.splitlines() if line.startswith(_MARK))
+        return InterpretedRuns(json.loads(line[len(_MARK):]))
+
+    return run
 
 
 # read when ray is imported: a local test cluster needs no auth token set-up and sends no usage stats

@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -144,19 +142,22 @@ print(float((out.reshape(3, 1, 8, 64).double() - ref).norm() / ref.norm()))
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
 @pytest.mark.parametrize("splits", [1, 3])
-def test_triton_split_kv_kernel_matches_float64_reference(splits):
-    # TRITON_INTERPRET is read when triton is imported: run the kernel in a fresh interpreter process
-    done = _interpreted(_INTERPRETED_CHECK.format(splits=splits))
+def test_triton_split_kv_kernel_matches_float64_reference(interpreted, splits):
+    # TRITON_INTERPRET is read when triton is imported: the kernel ran in a fresh interpreter process
+    done = interpreted[f"split_kv_{splits}"]
     assert float(done.strip().splitlines()[-1]) < 1e-5
 
 
-def _interpreted(code: str) -> str:
-    """Run ``code`` in a fresh process with Triton's CPU interpreter on; returns its stdout."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+@pytest.fixture(scope="module")
+def interpreted(triton_interpreted):
+    """Every interpreted script of this file, in one Triton-interpreter process: name -> what it printed."""
+    return triton_interpreted({
+        **{f"split_kv_{n}": _INTERPRETED_CHECK.format(splits=n) for n in (1, 3)},
+        "bounded": _INTERPRETED_BOUNDED, "big_rows": _INTERPRETED_BIG_ROWS,
+        **{f"sampler_{g}": _INTERPRETED_SAMPLER.format(greedy_only=g) for g in (False, True)},
+        "fp8": _INTERPRETED_FP8, "v_columns": _INTERPRETED_V_COLUMNS, "v_tiles": _INTERPRETED_V_TILES,
+        "fp8_out": _INTERPRETED_FP8_OUT,
+    })
 
 
 _INTERPRETED_BOUNDED = """
@@ -181,8 +182,8 @@ for splits, config in ((1, None), (3, None), (None, tuned), (None, {"chunk": 256
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
-def test_triton_kernel_stops_at_each_rows_last_column():
-    errors = [float(x) for x in _interpreted(_INTERPRETED_BOUNDED).strip().splitlines()[-4:]]
+def test_triton_kernel_stops_at_each_rows_last_column(interpreted):
+    errors = [float(x) for x in interpreted["bounded"].strip().splitlines()[-4:]]
     assert len(errors) == 4 and max(errors) < 1e-5
 
 
@@ -219,8 +220,8 @@ print(float((out.reshape(3, 1, 8, 64).double() - ref).norm() / ref.norm()))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
-def test_triton_kernel_addresses_cache_rows_past_int32_range():
-    assert float(_interpreted(_INTERPRETED_BIG_ROWS).strip().splitlines()[-1]) < 1e-5
+def test_triton_kernel_addresses_cache_rows_past_int32_range(interpreted):
+    assert float(interpreted["big_rows"].strip().splitlines()[-1]) < 1e-5
 
 
 def test_write_columns_come_from_the_decode_view_only():
@@ -262,8 +263,8 @@ print(float((log_probs - ref_log_probs).abs().max()))
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
 @pytest.mark.parametrize("greedy_only", [False, True])
-def test_triton_fused_sampler_matches_torch_sampler(greedy_only):
-    done = _interpreted(_INTERPRETED_SAMPLER.format(greedy_only=greedy_only))
+def test_triton_fused_sampler_matches_torch_sampler(interpreted, greedy_only):
+    done = interpreted[f"sampler_{greedy_only}"]
     assert float(done.strip().splitlines()[-1]) < 1e-5
 
 
@@ -294,8 +295,8 @@ print(float((out.reshape(3, 1, 8, 64).double() - ref).norm() / ref.norm()))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
-def test_triton_kernel_reads_fp8_cache_with_scales():
-    lines = _interpreted(_INTERPRETED_FP8).strip().splitlines()[-4:]
+def test_triton_kernel_reads_fp8_cache_with_scales(interpreted):
+    lines = interpreted["fp8"].strip().splitlines()[-4:]
     bf16_query, fp8_qk, fp8_both, fp32_query = (float(x) for x in lines)
     assert fp32_query < 1e-5
     assert bf16_query < 4e-3  # bf16 output rounding (2**-9 relative) dominates
@@ -324,8 +325,8 @@ print(float((out.reshape(3, 1, 8, 64).double() - reference_attention(q, k, v, al
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
-def test_triton_kernel_reads_v_stored_by_columns():
-    errors = [float(x) for x in _interpreted(_INTERPRETED_V_COLUMNS).strip().splitlines()[-3:]]
+def test_triton_kernel_reads_v_stored_by_columns(interpreted):
+    errors = [float(x) for x in interpreted["v_columns"].strip().splitlines()[-3:]]
     assert errors[0] < 4e-3 and errors[1] < 4e-3  # fp16 output rounding, as the row layout
     assert errors[2] < 1e-4
 
@@ -353,10 +354,10 @@ except ValueError as err:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
-def test_triton_kernel_reads_v_tiles_as_rows():
+def test_triton_kernel_reads_v_tiles_as_rows(interpreted):
     """V in (D, 64) tiles (the slot cache's FP8 layout) gives the rows layout's output bit for bit, with the
     mask loaded ahead or not, one split or several; a block wider than a tile is refused by name."""
-    lines = _interpreted(_INTERPRETED_V_TILES).strip().splitlines()
+    lines = interpreted["v_tiles"].strip().splitlines()
     errors = [float(x) for x in lines[-5:-1]]
     assert all(e < 4e-3 for e in errors), errors  # fp16 output rounding, as the row layout
     assert lines[-1].startswith("refused:") and "block_n=128" in lines[-1] and "T=64" in lines[-1]
@@ -389,8 +390,8 @@ except ValueError as err:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
-def test_triton_kernel_writes_fp8_codes_in_v_units():
-    errors = [float(x) for x in _interpreted(_INTERPRETED_FP8_OUT).strip().splitlines()[-2:]]
+def test_triton_kernel_writes_fp8_codes_in_v_units(interpreted):
+    errors = [float(x) for x in interpreted["fp8_out"].strip().splitlines()[-2:]]
     assert max(errors) < 0.1, errors  # E4M3 rounding of the output (the interpreter's cast is coarser than CUDA's)
 
 

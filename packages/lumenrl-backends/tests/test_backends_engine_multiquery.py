@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -359,15 +356,8 @@ print(json.dumps({"case": "attention_fp8", "error": float((out.double() - ref).n
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> dict[str, dict]:
-    if not HAS_TRITON:
-        pytest.skip("needs triton (runs in its interpreter on CPU)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return {row.pop("case"): row for row in rows}
+def interpreted(triton_interpreted) -> dict[str, dict]:
+    return triton_interpreted({"multiquery": _INTERPRETED}).json_rows("multiquery")
 
 
 @pytest.mark.parametrize("name", ["rope_qwen3", "rope_llama", "rope_fp8"])

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -499,15 +496,8 @@ if HAS_TRITON:
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> dict[str, dict]:
-    if not HAS_TRITON:
-        pytest.skip("needs triton (runs in its interpreter on CPU)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return {row.pop("case"): row for row in rows}
+def interpreted(triton_interpreted) -> dict[str, dict]:
+    return triton_interpreted({"rope": _INTERPRETED}).json_rows("rope")
 
 
 @pytest.mark.parametrize("name", ["8b_shape_fp8", "groups3_no_norm", "fp16_d256", "fp32_d16_fp8"])

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -62,14 +59,15 @@ _EXPECTED_TIES = [700, 3000, 1023, 10, 2048]
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> dict[str, dict]:
-    if not HAS_TRITON:
-        pytest.skip("needs triton (runs in its interpreter on CPU)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _CASES], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return {row["name"]: row for row in rows}
+def interpreted_runs(triton_interpreted):
+    """This file's interpreted scripts, in one Triton-interpreter process."""
+    return triton_interpreted({"cases": _CASES, "big_stride": _BIG_STRIDE})
+
+
+@pytest.fixture(scope="module")
+def interpreted(interpreted_runs) -> dict[str, dict]:
+    rows = interpreted_runs.json_rows("cases", key="name")
+    return {name: {"name": name, **row} for name, row in rows.items()}
 
 
 @pytest.mark.parametrize(
@@ -116,12 +114,9 @@ for impl in ("chunked", "rowwise"):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (runs in its interpreter on CPU)")
-def test_row_offsets_past_int32_range():
+def test_row_offsets_past_int32_range(interpreted_runs):
     """A (B, V) view whose row stride puts a row past element 2**31 (int64 offsets in the kernels)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _BIG_STRIDE], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in interpreted_runs["big_stride"].splitlines() if line.startswith("{")]
     assert [r["impl"] for r in rows] == ["chunked", "rowwise"]
     assert all(r["same"] and r["err"] < 1e-5 for r in rows), rows
 
