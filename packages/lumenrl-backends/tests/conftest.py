@@ -6,6 +6,8 @@ the first time a (family, seed, overrides) triple is asked for and returns the s
 (seconds each on 2 cores); tests read these directories, never write into them. The named fixtures are
 the checkpoints several files share.
 
+``spawn_ranks(fn, args, nprocs)`` is ``torch.multiprocessing.spawn`` for the gloo-rank tests, through a
+forkserver that imports torch, transformers and the backends once (see its docstring).
 ``triton_interpreted({name: code, ...})`` runs test scripts under Triton's CPU interpreter (see its docstring).
 
 ``tiny_qwen3_lm(seed=0, narrow=False, **overrides)`` makes a fresh float32 Qwen3 from
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -90,6 +93,37 @@ def llama_dir(tiny_model_dir) -> Path:
 def qwen3_128_dir(tiny_model_dir) -> Path:
     """128-wide layers so FP8 128x128 weight blocks are exercised whole."""
     return tiny_model_dir("qwen3", initializer_range=0.1, hidden_size=128, intermediate_size=256, head_dim=32)
+
+
+# What a spawned gloo rank of these tests imports before its first line runs (seconds of CPU per rank when
+# each rank imports them afresh); a module that is not installed is skipped by the forkserver.
+_RANK_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",
+                 "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
+                 "lumenrl_core.data_proto", "lumenrl_backends.models", "lumenrl_backends.training.fsdp2",
+                 "megatron.core", "lumenrl_backends.training.megatron"]
+
+
+@pytest.fixture(scope="session")
+def spawn_ranks(request):
+    """``spawn_ranks(fn, args, nprocs)``: ``torch.multiprocessing.spawn(fn, args, nprocs, join=True)`` with the
+    ``forkserver`` start method. The forkserver (one per test process, started at the first call) imports
+    ``_RANK_PRELOAD`` once and forks every rank from that state, so a rank pays no import of torch,
+    transformers or the backends (spawn: each rank imports them afresh). Like spawn, each rank gets the
+    caller's ``sys.path`` (``fn`` is unpickled by its module's importlib-mode name, hence the repository
+    root on it) and starts from a single-threaded process; unlike spawn, its environment is the
+    forkserver's (the session's), not the caller's at the time of the call: pass settings as arguments.
+    ``start_method="spawn"``: plain spawn (the CUDA tests keep it)."""
+    import torch.multiprocessing as mp
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_RANK_PRELOAD)
+    root = str(request.config.rootpath)
+
+    def spawn(fn, args: tuple, nprocs: int, start_method: str = "forkserver") -> None:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.syspath_prepend(root)
+            mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=start_method)
+
+    return spawn
 
 
 # The scripts of one ``triton_interpreted`` call, each as ``__main__`` with fresh globals and the generator

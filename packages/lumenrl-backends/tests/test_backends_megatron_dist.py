@@ -29,7 +29,6 @@ import types
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.plugin_manifest import megatron_missing_api as missing_api
@@ -185,13 +184,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(request, monkeypatch, out_dir, layouts: list, device: str = "cpu") -> dict[str, list[dict]]:
+def _spawn(spawn_ranks, out_dir, layouts: list, device: str = "cpu") -> dict[str, list[dict]]:
     """Two ranks run ``layouts`` (``(name, model_path, sizes)``); the name -> both ranks' results."""
-    # Spawned ranks unpickle _worker by this module's importlib-mode name: the repo root must be on sys.path
-    monkeypatch.syspath_prepend(str(request.config.rootpath))
     for name, _, _ in layouts:
         os.makedirs(os.path.join(out_dir, name), exist_ok=True)
-    mp.spawn(_worker, args=(2, _free_port(), str(out_dir), layouts, device), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, _free_port(), str(out_dir), layouts, device), 2,
+                start_method="spawn" if device == "cuda" else "forkserver")
     return {name: [torch.load(os.path.join(out_dir, name, f"rank{r}.pt"), weights_only=False) for r in range(2)]
             for name, _, _ in layouts}
 
@@ -253,13 +251,11 @@ GPU_LAYOUTS = {**LAYOUTS, "dp2": ("dense", (1, 1, 1)),
 
 
 @pytest.fixture(scope="module")
-def two_gloo_ranks(paths, tmp_path_factory, request):
+def two_gloo_ranks(paths, tmp_path_factory, spawn_ranks):
     """Every CPU layout on one pair of spawned gloo ranks (tp-only layouts first, see ``_worker``)."""
     out = tmp_path_factory.mktemp("two")
     order = sorted(LAYOUTS, key=lambda name: (max(LAYOUTS[name][1][1:]) > 1, name))  # pp/ep > 1: redirected
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        return out, _spawn(request, monkeypatch, out, [(name, paths[LAYOUTS[name][0]], LAYOUTS[name][1])
-                                                       for name in order])
+    return out, _spawn(spawn_ranks, out, [(name, paths[LAYOUTS[name][0]], LAYOUTS[name][1]) for name in order])
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -273,12 +269,12 @@ def test_two_gloo_ranks_match_one_rank(layout, paths, one_rank, two_gloo_ranks):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.parametrize("layout", sorted(GPU_LAYOUTS))
-def test_two_gpus_match_one_gpu(layout, paths, tmp_path, request, monkeypatch):
+def test_two_gpus_match_one_gpu(layout, paths, tmp_path, spawn_ranks):
     """nccl, no redirection; bf16 autocast (``mixed_precision`` auto on CUDA), so the bounds are the
     1-GPU bf16 test's (rounding differs between layouts, the math does not)."""
     kind, sizes = GPU_LAYOUTS[layout]
     path = paths[kind]
-    two = _spawn(request, monkeypatch, tmp_path, [(layout, path, sizes)], device="cuda")[layout]
+    two = _spawn(spawn_ranks, tmp_path, [(layout, path, sizes)], device="cuda")[layout]
     one = run(build(path, device="cuda"), path, str(tmp_path / "one"))
     for result in two:
         assert result["exact"]
