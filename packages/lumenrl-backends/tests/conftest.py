@@ -99,8 +99,7 @@ def qwen3_128_dir(tiny_model_dir) -> Path:
 # each rank imports them afresh); a module that is not installed is skipped by the forkserver.
 _RANK_PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",
                  "transformers", "transformers.modeling_utils", "transformers.models.auto.modeling_auto",
-                 "lumenrl_core.data_proto", "lumenrl_backends.models", "lumenrl_backends.training.fsdp2",
-                 "megatron.core", "lumenrl_backends.training.megatron"]
+                 "lumenrl_core.data_proto", "lumenrl_backends.models", "lumenrl_backends.training.fsdp2"]
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
@@ -111,11 +110,8 @@ def model_path(tiny_qwen3_path) -> str:
     return tiny_qwen3_path(narrow=True, vocab_size=V)
 
 
-def test_two_gloo_ranks_match_one_rank(model_path, tmp_path, request, monkeypatch):
-    # Spawned ranks unpickle _worker by this module's importlib-mode name ("packages.<dist>.tests...."),
-    # which resolves only with the repo root on sys.path; spawn hands the parent's sys.path to children.
-    monkeypatch.syspath_prepend(str(request.config.rootpath))
-    mp.spawn(_worker, args=(2, _free_port(), model_path, str(tmp_path)), nprocs=2, join=True)
+def test_two_gloo_ranks_match_one_rank(model_path, tmp_path, spawn_ranks):
+    spawn_ranks(_worker, (2, _free_port(), model_path, str(tmp_path)), 2)
     two, two_r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
 
     single = build(model_path)

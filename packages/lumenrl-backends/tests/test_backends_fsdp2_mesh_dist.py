@@ -21,7 +21,6 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
@@ -127,9 +126,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check(request, monkeypatch, tmp_path, world: int, cases: list) -> None:
-    monkeypatch.syspath_prepend(str(request.config.rootpath))  # spawned ranks import this module by its name
-    mp.spawn(_worker, args=(world, _free_port(), cases, str(tmp_path)), nprocs=world, join=True)
+def _check(spawn_ranks, tmp_path, world: int, cases: list) -> None:
+    spawn_ranks(_worker, (world, _free_port(), cases, str(tmp_path)), world)
     valid = make_batch().batch["response_mask"].bool()
     for name, path, kwargs in cases:
         lora = kwargs.get("lora", False)
@@ -213,8 +211,8 @@ def paths(tiny_model_dir) -> dict[str, str]:
             "glm4_moe": str(tiny_model_dir("glm4_moe", attention_bias=True, **common))}
 
 
-def test_two_ranks_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeypatch):
-    _check(request, monkeypatch, tmp_path, 2, [
+def test_two_ranks_tp_cp_ep_match_one_rank(paths, tmp_path, spawn_ranks):
+    _check(spawn_ranks, tmp_path, 2, [
         ("tp2", paths["qwen3"], {"tp": 2}),
         ("cp2", paths["qwen3"], {"cp": 2}),
         ("cp2_critic", paths["qwen3"], {"cp": 2, "critic": True}),
@@ -227,8 +225,8 @@ def test_two_ranks_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeypatch
     ])
 
 
-def test_four_ranks_dp_tp_cp_ep_match_one_rank(paths, tmp_path, request, monkeypatch):
-    _check(request, monkeypatch, tmp_path, 4, [
+def test_four_ranks_dp_tp_cp_ep_match_one_rank(paths, tmp_path, spawn_ranks):
+    _check(spawn_ranks, tmp_path, 4, [
         ("dp2_tp2", paths["qwen3"], {"tp": 2}),
         ("tp2_cp2", paths["llama"], {"tp": 2, "cp": 2, "recompute": True}),  # with activation checkpointing
         ("dp2_cp2_ep2", paths["qwen3_moe"], {"cp": 2, "ep": 2}),

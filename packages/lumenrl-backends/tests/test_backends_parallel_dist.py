@@ -13,7 +13,6 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lumenrl_backends.models.tiny import tiny_config
@@ -160,24 +159,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(request, monkeypatch, world: int, cases: list) -> None:
-    monkeypatch.syspath_prepend(str(request.config.rootpath))
-    mp.spawn(_worker, args=(world, _free_port(), cases), nprocs=world, join=True)
+def _spawn(spawn_ranks, world: int, cases: list) -> None:
+    spawn_ranks(_worker, (world, _free_port(), cases), world)
 
 
-def test_two_ranks_tp_sp_cp_ep_match_one_rank(request, monkeypatch):
+def test_two_ranks_tp_sp_cp_ep_match_one_rank(spawn_ranks):
     # tp2 on MoE blocks (qwen3_moe, mixtral, glm4_moe, deepseek_v3): experts split over the intermediate dim (gate/up
     # rows matched), router replicated; glm4_moe/deepseek_v3 add shared experts (a dense MLP in the block) and a dense
     # first layer; deepseek_v3 MLA attention (replicated low-rank down projections, colwise up projections)
-    _spawn(request, monkeypatch, 2, [("qwen3", 2, {}), ("llama", 2, {}), ("qwen3", "cp", {}), ("llama", "cp", {}),
+    _spawn(spawn_ranks, 2, [("qwen3", 2, {}), ("llama", 2, {}), ("qwen3", "cp", {}), ("llama", "cp", {}),
                                       ("qwen3_moe", "ep", {}), ("deepseek_v3", "ep", {"kv": 4}), ("glm4_moe", "ep", {}),
                                       ("qwen3_moe", 2, {}), ("mixtral", 2, {}), ("glm4_moe", 2, {"use_qk_norm": True}),
                                       ("deepseek_v3", 2, {"kv": 4})])
 
 
-def test_four_ranks_fsdp_tp_and_ep_match_one_rank(request, monkeypatch):
+def test_four_ranks_fsdp_tp_and_ep_match_one_rank(spawn_ranks):
     # 2 (dp_shard) x 2 (tp) for qwen3; pure tp=4 for llama (4 KV heads); ep=4 for mixtral (1 expert per rank)
-    _spawn(request, monkeypatch, 4, [("qwen3", 2, {}), ("llama", 4, {"kv": 4}), ("mixtral", "ep", {})])
+    _spawn(spawn_ranks, 4, [("qwen3", 2, {}), ("llama", 4, {"kv": 4}), ("mixtral", "ep", {})])
 
 
 def test_tp_refusals_name_the_numbers():
