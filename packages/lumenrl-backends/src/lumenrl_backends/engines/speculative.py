@@ -330,8 +330,8 @@ def _emit(request: Any, tokens: list[int], log_probs: list[float], params: Sampl
         request.log_probs.append(log_prob)
         if token in stops:
             request.finish_reason = STOP
-        elif len(request.response) >= params.max_new_tokens:
-            request.finish_reason = LENGTH
+        elif len(request.response) >= min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens):
+            request.finish_reason = LENGTH  # the sampling's cap, or the row's own (input column max_new_tokens)
         if request.done:
             return
 
