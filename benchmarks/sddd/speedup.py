@@ -131,7 +131,8 @@ def kernel_summary(events, per: int, top: int = 8) -> dict:
 
 
 def _fixed_and_per_round(engine, data, params) -> str:
-    """Speculative wall per generate = fixed + rounds x per-round: solved from 96 and 8 new tokens (no profiler)."""
+    """Wall per generate = fixed + rounds x per-round (plain: a round is one decode step): solved from 96 and
+    8 new tokens (no profiler)."""
     times, rounds = [], []
     for new in (params["max_new_tokens"], 8):
         engine.generate(data, {**params, "max_new_tokens": new})
@@ -140,7 +141,7 @@ def _fixed_and_per_round(engine, data, params) -> str:
         out = engine.generate(data, {**params, "max_new_tokens": new})
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        rounds.append(out.meta_info["speculative"]["row_rounds"] / len(data))
+        rounds.append(out.meta_info["speculative"]["row_rounds"] / len(data) if "speculative" in out.meta_info else new)
     per_round = (times[0] - times[1]) / max(rounds[0] - rounds[1], 1e-9)
     return (f"{per_round * 1e3:.2f} ms per round, {(times[1] - rounds[1] * per_round) * 1e3:.2f} ms fixed per generate "
             f"({rounds[0]:.0f} and {rounds[1]:.0f} rounds)")
@@ -178,6 +179,7 @@ def profile(batch: int = 8, k: int = 5) -> None:
         torch.cuda.synchronize()
     plain = kernel_summary(prof.events(), params["max_new_tokens"])
     plain_ms = out.meta_info["perf"]["seconds"] * 1e3 / params["max_new_tokens"]
+    plain_fit = _fixed_and_per_round(engine, data, params)
     attach_draft(engine, draft, k)
     engine.generate(data, params)
     torch.cuda.synchronize()
@@ -191,7 +193,8 @@ def profile(batch: int = 8, k: int = 5) -> None:
     print(f"kernels per round: {spec['kernels']:.0f} ({spec['gpu_ms']:.2f} ms GPU); plain decode: "
           f"{plain['kernels']:.0f} kernels per step ({plain['gpu_ms']:.2f} ms GPU, {plain_ms:.2f} ms wall)")
     print("most launched per round:", spec["top"])
-    print("wall (no profiler), from two lengths:", _fixed_and_per_round(engine, data, params))
+    print("wall (no profiler), from two lengths: speculative", _fixed_and_per_round(engine, data, params),
+          "| plain", plain_fit)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
 
