@@ -97,3 +97,26 @@ def test_identical_series_drawn_once(tmp_path):
     assert drawn == ["eval/accuracy"] and len(ax.lines) == 2  # one curve + the legend-only entry
     assert sum(1 for line in ax.lines if len(line.get_xdata())) == 1
     plt.close(fig)
+
+
+def test_async_metrics_get_their_panels(tmp_path):
+    """An async run's metrics: idle ratios, staleness, queue depth and the ledger each in a panel of their own
+    scale (ratios in [0, 1] are not drawn against sample counts in the thousands)."""
+    records = _records(4, moe=False, collapse=False)
+    for step, record in enumerate(records, start=1):
+        record.update({"async/trainer_idle_ratio": 0.1, "async/rollouter_idle_ratio": 0.05,
+                       "async/staleness_mean": 0.5, "async/staleness_max": 1.0, "async/policy_version": float(step),
+                       "async/queue_depth": 16.0, "async/in_transit": 0.0, "async/partial_rollouts": 3.0,
+                       "async/produced": 64.0 * step + 16, "async/consumed": 64.0 * step, "async/dropped": 0.0,
+                       "async/dropped_stale": 0.0, "perf/samples_per_s": 100.0})
+    panels = dict(assign_panels(list(records[0])))
+    assert set(panels["async idle ratios (trainer, rollouter)"]) == {"async/trainer_idle_ratio",
+                                                                     "async/rollouter_idle_ratio"}
+    assert "async/staleness_max" in panels["async staleness (version lag of trained samples)"]
+    assert "async/queue_depth" in panels["async queue depth and partial rollouts"]
+    assert {"async/produced", "async/consumed", "async/dropped_stale"} <= set(
+        panels["async ledger (produced = consumed + dropped + queued)"])
+    assert "perf/samples_per_s" in panels["throughput (tokens/s, samples/s)"]
+    _write(tmp_path, records)
+    assert lumenrl_main(["report", str(tmp_path)]) == 0
+    assert sum(t.startswith("async") for t, _ in plan_panels(read_metrics(tmp_path))) == 4

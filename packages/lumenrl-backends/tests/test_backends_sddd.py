@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,6 +86,19 @@ def test_greedy_speculative_is_lossless(world, which):
     assert torch.equal(spec.batch["responses"], plain.batch["responses"])
     assert torch.allclose(spec.batch["rollout_log_probs"], plain.batch["rollout_log_probs"], atol=1e-4)
     assert list(spec.non_tensor_batch["finish_reason"]) == list(plain.non_tensor_batch["finish_reason"])
+
+
+def test_speculative_decoding_honours_per_row_max_new_tokens(world):
+    """The input column max_new_tokens (a dataset field) caps each row, as in plain decoding."""
+    engine = _engine(world, max_batch_size=8)
+    batch = prompt_batch(world["eval_prompts"][:4], world["tok"].pad_token_id)
+    batch["max_new_tokens"] = np.array([3, 9, 1, 14])
+    params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    plain = engine.generate(batch, params)
+    attach_draft(engine, world["eagle3"], K)
+    spec = engine.generate(batch, params)
+    assert spec.batch["response_mask"].sum(1).tolist() == [3, 9, 1, 14]
+    assert torch.equal(spec.batch["responses"], plain.batch["responses"])
 
 
 def test_trained_eagle3_reaches_tau_3_and_dflash_beats_untrained(world):

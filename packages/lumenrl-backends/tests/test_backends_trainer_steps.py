@@ -12,6 +12,7 @@ from lumenrl_backends.trainers.rollout import (
     collect_rollouts,
     concat_rounds,
     expand_groups,
+    generate,
     keep_first_groups,
     sampling_seed,
 )
@@ -230,3 +231,15 @@ def test_warm_start_applies_to_builtin_demo_models_only(tmp_path):
     plan = SimpleNamespace(config=cfg, training_backend_cls=_NeverBuilt)
     assert _policy_path(plan, logged.append) == str(tmp_path)
     assert "skipped" in logged[0]
+
+
+def test_a_per_prompt_max_new_tokens_column_is_refused_by_an_engine_that_does_not_read_it():
+    prompts = _prompts(2)
+    prompts["max_new_tokens"] = np.array([3, 5])
+    engine = _ScriptedEngine(width=4)  # no row_max_new_tokens capability
+    with pytest.raises(ValueError, match="max_new_tokens field .* not read by the _ScriptedEngine rollout engine"):
+        generate(engine, prompts, {"temperature": 1.0}, seed=0)
+    assert engine.calls == []  # refused before generating
+    engine.capabilities = {"row_max_new_tokens"}
+    out = generate(engine, prompts, {"temperature": 1.0}, seed=0)
+    assert out.non_tensor_batch["max_new_tokens"].tolist() == [3, 5]

@@ -227,3 +227,27 @@ def test_build_dataloader_from_config():
     assert set(batch.non_tensor_batch["extra"][0]) >= {"numbers", "target", "ground_truth"}
     test = build_dataloader(cfg, CharTokenizer(), max_prompt_length=64, seed=1, split="test", num_examples=10)
     assert sum(len(b) for b in test) == 10
+
+
+def test_rows_with_their_own_max_new_tokens_become_a_batch_column(tmp_path):
+    path = tmp_path / "caps.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1), "max_new_tokens": 3 + i}) + "\n"
+                            for i in range(6)))
+    loader = PromptDataLoader(load_records(path), CharTokenizer(), batch_size=3, max_prompt_length=16, shuffle=False)
+    batch = loader.next_batch()
+    assert batch.non_tensor_batch["max_new_tokens"].tolist() == [3, 4, 5]
+    plain = PromptDataLoader(ArithmeticTask(num_examples=8, seed=0).records(), CharTokenizer(), batch_size=2,
+                             max_prompt_length=16)
+    assert "max_new_tokens" not in plain.next_batch().non_tensor_batch  # no field, no column
+
+
+@pytest.mark.parametrize("rows,bad", [
+    ([{"max_new_tokens": 4}, {}], "row 1: max_new_tokens=None"),  # in some rows only
+    ([{"max_new_tokens": 4}, {"max_new_tokens": 0}], "row 1: max_new_tokens=0"),
+    ([{"max_new_tokens": "8"}, {"max_new_tokens": 4}], "row 0: max_new_tokens='8'"),
+])
+def test_max_new_tokens_field_is_checked(tmp_path, rows, bad):
+    path = tmp_path / "caps.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "1+1=", "answer": "2", **row}) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=bad.replace("+", r"\+")):
+        PromptDataLoader(load_records(path), CharTokenizer(), batch_size=1, max_prompt_length=16)

@@ -131,6 +131,7 @@ NATIVE = PluginSpec(f"{_ENGINES}.native:NativeEngine", {
     "logprobs", "interrupt_resume", "weight_update", "continuous_batching", "fp8_weights", "mx_weights",
     "fp8_kv_cache", "hidden_state_capture", "speculative_decoding",  # the last two: engines/speculative.py
     "route_recording",  # engines/routes.py (R3)
+    "row_max_new_tokens",  # an input column max_new_tokens caps a row's response (engines/requests.py)
 })
 HF = PluginSpec(f"{_ENGINES}.hf:HFEngine", {"logprobs", "interrupt_resume", "weight_update", "route_recording"})
 VLLM = PluginSpec(f"{_ENGINES}.adapters:VLLMEngine", {"logprobs", "weight_update"}, probe=_vllm_reason)

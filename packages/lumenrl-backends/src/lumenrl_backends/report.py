@@ -47,7 +47,10 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("seconds per phase", ("timing/*", "perf/step_s")),
     ("losses", ("actor/pg_loss", "critic/vf_loss", "actor/*loss*", "sft/loss")),
     ("MoE routing", ("moe/*",)),
-    ("async (staleness, queue)", ("async/*",)),
+    ("async idle ratios (trainer, rollouter)", ("async/*idle_ratio",)),
+    ("async staleness (version lag of trained samples)", ("async/staleness*", "async/policy_version")),
+    ("async queue depth and partial rollouts", ("async/queue_depth", "async/in_transit", "async/partial_rollouts")),
+    ("async ledger (produced = consumed + dropped + queued)", ("async/*",)),
     ("quantization", ("quant/*",)),
     ("SDDD", ("sddd/*",)),
 )

@@ -18,5 +18,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # submodule -> the public names it def
     "eagle3": ("Eagle3Config", "Eagle3Draft"),
     "dflash": ("DFlashConfig", "DFlashDraft"),
     "export": ("export_eagle3", "load_eagle3", "save_draft", "load_draft"),
+    "lossless": ("divergence_gaps",),
 }
 __all__, __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -30,7 +30,13 @@ lumenrl-sddd capture dict (chosen layers + logits), what the SDDD trainer's teac
 
 Rounds (:class:`_Rounds`): the draft commits a chunk's prompt context once (eagerly), then every round
 reads and writes static buffers only and is captured as one CUDA graph per (rows, kv_len, greedy) on
-CUDA (``cuda_graphs`` on), with one host sync per round to read the emitted tokens. Sampling
+CUDA (``cuda_graphs`` on), with one host sync per round to read the emitted tokens. A round's state
+advance happens on the device (the next round reads the accepted count from the buffers), so the host
+queues round r + 1 *before* it reads round r (run-ahead, as the plain engine's overlapped decode): the
+graph launch and the host's bookkeeping overlap the device's work. A row that finished in round r still
+takes part in the run-ahead round r + 1 (the host learns it finished only after queueing it); those
+tokens are discarded and the row is frozen from round r + 2 on. Run-ahead needs room for that extra
+round in the cache (``max_seq_len``); without it the round is queued after the read. Sampling
 noise is counter-based (``engines/sampling.py``'s hash of seed and position): reproducible per request,
 independent of the batch, and capturable.
 
@@ -195,6 +201,30 @@ class _Rounds:
             "valid": torch.zeros(rows, k + 1, dtype=torch.bool, device=device)}  # + "features" at the first chunk
         self.steps = torch.arange(k + 1, device=device)
         self.graphs = DecodeGraphs(self._graph_step, enabled=engine.graphs.enabled and engine.graphs.error is None)
+        pinned = device.type == "cuda"
+        # two host buffers (run-ahead: round r + 1 is queued before round r is read), (rows, 2k + 3) each
+        self._host = [torch.empty(rows * (2 * k + 3), dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if pinned else [None, None]
+        self._live_host = torch.ones(rows, dtype=torch.bool, pin_memory=pinned)
+        self._flip = 0
+
+    def launch(self, n: int, kv_len: int, greedy: bool) -> tuple[torch.Tensor, Any]:
+        """Queue one round over rows 0..n-1 and the copy of its result to a host buffer (no host sync);
+        returns (the (n, 2k + 3) host view, the event to wait for before reading it)."""
+        packed = self.graphs(n, kv_len, greedy)[:n]
+        buffer, event = self._host[self._flip], self._events[self._flip]
+        self._flip ^= 1
+        view = buffer[: packed.numel()].view(packed.shape)
+        view.copy_(packed, non_blocking=event is not None)
+        if event is not None:
+            event.record()
+        return view, event
+
+    def set_live(self, live: list[bool]) -> None:
+        """Which rows are still generating, for the rounds queued from now on (a copy in stream order)."""
+        n = len(live)
+        self._live_host[:n] = torch.tensor(live)
+        self.live[:n].copy_(self._live_host[:n], non_blocking=self.live.is_cuda)
 
     def draft_state(self, n: int) -> Any:
         return type(self.state)(*(getattr(self.state, f.name)[:n] for f in fields(self.state)))
@@ -300,8 +330,8 @@ def _emit(request: Any, tokens: list[int], log_probs: list[float], params: Sampl
         request.log_probs.append(log_prob)
         if token in stops:
             request.finish_reason = STOP
-        elif len(request.response) >= params.max_new_tokens:
-            request.finish_reason = LENGTH
+        elif len(request.response) >= min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens):
+            request.finish_reason = LENGTH  # the sampling's cap, or the row's own (input column max_new_tokens)
         if request.done:
             return
 
@@ -341,15 +371,24 @@ def _run_chunk(engine: Any, rounds: _Rounds, requests: list[Any], params: Sampli
                "columns": torch.arange(1, width + 1, device=device).expand(n, width),
                "positions": torch.cat([positions[:, 1:], positions[:, -1:] + 1], 1), "valid": mask.bool()}
     rounds.load_context(n, context)
-    columns = [width] * n  # host mirror of rounds.col
-    while not all(r.done for r in requests):
-        live = [not r.done for r in requests]
-        rounds.live[:n].copy_(torch.tensor(live))
-        # the draft's columns reach max(col) + 2k + 2 (its inputs end at the previous round's col + k + 1)
-        need = max(columns) + 2 * k + 3
-        kv_len = min(engine.max_seq_len, -(-need // engine.kv_block) * engine.kv_block)
-        packed = rounds.graphs(n, kv_len, greedy)
-        host = packed[:n].tolist()  # the round's one host sync
+    columns = [width] * n  # host mirror of rounds.col (a row advances by its accepted count + 1)
+    live = [not r.done for r in requests]
+    rounds.set_live(live)
+
+    def kv_len_for(longest: int) -> int:  # a round's draft columns reach col + 2k + 2
+        return min(engine.max_seq_len, -(-(longest + 2 * k + 3) // engine.kv_block) * engine.kv_block)
+
+    queued = rounds.launch(n, kv_len_for(max(columns)), greedy) if any(live) else None
+    while queued is not None:
+        # run-ahead: round r + 1 before reading round r, at the kv_len of the longest possible advance (k + 1);
+        # only with room for it: a row that finished in round r advances once more (its device column is then
+        # at most its host column + k + 1, and a frozen row's rounds write up to that + 2k + 2)
+        longest = max(columns) + k + 1
+        ahead = rounds.launch(n, kv_len_for(longest), greedy) if longest + 3 * k + 4 <= engine.max_seq_len else None
+        view, event = queued
+        if event is not None:
+            event.synchronize()
+        host = view.tolist()  # the round's one host sync
         for i, (r, row) in enumerate(zip(requests, host)):
             if not live[i]:
                 continue
@@ -358,6 +397,17 @@ def _run_chunk(engine: Any, rounds: _Rounds, requests: list[Any], params: Sampli
             stats["emitted"] += count
             columns[i] += count
             _emit(r, [int(t) for t in row[:count]], row[k + 1:k + 1 + count], params, stops)
+        now = [not r.done for r in requests]
+        if not any(now):
+            break  # a queued run-ahead round only touched finished rows: its results are dropped
+        if now != live:
+            live = now
+            rounds.set_live(live)  # frozen from the next queued round on (the run-ahead one had them live)
+        if ahead is None:
+            ahead = rounds.launch(n, kv_len_for(max(columns)), greedy)
+        queued = ahead
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the dropped run-ahead round, before the slots are reset
     engine.cache.clear_slots(rows)
 
 

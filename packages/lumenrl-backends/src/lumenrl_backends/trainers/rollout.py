@@ -53,7 +53,13 @@ def expand_groups(prompts: DataProto, n: int, group_tag: str) -> DataProto:
 
 
 def generate(engine: Any, batch: DataProto, sampling: Mapping[str, Any], seed: int) -> DataProto:
-    """``engine.generate`` with the per-call seed; per-row fields of ``batch`` are carried over."""
+    """``engine.generate`` with the per-call seed; per-row fields of ``batch`` are carried over. A
+    ``max_new_tokens`` column (a dataset field: each prompt's own response budget) needs an engine that
+    reads it (capability ``row_max_new_tokens``); others refuse it rather than ignore it."""
+    if "max_new_tokens" in batch.non_tensor_batch and "row_max_new_tokens" not in getattr(engine, "capabilities", ()):
+        raise ValueError(f"the dataset's max_new_tokens field (a per-prompt response cap) is not read by the "
+                         f"{type(engine).__name__} rollout engine; allowed: policy.rollout_engine=native, or "
+                         f"a dataset without that field")
     params = {k: sampling[k] for k in _SAMPLING_KEYS if k in sampling}
     out = engine.generate(batch, {**params, "seed": seed})
     for key, values in batch.non_tensor_batch.items():

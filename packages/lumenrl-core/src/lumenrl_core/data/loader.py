@@ -67,6 +67,7 @@ class PromptDataLoader:
                 continue
             self.records.append(record)
             self.token_ids.append(ids[-max_prompt_length:])
+        self.row_caps = _row_caps(self.records)
         if len(self.records) < (batch_size if drop_last else 1):
             raise ValueError(
                 f"dataset has {len(self.records)} usable prompts ({self.num_filtered} longer than "
@@ -147,11 +148,26 @@ class PromptDataLoader:
             "extra": [{**rec.get("extra", {}), "ground_truth": rec["ground_truth"]} for rec in records],
             "index": [int(i) for i in rows],
         }
+        if self.row_caps:  # the dataset's own per-prompt response budget (rollout engines read it as a column)
+            non_tensors["max_new_tokens"] = np.array([int(rec["extra"]["max_new_tokens"]) for rec in records])
         return DataProto.from_dict(
             {"input_ids": input_ids, "attention_mask": attention_mask},
             non_tensors,
             {"epoch": epoch, "position": position},
         )
+
+
+def _row_caps(records: list[dict[str, Any]]) -> bool:
+    """Whether the records carry a ``max_new_tokens`` field (every one, a positive integer, or none)."""
+    have = [isinstance(rec.get("extra"), dict) and "max_new_tokens" in rec["extra"] for rec in records]
+    if not any(have):
+        return False
+    for index, (rec, has) in enumerate(zip(records, have)):
+        value = rec["extra"].get("max_new_tokens") if has else None
+        if not has or isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"dataset row {index}: max_new_tokens={value!r}; allowed: a positive integer in every "
+                             f"row (a per-prompt response cap), or in none")
+    return True
 
 
 def _check_args(batch_size: int, max_prompt_length: int, truncation: str) -> None:
