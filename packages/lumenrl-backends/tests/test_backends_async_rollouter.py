@@ -185,3 +185,21 @@ def test_r3_routes_of_a_half_finished_group_survive_an_interrupt(tiny_model_dir)
     assert x.keys() == y.keys()
     for key in x:
         assert torch.equal(y[key], x[key]), key
+
+
+@pytest.mark.parametrize("overrides,elsewhere", [
+    (("weight_sync.method=filesystem", "eval.enabled=false"), True),  # a rollouter process, nothing else generates
+    (("weight_sync.method=cuda_ipc", "eval.enabled=false"), True),
+    (("weight_sync.method=filesystem", "eval.enabled=true"), False),  # eval runs on this process's engine
+    (("weight_sync.method=inprocess", "eval.enabled=false"), False),  # the rollouter thread uses this engine
+])
+def test_the_trainer_process_builds_an_engine_only_when_it_generates(overrides, elsewhere):
+    from pathlib import Path
+
+    from lumenrl_backends.trainers.placement import rollout_elsewhere
+    from lumenrl_core.config import load_config
+
+    preset = Path(__file__).resolve().parents[3] / "configs" / "grpo_async_partial.yaml"
+    assert rollout_elsewhere(load_config(preset, list(overrides))) is elsewhere
+    sync_preset = preset.with_name("grpo_dense_bf16.yaml")
+    assert rollout_elsewhere(load_config(sync_preset, ["eval.enabled=false"])) is False

@@ -32,7 +32,7 @@ from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.workers import ActorWorker, CriticWorker, RefWorker
 from lumenrl_backends.workers.rollout import GroupRollout, RankShardedRollout, RolloutWorker
 
-__all__ = ["Roles", "local_roles", "ray_roles", "load_tokenizer"]
+__all__ = ["Roles", "local_roles", "ray_roles", "load_tokenizer", "rollout_elsewhere"]
 
 
 @dataclass(kw_only=True)
@@ -46,6 +46,19 @@ class Roles:
     release_rollout: Callable[[], dict[str, float]] = field(default=lambda: {})
     close: Callable[[], None] = field(default=lambda: None)
     placement: dict[str, Any] = field(default_factory=dict)
+
+
+def rollout_elsewhere(cfg: Any) -> bool:
+    """``async_rl`` with its rollouter in a process of its own and no evaluation: this process needs no
+    rollout engine (building one would hold a second copy of the weights and a KV cache on the GPU the
+    rollouter process shares)."""
+    return (cfg.trainer.name == "async_rl" and cfg.weight_sync.method != "inprocess"
+            and cfg.controller.name != "ray" and not cfg.eval.enabled)
+
+
+def _no_engine_sync(version: int) -> dict[str, float]:
+    raise RuntimeError(f"weight sync to version {version}: this process has no rollout engine (async_rl's "
+                       "rollouter runs in its own process and reads the run's weight sync)")
 
 
 def _needs_reference(cfg: Any) -> bool:
@@ -96,6 +109,9 @@ def local_roles(plan: Any, model_path: str) -> Roles:
     if _needs_reference(cfg):  # LoRA: the actor's own base (adapters disabled) is the reference
         ref = actor if _lora(cfg) else group(RefWorker, model_path)
     critic = group(CriticWorker, _critic_path(cfg, model_path)) if cfg.critic.enabled else None
+    if rollout_elsewhere(cfg):
+        return Roles(actor=actor, ref=ref, critic=critic, engine=None, tokenizer=load_tokenizer(cfg, model_path),
+                     sync=_no_engine_sync, placement={"controller": "local", "rollout_replicas": 0})
     model, tokenizer = load_model_and_tokenizer(
         model_path, dtype=cfg.policy.dtype, device=dist_utils.resolve_device(cfg.cluster.device),
         tokenizer_name=cfg.policy.tokenizer_name, trust_remote_code=cfg.policy.trust_remote_code,
