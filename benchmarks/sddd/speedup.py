@@ -179,6 +179,7 @@ def profile(batch: int = 8, k: int = 5) -> None:
         torch.cuda.synchronize()
     plain = kernel_summary(prof.events(), params["max_new_tokens"])
     plain_ms = out.meta_info["perf"]["seconds"] * 1e3 / params["max_new_tokens"]
+    plain_prefill_ms = out.meta_info["perf"]["prefill_seconds"] * 1e3
     plain_fit = _fixed_and_per_round(engine, data, params)
     attach_draft(engine, draft, k)
     engine.generate(data, params)
@@ -189,7 +190,8 @@ def profile(batch: int = 8, k: int = 5) -> None:
     rounds = out.meta_info["speculative"]["row_rounds"] // batch
     spec = kernel_summary(prof.events(), max(rounds, 1))
     print(f"batch {batch}: {rounds} rounds, {out.meta_info['perf']['seconds'] * 1e3 / max(rounds, 1):.2f} ms/round, "
-          f"graphs={out.meta_info['perf']['cuda_graphs']}")
+          f"graphs={out.meta_info['perf']['cuda_graphs']}, prefill + context {out.meta_info['perf']['prefill_seconds'] * 1e3:.1f} ms "
+          f"(plain prefill {plain_prefill_ms:.1f} ms)")
     print(f"kernels per round: {spec['kernels']:.0f} ({spec['gpu_ms']:.2f} ms GPU); plain decode: "
           f"{plain['kernels']:.0f} kernels per step ({plain['gpu_ms']:.2f} ms GPU, {plain_ms:.2f} ms wall)")
     print("most launched per round:", spec["top"])

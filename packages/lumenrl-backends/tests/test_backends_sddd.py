@@ -98,6 +98,8 @@ def test_speculative_decoding_honours_per_row_max_new_tokens(world):
     attach_draft(engine, world["eagle3"], K)
     spec = engine.generate(batch, params)
     assert spec.batch["response_mask"].sum(1).tolist() == [3, 9, 1, 14]
+    perf = spec.meta_info["perf"]
+    assert 0 < perf["prefill_seconds"] < perf["seconds"]  # the prompt's forward and context commit, timed apart
     assert torch.equal(spec.batch["responses"], plain.batch["responses"])
 
 

@@ -310,13 +310,13 @@ def speculative_generate(engine: Any, batch: Any, params: SamplingParams) -> Any
     if rounds is None or rounds.draft is not engine.draft or rounds.k != engine.spec_tokens:
         rounds = engine.spec_rounds = _Rounds(engine, engine.draft, engine.spec_tokens)
     start = time.perf_counter()
-    stats = {"rounds": 0, "emitted": 0}
+    stats = {"rounds": 0, "emitted": 0, "prefill_s": 0.0}
     for first in range(0, len(requests), engine.max_batch_size):
         _run_chunk(engine, rounds, requests[first:first + engine.max_batch_size], params, stops, stats)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     meta = rollout_meta(requests, params, weight_version=engine.weight_version, tokens=generated_tokens(requests),
-                        seconds=time.perf_counter() - start,
+                        seconds=time.perf_counter() - start, prefill_seconds=stats["prefill_s"],
                         cuda_graphs=bool(rounds.graphs.graphs) and rounds.graphs.error is None)
     meta["speculative"] = {"tau": stats["emitted"] / max(stats["rounds"], 1), "row_rounds": stats["rounds"],
                            "draft_tokens": engine.spec_tokens, "draft": getattr(engine.draft, "kind", "?")}
@@ -339,6 +339,7 @@ def _emit(request: Any, tokens: list[int], log_probs: list[float], params: Sampl
 def _run_chunk(engine: Any, rounds: _Rounds, requests: list[Any], params: SamplingParams, stops: frozenset[int],
                stats: dict) -> None:
     k, device = rounds.k, engine.device
+    tick = time.perf_counter()
     ids, mask = left_pad([r.prompt for r in requests], engine.pad_token_id, device)
     n, width = ids.shape
     if width + params.max_new_tokens + 2 * k + 3 > engine.max_seq_len:
@@ -371,6 +372,7 @@ def _run_chunk(engine: Any, rounds: _Rounds, requests: list[Any], params: Sampli
                "columns": torch.arange(1, width + 1, device=device).expand(n, width),
                "positions": torch.cat([positions[:, 1:], positions[:, -1:] + 1], 1), "valid": mask.bool()}
     rounds.load_context(n, context)
+    stats["prefill_s"] += time.perf_counter() - tick  # the prompt's forward, first token and context commit
     columns = [width] * n  # host mirror of rounds.col (a row advances by its accepted count + 1)
     live = [not r.done for r in requests]
     rounds.set_live(live)
