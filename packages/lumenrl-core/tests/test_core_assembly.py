@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import warnings
@@ -532,9 +533,11 @@ def test_parallel_mesh_refusals_name_the_numbers(cfg, reg, tmp_path):
                                                       "num_key_value_heads": 2, "num_experts": 6}))
     reg.register("training_backends", "tpl", plugin("TPL", {"tensor_parallel", "expert_parallel", "lora"}))
     cfg.policy.training_backend, cfg.policy.lora.rank, cfg.policy.lora.dropout = "tpl", 4, 0.1
-    assert only(cfg, reg).startswith("policy.lora.dropout=0.1: draws a different mask on each rank of a tensor")
+    found = [p for p in problems(cfg, reg) if "LoRA needs peft" not in p]  # peft is an extra (absent: min env)
+    assert len(found) == 1 and found[0].startswith("policy.lora.dropout=0.1: draws a different mask on each rank")
     cfg.policy.lora.dropout = 0.0
-    plan_run(cfg, registry=reg)  # LoRA under tp=2 (dropout 0)
+    if importlib.util.find_spec("peft") is not None:
+        plan_run(cfg, registry=reg)  # LoRA under tp=2 (dropout 0)
     cfg.policy.training_backend, cfg.policy.lora.rank = "tpb", 0
     reg.register("controllers", "ray", plugin("Ray", {"dispatch_modes", "multi_node"}))
     cfg.controller.name = "ray"  # splits every batch over its workers: a TP group would get different rows
