@@ -274,6 +274,7 @@ def test_moe_features_refused_on_transformers_before_the_moe_layout():
                       machine=False)
     old = _moe_layout_violations(cfg, installed="4.57.6")
     assert [v.key for v in old] == ["moe.r3.enabled", "moe.expert_parallel_size", "policy.rollout.fused_moe"]
-    assert all("transformers>=5.0" in str(v) and "4.57.6" in str(v) for v in old)
-    assert _moe_layout_violations(cfg, installed="5.0.0") == []
+    assert all("transformers>=5.13" in str(v) and "4.57.6" in str(v) for v in old)
+    assert len(_moe_layout_violations(cfg, installed="5.12.0")) == 3  # DeepSeek-V3/GLM-4-MoE route in the block
+    assert _moe_layout_violations(cfg, installed="5.13.0") == []
     assert moe_layout_supported("5.24.0") and not moe_layout_supported("4.57.6")

@@ -223,7 +223,8 @@ def check_reward_function(spec: str) -> str | None:
     return None if found is not None else f"module {module!r} cannot be found on sys.path"
 
 
-MOE_LAYOUT_TRANSFORMERS = "5.0"  # first transformers whose MoE blocks route through a separate router module
+MOE_LAYOUT_TRANSFORMERS = "5.13"  # first transformers whose MoE routers (DeepSeek-V3 and GLM-4-MoE too) return
+# (logits, weights, indices) with one fused experts module (5.0-5.12: those two route in the block)
 
 
 def _installed_transformers() -> str | None:
