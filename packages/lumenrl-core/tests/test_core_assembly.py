@@ -64,7 +64,7 @@ def _moe_layout_transformers(monkeypatch):
     MoE layout (the refusal on older ones is tested in test_core_config_refused.py)."""
     from lumenrl_core.assembly import requirements
 
-    monkeypatch.setattr(requirements, "_installed_transformers", lambda: "5.0.0")
+    monkeypatch.setattr(requirements, "_installed_transformers", lambda: requirements.MOE_LAYOUT_TRANSFORMERS)
 
 
 @pytest.fixture
