@@ -29,7 +29,7 @@ from lumenrl_core.assembly.requirements import moe_layout_supported
 from lumenrl_core.config import load_config
 
 pytestmark = pytest.mark.skipif(not moe_layout_supported(),
-                                reason="needs the transformers >= 5.0 MoE layout (router module + fused experts)")
+                                reason="needs the transformers >= 5.13 MoE layout (router module + fused experts)")
 
 PRESET = Path(__file__).resolve().parents[1] / "configs" / "grpo_moe_r3.yaml"
 ARGS = ("trainer.name=async_rl", "async_training.enabled=true", "async_training.partial_rollout=true",

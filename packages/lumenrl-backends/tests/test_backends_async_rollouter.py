@@ -156,7 +156,7 @@ def _fed_routes(group) -> dict:
     return out
 
 
-@pytest.mark.skipif(not moe_layout_supported(), reason="R3 needs the transformers >= 5.0 MoE layout")
+@pytest.mark.skipif(not moe_layout_supported(), reason="R3 needs the transformers >= 5.13 MoE layout")
 def test_r3_routes_of_a_half_finished_group_survive_an_interrupt(tiny_model_dir):
     """R3 on: a group interrupted with one row finished (3 tokens) and one running (12) continues
     together with fresh rows; the finished row keeps its routes, the running row is re-prefilled:

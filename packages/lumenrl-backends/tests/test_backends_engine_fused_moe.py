@@ -29,7 +29,7 @@ from lumenrl_core.data_proto import DataProto
 from lumenrl_quant import quantize_experts_fp8
 
 pytestmark = pytest.mark.skipif(not moe_layout_supported(),
-                                reason="needs the transformers >= 5.0 MoE layout (router module + fused experts)")
+                                reason="needs the transformers >= 5.13 MoE layout (router module + fused experts)")
 
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}

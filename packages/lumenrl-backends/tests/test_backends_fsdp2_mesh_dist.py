@@ -36,7 +36,7 @@ from lumenrl_core.config.schema import LoraConfig, OptimConfig, PolicyTrainConfi
 from lumenrl_core.data_proto import DataProto
 
 pytestmark = pytest.mark.skipif(not moe_layout_supported(),
-                                reason="needs the transformers >= 5.0 MoE layout (router module + fused experts)")
+                                reason="needs the transformers >= 5.13 MoE layout (router module + fused experts)")
 
 P, T, V, ROWS = 4, 5, 64, 4
 R3 = R3Config(enabled=True)

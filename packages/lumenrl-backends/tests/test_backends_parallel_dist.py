@@ -22,7 +22,7 @@ from lumenrl_backends.training.parallelize import MeshDims, build_mesh, check_tp
 from lumenrl_core.assembly.requirements import moe_layout_supported
 
 pytestmark = pytest.mark.skipif(not moe_layout_supported(),
-                                reason="needs the transformers >= 5.0 MoE layout (router module + fused experts)")
+                                reason="needs the transformers >= 5.13 MoE layout (router module + fused experts)")
 
 
 V = 64

@@ -11,7 +11,7 @@ import pytest
 from lumenrl_core.assembly.requirements import moe_layout_supported
 
 pytestmark = pytest.mark.skipif(not moe_layout_supported(),
-                                reason="needs the transformers >= 5.0 MoE layout (router module + fused experts)")
+                                reason="needs the transformers >= 5.13 MoE layout (router module + fused experts)")
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root: benchmarks/

@@ -22,7 +22,7 @@ from lumenrl_core.data_proto import DataProto
 from lumenrl_moe import RecordTarget, install_routing, validate_routes
 
 pytestmark = pytest.mark.skipif(not moe_layout_supported(),
-                                reason="needs the transformers >= 5.0 MoE layout (router module + fused experts)")
+                                reason="needs the transformers >= 5.13 MoE layout (router module + fused experts)")
 
 
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe")

@@ -161,3 +161,31 @@ def test_uninstall_routing_restores_the_models_own_router():
     assert "forward" not in gate.__dict__ and not hasattr(model, "lumenrl_routes")
     assert uninstall_routing(model) is False
     assert install_routing(model) is not ctl  # a fresh controller after uninstalling
+
+
+def test_routing_in_the_block_is_refused_naming_the_transformers_floor():
+    """transformers 5.0-5.12 DeepSeek-V3 / GLM-4-MoE: the gate returns logits and the block routes
+    (``route_tokens_to_experts``): a patched router's tuple would break that forward, so it is refused."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from lumenrl_moe.replay import install_routing
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.zeros(4, 8, 4))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.experts = nn.Linear(4, 4, bias=False), Experts()
+
+        def route_tokens_to_experts(self, router_logits):  # the 5.0-5.12 layout
+            return router_logits.topk(2)
+
+    model = nn.Sequential(Block())
+    model.config = type("Config", (), {"model_type": "deepseek_v3"})()
+    with pytest.raises(ValueError, match=r"deepseek_v3.*routes in its MoE block.*transformers >= 5.13"):
+        install_routing(model)

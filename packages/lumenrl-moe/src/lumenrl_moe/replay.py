@@ -211,7 +211,10 @@ def install_routing(model: nn.Module, *, replay_mode: str = "hard_assignment", r
                          "(transformers 5.x layout); cannot record or replay routes")
     if isinstance(blocks[0].experts, nn.ModuleList):  # transformers < 5: the block routes by itself
         raise ValueError(f"R3: model_type={model_type!r} has per-expert modules and a gate returning logits only "
-                         "(the transformers < 5.0 MoE layout); R3 needs transformers >= 5.0")
+                         "(the transformers < 5.0 MoE layout); R3 needs transformers >= 5.13")
+    if hasattr(blocks[0], "route_tokens_to_experts"):  # transformers 5.0-5.12: DeepSeek-V3 / GLM-4-MoE route in the block
+        raise ValueError(f"R3: model_type={model_type!r} routes in its MoE block, its gate returns logits only "
+                         "(the transformers 5.0-5.12 layout); R3 needs transformers >= 5.13")
     router = _router_for(model_type, config, blocks[0].gate, router_cls)
     num_experts = int(blocks[0].gate.weight.shape[0])
     ctl = RouteController(num_layers=len(blocks), top_k=router.top_k, num_experts=num_experts,
