@@ -221,7 +221,9 @@ class _Rounds:
         return view, event
 
     def set_live(self, live: list[bool]) -> None:
-        """Which rows are still generating, for the rounds queued from now on (a copy in stream order)."""
+        """Which rows are still generating, for the rounds queued from now on (a copy in stream order).
+        The pinned source may be rewritten before an earlier copy ran: harmless, rows only ever stop (a newer
+        list marks a superset of finished rows, and a finished row's results are discarded anyway)."""
         n = len(live)
         self._live_host[:n] = torch.tensor(live)
         self.live[:n].copy_(self._live_host[:n], non_blocking=self.live.is_cuda)
