@@ -84,7 +84,9 @@ def long_tail_dataset(path: Path, *, median: int, seed: int, num_examples: int =
 
 
 def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: Path, extra: tuple[str, ...]) -> dict:
-    data = long_tail_dataset(out.parent / f"long_tail_median{median}.jsonl", median=median, seed=0)
+    data = out.parent / f"long_tail_median{median}.jsonl"  # written once per run (bench), read by every mode
+    if not data.exists():
+        long_tail_dataset(data, median=median, seed=0)
     from lumenrl_backends.loggers import read_metrics
     from lumenrl_core.assembly import plan_run
     from lumenrl_core.config import load_config
