@@ -201,6 +201,46 @@ def test_continuous_batching_matches_one_big_batch(loaded):
     assert torch.allclose(small.batch["rollout_log_probs"], big.batch["rollout_log_probs"], atol=1e-5)
 
 
+def _bucketed(engine: NativeEngine) -> list[tuple]:
+    """Turn on the bucketed prefill shapes that CUDA graphs replay (eager here: no graphs on CPU); returns the
+    list the (rows, width, hidden layers) keys of the bucketed prefills are appended to."""
+    keys: list[tuple] = []
+    step = engine.prefill_graphs.step
+    engine.prefill_buckets = True
+    engine.prefill_graphs.step = lambda *key: keys.append(key) or step(*key)
+    return keys
+
+
+@pytest.mark.parametrize("max_batch_size", [8, 4])
+def test_bucketed_prefill_equals_own_width(loaded, max_batch_size):
+    """Small prefills at bucketed shapes (rows up to a decode bucket, the last row repeated; width up to a power of
+    two >= 16, more left padding, the response starting there) give the tokens and log-probs of prefills at the
+    prompts' own width, through continuous batching (4 slots: admissions of 1 to 4 rows)."""
+    tokenizer = loaded[1]
+    batch = prompt_batch(tokenizer, PROMPTS * 2)  # padded prompt width 20
+    params = {"temperature": 1.0, "max_new_tokens": 12, "seed": 4}
+    plain = engine_for(loaded, max_batch_size=max_batch_size).generate(batch, params)
+    engine = engine_for(loaded, max_batch_size=max_batch_size)
+    keys = _bucketed(engine)
+    out = engine.generate(batch, params)
+    assert keys and {width for _, width, _ in keys} <= {16, 32}
+    assert all(rows in engine.buckets for rows, _, _ in keys)
+    assert torch.equal(out.batch["responses"], plain.batch["responses"])
+    assert torch.allclose(out.batch["rollout_log_probs"], plain.batch["rollout_log_probs"], atol=1e-5)
+    assert list(out.non_tensor_batch["finish_reason"]) == list(plain.non_tensor_batch["finish_reason"])
+
+
+def test_bucketed_prefill_keeps_room_for_the_response(loaded):
+    """Where the padded width (32 for these prompts) would leave less than max_new_tokens columns, the prefill
+    runs at its own width (20) and every row still gets its max_new_tokens."""
+    tokenizer = loaded[1]
+    engine = engine_for(loaded, max_seq_len=40)
+    keys = _bucketed(engine)
+    out = engine.generate(prompt_batch(tokenizer), {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
+    assert keys == []
+    assert (out.batch["response_mask"].sum(1) == 12).all()
+
+
 def test_update_weights_in_place_changes_outputs(loaded):
     model, tokenizer = loaded
     engine, batch = engine_for(loaded), prompt_batch(tokenizer)

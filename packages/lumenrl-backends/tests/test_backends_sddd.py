@@ -179,6 +179,32 @@ def test_rl_rollout_with_draft_path_and_online_sddd(world, tmp_path):
     assert torch.equal(again.batch["responses"], rollout.batch["responses"])
 
 
+def test_speculative_prefill_at_bucketed_shapes_is_lossless(world):
+    """Speculative decoding takes its prompt forward (and the draft's context features) from the engine's prefill;
+    at the bucketed shapes that CUDA graphs replay (more left padding, rows repeated) it stays lossless."""
+    engine = _engine(world, max_batch_size=8)
+    batch = prompt_batch(world["eval_prompts"][:5], world["tok"].pad_token_id)  # 5 rows: bucket 8
+    params = {"temperature": 0.0, "max_new_tokens": 30}
+    plain = engine.generate(batch, params)
+    keys: list[tuple] = []
+    step = engine.prefill_graphs.step
+    engine.prefill_buckets = True
+    engine.prefill_graphs.step = lambda *key: keys.append(key) or step(*key)
+    attach_draft(engine, world["eagle3"], K)
+    spec = engine.generate(batch, params)
+    assert [key[:2] for key in keys] == [(8, 16)] and keys[0][2] == tuple(world["eagle3"].layer_ids)
+    assert torch.equal(spec.batch["responses"], plain.batch["responses"])
+    assert torch.allclose(spec.batch["rollout_log_probs"], plain.batch["rollout_log_probs"], atol=1e-4)
+
+
+def test_speculative_decoding_refuses_route_recording(tiny_model_dir, world):
+    """R3 records routes in plain decoding only: a draft attached to a recording engine is refused."""
+    model, tok = load_model_and_tokenizer(str(tiny_model_dir("qwen3_moe")), dtype="float32")
+    engine = NativeEngine(model, tok, max_batch_size=2, max_seq_len=64, record_routes=True)
+    with pytest.raises(ValueError, match="moe.r3.enabled"):
+        attach_draft(engine, world["eagle3"], K)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_speculative_greedy_lossless_and_tau(world):
@@ -207,10 +233,12 @@ def test_gpu_speculative_rounds_in_cuda_graphs_equal_eager(world, temperature):
     for graphs in (False, True):
         engine = NativeEngine(copy.deepcopy(world["model"]).cuda(), world["tok"], device="cuda", max_batch_size=16,
                               max_seq_len=96, cuda_graphs=graphs)
+        engine.prefill_buckets = True  # eager too: the graphed prefill's bucketed shapes
         attach_draft(engine, copy.deepcopy(world["eagle3"]), K)
         outs.append([engine.generate(batch, params) for _ in range(2)])  # the second call replays the graphs
     (eager, _), (captured, replayed) = outs
     assert replayed.meta_info["perf"]["cuda_graphs"] and not eager.meta_info["perf"]["cuda_graphs"]
+    assert engine.prefill_graphs.graphs and engine.prefill_graphs.error is None
     for out in (captured, replayed):
         assert torch.equal(out.batch["responses"], eager.batch["responses"])
         assert torch.allclose(out.batch["rollout_log_probs"], eager.batch["rollout_log_probs"], atol=1e-5)

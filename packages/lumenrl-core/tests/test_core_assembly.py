@@ -275,6 +275,9 @@ def test_r3_needs_recording_replay_and_moe_model(cfg, reg, tmp_path):
     plan = plan_run(cfg, registry=reg)
     assert plan.model_is_moe is True
     assert plan.required_capabilities == {"rollout_engine": {"route_recording"}, "training_backend": {"route_replay"}}
+    cfg.policy.rollout.speculative.draft_path = str(tmp_path / "draft")  # spec decoding records no routes
+    assert any(p.startswith("moe.r3.enabled=True: speculative decoding (policy.rollout.speculative.draft_path) does "
+                            "not record routes") for p in problems(cfg, reg))
 
 
 def test_r3_router_by_model_type_or_by_name(cfg, reg, tmp_path):

@@ -147,10 +147,10 @@ def requests_from_batch(
 
 
 def left_pad(
-    sequences: list[list[int]], pad_id: int, device: torch.device
+    sequences: list[list[int]], pad_id: int, device: torch.device, width: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad lists of ids -> ids (n, L) int64 and mask (n, L) int64."""
-    width = max(len(s) for s in sequences)
+    """Left-pad lists of ids -> ids (n, L) int64 and mask (n, L) int64; L = the longest, or ``width`` if larger."""
+    width = max(width, max(len(s) for s in sequences))
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.int64)
     mask = torch.zeros((len(sequences), width), dtype=torch.int64)
     for i, seq in enumerate(sequences):

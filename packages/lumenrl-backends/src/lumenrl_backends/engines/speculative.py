@@ -60,7 +60,6 @@ from lumenrl_backends.engines.requests import (
     STOP,
     build_rollout_batch,
     generated_tokens,
-    left_pad,
     requests_from_batch,
     rollout_meta,
     stop_ids_for,
@@ -79,6 +78,9 @@ def attach_draft(engine: Any, draft: Any, num_tokens: int) -> None:
             raise ValueError(f"num_tokens={num_tokens} must be >= 1")
         if engine.window is not None:
             raise ValueError("speculative decoding does not support sliding-window attention models")
+        if engine.routes.enabled:
+            raise ValueError("speculative decoding does not record MoE routes (R3: its verify forwards would leave "
+                             "the drafted tokens' routes unrecorded); allowed: moe.r3.enabled=false")
         if getattr(engine, "exact", False):
             raise ValueError("speculative decoding cannot give exact_logprobs (its verify forward is not the "
                              "trainer's batch-invariant path); allowed: policy.rollout.exact_logprobs=false")
@@ -342,25 +344,24 @@ def _run_chunk(engine: Any, rounds: _Rounds, requests: list[Any], params: Sampli
                stats: dict) -> None:
     k, device = rounds.k, engine.device
     tick = time.perf_counter()
-    ids, mask = left_pad([r.prompt for r in requests], engine.pad_token_id, device)
-    n, width = ids.shape
-    if width + params.max_new_tokens + 2 * k + 3 > engine.max_seq_len:
+    width = max(len(r.prompt) for r in requests)
+    room = params.max_new_tokens + 2 * k + 3  # the rounds' columns past the prompt
+    if width + room > engine.max_seq_len:
         raise ValueError(f"speculative decoding needs max_seq_len >= prompt ({width}) + max_new_tokens "
                          f"({params.max_new_tokens}) + 2 * k ({k}) + 3; engine max_seq_len={engine.max_seq_len}")
     greedy = params.temperature <= 0
+    n = len(requests)
     rows = torch.arange(n, device=device)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    engine.cache.clear_slots(rows)
-    engine.cache.valid[rows, :width] = mask.bool()
     for name in fields(rounds.state):
         getattr(rounds.state, name.name)[:n].zero_()
-    logits, hidden = target_forward(engine, ids, positions, torch.arange(width, device=device).expand(n, width),
-                                    decode=False, kv_len=width, allowed=prefill_mask(mask), layer_ids=rounds.draft.layer_ids,
-                                    last_only=True)
+    # the engine's prefill (a small one from a CUDA graph, possibly at a wider padded width)
+    ids, mask, positions, last, hidden = engine.prefill_forward([r.prompt for r in requests], rows, room=room,
+                                                                layer_ids=rounds.draft.layer_ids)
+    width = ids.shape[1]
     rounds.seeds[:n].copy_(torch.tensor([r.seed for r in requests]))
     rounds.counters[:n].zero_()
     rounds.temperature.fill_(1.0 if greedy else params.temperature)
-    last = logits[:, -1].float() / rounds.temperature
+    last = last.float() / rounds.temperature
     cur = last.argmax(-1) if greedy else (last + _gumbel(rounds.seeds[:n], rounds.counters[:n] + _RESIDUAL,
                                                          last.shape[-1])).argmax(-1)
     lp = last.log_softmax(-1).gather(-1, cur[:, None])[:, 0].tolist()

@@ -266,6 +266,9 @@ def config_violations(cfg: RunConfig) -> list[Violation]:
     if a.partial_rollout and not a.enabled:
         out.append(Violation("async_training.partial_rollout", True,
                              "partial rollout only exists in async training; set async_training.enabled=true"))
+    if cfg.moe.r3.enabled and cfg.policy.rollout.speculative.draft_path:
+        out.append(Violation("moe.r3.enabled", True, "speculative decoding (policy.rollout.speculative.draft_path) "
+                             "does not record routes; allowed: false, or no draft_path"))
     if cfg.reward.function:
         problem = check_reward_function(cfg.reward.function)
         if problem:
