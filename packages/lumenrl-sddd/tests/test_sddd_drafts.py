@@ -175,6 +175,32 @@ def test_context_committed_in_parts_proposes_as_one_call(kind):
     assert torch.allclose(whole[1], parts[1], atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [24, V])
+def test_compiled_chain_steps_propose_as_eager(vocab):
+    """compile_inference: a chained step's pieces trace as whole graphs (fullgraph: no break; dynamo with the
+    aot_eager backend here, inductor on CUDA) and propose the eager path's tokens and logits, at batch 3 and 1.
+    A draft vocabulary that is the whole target vocabulary (vocab=V) skips the per-step scatter."""
+    draft = _eagle3(vocab).eval()
+    cap, (b, t) = _capture(), _capture()["input_ids"].shape
+    mask = cap["attention_mask"].bool()
+    ctx = {"tokens": cap["input_ids"], "features": cap["hidden"], "columns": torch.arange(1, t + 1).expand(b, t),
+           "positions": (mask.long().cumsum(1) - 1).clamp(min=0), "valid": mask}
+    greedy = lambda logits: logits.argmax(-1)  # noqa: E731
+    outs = []
+    for backend in (None, "aot_eager"):
+        draft.compile_inference(backend)
+        for rows in (b, 1):
+            state = draft.start(rows, 40, torch.device("cpu"))
+            outs.append(draft.propose(state, k=4, sample=greedy, last=torch.full((rows,), t - 1), kv_len=32,
+                                      **{key: value[:rows] for key, value in ctx.items()}))
+        assert draft.compiled == backend  # no compile failure (it would warn and fall back to eager)
+    assert draft._identity_vocab == (vocab == V)
+    for eager, compiled in zip(outs[:2], outs[2:]):
+        assert torch.equal(eager[0], compiled[0])
+        assert torch.allclose(eager[1], compiled[1], atol=1e-5)
+        assert torch.isinf(eager[1]).any() == (vocab < V)  # outside a partial draft vocabulary: -inf
+
+
 def test_decode_attend_packs_query_heads_and_shares_rope_tables():
     """One query per row (the draft's chained steps): the group's heads packed onto their KV head (no
     repeat_interleave copy of the draft cache) give float64 GQA attention; RoPE tables made once for query

@@ -21,10 +21,13 @@ Inference (:meth:`Eagle3Draft.propose`, driven by the native engine's speculativ
 cache per row (``Eagle3State``), indexed by the engine's cache columns; each round writes the step-0
 entries of the newly committed tokens, then chains k tokens; rollback is implicit (later rounds
 overwrite the columns past the accepted prefix, which causal masks hide until then).
+:meth:`Eagle3Draft.compile_inference` runs each chained step's dense pieces through ``torch.compile``
+(for CUDA graphs of the rounds: fewer, fused kernels per step).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,6 +40,30 @@ from lumenrl_sddd import plugin_manifest as manifest
 from lumenrl_sddd.layers import MLP, Attention, RMSNorm, attend
 
 __all__ = ["Eagle3Config", "Eagle3Draft", "Eagle3State"]
+
+_COMPILED: dict[str, Callable] = {}  # torch.compile'd step pieces, made once per process (compile_inference)
+
+
+def _entries(draft: Eagle3Draft, tok: torch.Tensor, hid: torch.Tensor, positions: torch.Tensor,
+             tables: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Entries (tok, hid) (B, q) -> their query (B, H, q, D), key and value (B, H_kv, q, D)."""
+    attn = draft.midlayer.self_attn
+    x = draft.midlayer.inputs(draft.embed_tokens(tok).to(hid.dtype), hid)
+    k, v = attn.key_value(x, positions, tables)
+    return attn.query(x, positions, tables), k, v
+
+
+def _finish_and_logits(draft: Eagle3Draft, out: torch.Tensor, hid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output (B, q, H * D) -> (h (B, q, H), draft-vocabulary logits (B, q, Vd) in float32)."""
+    h = draft.midlayer.finish(out, hid)
+    return h, draft._logits(h).float()
+
+
+def _compiled(fn: Callable, backend: str) -> Callable:
+    key = f"{fn.__name__}/{backend}"
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, backend=backend, fullgraph=True)
+    return _COMPILED[key]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -99,6 +126,7 @@ class Eagle3State:
 class Eagle3Draft(nn.Module):
     kind = "eagle3"
     capabilities = manifest.EAGLE3.capabilities
+    compiled: str | None = None  # the torch.compile backend of the chained steps' pieces (compile_inference)
 
     @classmethod
     def probe(cls) -> str | None:
@@ -135,6 +163,30 @@ class Eagle3Draft(nn.Module):
     @property
     def layer_ids(self) -> list[int]:
         return list(self.config.aux_layer_ids)
+
+    def compile_inference(self, backend: str | None = "inductor") -> Eagle3Draft:
+        """Run each chained draft step's dense pieces through ``torch.compile``: the input norms, q/k/v and RoPE,
+        then o_proj, the MLP, the final norm and the head. Inductor fuses their elementwise ops, so a step
+        launches ~25 kernels instead of ~65; replayed from a CUDA graph at batch 1 each still costs ~2 us of
+        GPU time, which is most of a small draft's step. The KV writes, attention and sampling stay eager;
+        the commit of a round's entries and training (:meth:`ttt_loss`) are untouched. Compiles happen at the
+        first calls (batch 1 static, then one symbolic batch: automatic dynamic shapes); a piece that fails to
+        compile warns and runs eagerly from then on. ``backend``: torch.compile's (None: off)."""
+        self.compiled = backend
+        return self
+
+    def _piece(self, fn: Callable, chained: bool, *args: Any) -> Any:
+        """``fn(self, *args)``, through torch.compile for a chained step (one entry per row) when compiled."""
+        if self.compiled and chained:
+            try:
+                return _compiled(fn, self.compiled)(self, *args)
+            except Exception as err:  # noqa: BLE001 - the pieces are pure: the eager call below redoes the work
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                warnings.warn(f"Eagle3 draft: torch.compile failed ({type(err).__name__}: {err}); running the chained "
+                              "steps eagerly", stacklevel=3)
+                self.compiled = None
+        return fn(self, *args)
 
     def config_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **asdict(self.config)}
@@ -192,20 +244,21 @@ class Eagle3Draft(nn.Module):
         c = self.config
         shape = (batch, c.num_key_value_heads, max_len, c.head_dim)
         dtype = self.fc.weight.dtype
+        # a draft vocabulary that is the whole target vocabulary in order needs no scatter per step
+        self._identity_vocab = c.draft_vocab_size == c.vocab_size and not bool(self.d2t.any())
         return Eagle3State(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(batch, max_len, dtype=torch.bool, device=device))
 
     def _write(self, state: Eagle3State, tok: torch.Tensor, hid: torch.Tensor, columns: torch.Tensor,
                positions: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """K/V of entries (B, q) into ``state`` at ``columns``; returns the layer input x. An entry's K/V
+        """K/V of entries (B, q) into ``state`` at ``columns``; returns their queries (B, H, q, D). An entry's K/V
         depend on that entry only, so entries written in several calls equal one call. ``tables``: the
         positions' RoPE tables, when the caller shares them with the query."""
-        x = self.midlayer.inputs(self.embed_tokens(tok).to(hid.dtype), hid)
-        k, v = self.midlayer.self_attn.key_value(x, positions, tables)
+        q, k, v = self._piece(_entries, tok.shape[1] == 1, tok, hid, positions, tables)
         rows = torch.arange(tok.shape[0], device=tok.device)[:, None]
         state.keys[rows, :, columns] = k.transpose(1, 2)
         state.values[rows, :, columns] = v.transpose(1, 2)
-        return x
+        return q
 
     @torch.no_grad()
     def commit(self, state: Eagle3State, *, tokens: torch.Tensor, features: torch.Tensor, columns: torch.Tensor,
@@ -216,20 +269,22 @@ class Eagle3Draft(nn.Module):
         self._write(state, tokens, self.fc(features.to(self.fc.weight.dtype)), columns, positions)
 
     def _step(self, state: Eagle3State, tok: torch.Tensor, hid: torch.Tensor, columns: torch.Tensor,
-              positions: torch.Tensor, key_cols: torch.Tensor, tables: tuple | None = None) -> torch.Tensor:
+              positions: torch.Tensor, key_cols: torch.Tensor, tables: tuple | None = None, logits: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Write entries at ``columns`` (B, q) and attend causally by column over ``key_cols`` (arange(kv_len),
-        made once per round); returns h (B, q, H). The RoPE ``tables`` of ``positions`` (made here when not
-        given) serve query and key."""
+        made once per round); returns (h (B, q, H), with ``logits`` its float32 draft logits (B, q, Vd), else
+        None). The RoPE ``tables`` of ``positions`` (made here when not given) serve query and key."""
         attn = self.midlayer.self_attn
         kv_len = key_cols.shape[0]
         if tables is None:
             tables = attn.rope_tables(positions, hid.dtype)
-        x = self._write(state, tok, hid, columns, positions, tables)
+        q = self._write(state, tok, hid, columns, positions, tables)
         allowed = state.valid[:, None, :kv_len] & (key_cols[None, None, :] <= columns[:, :, None])  # (B, q, kv)
         allowed = allowed | (key_cols[None, None, :] == columns[:, :, None])
-        out = attend(attn.query(x, positions, tables), state.keys[:, :, :kv_len], state.values[:, :, :kv_len],
-                     allowed[:, None])
-        return self.midlayer.finish(out, hid)
+        out = attend(q, state.keys[:, :, :kv_len], state.values[:, :, :kv_len], allowed[:, None])
+        if logits:
+            return self._piece(_finish_and_logits, tok.shape[1] == 1, out, hid)
+        return self.midlayer.finish(out, hid), None
 
     @torch.no_grad()
     def propose(self, state: Eagle3State, *, tokens: torch.Tensor, features: torch.Tensor, columns: torch.Tensor,
@@ -249,23 +304,28 @@ class Eagle3Draft(nn.Module):
             kv_len = int(columns.max()) + k + 1
         state.valid[rows[:, None], columns] = valid
         key_cols = torch.arange(kv_len, device=tokens.device)
-        hid = self._step(state, tokens, self.fc(features.to(self.fc.weight.dtype)), columns, positions, key_cols)
+        hid, _ = self._step(state, tokens, self.fc(features.to(self.fc.weight.dtype)), columns, positions, key_cols)
         h = hid[rows, last][:, None]  # (B, 1, H)
+        small = self._logits(h)[:, 0].float()  # (B, Vd)
         # the chained steps' columns, positions and RoPE tables, made once: step j + 1 takes slice j (views)
         ahead = torch.arange(1, k, device=tokens.device)
         chain_cols, chain_pos = columns[rows, last][:, None] + ahead, positions[rows, last][:, None] + ahead  # (B, k-1)
         chain_cos, chain_sin = self.midlayer.self_attn.rope_tables(chain_pos, h.dtype)  # (B, 1, k-1, D/2)
         target_ids = self.target_ids()
         drafted, all_logits = [], []
+        identity = getattr(self, "_identity_vocab", False)
         for j in range(k):
-            small = self._logits(h)[:, 0].float()  # (B, Vd)
-            full = small.new_full((small.shape[0], self.config.vocab_size), float("-inf"))
-            full[:, target_ids] = small
+            if identity:
+                full = small
+            else:
+                full = small.new_full((small.shape[0], self.config.vocab_size), float("-inf"))
+                full[:, target_ids] = small
             tok = sample(full)
             drafted.append(tok), all_logits.append(full)
             if j + 1 < k:
                 col, pos = chain_cols[:, j:j + 1], chain_pos[:, j:j + 1]
                 state.valid.scatter_(1, col, True)  # no host copy (CUDA graph capture)
-                h = self._step(state, tok[:, None], h, col, pos, key_cols,
-                               (chain_cos[:, :, j:j + 1], chain_sin[:, :, j:j + 1]))
+                h, small = self._step(state, tok[:, None], h, col, pos, key_cols,
+                                      (chain_cos[:, :, j:j + 1], chain_sin[:, :, j:j + 1]), logits=True)
+                small = small[:, 0]
         return torch.stack(drafted, 1), torch.stack(all_logits, 1)

@@ -71,8 +71,10 @@ __all__ = ["attach_draft", "attach_from_config", "speculative_generate", "captur
            "target_forward"]
 
 
-def attach_draft(engine: Any, draft: Any, num_tokens: int) -> None:
-    """Make ``engine.generate`` decode speculatively with ``draft`` (None detaches)."""
+def attach_draft(engine: Any, draft: Any, num_tokens: int, compile_draft: bool = True) -> None:
+    """Make ``engine.generate`` decode speculatively with ``draft`` (None detaches). ``compile_draft``: on CUDA, an
+    Eagle3 draft's chained steps run through torch.compile (``Eagle3Draft.compile_inference``; DFlash drafts a
+    block in one forward and has no chained steps)."""
     if draft is not None:
         if num_tokens < 1:
             raise ValueError(f"num_tokens={num_tokens} must be >= 1")
@@ -86,6 +88,8 @@ def attach_draft(engine: Any, draft: Any, num_tokens: int) -> None:
                              "trainer's batch-invariant path); allowed: policy.rollout.exact_logprobs=false")
         dtype = next(engine.model.parameters()).dtype
         draft = draft.to(engine.device, dtype).eval()
+        if hasattr(draft, "compile_inference"):
+            draft.compile_inference("inductor" if compile_draft and engine.device.type == "cuda" else None)
     engine.draft, engine.spec_tokens = draft, num_tokens
     engine.spec_rounds = None  # buffers and graphs of the previous draft (its parameters may have moved)
 
@@ -102,7 +106,7 @@ def attach_from_config(engine: Any, spec: Any) -> None:
     if draft.kind == "dflash" and k != draft.config.block_size - 1:
         raise ValueError(f"policy.rollout.speculative.num_draft_tokens={k}: the DFlash draft at {spec.draft_path} "
                          f"drafts block_size - 1 = {draft.config.block_size - 1} tokens; set it to that")
-    attach_draft(engine, draft, k)
+    attach_draft(engine, draft, k, compile_draft=spec.compile_draft)
 
 
 def target_forward(engine: Any, ids: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor, *, decode: bool,

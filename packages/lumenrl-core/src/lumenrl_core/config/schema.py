@@ -95,6 +95,7 @@ class SpeculativeConfig:
     num_draft_tokens: int = field(default=5, metadata={"ge": 1})  # k drafted per verify step (DFlash: block_size - 1)
     online_sddd_steps: int = field(default=0, metadata={"ge": 0})  # RL: SDDD draft steps after each weight sync
     online_sddd_lr: float = field(default=1e-3, metadata={"gt": 0})  # RL online SDDD: draft learning rate
+    compile_draft: bool = True  # CUDA: an Eagle3 draft's chained steps through torch.compile (fewer kernels per step)
 
 
 @dataclass(kw_only=True, slots=True)
