@@ -246,10 +246,13 @@ def test_cuda_fp8_kv_v_tiles_generate_as_rows(qwen3_dir):
     # values through two compiled kernels (~1e-3 apart); from there this tiny random bf16 model amplifies
     # differences step to step and flips near-ties (session 8, calls 5 and 7: one sequence's 2nd or 9th
     # token), so only the first decode step's log-probs are compared; the kernel itself is checked against
-    # float64 and against rows at the 8B shape in test_backends_engine_kernels.py
+    # float64 and against rows at the 8B shape in test_backends_engine_kernels.py. The logits are bf16: one ulp
+    # is 0.031 at |logit| in [4, 8), so a row's log-prob may move by about that (0.027 seen on an H200,
+    # 2026-12-02); the mean over rows stays below 2e-2
     assert torch.equal(tiles["rollout_log_probs"][:, 0], rows["rollout_log_probs"][:, 0])
     assert torch.equal(tiles["responses"][:, 0], rows["responses"][:, 0])
-    assert float((tiles["rollout_log_probs"][:, 1] - rows["rollout_log_probs"][:, 1]).abs().max()) < 2e-2
+    step1 = (tiles["rollout_log_probs"][:, 1] - rows["rollout_log_probs"][:, 1]).abs()
+    assert float(step1.mean()) < 2e-2 and float(step1.max()) < 6e-2  # two bf16 ulps at |logit| < 8
 
 
 def test_compile_full_traces_decode_in_one_graph(loaded, monkeypatch):

@@ -219,6 +219,7 @@ def test_gpu_speculative_greedy_lossless_and_tau(world):
     assert torch.equal(spec.batch["responses"], plain.batch["responses"])
     assert spec.meta_info["speculative"]["tau"] >= 3.0
     assert spec.meta_info["perf"]["cuda_graphs"] and engine.spec_rounds.graphs.error is None
+    assert engine.draft.compiled == "inductor"  # chained steps compiled (compile_draft default), no fallback
 
 
 @pytest.mark.gpu
