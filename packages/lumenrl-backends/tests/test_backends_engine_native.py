@@ -205,9 +205,9 @@ def _bucketed(engine: NativeEngine) -> list[tuple]:
     """Turn on the bucketed prefill shapes that CUDA graphs replay (eager here: no graphs on CPU); returns the
     list the (rows, width, hidden layers) keys of the bucketed prefills are appended to."""
     keys: list[tuple] = []
-    step = engine.prefill_graphs.step
-    engine.prefill_buckets = True
-    engine.prefill_graphs.step = lambda *key: keys.append(key) or step(*key)
+    step = engine.prefill.graphs.step
+    engine.prefill.buckets = True
+    engine.prefill.graphs.step = lambda *key: keys.append(key) or step(*key)
     return keys
 
 

@@ -191,10 +191,10 @@ def test_cuda_graph_decode_equals_eager(qwen3_dir):
     outs = []
     for graphs in (True, False):
         engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, cuda_graphs=graphs)
-        engine.prefill_buckets = True  # eager too: the graphed prefill's bucketed shapes (the same kernels)
+        engine.prefill.buckets = True  # eager too: the graphed prefill's bucketed shapes (the same kernels)
         outs.append(engine.generate(batch, {"temperature": 1.0, "max_new_tokens": 16, "seed": 3}))
         assert not graphs or (engine.graphs.error is None and engine.graphs.graphs)
-        assert not graphs or (engine.prefill_graphs.error is None and engine.prefill_graphs.graphs)
+        assert not graphs or (engine.prefill.graphs.error is None and engine.prefill.graphs.graphs)
     assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
     assert torch.equal(outs[0].batch["rollout_log_probs"], outs[1].batch["rollout_log_probs"])
 

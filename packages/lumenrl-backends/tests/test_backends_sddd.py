@@ -187,9 +187,9 @@ def test_speculative_prefill_at_bucketed_shapes_is_lossless(world):
     params = {"temperature": 0.0, "max_new_tokens": 30}
     plain = engine.generate(batch, params)
     keys: list[tuple] = []
-    step = engine.prefill_graphs.step
-    engine.prefill_buckets = True
-    engine.prefill_graphs.step = lambda *key: keys.append(key) or step(*key)
+    step = engine.prefill.graphs.step
+    engine.prefill.buckets = True
+    engine.prefill.graphs.step = lambda *key: keys.append(key) or step(*key)
     attach_draft(engine, world["eagle3"], K)
     spec = engine.generate(batch, params)
     assert [key[:2] for key in keys] == [(8, 16)] and keys[0][2] == tuple(world["eagle3"].layer_ids)
@@ -234,12 +234,12 @@ def test_gpu_speculative_rounds_in_cuda_graphs_equal_eager(world, temperature):
     for graphs in (False, True):
         engine = NativeEngine(copy.deepcopy(world["model"]).cuda(), world["tok"], device="cuda", max_batch_size=16,
                               max_seq_len=96, cuda_graphs=graphs)
-        engine.prefill_buckets = True  # eager too: the graphed prefill's bucketed shapes
+        engine.prefill.buckets = True  # eager too: the graphed prefill's bucketed shapes
         attach_draft(engine, copy.deepcopy(world["eagle3"]), K)
         outs.append([engine.generate(batch, params) for _ in range(2)])  # the second call replays the graphs
     (eager, _), (captured, replayed) = outs
     assert replayed.meta_info["perf"]["cuda_graphs"] and not eager.meta_info["perf"]["cuda_graphs"]
-    assert engine.prefill_graphs.graphs and engine.prefill_graphs.error is None
+    assert engine.prefill.graphs.graphs and engine.prefill.graphs.error is None
     for out in (captured, replayed):
         assert torch.equal(out.batch["responses"], eager.batch["responses"])
         assert torch.allclose(out.batch["rollout_log_probs"], eager.batch["rollout_log_probs"], atol=1e-5)

@@ -29,13 +29,8 @@ Design (what the GPU-speed work builds on without a rewrite):
   the cache; :mod:`~lumenrl_backends.engines.attention`); ``kv_v_tiles`` (opt-in): V in (D, 128) tiles;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
   memory); ``gpu_memory_utilization`` sizes the number of KV slots from free device memory;
-* small prefills replay CUDA graphs: an eager prefill of a few tokens is all host time (~1,500 ops through
-  the HF modules, ~25 ms for a 16-layer model, longer than 20 decode steps), so a prefill of at most
-  :data:`PREFILL_GRAPH_TOKENS` padded tokens runs at a bucketed shape (rows: the decode buckets, the last
-  row repeated, writing the same K/V again; width: a power of two >= 16, more left padding, so the response
-  starts at that column) and is captured once per (rows, width[, hidden layers]) in its own graph pool. Not
-  with R3 recording, exact log-probs, an FP8 cache that calibrates at this prefill, or when the padded
-  width leaves no room for the response (``max_seq_len``): those prefill eagerly at their own width;
+* small prefills replay CUDA graphs at bucketed shapes (:mod:`~lumenrl_backends.engines.prefill`: an eager
+  prefill of a few tokens is all host time, longer than 20 decode steps of a 16-layer model);
 * sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with counter-based
   per-request noise (interrupted sequences resume bit-identically); on CUDA one Triton pass over the logits
   (:mod:`~lumenrl_backends.engines.triton_sampling`), enabled after a self-check against the torch sampler;
@@ -81,7 +76,6 @@ from lumenrl_backends.engines.kv_cache import (
     CacheView,
     SlotKVCache,
     decode_mask,
-    prefill_mask,
     to_attention_mask,
 )
 from lumenrl_backends.engines.loading import (
@@ -92,6 +86,7 @@ from lumenrl_backends.engines.loading import (
     sliding_window_of,
 )
 from lumenrl_backends.engines.moe import install_fused_experts
+from lumenrl_backends.engines.prefill import Prefill
 from lumenrl_backends.engines.quant import kv_cache_dtype as resolve_kv_dtype
 from lumenrl_backends.engines.quant import quantize_rollout_model, rollout_scheme
 from lumenrl_backends.engines.requests import (
@@ -100,7 +95,6 @@ from lumenrl_backends.engines.requests import (
     Request,
     build_rollout_batch,
     generated_tokens,
-    left_pad,
     requests_from_batch,
     rollout_meta,
     stop_ids_for,
@@ -113,11 +107,8 @@ from lumenrl_backends.engines.triton_attention import kernel_agrees
 from lumenrl_backends.engines.triton_sampling import fused_sample, fused_sampler_agrees
 from lumenrl_backends.engines.weights import copy_weights_
 from lumenrl_backends.exact import enable_exact, enable_exact_quantized, exact_token_log_probs
-from lumenrl_sddd.capture import select_hidden
 
-__all__ = ["NativeEngine", "sliding_window_of", "PREFILL_GRAPH_TOKENS"]
-
-PREFILL_GRAPH_TOKENS = 2048  # prefills up to this many padded tokens replay a captured graph (module doc)
+__all__ = ["NativeEngine", "sliding_window_of"]
 
 
 @dataclass(slots=True)
@@ -253,11 +244,7 @@ class NativeEngine:
         if blocker:
             self.graphs.enabled = False
             warnings.warn(f"native engine: no CUDA graphs ({blocker}); decoding eagerly", stacklevel=2)
-        # small prefills at bucketed shapes, replayed from their own graphs (module doc); ``prefill_buckets``
-        # follows the decode graphs (a CPU test may set it to run the bucketed shapes eagerly)
-        self.prefill_graphs = DecodeGraphs(self._prefill_step, enabled=self.graphs.enabled)
-        self.prefill_buckets = self.graphs.enabled
-        self._prefill_inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.prefill = Prefill(self, graphs=self.graphs.enabled)  # small prefills from CUDA graphs (engines/prefill.py)
         # overlapped host sync: step N's (token, log-prob) pairs go to host buffers (pinned on CUDA,
         # two: N and N+1 in flight) while step N+1 is already queued (see _decode)
         self.overlap_sync = overlap_sync
@@ -353,7 +340,7 @@ class NativeEngine:
                     admitted = [queue.popleft() for _ in range(min(len(queue), len(self.slots.free)))]
                     tick = time.perf_counter()
                     for chunk in self._prefill_chunks(admitted):
-                        self._prefill(chunk, params, active, stops)
+                        self._admit(chunk, params, active, stops)
                     self._prefill_seconds += time.perf_counter() - tick
                 if active and not self._interrupt.is_set():
                     self._decode(active, params, stops, speculate=self.overlap_sync and not queue)
@@ -457,7 +444,7 @@ class NativeEngine:
         return chunks + ([current] if current else [])
 
     # ------------------------------------------------------------------ prefill
-    def _prefill(
+    def _admit(
         self,
         admitted: list[Request],
         params: SamplingParams,
@@ -472,7 +459,7 @@ class NativeEngine:
             )
         slot_ids = self.slots.take(len(admitted))
         rows = torch.tensor(slot_ids, dtype=torch.int64, device=self.device)
-        _, mask, positions, logits, _ = self.prefill_forward(contexts, rows, room=params.max_new_tokens)
+        _, mask, positions, logits, _ = self.prefill(contexts, rows, room=params.max_new_tokens)
         width = mask.shape[1]
         self.cache.recalibrate = False
         self.slots.admit(rows, [r.seed for r in admitted], params)
@@ -489,62 +476,6 @@ class NativeEngine:
         self._record(slot_ids, tokens.tolist(), log_probs.tolist(), params, stops, active)
 
     # ------------------------------------------------------------------ decode
-    def prefill_forward(
-        self, contexts: list[list[int]], rows: torch.Tensor, *, room: int, layer_ids: list[int] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Left-pad ``contexts`` into cache slots ``rows`` (n,) and run the prefill forward (R3 records it) ->
-        (ids, mask, positions: (n, W) at the padded width W, last-column logits (n, V), the hidden states of
-        ``layer_ids`` (n, W, len * H) or None). A small prefill runs at a bucketed shape from a CUDA graph
-        (module doc) when W + ``room`` columns (what the caller will generate) fit in ``max_seq_len``."""
-        n = len(contexts)
-        key = self._prefill_key(n, max(len(c) for c in contexts), room)
-        ids, mask = left_pad(contexts, self.pad_token_id, self.device, width=key[1] if key else 0)
-        if key is not None and key[0] > n:  # bucket rows: the last row again (same slot, same K/V written twice)
-            ids, mask, rows = (torch.cat([t, t[-1:].expand(key[0] - n, *t.shape[1:])]) for t in (ids, mask, rows))
-        width = ids.shape[1]
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # (n, W)
-        self.cache.clear_slots(rows)
-        self.cache.valid[rows, :width] = mask.bool()
-        self.routes.prefill(rows, width, [width - len(c) for c in contexts])
-        hidden_key = tuple(layer_ids) if layer_ids is not None else None
-        if key is None:
-            logits, hidden = self._prefill_compute(ids, mask, positions, rows, hidden_key)
-        else:
-            inputs = self._prefill_inputs.get(key)
-            if inputs is None:
-                inputs = self._prefill_inputs[key] = {"ids": ids.clone(), "mask": mask.clone(),
-                                                      "positions": positions.clone(), "rows": rows.clone()}
-            for name, value in (("ids", ids), ("mask", mask), ("positions", positions), ("rows", rows)):
-                inputs[name].copy_(value)
-            logits, hidden = self.prefill_graphs(*key, hidden_key)
-        return ids[:n], mask[:n], positions[:n], logits[:n], None if hidden is None else hidden[:n]
-
-    def _prefill_key(self, n: int, width: int, room: int) -> tuple[int, int] | None:
-        """(rows bucket, width bucket) of a graphed prefill, or None: eager at its own shape (module doc)."""
-        calibrating = self.cache.kv_dtype is not None and (
-            self.cache.recalibrate or any(layer.codec.scales is None for layer in self.cache.layers))
-        if not self.prefill_buckets or self.exact or self.routes.enabled or calibrating:
-            return None
-        rows, padded = self._bucket(n), max(16, 1 << (width - 1).bit_length())
-        if rows * padded > PREFILL_GRAPH_TOKENS or padded + room > self.max_seq_len:
-            return None
-        return rows, padded
-
-    def _prefill_step(self, rows: int, width: int, layer_ids: tuple[int, ...] | None) -> tuple[Any, ...]:
-        """The graphed prefill: :meth:`_prefill_compute` over the static inputs of its shape."""
-        inputs = self._prefill_inputs[(rows, width)]
-        return self._prefill_compute(inputs["ids"], inputs["mask"], inputs["positions"], inputs["rows"], layer_ids)
-
-    def _prefill_compute(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                         layer_ids: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        width = ids.shape[1]
-        columns = torch.arange(width, device=self.device).expand(rows.shape[0], width)
-        self.cache.set_view(CacheView(rows=rows, columns=columns, decode=False, kv_len=width))
-        out = self._forward(ids, positions, prefill_mask(mask, self.window), prefill_mask(mask, None),
-                            layer_ids=layer_ids)
-        hidden = None if layer_ids is None else select_hidden(out.hidden_states, list(layer_ids))
-        return out.logits[:, -1], hidden
-
     def _bucket(self, rows_needed: int) -> int:
         return next(b for b in self.buckets if b >= rows_needed)
 

@@ -359,8 +359,8 @@ def _run_chunk(engine: Any, rounds: _Rounds, requests: list[Any], params: Sampli
     for name in fields(rounds.state):
         getattr(rounds.state, name.name)[:n].zero_()
     # the engine's prefill (a small one from a CUDA graph, possibly at a wider padded width)
-    ids, mask, positions, last, hidden = engine.prefill_forward([r.prompt for r in requests], rows, room=room,
-                                                                layer_ids=rounds.draft.layer_ids)
+    ids, mask, positions, last, hidden = engine.prefill([r.prompt for r in requests], rows, room=room,
+                                                        layer_ids=rounds.draft.layer_ids)
     width = ids.shape[1]
     rounds.seeds[:n].copy_(torch.tensor([r.seed for r in requests]))
     rounds.counters[:n].zero_()

@@ -1,0 +1,99 @@
+"""The native engine's prefill: left-padded contexts into cache slots, small ones replayed from CUDA graphs.
+
+An eager prefill of a few tokens is all host time: ~1,500 ops through the HF modules, ~25 ms for a 16-layer
+model on an H200, longer than 20 of its graphed decode steps, and paid once per ``generate`` (and per
+admission under continuous batching). So a prefill of at most :data:`PREFILL_GRAPH_TOKENS` padded tokens
+runs at a bucketed shape and is captured once per shape, in its own graph pool
+(:class:`~lumenrl_backends.engines.graphs.DecodeGraphs`: the first call runs eagerly, then it is captured):
+
+* rows: up to a decode bucket; the extra rows repeat the last row (same slot, same K/V written twice);
+* width: up to a power of two >= 16, by more left padding (masked keys, so the math is unchanged; the
+  response then starts at that column). Powers of two bound the number of graphs (a few widths x the row
+  buckets) and at most double a prefill that is launch-bound anyway;
+* the graph key also holds the hidden layers asked for (speculative decoding's draft features).
+
+Eager at its own width instead: with R3 route recording (host-side bookkeeping per prefill), exact log-probs
+(the trainer's batch-invariant operators at the trainer's shapes), an FP8 cache that calibrates its scales
+at this prefill (host reads), or where the padded width would leave fewer than ``room`` columns (what the
+caller generates) in ``max_seq_len``. ``Prefill.buckets`` follows the engine's graphs; a CPU test may set it
+to run the bucketed shapes eagerly (their results equal a prefill at the contexts' own width).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lumenrl_backends.engines.graphs import DecodeGraphs
+from lumenrl_backends.engines.kv_cache import CacheView, prefill_mask
+from lumenrl_backends.engines.requests import left_pad
+from lumenrl_sddd.capture import select_hidden
+
+__all__ = ["Prefill", "PREFILL_GRAPH_TOKENS"]
+
+PREFILL_GRAPH_TOKENS = 2048  # prefills up to this many padded tokens replay a captured graph (module doc)
+
+
+class Prefill:
+    """``prefill(contexts, rows, room=..., layer_ids=...)`` for one :class:`~lumenrl_backends.engines.NativeEngine`."""
+
+    def __init__(self, engine: Any, *, graphs: bool) -> None:
+        self.engine = engine
+        self.graphs = DecodeGraphs(self._step, enabled=graphs)
+        self.buckets = graphs  # bucketed shapes (module doc)
+        self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    def __call__(
+        self, contexts: list[list[int]], rows: torch.Tensor, *, room: int, layer_ids: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Left-pad ``contexts`` into cache slots ``rows`` (n,) and run the prefill forward (R3 records it) ->
+        (ids, mask, positions: (n, W) at the padded width W, last-column logits (n, V), the hidden states of
+        ``layer_ids`` (n, W, len * H) or None). ``room``: the columns the caller will fill after the context."""
+        e, n = self.engine, len(contexts)
+        key = self.key(n, max(len(c) for c in contexts), room)
+        ids, mask = left_pad(contexts, e.pad_token_id, e.device, width=key[1] if key else 0)
+        if key is not None and key[0] > n:  # bucket rows: the last row again
+            ids, mask, rows = (torch.cat([t, t[-1:].expand(key[0] - n, *t.shape[1:])]) for t in (ids, mask, rows))
+        width = ids.shape[1]
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        e.cache.clear_slots(rows)
+        e.cache.valid[rows, :width] = mask.bool()
+        e.routes.prefill(rows, width, [width - len(c) for c in contexts])
+        hidden_key = tuple(layer_ids) if layer_ids is not None else None
+        if key is None:
+            logits, hidden = self._compute(ids, mask, positions, rows, hidden_key)
+        else:
+            inputs = self._inputs.setdefault(key, {"ids": torch.empty_like(ids), "mask": torch.empty_like(mask),
+                                                   "positions": torch.empty_like(positions),
+                                                   "rows": torch.empty_like(rows)})
+            for name, value in (("ids", ids), ("mask", mask), ("positions", positions), ("rows", rows)):
+                inputs[name].copy_(value)
+            logits, hidden = self.graphs(*key, hidden_key)
+        return ids[:n], mask[:n], positions[:n], logits[:n], None if hidden is None else hidden[:n]
+
+    def key(self, n: int, width: int, room: int) -> tuple[int, int] | None:
+        """(rows bucket, width bucket) of a graphed prefill, or None: eager at its own shape (module doc)."""
+        e = self.engine
+        calibrating = e.cache.kv_dtype is not None and (
+            e.cache.recalibrate or any(layer.codec.scales is None for layer in e.cache.layers))
+        if not self.buckets or e.exact or e.routes.enabled or calibrating:
+            return None
+        rows, padded = next(b for b in e.buckets if b >= n), max(16, 1 << (width - 1).bit_length())
+        if rows * padded > PREFILL_GRAPH_TOKENS or padded + room > e.max_seq_len:
+            return None
+        return rows, padded
+
+    def _step(self, rows: int, width: int, layer_ids: tuple[int, ...] | None) -> tuple[Any, ...]:
+        """What a graph holds: :meth:`_compute` over the static inputs of its shape."""
+        inputs = self._inputs[(rows, width)]
+        return self._compute(inputs["ids"], inputs["mask"], inputs["positions"], inputs["rows"], layer_ids)
+
+    def _compute(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                 layer_ids: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        e, width = self.engine, ids.shape[1]
+        columns = torch.arange(width, device=ids.device).expand(rows.shape[0], width)
+        e.cache.set_view(CacheView(rows=rows, columns=columns, decode=False, kv_len=width))
+        out = e._forward(ids, positions, prefill_mask(mask, e.window), prefill_mask(mask, None), layer_ids=layer_ids)
+        hidden = None if layer_ids is None else select_hidden(out.hidden_states, list(layer_ids))
+        return out.logits[:, -1], hidden
