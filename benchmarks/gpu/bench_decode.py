@@ -34,7 +34,7 @@ import gc
 import torch
 
 import benchmarks.gpu._common as C  # noqa: E402
-from lumenrl_backends.engines import NativeEngine  # noqa: E402
+from lumenrl_backends.engines import KernelOptions, NativeEngine  # noqa: E402
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -98,7 +98,7 @@ def fusion_check(model) -> dict:
     outs = {}
     for fuse in (True, False):  # the last engine built decides the model's state: unfused
         engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=8, max_seq_len=96,
-                              fuse_projections=fuse)
+                              kernels=KernelOptions(fuse_projections=fuse))
         sampled = {"temperature": 1.0, "max_new_tokens": new, "seed": 7, "ignore_eos": True}
         outs[fuse] = (engine.generate(batch, {**GREEDY, "max_new_tokens": new}), engine.generate(batch, sampled))
         res[f"{'fused' if fuse else 'unfused'}_groups"] = engine.fusion_report.fused if fuse else 0
@@ -130,8 +130,7 @@ def run_native(model, batch_size: int, args, mode: str, fuse: bool = True, overl
         torch._dynamo.reset()  # the model's modules change with ``fuse``: compile afresh, never reuse a variant
     engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=batch_size,
                           max_seq_len=args.prompt + args.new, cuda_graphs=mode != "eager",
-                          compile="full" if mode == "full" else "none", fuse_projections=fuse,
-                          overlap_sync=overlap)
+                          compile="full" if mode == "full" else "none", kernels=KernelOptions(fuse_projections=fuse, overlap_sync=overlap))
     batch = C.prompt_batch(batch_size, args.prompt, seed=2)
     params = {**GREEDY, "max_new_tokens": args.new}
     _, warm_s = C.timed(lambda: engine.generate(batch, params))  # captures graphs / compiles

@@ -12,16 +12,16 @@ the plain variants), ``+fusedmlp`` runs lumenrl-quant's fused SwiGLU MLP (``quan
 the unfused one (per-token scales between separate kernels), which is the default since session 5's
 measurements (during session 5's calls 1-4 the fused MLP was the default: engine names without
 ``+tokmlp`` there ran it). Since session 6 the per-token MLP runs SiLU * up and the down input's
-quantization as one lumenrl-quant kernel (``NativeEngine(fp8_act_kernel=True)``, the default);
+quantization as one lumenrl-quant kernel (``KernelOptions(fp8_act_kernel=True)``, the default);
 ``+inductmlp`` keeps inductor's kernels there (the path before). With the FP8 KV cache, decode attention
 hands ``o_proj`` its output as FP8 codes in V's units (``fp8_attn_out``, default since session 6);
 ``+tokattn`` quantizes it per token instead (the path before). The RMSNorms hand their ``fp8_row``
 consumers FP8 input in one pass (``fp8_norm_quant``, default since session 6); ``+tokln`` normalises first
 and quantizes the normalised rows (the path before). Each decode step's q/k norms, RoPE and
-KV-cache write (FP8 quantize included) run as one Triton kernel (``NativeEngine(fused_qk_rope=True)``, the
+KV-cache write (FP8 quantize included) run as one Triton kernel (``KernelOptions(fused_qk_rope=True)``, the
 default since session 7; ``+qkrope`` names it explicitly, as call 3 of session 7 did); ``+unfusedrope`` runs
 the norm modules, RoPE and the cache update instead (the path before; any base, ``bf16+unfusedrope`` too).
-``+vtiles`` stores V in (D, 128) tiles (``NativeEngine(kv_v_tiles=True)``; the default in session 8 calls 5-7,
+``+vtiles`` stores V in (D, 128) tiles (``KernelOptions(kv_v_tiles=True)``; the default in session 8 calls 5-7,
 opt-in since, as the whole step measured no faster); ``+vrows`` names rows, the default, explicitly (call 7). ``--persistent-rnumel N`` lets inductor
 hold reductions of up to N columns in registers (persistent) instead of looping (its default limit is
 1024; the FP8 engine's RMSNorm + quantize kernels reduce 4096). ``--attn-fp8-config`` overrides the FP8-cache attention launch
@@ -60,7 +60,7 @@ from pathlib import Path
 import torch
 
 import benchmarks.gpu._common as C  # noqa: E402
-from lumenrl_backends.engines import NativeEngine  # noqa: E402
+from lumenrl_backends.engines import KernelOptions, NativeEngine  # noqa: E402
 from lumenrl_quant import get_quant_scheme  # noqa: E402
 
 TIS_CAP = 2.0
@@ -209,9 +209,10 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=args.batch,
                               max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
                               quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
-                              fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
-                              fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags,
-                              fused_qk_rope="unfusedrope" not in flags, kv_v_tiles="vtiles" in flags)
+                              kernels=KernelOptions(
+                                  fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
+                                  fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags,
+                                  fused_qk_rope="unfusedrope" not in flags, kv_v_tiles="vtiles" in flags))
         if engine.fusion_report is not None:
             row["fused_fp8_mlps"] = len(engine.fusion_report.mlp_fp8)
             row["act_kernel_mlps"] = len(engine.fusion_report.mlp_fp8_token)

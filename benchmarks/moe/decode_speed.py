@@ -34,7 +34,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lumenrl_backends.engines.native import NativeEngine
+from lumenrl_backends.engines import KernelOptions, NativeEngine
 from lumenrl_core.data_proto import DataProto
 from lumenrl_moe import uninstall_routing
 from lumenrl_quant import get_quant_scheme
@@ -75,7 +75,8 @@ def _native(model, batch, new: int, *, device: str, compile: str, record: bool =
     torch._dynamo.reset()
     rows, prompt = batch.batch["input_ids"].shape
     engine = NativeEngine(model, _Tok(), device=device, max_batch_size=rows, max_seq_len=prompt + new,
-                          compile=compile, record_routes=record, fused_moe=fused_moe, quant_scheme=quant_scheme)
+                          compile=compile, record_routes=record, kernels=KernelOptions(fused_moe=fused_moe),
+                          quant_scheme=quant_scheme)
     if fused_moe == "on":
         assert engine.moe.report.fused and not engine.moe.report.skipped, engine.moe.report
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": new}
@@ -179,7 +180,7 @@ def profile(new: int = 64) -> None:
         torch._dynamo.reset()
         counters.clear()
         engine = NativeEngine(model, _Tok(), device="cuda", max_batch_size=64, max_seq_len=256 + new, compile="full",
-                              record_routes=kwargs.get("record", False), fused_moe="on",
+                              record_routes=kwargs.get("record", False), kernels=KernelOptions(fused_moe="on"),
                               quant_scheme=kwargs.get("quant_scheme"))
         engine.generate(batch, params)  # compile + capture
         timed = {}

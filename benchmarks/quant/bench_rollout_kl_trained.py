@@ -80,7 +80,7 @@ import torch
 
 import benchmarks.gpu.bench_fp8_rollout as R  # noqa: E402
 from benchmarks.gpu._common import StubTokenizer, command_line, environment, print_table, write_json  # noqa: E402
-from lumenrl_backends.engines import NativeEngine  # noqa: E402
+from lumenrl_backends.engines import KernelOptions, NativeEngine  # noqa: E402
 from lumenrl_quant import get_quant_scheme  # noqa: E402
 
 KL_GOAL = 1e-3  # issue #5: KL(rollout || train) <= 1e-3 after TIS
@@ -314,9 +314,10 @@ def measure_engine(name: str, train_model: Any, batch: Any, params: dict, *, dev
         engine = NativeEngine(copy.deepcopy(train_model), SynthTokenizer(), device=device,
                               max_batch_size=batch.batch["input_ids"].shape[0], max_seq_len=max_seq_len,
                               quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
-                              fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
-                              fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags,
-                              fused_qk_rope="unfusedrope" not in flags)
+                              kernels=KernelOptions(
+                                  fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
+                                  fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags,
+                                  fused_qk_rope="unfusedrope" not in flags))
         if scheme is not None:
             row.update(quantized_linears=len(engine.quant_report.quantized),
                        skipped_linears=len(engine.quant_report.skipped),

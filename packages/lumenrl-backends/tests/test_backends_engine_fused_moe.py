@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lumenrl_backends.engines.native import NativeEngine
+from lumenrl_backends.engines import KernelOptions, NativeEngine
 from lumenrl_backends.models.tiny import tiny_config
 from lumenrl_backends.models.tokenizer import build_char_tokenizer
 from lumenrl_core.assembly.requirements import moe_layout_supported
@@ -55,8 +55,8 @@ def prompts(tokenizer) -> DataProto:
 
 def engine(model, mode: str, **kwargs) -> NativeEngine:
     # fused_qk_rope off: under the interpreter its Triton kernel would dominate the test's time
-    return NativeEngine(model, build_char_tokenizer(), max_batch_size=4, max_seq_len=32, fused_moe=mode,
-                        fused_qk_rope=False, **kwargs)
+    return NativeEngine(model, build_char_tokenizer(), max_batch_size=4, max_seq_len=32,
+                        kernels=KernelOptions(fused_moe=mode, fused_qk_rope=False), **kwargs)
 
 
 def response_logits(model, out: DataProto) -> torch.Tensor:
@@ -215,7 +215,7 @@ def test_fused_experts_capture_in_cuda_graphs(dtype):
     outs = []
     for graphs in (True, False):
         eng = NativeEngine(tiny_moe(dtype), build_char_tokenizer(), device="cuda", max_batch_size=4,
-                           max_seq_len=48, fused_moe="on", cuda_graphs=graphs)
+                           max_seq_len=48, kernels=KernelOptions(fused_moe="on"), cuda_graphs=graphs)
         assert eng.graphs.enabled == graphs and eng.moe.report.backend == "triton"
         outs.append(eng.generate(prompts(eng.tokenizer), {**GREEDY, "max_new_tokens": 16}))
     assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lumenrl_backends.engines import NativeEngine, fusion
+from lumenrl_backends.engines import KernelOptions, NativeEngine, fusion
 from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 
@@ -84,7 +84,7 @@ def gated_mlps(model: torch.nn.Module) -> int:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fused_equals_unfused_and_training_forward(family, tiny_model_dir, monkeypatch):
     path = tiny_model_dir(family, initializer_range=0.2, **FAMILIES[family])
-    plain = engine(path, fuse_projections=False)
+    plain = engine(path, kernels=KernelOptions(fuse_projections=False))
     fused = engine(path)
     layers = plain.model.config.num_hidden_layers
     report = fused.fusion_report
@@ -159,8 +159,8 @@ def quant_dir(tiny_model_dir):
 @pytest.mark.parametrize("scheme", ["fp8_block", "fp8_row", "fp8_w8a16", "mxfp8"])
 def test_fp8_fusion_matches_unfused_and_requantizes_in_place(quant_dir, scheme, monkeypatch):
     """Projection fusion alone changes no number (the FP8 SwiGLU MLP, which does, is tested below)."""
-    plain = engine(quant_dir, quant_scheme=scheme, fuse_projections=False)
-    fused = engine(quant_dir, quant_scheme=scheme, fuse_fp8_mlp=False, fp8_norm_quant=False)
+    plain = engine(quant_dir, quant_scheme=scheme, kernels=KernelOptions(fuse_projections=False))
+    fused = engine(quant_dir, quant_scheme=scheme, kernels=KernelOptions(fuse_fp8_mlp=False, fp8_norm_quant=False))
     layers = plain.model.config.num_hidden_layers
     assert len(fused.fusion_report.attention) == layers and len(fused.fusion_report.mlp) == layers
     assert not fused.fusion_report.mlp_fp8
@@ -190,7 +190,7 @@ def test_fp8_row_swiglu_mlp_runs_at_decode_and_follows_weight_sync(quant_dir, mo
     per_token = engine(quant_dir, quant_scheme="fp8_row")  # the default: per-token scales
     assert not per_token.fusion_report.mlp_fp8
     assert len(per_token.fusion_report.mlp_fp8_token) == per_token.model.config.num_hidden_layers
-    fused = engine(quant_dir, quant_scheme="fp8_row", fuse_fp8_mlp=True)
+    fused = engine(quant_dir, quant_scheme="fp8_row", kernels=KernelOptions(fuse_fp8_mlp=True))
     layers = fused.model.config.num_hidden_layers
     assert len(fused.fusion_report.mlp_fp8) == layers and not fused.fusion_report.mlp_fp8_skipped
     calls = []
@@ -211,7 +211,7 @@ def test_fp8_row_swiglu_mlp_runs_at_decode_and_follows_weight_sync(quant_dir, mo
     fresh_dir = quant_dir.parent / "fresh_swiglu"
     model32.save_pretrained(fresh_dir)
     fused.tokenizer.save_pretrained(fresh_dir)
-    fresh = engine(fresh_dir, quant_scheme="fp8_row", fuse_fp8_mlp=True)
+    fresh = engine(fresh_dir, quant_scheme="fp8_row", kernels=KernelOptions(fuse_fp8_mlp=True))
     for params in (GREEDY, SAMPLED):
         assert_same(fused.generate(batch, params), fresh.generate(batch, params), atol=1e-5)
 
@@ -222,8 +222,8 @@ def test_fp8_row_mlp_activation_kernel_is_the_unfused_math(quant_dir, monkeypatc
     at prefill and every decode step; ``fp8_act_kernel=False`` keeps the modules' own ops."""
     from lumenrl_quant import fused_mlp
 
-    kernel = engine(quant_dir, quant_scheme="fp8_row", fp8_norm_quant=False)
-    plain = engine(quant_dir, quant_scheme="fp8_row", fp8_act_kernel=False)
+    kernel = engine(quant_dir, quant_scheme="fp8_row", kernels=KernelOptions(fp8_norm_quant=False))
+    plain = engine(quant_dir, quant_scheme="fp8_row", kernels=KernelOptions(fp8_act_kernel=False))
     layers = kernel.model.config.num_hidden_layers
     assert len(kernel.fusion_report.mlp_fp8_token) == layers and not plain.fusion_report.mlp_fp8_token
     calls = []
@@ -246,7 +246,7 @@ def test_fp8_attention_output_feeds_o_proj_as_codes(quant_dir, monkeypatch):
     from lumenrl_quant import QuantizedLinear
     engines = {}
     for fp8_out in (True, False):
-        engines[fp8_out] = engine(quant_dir, kv_cache_dtype="fp8", quant_scheme="fp8_row", fp8_attn_out=fp8_out)
+        engines[fp8_out] = engine(quant_dir, kv_cache_dtype="fp8", quant_scheme="fp8_row", kernels=KernelOptions(fp8_attn_out=fp8_out))
     layers = engines[True].model.config.num_hidden_layers
     assert len(engines[True].fusion_report.attention_fp8_out) == layers
     assert not engines[False].fusion_report.attention_fp8_out
@@ -282,7 +282,7 @@ def test_fp8_norms_hand_their_consumers_fp8_input(quant_dir, monkeypatch):
     import lumenrl_quant
 
     on = engine(quant_dir, quant_scheme="fp8_row")
-    off = engine(quant_dir, quant_scheme="fp8_row", fp8_norm_quant=False)
+    off = engine(quant_dir, quant_scheme="fp8_row", kernels=KernelOptions(fp8_norm_quant=False))
     layers = on.model.config.num_hidden_layers
     assert len(on.fusion_report.layers_fp8_norm) == layers and not off.fusion_report.layers_fp8_norm
     assert not engine(quant_dir, quant_scheme="fp8_block").fusion_report.layers_fp8_norm  # 1 x 128 groups: no
@@ -347,7 +347,7 @@ def test_speculative_step_keeps_results_bit_identical(qwen3_dir):
     """Rows stop at different steps (stop tokens, max_seq_len): the overlapped loop discards
     over-generated tokens and rolls back steps whose shape changed; results equal the synchronous loop."""
     path = qwen3_dir
-    sync = engine(path, overlap_sync=False)
+    sync = engine(path, kernels=KernelOptions(overlap_sync=False))
     overlap = engine(path)
     batch = prompt_batch(sync.tokenizer)
     probe = sync.generate(batch, {**SAMPLED, "max_new_tokens": 24})
@@ -374,7 +374,7 @@ def test_interrupt_from_another_thread_with_a_speculative_step_in_flight(qwen3_d
     overlap = engine(path)
     batch = prompt_batch(overlap.tokenizer)
     params = {**SAMPLED, "max_new_tokens": 20}
-    full = engine(path, overlap_sync=False).generate(batch, params)
+    full = engine(path, kernels=KernelOptions(overlap_sync=False)).generate(batch, params)
     original, steps = overlap._decode, []
     in_flight = []
 
@@ -408,7 +408,7 @@ def test_engines_sharing_a_model_apply_their_own_fusion_setting(qwen3_dir, monke
     calls = fused_calls(monkeypatch)
     first = again.generate(prompt_batch(tokenizer), GREEDY)
     assert calls["dense"] > 0
-    plain = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=48, fuse_projections=False)
+    plain = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=48, kernels=KernelOptions(fuse_projections=False))
     calls["dense"] = 0
     assert_same(plain.generate(prompt_batch(tokenizer), GREEDY), first)
     assert calls["dense"] == 0 and type(model.model.layers[0].self_attn).forward is not fusion._attention_forward
@@ -423,8 +423,8 @@ def test_cuda_graphs_fused_and_overlapped_match_reference(qwen3_dir):
         model, tokenizer = load_model_and_tokenizer(str(path), dtype="float32")
         return NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=48, **kwargs)
 
-    reference = gpu_engine(fuse_projections=False, overlap_sync=False)
-    fused, overlapped = gpu_engine(overlap_sync=False), gpu_engine()
+    reference = gpu_engine(kernels=KernelOptions(fuse_projections=False, overlap_sync=False))
+    fused, overlapped = gpu_engine(kernels=KernelOptions(overlap_sync=False)), gpu_engine()
     batch = prompt_batch(reference.tokenizer)
     stops = {"stop_token_ids": [5, 6, 7]}
     for params in (GREEDY, SAMPLED, {**SAMPLED, "max_new_tokens": 24, **stops}):

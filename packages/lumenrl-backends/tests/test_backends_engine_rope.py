@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lumenrl_backends.engines import NativeEngine, triton_rope
+from lumenrl_backends.engines import KernelOptions, NativeEngine, triton_rope
 from lumenrl_backends.engines.kv_cache import CacheView, SlotKVCache, value_rows, value_tiles
 from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
@@ -251,7 +251,7 @@ def run_engines(path, kv: str, dtype: str, *, compile: str = "none", max_new_tok
     outs, runs, forwards = [], [], [0]
     for fused in (False, True):  # one after the other: both engines drive the same model
         engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=40, kv_cache_dtype=kv, compile=compile,
-                              fused_qk_rope=fused)
+                              kernels=KernelOptions(fused_qk_rope=fused))
         decode_forward = engine._decode_forward
 
         def counted(*args, _forward=decode_forward, _fused=fused):  # noqa: ANN002, ANN202
@@ -291,7 +291,7 @@ def test_engine_default_runs_the_op_and_the_switch_turns_it_off(tiny_models):
     assert len(report.attention_fused_rope) == model.config.num_hidden_layers
     assert not report.attention_fused_rope_skipped
     model, tokenizer = load_model_and_tokenizer(str(tiny_models["qwen3"]), dtype="float32")
-    report = NativeEngine(model, tokenizer, max_batch_size=2, max_seq_len=16, fused_qk_rope=False).fusion_report
+    report = NativeEngine(model, tokenizer, max_batch_size=2, max_seq_len=16, kernels=KernelOptions(fused_qk_rope=False)).fusion_report
     assert not report.attention_fused_rope and not report.attention_fused_rope_skipped
 
 

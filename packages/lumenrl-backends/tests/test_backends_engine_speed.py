@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from lumenrl_backends.engines import NativeEngine
+from lumenrl_backends.engines import KernelOptions, NativeEngine
 from lumenrl_backends.engines.graphs import DecodeGraphs, gc_paused, kv_bytes_per_token, slots_for_budget
 from lumenrl_backends.engines.quant import FP8KVCodec
 from lumenrl_backends.models import load_model_and_tokenizer
@@ -206,7 +206,7 @@ def test_cuda_fused_sampling_engine_equals_torch_sampler(qwen3_dir):
     batch = prompt_batch(tokenizer)
     outs = []
     for fused in (True, False):
-        engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, fused_sampling=fused)
+        engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, kernels=KernelOptions(fused_sampling=fused))
         outs.append(engine.generate(batch, {"temperature": 1.0, "max_new_tokens": 16, "seed": 9}))
         assert engine._fused_ok is fused
     assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
@@ -238,7 +238,7 @@ def test_cuda_fp8_kv_v_tiles_generate_as_rows(qwen3_dir):
     outs = []
     for tiles in (False, True):  # rows (the default), then V in (D, 128) tiles
         engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, kv_cache_dtype="fp8",
-                              kv_v_tiles=tiles)
+                              kernels=KernelOptions(kv_v_tiles=tiles))
         assert engine.cache.v_tile == (V_TILE if tiles else 0)
         outs.append(engine.generate(batch, {"temperature": 0.0, "max_new_tokens": 4}))
     rows, tiles = (out.batch for out in outs)
@@ -293,7 +293,7 @@ def test_cuda_two_compiled_engines_in_one_process_both_capture(qwen3_dir):
     del eager
     for fuse in (True, False, True):  # the unfused model makes dynamo recompile; the third reuses the first
         engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, compile="full",
-                              fuse_projections=fuse)
+                              kernels=KernelOptions(fuse_projections=fuse))
         out = engine.generate(batch, params)
         assert engine.graphs.error is None and engine.graphs.graphs, engine.graphs.error
         agree = (out.batch["responses"] == ref.batch["responses"]).float().mean()

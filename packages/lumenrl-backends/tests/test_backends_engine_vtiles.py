@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lumenrl_backends.engines import NativeEngine
+from lumenrl_backends.engines import KernelOptions, NativeEngine
 from lumenrl_backends.engines.kv_cache import V_TILE, CacheView, SlotKVCache, value_rows, value_tiles
 from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
@@ -76,7 +76,7 @@ def test_engine_with_v_tiles_generates_what_it_generates_by_rows(qwen3_dir, kv):
     batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     outs = []
     for tiles in (False, True):
-        engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=40, kv_cache_dtype=kv, kv_v_tiles=tiles)
+        engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=40, kv_cache_dtype=kv, kernels=KernelOptions(kv_v_tiles=tiles))
         outs.append(engine.generate(batch, GREEDY).batch)
         assert engine.cache.v_tile == (V_TILE if tiles else 0)
         assert engine.cache.layers[0].values.dim() == (5 if tiles else 4)
@@ -91,4 +91,4 @@ def test_v_tiles_need_the_engines_attention(qwen3_dir):
     model, tokenizer = load_model_and_tokenizer(str(qwen3_dir), dtype="float32")
     model.config._attn_implementation = "eager"
     with pytest.raises(ValueError, match="kv_v_tiles=True needs the engine's attention"):
-        NativeEngine(model, tokenizer, max_batch_size=2, max_seq_len=16, kv_v_tiles=True)
+        NativeEngine(model, tokenizer, max_batch_size=2, max_seq_len=16, kernels=KernelOptions(kv_v_tiles=True))

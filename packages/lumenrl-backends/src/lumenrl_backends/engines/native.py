@@ -15,6 +15,9 @@ Design (what the GPU-speed work builds on without a rewrite):
   elementwise kernels; KV length then fixed at ``max_seq_len``, but the Triton decode attention
   stops each row at its write column, so the unused tail is not read; at most two compiles: the
   first bucket static, then one with a symbolic batch for all other buckets);
+Kernel paths (the switches in ``backquotes`` below are fields of
+:class:`~lumenrl_backends.engines.options.KernelOptions`, the ``kernels`` argument):
+
 * projection fusion at load (``fuse_projections``, :mod:`~lumenrl_backends.engines.fusion`): one q/k/v
   and one gate/up GEMM per layer over fused storage that the named parameters view; ``fp8_row`` SwiGLU
   MLPs run SiLU * up and the down input's FP8 quantization as one kernel (``fp8_act_kernel``, default on)
@@ -86,6 +89,7 @@ from lumenrl_backends.engines.loading import (
     sliding_window_of,
 )
 from lumenrl_backends.engines.moe import install_fused_experts
+from lumenrl_backends.engines.options import KernelOptions
 from lumenrl_backends.engines.prefill import Prefill
 from lumenrl_backends.engines.quant import kv_cache_dtype as resolve_kv_dtype
 from lumenrl_backends.engines.quant import quantize_rollout_model, rollout_scheme
@@ -151,46 +155,38 @@ class NativeEngine:
         compile: str = "none",
         prefill_chunk_tokens: int = 16384,
         gpu_memory_utilization: float | None = None,
-        fused_sampling: bool = True,
-        fuse_projections: bool = True,
-        overlap_sync: bool = True,
-        fuse_fp8_mlp: bool = False,
-        fp8_act_kernel: bool = True,
-        fp8_attn_out: bool = True,
-        fp8_norm_quant: bool = True,
-        fused_qk_rope: bool = True,
-        kv_v_tiles: bool = False,
-        fused_moe: str = "auto",
+        kernels: KernelOptions | None = None,
         record_routes: bool = False, record_router_logits: bool = False, moe_router: str = "",
         exact_logprobs: bool = False,
     ) -> None:
+        k = kernels or KernelOptions()
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
-        if exact_logprobs and fused_moe == "on":
+        if exact_logprobs and k.fused_moe == "on":
             raise ValueError("fused_moe='on' with exact_logprobs: the exact mode runs the HF modules; allowed: auto, off")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 2 (one prompt token + one new token)")
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
-        self.exact, fuse_projections = exact_logprobs, fuse_projections and not exact_logprobs  # exact: HF modules
+        self.exact, fuse_projections = exact_logprobs, k.fuse_projections and not exact_logprobs  # exact: HF modules
         if exact_logprobs:  # the trainer's batch-invariant operators (lumenrl_backends.exact)
             enable_exact(self.model, engine_settings=(quant_scheme, kv_cache_dtype, compile))
         self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
         if exact_logprobs and quant_scheme:  # agreement with its own quantized model (exact/patch.py)
             enable_exact_quantized(self.model)
         # one q/k/v and one gate/up GEMM per layer; parameters become views of the fused storage
-        self.fusion_report = fuse_model_projections(self.model, fp8_mlp=fuse_fp8_mlp,
-                                                    fp8_act_kernel=fp8_act_kernel, fp8_attn_out=fp8_attn_out,
-                                                    fp8_norm_quant=fp8_norm_quant and _norm_quant_pays(compile, self.device),
-                                                    fused_qk_rope=fused_qk_rope) if fuse_projections else None
+        self.fusion_report = fuse_model_projections(self.model, fp8_mlp=k.fuse_fp8_mlp,
+                                                    fp8_act_kernel=k.fp8_act_kernel, fp8_attn_out=k.fp8_attn_out,
+                                                    fp8_norm_quant=k.fp8_norm_quant and _norm_quant_pays(compile, self.device),
+                                                    fused_qk_rope=k.fused_qk_rope) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
         # MoE experts on the fused Triton kernel (FP8 experts with fp8_block), or HF's implementation
-        self.moe = install_fused_experts(self.model, "off" if exact_logprobs else fused_moe, self.device, quant_scheme)
+        self.moe = install_fused_experts(self.model, "off" if exact_logprobs else k.fused_moe, self.device, quant_scheme)
         self.tokenizer = tokenizer
         kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.device)
         if gpu_memory_utilization is not None and self.device.type == "cuda":
@@ -215,12 +211,12 @@ class NativeEngine:
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
-        if kv_v_tiles and self._attn != "sdpa":
+        if k.kv_v_tiles and self._attn != "sdpa":
             raise ValueError(f"kv_v_tiles=True needs the engine's attention (attn_implementation 'sdpa'); the model "
                              f"uses {self._attn!r}")
         # V in (D, V_TILE) tiles, opt-in (kv_cache module doc; the kernel checked once on CUDA, as below)
         cache_dtype = kv_dtype or next(self.model.parameters()).dtype
-        v_tiles = kv_v_tiles and (self.device.type != "cuda" or kernel_agrees(self.device, cache_dtype, v_tile=V_TILE))
+        v_tiles = k.kv_v_tiles and (self.device.type != "cuda" or kernel_agrees(self.device, cache_dtype, v_tile=V_TILE))
         self.cache = SlotKVCache(num_layers=model.config.num_hidden_layers, max_slots=max_batch_size,
                                  max_len=max_seq_len, device=self.device, kv_dtype=kv_dtype,
                                  v_tile=V_TILE if v_tiles else 0)
@@ -247,7 +243,7 @@ class NativeEngine:
         self.prefill = Prefill(self, graphs=self.graphs.enabled)  # small prefills from CUDA graphs (engines/prefill.py)
         # overlapped host sync: step N's (token, log-prob) pairs go to host buffers (pinned on CUDA,
         # two: N and N+1 in flight) while step N+1 is already queued (see _decode)
-        self.overlap_sync = overlap_sync
+        self.overlap_sync = k.overlap_sync
         pinned = self.device.type == "cuda"
         self._host = [torch.empty(2 * max_batch_size, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
         self._events = [torch.cuda.Event() for _ in range(2)] if pinned else [None, None]
@@ -255,7 +251,7 @@ class NativeEngine:
         self._inflight: _Launched | None = None
         self.speculation = {"launched": 0, "rolled_back": 0}  # speculative steps queued / undone (diagnostics)
         # Triton one-pass sampler on CUDA, after a self-check against the torch sampler (None: not checked yet)
-        self._fused_ok: bool | None = None if fused_sampling and self.device.type == "cuda" else False
+        self._fused_ok: bool | None = None if k.fused_sampling and self.device.type == "cuda" else False
         self.draft, self.spec_tokens = None, 0  # speculative decoding: engines/speculative.attach_draft
 
     # ------------------------------------------------------------------ construction
@@ -276,10 +272,9 @@ class NativeEngine:
             cuda_graphs=rollout.cuda_graphs,
             compile=rollout.compile,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
-            fuse_projections=rollout.fuse_projections,
-            fused_moe=rollout.fused_moe,
-            overlap_sync=rollout.overlap_sync,
-            fuse_fp8_mlp=rollout_quant.fuse_mlp, exact_logprobs=rollout.exact_logprobs,
+            kernels=KernelOptions(fuse_projections=rollout.fuse_projections, fused_moe=rollout.fused_moe,
+                                  overlap_sync=rollout.overlap_sync, fuse_fp8_mlp=rollout_quant.fuse_mlp),
+            exact_logprobs=rollout.exact_logprobs,
             **r3_engine_kwargs(run_config.moe.r3),
         )
         engine.kv_scale_recalibration = rollout_quant.kv_scale_recalibration

@@ -1,0 +1,27 @@
+"""The native engine's kernel choices, one options object (STYLE 14: a config object per concern).
+
+Every default is the path measured faster on an H200 (``benchmarks/RESULTS.md``) or, for the opt-in ones,
+kept for A/B benchmarks and equivalence tests; the modules named below document each path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["KernelOptions"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelOptions:
+    """Which fused paths :class:`~lumenrl_backends.engines.NativeEngine` takes."""
+
+    fuse_projections: bool = True  # one q/k/v and one gate/up GEMM per layer over fused storage (engines/fusion.py)
+    fused_qk_rope: bool = True  # decode: q/k norms + RoPE + KV write as one Triton op (engines/triton_rope.py)
+    fused_sampling: bool = True  # CUDA: one Triton pass over the logits, after a self-check (engines/triton_sampling.py)
+    overlap_sync: bool = True  # queue decode step N + 1 before reading step N (engines/native.py)
+    fused_moe: str = "auto"  # MoE experts on lumenrl-quant's Triton kernel: auto | on | off (engines/moe.py)
+    kv_v_tiles: bool = False  # opt-in: V stored in (D, 128) tiles (engines/kv_cache.py)
+    fuse_fp8_mlp: bool = False  # opt-in, fp8_row: SiLU * up and the FP8 quantization in the gate/up epilogue
+    fp8_act_kernel: bool = True  # fp8_row: SiLU * up and the down input's quantization as one kernel
+    fp8_attn_out: bool = True  # FP8 KV cache: decode attention writes FP8 codes for o_proj
+    fp8_norm_quant: bool = True  # RMSNorm hands its fp8_row consumer per-token FP8 input (compile="full", CPU)
