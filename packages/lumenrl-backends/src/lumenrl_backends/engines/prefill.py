@@ -64,10 +64,11 @@ class Prefill:
         if key is None:
             logits, hidden = self._compute(ids, mask, positions, rows, hidden_key)
         else:
-            inputs = self._inputs.setdefault(key, {"ids": torch.empty_like(ids), "mask": torch.empty_like(mask),
-                                                   "positions": torch.empty_like(positions),
-                                                   "rows": torch.empty_like(rows)})
-            for name, value in (("ids", ids), ("mask", mask), ("positions", positions), ("rows", rows)):
+            fresh = {"ids": ids, "mask": mask, "positions": positions, "rows": rows}
+            inputs = self._inputs.get(key)
+            if inputs is None:  # the graph's static inputs of this shape, made once
+                inputs = self._inputs[key] = {name: torch.empty_like(value) for name, value in fresh.items()}
+            for name, value in fresh.items():
                 inputs[name].copy_(value)
             logits, hidden = self.graphs(*key, hidden_key)
         return ids[:n], mask[:n], positions[:n], logits[:n], None if hidden is None else hidden[:n]
