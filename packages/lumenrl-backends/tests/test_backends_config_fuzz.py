@@ -1,5 +1,6 @@
 """Issue #16 property: random corruptions of every preset either load or are refused with ConfigError
-lines, through the CLI's own entry point (``lumenrl config show``); none reaches a traceback."""
+lines, through the CLI's own entry point (``lumenrl config show``); none reaches a traceback. (Here, not in
+lumenrl-core's tests: it drives lumenrl-backends' CLI, and core's tests also run alone, in ``iso-core``.)"""
 
 from __future__ import annotations
 
