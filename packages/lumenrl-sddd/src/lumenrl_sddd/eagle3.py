@@ -167,8 +167,8 @@ class Eagle3Draft(nn.Module):
     def compile_inference(self, backend: str | None = "inductor") -> Eagle3Draft:
         """Run each chained draft step's dense pieces through ``torch.compile``: the input norms, q/k/v and RoPE,
         then o_proj, the MLP, the final norm and the head. Inductor fuses their elementwise ops, so a step
-        launches ~25 kernels instead of ~65; replayed from a CUDA graph at batch 1 each still costs ~2 us of
-        GPU time, which is most of a small draft's step. The KV writes, attention and sampling stay eager;
+        launches fewer kernels; replayed from a CUDA graph at batch 1 each kernel still has a fixed GPU cost,
+        which is most of a small draft's step (measured: decision 0013). The KV writes, attention and sampling stay eager;
         the commit of a round's entries and training (:meth:`ttt_loss`) are untouched. Compiles happen at the
         first calls (batch 1 static, then one symbolic batch: automatic dynamic shapes); a piece that fails to
         compile warns and runs eagerly from then on. ``backend``: torch.compile's (None: off)."""

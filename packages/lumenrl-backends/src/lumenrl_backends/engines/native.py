@@ -33,7 +33,7 @@ Kernel paths (the switches in ``backquotes`` below are fields of
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
   memory); ``gpu_memory_utilization`` sizes the number of KV slots from free device memory;
 * small prefills replay CUDA graphs at bucketed shapes (:mod:`~lumenrl_backends.engines.prefill`: an eager
-  prefill of a few tokens is all host time, longer than 20 decode steps of a 16-layer model);
+  prefill of a few tokens is all host time);
 * sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with counter-based
   per-request noise (interrupted sequences resume bit-identically); on CUDA one Triton pass over the logits
   (:mod:`~lumenrl_backends.engines.triton_sampling`), enabled after a self-check against the torch sampler;

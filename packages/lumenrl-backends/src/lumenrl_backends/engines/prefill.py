@@ -1,8 +1,7 @@
 """The native engine's prefill: left-padded contexts into cache slots, small ones replayed from CUDA graphs.
 
-An eager prefill of a few tokens is all host time: ~1,500 ops through the HF modules, ~25 ms for a 16-layer
-model on an H200, longer than 20 of its graphed decode steps, and paid once per ``generate`` (and per
-admission under continuous batching). So a prefill of at most :data:`PREFILL_GRAPH_TOKENS` padded tokens
+An eager prefill of a few tokens is all host time (one Python dispatch per op of every HF module; measured in
+decision 0013), paid once per ``generate`` and per admission under continuous batching. So a prefill of at most :data:`PREFILL_GRAPH_TOKENS` padded tokens
 runs at a bucketed shape and is captured once per shape, in its own graph pool
 (:class:`~lumenrl_backends.engines.graphs.DecodeGraphs`: the first call runs eagerly, then it is captured):
 
