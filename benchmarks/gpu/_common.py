@@ -263,6 +263,20 @@ def profile_engine(engine: Any, batch: Any, params: dict[str, Any], *, steps: in
     return out
 
 
+def profile_numbers(prof: dict[str, Any] | None, prefix: str = "profile/") -> dict[str, Any]:
+    """A decode profile (:func:`profile_engine`) as flat suite numbers: ms per step busy / idle / by kernel
+    class, the GB/s the GEMMs and attention reach, kernels per step, and the top three kernels' names."""
+    if not prof or "error" in prof:
+        return {}
+    out: dict[str, Any] = {f"{prefix}{k}": round(prof[k], 4) for k in
+                           ("kernels_per_step", "busy_ms_per_step", "idle_ms_per_step", "span_ms_per_step",
+                            "gemm_weight_gbs", "attention_kv_gbs") if k in prof}
+    out.update({f"{prefix}{cls}_ms_per_step": round(ms, 4) for cls, ms in prof["busy_ms_by_class"].items()})
+    for i, k in enumerate(prof["top_kernels"][:3]):
+        out[f"{prefix}top{i + 1}"] = f"{k['name'][:120]} ({k['ms_per_step']:.3f} ms/step)"
+    return out
+
+
 def print_profile(prof: dict[str, Any], label: str) -> None:
     if "error" in prof:
         print(f"profile {label}: {prof['error']}")

@@ -300,11 +300,12 @@ def _best_8b_b64(rows: list[dict]) -> dict:
 
 def run(smoke: bool) -> dict:
     """Suite entry: native decode tok/s and its fraction of the bandwidth roofline (8B, batch 64; smoke: a
-    tiny model, batch 2, eager, on the CPU)."""
+    tiny model, batch 2, eager, on the CPU), with the profile of the timed engine's decode steps (where the
+    time goes: ms per step by kernel class, idle time, GB/s of the GEMMs and attention)."""
     best = _best_8b_b64(main([*SMOKE_ARGS, "--hf", "none"] if smoke else
-                             ["--models", "8b", "--batches", "64", "--modes", "full", "--hf", "none"])["rows"])
+                             ["--models", "8b", "--batches", "64", "--modes", "full", "--hf", "none", "--profile"])["rows"])
     return {"native_decode_tok_s": best["decode_tok_s"], "roofline_tok_s": best["roofline_tok_s"],
-            "roofline_frac": best["roofline_frac"], "engine": best["engine"]}
+            "roofline_frac": best["roofline_frac"], "engine": best["engine"], **C.profile_numbers(best.get("profile"))}
 
 
 def run_vs_hf(smoke: bool) -> dict:

@@ -342,12 +342,16 @@ def run(smoke: bool) -> dict:
     fp8 = "fp8_row+kv" if smoke else "fp8_row+kv+head"  # the tiny model ties its head to the embeddings
     rows = main(["--model", "tiny", "--batch", "2", "--prompt", "8", "--new", "6", "--engines", f"bf16,{fp8}",
                  "--modes", "graph", "--out", "fp8_rollout_smoke.json"] if smoke else
-                ["--engines", f"bf16,{fp8}", "--modes", "full", "--no-exact-kl"])["rows"]
+                ["--engines", f"bf16,{fp8}", "--modes", "full", "--no-exact-kl", "--profile"])["rows"]
     failed = {r["engine"]: r["error"] for r in rows if "error" in r}
     if failed:
         raise RuntimeError(f"fp8 rollout engines failed: {failed}")
     tok = {r["engine"]: r["decode_tok_s"] for r in rows if "decode_tok_s" in r}
-    return {"bf16_decode_tok_s": tok["bf16"], "fp8_decode_tok_s": tok[fp8], "speedup": tok[fp8] / tok["bf16"]}
+    profiles = {}
+    for r in rows:  # the full run profiles both engines' decode steps: where the FP8 step's time goes
+        profiles.update(C.profile_numbers(r.get("profile"), f"profile_{'fp8' if r['engine'] == fp8 else 'bf16'}/"))
+    return {"bf16_decode_tok_s": tok["bf16"], "fp8_decode_tok_s": tok[fp8], "speedup": tok[fp8] / tok["bf16"],
+            **profiles}
 
 
 if __name__ == "__main__":

@@ -353,16 +353,20 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run(smoke: bool) -> dict:
-    """Suite entry: MFU and tokens/s of the 1.7B one-rank compiled train step (smoke: a tiny model on CPU)."""
-    name = "1.7b/bf16" if smoke else "1.7b/bf16+compile+single"  # smoke: no compile, no single-vs-sharded check
-    args = ["--smoke", "--steps", "1", "--warmup", "1", "--variants", name] if smoke else [
-        "--steps", "4", "--warmup", "2", "--budget-s", "150", "--variant-timeout-s", "90", "--profile", "",
-        "--variants", f"1.7b/bf16+compile,{name}"]
+    """Suite entry: MFU and tokens/s of the 1.7B one-rank compiled train step, through the single-device
+    path (``mfu``) and through ``fully_shard`` on a one-rank mesh (``mfu_fsdp2``), side by side, each
+    step profiled once (smoke: a tiny model on CPU, eager)."""
+    sharded, single = ("1.7b/bf16", "1.7b/bf16+single") if smoke else ("1.7b/bf16+compile", "1.7b/bf16+compile+single")
+    args = ["--smoke", "--steps", "1", "--warmup", "1", "--profile", "", "--variants", f"{sharded},{single}"] if smoke \
+        else ["--steps", "4", "--warmup", "2", "--budget-s", "240", "--variant-timeout-s", "110",
+              "--profile", f"{sharded},{single}", "--variants", f"{sharded},{single}"]
     results = {r["variant"]: r for r in main(args)["results"]}
-    r = results[name]
-    if "error" in r or "skipped" in r:
-        raise RuntimeError(f"{name}: {r.get('error') or r.get('skipped')}")
-    return {"mfu": r["mfu"], "tokens_per_s": r["tokens_per_s"], "step_s": r["step_s"]}
+    for name in (sharded, single):
+        if "error" in results[name] or "skipped" in results[name]:
+            raise RuntimeError(f"{name}: {results[name].get('error') or results[name].get('skipped')}")
+    r, f = results[single], results[sharded]
+    return {"mfu": r["mfu"], "tokens_per_s": r["tokens_per_s"], "step_s": r["step_s"], "mfu_fsdp2": f["mfu"],
+            "fsdp2_step_s": f["step_s"], "fsdp2_over_single_step": f["step_s"] / r["step_s"]}
 
 
 if __name__ == "__main__":

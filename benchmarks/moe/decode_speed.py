@@ -2,14 +2,17 @@
 
 Full shape (``smoke=False``, CUDA): hidden 2048, 128 experts, top-8, expert width 768, 32/4 heads
 of 128, 12 of the 48 layers, vocab 151936, bf16 random init; batch 64, 256 prompt + 128 new
-tokens, greedy, EOS ignored. Reported, each the median of three whole generate calls after a warm-up call, all
+tokens, greedy, EOS ignored. Reported, each the median of three whole generate calls after a warm-up call (the
+bf16 rate: of the fifteen plain calls of the recording-cost rounds), all
 engines ``compile="full"`` over the same model, in this order (the FP8 engines quantize it in place):
 
 * ``native_decode_tok_s``: batch x (new - 1) / (seconds - prefill seconds), experts on the fused
   Triton kernel (``fused_moe="on"``, lumenrl-quant ``fused_moe``);
 * ``roofline_pct``: that rate over the HBM roofline when every expert is read each step (all
   weights but the input embedding + the mean KV, over the measured copy bandwidth);
-* ``record_overhead_pct``: decode time with R3 recording on vs off, fused experts (goal <= 3%);
+* ``record_overhead_pct``: decode time with R3 recording on vs off, fused experts (goal <= 3%): two engines
+  built side by side, three rounds of five interleaved calls each (:func:`_record_cost`), the median round;
+  ``record_overhead_spread_pct`` is the spread of the rounds;
 * ``grouped_mm_decode_tok_s``: the same engine with ``fused_moe="off"`` (transformers' ``grouped_mm``);
 * ``hf_decode_tok_s``: HF ``generate`` (dynamic cache), prefill timed separately;
 * ``fp8_experts_decode_tok_s`` / ``fp8_experts_vs_bf16``: FP8 expert weights (``fp8_block`` with the
@@ -29,6 +32,7 @@ Profile (where the recording and FP8-expert time goes): ``python -m benchmarks.m
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -69,9 +73,9 @@ def _model(shape: dict, device: str, dtype: torch.dtype):
     return model.eval()
 
 
-def _native(model, batch, new: int, *, device: str, compile: str, record: bool = False, fused_moe: str = "on",
-            quant_scheme=None) -> tuple[float, float]:
-    """(decode tok/s, decode seconds): the median of three generate calls after a warm-up call."""
+def _engine(model, batch, new: int, *, device: str, compile: str, record: bool = False, fused_moe: str = "on",
+            quant_scheme=None) -> tuple[NativeEngine, dict]:
+    """A native engine over ``model``, warmed up (compiled, graphs captured), and its sampling params."""
     torch._dynamo.reset()
     rows, prompt = batch.batch["input_ids"].shape
     engine = NativeEngine(model, _Tok(), device=device, max_batch_size=rows, max_seq_len=prompt + new,
@@ -81,17 +85,48 @@ def _native(model, batch, new: int, *, device: str, compile: str, record: bool =
         assert engine.moe.report.fused and not engine.moe.report.skipped, engine.moe.report
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": new}
     engine.generate(batch, params)  # compile + capture
-    times = []
-    for _ in range(3):  # the median of three calls: a one-off host hiccup moves no figure
-        _sync(device)
-        start = time.perf_counter()
-        out = engine.generate(batch, params)
-        _sync(device)
-        times.append(time.perf_counter() - start - out.meta_info["perf"]["prefill_seconds"])
-    decode_s = sorted(times)[1]
-    if engine.routes.enabled:  # restore the model's own routers for the next engine
-        uninstall_routing(model)
-    return rows * (new - 1) / decode_s, decode_s
+    return engine, params
+
+
+def _decode_s(engine: NativeEngine, batch, params: dict, device: str) -> float:
+    """Seconds of one generate call less its prefill."""
+    _sync(device)
+    start = time.perf_counter()
+    out = engine.generate(batch, params)
+    _sync(device)
+    return time.perf_counter() - start - out.meta_info["perf"]["prefill_seconds"]
+
+
+def _native(model, batch, new: int, *, device: str, compile: str, fused_moe: str = "on",
+            quant_scheme=None) -> tuple[float, float]:
+    """(decode tok/s, decode seconds): the median of three generate calls after a warm-up call."""
+    engine, params = _engine(model, batch, new, device=device, compile=compile, fused_moe=fused_moe,
+                             quant_scheme=quant_scheme)
+    decode_s = statistics.median(_decode_s(engine, batch, params, device) for _ in range(3))
+    return batch.batch["input_ids"].shape[0] * (new - 1) / decode_s, decode_s
+
+
+def _record_cost(model, batch, new: int, *, device: str, compile: str, runs: int = 3, calls: int = 5) -> dict:
+    """R3 recording cost, robust to drift: a plain and a recording engine over the same model, both warmed
+    up, then ``runs`` rounds of ``calls`` generate calls each, interleaved (plain, recording, plain, ...);
+    per round the cost is median(recording) / median(plain) - 1; reported: the median round, the spread
+    of the rounds, and the plain engine's decode rate over all its calls. The plain engine is built (and
+    its decode graphs captured) before the recording engine patches the routers."""
+    plain, params = _engine(model, batch, new, device=device, compile=compile)
+    recording, _ = _engine(model, batch, new, device=device, compile=compile, record=True)
+    rounds, plain_all = [], []
+    for _ in range(runs):
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(calls):
+            for record, engine in ((False, plain), (True, recording)):
+                times[record].append(_decode_s(engine, batch, params, device))
+        rounds.append(100.0 * (statistics.median(times[True]) / statistics.median(times[False]) - 1.0))
+        plain_all += times[False]
+    uninstall_routing(model)  # the model's own routers for the next engines
+    rows = batch.batch["input_ids"].shape[0]
+    return {"native_decode_tok_s": rows * (new - 1) / statistics.median(plain_all),
+            "record_overhead_pct": statistics.median(rounds), "record_overhead_spread_pct": max(rounds) - min(rounds),
+            "record_overhead_rounds": ", ".join(f"{r:.2f}" for r in rounds)}
 
 
 def _hf(model, batch, new: int, device: str) -> float:
@@ -122,11 +157,8 @@ def moe_decode_speed(smoke: bool) -> dict:
     out = {"device": device, "shape": "smoke" if smoke else "qwen3-30b-a3b x12 layers", "batch": rows,
            "prompt": prompt, "new": new, "compile": compile,
            "experts_implementation": model.config._experts_implementation}
-    fused, fused_s = _native(model, batch, new, device=device, compile=compile)
-    recorded, recorded_s = _native(model, batch, new, device=device, compile=compile, record=True)
-    out["native_decode_tok_s"] = fused
-    out["native_record_decode_tok_s"] = recorded
-    out["record_overhead_pct"] = 100.0 * (recorded_s / fused_s - 1.0)
+    out.update(_record_cost(model, batch, new, device=device, compile=compile))
+    fused = out["native_decode_tok_s"]
     out["grouped_mm_decode_tok_s"] = _native(model, batch, new, device=device, compile=compile, fused_moe="off")[0]
     out["fused_vs_grouped_mm"] = fused / out["grouped_mm_decode_tok_s"]
     out["hf_decode_tok_s"] = _hf(model, batch, new, device)

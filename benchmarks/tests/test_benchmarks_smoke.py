@@ -56,6 +56,21 @@ def test_results_render_current_figure_per_goal():
     assert f"| {extra.more_goals[0][1]} {extra.more_goals[0][2]} |" in text
 
 
+def test_results_show_the_spread_of_the_last_three_runs():
+    goal = next(e for e in ENTRIES if e.goal)
+    other = next(e for e in ENTRIES if e.goal and e.name != goal.name)
+    # four runs of the entry, out of date order in the file, and one of another entry in between
+    values = {"2026-01-04": 4.0, "2026-01-01": 100.0, "2026-01-03": 2.0, "2026-01-02": 3.0}
+    history = [{"date": f"{d}T00:00:00Z", "commit": d[-2:], "hardware": "H", "command": "c", "entry": goal.name,
+                "numbers": {goal.metric: v}} for d, v in values.items()]
+    history.insert(2, {"date": "2026-01-05T00:00:00Z", "commit": "zz", "hardware": "H", "command": "c",
+                       "entry": other.name, "numbers": {other.metric: 50.0}})
+    row = next(line for line in render_results(history).splitlines() if f"`{goal.name}`" in line)
+    assert "| 2 .. 4 (3 runs) |" in row  # the oldest run (100) is not among the last three
+    row = next(line for line in render_results(history).splitlines() if f"`{other.name}`" in line)
+    assert "| 1 run |" in row
+
+
 def _fake_bench(smoke: bool) -> dict:
     return {"value": 1.0 if smoke else 2.0}
 
