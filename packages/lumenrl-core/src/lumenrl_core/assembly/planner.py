@@ -1,7 +1,8 @@
 """``plan_run``: resolve every plugin the config names and check every rule, all at once.
 
 Order of work: config-level rules (no plugins), then each role's plugin (unknown name, cannot
-load, incompatible version, unavailable here, allow-list), then the capabilities the config
+load, incompatible version, unavailable here, allow-list, run features its spec ``requires`` that
+the config does not provide), then the capabilities the config
 requires of the resolved engine and backend, then model/feature compatibility (R3 and EP on a
 dense model). Every problem is collected; with ``assembly.strict_policy`` they are raised
 together as one :class:`AssemblyError`, otherwise non-fatal ones become warnings.
@@ -22,6 +23,7 @@ from lumenrl_core.assembly.requirements import (
     config_violations,
     required_capabilities,
     rollout_scheme_name,
+    unmet_requirements,
 )
 from lumenrl_core.config.schema import RunConfig
 from lumenrl_core.plugins import PluginLoadError, PluginRegistry, get_registry
@@ -102,6 +104,8 @@ class _Planner:
         if not info.available:
             self.violations.append(Violation(key, name, f"{kind} plugin unavailable here: {info.reason}"))
         self.caps[role] = info.capabilities
+        self.violations.extend(unmet_requirements(self.cfg, kind=kind, name=name, key=key, requires=info.requires,
+                                                  package=f"{dist} {version}"))
 
     def _check_allow_list(self, role: str, key: str, name: str) -> None:
         allow_key = _ALLOW_LISTS.get(role)
