@@ -76,8 +76,8 @@ def reg() -> PluginRegistry:
     add("rollout_engines", "native", plugin("Native", ALL_ENGINE_CAPS))
     add("rollout_engines", "hf", plugin("HF", {"logprobs"}))
     add("rollout_engines", "vllm", plugin("VLLM", ALL_ENGINE_CAPS, reason="module 'vllm' is not installed"))
-    for name in ("grpo", "gae"):
-        add("advantage_estimators", name, plugin(name.upper()))
+    add("advantage_estimators", "grpo", plugin("GRPO"))
+    add("advantage_estimators", "gae", plugin("GAE", requires=frozenset({"critic"})))  # as the shipped spec
     add("policy_losses", "ppo_clip", plugin("PPOClip"))
     add("rewards", "math", plugin("Math"))
     add("controllers", "local", plugin("Local", {"in_process", "dispatch_modes"}))
@@ -366,15 +366,13 @@ def test_ppo_needs_critic_and_gae(cfg, reg):
 
 
 def test_gae_without_critic_is_refused(cfg, reg):
-    reg.register("advantage_estimators", "gae_core", PluginSpec("lumenrl_core.algorithms.advantages:GAEAdvantage",
-                                                                 requires={"critic"}), distribution="lumenrl-core")
-    cfg.algorithm.adv_estimator = "gae_core"
+    cfg.algorithm.adv_estimator = "gae"
     assert only(cfg, reg) == (
-        "algorithm.adv_estimator='gae_core': advantage_estimators plugin 'gae_core' (lumenrl-core 0.0.0) requires "
+        "algorithm.adv_estimator='gae': advantage_estimators plugin 'gae' (test 0.0.0) requires "
         "run feature 'critic', which this config does not provide: critic.enabled=False; set critic.enabled=true "
         "(the batch then carries the critic's 'values')")
     cfg.critic.enabled = True
-    assert plan_run(cfg, registry=reg, load_classes=False).plugin_names["adv_estimator"] == "gae_core"
+    assert plan_run(cfg, registry=reg, load_classes=False).plugin_names["adv_estimator"] == "gae"
 
 
 def test_shipped_gae_spec_requires_the_critic():
