@@ -20,6 +20,7 @@ from lumenrl_core.assembly.plan import AssemblyError, AssemblyWarning, RunPlan
 from lumenrl_core.assembly.requirements import (
     ROLLOUT_SCHEME_BY_PRECISION,
     Violation,
+    config_value,
     config_violations,
     required_capabilities,
     rollout_scheme_name,
@@ -34,13 +35,6 @@ _ALLOW_LISTS = {
     "training_backend": "assembly.allowed_training_backends",
     "rollout_engine": "assembly.allowed_inference_backends",
 }
-
-
-def _get(cfg: RunConfig, key: str) -> Any:
-    obj: Any = cfg
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _roles(cfg: RunConfig) -> list[tuple[str, str, str, str]]:
@@ -109,7 +103,7 @@ class _Planner:
 
     def _check_allow_list(self, role: str, key: str, name: str) -> None:
         allow_key = _ALLOW_LISTS.get(role)
-        allowed = _get(self.cfg, allow_key) if allow_key else None
+        allowed = config_value(self.cfg, allow_key) if allow_key else None
         if allowed and name not in allowed:
             self.violations.append(Violation(key, name, f"not in {allow_key}; allowed: {', '.join(allowed)}"))
 

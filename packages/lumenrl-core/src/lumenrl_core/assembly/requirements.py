@@ -30,6 +30,7 @@ __all__ = [
     "RUN_FEATURES",
     "run_features",
     "unmet_requirements",
+    "config_value",
 ]
 
 ROLLOUT_SCHEME_BY_PRECISION = {"fp8": "fp8_block", "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
@@ -89,12 +90,13 @@ def _unmet(feature: str, cfg: RunConfig) -> str:
         return f"dataset.name={cfg.dataset.name!r}; it scores rows of task {task!r} (dataset.name={task!r})"
     if feature in RUN_FEATURES:
         key, how = RUN_FEATURES[feature]
-        return f"{key}={_config_value(cfg, key)!r}; {how}"
+        return f"{key}={config_value(cfg, key)!r}; {how}"
     known = ", ".join([*RUN_FEATURES, f"{_TASK_PREFIX}<dataset.name>"])
     return f"no config provides it (unknown run feature; known: {known})"
 
 
-def _config_value(cfg: RunConfig, key: str) -> Any:
+def config_value(cfg: RunConfig, key: str) -> Any:
+    """The value at dotted ``key`` of ``cfg`` (``"critic.enabled"``)."""
     obj: Any = cfg
     for part in key.split("."):
         obj = getattr(obj, part)
