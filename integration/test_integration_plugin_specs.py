@@ -1,5 +1,5 @@
 """Every plugin LumenRL ships is declared by a torch-free spec (``<package>.plugin_manifest``) that
-its entry point names and that agrees with the class: same capabilities, same probe answer."""
+its entry point names and that agrees with the class: same capabilities and requirements, same probe answer."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from lumenrl_core.plugins import KINDS, PluginRegistry, group_of
 from lumenrl_core.plugins.spec import as_spec
 
 REGISTRY = PluginRegistry()
+DISTRIBUTIONS = {f"lumenrl-{p}" for p in ("core", "quant", "moe", "sddd", "async", "backends")}  # not a third
+# party's lumenrl-* plugin package installed beside them (examples/plugin_package)
 SHIPPED = [(kind, name) for kind in KINDS for name in REGISTRY.names(kind)
-           if REGISTRY.distribution(kind, name)[0].startswith("lumenrl-")]
+           if REGISTRY.distribution(kind, name)[0] in DISTRIBUTIONS]
 MANIFESTS = [f"lumenrl_{p}.plugin_manifest" for p in ("core", "quant", "moe", "sddd", "async", "backends")]
 
 
@@ -29,12 +31,12 @@ def test_entry_point_names_a_spec_that_agrees_with_its_class(kind, name):
     spec, cls = REGISTRY.spec(kind, name), REGISTRY.load(kind, name)
     assert spec.load() is cls
     assert frozenset(cls.capabilities) == spec.capabilities, f"{spec.target} declares other capabilities"
+    assert frozenset(getattr(cls, "requires", ())) == spec.requires, f"{spec.target} declares other requirements"
     assert cls.probe() == spec.unavailable_reason() == REGISTRY.info(kind, name).reason
 
 
 def test_every_lumenrl_distribution_ships_plugins():
-    assert {REGISTRY.distribution(k, n)[0] for k, n in SHIPPED} == {
-        "lumenrl-core", "lumenrl-quant", "lumenrl-moe", "lumenrl-sddd", "lumenrl-async", "lumenrl-backends"}
+    assert {REGISTRY.distribution(k, n)[0] for k, n in SHIPPED} == DISTRIBUTIONS
 
 
 def test_manifests_import_no_torch():

@@ -58,16 +58,16 @@ def test_plugins_json_from_isolated_registry(isolated_registry, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert rows == [
         {"kind": "rollout_engines", "name": "fake", "package": "lumenrl-test 1.0",
-         "capabilities": "fp8_weights, logprobs", "status": "available"},
+         "capabilities": "fp8_weights, logprobs", "requires": "-", "status": "available"},
         {"kind": "rollout_engines", "name": "gpu_only", "package": "lumenrl-test 1.0", "capabilities": "-",
-         "status": "unavailable: no CUDA/ROCm GPU visible to torch"},
+         "requires": "-", "status": "unavailable: no CUDA/ROCm GPU visible to torch"},
     ]
 
 
 def test_plugins_plain_table(isolated_registry, capsys):
     assert cli.main(["plugins", "--kind", "rollout_engines", "--format", "plain"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["KIND", "NAME", "PACKAGE", "CAPABILITIES", "STATUS"]
+    assert lines[0].split() == ["KIND", "NAME", "PACKAGE", "CAPABILITIES", "REQUIRES", "STATUS"]
     assert lines[1].split()[:4] == ["rollout_engines", "fake", "lumenrl-test", "1.0"]
     assert lines[2].endswith("unavailable: no CUDA/ROCm GPU visible to torch")
     assert lines[1].index("lumenrl-test") == lines[2].index("lumenrl-test")  # aligned columns

@@ -76,8 +76,8 @@ def reg() -> PluginRegistry:
     add("rollout_engines", "native", plugin("Native", ALL_ENGINE_CAPS))
     add("rollout_engines", "hf", plugin("HF", {"logprobs"}))
     add("rollout_engines", "vllm", plugin("VLLM", ALL_ENGINE_CAPS, reason="module 'vllm' is not installed"))
-    for name in ("grpo", "gae"):
-        add("advantage_estimators", name, plugin(name.upper()))
+    add("advantage_estimators", "grpo", plugin("GRPO"))
+    add("advantage_estimators", "gae", plugin("GAE", requires=frozenset({"critic"})))  # as the shipped spec
     add("policy_losses", "ppo_clip", plugin("PPOClip"))
     add("rewards", "math", plugin("Math"))
     add("controllers", "local", plugin("Local", {"in_process", "dispatch_modes"}))
@@ -367,7 +367,52 @@ def test_ppo_needs_critic_and_gae(cfg, reg):
 
 def test_gae_without_critic_is_refused(cfg, reg):
     cfg.algorithm.adv_estimator = "gae"
-    assert only(cfg, reg).startswith("algorithm.adv_estimator='gae': GAE needs value estimates")
+    assert only(cfg, reg) == (
+        "algorithm.adv_estimator='gae': advantage_estimators plugin 'gae' (test 0.0.0) requires "
+        "run feature 'critic', which this config does not provide: critic.enabled=False; set critic.enabled=true "
+        "(the batch then carries the critic's 'values')")
+    cfg.critic.enabled = True
+    assert plan_run(cfg, registry=reg, load_classes=False).plugin_names["adv_estimator"] == "gae"
+
+
+def test_shipped_gae_spec_requires_the_critic():
+    from lumenrl_core import plugin_manifest
+
+    assert plugin_manifest.GAE.requires == {"critic"}
+    assert all(not spec.requires for spec in (plugin_manifest.GRPO, plugin_manifest.RLOO, plugin_manifest.MATH))
+
+
+def test_plugin_requirements_fit_or_are_refused_under_the_strict_policy(cfg, reg):
+    reg.register("rewards", "digits", plugin("Digits", requires=frozenset({"task:arithmetic"})),
+                 distribution="acme-rewards", version="2.1")
+    reg.register("advantage_estimators", "valued", plugin("Valued", requires=frozenset({"critic", "tokens"})),
+                 distribution="acme-rewards", version="2.1")
+    cfg.reward.name, cfg.dataset.name = "digits", "arithmetic"
+    assert plan_run(cfg, registry=reg).plugin_names["reward"] == "digits"  # provided: task:arithmetic
+    cfg.dataset.name, cfg.algorithm.adv_estimator = "countdown", "valued"
+    assert problems(cfg, reg) == [
+        "algorithm.adv_estimator='valued': advantage_estimators plugin 'valued' (acme-rewards 2.1) requires run "
+        "feature 'critic', which this config does not provide: critic.enabled=False; set critic.enabled=true "
+        "(the batch then carries the critic's 'values')",
+        "algorithm.adv_estimator='valued': advantage_estimators plugin 'valued' (acme-rewards 2.1) requires run "
+        "feature 'tokens', which this config does not provide: no config provides it (unknown run feature; "
+        "known: critic, task:<dataset.name>)",
+        "reward.name='digits': rewards plugin 'digits' (acme-rewards 2.1) requires run feature 'task:arithmetic', "
+        "which this config does not provide: dataset.name='countdown'; it scores rows of task 'arithmetic' "
+        "(dataset.name='arithmetic')",
+    ]
+    cfg.assembly.strict_policy = False  # policy, not fatal: warnings, and the plan keeps them for the record
+    with pytest.warns(AssemblyWarning, match="requires run feature 'critic'"):
+        plan = plan_run(cfg, registry=reg)
+    assert len(plan.warnings) == 3
+
+
+def test_run_features_follow_the_config(cfg):
+    from lumenrl_core.assembly import run_features
+
+    assert run_features(cfg) == {"task:arithmetic"}
+    cfg.critic.enabled, cfg.dataset.name = True, "jsonl"
+    assert run_features(cfg) == {"critic", "task:jsonl"}
 
 
 def test_rollout_correction_mode_must_resolve(cfg, reg):

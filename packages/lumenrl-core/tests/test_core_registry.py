@@ -147,9 +147,11 @@ def test_spec_of_a_core_free_distribution_is_read_by_shape(reg):
         target: str
         capabilities: frozenset = frozenset()
         probe: object = None
+        requires: frozenset = frozenset({"critic"})
 
     reg.register("quant_schemes", "shaped", Spec("json:JSONDecoder", frozenset({"fp8_weights"}), lambda: None))
     assert reg.info("quant_schemes", "shaped").capabilities == {"fp8_weights"}
+    assert reg.info("quant_schemes", "shaped").requires == {"critic"}
     assert reg.load("quant_schemes", "shaped") is json.JSONDecoder
 
 
@@ -158,6 +160,19 @@ def test_spec_of_a_class_entry_reads_the_class(reg):
     spec = reg.spec("rollout_engines", "nogpu")
     assert spec.capabilities == {"logprobs"} and spec.unavailable_reason() == "no CUDA/ROCm GPU visible to torch"
     assert spec.target.endswith(":NoGpuEngine") and spec.load() is NoGpuEngine
+
+
+def test_requires_is_declared_on_specs_classes_and_reported_by_info(reg):
+    spec = PluginSpec("json:JSONDecoder", requires=["critic", "critic"])
+    assert spec.requires == frozenset({"critic"}) and PluginSpec("json:JSONDecoder").requires == frozenset()
+    with pytest.raises(TypeError, match="requires='critic': expected a collection"):
+        PluginSpec("json:JSONDecoder", requires="critic")
+    reg.register("advantage_estimators", "from_spec", spec)
+    valued = type("Valued", (), {"capabilities": frozenset(), "requires": frozenset({"critic"})})
+    reg.register("advantage_estimators", "from_class", valued)
+    for name in ("from_spec", "from_class"):
+        assert reg.info("advantage_estimators", name).requires == {"critic"}
+        assert reg.spec("advantage_estimators", name).requires == {"critic"}
 
 
 def test_plugin_spec_validates_its_target():
@@ -353,7 +368,7 @@ def test_known_providers_match_the_installed_entry_points():
     for kind in KINDS:
         shipped = {ep.name: ep.dist.metadata["Name"] for ep in importlib.metadata.entry_points(group=group_of(kind))}
         for name, dist in shipped.items():
-            if dist.startswith("lumenrl-"):
+            if dist in {req.split("[")[0] for names in KNOWN_PROVIDERS.values() for req in names.values()}:
                 assert KNOWN_PROVIDERS.get(kind, {}).get(name, "").split("[")[0] == dist, (kind, name)
         for name, requirement in KNOWN_PROVIDERS.get(kind, {}).items():
             dist = requirement.split("[")[0]

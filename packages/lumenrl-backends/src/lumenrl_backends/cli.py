@@ -48,7 +48,7 @@ class CLIError(Exception):
 def register_plugins(subparsers: Any) -> None:
     from lumenrl_core.plugins import KINDS
 
-    p = subparsers.add_parser("plugins", help="list installed plugins, their capabilities and availability")
+    p = subparsers.add_parser("plugins", help="list installed plugins, their capabilities, requirements and availability")
     p.add_argument("--kind", choices=KINDS, help="only this plugin kind")
     p.add_argument("--format", choices=("table", "plain", "json"), default="table",
                    help="table (rich on a terminal when installed, else plain), plain text, or JSON lines")
@@ -65,13 +65,14 @@ def _plugin_rows(kind: str | None) -> list[dict[str, str]]:
             "name": info.name,
             "package": f"{info.distribution} {info.version}",
             "capabilities": ", ".join(sorted(info.capabilities)) or "-",
+            "requires": ", ".join(sorted(info.requires)) or "-",
             "status": "available" if info.available else f"unavailable: {info.reason}",
         })
     return rows
 
 
 def _print_plain(rows: list[dict[str, str]]) -> None:
-    columns = ("kind", "name", "package", "capabilities", "status")
+    columns = ("kind", "name", "package", "capabilities", "requires", "status")
     widths = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in columns[:-1]}
     print("  ".join(c.upper().ljust(widths.get(c, 0)) for c in columns).rstrip())
     for row in rows:
@@ -88,10 +89,11 @@ def _print_rich(rows: list[dict[str, str]]) -> bool:
     for column in ("kind", "name", "package"):
         table.add_column(column, no_wrap=True)
     table.add_column("capabilities", overflow="fold")
+    table.add_column("requires", overflow="fold")
     table.add_column("status", overflow="fold")
     for row in rows:
         style = "green" if row["status"] == "available" else "yellow"
-        table.add_row(row["kind"], row["name"], row["package"], row["capabilities"],
+        table.add_row(row["kind"], row["name"], row["package"], row["capabilities"], row["requires"],
                       f"[{style}]{row['status']}[/{style}]")
     Console(soft_wrap=False).print(table)
     return True

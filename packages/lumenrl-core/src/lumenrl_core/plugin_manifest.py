@@ -15,7 +15,7 @@ _ADVANTAGES = "lumenrl_core.algorithms.advantages"
 GRPO = PluginSpec(f"{_ADVANTAGES}:GRPOAdvantage")
 DRGRPO = PluginSpec(f"{_ADVANTAGES}:DrGRPOAdvantage")
 RLOO = PluginSpec(f"{_ADVANTAGES}:RLOOAdvantage")
-GAE = PluginSpec(f"{_ADVANTAGES}:GAEAdvantage")
+GAE = PluginSpec(f"{_ADVANTAGES}:GAEAdvantage", requires={"critic"})  # the critic's values (B, T)
 
 # lumenrl.policy_losses
 PPO_CLIP = PluginSpec("lumenrl_core.algorithms.policy_loss:PPOClipLoss")

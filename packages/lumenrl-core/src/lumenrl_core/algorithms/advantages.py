@@ -204,9 +204,10 @@ class RLOOAdvantage(_OutcomeEstimator):
 
 
 class GAEAdvantage:
-    """``gae`` estimator over the critic's ``values`` (needs ``critic.enabled``)."""
+    """``gae`` estimator over the critic's ``values`` (its spec requires ``critic``: ``critic.enabled``)."""
 
     capabilities = manifest.GAE.capabilities
+    requires = manifest.GAE.requires
 
     def __init__(self, *, gamma: float = 1.0, lam: float = 1.0) -> None:
         for name, value in (("gamma", gamma), ("lam", lam)):

@@ -1,7 +1,8 @@
 """``plan_run``: resolve every plugin the config names and check every rule, all at once.
 
 Order of work: config-level rules (no plugins), then each role's plugin (unknown name, cannot
-load, incompatible version, unavailable here, allow-list), then the capabilities the config
+load, incompatible version, unavailable here, allow-list, run features its spec ``requires`` that
+the config does not provide), then the capabilities the config
 requires of the resolved engine and backend, then model/feature compatibility (R3 and EP on a
 dense model). Every problem is collected; with ``assembly.strict_policy`` they are raised
 together as one :class:`AssemblyError`, otherwise non-fatal ones become warnings.
@@ -19,9 +20,11 @@ from lumenrl_core.assembly.plan import AssemblyError, AssemblyWarning, RunPlan
 from lumenrl_core.assembly.requirements import (
     ROLLOUT_SCHEME_BY_PRECISION,
     Violation,
+    config_value,
     config_violations,
     required_capabilities,
     rollout_scheme_name,
+    unmet_requirements,
 )
 from lumenrl_core.config.schema import RunConfig
 from lumenrl_core.plugins import PluginLoadError, PluginRegistry, get_registry
@@ -32,13 +35,6 @@ _ALLOW_LISTS = {
     "training_backend": "assembly.allowed_training_backends",
     "rollout_engine": "assembly.allowed_inference_backends",
 }
-
-
-def _get(cfg: RunConfig, key: str) -> Any:
-    obj: Any = cfg
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _roles(cfg: RunConfig) -> list[tuple[str, str, str, str]]:
@@ -102,10 +98,12 @@ class _Planner:
         if not info.available:
             self.violations.append(Violation(key, name, f"{kind} plugin unavailable here: {info.reason}"))
         self.caps[role] = info.capabilities
+        self.violations.extend(unmet_requirements(self.cfg, kind=kind, name=name, key=key, requires=info.requires,
+                                                  package=f"{dist} {version}"))
 
     def _check_allow_list(self, role: str, key: str, name: str) -> None:
         allow_key = _ALLOW_LISTS.get(role)
-        allowed = _get(self.cfg, allow_key) if allow_key else None
+        allowed = config_value(self.cfg, allow_key) if allow_key else None
         if allowed and name not in allowed:
             self.violations.append(Violation(key, name, f"not in {allow_key}; allowed: {', '.join(allowed)}"))
 

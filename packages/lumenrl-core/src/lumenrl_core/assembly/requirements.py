@@ -27,6 +27,10 @@ __all__ = [
     "config_violations",
     "moe_layout_supported",
     "check_reward_function",
+    "RUN_FEATURES",
+    "run_features",
+    "unmet_requirements",
+    "config_value",
 ]
 
 ROLLOUT_SCHEME_BY_PRECISION = {"fp8": "fp8_block", "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
@@ -60,6 +64,56 @@ class Need:
     capability: str
     because_key: str
     because_value: Any
+
+
+# What a plugin may name in its spec's ``requires``: feature -> (the config key that provides it, how to).
+# ``task:<name>`` is provided by ``dataset.name=<name>`` (the rows' task: prompts, answer format, fields).
+RUN_FEATURES: dict[str, tuple[str, str]] = {
+    "critic": ("critic.enabled", "set critic.enabled=true (the batch then carries the critic's 'values')"),
+}
+_TASK_PREFIX = "task:"
+
+
+def run_features(cfg: RunConfig) -> frozenset[str]:
+    """The run features ``cfg`` provides to its plugins: ``critic`` when ``critic.enabled`` (value
+    estimates in every batch), ``task:<dataset.name>`` always (the task the rows come from)."""
+    features = {f"{_TASK_PREFIX}{cfg.dataset.name}"}
+    if cfg.critic.enabled:
+        features.add("critic")
+    return frozenset(features)
+
+
+def _unmet(feature: str, cfg: RunConfig) -> str:
+    """Why ``cfg`` does not provide ``feature`` and what would."""
+    if feature.startswith(_TASK_PREFIX):
+        task = feature.removeprefix(_TASK_PREFIX)
+        return f"dataset.name={cfg.dataset.name!r}; it scores rows of task {task!r} (dataset.name={task!r})"
+    if feature in RUN_FEATURES:
+        key, how = RUN_FEATURES[feature]
+        return f"{key}={config_value(cfg, key)!r}; {how}"
+    known = ", ".join([*RUN_FEATURES, f"{_TASK_PREFIX}<dataset.name>"])
+    return f"no config provides it (unknown run feature; known: {known})"
+
+
+def config_value(cfg: RunConfig, key: str) -> Any:
+    """The value at dotted ``key`` of ``cfg`` (``"critic.enabled"``)."""
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def unmet_requirements(
+    cfg: RunConfig, *, kind: str, name: str, key: str, requires: frozenset[str], package: str
+) -> list[Violation]:
+    """One violation per feature in a plugin's ``requires`` that ``cfg`` does not provide (see
+    :func:`run_features`), naming the plugin, its package and the config key that would provide it."""
+    provided = run_features(cfg)
+    return [
+        Violation(key, name, f"{kind} plugin {name!r} ({package}) requires run feature {feature!r}, "
+                             f"which this config does not provide: {_unmet(feature, cfg)}")
+        for feature in sorted(requires - provided)
+    ]
 
 
 def rollout_scheme_name(cfg: RunConfig) -> str | None:
@@ -176,10 +230,7 @@ def _algorithm_violations(cfg: RunConfig) -> list[Violation]:
         if algo.adv_estimator != "gae":
             out.append(Violation("algorithm.adv_estimator", algo.adv_estimator,
                                  "algorithm.name='ppo' uses value-based advantages; allowed: 'gae'"))
-    elif algo.adv_estimator == "gae" and not critic:
-        out.append(Violation("algorithm.adv_estimator", "gae",
-                             "GAE needs value estimates but critic.enabled=false; enable the critic or use "
-                             "a critic-free estimator (grpo, drgrpo, rloo)"))
+    # an estimator that needs the critic's values (gae) says so in its spec: requires={"critic"}
     if (algo.name == "sddd") != (cfg.trainer.name == "sddd"):
         key, value = ("trainer.name", cfg.trainer.name) if algo.name == "sddd" else ("algorithm.name", algo.name)
         out.append(Violation(key, value, "algorithm.name='sddd' and trainer.name='sddd' go together (draft "

@@ -67,6 +67,7 @@ class PluginInfo:
     available: bool = False
     reason: str | None = None  # why not available; None when available
     target: str = ""  # "module:attr" of the plugin class (of the entry point if it cannot be read)
+    requires: frozenset[str] = frozenset()  # run features the plugin needs the config to provide
 
 
 @dataclass(slots=True)
@@ -288,8 +289,8 @@ class PluginRegistry:
             if not entry.probe_done:
                 entry.probe_reason = _run_probe(entry.spec.probe)
                 entry.probe_done = True
-        return PluginInfo(**base, capabilities=entry.spec.capabilities, available=entry.probe_reason is None,
-                          reason=entry.probe_reason)
+        return PluginInfo(**base, capabilities=entry.spec.capabilities, requires=entry.spec.requires,
+                          available=entry.probe_reason is None, reason=entry.probe_reason)
 
     def infos(self, kind: str | None = None) -> list[PluginInfo]:
         """:meth:`info` for every plugin of ``kind`` (or of all kinds), sorted by kind then name."""
