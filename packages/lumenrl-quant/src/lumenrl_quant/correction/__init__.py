@@ -17,6 +17,7 @@ from lumenrl_quant.correction.functional import (
     tis_sequence_weights,
     tis_token_weights,
 )
+from lumenrl_quant.correction.exact_kl import train_rollout_kl
 from lumenrl_quant.correction.metrics import METRIC_PREFIX, rollout_correction_metrics
 from lumenrl_quant.correction.plugins import (
     MISGeometric,
@@ -48,4 +49,5 @@ __all__ = [
     "seq_mis",
     "tis_sequence_weights",
     "tis_token_weights",
+    "train_rollout_kl",
 ]
