@@ -123,7 +123,8 @@ def main(steps: int = 4, output_dir: str | None = None) -> Fp8RolloutGRPOTrainer
 
 
 if __name__ == "__main__":
+    keys = ("step", "reward", "rollout/logprob_abs_diff_mean", "rollout_correction/kl_before_tis",
+            "rollout_correction/kl_after_tis")
     for row in main().state.log_history:
-        keys = ("step", "reward", "rollout/logprob_abs_diff_mean", "rollout_correction/kl_before_tis",
-                "rollout_correction/kl_after_tis")
-        print({k: row[k] for k in keys if k in row})
+        if "rollout_correction/kl_before_tis" in row:
+            print({k: row[k] for k in keys})

@@ -27,9 +27,9 @@ def _reference(lp_train, lp_roll, mask, clip):
 @pytest.mark.parametrize("clip", [None, 1.5, 2.0])
 def test_matches_per_position_reference(clip):
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 7, 11, generator=g)
+    logits = torch.randn(3, 7, 11, generator=g, dtype=torch.float64)
     lp_train = logits.log_softmax(-1)
-    lp_roll = (logits + 0.3 * torch.randn(3, 7, 11, generator=g)).log_softmax(-1)
+    lp_roll = (logits + 0.3 * torch.randn(3, 7, 11, generator=g, dtype=torch.float64)).log_softmax(-1)
     mask = torch.ones(3, 7)
     mask[1, 4:] = 0
     got = float(train_rollout_kl(lp_train, lp_roll, mask, tis_clip=clip))

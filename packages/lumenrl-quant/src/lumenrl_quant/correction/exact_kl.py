@@ -15,7 +15,8 @@ so the corrected objective samples, in effect, from
 
 and ``after`` is ``KL(p_train || q_TIS)``. Where no token's ratio exceeds C, ``q_TIS = p_train`` and
 the KL after TIS is zero; the cap is what is left of the mismatch. Both are means over the valid
-positions of ``mask``, computed in float64 from the given log-probs (exact up to float rounding).
+positions of ``mask``, computed in float64 from the given log-probs (renormalized there, so a float32
+``log_softmax`` rounding cannot make a KL negative; exact up to float64 rounding).
 """
 
 from __future__ import annotations
@@ -47,11 +48,11 @@ def train_rollout_kl(
         raise ValueError(f"mask must be (B, T) = {tuple(train_log_probs.shape[:2])}; got {tuple(mask.shape)}")
     if tis_clip is not None and not tis_clip > 0:
         raise ValueError(f"tis_clip must be > 0 (or None for the uncorrected KL); got {tis_clip!r}")
-    lp_train = train_log_probs.detach().double()
-    log_q = rollout_log_probs.detach().double()
+    lp_train = train_log_probs.detach().double().log_softmax(-1)  # renormalized in float64: KL >= 0 to rounding
+    log_q = rollout_log_probs.detach().double().log_softmax(-1)
     if tis_clip is not None:  # q_TIS = min(p_train, C p_rollout) / Z
         log_q = torch.minimum(lp_train, log_q + math.log(tis_clip))
         log_q = log_q - torch.logsumexp(log_q, dim=-1, keepdim=True)
-    per_position = (lp_train.exp() * (lp_train - log_q)).sum(-1)  # (B, T)
+    per_position = (lp_train.exp() * (lp_train - log_q)).sum(-1).clamp(min=0)  # (B, T); KL >= 0, less is rounding
     valid = mask != 0
     return (per_position * valid).sum() / valid.sum().clamp(min=1)
