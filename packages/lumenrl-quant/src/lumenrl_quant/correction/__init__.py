@@ -3,6 +3,7 @@
 See :mod:`lumenrl_quant.correction.functional` for the formulas and conventions.
 """
 
+from lumenrl_quant.correction.exact_kl import train_rollout_kl
 from lumenrl_quant.correction.functional import (
     KL_ESTIMATORS,
     LOG_RATIO_CLAMP,
@@ -17,7 +18,6 @@ from lumenrl_quant.correction.functional import (
     tis_sequence_weights,
     tis_token_weights,
 )
-from lumenrl_quant.correction.exact_kl import train_rollout_kl
 from lumenrl_quant.correction.metrics import METRIC_PREFIX, rollout_correction_metrics
 from lumenrl_quant.correction.plugins import (
     MISGeometric,
