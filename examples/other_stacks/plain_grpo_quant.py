@@ -6,7 +6,8 @@ Imports torch, transformers and lumenrl_quant: no other LumenRL package. Each st
              tokens' log-probs (``rollout_log_probs``), as an inference engine returns them;
 2. reward:   share of low token ids (< LOW_TOKENS) in the response; GRPO advantages (group-normalized);
 3. trainer:  the policy's log-probs of the same tokens (``old_log_probs``); token-level TIS weights and the
-             correction metrics from the two tensors (``TISToken``);
+             correction metrics from the two tensors (``TISToken``; ``MISToken``, ``SeqMIS``, ... take the same
+             arguments and return rejection masks too);
 4. update:   PPO-clip loss weighted by TIS (``apply_is_weights``); the decoder linears train through
              ``Fp8TrainingLinear`` (FP8 forward/backward GEMMs: ``torch._scaled_mm`` on a GPU that has it,
              an exact emulation on CPU), master weights in float32;
