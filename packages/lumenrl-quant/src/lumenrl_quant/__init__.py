@@ -24,7 +24,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {  # submodule -> the public names it def
         "MISGeometric", "MISSequence", "MISToken", "SeqMIS", "TISSequence", "TISToken", "apply_is_weights",
         "kl_rejection_mask", "mis_geometric_mask", "mis_sequence_mask", "mis_token_mask",
         "rollout_correction_metrics", "rollout_log_ratio", "seq_mis", "tis_sequence_weights",
-        "tis_token_weights",
+        "tis_token_weights", "train_rollout_kl",
     ),
     "formats": (
         "E4M3", "E4M3FNUZ", "E5M2", "E5M2FNUZ", "FP8Dtypes", "FP8Format", "FP8_FORMATS", "fp8_dtypes_for",

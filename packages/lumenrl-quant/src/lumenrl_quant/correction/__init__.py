@@ -3,6 +3,7 @@
 See :mod:`lumenrl_quant.correction.functional` for the formulas and conventions.
 """
 
+from lumenrl_quant.correction.exact_kl import train_rollout_kl
 from lumenrl_quant.correction.functional import (
     KL_ESTIMATORS,
     LOG_RATIO_CLAMP,
@@ -48,4 +49,5 @@ __all__ = [
     "seq_mis",
     "tis_sequence_weights",
     "tis_token_weights",
+    "train_rollout_kl",
 ]
