@@ -170,7 +170,12 @@ class AsyncRLTrainer(RLTrainer):
         """A rollouter process (local controller; spawned by :meth:`from_plan` unless built otherwise) or
         Ray actor, reading the run's weight sync. The process gets its start message once the first weights
         are published (or, ``collective``, before the publish that forms the group)."""
-        from lumenrl_backends.trainers.rollouter_process import ProcessRollouter, boot_args, rollouter_device, start_args
+        from lumenrl_backends.trainers.rollouter_process import (
+            ProcessRollouter,
+            boot_args,
+            rollouter_device,
+            start_args,
+        )
 
         collective = "collective" in self.sync_cls.capabilities
         if not collective:  # snapshots / IPC buffers exist before the reader opens them
