@@ -86,6 +86,7 @@ def test_a_failed_trainer_build_stops_the_early_started_process(tmp_path, monkey
     assert _gone(child)
 
 
+@pytest.mark.slow  # the child imports torch/transformers before it reaches its device: ~20 s on 2 loaded cores
 def test_a_rollouter_dying_during_start_up_is_reported_with_its_reason(tmp_path, monkeypatch, spawned):
     real = rp.boot_args
     monkeypatch.setattr(rp, "boot_args", lambda cfg, path, device: real(cfg, path, "cuda:999"))  # no such device

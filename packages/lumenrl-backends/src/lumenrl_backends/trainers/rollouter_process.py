@@ -56,19 +56,17 @@ def start_args(trainer: Any, reader_handle: Any, device: str | None) -> dict[str
 
 
 def build_engine(cfg: Any, boot: dict[str, Any]) -> tuple[Any, Any, Any, torch.device]:
-    """In the rollouter's process: ``(plan, engine, train loader, device)`` from the (warm-started) policy.
-    The device comes first: one this process cannot use fails before the slow imports."""
+    """In the rollouter's process: ``(plan, engine, train loader, device)`` from the (warm-started) policy."""
+    from lumenrl_backends.models import load_model_and_tokenizer
+    from lumenrl_backends.trainers.data import make_loader, split_records
     from lumenrl_backends.training import distributed as dist_utils
+    from lumenrl_core.assembly import plan_run
 
     if cfg.trainer.cpu_threads > 0:
         torch.set_num_threads(cfg.trainer.cpu_threads)
     device = torch.device(boot["device"]) if boot.get("device") else dist_utils.resolve_device(cfg.cluster.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the engine's "cuda" is this device
-    from lumenrl_backends.models import load_model_and_tokenizer
-    from lumenrl_backends.trainers.data import make_loader, split_records
-    from lumenrl_core.assembly import plan_run
-
     plan = plan_run(cfg)
     model, tokenizer = load_model_and_tokenizer(
         boot["model_path"], dtype=cfg.policy.dtype, device=device, tokenizer_name=cfg.policy.tokenizer_name,
