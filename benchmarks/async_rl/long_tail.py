@@ -21,7 +21,8 @@ CUDA graph captures included) falls inside ``fit()``, in ``first_step_s``. From 
 modes): ``rollouter_idle_ratio`` (the rollouter's idle time over the run), ``trainer_wait_s_per_step``
 (the trainer's wait for samples, steps 2..N) and ``first_step_wait_s`` (step 1's), and for a rollouter
 process ``rollouter_ready_s`` (spawn to engine built), ``startup_overlap_s`` (the part of it before the
-trainer's build ended), ``rollouter_boot_s`` (spawn to the child running: interpreter and torch import)
+trainer's build ended), ``rollouter_boot_s`` (spawn to the child running: interpreter start and the imports of its entry
+point: torch, transformers, lumenrl)
 and ``rollouter_first_group_s`` (start message to its first finished group). The GPU goals: the steady
 rate, and the whole ``fit()`` rate at 20 steps.
 
@@ -39,7 +40,8 @@ per process (Triton kernels compiled at their first shape): the cap sets the num
 keys (cap / 64 + 1) and the decode steps per call, rows x cap the prefill after each interrupt,
 so halving both (from 16 prompts, median 64) cuts generation about fourfold. Before the timed
 modes an untimed one-step ``sync`` warm-up pays the process-wide compiles, so they are charged
-to no mode (on the CPU there are none: no warm-up). The CPU smoke of the GPU entry runs its rollouter
+to no mode (on the CPU there are none: no warm-up); a rollouter process loads those Triton kernels
+from the same disk cache (it inherits the environment), but captures its own CUDA graphs. The CPU smoke of the GPU entry runs its rollouter
 as a process too (``weight_sync.method=filesystem``, the CPU stand-in for ``cuda_ipc``).
 
     python -m benchmarks.async_rl.long_tail            # CPU, the smoke shapes
