@@ -15,12 +15,12 @@ Two rates per mode: ``samples_per_s`` over the whole ``fit()`` (start-up include
 ``steady_samples_per_s`` over steps 2..N, the rate a long run sees. The steady rate does not count the
 samples an async run already held (queued or in transit) when step 1 ended, since they were made during
 step 1, so it is a lower bound. ``samples_per_s_incl_build`` also charges the build (``build_s``).
-A rollouter process is spawned inside the build, as soon as the policy path is known, and builds its
-engine while the trainer builds its models; what is left of its start-up (and its first generate call,
+A rollouter process is spawned inside the build, as soon as the policy path is known, and imports,
+loads the policy (and on a GPU of its own builds its engine) while the trainer builds its models; what is left of its start-up (and its first generate call,
 CUDA graph captures included) falls inside ``fit()``, in ``first_step_s``. From the run's metrics (async
 modes): ``rollouter_idle_ratio`` (the rollouter's idle time over the run), ``trainer_wait_s_per_step``
 (the trainer's wait for samples, steps 2..N) and ``first_step_wait_s`` (step 1's), and for a rollouter
-process ``rollouter_ready_s`` (spawn to engine built), ``startup_overlap_s`` (the part of it before the
+process ``rollouter_ready_s`` (spawn to ready for its start message), ``startup_overlap_s`` (the part of it before the
 trainer's build ended), ``rollouter_boot_s`` (spawn to the child running: interpreter start and the imports of its entry
 point: torch, transformers, lumenrl)
 and ``rollouter_first_group_s`` (start message to its first finished group). The GPU goals: the steady

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from lumenrl_backends.trainers import build
 from lumenrl_backends.trainers import rollouter_process as rp
@@ -73,6 +74,13 @@ def test_the_rollouter_process_starts_before_the_training_roles_are_built(tmp_pa
     finally:
         trainer.close()
     assert _gone(child)
+
+
+def test_on_the_trainers_gpu_the_engine_is_built_after_the_start_message():
+    """Its KV cache is sized from free memory, which the trainer's models must already have taken."""
+    assert rp.engine_waits_for_start({"device": None}, torch.device("cuda:0"))  # the trainer's GPU (cuda_ipc)
+    assert not rp.engine_waits_for_start({"device": "cuda:1"}, torch.device("cuda:1"))  # its own GPU (collective)
+    assert not rp.engine_waits_for_start({"device": None}, torch.device("cpu"))
 
 
 def test_a_failed_trainer_build_stops_the_early_started_process(tmp_path, monkeypatch, spawned):

@@ -12,8 +12,8 @@ whole groups, scores them, recomputes log-probs and updates exactly as the synch
   (``torch.multiprocessing`` spawn, :mod:`.rollouter_process`) with its own engine, fed by a
   :class:`lumenrl_async.ProcessChannel`, reading atomic snapshots, (one GPU) the trainer's shared
   CUDA buffers under a seqlock, or a broadcast group (gloo / NCCL: a GPU of its own). It is spawned
-  by :meth:`AsyncRLTrainer.from_plan` as soon as the policy path is known and builds its engine
-  while the trainer builds its models; ``fit()`` sends it the start message after the first publish;
+  by :meth:`AsyncRLTrainer.from_plan` as soon as the policy path is known and loads the policy
+  (and builds its engine, unless it shares the trainer's GPU) while the trainer builds its models; ``fit()`` sends it the start message after the first publish;
 * ``controller.name=ray``: a Ray actor of its own (:mod:`.rollouter_ray`), the training roles in
   their ``RoleHost`` actors; ``collective`` or ``filesystem`` weight sync.
 

@@ -13,8 +13,9 @@ device after the trainer's (NCCL cannot put both members on one GPU).
 
 Start-up in two stages, so the child's start-up overlaps the trainer's build: the child is spawned
 as soon as the policy path is known (:meth:`AsyncRLTrainer.from_plan`, before the trainer loads its
-models) with :func:`boot_args` only, and builds its engine and loader (:func:`build_engine`: imports,
-CUDA context, model load, engine build); it then waits for the start message (:func:`start_args`:
+models) with :func:`boot_args` only, and builds what it can (:func:`build_before_start`: imports, CUDA
+context, model load, loader, engine; on the trainer's own GPU the engine waits for the start message,
+since it sizes its KV cache from the memory the trainer leaves free); it then waits for the start message (:func:`start_args`:
 resume round, loader state, weight reader handle), which the trainer sends from ``fit()`` once the
 first weights are published, and only then opens the reader and runs (:func:`attach_rollouter`): it
 never generates before it has loaded a published version. The phases' wall-clock times and the
@@ -29,6 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,8 +40,8 @@ from lumenrl_async import ProcessChannel, SampleQueue
 from lumenrl_core.config import ConfigError
 from lumenrl_core.data_proto import DataProto
 
-__all__ = ["PHASES", "ProcessRollouter", "Startup", "attach_rollouter", "boot_args", "build_engine", "build_rollouter",
-           "rollouter_main", "start_args"]
+__all__ = ["PHASES", "Built", "ProcessRollouter", "Startup", "attach_rollouter", "boot_args", "build_before_start",
+           "build_rollouter", "engine_waits_for_start", "rollouter_main", "start_args"]
 
 PHASES = ("spawned", "running", "ready", "started", "first_group")  # a rollouter process's start-up
 
@@ -55,8 +57,28 @@ def start_args(trainer: Any, reader_handle: Any, device: str | None) -> dict[str
             "model_path": trainer.model_path, "reader": reader_handle, "device": device}
 
 
-def build_engine(cfg: Any, boot: dict[str, Any]) -> tuple[Any, Any, Any, torch.device]:
-    """In the rollouter's process: ``(plan, engine, train loader, device)`` from the (warm-started) policy."""
+@dataclass(kw_only=True)
+class Built:
+    """What a rollouter process builds before its start message (:func:`build_before_start`)."""
+
+    plan: Any
+    model: Any
+    tokenizer: Any
+    loader: Any
+    device: torch.device
+    engine: Any = None  # None: built at the start message (:func:`engine_waits_for_start`)
+
+
+def engine_waits_for_start(boot: dict[str, Any], device: torch.device) -> bool:
+    """On the trainer's own GPU the engine sizes its KV cache from the free memory
+    (``policy.rollout.gpu_memory_utilization``), which is only right once the trainer's models are
+    loaded: then the engine is built at the start message, after the trainer's build."""
+    return device.type == "cuda" and not boot.get("device")
+
+
+def build_before_start(cfg: Any, boot: dict[str, Any]) -> Built:
+    """In the rollouter's process: plan, the (warm-started) policy loaded, the train loader and, unless it
+    must wait for the start message, the rollout engine."""
     from lumenrl_backends.models import load_model_and_tokenizer
     from lumenrl_backends.trainers.data import make_loader, split_records
     from lumenrl_backends.training import distributed as dist_utils
@@ -71,32 +93,37 @@ def build_engine(cfg: Any, boot: dict[str, Any]) -> tuple[Any, Any, Any, torch.d
     model, tokenizer = load_model_and_tokenizer(
         boot["model_path"], dtype=cfg.policy.dtype, device=device, tokenizer_name=cfg.policy.tokenizer_name,
         trust_remote_code=cfg.policy.trust_remote_code)
-    engine = plan.rollout_engine_cls.from_config(cfg, model=model, tokenizer=tokenizer)
     train_records, _ = split_records(cfg)
     loader = make_loader(cfg, train_records, tokenizer, batch_size=cfg.dataset.train_batch_size, seed=cfg.seed,
                          shuffle=cfg.dataset.shuffle)
-    return plan, engine, loader, device
+    built = Built(plan=plan, model=model, tokenizer=tokenizer, loader=loader, device=device)
+    if not engine_waits_for_start(boot, device):
+        built.engine = _engine(cfg, built)
+    return built
 
 
-def attach_rollouter(cfg: Any, built: tuple[Any, Any, Any, torch.device], start: dict[str, Any], *,
-                     sink: Callable[[Any], None], outstanding: Callable[[], int],
-                     stop: threading.Event) -> tuple[Any, Any, Any]:
+def _engine(cfg: Any, built: Built) -> Any:
+    return built.plan.rollout_engine_cls.from_config(cfg, model=built.model, tokenizer=built.tokenizer)
+
+
+def attach_rollouter(cfg: Any, built: Built, start: dict[str, Any], *, sink: Callable[[Any], None],
+                     outstanding: Callable[[], int], stop: threading.Event) -> tuple[Any, Any, Any]:
     """The built engine at the trainer's resume point, reading the run's weight sync: ``(rollouter, engine, reader)``."""
     from lumenrl_backends.trainers.async_rl import make_rollouter
     from lumenrl_backends.trainers.rollouter import RolloutHooks
 
-    plan, engine, loader, device = built
-    loader.load_state_dict(start["loader_state"])
-    reader = plan.weight_sync_cls.reader(start["reader"], device=device)
+    engine = built.engine if built.engine is not None else _engine(cfg, built)
+    built.loader.load_state_dict(start["loader_state"])
+    reader = built.plan.weight_sync_cls.reader(start["reader"], device=built.device)
     hooks = RolloutHooks(sink=sink, outstanding=outstanding, newest_version=reader.latest_version,
                          load_weights=reader.load_into, stop=stop)
-    return make_rollouter(cfg, engine, loader, hooks, start_round=start["round"]), engine, reader
+    return make_rollouter(cfg, engine, built.loader, hooks, start_round=start["round"]), engine, reader
 
 
 def build_rollouter(cfg: Any, start: dict[str, Any], *, sink: Callable[[Any], None], outstanding: Callable[[], int],
                     stop: threading.Event) -> tuple[Any, Any, Any]:
     """In the rollouter's process, in one go: ``(rollouter, engine, weight reader)`` (module docstring)."""
-    return attach_rollouter(cfg, build_engine(cfg, start), start, sink=sink, outstanding=outstanding, stop=stop)
+    return attach_rollouter(cfg, build_before_start(cfg, start), start, sink=sink, outstanding=outstanding, stop=stop)
 
 
 class Startup:
@@ -147,7 +174,7 @@ def _main(cfg: Any, channel: ProcessChannel, boot: dict[str, Any], startup: Star
             os._exit(3)  # injected crash (tests): no cleanup, messages may be lost
 
     startup.mark("running")
-    built = build_engine(cfg, boot)
+    built = build_before_start(cfg, boot)
     startup.mark("ready")
     start = startup.wait_start(channel)
     if start is None:
@@ -196,7 +223,7 @@ class ProcessRollouter:
     """The trainer's side of a spawned rollouter process (the interface :class:`RayRollouter` shares)."""
 
     def __init__(self, cfg: Any, boot: dict[str, Any]) -> None:
-        """Spawn the child with ``boot`` (:func:`boot_args`): it builds its engine, then waits for :meth:`start`."""
+        """Spawn the child with ``boot`` (:func:`boot_args`): it builds what it can, then waits for :meth:`start`."""
         ctx = mp.get_context("spawn")
         self.channel = ProcessChannel(ctx)
         self.startup = Startup(ctx)
@@ -233,7 +260,7 @@ class ProcessRollouter:
 
     def startup_metrics(self, build_end: float) -> dict[str, float]:
         """Seconds of the child's start-up against the trainer's build end (wall clock, ``time.time()``):
-        ``spawn_lead_s`` (> 0: spawned before the build ended), ``ready_s`` (spawn to engine built),
+        ``spawn_lead_s`` (> 0: spawned before the build ended), ``ready_s`` (spawn to ready for the start message),
         ``startup_overlap_s`` (the part of that before the build ended), ``first_group_s`` (start message to
         its first finished group: first weight load and generate call, CUDA graph captures included)."""
         at = self.startup.at
