@@ -71,6 +71,9 @@ def test_collective_weight_sync_run_completes_with_its_ledger(train, tmp_path):
     assert [r["weight_sync/version"] for r in synced] == [2.0, 3.0]  # every 2 steps, and the last step
     assert all(r["weight_sync/tensors"] > 0 and r["weight_sync/gb"] > 0 for r in synced)
     assert records[-1]["async/consumed"] == 3 * 16 and all(r["async/staleness_max"] <= 1 for r in records)
+    last = records[-1]  # the child was spawned during the build, and built its engine before its start message
+    assert last["async/rollouter_spawn_lead_s"] > 0 and last["async/rollouter_first_group_s"] > 0
+    assert 0 <= last["async/startup_overlap_s"] <= last["async/rollouter_ready_s"]
     state = json.loads((tmp_path / "checkpoints" / "step_000003" / "trainer_state.json").read_text())["async"]
     assert state["policy_version"] == 3 and state["queue"]["consumed"] == 3 * 16
 

@@ -50,6 +50,8 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("async idle ratios (trainer, rollouter)", ("async/*idle_ratio",)),
     ("async staleness (version lag of trained samples)", ("async/staleness*", "async/policy_version")),
     ("async queue depth and partial rollouts", ("async/queue_depth", "async/in_transit", "async/partial_rollouts")),
+    ("async seconds (rollouter process start-up, trainer wait)", ("async/rollouter_*_s", "async/startup_overlap_s",
+                                                                   "async/trainer_wait_s")),
     ("async ledger (produced = consumed + dropped + queued)", ("async/*",)),
     ("quantization", ("quant/*",)),
     ("SDDD", ("sddd/*",)),

@@ -11,7 +11,9 @@ whole groups, scores them, recomputes log-probs and updates exactly as the synch
 * ``weight_sync.method=filesystem`` / ``cuda_ipc`` / ``collective``: its own process
   (``torch.multiprocessing`` spawn, :mod:`.rollouter_process`) with its own engine, fed by a
   :class:`lumenrl_async.ProcessChannel`, reading atomic snapshots, (one GPU) the trainer's shared
-  CUDA buffers under a seqlock, or a broadcast group (gloo / NCCL: a GPU of its own);
+  CUDA buffers under a seqlock, or a broadcast group (gloo / NCCL: a GPU of its own). It is spawned
+  by :meth:`AsyncRLTrainer.from_plan` as soon as the policy path is known and loads the policy
+  (and builds its engine, unless it shares the trainer's GPU) while the trainer builds its models; ``fit()`` sends it the start message after the first publish;
 * ``controller.name=ray``: a Ray actor of its own (:mod:`.rollouter_ray`), the training roles in
   their ``RoleHost`` actors; ``collective`` or ``filesystem`` weight sync.
 
@@ -76,7 +78,8 @@ class AsyncRLTrainer(RLTrainer):
     def probe(cls) -> str | None:
         return manifest.ASYNC_RL.unavailable_reason()
 
-    def __init__(self, parts: Any, *, plan: Any = None, model_path: str | None = None) -> None:
+    def __init__(self, parts: Any, *, plan: Any = None, model_path: str | None = None, remote: Any = None) -> None:
+        """``remote``: a rollouter process already spawned while ``parts`` were built (:meth:`from_plan`)."""
         super().__init__(parts)
         cfg = self.config
         check_async_config(cfg)
@@ -99,16 +102,29 @@ class AsyncRLTrainer(RLTrainer):
         self._started = False
         self._rollouter: Rollouter | None = None  # thread mode
         self._worker: threading.Thread | None = None
-        self._remote: Any = None  # ProcessRollouter / RayRollouter
+        self._remote: Any = remote  # ProcessRollouter / RayRollouter
         self._samples_trained = 0
         self._closed = False
+        self.build_end = time.time()  # wall clock: the rollouter process's start-up is measured against it
 
     @classmethod
     def from_plan(cls, plan: Any) -> AsyncRLTrainer:
+        """Build the run; a rollouter process is spawned as soon as the policy path is known, so its
+        start-up overlaps the build of the trainer's models (and is stopped if that build fails)."""
         check_async_config(plan.config)
-        paths: list[str] = []
-        parts = build_parts(plan, model_path_out=paths)
-        return cls(parts, plan=plan, model_path=paths[0] if paths else None)
+        early = _EarlyStart(plan)
+        try:
+            parts = build_parts(plan, on_policy_path=early)
+            return cls(parts, plan=plan, model_path=early.model_path, remote=early.remote)
+        except BaseException:
+            early.abort()
+            raise
+
+    def close(self) -> None:
+        """Stop a rollouter process spawned by :meth:`from_plan` for a trainer that is never fitted
+        (``fit()`` stops everything it started at its end)."""
+        if self._remote is not None and not self._started:
+            self._remote.abort()
 
     # ------------------------------------------------------------------ weights
     def _publisher(self) -> Any:
@@ -151,8 +167,15 @@ class AsyncRLTrainer(RLTrainer):
         self._worker.start()
 
     def _start_remote(self) -> None:
-        """A rollouter process (local controller) or Ray actor, reading the run's weight sync."""
-        from lumenrl_backends.trainers.rollouter_process import ProcessRollouter, rollouter_device, start_args
+        """A rollouter process (local controller; spawned by :meth:`from_plan` unless built otherwise) or
+        Ray actor, reading the run's weight sync. The process gets its start message once the first weights
+        are published (or, ``collective``, before the publish that forms the group)."""
+        from lumenrl_backends.trainers.rollouter_process import (
+            ProcessRollouter,
+            boot_args,
+            rollouter_device,
+            start_args,
+        )
 
         collective = "collective" in self.sync_cls.capabilities
         if not collective:  # snapshots / IPC buffers exist before the reader opens them
@@ -164,7 +187,11 @@ class AsyncRLTrainer(RLTrainer):
             start = start_args(self, handle, None)
             self._remote = RayRollouter(self.parts.actor.controller, self.config, start)
         else:
-            self._remote = ProcessRollouter(self.config, start_args(self, handle, rollouter_device(self.config, self.sync_cls)))
+            device = rollouter_device(self.config, self.sync_cls)
+            if self._remote is None:
+                self._remote = ProcessRollouter(self.config, boot_args(self.config, self.model_path, device))
+            if not self._remote.start(start_args(self, handle, device)):
+                self._rollouter_stopped()  # died during start-up: its reason is in exit_info()
         if collective:  # the first publish forms the group: wait for the reader (on Ray: registered in add_role)
             if not self.on_ray:
                 try:
@@ -300,7 +327,11 @@ class AsyncRLTrainer(RLTrainer):
             "async/policy_version": float(self.published),
             "perf/samples_per_s": self._samples_trained / wall,
             "perf/rollout_tokens_per_s": stats.get("tokens", 0.0) / max(stats.get("busy_s", 0.0), 1e-9),
+            "async/trainer_wait_s": self.trainer_wait_s,
         })
+        startup = getattr(self._remote, "startup_metrics", None)  # a rollouter process's start-up
+        if startup is not None:
+            out.update(startup(self.build_end))
         return out
 
     # ------------------------------------------------------------------ run / checkpoint
@@ -315,6 +346,8 @@ class AsyncRLTrainer(RLTrainer):
             try:
                 if self._started:
                     self._stop_rollouter()
+                else:
+                    self.close()
             finally:
                 close_roles()
 
@@ -349,6 +382,28 @@ class AsyncRLTrainer(RLTrainer):
 
     def _loader_state(self) -> dict[str, Any]:
         return self.queue.last_meta.get("loader_state") or self.parts.train_loader.state_dict()
+
+
+class _EarlyStart:
+    """``on_policy_path`` of :func:`build_parts`: spawns the rollouter process (local controller, a
+    cross-process weight sync) with the policy path, before the trainer's models load."""
+
+    def __init__(self, plan: Any) -> None:
+        self.plan, self.model_path, self.remote = plan, None, None
+
+    def __call__(self, model_path: str) -> None:
+        from lumenrl_backends.trainers.rollouter_process import ProcessRollouter, boot_args, rollouter_device
+
+        self.model_path = model_path
+        cfg = self.plan.config
+        if cfg.controller.name == "ray" or cfg.weight_sync.method == "inprocess":
+            return  # a Ray actor (started from fit) or a thread of this process
+        device = rollouter_device(cfg, self.plan.weight_sync_cls)
+        self.remote = ProcessRollouter(cfg, boot_args(cfg, model_path, device))
+
+    def abort(self) -> None:
+        if self.remote is not None:
+            self.remote.abort()
 
 
 def _fmt_ledger(m: dict[str, float]) -> str:

@@ -156,10 +156,11 @@ def _quiet_transformers() -> None:
 
 
 def build_parts(
-    plan: Any, log: Callable[[str], None] = print, *, model_path_out: list[str] | None = None
+    plan: Any, log: Callable[[str], None] = print, *, on_policy_path: Callable[[str], None] | None = None
 ) -> TrainerParts:
-    """Load models and data for ``plan`` (seeded by ``plan.config.seed``); ``model_path_out``
-    receives the (warm-started) policy path, for a rollout engine built in another process."""
+    """Load models and data for ``plan`` (seeded by ``plan.config.seed``); ``on_policy_path`` is called
+    with the (warm-started) policy path before any role's model loads (a rollout engine built in another
+    process starts there, overlapping this build)."""
     cfg = plan.config
     _quiet_transformers()
     if _device(cfg).type == "cpu" and cfg.trainer.cpu_threads > 0:
@@ -170,8 +171,8 @@ def build_parts(
     if is_main:
         write_run_record(cfg.trainer.output_dir, cfg, plan.describe())
     model_path = _policy_path(plan, log if is_main else _silent)
-    if model_path_out is not None:
-        model_path_out.append(model_path)
+    if on_policy_path is not None:
+        on_policy_path(model_path)
     seed_everything(cfg.seed)
     roles = (ray_roles if cfg.controller.name == "ray" else local_roles)(plan, model_path)
     tokenizer = roles.tokenizer

@@ -10,6 +10,18 @@ one GPU, or a ``collective`` broadcast group).
 :class:`ProcessRollouter` is the trainer's handle on a spawned child: finished groups come back
 through a :class:`lumenrl_async.ProcessChannel`. A ``collective`` rollouter on CUDA takes the
 device after the trainer's (NCCL cannot put both members on one GPU).
+
+Start-up in two stages, so the child's start-up overlaps the trainer's build: the child is spawned
+as soon as the policy path is known (:meth:`AsyncRLTrainer.from_plan`, before the trainer loads its
+models) with :func:`boot_args` only, and builds what it can (:func:`build_before_start`: imports, CUDA
+context, model load, loader, engine; on the trainer's own GPU the engine waits for the start message,
+since it sizes its KV cache from the memory the trainer leaves free); it then waits for the start message (:func:`start_args`:
+resume round, loader state, weight reader handle), which the trainer sends from ``fit()`` once the
+first weights are published, and only then opens the reader and runs (:func:`attach_rollouter`): it
+never generates before it has loaded a published version. The phases' wall-clock times and the
+reason of a failure live in shared memory (:class:`Startup`), so a child that dies during start-up is
+reported with its exception. Compiled kernels are shared through the disk caches: the spawned child
+inherits the environment, so Triton's and inductor's cache directories are the parent's.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,56 +40,148 @@ from lumenrl_async import ProcessChannel, SampleQueue
 from lumenrl_core.config import ConfigError
 from lumenrl_core.data_proto import DataProto
 
-__all__ = ["ProcessRollouter", "build_rollouter", "rollouter_main", "start_args"]
+__all__ = ["PHASES", "Built", "ProcessRollouter", "Startup", "attach_rollouter", "boot_args", "build_before_start",
+           "build_rollouter", "engine_waits_for_start", "rollouter_main", "start_args"]
+
+PHASES = ("spawned", "running", "ready", "started", "first_group")  # a rollouter process's start-up
+
+
+def boot_args(cfg: Any, model_path: str, device: str | None) -> dict[str, Any]:
+    """What a rollouter process needs to build its engine (picklable; known before the trainer's models load)."""
+    return {"model_path": model_path, "device": device}
 
 
 def start_args(trainer: Any, reader_handle: Any, device: str | None) -> dict[str, Any]:
-    """What a rollouter process needs from the trainer (picklable)."""
+    """What a rollouter needs from the trainer to run (picklable): resume point and weight reader."""
     return {"round": trainer.start_round, "loader_state": trainer.parts.train_loader.state_dict(),
             "model_path": trainer.model_path, "reader": reader_handle, "device": device}
 
 
-def build_rollouter(cfg: Any, start: dict[str, Any], *, sink: Callable[[Any], None], outstanding: Callable[[], int],
-                    stop: threading.Event) -> tuple[Any, Any, Any]:
-    """In the rollouter's process: ``(rollouter, engine, weight reader)`` (module docstring)."""
+@dataclass(kw_only=True)
+class Built:
+    """What a rollouter process builds before its start message (:func:`build_before_start`)."""
+
+    plan: Any
+    model: Any
+    tokenizer: Any
+    loader: Any
+    device: torch.device
+    engine: Any = None  # None: built at the start message (:func:`engine_waits_for_start`)
+
+
+def engine_waits_for_start(boot: dict[str, Any], device: torch.device) -> bool:
+    """On the trainer's own GPU the engine sizes its KV cache from the free memory
+    (``policy.rollout.gpu_memory_utilization``), which is only right once the trainer's models are
+    loaded: then the engine is built at the start message, after the trainer's build."""
+    return device.type == "cuda" and not boot.get("device")
+
+
+def build_before_start(cfg: Any, boot: dict[str, Any]) -> Built:
+    """In the rollouter's process: plan, the (warm-started) policy loaded, the train loader and, unless it
+    must wait for the start message, the rollout engine."""
     from lumenrl_backends.models import load_model_and_tokenizer
-    from lumenrl_backends.trainers.async_rl import make_rollouter
     from lumenrl_backends.trainers.data import make_loader, split_records
-    from lumenrl_backends.trainers.rollouter import RolloutHooks
     from lumenrl_backends.training import distributed as dist_utils
     from lumenrl_core.assembly import plan_run
 
     if cfg.trainer.cpu_threads > 0:
         torch.set_num_threads(cfg.trainer.cpu_threads)
-    plan = plan_run(cfg)
-    device = torch.device(start["device"]) if start.get("device") else dist_utils.resolve_device(cfg.cluster.device)
+    device = torch.device(boot["device"]) if boot.get("device") else dist_utils.resolve_device(cfg.cluster.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the engine's "cuda" is this device
+    plan = plan_run(cfg)
     model, tokenizer = load_model_and_tokenizer(
-        start["model_path"], dtype=cfg.policy.dtype, device=device, tokenizer_name=cfg.policy.tokenizer_name,
+        boot["model_path"], dtype=cfg.policy.dtype, device=device, tokenizer_name=cfg.policy.tokenizer_name,
         trust_remote_code=cfg.policy.trust_remote_code)
-    engine = plan.rollout_engine_cls.from_config(cfg, model=model, tokenizer=tokenizer)
     train_records, _ = split_records(cfg)
     loader = make_loader(cfg, train_records, tokenizer, batch_size=cfg.dataset.train_batch_size, seed=cfg.seed,
                          shuffle=cfg.dataset.shuffle)
-    loader.load_state_dict(start["loader_state"])
-    reader = plan.weight_sync_cls.reader(start["reader"], device=device)
+    built = Built(plan=plan, model=model, tokenizer=tokenizer, loader=loader, device=device)
+    if not engine_waits_for_start(boot, device):
+        built.engine = _engine(cfg, built)
+    return built
+
+
+def _engine(cfg: Any, built: Built) -> Any:
+    return built.plan.rollout_engine_cls.from_config(cfg, model=built.model, tokenizer=built.tokenizer)
+
+
+def attach_rollouter(cfg: Any, built: Built, start: dict[str, Any], *, sink: Callable[[Any], None],
+                     outstanding: Callable[[], int], stop: threading.Event) -> tuple[Any, Any, Any]:
+    """The built engine at the trainer's resume point, reading the run's weight sync: ``(rollouter, engine, reader)``."""
+    from lumenrl_backends.trainers.async_rl import make_rollouter
+    from lumenrl_backends.trainers.rollouter import RolloutHooks
+
+    engine = built.engine if built.engine is not None else _engine(cfg, built)
+    built.loader.load_state_dict(start["loader_state"])
+    reader = built.plan.weight_sync_cls.reader(start["reader"], device=built.device)
     hooks = RolloutHooks(sink=sink, outstanding=outstanding, newest_version=reader.latest_version,
                          load_weights=reader.load_into, stop=stop)
-    return make_rollouter(cfg, engine, loader, hooks, start_round=start["round"]), engine, reader
+    return make_rollouter(cfg, engine, built.loader, hooks, start_round=start["round"]), engine, reader
 
 
-def rollouter_main(cfg: Any, channel: ProcessChannel, start: dict[str, Any]) -> None:
-    """Child entry point: build, run until the channel's stop flag, close the weight reader."""
+def build_rollouter(cfg: Any, start: dict[str, Any], *, sink: Callable[[Any], None], outstanding: Callable[[], int],
+                    stop: threading.Event) -> tuple[Any, Any, Any]:
+    """In the rollouter's process, in one go: ``(rollouter, engine, weight reader)`` (module docstring)."""
+    return attach_rollouter(cfg, build_before_start(cfg, start), start, sink=sink, outstanding=outstanding, stop=stop)
+
+
+class Startup:
+    """The child's start-up, shared with the parent: wall-clock times of :data:`PHASES` (0: not reached),
+    the reason it failed, and the pipe the start message comes through."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.times = ctx.Array("d", len(PHASES))
+        self.reason = ctx.Array("c", 1024)
+        self.inbox, self.outbox = ctx.Pipe(duplex=False)
+
+    def mark(self, phase: str) -> None:
+        self.times[PHASES.index(phase)] = time.time()
+
+    def at(self, phase: str) -> float:
+        return float(self.times[PHASES.index(phase)])
+
+    def fail(self, exc: BaseException) -> None:
+        self.reason.value = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")[:1023]
+
+    def wait_start(self, channel: ProcessChannel) -> dict[str, Any] | None:
+        """The start message, or None when the parent asked to stop first."""
+        while not channel.stop_requested():
+            if self.inbox.poll(0.05):
+                return self.inbox.recv()
+        return None
+
+
+def rollouter_main(cfg: Any, channel: ProcessChannel, boot: dict[str, Any], startup: Startup) -> None:
+    """Child entry point: build the engine, wait for the start message, run until the channel's stop
+    flag, close the weight reader. A failure is recorded in ``startup`` (its reason) and re-raised."""
+    try:
+        _main(cfg, channel, boot, startup)
+    except BaseException as exc:
+        startup.fail(exc)
+        raise
+
+
+def _main(cfg: Any, channel: ProcessChannel, boot: dict[str, Any], startup: Startup) -> None:
     stop, sent = threading.Event(), [0]
 
     def sink(group: Any) -> None:
         channel.send(group)
         sent[0] += 1
-        if start.get("crash_after") and sent[0] >= start["crash_after"]:
+        if sent[0] == 1:
+            startup.mark("first_group")
+        if boot.get("crash_after") and sent[0] >= boot["crash_after"]:
             os._exit(3)  # injected crash (tests): no cleanup, messages may be lost
 
-    rollouter, engine, reader = build_rollouter(cfg, start, sink=sink, outstanding=channel.outstanding, stop=stop)
+    startup.mark("running")
+    built = build_before_start(cfg, boot)
+    startup.mark("ready")
+    start = startup.wait_start(channel)
+    if start is None:
+        return
+    startup.mark("started")
+    rollouter, engine, reader = attach_rollouter(cfg, built, start, sink=sink, outstanding=channel.outstanding,
+                                                 stop=stop)
 
     def watch_stop() -> None:
         while not channel.stop_requested():
@@ -117,16 +222,58 @@ def rollouter_device(cfg: Any, weight_sync_cls: Any) -> str | None:
 class ProcessRollouter:
     """The trainer's side of a spawned rollouter process (the interface :class:`RayRollouter` shares)."""
 
-    def __init__(self, cfg: Any, start: dict[str, Any]) -> None:
+    def __init__(self, cfg: Any, boot: dict[str, Any]) -> None:
+        """Spawn the child with ``boot`` (:func:`boot_args`): it builds what it can, then waits for :meth:`start`."""
         ctx = mp.get_context("spawn")
         self.channel = ProcessChannel(ctx)
-        start = {**start, "crash_after": int(os.environ.get("LUMENRL_ASYNC_CRASH_AFTER", "0"))}
-        self.proc = ctx.Process(target=rollouter_main, args=(cfg, self.channel, start), daemon=True,
+        self.startup = Startup(ctx)
+        boot = {**boot, "crash_after": int(os.environ.get("LUMENRL_ASYNC_CRASH_AFTER", "0"))}
+        self.proc = ctx.Process(target=rollouter_main, args=(cfg, self.channel, boot, self.startup), daemon=True,
                                 name="lumenrl-rollouter")
+        self.startup.mark("spawned")
         self.proc.start()
         self.channel.started()
+        self.startup.inbox.close()  # the child holds its own copy
         self._pump: threading.Thread | None = None
         self._done = threading.Event()
+
+    def start(self, start: dict[str, Any]) -> bool:
+        """Send the start message (:func:`start_args`); False when the child is gone (see :meth:`exit_info`)."""
+        if not self.proc.is_alive():
+            return False
+        try:
+            self.startup.outbox.send(start)
+        except OSError:  # it died meanwhile
+            self.proc.join(5.0)  # its exit code for exit_info()
+            return False
+        return True
+
+    def abort(self, timeout: float = 10.0) -> None:
+        """Stop a child that was never started (its trainer failed to build or to start): nothing to receive."""
+        self.channel.request_stop()
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+    def startup_metrics(self, build_end: float) -> dict[str, float]:
+        """Seconds of the child's start-up against the trainer's build end (wall clock, ``time.time()``):
+        ``spawn_lead_s`` (> 0: spawned before the build ended), ``ready_s`` (spawn to ready for the start message),
+        ``startup_overlap_s`` (the part of that before the build ended), ``first_group_s`` (start message to
+        its first finished group: first weight load and generate call, CUDA graph captures included)."""
+        at = self.startup.at
+        spawned, ready = at("spawned"), at("ready")
+        out = {"async/rollouter_spawn_lead_s": build_end - spawned}
+        if at("running"):
+            out["async/rollouter_boot_s"] = at("running") - spawned
+        if ready:
+            out["async/rollouter_ready_s"] = ready - spawned
+            out["async/startup_overlap_s"] = max(0.0, min(ready, build_end) - spawned)
+        if at("first_group") and at("started"):
+            out["async/rollouter_first_group_s"] = at("first_group") - at("started")
+        return out
 
     def begin(self, sample_queue: SampleQueue) -> None:
         """The child runs from its start; here: move its messages into ``sample_queue``."""
@@ -142,7 +289,8 @@ class ProcessRollouter:
         return {"rollouter": "process", "rollouter_pid": self.proc.pid}
 
     def exit_info(self) -> str:
-        return f"exit {self.proc.exitcode}"
+        reason = self.startup.reason.value.decode("utf-8", "replace")
+        return f"exit {self.proc.exitcode}" + (f": {reason}" if reason else "")
 
     def _stop_pump(self) -> None:
         self._done.set()
