@@ -55,3 +55,31 @@ def test_reader_process_never_keeps_a_torn_snapshot():
     assert proc.exitcode == 0 and got and not any(torn for _, torn in got)
     versions = [v for v, _ in got]
     assert versions == sorted(versions) and versions[-1] == 40
+
+
+def _late_reader(conn, out) -> None:
+    _reader(conn.recv(), out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reader_spawned_before_the_first_publish_gets_the_handle_through_a_pipe():
+    """The async trainer spawns its rollouter before it publishes: the handle (IPC buffers and the
+    seqlock) arrives in the start message, through a pipe, not as a spawn argument."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    out = ctx.Queue()
+    proc = ctx.Process(target=_late_reader, args=(child, out))
+    proc.start()
+    sync = CudaIpcWeightSync()
+    sync.publish(_weights(0), 0)
+    parent.send(sync.reader_handle())
+    for v in range(1, 41):
+        sync.publish(_weights(v), v)
+    got = []
+    while (item := out.get(timeout=120)) is not None:
+        got.append(item)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0 and got and not any(torn for _, torn in got)
+    assert [v for v, _ in got][-1] == 40

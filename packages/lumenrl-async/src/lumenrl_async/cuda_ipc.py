@@ -23,7 +23,26 @@ import torch
 
 from lumenrl_async import plugin_manifest as manifest
 
-__all__ = ["CudaIpcWeightSync"]
+__all__ = ["CudaIpcWeightSync", "SharedCounter"]
+
+
+class SharedCounter:
+    """An int64 in shared memory with a ``value`` attribute, like ``multiprocessing.Value("q")``, but
+    picklable through any ``torch.multiprocessing`` channel (a queue, a pipe's ``send``), not only as a
+    spawn argument: its storage is a shared-memory tensor, which torch's reductions pass by handle. A
+    rollouter process spawned before the first publish receives it in its start message.
+    An aligned 8-byte load or store is one instruction on the hosts torch supports: no torn reads."""
+
+    def __init__(self, value: int = -1) -> None:
+        self._cell = torch.full((1,), int(value), dtype=torch.int64).share_memory_()
+
+    @property
+    def value(self) -> int:
+        return int(self._cell[0])
+
+    @value.setter
+    def value(self, v: int) -> None:
+        self._cell[0] = int(v)
 
 
 class CudaIpcWeightSync:
@@ -33,7 +52,7 @@ class CudaIpcWeightSync:
 
     def __init__(self, seq: Any = None) -> None:
         self.buffers: dict[str, torch.Tensor] | None = None
-        self.seq = seq  # a multiprocessing Value("q"); made lazily in the spawn context
+        self.seq = seq  # a SharedCounter, made at the first publish
         self._version: int | None = None
 
     @classmethod
@@ -49,9 +68,7 @@ class CudaIpcWeightSync:
         if self._version is not None and version <= self._version:
             raise ValueError(f"version={version} must be greater than the last published version {self._version}")
         if self.seq is None:
-            import torch.multiprocessing as mp
-
-            self.seq = mp.get_context("spawn").Value("q", -1)
+            self.seq = SharedCounter(-1)
         first = self.buffers is None
         if first:
             self.buffers = {}
