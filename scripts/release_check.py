@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import email.parser
+import os
 import re
 import subprocess
 import sys
@@ -76,10 +77,10 @@ def _about_version(path: Path) -> str:
     return match.group(1)
 
 
-def discover(only: list[str]) -> list[Package]:
+def discover(only: list[str], packages_dir: Path = PACKAGES_DIR) -> list[Package]:
     """Every ``packages/*/pyproject.toml`` (or the ``only`` ones), with its ``__about__`` version."""
     found = []
-    for pyproject in sorted(PACKAGES_DIR.glob("*/pyproject.toml")):
+    for pyproject in sorted(packages_dir.glob("*/pyproject.toml")):
         data = tomllib.loads(pyproject.read_text())
         name = data["project"]["name"]
         about = pyproject.parent / data["tool"]["hatch"]["version"]["path"]
@@ -122,6 +123,12 @@ def runtime_requirements(wheel: Path) -> list[Requirement]:
 # ------------------------------------------------------------------------------------ consistency
 
 
+def _req_text(req: Requirement) -> str:
+    """``lumenrl-core>=0.1,<0.2``: lower bounds first, as pyproject.toml writes the ranges."""
+    specs = sorted(req.specifier, key=lambda s: (s.operator.startswith("<"), str(s)))
+    return f"{req.name}{','.join(str(s) for s in specs)}"
+
+
 def _next_minor(version: str) -> Version:
     major, minor = (Version(version).release + (0, 0))[:2]
     return Version(f"{major}.{minor + 1}.0")
@@ -138,17 +145,18 @@ def consistency_problems(package: Package, siblings: dict[str, Package]) -> list
     changelog = package.path / "CHANGELOG.md"
     sections = CHANGELOG_SECTION.findall(changelog.read_text()) if changelog.is_file() else []
     if package.version not in sections:
-        problems.append(f"{changelog.relative_to(ROOT)} has no '## [{package.version}]' section "
+        problems.append(f"{package.path.name}/CHANGELOG.md has no '## [{package.version}]' section "
                         f"(sections: {', '.join(sections) or 'none'})")
     for req in runtime_requirements(package.wheel):
         sibling = siblings.get(canonicalize_name(req.name))
         if sibling is None:
             continue
         if not req.specifier.contains(sibling.version, prereleases=True):
-            problems.append(f"requires {req}, but {sibling.name} is now {sibling.version}")
+            problems.append(f"requires {_req_text(req)}, but {sibling.name} is now {sibling.version}")
         elif req.specifier.contains(_next_minor(sibling.version), prereleases=True):
-            problems.append(f"requires {req}: not capped below {sibling.name}'s next minor "
-                            f"{_next_minor(sibling.version)} (STYLE 4: '<{_next_minor(sibling.version).base_version[:-2]}')")
+            cap = _next_minor(sibling.version)
+            problems.append(f"requires {_req_text(req)}: not capped below {sibling.name}'s next minor "
+                            f"(STYLE 4: add '<{cap.major}.{cap.minor}')")
     return problems
 
 
@@ -184,9 +192,16 @@ print(json.dumps({"version": mod.__version__, "file": mod.__file__, "lumenrl": l
 """
 
 
+def _venv_env(env_dir: Path) -> dict[str, str]:
+    """This environment without PYTHONPATH; built-in models go to a cache inside the venv, not the user's."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["LUMENRL_CACHE"] = str(env_dir / "lumenrl-cache")
+    return env
+
+
 def _probe_problems(package: Package, python: Path, env_dir: Path, expected: set[str]) -> list[str]:
     proc = subprocess.run([str(python), "-c", _PROBE, package.import_name], capture_output=True, text=True,
-                          timeout=300, cwd=env_dir)
+                          timeout=300, cwd=env_dir, env=_venv_env(env_dir))
     if proc.returncode != 0:
         return [f"import {package.import_name} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"]
     import json
@@ -205,10 +220,11 @@ def _probe_problems(package: Package, python: Path, env_dir: Path, expected: set
 def _readme_problems(package: Package, python: Path, env_dir: Path) -> list[str]:
     blocks = PYTHON_BLOCK.findall((package.path / "README.md").read_text())
     if not blocks:
-        return [f"{package.path.relative_to(ROOT)}/README.md has no ```python example block"]
+        return [f"{package.path.name}/README.md has no ```python example block"]
     script = env_dir / "readme_example.py"
     script.write_text(blocks[0])
-    proc = subprocess.run([str(python), str(script)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run([str(python), str(script)], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env=_venv_env(env_dir))
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["?"])[-1]
         return [f"the first ```python block of its README failed: {last}"]
@@ -243,9 +259,12 @@ def _timed(label: str, timings: dict[str, float], fn, *args):
         timings[label] = time.perf_counter() - start
 
 
-def check(packages: list[Package], work: Path, *, static: bool, link: bool) -> tuple[list[str], dict[str, float]]:
-    """Run the check over ``packages`` (all of the workspace are built: siblings come from this build)."""
-    everyone = {canonicalize_name(p.name): p for p in discover([])}
+def check(
+    packages: list[Package], work: Path, *, static: bool = False, link: bool = True, packages_dir: Path = PACKAGES_DIR
+) -> tuple[list[str], dict[str, float]]:
+    """Check ``packages`` (every package of ``packages_dir`` is built: siblings come from this build);
+    return the problems (``"name version: problem"``) and the seconds each step took."""
+    everyone = {canonicalize_name(p.name): p for p in discover([], packages_dir)}
     chosen = {canonicalize_name(p.name) for p in packages}
     dist, timings, problems = work / "dist", {}, []
     shutil.rmtree(dist, ignore_errors=True)
