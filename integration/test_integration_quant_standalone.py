@@ -15,7 +15,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from scripts import fresh_venv
 
 ROOT = Path(__file__).resolve().parents[1]

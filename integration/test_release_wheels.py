@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from scripts import release_check
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import argparse
 import email.parser
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
-import shutil
 import tempfile
 import time
 import zipfile
@@ -204,8 +205,6 @@ def _probe_problems(package: Package, python: Path, env_dir: Path, expected: set
                           timeout=300, cwd=env_dir, env=_venv_env(env_dir))
     if proc.returncode != 0:
         return [f"import {package.import_name} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"]
-    import json
-
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     problems = []
     if found["version"] != package.version:
@@ -265,10 +264,10 @@ def check(
     """Check ``packages`` (every package of ``packages_dir`` is built: siblings come from this build);
     return the problems (``"name version: problem"``) and the seconds each step took."""
     everyone = {canonicalize_name(p.name): p for p in discover([], packages_dir)}
-    chosen = {canonicalize_name(p.name) for p in packages}
+    chosen = [key for key in everyone if key in {canonicalize_name(p.name) for p in packages}]
     dist, timings, problems = work / "dist", {}, []
     shutil.rmtree(dist, ignore_errors=True)
-    for key, package in everyone.items():
+    for package in everyone.values():
         problem = _timed(f"build {package.name}", timings, build, package, dist)
         if problem:
             problems.append(f"{package.label}: {problem}")
@@ -276,7 +275,7 @@ def check(
         return problems, timings
     for key in chosen:
         problems += [f"{everyone[key].label}: {p}" for p in consistency_problems(everyone[key], everyone)]
-    for key in [] if static else sorted(chosen):
+    for key in [] if static else chosen:
         package = everyone[key]
         found = _timed(f"install {package.name}", timings, install_problems, package, everyone, work, link)
         problems += [f"{package.label}: {p}" for p in found]

@@ -19,7 +19,6 @@ from lumenrl_core.plugins import (
     PluginSpec,
     UnknownPluginError,
     core_requirement_problem,
-    sibling_requirement_problems,
     core_version,
     cuda_probe,
     first_reason,
@@ -28,6 +27,7 @@ from lumenrl_core.plugins import (
     module_installed,
     module_probe,
     set_registry,
+    sibling_requirement_problems,
 )
 
 
@@ -362,7 +362,7 @@ def test_discovery_from_metadata_with_versions_and_duplicates(monkeypatch):
     assert reg.info("rollout_engines", "good").available
     assert reg.info("rollout_engines", "good").distribution == "lumenrl-x"
     future_info = reg.info("rollout_engines", "future")
-    assert not future_info.available and "lumenrl-y 2.0.0 requires lumenrl-core<2.1,>=2.0" in future_info.reason
+    assert not future_info.available and "lumenrl-y 2.0.0 requires lumenrl-core>=2.0,<2.1" in future_info.reason
     later = reg.info("rollout_engines", "later")
     assert later.reason == "cannot import lumenrl_x.later:Later: ModuleNotFoundError: No module named 'lumenrl_x.later'"
     for _ in range(2):  # raised on every use, not only the first

@@ -5,9 +5,8 @@ against the ranges this distribution declares (its ``Requires-Dist``); an incomp
 refused with :class:`lumenrl_core.plugins.IncompatibleSiblingsError`, one line per sibling.
 """
 
-from lumenrl_core.plugins.compat import require_compatible_siblings
-
 from lumenrl_backends.__about__ import __version__
+from lumenrl_core.plugins.compat import require_compatible_siblings
 
 require_compatible_siblings("lumenrl-backends")
 

@@ -29,9 +29,8 @@ from typing import Any
 
 import yaml
 
-from lumenrl_core.config import ConfigError, dump_config
-
 from lumenrl_backends.versions import DISTRIBUTIONS, package_versions
+from lumenrl_core.config import ConfigError, dump_config
 
 __all__ = ["DISTRIBUTIONS", "RUN_OUTPUTS", "RESUMABLE_KEYS", "check_run_dir", "write_run_record", "write_summary",
            "package_versions"]
