@@ -28,8 +28,8 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def torch_only_python(tmp_path_factory) -> Path:
     python = fresh_venv.create(tmp_path_factory.mktemp("quant-venv"))
-    torch = fresh_venv.link_distributions(fresh_venv.site_packages(python), [fresh_venv.TORCH_PIN])
-    proc = fresh_venv.pip_install(python, [*torch, str(QUANT)])
+    missing, pins = fresh_venv.link_distributions(fresh_venv.site_packages(python), [fresh_venv.TORCH_PIN])
+    proc = fresh_venv.pip_install(python, [*missing, *pins, str(QUANT)])
     if proc.returncode != 0 and "No matching distribution" in proc.stderr:
         pytest.skip(f"{fresh_venv.TORCH_PIN} is not installable here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-2000:]

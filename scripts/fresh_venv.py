@@ -6,7 +6,8 @@ into every venv (unpacking and byte-compiling it) is the slow part of a clean-in
 :func:`link_distributions` symlinks the top-level entries of already-installed distributions
 (and, transitively, what they require) into the venv's ``site-packages``: pip then sees them as
 installed there and resolves the rest against them. Only distributions whose installed version
-satisfies what the caller asks are linked, so pip never has to upgrade (or remove) a linked one.
+satisfies what the caller asks are linked, and each linked one is pinned to its version in the
+pip call, so pip never upgrades (uninstalls through the symlink) a linked one.
 
 Used by ``scripts/release_check.py`` and ``integration/test_integration_quant_standalone.py``.
 """
@@ -68,24 +69,30 @@ def _satisfied(requirement: Requirement) -> bool:
     return requirement.specifier.contains(installed.split("+")[0], prereleases=True)
 
 
-def link_distributions(site: Path, requirements: list[str]) -> list[str]:
+def link_distributions(site: Path, requirements: list[str]) -> tuple[list[str], list[str]]:
     """Symlink each installed distribution that satisfies one of ``requirements`` (with what it
-    requires) into ``site``; return the requirements that were *not* satisfied here (pip installs those).
+    requires) into ``site``.
 
-    ``setuptools`` is never linked: pip may upgrade it in the venv."""
-    missing = []
+    Returns ``(missing, pins)``: the requirements not satisfied here (pip installs those) and
+    ``name==version`` for every linked distribution. Pass both to pip: with the pins, a linked
+    distribution that another requirement would need in a different version is a resolution
+    error, never an upgrade that would uninstall through the symlink. ``setuptools`` is never
+    linked (pip installs the venv's own)."""
+    missing, linked = [], {}
     for line in requirements:
         req = Requirement(line)
         if not _satisfied(req):
             missing.append(line)
             continue
         for dist in requirement_closure(req.name):
-            if canonicalize_name(dist.metadata["Name"]) == "setuptools":
+            name = canonicalize_name(dist.metadata["Name"])
+            if name == "setuptools" or name in linked:
                 continue
+            linked[name] = dist.version
             for entry in {Path(str(f)).parts[0] for f in dist.files or []} - {"..", "__pycache__"}:
                 if not (site / entry).exists():
                     os.symlink(dist.locate_file(entry), site / entry)
-    return missing
+    return missing, [f"{name}=={version}" for name, version in linked.items()]
 
 
 def pip_install(python: Path, args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:

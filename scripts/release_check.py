@@ -230,21 +230,31 @@ def _readme_problems(package: Package, python: Path, env_dir: Path) -> list[str]
     return []
 
 
-def install_problems(package: Package, siblings: dict[str, Package], work: Path, link: bool) -> list[str]:
-    """Install ``package`` alone into a fresh venv and run its smoke import and README example."""
-    env_dir = work / f"venv-{package.name}"
+def _install(package: Package, siblings: dict[str, Package], env_dir: Path, link: bool) -> list[str]:
+    """A fresh venv at ``env_dir`` with ``package``'s wheel, its siblings' wheels and its third-party deps."""
     shutil.rmtree(env_dir, ignore_errors=True)
     python = fresh_venv.create(env_dir)
     needed = sibling_closure(package, siblings)
     third_party = third_party_requirements([package, *needed], siblings)
-    to_install = fresh_venv.link_distributions(fresh_venv.site_packages(python), third_party) if link else third_party
+    missing, pins = fresh_venv.link_distributions(fresh_venv.site_packages(python), third_party) if link \
+        else (third_party, [])
     wheels = [str(p.wheel) for p in (package, *needed)]
-    dist = str(package.wheel.parent)
-    proc = fresh_venv.pip_install(python, ["--find-links", dist, *wheels, *to_install])
+    proc = fresh_venv.pip_install(python, ["--find-links", str(package.wheel.parent), *wheels, *missing, *pins])
     if proc.returncode != 0:
         return [f"pip install of its wheel failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"]
-    expected = {p.name for p in (package, *needed)}
-    return _probe_problems(package, python, env_dir, expected) or _readme_problems(package, python, env_dir)
+    return []
+
+
+def install_problems(
+    package: Package, siblings: dict[str, Package], work: Path, link: bool, timings: dict[str, float]
+) -> list[str]:
+    """Install ``package`` alone into a fresh venv, then its smoke import, then its README example."""
+    env_dir, label = work / f"venv-{package.name}", f"install {package.name}"
+    python = env_dir / "bin" / "python"
+    expected = {p.name for p in (package, *sibling_closure(package, siblings))}
+    return (_timed(f"{label}: venv + pip", timings, _install, package, siblings, env_dir, link)
+            or _timed(f"{label}: import", timings, _probe_problems, package, python, env_dir, expected)
+            or _timed(f"{label}: README example", timings, _readme_problems, package, python, env_dir))
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -277,7 +287,7 @@ def check(
         problems += [f"{everyone[key].label}: {p}" for p in consistency_problems(everyone[key], everyone)]
     for key in [] if static else chosen:
         package = everyone[key]
-        found = _timed(f"install {package.name}", timings, install_problems, package, everyone, work, link)
+        found = install_problems(package, everyone, work, link, timings)
         problems += [f"{package.label}: {p}" for p in found]
     return problems, timings
 
