@@ -73,6 +73,28 @@ def test_plugins_plain_table(isolated_registry, capsys):
     assert lines[1].index("lumenrl-test") == lines[2].index("lumenrl-test")  # aligned columns
 
 
+def test_plugins_table_ends_with_every_package_version(isolated_registry, capsys):
+    import importlib.metadata as metadata
+
+    from lumenrl_backends.versions import LUMENRL_DISTRIBUTIONS
+
+    assert cli.main(["plugins", "--format", "plain"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("packages: ")
+    assert last.removeprefix("packages: ").split(", ") == [
+        f"{name} {metadata.version(name)}" for name in LUMENRL_DISTRIBUTIONS]
+
+
+def test_version_names_every_package(capsys):
+    import importlib.metadata as metadata
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and out.startswith(f"lumenrl {metadata.version('lumenrl-backends')} (")
+    assert f"lumenrl-quant {metadata.version('lumenrl-quant')}" in out
+
+
 def test_no_command_and_bad_kind_exit_2(capsys):
     assert cli.main([]) == 2
     assert "plugins" in capsys.readouterr().err

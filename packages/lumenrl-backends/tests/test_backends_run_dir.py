@@ -45,3 +45,17 @@ def test_a_directory_without_a_run_is_used_as_is(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     check_run_dir(tmp_path, _config(tmp_path, "policy.optim.lr=5e-4"))
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_plugins_json_records_every_lumenrl_package_version(tmp_path):
+    import importlib.metadata as metadata
+    import json
+
+    from lumenrl_backends.versions import LUMENRL_DISTRIBUTIONS
+
+    write_run_record(tmp_path, _config(tmp_path), {"plugins": {"trainer": "rl"}})
+    record = json.loads((tmp_path / "plugins.json").read_text())
+    assert record["plugins"] == {"trainer": "rl"}
+    assert {name: record["packages"][name] for name in LUMENRL_DISTRIBUTIONS} == {
+        name: metadata.version(name) for name in LUMENRL_DISTRIBUTIONS}
+    assert record["packages"]["torch"] == metadata.version("torch")

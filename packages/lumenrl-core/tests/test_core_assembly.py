@@ -203,7 +203,7 @@ def test_incompatible_plugin_distribution_version(cfg, reg):
     cfg.weight_sync.method = "future"
     msg = only(cfg, reg)
     assert msg.startswith("weight_sync.method='future'") and "incompatible version" in msg
-    assert "lumenrl-async 0.9.0 requires lumenrl-core<0.10,>=0.9" in msg
+    assert "lumenrl-async 0.9.0 requires lumenrl-core>=0.9,<0.10" in msg
     cfg.assembly.check_plugin_versions = False
     assert plan_run(cfg, registry=reg).weight_sync_cls.__name__ == "Future"
 

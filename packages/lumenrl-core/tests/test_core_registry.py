@@ -27,6 +27,7 @@ from lumenrl_core.plugins import (
     module_installed,
     module_probe,
     set_registry,
+    sibling_requirement_problems,
 )
 
 
@@ -239,16 +240,37 @@ def test_incompatible_core_requirement_blocks_import(reg):
                         distribution="lumenrl-future", version="9.0", requires=["lumenrl-core>=9.0,<9.1"])
     info = reg.info("quant_schemes", "future")
     assert not info.available and calls == []
-    assert f"lumenrl-future 9.0 requires lumenrl-core<9.1,>=9.0 but lumenrl-core {core_version()}" in info.reason
+    assert f"lumenrl-future 9.0 requires lumenrl-core>=9.0,<9.1 but lumenrl-core {core_version()}" in info.reason
     assert reg.load("quant_schemes", "future", check_versions=False) is GoodEngine  # opt out
 
 
 def test_core_requirement_problem_rules():
     reqs = ["torch>=2.6", "lumenrl-core>=0.1,<0.2", 'lumenrl-core>=5; extra == "future"']
     assert core_requirement_problem("lumenrl-x", "0.1", reqs, installed_core="0.1.3") is None
-    assert "requires lumenrl-core<0.2,>=0.1" in core_requirement_problem("lumenrl-x", "0.1", reqs, "0.2.0")
+    assert "requires lumenrl-core>=0.1,<0.2" in core_requirement_problem("lumenrl-x", "0.1", reqs, "0.2.0")
     assert core_requirement_problem("lumenrl-quant", "0.1", ["torch>=2.6"], "7.0") is None
     assert core_requirement_problem("lumenrl_core", "0.1", ["lumenrl-core>=9"], "0.1") is None
+
+
+def test_sibling_requirement_problems_one_line_each():
+    reqs = ["torch>=2.6", "lumenrl-core>=0.1,<0.2", "lumenrl_quant>=0.1,<0.2", "lumenrl-moe>=0.1,<0.2",
+            'lumenrl-sddd>=7; extra == "future"', "lumenrl-x>=1"]
+    installed = {"lumenrl-core": "0.1.4", "lumenrl-quant": "0.3.0", "lumenrl-moe": None, "lumenrl-x": "2.0"}
+    problems = sibling_requirement_problems("lumenrl-backends", "0.1.0", reqs, installed.get)
+    assert problems == [
+        "lumenrl-backends 0.1.0 requires lumenrl-quant>=0.1,<0.2 but lumenrl-quant 0.3.0 is installed "
+        "(pip install 'lumenrl-quant>=0.1,<0.2')",
+        "lumenrl-backends 0.1.0 requires lumenrl-moe>=0.1,<0.2 but it is not installed "
+        "(pip install 'lumenrl-moe>=0.1,<0.2')",
+    ]  # torch is not a sibling; the extra-only requirement does not apply; the others hold
+    assert sibling_requirement_problems("lumenrl-quant", "0.1.0", ["lumenrl-quant>=9"], installed.get) == []
+
+
+def test_registry_checks_every_sibling_requirement(reg):
+    reg.register("quant_schemes", "needs_new_moe", GoodEngine, distribution="lumenrl-x", version="1.0",
+                 requires=[f"lumenrl-core>={core_version()}", "lumenrl-moe>=9.0,<9.1"])
+    info = reg.info("quant_schemes", "needs_new_moe")
+    assert not info.available and "lumenrl-x 1.0 requires lumenrl-moe>=9.0,<9.1 but" in info.reason
 
 
 def _installed(distribution: str) -> bool:
@@ -355,7 +377,7 @@ def test_discovery_from_metadata_with_versions_and_duplicates(monkeypatch):
     assert reg.info("rollout_engines", "good").available
     assert reg.info("rollout_engines", "good").distribution == "lumenrl-x"
     future_info = reg.info("rollout_engines", "future")
-    assert not future_info.available and "lumenrl-y 2.0.0 requires lumenrl-core<2.1,>=2.0" in future_info.reason
+    assert not future_info.available and "lumenrl-y 2.0.0 requires lumenrl-core>=2.0,<2.1" in future_info.reason
     later = reg.info("rollout_engines", "later")
     assert later.reason == "cannot import lumenrl_x.later:Later: ModuleNotFoundError: No module named 'lumenrl_x.later'"
     for _ in range(2):  # raised on every use, not only the first

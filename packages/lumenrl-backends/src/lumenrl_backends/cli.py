@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lumenrl_backends.__about__ import __version__
+from lumenrl_backends.versions import versions_line
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -100,12 +101,16 @@ def _print_rich(rows: list[dict[str, str]]) -> bool:
 
 
 def run_plugins(args: argparse.Namespace) -> int:
+    """The plugin table, then one line with the installed version of every LumenRL package (JSON
+    lines: one row per plugin, each naming its package and version)."""
     rows = _plugin_rows(args.kind)
     if args.format == "json":
         for row in rows:
             print(json.dumps(row))
-    elif args.format == "plain" or not sys.stdout.isatty() or not _print_rich(rows):
+        return 0
+    if args.format == "plain" or not sys.stdout.isatty() or not _print_rich(rows):
         _print_plain(rows)
+    print(f"packages: {versions_line()}")
     return 0
 
 
@@ -178,7 +183,7 @@ def _register_all(subparsers: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lumenrl", description="LumenRL: LLM post-training (RL, SDDD, low precision).")
-    parser.add_argument("--version", action="version", version=f"lumenrl {__version__}")
+    parser.add_argument("--version", action="version", version=f"lumenrl {__version__} ({versions_line()})")
     subparsers = parser.add_subparsers(dest="command", metavar="<command>")
     _register_all(subparsers)
     return parser

@@ -19,7 +19,6 @@ one directory.
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import json
 import os
 import platform
@@ -30,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from lumenrl_backends.versions import DISTRIBUTIONS, package_versions
 from lumenrl_core.config import ConfigError, dump_config
 
 __all__ = ["DISTRIBUTIONS", "RUN_OUTPUTS", "RESUMABLE_KEYS", "check_run_dir", "write_run_record", "write_summary",
@@ -38,29 +38,6 @@ __all__ = ["DISTRIBUTIONS", "RUN_OUTPUTS", "RESUMABLE_KEYS", "check_run_dir", "w
 RUN_OUTPUTS = ("checkpoints", "final", ".final.staging", "metrics.jsonl", "summary.json", "tensorboard",
                "config.yaml", "plugins.json")
 RESUMABLE_KEYS = ("trainer.overwrite", "checkpointing.resume", "num_training_steps", "logger.progress_bar")
-
-DISTRIBUTIONS = (
-    "lumenrl-core",
-    "lumenrl-quant",
-    "lumenrl-moe",
-    "lumenrl-sddd",
-    "lumenrl-async",
-    "lumenrl-backends",
-    "torch",
-    "transformers",
-)
-
-
-def package_versions() -> dict[str, str | None]:
-    """Installed versions of LumenRL's distributions and its key dependencies (None if absent)."""
-    found: dict[str, str | None] = {}
-    for name in DISTRIBUTIONS:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
-
 
 def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")

@@ -13,7 +13,13 @@ torch-free :class:`PluginSpec` an entry point names, and :mod:`lumenrl_core.plug
 availability probes.
 """
 
-from lumenrl_core.plugins.compat import core_requirement_problem, core_version
+from lumenrl_core.plugins.compat import (
+    IncompatibleSiblingsError,
+    core_requirement_problem,
+    core_version,
+    require_compatible_siblings,
+    sibling_requirement_problems,
+)
 from lumenrl_core.plugins.kinds import GROUP_PREFIX, KINDS, KNOWN_PROVIDERS, group_of, install_hint
 from lumenrl_core.plugins.probes import cuda_probe, first_reason, module_installed, module_probe
 from lumenrl_core.plugins.registry import (
@@ -36,6 +42,9 @@ __all__ = [
     "install_hint",
     "core_version",
     "core_requirement_problem",
+    "sibling_requirement_problems",
+    "require_compatible_siblings",
+    "IncompatibleSiblingsError",
     "module_probe",
     "module_installed",
     "cuda_probe",

@@ -7,8 +7,9 @@
   :meth:`PluginRegistry.info` answers from the spec (capabilities, probe) and only
   :meth:`PluginRegistry.load` imports the class, so listing and planning need no torch.
 - Two distributions registering the same name in one kind is an error naming both.
-- Before a plugin module is imported, its distribution's declared requirement on
-  ``lumenrl-core`` is checked against the installed core (:mod:`lumenrl_core.plugins.compat`).
+- Before a plugin module is imported, its distribution's declared requirements on sibling
+  LumenRL packages (``lumenrl-core``, ``lumenrl-quant``, ...) are checked against the installed
+  versions (:mod:`lumenrl_core.plugins.compat`).
 - A module that fails to import makes its plugin *unavailable* with the error as the reason
   (for a spec: once :meth:`PluginRegistry.load` tried it); it never breaks discovery of the others.
 - Tests build isolated registries: ``PluginRegistry(discover=False)`` plus :meth:`register`.
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lumenrl_core.plugins.compat import core_requirement_problem
+from lumenrl_core.plugins.compat import sibling_requirement_problems
 from lumenrl_core.plugins.kinds import KINDS, check_kind, group_of, install_hint
 from lumenrl_core.plugins.spec import PluginSpec, as_spec
 
@@ -221,14 +222,14 @@ class PluginRegistry:
 
     # ---------------------------------------------------------------- loading
     def _resolve(self, entry: _Entry, check_versions: bool) -> None:
-        """Check the distribution's core requirement, then load the entry point (a spec or a class)."""
+        """Check the distribution's sibling requirements, then load the entry point (a spec or a class)."""
         with entry.lock:
             if entry.loaded:
                 return
             if check_versions:
-                problem = core_requirement_problem(entry.distribution, entry.version, entry.requires)
-                if problem:
-                    entry.load_error = f"incompatible version: {problem}"
+                problems = sibling_requirement_problems(entry.distribution, entry.version, entry.requires)
+                if problems:
+                    entry.load_error = f"incompatible version: {'; '.join(problems)}"
                     return  # not marked loaded: a later call with check_versions=False may import
             try:
                 obj = entry.loader()
