@@ -20,7 +20,10 @@ def test_lora_grpo_raises_demo_reward_and_exports(train, tmp_path):
 
     summary = train("grpo_lora.yaml", tmp_path, f"num_training_steps={STEPS}")
     before, after = summary["eval_before"], summary["eval_after"]
-    assert after["eval/reward_mean"] - before["eval/reward_mean"] >= 0.08, f"{before} -> {after}"
+    # the bound sits at half the smallest gain measured over run seeds and two warm starts (5 of the 128
+    # greedy eval prompts; the measurements: docs/decisions/0018-lora.md), so a different seed, CPU kernel
+    # or library version does not flip it
+    assert after["eval/reward_mean"] - before["eval/reward_mean"] >= 0.04, f"{before} -> {after}"
     records = read_metrics(tmp_path)
     assert all(r.get("actor/kl") is not None for r in records[1:])  # the adapter-free reference ran
     final = tmp_path / "final"

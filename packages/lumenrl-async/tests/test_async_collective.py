@@ -56,8 +56,7 @@ def _reader(handle, out, mode: str) -> None:
     reader = CollectiveWeightSync.reader(handle, device="cpu")
     engine = _Engine()
     seen: list[int] = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    while True:  # ends at the writer's close; a dead writer fails load_into; the test's out.get(timeout=...) guards hangs
         closed = reader.closed  # read before applying: the last version is applied after the close
         version = reader.load_into(engine)
         if closed and (version is None or (seen and version == seen[-1])):
@@ -161,9 +160,16 @@ def test_a_failed_receiver_is_raised_not_ignored():
 
 
 def test_waiting_for_a_reader_that_died_fails_fast():
+    """The first poll that finds the reader dead raises (no waiting out ``timeout_s``): counted in
+    polls, not wall-clock seconds, so a loaded machine cannot fail it."""
     writer = CollectiveWeightSync(device="cpu")
     writer.reader_handle()
-    start = time.monotonic()
+    polls = []
+
+    def reader_alive() -> bool:
+        polls.append(1)
+        return False  # dead at the first look
+
     with pytest.raises(RuntimeError, match="reader ended before joining"):
-        writer.wait_for_readers(lambda: False)
-    assert time.monotonic() - start < 5
+        writer.wait_for_readers(reader_alive)
+    assert len(polls) == 1

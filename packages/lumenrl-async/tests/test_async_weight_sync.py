@@ -108,27 +108,64 @@ def test_tied_weights_are_saved(tmp_path):
 
 def test_concurrent_reader_never_sees_partial_snapshot(tmp_path):
     writer, reader = FilesystemWeightSync(tmp_path, keep_last=2), FilesystemWeightSync(tmp_path)
-    seen, errors, done = [], [], threading.Event()
+    seen, failures, done = [], [], threading.Event()
 
     def read_loop():
-        while not done.is_set():
-            try:
-                got = reader.latest()
-            except SnapshotError as exc:  # pruned between reading LATEST and the file, retries exhausted
-                errors.append(exc)
-                continue
-            if got is not None:
-                version, tensors = got
-                assert int(tensors["step"].item()) == version  # tensors belong to the announced version
-                seen.append(version)
+        try:
+            while not done.is_set():
+                try:
+                    got = reader.latest()
+                except SnapshotError:  # pruned on every retry (a reader starved on a loaded machine): read again
+                    continue
+                if got is not None:
+                    version, tensors = got
+                    assert int(tensors["step"].item()) == version  # tensors belong to the announced version
+                    seen.append(version)
+        except BaseException as exc:  # an assertion or error in the thread must fail the test, not end the thread
+            failures.append(exc)
 
     thread = threading.Thread(target=read_loop)
     thread.start()
     for v in range(1, 16):
         writer.publish({**weights(v), "big": torch.full((256, 256), float(v))}, v)
     done.set()
-    thread.join(timeout=30)
-    assert seen and seen == sorted(seen) and not errors
+    thread.join()
+    assert not failures, failures
+    version, tensors = reader.latest(retries=0)  # the writer is done: nothing left to race
+    assert version == 15 and int(tensors["step"].item()) == 15
+    assert seen == sorted(seen)
+
+
+@pytest.mark.parametrize("window", ["before_checksum", "after_checksum"])
+def test_a_snapshot_pruned_mid_read_is_retried(tmp_path, monkeypatch, window):
+    """The writer prunes the announced snapshot while a reader is reading it (``keep_last=1``: the
+    next publish removes it), before the checksum pass or between it and safetensors' open: the
+    read reports SnapshotError, and ``latest`` retries on the newer LATEST."""
+    writer, reader = FilesystemWeightSync(tmp_path, keep_last=1), FilesystemWeightSync(tmp_path)
+    writer.publish(weights(1), 1)
+    sha256, publishing = ws._sha256, []
+
+    def publish_next(path) -> None:
+        announced = int(path.stem[1:])
+        if announced < 3 and not publishing:  # not inside the writer's own checksum of a new snapshot
+            publishing.append(announced)
+            writer.publish(weights(announced + 1), announced + 1)
+            publishing.clear()
+
+    def checksum_racing_the_writer(path):
+        if window == "before_checksum":
+            publish_next(path)
+        digest = sha256(path)
+        if window == "after_checksum":
+            publish_next(path)
+        return digest
+
+    monkeypatch.setattr(ws, "_sha256", checksum_racing_the_writer)
+    with pytest.raises(SnapshotError, match="v00000001.safetensors of version 1 is gone"):
+        reader.latest(retries=0)
+    version, got = reader.latest()  # v2 is pruned mid-read as well; the retry reads v3
+    assert version == 3 and writer.versions() == [3]
+    assert_same(got, weights(3))
 
 
 def test_from_config_uses_snapshot_dir(tmp_path):
@@ -154,19 +191,21 @@ def test_reader_racing_a_writer_process_never_loads_a_torn_snapshot(tmp_path):
     ctx = mp.get_context("fork")
     proc = ctx.Process(target=_writer_process, args=(str(tmp_path), 25))
     proc.start()
-    reader, seen, pruned = FilesystemWeightSync(tmp_path), [], 0
-    while proc.is_alive() or not seen or seen[-1] < 25:
+    reader, seen = FilesystemWeightSync(tmp_path), []
+
+    def read() -> None:
+        got = reader.latest(retries=0)
+        if got is not None:
+            version, tensors = got
+            assert all(float(t.float().unique().item()) == version for t in tensors.values())
+            seen.append(version)
+
+    while proc.is_alive():
         try:
-            got = reader.latest(retries=0)
-        except SnapshotError:  # the writer pruned the file between LATEST and the read: retried next loop
-            pruned += 1
+            read()
+        except SnapshotError:  # the writer pruned the file while it was read: the next loop reads the newer one
             continue
-        if got is None:
-            continue
-        version, tensors = got
-        assert all(float(t.float().unique().item()) == version for t in tensors.values())
-        seen.append(version)
-        if not proc.is_alive() and version == 25:
-            break
     proc.join()
-    assert proc.exitcode == 0 and seen == sorted(seen) and seen[-1] == 25
+    assert proc.exitcode == 0
+    read()  # the writer is done: its last snapshot, nothing left to race
+    assert seen == sorted(seen) and seen[-1] == 25

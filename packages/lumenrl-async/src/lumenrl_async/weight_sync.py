@@ -182,13 +182,23 @@ class FilesystemWeightSync:
         return None if manifest is None else int(manifest["version"])
 
     def load(self, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """Tensors of the snapshot ``manifest`` describes, checksum-verified when ``verify``."""
+        """Tensors of the snapshot ``manifest`` describes, checksum-verified when ``verify``.
+
+        A snapshot file is written once under its versioned name and later only pruned, so the
+        one race with a writer is the file disappearing between any two steps of this read (the
+        checksum pass, safetensors' own open): any failure while the file is gone afterwards is
+        reported as :class:`SnapshotError` (pruned), which :meth:`latest` retries; a failure
+        with the file still present is raised as is.
+        """
         path = self.root / manifest["file"]
-        if not path.exists():
-            raise SnapshotError(f"snapshot {path} of version {manifest['version']} is gone (pruned?)")
-        if self.verify and _sha256(path) != manifest["sha256"]:
-            raise SnapshotError(f"snapshot {path}: sha256 does not match its manifest")
-        return load_file(str(path))
+        try:
+            if self.verify and _sha256(path) != manifest["sha256"]:
+                raise SnapshotError(f"snapshot {path}: sha256 does not match its manifest")
+            return load_file(str(path))
+        except (OSError, RuntimeError) as exc:  # safetensors reports a vanished file as either
+            if isinstance(exc, SnapshotError) or path.exists():
+                raise
+            raise SnapshotError(f"snapshot {path} of version {manifest['version']} is gone (pruned?)") from exc
 
     def latest(self, *, retries: int = 3) -> tuple[int, dict[str, torch.Tensor]] | None:
         """``(version, tensors)`` of the newest snapshot; retries if a writer pruned it meanwhile."""
