@@ -10,11 +10,11 @@ lumenrl-quant from its source directory and resolves its declared dependencies a
 
 from __future__ import annotations
 
-import re
 import subprocess
 from pathlib import Path
 
 import pytest
+from integration.readme_blocks import RUN_BLOCKS, python_blocks, write_scripts
 from scripts import fresh_venv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,24 +52,9 @@ def test_installs_with_torch_only(torch_only_python):
     assert proc.stdout.strip() == "[]"
 
 
-# Runs each README block as a script of its own (``runpy.run_path``: fresh globals, ``__main__``) in one
-# interpreter, which pays torch's import once; a failing block is named with its traceback.
-_RUN_BLOCKS = """
-import runpy, sys, traceback
-for path in sys.argv[1:]:
-    try:
-        runpy.run_path(path, run_name="__main__")
-    except BaseException:
-        sys.exit(f"README block {path} failed:\\n{traceback.format_exc()}")
-"""
-
-
 def test_readme_examples_run_with_torch_only(torch_only_python, tmp_path):
-    blocks = re.findall(r"```python\n(.*?)```", (QUANT / "README.md").read_text(), re.S)
+    blocks = python_blocks(QUANT / "README.md")
     assert len(blocks) >= 3
-    scripts = []
-    for i, code in enumerate(blocks):
-        scripts.append(tmp_path / f"readme_{i}.py")
-        scripts[-1].write_text(code)
-    proc = _run([str(torch_only_python), "-c", _RUN_BLOCKS, *map(str, scripts)], cwd=tmp_path)
+    scripts = write_scripts({f"readme_{i}": code for i, code in enumerate(blocks)}, tmp_path)
+    proc = _run([str(torch_only_python), "-c", RUN_BLOCKS, *map(str, scripts)], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

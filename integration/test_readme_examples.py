@@ -8,29 +8,14 @@ and a failing block is named with its traceback.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
 
+from integration.readme_blocks import RUN_BLOCKS, python_blocks, write_scripts
+
 PACKAGES = Path(__file__).resolve().parents[1] / "packages"
 READMES = sorted(PACKAGES.glob("lumenrl-*/README.md"))
-
-_RUN_BLOCKS = """
-import runpy, sys, traceback
-for path in sys.argv[1:]:
-    try:
-        runpy.run_path(path, run_name="__main__")
-    except BaseException:
-        sys.exit(f"{path} failed:\\n{traceback.format_exc()}")
-"""
-
-
-def first_python_block(readme: Path) -> str:
-    match = re.search(r"```python\n(.*?)```", readme.read_text(), re.S)
-    assert match, f"{readme} has no ```python block"
-    return match.group(1)
-
 
 def test_every_package_readme_opens_with_a_python_block():
     assert len(READMES) == 6
@@ -43,10 +28,9 @@ def test_every_package_readme_opens_with_a_python_block():
 
 
 def test_opening_blocks_run_as_is(tmp_path):
-    scripts = []
-    for readme in READMES:
-        scripts.append(tmp_path / f"{readme.parent.name}.py")
-        scripts[-1].write_text(first_python_block(readme))
-    proc = subprocess.run([sys.executable, "-c", _RUN_BLOCKS, *map(str, scripts)], cwd=tmp_path,
+    blocks = {readme.parent.name: python_blocks(readme) for readme in READMES}
+    assert all(blocks.values()), [name for name, found in blocks.items() if not found]
+    scripts = write_scripts({name: found[0] for name, found in blocks.items()}, tmp_path)
+    proc = subprocess.run([sys.executable, "-c", RUN_BLOCKS, *map(str, scripts)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
