@@ -68,3 +68,23 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     path = os.environ.pop(_OWNED, None)
     if path and os.environ.get("LUMENRL_CACHE") == path:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _forget_modules_imported_from_test_dirs(request: pytest.FixtureRequest):
+    """A module a test imports from its temporary directory (a fake ``vllm``, a user reward file) leaves
+    ``sys.modules`` when the test ends. Left there, it would outlive its ``sys.path`` entry and answer later
+    imports in the same worker: e.g. TRL's ``is_vllm_available`` finds the fake ``vllm`` and fails on its
+    missing version, so which tests pass would depend on the order xdist hands them out."""
+    before = set(sys.modules)
+    yield
+    factory = getattr(request.config, "_tmp_path_factory", None)  # pytest's own, made at configure
+    base = getattr(factory, "_basetemp", None)
+    if base is None:  # no test has made a temporary directory yet
+        return
+    base = str(base)
+    for name in set(sys.modules) - before:
+        module = sys.modules.get(name)
+        places = [getattr(module, "__file__", None) or "", *(getattr(module, "__path__", None) or [])]
+        if any(str(place).startswith(base) for place in places):
+            del sys.modules[name]
