@@ -120,7 +120,8 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(name="async_long_tail_gpu", target="benchmarks.async_rl.long_tail:bench_gpu", suites=("gpu", "async_rl"),
           numbers=("sync/steady_samples_per_s", "partial/steady_samples_per_s", "partial/steady_speedup_vs_sync",
                    "partial/speedup_vs_sync", "partial/first_step_s", "partial/rollouter_idle_ratio",
-                   "partial/trainer_wait_s_per_step", "partial/rollouter_ready_s", "partial/startup_overlap_s"),
+                   "partial/trainer_wait_s_per_step", "partial/rollouter_ready_s", "partial/startup_overlap_s",
+                   "partial/rollouter_boot_s", "partial/rollouter_forked"),
           goal="async + partial rollout >= 2.0x synchronous samples/s (one H200, long-tail lengths, steady state)",
           metric="partial/steady_speedup_vs_sync", bound=">= 2.0",
           more_goals=(("async + partial rollout >= 1.5x synchronous samples/s over the whole fit() (20 steps, "

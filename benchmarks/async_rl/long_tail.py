@@ -24,7 +24,10 @@ process ``rollouter_ready_s`` (spawn to ready for its start message), ``startup_
 trainer's build ended), ``rollouter_boot_s`` (spawn to the child running: interpreter start and the imports of its entry
 point: torch, transformers, lumenrl)
 and ``rollouter_first_group_s`` (start message to its first finished group). The GPU goals: the steady
-rate, and the whole ``fit()`` rate at 20 steps.
+rate, and the whole ``fit()`` rate at 20 steps. A rollouter process is forked from the rollouter server
+(a forkserver that imports torch, transformers and LumenRL once); the benchmark starts that server at its
+own start, as ``lumenrl train`` does at the CLI's start, so its imports overlap this process's work
+(``rollouter_forked`` = 1: the child was forked from it, its imports done).
 
 Modes: ``sync`` (trainer.name=rl) and the four async presets (on-policy, stream off-policy,
 stale, partial rollout). On the CPU the rollouter shares the trainer's process and device
@@ -133,7 +136,7 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
 
 
 STARTUP = ("rollouter_ready_s", "startup_overlap_s", "rollouter_boot_s", "rollouter_first_group_s",
-           "rollouter_spawn_lead_s")
+           "rollouter_spawn_lead_s", "rollouter_forked")
 
 
 def run_metrics(records: list[dict]) -> dict[str, float]:
@@ -171,6 +174,11 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     results: dict[str, Any] = {"shape": " ".join(f"{k}={v}" for k, v in shape.items())}
     if async_overrides:
         results["async_overrides"] = " ".join(async_overrides)
+    if not any("weight_sync.method=inprocess" in o for o in async_overrides) and (gpu or async_overrides):
+        from lumenrl_backends.trainers.rollouter_server import prestart
+
+        # as `lumenrl train` does at its start: the rollouter server imports while this process goes on
+        results["rollouter_server"] = "forkserver" if prestart() else "spawn"
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("LUMENRL_CACHE", str(Path(tmp) / "cache"))

@@ -30,8 +30,10 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
-def plan_from_args(config: str | None, overrides: Sequence[str]) -> Any:
-    """Load + validate the config and plan the run (no model is loaded); raises CLIError."""
+def plan_from_args(config: str | None, overrides: Sequence[str], *, start_rollouter_server: bool = False) -> Any:
+    """Load + validate the config and plan the run (no model is loaded); raises CLIError.
+    ``start_rollouter_server``: a run with a rollouter process starts its server (:mod:`.trainers.rollouter_server`)
+    once the config is read, before planning imports torch and transformers."""
     from lumenrl_backends.cli import CLIError
     from lumenrl_core.assembly import AssemblyError, plan_run
     from lumenrl_core.config import ConfigError, load_config
@@ -40,6 +42,11 @@ def plan_from_args(config: str | None, overrides: Sequence[str]) -> Any:
         cfg = load_config(config, list(overrides))
     except ConfigError as exc:  # one line per problem
         raise CLIError(str(exc)) from None
+    if start_rollouter_server:
+        from lumenrl_backends.trainers.rollouter_server import prestart, uses_rollouter_process
+
+        if uses_rollouter_process(cfg):  # its imports run while this process plans (imports) and builds
+            prestart()
     try:
         return plan_run(cfg)
     except (ConfigError, AssemblyError, FileNotFoundError) as exc:
@@ -47,7 +54,7 @@ def plan_from_args(config: str | None, overrides: Sequence[str]) -> Any:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    plan = plan_from_args(args.config, args.overrides)
+    plan = plan_from_args(args.config, args.overrides, start_rollouter_server=True)
     from lumenrl_backends.cli import CLIError
     from lumenrl_backends.training.nonfinite import NonFiniteError
 

@@ -20,23 +20,28 @@ resume round, loader state, weight reader handle), which the trainer sends from 
 first weights are published, and only then opens the reader and runs (:func:`attach_rollouter`): it
 never generates before it has loaded a published version. The phases' wall-clock times and the
 reason of a failure live in shared memory (:class:`Startup`), so a child that dies during start-up is
-reported with its exception. Compiled kernels are shared through the disk caches: the spawned child
-inherits the environment, so Triton's and inductor's cache directories are the parent's.
+reported with its exception. The child comes from the rollouter server (:mod:`.rollouter_server`: a
+forkserver that has imported torch, transformers and LumenRL, started early by ``lumenrl train``), so
+it starts with those imports done; it takes the trainer's environment and ``sys.path`` at its
+creation, as a spawned child would. Compiled kernels are shared through the disk caches: with the
+trainer's environment, Triton's and inductor's cache directories are the trainer's.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from lumenrl_async import ProcessChannel, SampleQueue
+from lumenrl_backends.trainers.rollouter_server import adopt_caller_state, caller_state, context
 from lumenrl_core.config import ConfigError
 from lumenrl_core.data_proto import DataProto
 
@@ -47,8 +52,9 @@ PHASES = ("spawned", "running", "ready", "started", "first_group")  # a rolloute
 
 
 def boot_args(cfg: Any, model_path: str, device: str | None) -> dict[str, Any]:
-    """What a rollouter process needs to build its engine (picklable; known before the trainer's models load)."""
-    return {"model_path": model_path, "device": device}
+    """What a rollouter process needs to build its engine (picklable; known before the trainer's models load),
+    with the caller's environment and ``sys.path`` (:func:`~.rollouter_server.caller_state`)."""
+    return {"model_path": model_path, "device": device, "caller": caller_state()}
 
 
 def start_args(trainer: Any, reader_handle: Any, device: str | None) -> dict[str, Any]:
@@ -132,6 +138,7 @@ class Startup:
 
     def __init__(self, ctx: Any) -> None:
         self.times = ctx.Array("d", len(PHASES))
+        self.forked_cuda_failed = ctx.Value("b", 0)  # 1: forked from the server, it found CUDA unusable
         self.reason = ctx.Array("c", 1024)
         self.inbox, self.outbox = ctx.Pipe(duplex=False)
 
@@ -156,9 +163,37 @@ def rollouter_main(cfg: Any, channel: ProcessChannel, boot: dict[str, Any], star
     """Child entry point: build the engine, wait for the start message, run until the channel's stop
     flag, close the weight reader. A failure is recorded in ``startup`` (its reason) and re-raised."""
     try:
+        if boot.get("caller"):
+            adopt_caller_state(boot["caller"])
+        if boot.get("forked"):
+            _check_cuda_after_fork(cfg, boot, startup)
         _main(cfg, channel, boot, startup)
     except BaseException as exc:
         startup.fail(exc)
+        raise
+
+
+_FORK_CUDA_ERRORS = ("forked subprocess", "initialization error")  # torch's bad-fork guard; CUDA_ERROR_NOT_INITIALIZED
+
+
+def _check_cuda_after_fork(cfg: Any, boot: dict[str, Any], startup: Startup) -> None:
+    """A child forked from the rollouter server, bound for a GPU, first takes its device: had a module the
+    server imported initialized CUDA there, CUDA is unusable in a fork. It then says so and exits, and
+    :meth:`ProcessRollouter.start` spawns a fresh child instead (any other failure is the run's own)."""
+    from lumenrl_backends.training import distributed as dist_utils
+
+    device = torch.device(boot["device"]) if boot.get("device") else dist_utils.resolve_device(cfg.cluster.device)
+    try:
+        if boot.get("forked_cuda_fails"):  # injected (tests): what a CUDA-initializing import in the server causes
+            raise RuntimeError("CUDA error: initialization error (injected)")
+        if device.type != "cuda":
+            return
+        torch.cuda.set_device(device)  # what the build does first; here with the failure told apart
+        torch.empty(1, device=device)
+    except Exception as exc:
+        if torch.cuda._is_in_bad_fork() or any(text in str(exc) for text in _FORK_CUDA_ERRORS):  # noqa: SLF001
+            startup.forked_cuda_failed.value = 1
+            raise RuntimeError(f"CUDA is unusable in a process forked from the rollouter server: {exc}") from exc
         raise
 
 
@@ -220,54 +255,98 @@ def rollouter_device(cfg: Any, weight_sync_cls: Any) -> str | None:
 
 
 class ProcessRollouter:
-    """The trainer's side of a spawned rollouter process (the interface :class:`RayRollouter` shares)."""
+    """The trainer's side of a rollouter process (the interface :class:`RayRollouter` shares)."""
 
     def __init__(self, cfg: Any, boot: dict[str, Any]) -> None:
-        """Spawn the child with ``boot`` (:func:`boot_args`): it builds what it can, then waits for :meth:`start`."""
-        ctx = mp.get_context("spawn")
-        self.channel = ProcessChannel(ctx)
-        self.startup = Startup(ctx)
-        boot = {**boot, "crash_after": int(os.environ.get("LUMENRL_ASYNC_CRASH_AFTER", "0"))}
-        self.proc = ctx.Process(target=rollouter_main, args=(cfg, self.channel, boot, self.startup), daemon=True,
-                                name="lumenrl-rollouter")
-        self.startup.mark("spawned")
-        self.proc.start()
-        self.channel.started()
-        self.startup.inbox.close()  # the child holds its own copy
+        """Start the child with ``boot`` (:func:`boot_args`): it builds what it can, then waits for :meth:`start`.
+        The caller does not wait for the rollouter server to finish its imports: the child is asked for from a
+        thread (:attr:`proc` waits for it)."""
+        self._cfg = copy.deepcopy(cfg)  # pickled by the launching thread while the trainer builds
+        self._boot = {**boot, "crash_after": int(os.environ.get("LUMENRL_ASYNC_CRASH_AFTER", "0")),
+                      "forked_cuda_fails": os.environ.get("LUMENRL_ASYNC_FORKED_CUDA_FAILS") == "1"}
         self._pump: threading.Thread | None = None
         self._done = threading.Event()
+        self.fell_back_to_spawn = False
+        self._launch(context())
+
+    def _launch(self, ctx: Any) -> None:
+        self.channel = ProcessChannel(ctx)
+        self.startup = Startup(ctx)
+        self._forked = ctx.get_start_method() == "forkserver"
+        boot = {**self._boot, "forked": self._forked}
+        self._proc = ctx.Process(target=rollouter_main, args=(self._cfg, self.channel, boot, self.startup), daemon=True,
+                                 name="lumenrl-rollouter")
+        self._launch_error: BaseException | None = None
+        self.startup.mark("spawned")
+        self._launcher = threading.Thread(target=self._start_child, daemon=True, name="lumenrl-rollouter-launch")
+        self._launcher.start()
+
+    def _start_child(self) -> None:
+        try:
+            self._proc.start()  # forkserver: returns once the server, its imports done, has forked the child
+            self.channel.started()
+            self.startup.inbox.close()  # the child holds its own copy
+        except BaseException as exc:  # raised to the caller by .proc
+            self._launch_error = exc
+
+    @property
+    def proc(self) -> Any:
+        """The child's ``multiprocessing.Process``, once it exists."""
+        self._launcher.join()
+        if self._launch_error is not None:
+            raise RuntimeError(f"the rollouter process could not be started: {self._launch_error}") from self._launch_error
+        return self._proc
 
     def start(self, start: dict[str, Any]) -> bool:
-        """Send the start message (:func:`start_args`); False when the child is gone (see :meth:`exit_info`)."""
-        if not self.proc.is_alive():
+        """Send the start message (:func:`start_args`); False when the child is gone (see :meth:`exit_info`).
+        A forked child that found CUDA unusable (a module imported by the server had initialized it) is
+        replaced by a spawned one, which then gets the message."""
+        if not self.alive() and self._launch_error is not None:
+            return False
+        proc = self.proc
+        while proc.is_alive() and not self.startup.at("running"):
+            proc.join(0.01)  # its CUDA check comes first
+        if not proc.is_alive() and self.startup.forked_cuda_failed.value:
+            warnings.warn(f"rollouter: {self.exit_info()}; starting a spawned rollouter instead", RuntimeWarning,
+                          stacklevel=2)
+            self.fell_back_to_spawn = True
+            self._launch(torch.multiprocessing.get_context("spawn"))
+            proc = self.proc
+        if not proc.is_alive():
             return False
         try:
             self.startup.outbox.send(start)
         except OSError:  # it died meanwhile
-            self.proc.join(5.0)  # its exit code for exit_info()
+            proc.join(5.0)  # its exit code for exit_info()
             return False
         return True
 
     def abort(self, timeout: float = 10.0) -> None:
         """Stop a child that was never started (its trainer failed to build or to start): nothing to receive."""
         self.channel.request_stop()
-        if self.proc.is_alive():
-            self.proc.terminate()
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        try:
+            proc = self.proc
+        except RuntimeError:  # it never started
+            return
+        if proc.is_alive():
+            proc.terminate()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
     def startup_metrics(self, build_end: float) -> dict[str, float]:
         """Seconds of the child's start-up against the trainer's build end (wall clock, ``time.time()``):
         ``spawn_lead_s`` (> 0: spawned before the build ended), ``ready_s`` (spawn to ready for the start message),
         ``startup_overlap_s`` (the part of that before the build ended), ``first_group_s`` (start message to
-        its first finished group: first weight load and generate call, CUDA graph captures included)."""
+        its first finished group: first weight load and generate call, CUDA graph captures included);
+        ``forked`` (1: forked from the rollouter server, its imports done; 0: spawned)."""
         at = self.startup.at
         spawned, ready = at("spawned"), at("ready")
         out = {"async/rollouter_spawn_lead_s": build_end - spawned}
         if at("running"):
             out["async/rollouter_boot_s"] = at("running") - spawned
+            out["async/rollouter_forked"] = float(self._forked)
         if ready:
             out["async/rollouter_ready_s"] = ready - spawned
             out["async/startup_overlap_s"] = max(0.0, min(ready, build_end) - spawned)
@@ -280,7 +359,10 @@ class ProcessRollouter:
         self._pump = self.channel.pump(sample_queue, DataProto.from_bytes, self._done)
 
     def alive(self) -> bool:
-        return self.proc.is_alive()
+        try:
+            return self.proc.is_alive()
+        except RuntimeError:  # it never started
+            return False
 
     def stats(self) -> dict[str, float]:
         return self.channel.read_stats()
@@ -289,6 +371,8 @@ class ProcessRollouter:
         return {"rollouter": "process", "rollouter_pid": self.proc.pid}
 
     def exit_info(self) -> str:
+        if not self.alive() and self._launch_error is not None:
+            return f"not started: {type(self._launch_error).__name__}: {self._launch_error}"
         reason = self.startup.reason.value.decode("utf-8", "replace")
         return f"exit {self.proc.exitcode}" + (f": {reason}" if reason else "")
 
