@@ -8,6 +8,7 @@ of a copied workspace whose versions were bumped without their ranges and change
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -53,3 +54,18 @@ def test_release_check_names_each_inconsistency(tmp_path):
     assert any(p.startswith("lumenrl-core 0.2.0: lumenrl-core/CHANGELOG.md has no '## [0.2.0]'") for p in problems)
     assert any(p.startswith("lumenrl-moe 0.1.1: lumenrl-moe/CHANGELOG.md has no '## [0.1.1]'") for p in problems)
     assert "lumenrl-moe 0.1.1: requires lumenrl-core>=0.1,<0.2, but lumenrl-core is now 0.2.0" in problems
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("hatch") is None, reason="hatch is not on PATH (pip install 'hatch>=1.16,<2')")
+def test_hatch_build_all_builds_every_package_and_nothing_else(tmp_path):
+    """``hatch build --all`` at the root: each member's sdist and wheel, and no artifact for the root."""
+    # as from a shell: not inside `hatch run test:all`, whose active-environment variables would select `test`
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HATCH_ENV") and k != "VIRTUAL_ENV"}
+    proc = subprocess.run(["hatch", "build", "--all", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    packages = release_check.discover([])
+    expected = {f"{p.name.replace('-', '_')}-{p.version}{ext}" for p in packages
+                for ext in ("-py3-none-any.whl", ".tar.gz")}
+    assert len(packages) == 6 and {path.name for path in tmp_path.iterdir()} == expected
