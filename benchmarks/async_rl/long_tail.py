@@ -175,7 +175,7 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     if async_overrides:
         results["async_overrides"] = " ".join(async_overrides)
     if not any("weight_sync.method=inprocess" in o for o in async_overrides) and (gpu or async_overrides):
-        from lumenrl_backends.trainers.rollouter_server import prestart
+        from lumenrl_backends.rollouter_server import prestart
 
         # as `lumenrl train` does at its start: the rollouter server imports while this process goes on
         results["rollouter_server"] = "forkserver" if prestart() else "spawn"

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from lumenrl_backends import cli_train
+from lumenrl_backends import rollouter_server as rs
 from lumenrl_backends.loggers import read_metrics
 from lumenrl_backends.trainers import rollouter_process as rp
-from lumenrl_backends.trainers import rollouter_server as rs
 from lumenrl_core.assembly import plan_run
 from lumenrl_core.config import load_config
 
@@ -47,7 +47,7 @@ def test_a_forked_child_has_the_imports_and_the_callers_environment_and_path(tmp
     script.write_text(textwrap.dedent(f"""
         import json, os, sys
         preloaded = "transformers" in sys.modules
-        from lumenrl_backends.trainers.rollouter_server import adopt_caller_state
+        from lumenrl_backends.rollouter_server import adopt_caller_state
         adopt_caller_state(json.loads(open({str(tmp_path / 'state.json')!r}).read()))
         json.dump({{"preloaded": preloaded, "env": dict(os.environ), "path": sys.path}},
                   open({str(tmp_path / 'out.json')!r}, "w"))
@@ -64,6 +64,16 @@ def test_a_forked_child_has_the_imports_and_the_callers_environment_and_path(tmp
     assert out["preloaded"]  # forked from the server after its imports
     assert out["env"] == state["env"] and "LUMENRL_SERVER_GONE" not in out["env"]
     assert out["path"] == state["sys_path"] and out["path"][0] == str(tmp_path / "plugins")
+
+
+@needs_forkserver
+def test_the_server_starts_before_this_process_imports_torch():
+    """``lumenrl train`` calls :func:`prestart` before planning imports torch: it must not import torch itself."""
+    code = ("import sys\nfrom lumenrl_backends.rollouter_server import prestart\n"
+            "print(prestart(), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False"]
 
 
 def test_only_a_run_with_a_rollouter_process_starts_the_server(monkeypatch):
@@ -96,7 +106,7 @@ def test_the_servers_imports_leave_cuda_alone():
                 calls.append(_name)
                 raise RuntimeError("CUDA queried at import")
             setattr(torch.cuda, name, spy)
-        from lumenrl_backends.trainers.rollouter_server import PRELOAD
+        from lumenrl_backends.rollouter_server import PRELOAD
         for module in PRELOAD:
             importlib.import_module(module)
         print(sorted(set(calls)))

@@ -32,7 +32,7 @@ def one_line(exc: BaseException) -> str:
 
 def plan_from_args(config: str | None, overrides: Sequence[str], *, start_rollouter_server: bool = False) -> Any:
     """Load + validate the config and plan the run (no model is loaded); raises CLIError.
-    ``start_rollouter_server``: a run with a rollouter process starts its server (:mod:`.trainers.rollouter_server`)
+    ``start_rollouter_server``: a run with a rollouter process starts its server (:mod:`lumenrl_backends.rollouter_server`)
     once the config is read, before planning imports torch and transformers."""
     from lumenrl_backends.cli import CLIError
     from lumenrl_core.assembly import AssemblyError, plan_run
@@ -43,7 +43,7 @@ def plan_from_args(config: str | None, overrides: Sequence[str], *, start_rollou
     except ConfigError as exc:  # one line per problem
         raise CLIError(str(exc)) from None
     if start_rollouter_server:
-        from lumenrl_backends.trainers.rollouter_server import prestart, uses_rollouter_process
+        from lumenrl_backends.rollouter_server import prestart, uses_rollouter_process
 
         if uses_rollouter_process(cfg):  # its imports run while this process plans (imports) and builds
             prestart()

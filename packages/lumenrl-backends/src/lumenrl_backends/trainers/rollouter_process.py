@@ -20,7 +20,7 @@ resume round, loader state, weight reader handle), which the trainer sends from 
 first weights are published, and only then opens the reader and runs (:func:`attach_rollouter`): it
 never generates before it has loaded a published version. The phases' wall-clock times and the
 reason of a failure live in shared memory (:class:`Startup`), so a child that dies during start-up is
-reported with its exception. The child comes from the rollouter server (:mod:`.rollouter_server`: a
+reported with its exception. The child comes from the rollouter server (:mod:`lumenrl_backends.rollouter_server`: a
 forkserver that has imported torch, transformers and LumenRL, started early by ``lumenrl train``), so
 it starts with those imports done; it takes the trainer's environment and ``sys.path`` at its
 creation, as a spawned child would. Compiled kernels are shared through the disk caches: with the
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from lumenrl_async import ProcessChannel, SampleQueue
-from lumenrl_backends.trainers.rollouter_server import adopt_caller_state, caller_state, context
+from lumenrl_backends.rollouter_server import adopt_caller_state, caller_state, context
 from lumenrl_core.config import ConfigError
 from lumenrl_core.data_proto import DataProto
 
@@ -53,7 +53,7 @@ PHASES = ("spawned", "running", "ready", "started", "first_group")  # a rolloute
 
 def boot_args(cfg: Any, model_path: str, device: str | None) -> dict[str, Any]:
     """What a rollouter process needs to build its engine (picklable; known before the trainer's models load),
-    with the caller's environment and ``sys.path`` (:func:`~.rollouter_server.caller_state`)."""
+    with the caller's environment and ``sys.path`` (:func:`~lumenrl_backends.rollouter_server.caller_state`)."""
     return {"model_path": model_path, "device": device, "caller": caller_state()}
 
 

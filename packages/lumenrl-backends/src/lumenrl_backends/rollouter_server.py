@@ -47,9 +47,14 @@ def context() -> Any:
     import torch.multiprocessing as mp  # its reductions share tensors across the channel
 
     method = start_method()
-    if method == "forkserver" and not _server_running():
-        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    if method == "forkserver":
+        _ask_for_preload()
     return mp.get_context(method)
+
+
+def _ask_for_preload() -> None:
+    if not _server_running():  # a running server keeps the list it started with
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
 
 
 def uses_rollouter_process(cfg: Any) -> bool:
@@ -64,7 +69,7 @@ def prestart() -> bool:
     True when a forkserver is running after the call. Idempotent."""
     if start_method() != "forkserver":
         return False
-    context()
+    _ask_for_preload()  # not context(): that imports torch here, and the point is to start before that
     from multiprocessing import forkserver
 
     forkserver.ensure_running()  # starts the server process and returns; it imports PRELOAD, then serves
