@@ -84,7 +84,20 @@ def _forget_modules_imported_from_test_dirs(request: pytest.FixtureRequest):
         return
     base = str(base)
     for name in set(sys.modules) - before:
-        module = sys.modules.get(name)
-        places = [getattr(module, "__file__", None) or "", *(getattr(module, "__path__", None) or [])]
-        if any(str(place).startswith(base) for place in places):
+        if any(str(place).startswith(base) for place in _module_places(sys.modules.get(name))):
             del sys.modules[name]
+
+
+def _module_places(module: object) -> list[str]:
+    """Where a module was loaded from: its file and its package path. Some modules are not plain
+    (``torch.classes`` answers every attribute with a namespace object), so anything odd counts as nowhere."""
+    places = []
+    try:
+        file, path = getattr(module, "__file__", None), getattr(module, "__path__", None)
+        if isinstance(file, str):
+            places.append(file)
+        if path is not None and not isinstance(path, str):
+            places.extend(str(p) for p in list(path))
+    except Exception:  # noqa: BLE001 - a module object that does not behave as one is not from a test dir
+        pass
+    return places

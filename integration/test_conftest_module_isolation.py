@@ -21,3 +21,18 @@ def test_a_test_imports_a_fake_package_from_its_temporary_directory(tmp_path, mo
 def test_the_next_test_no_longer_sees_it():
     assert _NAME not in sys.modules
     assert importlib.util.find_spec(_NAME) is None
+
+
+class _OddModule:
+    """As ``torch.classes``: every attribute is answered, ``__path__`` included, with a non-iterable object."""
+
+    def __getattr__(self, name):
+        return object()
+
+
+def test_a_module_that_answers_every_attribute_does_not_break_the_guard():
+    sys.modules["lumenrl_isolation_odd"] = _OddModule()  # imported during this test: the guard inspects it
+
+
+def test_the_odd_module_stays_where_it_was_put():
+    assert isinstance(sys.modules.pop("lumenrl_isolation_odd"), _OddModule)  # not from a test dir: kept

@@ -87,6 +87,7 @@ def test_decode_graphs_disabled_calls_step_each_time():
     assert graphs(2, 64, "greedy")[0].tolist() == [64, 64]
     graphs(2, 64, "greedy")
     assert calls == [(2, 64, "greedy")] * 2 and graphs.graphs == {}
+    assert graphs.captures == 0 and graphs.capture_s == 0.0  # nothing captured, nothing counted
 
 
 def test_gc_paused_disables_collection_and_restores_state():
@@ -342,5 +343,6 @@ def test_capture_while_another_thread_syncs():
         thread.join()
     assert not errors, errors
     assert graphs.error is None and graphs.graphs, graphs.error
+    assert graphs.captures == 1 and graphs.capture_s > 0  # one key: one capture, timed; the replay adds none
     assert syncs[0] > 0
     assert torch.equal(out, eager), (out - eager).abs().max()

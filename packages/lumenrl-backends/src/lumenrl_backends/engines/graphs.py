@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Hashable, Iterator
@@ -97,6 +98,8 @@ class DecodeGraphs:
         self.graphs: dict[Hashable, tuple[Any, tuple[torch.Tensor, ...]]] = {}
         self.error: str | None = None
         self._pool: Any = None
+        self.captures = 0  # graphs captured so far
+        self.capture_s = 0.0  # host seconds of their first calls (the eager step and the capture)
 
     def __call__(self, *key: Hashable) -> tuple[torch.Tensor, ...]:
         if not self.enabled or self.error is not None:
@@ -106,12 +109,15 @@ class DecodeGraphs:
             graph, outputs = entry
             graph.replay()
             return outputs
+        start = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             result = self.step(*key)  # the real step, eagerly
         torch.cuda.current_stream().wait_stream(side)
         self._capture(key)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - start
         return result
 
     def _capture(self, key: tuple[Hashable, ...]) -> None:

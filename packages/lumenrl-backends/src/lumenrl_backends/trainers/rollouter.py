@@ -35,7 +35,15 @@ from lumenrl_async import SampleGroup, StalenessController
 from lumenrl_backends.trainers.rollout import concat_rounds, expand_groups, generate, sampling_seed
 from lumenrl_core.data_proto import DataProto
 
-__all__ = ["Rollouter", "RolloutHooks", "tag_token_versions", "as_continuation", "carry_token_columns"]
+__all__ = ["Rollouter", "RolloutHooks", "as_continuation", "carry_token_columns", "graph_stats", "tag_token_versions"]
+
+
+def graph_stats(engine: Any) -> dict[str, float]:
+    """The engine's CUDA graph captures so far and the host seconds they took (empty: an engine without graphs)."""
+    graphs = getattr(engine, "graphs", None)
+    if graphs is None or not hasattr(graphs, "captures"):
+        return {}
+    return {"graph_captures": float(graphs.captures), "graph_capture_s": float(graphs.capture_s)}
 
 
 @dataclass(kw_only=True)

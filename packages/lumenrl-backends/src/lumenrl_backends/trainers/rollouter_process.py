@@ -42,13 +42,15 @@ import torch
 
 from lumenrl_async import ProcessChannel, SampleQueue
 from lumenrl_backends.rollouter_server import adopt_caller_state, caller_state, context
+from lumenrl_backends.trainers.rollouter import graph_stats
 from lumenrl_core.config import ConfigError
 from lumenrl_core.data_proto import DataProto
 
 __all__ = ["PHASES", "Built", "ProcessRollouter", "Startup", "attach_rollouter", "boot_args", "build_before_start",
            "build_rollouter", "engine_waits_for_start", "rollouter_main", "start_args"]
 
-PHASES = ("spawned", "running", "ready", "started", "first_group")  # a rollouter process's start-up
+# a rollouter process's start-up; "attached": engine (if not built before), weight reader and rollouter ready to run
+PHASES = ("spawned", "running", "ready", "started", "attached", "first_group")
 
 
 def boot_args(cfg: Any, model_path: str, device: str | None) -> dict[str, Any]:
@@ -73,6 +75,7 @@ class Built:
     loader: Any
     device: torch.device
     engine: Any = None  # None: built at the start message (:func:`engine_waits_for_start`)
+    engine_s: float = 0.0  # seconds the engine's construction took (wherever it ran)
 
 
 def engine_waits_for_start(boot: dict[str, Any], device: torch.device) -> bool:
@@ -109,7 +112,10 @@ def build_before_start(cfg: Any, boot: dict[str, Any]) -> Built:
 
 
 def _engine(cfg: Any, built: Built) -> Any:
-    return built.plan.rollout_engine_cls.from_config(cfg, model=built.model, tokenizer=built.tokenizer)
+    start = time.perf_counter()
+    engine = built.plan.rollout_engine_cls.from_config(cfg, model=built.model, tokenizer=built.tokenizer)
+    built.engine_s = time.perf_counter() - start
+    return engine
 
 
 def attach_rollouter(cfg: Any, built: Built, start: dict[str, Any], *, sink: Callable[[Any], None],
@@ -139,6 +145,7 @@ class Startup:
     def __init__(self, ctx: Any) -> None:
         self.times = ctx.Array("d", len(PHASES))
         self.forked_cuda_failed = ctx.Value("b", 0)  # 1: forked from the server, it found CUDA unusable
+        self.engine_s = ctx.Value("d", 0.0)  # seconds its rollout engine's construction took
         self.reason = ctx.Array("c", 1024)
         self.inbox, self.outbox = ctx.Pipe(duplex=False)
 
@@ -217,6 +224,8 @@ def _main(cfg: Any, channel: ProcessChannel, boot: dict[str, Any], startup: Star
     startup.mark("started")
     rollouter, engine, reader = attach_rollouter(cfg, built, start, sink=sink, outstanding=channel.outstanding,
                                                  stop=stop)
+    startup.engine_s.value = built.engine_s
+    startup.mark("attached")
 
     def watch_stop() -> None:
         while not channel.stop_requested():
@@ -225,18 +234,18 @@ def _main(cfg: Any, channel: ProcessChannel, boot: dict[str, Any], startup: Star
         engine.interrupt()
 
     threading.Thread(target=watch_stop, daemon=True).start()
-    threading.Thread(target=_publish_stats, args=(rollouter, channel, stop), daemon=True).start()
+    threading.Thread(target=_publish_stats, args=(rollouter, engine, channel, stop), daemon=True).start()
     try:
         rollouter.run()
     finally:
-        channel.set_stats({**rollouter.stats, "round": rollouter.round})
+        channel.set_stats({**rollouter.stats, "round": rollouter.round, **graph_stats(engine)})
         if hasattr(reader, "close"):
             reader.close()
 
 
-def _publish_stats(rollouter: Any, channel: ProcessChannel, stop: threading.Event) -> None:
+def _publish_stats(rollouter: Any, engine: Any, channel: ProcessChannel, stop: threading.Event) -> None:
     while not stop.wait(0.05):
-        channel.set_stats({**rollouter.stats, "round": rollouter.round})
+        channel.set_stats({**rollouter.stats, "round": rollouter.round, **graph_stats(engine)})
 
 
 def rollouter_device(cfg: Any, weight_sync_cls: Any) -> str | None:
@@ -339,7 +348,9 @@ class ProcessRollouter:
         """Seconds of the child's start-up against the trainer's build end (wall clock, ``time.time()``):
         ``spawn_lead_s`` (> 0: spawned before the build ended), ``ready_s`` (spawn to ready for the start message),
         ``startup_overlap_s`` (the part of that before the build ended), ``first_group_s`` (start message to
-        its first finished group: first weight load and generate call, CUDA graph captures included);
+        its first finished group: first weight load and generate call, CUDA graph captures included), of which
+        ``attach_s`` (start message to ready to run: the engine if it waited for the message, the weight reader),
+        ``engine_s`` (the engine's construction, before or after the message);
         ``forked`` (1: forked from the rollouter server, its imports done; 0: spawned)."""
         at = self.startup.at
         spawned, ready = at("spawned"), at("ready")
@@ -352,6 +363,9 @@ class ProcessRollouter:
             out["async/startup_overlap_s"] = max(0.0, min(ready, build_end) - spawned)
         if at("first_group") and at("started"):
             out["async/rollouter_first_group_s"] = at("first_group") - at("started")
+        if at("attached") and at("started"):
+            out["async/rollouter_attach_s"] = at("attached") - at("started")
+            out["async/rollouter_engine_s"] = float(self.startup.engine_s.value)
         return out
 
     def begin(self, sample_queue: SampleQueue) -> None:
