@@ -27,7 +27,8 @@ from lumenrl_async.queue import SampleGroup, SampleQueue
 
 __all__ = ["ProcessChannel", "Outbox", "STAT_KEYS", "deliver", "encode"]
 
-STAT_KEYS = ("idle_s", "busy_s", "partial_rollouts", "interrupts", "refills", "samples", "tokens", "round")
+STAT_KEYS = ("idle_s", "busy_s", "partial_rollouts", "interrupts", "refills", "samples", "tokens", "round",
+             "graph_captures", "graph_capture_s")  # the last two: the producer engine's CUDA graphs (0 without)
 
 
 def encode(group: SampleGroup) -> tuple[Any, ...]:

@@ -204,14 +204,40 @@ def _check_cuda_after_fork(cfg: Any, boot: dict[str, Any], startup: Startup) -> 
         raise
 
 
+def _start_profile() -> Callable[[], None]:
+    """``LUMENRL_ROLLOUTER_PROFILE=PATH``: the child's start-up (build to first group) under cProfile, its
+    statistics to PATH (``pstats``) and the top functions by cumulative time to PATH.txt; else nothing."""
+    path = os.environ.get("LUMENRL_ROLLOUTER_PROFILE")
+    if not path:
+        return lambda: None
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+
+    def finish() -> None:
+        profiler.disable()
+        profiler.dump_stats(path)
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(80)
+        with open(f"{path}.txt", "w") as f:
+            f.write(text.getvalue())
+
+    return finish
+
+
 def _main(cfg: Any, channel: ProcessChannel, boot: dict[str, Any], startup: Startup) -> None:
     stop, sent = threading.Event(), [0]
+    profiled = _start_profile()
 
     def sink(group: Any) -> None:
         channel.send(group)
         sent[0] += 1
         if sent[0] == 1:
             startup.mark("first_group")
+            profiled()
         if boot.get("crash_after") and sent[0] >= boot["crash_after"]:
             os._exit(3)  # injected crash (tests): no cleanup, messages may be lost
 
