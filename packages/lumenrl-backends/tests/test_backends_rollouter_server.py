@@ -45,11 +45,12 @@ def test_a_forked_child_has_the_imports_and_the_callers_environment_and_path(tmp
     (tmp_path / "state.json").write_text(json.dumps(state))
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(f"""
-        import json, os, sys
+        import gc, json, os, sys
         preloaded = "transformers" in sys.modules
+        warmed = "lumenrl_backends.rollouter_warmup" in sys.modules and gc.get_freeze_count() > 0
         from lumenrl_backends.rollouter_server import adopt_caller_state
         adopt_caller_state(json.loads(open({str(tmp_path / 'state.json')!r}).read()))
-        json.dump({{"preloaded": preloaded, "env": dict(os.environ), "path": sys.path}},
+        json.dump({{"preloaded": preloaded, "warmed": warmed, "env": dict(os.environ), "path": sys.path}},
                   open({str(tmp_path / 'out.json')!r}, "w"))
     """))
     os.environ["LUMENRL_SERVER_GONE"] = "1"  # in this process only after the state was taken
@@ -61,7 +62,7 @@ def test_a_forked_child_has_the_imports_and_the_callers_environment_and_path(tmp
         del os.environ["LUMENRL_SERVER_GONE"]
     assert proc.exitcode == 0
     out = json.loads((tmp_path / "out.json").read_text())
-    assert out["preloaded"]  # forked from the server after its imports
+    assert out["preloaded"] and out["warmed"]  # forked from the server after its imports and warm-up (frozen heap)
     assert out["env"] == state["env"] and "LUMENRL_SERVER_GONE" not in out["env"]
     assert out["path"] == state["sys_path"] and out["path"][0] == str(tmp_path / "plugins")
 
@@ -74,6 +75,24 @@ def test_the_server_starts_before_this_process_imports_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "False"]
+
+
+def test_the_warm_up_leaves_cuda_alone_lists_the_plugins_and_freezes_the_heap():
+    """What the server runs last (:mod:`lumenrl_backends.rollouter_warmup`), in a fresh interpreter as the server does."""
+    code = textwrap.dedent("""
+        import gc, json, torch
+        from lumenrl_backends import rollouter_warmup as w
+        from lumenrl_core.plugins.registry import get_registry
+        listed = sorted(k for k, v in get_registry()._entries.items() if v)
+        print(json.dumps({"warmed": w.WARMED, "cuda": torch.cuda.is_initialized(), "frozen": gc.get_freeze_count(),
+                          "listed": listed, "native": "lumenrl_backends.engines.native" in __import__("sys").modules}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert not got["cuda"] and got["native"] and got["frozen"] > 10_000
+    assert {"engine_modules", "plugin_entry_points", "gc_freeze"} <= set(got["warmed"])
+    assert {"rollout_engines", "training_backends", "trainers"} <= set(got["listed"])  # listed in the server, inherited
 
 
 def test_only_a_run_with_a_rollouter_process_starts_the_server(monkeypatch):

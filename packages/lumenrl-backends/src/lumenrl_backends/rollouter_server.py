@@ -35,6 +35,7 @@ PRELOAD = (
     "lumenrl_backends.trainers.rollouter_process",
     "lumenrl_backends.trainers.async_rl",
     "lumenrl_backends.trainers.data",
+    "lumenrl_backends.rollouter_warmup",  # last: per-process warm-up, then gc.freeze() (see that module)
 )
 
 

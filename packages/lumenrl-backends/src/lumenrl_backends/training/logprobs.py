@@ -91,14 +91,18 @@ class _LogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, temperature: float, with_entropy: bool, backend: str | None):
         fwd, _ = _kernels(backend)  # logits (B, T, V), tokens (B, T)
-        lse = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
-        log_probs = torch.empty_like(lse)
-        entropy = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
-        for b, sl in _chunks(logits, whole=backend is not None):
-            c_lse, c_lp, c_ent = fwd(logits[b, sl], tokens[b, sl], temperature, with_entropy)
-            lse[b, sl], log_probs[b, sl] = c_lse, c_lp
-            if with_entropy:
-                entropy[b, sl] = c_ent
+        if backend is not None:  # one compiled call over the whole tensor: its outputs are the results (no copy)
+            lse, log_probs, entropy = fwd(logits, tokens, temperature, with_entropy)
+            entropy = entropy if with_entropy else lse.new_empty(0)
+        else:
+            lse = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
+            log_probs = torch.empty_like(lse)
+            entropy = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
+            for b, sl in _chunks(logits, whole=False):
+                c_lse, c_lp, c_ent = fwd(logits[b, sl], tokens[b, sl], temperature, with_entropy)
+                lse[b, sl], log_probs[b, sl] = c_lse, c_lp
+                if with_entropy:
+                    entropy[b, sl] = c_ent
         ctx.save_for_backward(logits, tokens, lse, entropy)
         ctx.temperature, ctx.with_entropy, ctx.backend = temperature, with_entropy, backend
         return log_probs, entropy
@@ -107,10 +111,14 @@ class _LogProbEntropy(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         logits, tokens, lse, entropy = ctx.saved_tensors
         _, bwd = _kernels(ctx.backend)
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
         use_ent = ctx.with_entropy and g_ent is not None
-        for b, sl in _chunks(logits, whole=ctx.backend is not None):
+        if ctx.backend is not None:  # the compiled kernel writes the (B, T, V) gradient itself: no copy of it
+            grad = bwd(logits, tokens, lse, entropy if use_ent else None, g_lp, g_ent if use_ent else None,
+                       ctx.temperature)
+            return grad, None, None, None, None
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for b, sl in _chunks(logits, whole=False):
             grad[b, sl] = bwd(
                 logits[b, sl], tokens[b, sl], lse[b, sl], entropy[b, sl] if use_ent else None,
                 g_lp[b, sl], g_ent[b, sl] if use_ent else None, ctx.temperature,
