@@ -62,7 +62,13 @@ def check_numbers(entry: Entry, numbers: dict[str, Any]) -> list[str]:
 
 
 def run_entries(chosen: list[Entry], *, smoke: bool, command: str, record: bool = True) -> int:
-    """Run each entry; print a table; append full runs to the history. Return the number that failed."""
+    """Run each entry; print a table; append full runs to the history. Return the number that failed.
+
+    A full run runs each entry in a fresh interpreter (:func:`run_isolated`), so its figures do not depend on
+    which entries ran before it in the same job: a previous entry's cached GPU memory, worker pools, threads
+    and environment changes stay in its own process. (Seen on an H200: the async entry's rollouter took
+    2.4-3.6 s to its first group after the train entry in one process, 0.8 s in a process of its own.)
+    Smoke runs stay in this process (seconds each; the tests run them)."""
     import torch
 
     rows, failed = [], 0
@@ -72,7 +78,7 @@ def run_entries(chosen: list[Entry], *, smoke: bool, command: str, record: bool 
             continue
         t0 = time.perf_counter()
         try:
-            numbers = entry.load()(smoke)
+            numbers = entry.load()(smoke) if smoke else run_isolated(entry)
             problems = check_numbers(entry, numbers)
         except Exception:  # one broken benchmark must not hide the others' numbers
             traceback.print_exc()
@@ -85,6 +91,30 @@ def run_entries(chosen: list[Entry], *, smoke: bool, command: str, record: bool 
             append(entry, numbers, command=command, seconds=seconds)
     _print_table(rows)
     return failed
+
+
+_ISOLATED = """
+import json, sys
+from benchmarks.suite import Entry
+numbers = Entry(name=sys.argv[1], target=sys.argv[2], suites=()).load()(False)
+with open(sys.argv[3], "w") as f:
+    json.dump(numbers, f)
+"""
+
+
+def run_isolated(entry: Entry) -> dict[str, Any]:
+    """``entry``'s full run in a fresh interpreter (this one's ``sys.path`` and environment; output shown
+    as it comes); its numbers, or RuntimeError when it fails."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "numbers.json"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        code = subprocess.run([sys.executable, "-c", _ISOLATED, entry.name, entry.target, str(out)],
+                              cwd=ROOT.parent, env=env).returncode
+        if code != 0 or not out.exists():
+            raise RuntimeError(f"entry {entry.name} exited with status {code} (its output is above)")
+        return json.loads(out.read_text())
 
 
 def append(entry: Entry, numbers: dict[str, Any], *, command: str, seconds: float) -> None:

@@ -128,17 +128,50 @@ def pg_loss(outputs: dict, micro: Any):
     return loss, {"actor/entropy": (outputs["entropy"].detach() * mask).sum() / mask.sum()}
 
 
-def profile_step(name: str, backend: FSDP2Backend, batch: DataProto) -> None:
-    """One profiled step: top kernels by device time to <out>/profile_<variant>.txt (and stdout)."""
+# training kernels by class (first match wins): attention before gemm (cuDNN's SDPA kernels say "sm90_")
+TRAIN_KERNEL_CLASSES = (
+    ("optimizer", ("multi_tensor_apply", "fused_adam", "adamw")),  # AdamW, foreach grad copies and norms
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+    ("inductor", ("triton_poi", "triton_per", "triton_red")),  # compiled norms, RoPE, SwiGLU, log-probs
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
+    ("copy", ("memcpy", "memset", "copy", "fill")),
+)
+
+
+def _train_kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((cls for cls, keys in TRAIN_KERNEL_CLASSES if any(k in low for k in keys)), "other")
+
+
+def profile_step(name: str, backend: FSDP2Backend, batch: DataProto) -> dict[str, Any]:
+    """One profiled step: top kernels by device time to <out>/profile_<variant>.txt (and stdout); returns
+    where the step's GPU time goes: ms by kernel class, kernel busy time, span and idle (launch gaps, host
+    syncs), wall of the profiled step."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         backend.train_step(batch, pg_loss)
         torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / f"profile_{name.replace('/', '_').replace('+', '_')}.txt").write_text(table)
     print("\n".join(table.splitlines()[:22]), flush=True)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
+    if not kernels:
+        return {}
+    by_class: dict[str, float] = {}
+    for e in kernels:
+        cls = _train_kernel_class(e.name)
+        by_class[cls] = by_class.get(cls, 0.0) + e.time_range.elapsed_us() / 1e3
+    busy = sum(by_class.values())
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3
+    out = {f"{cls}_ms": round(ms, 2) for cls, ms in sorted(by_class.items(), key=lambda kv: -kv[1])}
+    out.update(busy_ms=round(busy, 2), span_ms=round(span, 2), idle_ms=round(span - busy, 2),
+               wall_ms_profiled=round(wall * 1e3, 2))
+    print(f"profile {name}: " + ", ".join(f"{k} {v}" for k, v in out.items()), flush=True)
+    return out
 
 
 def run_variant(
@@ -174,8 +207,7 @@ def run_variant(
         if i >= warmup:
             times.append(dt)
     step = statistics.median(times)
-    if profile and device.type == "cuda":
-        profile_step(name, backend, batch)
+    breakdown = profile_step(name, backend, batch) if profile and device.type == "cuda" else {}
     out = {
         "variant": name, "shape": shape, "params": params, "tokens": tokens, "rows": rows, "micro": micro,
         "single_device": backend.single is not None, "step_s": step,
@@ -184,6 +216,8 @@ def run_variant(
         "mfu": 6 * params * tokens / step / PEAK_FLOPS, "loss": metrics["actor/loss"],
         "grad_norm": metrics["actor/grad_norm"], "fp8_layers": len(backend.fp8_report.converted) if fp8 else 0,
     }
+    if breakdown:
+        out["profile"] = breakdown
     if device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del backend, model, batch
@@ -366,7 +400,9 @@ def run(smoke: bool) -> dict:
             raise RuntimeError(f"{name}: {results[name].get('error') or results[name].get('skipped')}")
     r, f = results[single], results[sharded]
     return {"mfu": r["mfu"], "tokens_per_s": r["tokens_per_s"], "step_s": r["step_s"], "mfu_fsdp2": f["mfu"],
-            "fsdp2_step_s": f["step_s"], "fsdp2_over_single_step": f["step_s"] / r["step_s"]}
+            "fsdp2_step_s": f["step_s"], "fsdp2_over_single_step": f["step_s"] / r["step_s"],
+            **{f"profile/{k}": v for k, v in r.get("profile", {}).items()},  # where each step's GPU time goes
+            **{f"profile_fsdp2/{k}": v for k, v in f.get("profile", {}).items()}}
 
 
 if __name__ == "__main__":

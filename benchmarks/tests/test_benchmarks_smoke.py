@@ -75,6 +75,34 @@ def _fake_bench(smoke: bool) -> dict:
     return {"value": 1.0 if smoke else 2.0}
 
 
+def _pid_bench(smoke: bool) -> dict:
+    import os
+
+    return {"value": 1.0, "pid": os.getpid()}
+
+
+def _broken_bench(smoke: bool) -> dict:
+    raise RuntimeError("broken on purpose")
+
+
+def test_a_full_run_runs_each_entry_in_a_fresh_interpreter(tmp_path, monkeypatch, capfd):
+    """So an entry's figures do not depend on the entries run before it in the same job."""
+    import os
+
+    from benchmarks import history
+    from benchmarks.suite import Entry
+
+    monkeypatch.setattr(history, "HISTORY", tmp_path / "history.jsonl")
+    monkeypatch.delenv("LUMENRL_BENCH_OUT", raising=False)
+    pid = Entry(name="pid", target=f"{__name__}:_pid_bench", suites=("cpu",), numbers=("value",), device="cpu")
+    broken = Entry(name="broken", target=f"{__name__}:_broken_bench", suites=("cpu",), device="cpu")
+    assert history.run_entries([pid, broken, pid], smoke=False, command="c") == 1  # the broken one, not the others
+    first, second = history.read_history(tmp_path / "history.jsonl")
+    assert os.getpid() not in (first["numbers"]["pid"], second["numbers"]["pid"])
+    assert first["numbers"]["pid"] != second["numbers"]["pid"]  # one process per entry
+    assert "broken on purpose" in capfd.readouterr().err  # its traceback is shown
+
+
 def test_smoke_runs_are_not_recorded_full_runs_are(tmp_path, monkeypatch):
     from benchmarks import history
     from benchmarks.suite import Entry
@@ -117,3 +145,14 @@ def test_lumenrl_bench_forwards_inside_a_checkout_and_refuses_outside(tmp_path, 
     monkeypatch.delenv("LUMENRL_REPO", raising=False)
     assert lumenrl_main(["bench", "list"]) == 2
     assert "checkout" in capsys.readouterr().err
+
+
+def test_train_profile_classes_name_the_kernels_of_a_training_step():
+    """Names as an H200 profile of the 1.7B step shows them; cuDNN's SDPA kernels also say ``sm90_``."""
+    from benchmarks.gpu.bench_train import _train_kernel_class
+
+    assert _train_kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention"
+    assert _train_kernel_class("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert _train_kernel_class("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>") == "optimizer"
+    assert _train_kernel_class("triton_red_fused__to_copy_add_amax_div_exp_gather_logsumexp_0") == "inductor"
+    assert _train_kernel_class("Memcpy DtoD (Device -> Device)") == "copy"
