@@ -227,7 +227,8 @@ def profile_engine(engine: Any, batch: Any, params: dict[str, Any], *, steps: in
             engine.generate(batch, {**params, "max_new_tokens": n_new})
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
-        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
+        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+               and not getattr(e, "is_user_annotation", False)]  # kernels only, not GPU-side annotation ranges
         evs.sort(key=lambda e: e.time_range.start)
         return evs, wall
 

@@ -158,7 +158,8 @@ def profile_step(name: str, backend: FSDP2Backend, batch: DataProto) -> dict[str
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / f"profile_{name.replace('/', '_').replace('+', '_')}.txt").write_text(table)
     print("\n".join(table.splitlines()[:22]), flush=True)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+               and not getattr(e, "is_user_annotation", False)]  # GPU-side ranges (Optimizer.step, FSDP::...) overlap kernels
     if not kernels:
         return {}
     by_class: dict[str, float] = {}
