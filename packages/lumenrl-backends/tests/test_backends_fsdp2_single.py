@@ -78,6 +78,10 @@ def test_modes_and_layout(backend):
     assert backend("auto", role="ref").single.grad_flat is None  # no gradient buffers for a frozen ref
     names = [n for n, _ in fast.named_weights()]
     assert names == [n for n, _ in sharded.named_weights()] and "lm_head.weight" in names  # tied name kept
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in sharded.model.modules() if isinstance(m, FSDPModule)]
+    assert units == [sharded.model]  # one rank: the root is the only fully_shard unit (no per-layer hooks)
 
 
 def test_bad_modes_are_named(backend):

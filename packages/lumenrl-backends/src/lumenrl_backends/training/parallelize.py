@@ -32,7 +32,14 @@ Design (torchtitan's composition, applied to the transformers modules):
   ``heads / tp`` heads; HF attention reshapes with ``(*input_shape, -1, head_dim)`` so the local
   count follows from the tensor, and the GQA repeat factor ``heads / kv_heads`` is unchanged.
 * FSDP2 ``fully_shard(mesh=mesh["dp_shard"])`` is applied LAST (per decoder layer, then the root):
-  TP DTensor parameters become 2-D DTensors, the rest 1-D over ``dp_shard``.
+  TP DTensor parameters become 2-D DTensors, the rest 1-D over ``dp_shard``. When that dim has one rank
+  (and no expert parallelism) only the root is sharded: per-layer units exist to overlap one layer's
+  all-gather and reduce-scatter with another's compute and to free each layer's gathered weights, and
+  on one rank there is nothing to overlap (the "collectives" are copies) and nothing to free (the
+  shard is the whole weight). What per-layer units would add is their hooks: four per layer and step,
+  host work that left the GPU idle (82 ms of a 330 ms profiled 1.7B step on an H200). Same math: one
+  bf16 all-gather copy of every parameter before forward, one reduce-scatter of every gradient after
+  backward; the unsharded bf16 gradients live until the end of backward (+2 bytes per parameter).
 
 Refusals carry the numbers: tp must divide the world size, the query heads, the KV heads, the
 intermediate size and the vocabulary (:func:`check_tp`); tp*cp must divide the world and the
@@ -356,7 +363,8 @@ def parallelize(
         module.set_gradient_divide_factor(float(dp.size()))
         # a plain SUM, then the division (gloo has no PREMUL_SUM); not on one rank, where torch 2.13 would divide twice
         module.set_force_sum_reduction_for_comms(emesh["efsdp"].size() > 1)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=dp, **kwargs)
-    fully_shard(model, mesh=dp, **kwargs)
+    if dp.size() > 1 or experts:  # per-layer units: each layer's all-gather/reduce-scatter overlaps compute
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=dp, **kwargs)
+    fully_shard(model, mesh=dp, **kwargs)  # one rank: the root is the only unit (module docstring)
     return model
