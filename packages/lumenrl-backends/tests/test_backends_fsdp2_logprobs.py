@@ -77,3 +77,65 @@ def test_rejects_non_positive_temperature():
     logits, tokens, _, _ = case(3)
     with pytest.raises(ValueError, match="temperature=0"):
         fused_token_log_probs(logits[:, :-1], tokens, 0.0, False)
+
+
+_TRITON_CASES = """
+import json, torch
+from lumenrl_backends.training.logprobs import fused_token_log_probs
+from test_backends_fsdp2_logprobs import case, reference, rel
+# a vocabulary over two forward chunks and three backward chunks, masked (-inf) columns, two temperatures
+for dtype, temperature in ((torch.float32, 1.0), (torch.float32, 0.6), (torch.bfloat16, 0.8)):
+    logits, tokens, g_lp, g_ent = case(1, shape=(2, 3, 5000), dtype=dtype)
+    logits[0, :, 4096:4200] = float("-inf")  # masked vocabulary: probability 0, no NaN
+    logits[1, :, :4096] = float("-inf")  # a whole first chunk masked, the row's values all in the second
+    tokens[0], tokens[1] = tokens[0] % 4096, 4097 + tokens[1] % 900  # targets in the unmasked columns
+    view = logits.requires_grad_(True)[:, :-1]
+    lp, ent = fused_token_log_probs(view, tokens, temperature, True, compile_backend="triton")
+    (grad,) = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), logits)
+    lp_only, none = fused_token_log_probs(logits[:, :-1], tokens, temperature, False, compile_backend="triton")
+    (grad_lp,) = torch.autograd.grad((lp_only * g_lp).sum(), logits)
+    # the float64 reference sees masked columns as -1e4: exp underflows to exactly 0, as -inf's does
+    ref_in = logits.detach().double().nan_to_num(neginf=-1e4).requires_grad_(True)
+    ref_lp, ref_ent = reference(ref_in[:, :-1], tokens, temperature)
+    (ref_grad,) = torch.autograd.grad((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum(), ref_in, retain_graph=True)
+    (ref_grad_lp,) = torch.autograd.grad((ref_lp * g_lp).sum(), ref_in)
+    print(json.dumps({"case": f"{dtype}-{temperature}", "lp": float((lp.double() - ref_lp).abs().max()),
+                      "ent": float((ent.double() - ref_ent).abs().max()), "none": none is None,
+                      "grad": rel(grad, ref_grad), "grad_lp": rel(grad_lp, ref_grad_lp),
+                      "finite": bool(grad.isfinite().all() and lp.isfinite().all() and ent.isfinite().all()),
+                      "grad_dtype": str(grad.dtype), "last_zero": bool((grad[:, -1] == 0).all())}))
+"""
+
+
+def test_one_pass_triton_kernels_match_float64(triton_interpreted):
+    """The CUDA default of a compiled step (``logprob_backend``), in Triton's interpreter on the CPU."""
+    rows = triton_interpreted({"cases": _TRITON_CASES}).json_rows("cases")
+    assert len(rows) == 3
+    for name, row in rows.items():
+        bf16 = "bfloat16" in name  # bf16 logits: float64 reference of the same bf16 values; bf16 gradient rounding
+        assert row["finite"] and row["none"] and row["last_zero"], (name, row)
+        assert row["lp"] < 5e-5 and row["ent"] < 5e-5, (name, row)
+        assert row["grad"] < (5e-3 if bf16 else 5e-5) and row["grad_lp"] < (5e-3 if bf16 else 5e-5), (name, row)
+
+
+def test_a_compiled_cuda_step_uses_the_triton_kernels():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert logprobs.logprob_backend(cpu, True) == "inductor" and logprobs.logprob_backend(cuda, "eager") == "eager"
+    expected = "triton" if logprobs.triton_logprobs.available() else "inductor"
+    assert logprobs.logprob_backend(cuda, True) == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not logprobs.triton_logprobs.available(), reason="needs CUDA")
+def test_triton_kernels_on_cuda_match_float64_at_a_real_vocabulary():
+    """Qwen3's vocabulary (151936: 38 forward chunks, a ragged last one), bf16 logits of a trained model's scale."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (4 * torch.randn(2, 257, 151936, device="cuda", generator=g)).bfloat16().requires_grad_(True)
+    tokens = torch.randint(0, 151936, (2, 256), device="cuda", generator=g)
+    g_lp, g_ent = torch.randn(2, 256, device="cuda", generator=g), torch.randn(2, 256, device="cuda", generator=g)
+    lp, ent = fused_token_log_probs(logits[:, :-1], tokens, 0.9, True, compile_backend="triton")
+    (grad,) = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), logits)
+    ref_in = logits.detach().double().requires_grad_(True)
+    ref_lp, ref_ent = reference(ref_in[:, :-1], tokens, 0.9)
+    (ref_grad,) = torch.autograd.grad((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum(), ref_in)
+    assert (lp.double() - ref_lp).abs().max() < 5e-5 and (ent.double() - ref_ent).abs().max() < 5e-5
+    assert grad.dtype == torch.bfloat16 and rel(grad, ref_grad) < 5e-3  # bf16 rounding of the gradient

@@ -68,6 +68,7 @@ from lumenrl_backends.training.batching import (
     split_rows,
 )
 from lumenrl_backends.training.context_parallel import context_parallel_forward
+from lumenrl_backends.training.logprobs import logprob_backend
 from lumenrl_backends.training.lora import apply_lora
 from lumenrl_backends.training.modeling import (
     CriticModel,
@@ -177,7 +178,7 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         self._logprob_backend = EXACT_BACKEND if self.exact else None  # exact log-softmax or torch.compile
         if compile_layers:
             compile_decoder_layers(self.model, compile_layers)
-            self._logprob_backend = "inductor" if compile_layers is True else str(compile_layers)
+            self._logprob_backend = logprob_backend(self.device, compile_layers)
         self._init_optimizer(num_training_steps, optimizer_steps_per_training_step)
 
     # ----------------------------------------------------------------- construction

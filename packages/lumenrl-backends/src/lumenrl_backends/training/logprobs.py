@@ -17,7 +17,9 @@ Backward (g_lp, g_H the incoming gradients of log_prob and entropy):
 Chunks: eager mode works on row chunks of at most 128M elements in float32 (bounded
 temporaries); with ``compile_backend`` the two chunk functions are torch.compile'd and run once
 over the whole tensor (inductor fuses upcast, scaling, the reductions and the gradient into a few
-passes that read the bf16 logits and write the bf16 gradient, nothing else).
+passes that read the bf16 logits and write the bf16 gradient, nothing else); ``"triton"``: the
+one-pass kernels of :mod:`.triton_logprobs` (the default of a compiled training step on CUDA:
+inductor's forward reads the logits three times).
 
 Why: the autograd graph of the plain formula keeps several (N, V) float32 tensors alive (the
 upcast, the scaled logits, the softmax) and runs ~10 passes over them; at RL shapes (N = 8k
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fused_token_log_probs"]
+from lumenrl_backends.training import triton_logprobs
+
+__all__ = ["fused_token_log_probs", "logprob_backend"]
 
 _CHUNK_ELEMENTS = 1 << 27  # 128M float32 elements (512 MB) of temporaries per chunk
 
@@ -90,6 +94,12 @@ def _kernels(backend: str | None):
 class _LogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, temperature: float, with_entropy: bool, backend: str | None):
+        if backend == "triton":  # one pass over the logits (triton_logprobs.py)
+            lse, log_probs, entropy = triton_logprobs.token_log_probs_forward(logits, tokens, temperature, with_entropy)
+            entropy = entropy if with_entropy else lse.new_empty(0)
+            ctx.save_for_backward(logits, tokens, lse, entropy)
+            ctx.temperature, ctx.with_entropy, ctx.backend = temperature, with_entropy, backend
+            return log_probs, entropy
         fwd, _ = _kernels(backend)  # logits (B, T, V), tokens (B, T)
         if backend is not None:  # one compiled call over the whole tensor: its outputs are the results (no copy)
             lse, log_probs, entropy = fwd(logits, tokens, temperature, with_entropy)
@@ -110,9 +120,13 @@ class _LogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         logits, tokens, lse, entropy = ctx.saved_tensors
-        _, bwd = _kernels(ctx.backend)
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
         use_ent = ctx.with_entropy and g_ent is not None
+        if ctx.backend == "triton":
+            grad = triton_logprobs.token_log_probs_backward(logits, tokens, lse, entropy if use_ent else None, g_lp,
+                                                            g_ent if use_ent else None, ctx.temperature)
+            return grad, None, None, None, None
+        _, bwd = _kernels(ctx.backend)
         if ctx.backend is not None:  # the compiled kernel writes the (B, T, V) gradient itself: no copy of it
             grad = bwd(logits, tokens, lse, entropy if use_ent else None, g_lp, g_ent if use_ent else None,
                        ctx.temperature)
@@ -124,6 +138,14 @@ class _LogProbEntropy(torch.autograd.Function):
                 g_lp[b, sl], g_ent[b, sl] if use_ent else None, ctx.temperature,
             )
         return grad, None, None, None, None
+
+
+def logprob_backend(device: torch.device, compile_layers: bool | str) -> str:
+    """The fused log-prob kernels a compiled training step uses: the one-pass Triton kernels on CUDA
+    (:mod:`.triton_logprobs`), else ``compile_layers``' torch.compile backend (``True``: inductor)."""
+    if compile_layers is True and device.type == "cuda" and triton_logprobs.available():
+        return "triton"
+    return "inductor" if compile_layers is True else str(compile_layers)
 
 
 def fused_token_log_probs(

@@ -1,0 +1,124 @@
+"""Token log-probs and entropy in one pass over the logits, and their gradient in one more (Triton).
+
+The math of :mod:`.logprobs` (``z = float32(x) / t``, ``lse``, ``log_prob = z[y] - lse``,
+``H = lse - sum p z``, ``dx = (g_lp (onehot - p) - g_H p (z - lse + H)) / t``), as two kernels:
+
+* forward, one program per row: an online softmax over the vocabulary in chunks keeps the running
+  maximum ``m``, ``s = sum exp(z - m)`` and ``u = sum exp(z - m) (z - m)`` (both rescaled when ``m``
+  grows: ``u <- e^(m - m') (u + (m - m') s)``), so the row is read once; then ``lse = m + log s``,
+  ``H = log s - u / s`` (two non-negative terms: no cancellation, as the centered form in
+  :mod:`.logprobs`) and ``z[y]`` from one more load;
+* backward, one program per (row, vocabulary chunk): the gradient from the row's ``lse``, ``H`` and
+  incoming gradients, written in the logits' dtype.
+
+The logits are read once forward and once backward, and the gradient written once: inductor's
+kernels for the same formulas read the logits three times forward (max, sum, entropy passes).
+``-inf`` logits (masked vocabulary) give probability 0 and no NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - no Triton: the callers keep the compiled-kernel path
+    triton = None
+
+__all__ = ["available", "token_log_probs_backward", "token_log_probs_forward"]
+
+_FWD_BLOCK = 4096
+_BWD_BLOCK = 2048
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _forward_kernel(x_ptr, y_ptr, lse_ptr, lp_ptr, ent_ptr, vocab, stride_row, inv_t,
+                        WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        base = x_ptr + row * stride_row
+        m = tl.zeros((), dtype=tl.float32) - float("inf")
+        s = tl.zeros((), dtype=tl.float32)
+        u = tl.zeros((), dtype=tl.float32)
+        for block in range(0, NUM_BLOCKS):  # the vocabulary size is fixed per model: one compile
+            cols = block * BLOCK + tl.arange(0, BLOCK)
+            z = tl.load(base + cols, mask=cols < vocab, other=-float("inf")).to(tl.float32) * inv_t
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)  # all -inf so far: exp(z - 0) = 0, no NaN
+            shift = tl.where(s > 0, m - m_ref, 0.0)  # 0 before the first finite value
+            alpha = tl.exp(shift)
+            e = tl.exp(z - m_ref)
+            if WITH_ENTROPY:
+                u = alpha * (u + shift * s) + tl.sum(tl.where(e > 0, e * (z - m_ref), 0.0), axis=0)
+            s = s * alpha + tl.sum(e, axis=0)
+            m = m_new
+        log_s = tl.log(s)
+        lse = m + log_s
+        target = tl.load(y_ptr + row)
+        zy = tl.load(base + target).to(tl.float32) * inv_t
+        tl.store(lse_ptr + row, lse)
+        tl.store(lp_ptr + row, zy - lse)
+        if WITH_ENTROPY:
+            tl.store(ent_ptr + row, log_s - u / s)
+
+    @triton.jit
+    def _backward_kernel(x_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dx_ptr, vocab, stride_x, stride_dx,
+                         inv_t, WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < vocab
+        z = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
+        lse = tl.load(lse_ptr + row)
+        p = tl.exp(z - lse)
+        onehot = (cols == tl.load(y_ptr + row)).to(tl.float32)
+        dz = tl.load(glp_ptr + row) * (onehot - p)
+        if WITH_ENTROPY:
+            h = tl.load(ent_ptr + row)
+            dz -= tl.load(gent_ptr + row) * tl.where(p > 0, p * (z - lse + h), 0.0)
+        tl.store(dx_ptr + row * stride_dx + cols, (dz * inv_t).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(N, V) view of (..., V) logits whose rows are contiguous (stride 1 along V)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+
+
+def token_log_probs_forward(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool):
+    """``(lse, log_prob, entropy or None)`` (float32, ``tokens``' shape) of logits (..., V)."""
+    x = _rows(logits)
+    y = tokens.reshape(-1).contiguous()
+    n, vocab = x.shape
+    lse = torch.empty(n, dtype=torch.float32, device=x.device)
+    lp = torch.empty_like(lse)
+    ent = torch.empty_like(lse) if with_entropy else lse
+    if n:
+        _forward_kernel[(n,)](x, y, lse, lp, ent, vocab, x.stride(0), 1.0 / temperature,
+                              WITH_ENTROPY=with_entropy, BLOCK=_FWD_BLOCK, NUM_BLOCKS=triton.cdiv(vocab, _FWD_BLOCK),
+                              num_warps=8)
+    shape = tokens.shape
+    return lse.view(shape), lp.view(shape), (ent.view(shape) if with_entropy else None)
+
+
+def token_log_probs_backward(logits, tokens, lse, entropy, g_lp, g_ent, temperature: float) -> torch.Tensor:
+    """The gradient of ``g_lp . log_prob + g_ent . entropy`` with respect to ``logits`` (its dtype and shape);
+    ``entropy``/``g_ent`` None: log-probs only."""
+    x = _rows(logits)
+    n, vocab = x.shape
+    grad = torch.empty(x.shape, dtype=logits.dtype, device=x.device)
+    with_entropy = g_ent is not None
+    flat = [t.reshape(-1).contiguous().float() if t is not None else None for t in (lse, entropy, g_lp, g_ent)]
+    lse_f, ent_f, glp_f, gent_f = flat
+    if n:
+        _backward_kernel[(n, triton.cdiv(vocab, _BWD_BLOCK))](
+            x, tokens.reshape(-1).contiguous(), lse_f, ent_f if with_entropy else lse_f, glp_f,
+            gent_f if with_entropy else glp_f, grad, vocab, x.stride(0), grad.stride(0), 1.0 / temperature,
+            WITH_ENTROPY=with_entropy, BLOCK=_BWD_BLOCK, num_warps=8)
+    return grad.view(logits.shape)
