@@ -39,12 +39,9 @@ __all__ = ["fused_token_log_probs", "logprob_backend"]
 _CHUNK_ELEMENTS = 1 << 27  # 128M float32 elements (512 MB) of temporaries per chunk
 
 
-def _chunks(logits: torch.Tensor, whole: bool):
+def _chunks(logits: torch.Tensor):
     """(b, rows) index pairs covering a (B, T, V) tensor whose (T, V) slabs are contiguous."""
     batch, rows, vocab = logits.shape
-    if whole:  # compiled kernels keep nothing in float32 memory: one call over the whole tensor
-        yield slice(None), slice(None)
-        return
     step = max(1, min(rows, _CHUNK_ELEMENTS // max(vocab, 1)))
     for b in range(batch):
         for s in range(0, rows, step):
@@ -80,9 +77,13 @@ _COMPILED: dict[str, tuple] = {}
 
 
 def _kernels(backend: str | None):
-    """(forward, backward) chunk functions: eager, or torch.compile'd with ``backend``."""
+    """(forward, backward) functions: eager chunk functions (None), the one-pass Triton kernels
+    (``"triton"``), or the chunk functions torch.compile'd with ``backend``. All but eager run once over
+    the whole tensor."""
     if backend is None:
         return _forward_chunk, _backward_chunk
+    if backend == "triton":
+        return triton_logprobs.token_log_probs_forward, triton_logprobs.token_log_probs_backward
     if backend not in _COMPILED:
         _COMPILED[backend] = (
             torch.compile(_forward_chunk, backend=backend, dynamic=None),
@@ -94,21 +95,15 @@ def _kernels(backend: str | None):
 class _LogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, temperature: float, with_entropy: bool, backend: str | None):
-        if backend == "triton":  # one pass over the logits (triton_logprobs.py)
-            lse, log_probs, entropy = triton_logprobs.token_log_probs_forward(logits, tokens, temperature, with_entropy)
-            entropy = entropy if with_entropy else lse.new_empty(0)
-            ctx.save_for_backward(logits, tokens, lse, entropy)
-            ctx.temperature, ctx.with_entropy, ctx.backend = temperature, with_entropy, backend
-            return log_probs, entropy
         fwd, _ = _kernels(backend)  # logits (B, T, V), tokens (B, T)
-        if backend is not None:  # one compiled call over the whole tensor: its outputs are the results (no copy)
+        if backend is not None:  # one call over the whole tensor: its outputs are the results (no copy)
             lse, log_probs, entropy = fwd(logits, tokens, temperature, with_entropy)
             entropy = entropy if with_entropy else lse.new_empty(0)
         else:
             lse = torch.empty(tokens.shape, dtype=torch.float32, device=logits.device)
             log_probs = torch.empty_like(lse)
             entropy = torch.empty_like(lse) if with_entropy else lse.new_empty(0)
-            for b, sl in _chunks(logits, whole=False):
+            for b, sl in _chunks(logits):
                 c_lse, c_lp, c_ent = fwd(logits[b, sl], tokens[b, sl], temperature, with_entropy)
                 lse[b, sl], log_probs[b, sl] = c_lse, c_lp
                 if with_entropy:
@@ -120,19 +115,15 @@ class _LogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         logits, tokens, lse, entropy = ctx.saved_tensors
+        _, bwd = _kernels(ctx.backend)
         g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
         use_ent = ctx.with_entropy and g_ent is not None
-        if ctx.backend == "triton":
-            grad = triton_logprobs.token_log_probs_backward(logits, tokens, lse, entropy if use_ent else None, g_lp,
-                                                            g_ent if use_ent else None, ctx.temperature)
-            return grad, None, None, None, None
-        _, bwd = _kernels(ctx.backend)
-        if ctx.backend is not None:  # the compiled kernel writes the (B, T, V) gradient itself: no copy of it
+        if ctx.backend is not None:  # the kernel writes the (B, T, V) gradient itself: no copy of it
             grad = bwd(logits, tokens, lse, entropy if use_ent else None, g_lp, g_ent if use_ent else None,
                        ctx.temperature)
             return grad, None, None, None, None
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        for b, sl in _chunks(logits, whole=False):
+        for b, sl in _chunks(logits):
             grad[b, sl] = bwd(
                 logits[b, sl], tokens[b, sl], lse[b, sl], entropy[b, sl] if use_ent else None,
                 g_lp[b, sl], g_ent[b, sl] if use_ent else None, ctx.temperature,
