@@ -152,3 +152,19 @@ def test_a_forked_rollouter_without_cuda_is_replaced_by_a_spawned_one(tmp_path, 
     records = read_metrics(tmp_path)
     assert len(records) == 2 and all(r["async/consumed"] > 0 for r in records[-1:])
     assert records[-1]["async/rollouter_forked"] == 0.0  # the replacement was spawned
+
+
+def test_a_failing_warm_up_step_is_skipped_and_the_heap_still_frozen(monkeypatch):
+    """Python's forkserver survives only an ImportError in a preload: a warm-up step must never raise."""
+    import gc
+
+    from lumenrl_backends import rollouter_warmup as w
+
+    def broken() -> None:
+        raise RuntimeError("plugin registered twice")
+
+    monkeypatch.setitem(w.STEPS, "plugin_entry_points", broken)
+    done = w.warm()
+    assert "plugin_entry_points" not in done and {"engine_modules", "gc_freeze"} <= set(done)
+    assert gc.get_freeze_count() > 0
+    gc.unfreeze()  # this test process keeps collecting its own objects
