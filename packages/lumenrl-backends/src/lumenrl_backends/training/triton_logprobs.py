@@ -39,10 +39,10 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _forward_kernel(x_ptr, y_ptr, lse_ptr, lp_ptr, ent_ptr, vocab, stride_row, inv_t,
+    def _forward_kernel(x_ptr, y_ptr, lse_ptr, lp_ptr, ent_ptr, vocab, rows_per_batch, stride_b, stride_t, inv_t,
                         WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        base = x_ptr + row * stride_row
+        base = x_ptr + (row // rows_per_batch) * stride_b + (row % rows_per_batch) * stride_t
         m = tl.zeros((), dtype=tl.float32) - float("inf")
         s = tl.zeros((), dtype=tl.float32)
         u = tl.zeros((), dtype=tl.float32)
@@ -68,12 +68,13 @@ if triton is not None:
             tl.store(ent_ptr + row, log_s - u / s)
 
     @triton.jit
-    def _backward_kernel(x_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dx_ptr, vocab, stride_x, stride_dx,
-                         inv_t, WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+    def _backward_kernel(x_ptr, y_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dx_ptr, vocab, rows_per_batch, stride_b,
+                         stride_t, inv_t, WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < vocab
-        z = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
+        x_row = x_ptr + (row // rows_per_batch) * stride_b + (row % rows_per_batch) * stride_t
+        z = tl.load(x_row + cols, mask=mask, other=-float("inf")).to(tl.float32) * inv_t
         lse = tl.load(lse_ptr + row)
         p = tl.exp(z - lse)
         onehot = (cols == tl.load(y_ptr + row)).to(tl.float32)
@@ -81,26 +82,30 @@ if triton is not None:
         if WITH_ENTROPY:
             h = tl.load(ent_ptr + row)
             dz -= tl.load(gent_ptr + row) * tl.where(p > 0, p * (z - lse + h), 0.0)
-        tl.store(dx_ptr + row * stride_dx + cols, (dz * inv_t).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + row * vocab + cols, (dz * inv_t).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """(N, V) view of (..., V) logits whose rows are contiguous (stride 1 along V)."""
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """``(x3, rows per batch, batch stride, row stride)`` of (..., V) logits as (B, T, V) without a copy where
+    the rows are contiguous along V (a response slice ``logits[:, :-1]`` is such a view: the kernels index its
+    rows through the two strides instead of a flattened copy)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if x.dim() != 3:
+        x = x.reshape(1, -1, x.shape[-1])
+    return x, x.shape[1], x.stride(0), x.stride(1)
 
 
 def token_log_probs_forward(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool):
     """``(lse, log_prob, entropy or None)`` (float32, ``tokens``' shape) of logits (..., V)."""
-    x = _rows(logits)
+    x, rows, stride_b, stride_t = _rows(logits)
     y = tokens.reshape(-1).contiguous()
-    n, vocab = x.shape
+    n, vocab = x.shape[0] * rows, x.shape[2]
     lse = torch.empty(n, dtype=torch.float32, device=x.device)
     lp = torch.empty_like(lse)
     ent = torch.empty_like(lse) if with_entropy else lse
     if n:
-        _forward_kernel[(n,)](x, y, lse, lp, ent, vocab, x.stride(0), 1.0 / temperature,
+        _forward_kernel[(n,)](x, y, lse, lp, ent, vocab, rows, stride_b, stride_t, 1.0 / temperature,
                               WITH_ENTROPY=with_entropy, BLOCK=_FWD_BLOCK, NUM_BLOCKS=triton.cdiv(vocab, _FWD_BLOCK),
                               num_warps=8)
     shape = tokens.shape
@@ -110,15 +115,15 @@ def token_log_probs_forward(logits: torch.Tensor, tokens: torch.Tensor, temperat
 def token_log_probs_backward(logits, tokens, lse, entropy, g_lp, g_ent, temperature: float) -> torch.Tensor:
     """The gradient of ``g_lp . log_prob + g_ent . entropy`` with respect to ``logits`` (its dtype and shape);
     ``entropy``/``g_ent`` None: log-probs only."""
-    x = _rows(logits)
-    n, vocab = x.shape
-    grad = torch.empty(x.shape, dtype=logits.dtype, device=x.device)
+    x, rows, stride_b, stride_t = _rows(logits)
+    n, vocab = x.shape[0] * rows, x.shape[2]
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=x.device)  # contiguous: row r at r * vocab
     with_entropy = g_ent is not None
     flat = [t.reshape(-1).contiguous().float() if t is not None else None for t in (lse, entropy, g_lp, g_ent)]
     lse_f, ent_f, glp_f, gent_f = flat
     if n:
         _backward_kernel[(n, triton.cdiv(vocab, _BWD_BLOCK))](
             x, tokens.reshape(-1).contiguous(), lse_f, ent_f if with_entropy else lse_f, glp_f,
-            gent_f if with_entropy else glp_f, grad, vocab, x.stride(0), grad.stride(0), 1.0 / temperature,
+            gent_f if with_entropy else glp_f, grad, vocab, rows, stride_b, stride_t, 1.0 / temperature,
             WITH_ENTROPY=with_entropy, BLOCK=_BWD_BLOCK, num_warps=8)
-    return grad.view(logits.shape)
+    return grad
