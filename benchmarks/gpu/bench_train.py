@@ -15,6 +15,8 @@ policy-gradient loss) on random-initialized Qwen3 shapes:
   AdamW); the variants without it pin ``single_device="off"`` (fully_shard on one rank), so both
   are measured side by side. ``+16x1024``: 16 rows per optimizer step in 2 micro-batches of 8
   (twice the tokens per optimizer step; the optimizer cost is amortized over them).
+  ``+torch_adamw``: the single-device path with torch's fused AdamW instead of its flat Triton
+  AdamW (``training/flat_adamw.py``, the CUDA default), for the side-by-side optimizer cost.
   Before timing any ``+single`` variant, :func:`check_single_vs_sharded` runs one step of both
   paths on a small Qwen3 on the GPU and requires equal losses, grad norms and master updates
   (within bf16 tolerance); its result is in the JSON (``numerics_check``).
@@ -76,6 +78,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
     # torch.compile variants last: their first step compiles (time reported as first_step_s)
     "1.7b/bf16+compile": ("1.7b", "full", {**COMPILE, **OFF}, None, False),
     "1.7b/bf16+compile+single": ("1.7b", "full", {**COMPILE, **ON}, None, False),
+    "1.7b/bf16+compile+single+torch_adamw": ("1.7b", "full", {**COMPILE, **ON, "flat_optimizer": False}, None, False),
     "1.7b/bf16+compile+single+16x1024": ("1.7b", "full", {**COMPILE, **ON, "rows": 16, "micro": 8}, None, False),
     "1.7b-ragged/packed+compile+single": ("1.7b", "ragged", {"packing": "auto", **COMPILE, **ON}, None, False),
     "8b-layers/bf16+compile": ("8b-layers", "full", {**COMPILE, **OFF}, None, False),
@@ -130,7 +133,7 @@ def pg_loss(outputs: dict, micro: Any):
 
 # training kernels by class (first match wins): attention before gemm (cuDNN's SDPA kernels say "sm90_")
 TRAIN_KERNEL_CLASSES = (
-    ("optimizer", ("multi_tensor_apply", "fused_adam", "adamw")),  # AdamW, foreach grad copies and norms
+    ("optimizer", ("multi_tensor_apply", "fused_adam", "adamw", "sumsq")),  # AdamW (torch's or flat), copies, norms
     ("attention", ("sdpa", "flash", "fmha", "attention")),
     ("inductor", ("triton_poi", "triton_per", "triton_red")),  # compiled norms, RoPE, SwiGLU, log-probs
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "cublas")),
@@ -182,6 +185,7 @@ def run_variant(
     kwargs = dict(kwargs)
     rows = kwargs.pop("rows", rows)
     micro = kwargs.pop("micro", rows)
+    flat = kwargs.pop("flat_optimizer", None)
     model = build_model(shape, device)
     params = sum(p.numel() for p in model.parameters())  # unique (tied counted once)
     vocab = model.config.vocab_size
@@ -191,6 +195,8 @@ def run_variant(
         train=PolicyTrainConfig(micro_batch_size=micro, gradient_checkpointing=ac),
         num_training_steps=100, device=device, fp8=fp8, **kwargs,
     )
+    if flat is not None and backend.single is not None:
+        backend.single.flat_optimizer = flat
     batch = make_batch(kind, vocab, rows, seq, device)
     tokens = int(batch.batch["attention_mask"].sum())
     times: list[float] = []
@@ -212,6 +218,7 @@ def run_variant(
     out = {
         "variant": name, "shape": shape, "params": params, "tokens": tokens, "rows": rows, "micro": micro,
         "single_device": backend.single is not None, "step_s": step,
+        "flat_adamw": backend.single is not None and backend.single.flat_active,
         "step_s_min": min(times), "step_s_max": max(times), "first_step_s": first,
         "tokens_per_s": tokens / step, "tflops_6n": 6 * params * tokens / step / 1e12,
         "mfu": 6 * params * tokens / step / PEAK_FLOPS, "loss": metrics["actor/loss"],

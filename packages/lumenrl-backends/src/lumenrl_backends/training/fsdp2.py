@@ -527,7 +527,7 @@ class FSDP2Backend(SFTSteps, BackendWeights):
 
     def _backward(self, loss: torch.Tensor) -> None:
         (loss * self.dp_size).backward()  # see "Loss scaling" in the module docstring
-        if self.single is not None:  # bf16 module grads -> fp32 master grads (two foreach launches)
+        if self.single is not None:  # bf16 module grads -> fp32 master grads (or kept for the flat AdamW)
             self.single.accumulate_grads()
 
     def _clip_and_step(self, optimizer, scheduler, collected: dict, prefix: str, loss: Any = 0.0) -> None:
@@ -554,6 +554,8 @@ class FSDP2Backend(SFTSteps, BackendWeights):
 
     def _clip_grads(self, clip: float) -> float:
         """Clip the gradients to total norm ``clip`` (inf: measure only); returns the norm before clipping."""
+        if self.single is not None:
+            self.single.materialize_grads()
         source = self.single.masters if self.single is not None else self.model.parameters()
         params = [p for p in source if p.grad is not None]
         return dist_utils.as_float(dist_utils.clip_grad_norm_(params, clip))

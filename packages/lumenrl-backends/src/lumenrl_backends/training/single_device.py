@@ -16,6 +16,14 @@ hooks around every layer. :class:`SingleDeviceWeights` holds the same state with
 * after the optimizer step :meth:`copy_back` refreshes the compute weights with one
   ``compute_flat.copy_(master_flat)`` (rounding to bf16 as FSDP2's per-step cast does).
 
+With ``flat_optimizer`` (default on CUDA), :meth:`fused_clip_and_step` steps a one-group AdamW over
+every master through :mod:`.flat_adamw` (norm, update and copy-back in two Triton kernels over the
+flat buffers), and the first micro-batch's module gradients are kept as they are (``stash``) instead
+of copied to fp32: with one micro-batch per optimizer step the kernels read the bf16 gradients (an
+exact fp32 copy would hold the same numbers); a second micro-batch first moves them into the fp32
+master gradients. Readers of the master gradients call :meth:`materialize_grads` (``master_grads``
+does). Optimizers the flat kernels do not cover keep ``optimizer.step()`` + :meth:`copy_back`.
+
 This is the FSDP2 one-rank computation (bf16 forward/backward, fp32 gradient accumulation,
 clipping and AdamW on fp32 master weights) with fewer, larger kernels. Every slice starts at a
 multiple of 64 elements (aligned views for compiled kernels); the gaps stay zero.
@@ -33,6 +41,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+from lumenrl_backends.training import flat_adamw
 
 __all__ = ["SINGLE_DEVICE_MODES", "SingleDeviceWeights", "check_single_device_mode"]
 
@@ -107,6 +117,10 @@ class SingleDeviceWeights:
                 p.grad = None
         self.copy_back()
         self.master_module = _mirror(model, master_of)
+        self.flat_optimizer = device.type == "cuda" and flat_adamw.available()
+        self._stash: list[torch.Tensor | None] | None = None  # first micro-batch's module grads, per param
+        self._flat: tuple[torch.optim.Optimizer, flat_adamw.FlatAdamW | None] | None = None
+        self._flat_dirty = False  # optimizer.step() stepped the flat state: re-adopt before the next flat step
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -115,19 +129,42 @@ class SingleDeviceWeights:
 
     def zero_grad(self) -> None:
         """Drop module gradients and mark every master gradient unset (no kernel launched)."""
+        self._stash = None
         for p, m in zip(self.params, self.masters):
             p.grad = None
             m.grad = None
 
     @torch.no_grad()
     def accumulate_grads(self) -> None:
-        """master.grad (fp32) += module grad (compute dtype) for every parameter that got one; frees them."""
+        """master.grad (fp32) += module grad (compute dtype) for every parameter that got one; frees them.
+
+        With ``flat_optimizer``, the first micro-batch of an optimizer step only moves the module
+        gradients aside (no kernel); the next one, or :meth:`materialize_grads`, adds them in fp32."""
+        if self.flat_optimizer and self._stash is None and all(m.grad is None for m in self.masters):
+            self._stash = [p.grad for p in self.params]
+            for p in self.params:
+                p.grad = None
+            return
+        self.materialize_grads()
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        self._add_grads(grads)
+
+    @torch.no_grad()
+    def materialize_grads(self) -> None:
+        """Move the stashed first micro-batch gradients (if any) into the fp32 master gradients."""
+        stash, self._stash = self._stash, None
+        if stash is not None:
+            self._add_grads(stash)
+
+    def _add_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """master.grad (fp32) += grads[i] (one per parameter, None: none) with two foreach launches."""
         if self.grad_flat is None:
             self.grad_flat = torch.zeros_like(self.master_flat)
             self._grad_views = [self.grad_flat[o : o + n].view(shape) for o, n, shape in self._slices]
         fresh_dst, fresh_src, acc_dst, acc_src = [], [], [], []
-        for p, m, view in zip(self.params, self.masters, self._grad_views):
-            g = p.grad
+        for g, m, view in zip(grads, self.masters, self._grad_views):
             if g is None:
                 continue
             if m.grad is None:
@@ -137,13 +174,13 @@ class SingleDeviceWeights:
             else:
                 acc_dst.append(m.grad)
                 acc_src.append(g)
-            p.grad = None
         if fresh_dst:
             torch._foreach_copy_(fresh_dst, fresh_src)
         if acc_dst:
             torch._foreach_add_(acc_dst, acc_src)
 
     def master_grads(self) -> list[torch.Tensor]:
+        self.materialize_grads()
         return [m.grad for m in self.masters if m.grad is not None]
 
     @torch.no_grad()
@@ -164,6 +201,15 @@ class SingleDeviceWeights:
         """
         if not max_norm > 0:
             raise ValueError(f"max_norm={max_norm} must be > 0 (float('inf') disables clipping)")
+        flat = self._flat_stepper(optimizer)
+        grads = self._flat_grads() if flat is not None else None
+        if grads is not None:
+            self._stash = None
+            norm, skipped = flat.clip_and_step(grads, max_norm, loss)
+            for m in self.masters:
+                m.grad = None
+            return norm, skipped
+        self._flat_dirty = flat is not None
         grads = self.master_grads()
         if grads:
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
@@ -178,6 +224,40 @@ class SingleDeviceWeights:
             del optimizer.grad_scale, optimizer.found_inf
         self.copy_back()
         return norm, skipped
+
+    @property
+    def flat_active(self) -> bool:
+        """True when the last optimizer seen steps through the flat kernels."""
+        return self._flat is not None and self._flat[1] is not None
+
+    def _flat_stepper(self, optimizer: torch.optim.Optimizer) -> flat_adamw.FlatAdamW | None:
+        """The flat AdamW stepper of ``optimizer`` when it covers it (built once per optimizer)."""
+        if not self.flat_optimizer:
+            return None
+        if self._flat is None or self._flat[0] is not optimizer:
+            ok = flat_adamw.unsupported(optimizer, self.masters) is None
+            self._flat = (optimizer, flat_adamw.FlatAdamW(optimizer, self.masters, self._slices, self.master_flat,
+                                                          self.compute_flat) if ok else None)
+        flat = self._flat[1]
+        if flat is not None and self._flat_dirty:  # a fallback step may have left unequal step counts
+            self._flat_dirty = False
+            if not flat.adopt_state():
+                self._flat = (optimizer, None)
+                return None
+        return flat
+
+    def _flat_grads(self) -> list[torch.Tensor] | None:
+        """Every master's gradient, as the flat kernels read it (stashed module grads or fp32 masters);
+        None when one is missing or not contiguous (then the optimizer.step() path runs)."""
+        if self._stash is not None:
+            grads = self._stash if all(m.grad is None for m in self.masters) else None
+        else:
+            grads = [m.grad for m in self.masters]
+        if grads is None or any(g is None or not g.is_contiguous() for g in grads):
+            return None
+        if len({g.dtype for g in grads}) != 1 or grads[0].dtype not in (torch.bfloat16, torch.float32):
+            return None
+        return grads
 
     def named_master_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, fp32 master tensor or buffer) in state-dict order, tied names included."""

@@ -1,0 +1,246 @@
+"""AdamW over the single-device path's flat buffers: clip norm, update and bf16 copy in two Triton kernels.
+
+torch's fused AdamW walks the ~300 parameter tensors of a model in chunks of a multi-tensor launch;
+the single-device path (:mod:`.single_device`) also ran a foreach copy of the bf16 gradients into
+fp32, a foreach norm, and a cast-copy of the updated masters back to the bf16 compute weights. Here,
+over the master/moment/compute flat buffers and one table of blocks (each block lies in one parameter):
+
+* ``norm``: one program per block sums the squares of its gradient slice (fp32), a torch sum of
+  the per-block partials gives the squared norm (fixed order: deterministic);
+* ``update``: one program per block reads gradient, master, ``exp_avg`` and ``exp_avg_sq``, writes
+  the three back and the master rounded to the compute dtype (the copy-back, fused).
+
+The gradients are read where they are, through a per-step table of their addresses: the bf16 module
+gradients when one micro-batch made them (an fp32 copy of a bf16 number is exact, so reading the
+bf16 value is the same math), or the fp32 master gradients (views of one flat buffer) when several
+micro-batches were summed in fp32.
+
+The math is torch's fused AdamW (``_fused_adamw_``, AdamW mode) with the clip coefficient as its
+``grad_scale`` and a non-finite norm or loss as its ``found_inf``: ``g = grad / scale``,
+``p *= 1 - lr * wd``, ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``,
+``p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``; a skipped step changes nothing
+(weights, moments, step counts). ``b^t`` is ``exp2(t log2 b)`` in fp32 (torch: ``pow``), equal to
+a few ulps.
+
+The optimizer stays a ``torch.optim.AdamW``: its state entries become views of the flat moment
+buffers and one flat step vector, so ``state_dict``/DCP checkpoints, ``load_state_dict`` (values are
+copied back into the flat buffers on the next step) and a fallback ``optimizer.step()`` all see the
+same state. :func:`unsupported` names what this path does not do (several groups, amsgrad,
+maximize, tensor learning rates, step hooks, frozen parameters); those keep ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - no Triton: the single-device path keeps torch's fused AdamW
+    triton = None
+
+__all__ = ["BLOCK", "FlatAdamW", "available", "unsupported"]
+
+BLOCK = 4096
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block(grad_addrs, blk_param, blk_start, numels, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        idx = tl.load(blk_param + pid)
+        local = tl.load(blk_start + pid).to(tl.int64) + tl.arange(0, BLOCK)
+        n = tl.load(numels + idx)
+        mask = local < n
+        addr = tl.load(grad_addrs + idx)
+        if GRAD_BF16:
+            g = tl.load(addr.to(tl.pointer_type(tl.bfloat16)) + local, mask=mask, other=0.0)
+        else:
+            g = tl.load(addr.to(tl.pointer_type(tl.float32)) + local, mask=mask, other=0.0)
+        return pid, idx, local, n, mask, g.to(tl.float32)
+
+    @triton.jit
+    def _sumsq_kernel(grad_addrs, blk_param, blk_start, numels, partial,
+                      GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        pid, idx, local, n, mask, g = _block(grad_addrs, blk_param, blk_start, numels, GRAD_BF16, BLOCK)
+        tl.store(partial + pid, tl.sum(g * g, axis=0))
+
+    @triton.jit
+    def _adamw_kernel(grad_addrs, blk_param, blk_start, numels, offsets, master, exp_avg, exp_avg_sq, compute,
+                      scalars, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
+                      GRAD_BF16: tl.constexpr, COMPUTE_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        pid, idx, local, n, mask, g = _block(grad_addrs, blk_param, blk_start, numels, GRAD_BF16, BLOCK)
+        scale = tl.load(scalars)  # the clip divisor, as fused AdamW's grad_scale
+        skip = tl.load(scalars + 1)  # found_inf
+        step = tl.load(scalars + 2)  # this step's count (already incremented)
+        flat = tl.load(offsets + idx) + local
+        p = tl.load(master + flat, mask=mask, other=0.0)
+        m = tl.load(exp_avg + flat, mask=mask, other=0.0)
+        v = tl.load(exp_avg_sq + flat, mask=mask, other=0.0)
+        g = g / scale
+        p = p - lr * weight_decay * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        bias1 = 1.0 - tl.exp2(step * log2_beta1)
+        bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+        p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
+        store = local < tl.where(skip == 0, n, 0)  # nothing stored on a skipped step
+        tl.store(master + flat, p, mask=store)
+        tl.store(exp_avg + flat, m, mask=store)
+        tl.store(exp_avg_sq + flat, v, mask=store)
+        if COMPUTE_BF16:  # rounded to nearest even in integers (as torch's copy_), then an exact conversion
+            bits = p.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            rounded = tl.where(p != p, p, bits.to(tl.float32, bitcast=True))
+            tl.store(compute + flat, rounded.to(tl.bfloat16), mask=store)
+        else:
+            tl.store(compute + flat, p.to(compute.dtype.element_ty), mask=store)
+
+
+def unsupported(optimizer: torch.optim.Optimizer, masters: list[torch.nn.Parameter]) -> str | None:
+    """Why ``optimizer`` cannot step through :class:`FlatAdamW` over ``masters``, or None."""
+    if triton is None:
+        return "no triton"
+    if type(optimizer) is not torch.optim.AdamW:
+        return f"{type(optimizer).__name__} is not torch.optim.AdamW"
+    if len(optimizer.param_groups) != 1:
+        return f"{len(optimizer.param_groups)} parameter groups"
+    group = optimizer.param_groups[0]
+    if len(group["params"]) != len(masters) or any(a is not b for a, b in zip(group["params"], masters)):
+        return "the optimizer does not step every master parameter in order (frozen parameters)"
+    for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+        if group.get(key):
+            return f"{key}=True"
+    if any(isinstance(group[k], torch.Tensor) for k in ("lr", "weight_decay", "eps")) or any(
+            isinstance(b, torch.Tensor) for b in group["betas"]):
+        return "tensor hyper-parameters"
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return "optimizer step hooks"
+    from torch.optim import optimizer as optim_mod
+
+    if optim_mod._global_optimizer_pre_hooks or optim_mod._global_optimizer_post_hooks:
+        return "global optimizer step hooks"
+    return None
+
+
+class FlatAdamW:
+    """Steps ``optimizer`` (a one-group ``torch.optim.AdamW`` over every master) through the flat kernels.
+
+    ``master_flat``/``compute_flat``: the single-device path's flat buffers; ``slices``: per master
+    ``(offset, numel, shape)`` in them. The moments live in two flat fp32 buffers of the same layout,
+    the step counts in one fp32 vector; the optimizer's state entries are views of them.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: list[torch.nn.Parameter],
+                 slices: list[tuple[int, int, torch.Size]], master_flat: torch.Tensor, compute_flat: torch.Tensor):
+        self.optimizer, self.masters = optimizer, masters
+        self.master_flat, self.compute_flat = master_flat, compute_flat
+        device = master_flat.device
+        blk_param, blk_start = [], []
+        for i, (_, n, _) in enumerate(slices):
+            starts = range(0, n, BLOCK)
+            blk_param.extend([i] * len(starts))
+            blk_start.extend(starts)
+        self.blocks = len(blk_param)
+        self.blk_param = torch.tensor(blk_param, dtype=torch.int32, device=device)
+        self.blk_start = torch.tensor(blk_start, dtype=torch.int32, device=device)
+        self.numels = torch.tensor([n for _, n, _ in slices], dtype=torch.int64, device=device)
+        self.offsets = torch.tensor([o for o, _, _ in slices], dtype=torch.int64, device=device)
+        self.exp_avg = torch.zeros_like(master_flat)
+        self.exp_avg_sq = torch.zeros_like(master_flat)
+        self.steps = torch.zeros(len(masters), dtype=torch.float32, device=device)
+        self._views = [(self.exp_avg[o: o + n].view(s), self.exp_avg_sq[o: o + n].view(s), self.steps[i])
+                       for i, (o, n, s) in enumerate(slices)]
+        self._partial = torch.empty(self.blocks, dtype=torch.float32, device=device)
+
+    # ----------------------------------------------------------------- optimizer state
+
+    def _owns_state(self) -> bool:
+        state = self.optimizer.state
+        for m, (ea, eas, st) in zip(self.masters, self._views):
+            s = state.get(m)
+            if s is None or s.get("exp_avg") is not ea or s.get("exp_avg_sq") is not eas or s.get("step") is not st:
+                return False
+        return True
+
+    @torch.no_grad()
+    def adopt_state(self) -> bool:
+        """Make the optimizer's state views of the flat buffers (copying any state it holds); False when
+        its parameters' step counts differ (then ``optimizer.step()`` keeps stepping them)."""
+        state = self.optimizer.state
+        held = [state.get(m) for m in self.masters]
+        if any(held) and not all(held):
+            return False
+        if all(held):
+            steps = torch.stack([torch.as_tensor(s["step"], dtype=torch.float32).to(self.steps.device)
+                                 for s in held])
+            if bool((steps != steps[0]).any()):
+                return False
+            for s, (ea, eas, _) in zip(held, self._views):
+                ea.copy_(s["exp_avg"])
+                eas.copy_(s["exp_avg_sq"])
+            self.steps.copy_(steps)
+        else:
+            self.exp_avg.zero_()
+            self.exp_avg_sq.zero_()
+            self.steps.zero_()
+        for m, (ea, eas, st) in zip(self.masters, self._views):
+            state[m] = {"step": st, "exp_avg": ea, "exp_avg_sq": eas}
+        return True
+
+    # ----------------------------------------------------------------- the step
+
+    def _addresses(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        cpu = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
+        if self.master_flat.device.type == "cuda":  # pinned + async: no host sync, the allocator guards reuse
+            return cpu.pin_memory().to(self.master_flat.device, non_blocking=True)
+        return cpu
+
+    def _check(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        if len(grads) != len(self.masters):
+            raise ValueError(f"flat AdamW: {len(grads)} gradients for {len(self.masters)} parameters")
+        dtypes = {g.dtype for g in grads}
+        if dtypes not in ({torch.bfloat16}, {torch.float32}):
+            raise ValueError(f"flat AdamW: gradients must be all bfloat16 or all float32, got {sorted(map(str, dtypes))}")
+        bad = [i for i, (g, m) in enumerate(zip(grads, self.masters))
+               if g.shape != m.shape or not g.is_contiguous() or g.device != self.master_flat.device]
+        if bad:
+            raise ValueError(f"flat AdamW: gradient {bad[0]} is not a contiguous {tuple(self.masters[bad[0]].shape)} "
+                             f"tensor on {self.master_flat.device}")
+        return self._addresses(grads), dtypes == {torch.bfloat16}
+
+    @torch.no_grad()
+    def clip_and_step(self, grads: list[torch.Tensor], max_norm: float,
+                      loss: torch.Tensor | float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One AdamW step of every master with ``grads`` (one per master, contiguous, all bf16 or all
+        fp32) clipped to total norm ``max_norm``; returns (grad norm, skipped 0/1) as device scalars.
+        A non-finite norm or ``loss`` skips the step: weights, moments and step counts unchanged."""
+        if not self._owns_state() and not self.adopt_state():
+            raise RuntimeError("flat AdamW: the optimizer's parameters have different step counts")
+        addrs, bf16 = self._check(grads)
+        _sumsq_kernel[(self.blocks,)](addrs, self.blk_param, self.blk_start, self.numels, self._partial,
+                                      GRAD_BF16=bf16, BLOCK=BLOCK)
+        norm = self._partial.sum().sqrt()
+        skipped = (~torch.isfinite(norm + torch.as_tensor(loss, device=norm.device).float())).float()
+        self.steps.add_(1.0 - skipped)
+        scalars = torch.stack([torch.clamp((norm + 1e-6) / max_norm, min=1.0), skipped, self.steps[0]])
+        group = self.optimizer.param_groups[0]
+        beta1, beta2 = (float(b) for b in group["betas"])
+        _adamw_kernel[(self.blocks,)](
+            addrs, self.blk_param, self.blk_start, self.numels, self.offsets, self.master_flat,
+            self.exp_avg, self.exp_avg_sq, self.compute_flat, scalars, float(group["lr"]), beta1, beta2,
+            _log2(beta1), _log2(beta2), float(group["eps"]), float(group["weight_decay"]),
+            GRAD_BF16=bf16, COMPUTE_BF16=self.compute_flat.dtype == torch.bfloat16, BLOCK=BLOCK)
+        self.optimizer._opt_called = True  # what the LR scheduler's wrapper of optimizer.step() records
+        return norm, skipped
+
+
+def _log2(beta: float) -> float:
+    return math.log2(beta) if beta > 0 else -1e30  # beta = 0: beta^t = exp2(-huge) = 0
