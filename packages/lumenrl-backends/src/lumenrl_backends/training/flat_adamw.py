@@ -41,9 +41,10 @@ try:
 except ImportError:  # pragma: no cover - no Triton: the single-device path keeps torch's fused AdamW
     triton = None
 
-__all__ = ["BLOCK", "FlatAdamW", "available", "unsupported"]
+__all__ = ["BLOCK", "FlatAdamW", "available", "unsupported", "usable_grad"]
 
-BLOCK = 4096
+BLOCK = 4096  # elements per program (the block table's unit)
+SUB = 1024  # elements per inner iteration (8 per thread at 4 warps: two 16-byte fp32 vectors)
 
 
 def available() -> bool:
@@ -53,55 +54,103 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _block(grad_addrs, blk_param, blk_start, numels, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        idx = tl.load(blk_param + pid)
-        local = tl.load(blk_start + pid).to(tl.int64) + tl.arange(0, BLOCK)
-        n = tl.load(numels + idx)
-        mask = local < n
-        addr = tl.load(grad_addrs + idx)
+    def _grad_ptr(grad_addrs, idx, GRAD_BF16: tl.constexpr):
+        addr = tl.multiple_of(tl.load(grad_addrs + idx), 16)  # 16-byte aligned (checked on the host)
         if GRAD_BF16:
-            g = tl.load(addr.to(tl.pointer_type(tl.bfloat16)) + local, mask=mask, other=0.0)
+            return addr.to(tl.pointer_type(tl.bfloat16))
         else:
-            g = tl.load(addr.to(tl.pointer_type(tl.float32)) + local, mask=mask, other=0.0)
-        return pid, idx, local, n, mask, g.to(tl.float32)
+            return addr.to(tl.pointer_type(tl.float32))
+
+    @triton.jit
+    def _load(ptr, local, n, MASKED: tl.constexpr):
+        if MASKED:
+            return tl.load(ptr + local, mask=local < n, other=0.0).to(tl.float32)
+        else:
+            return tl.load(ptr + local).to(tl.float32)
+
+    @triton.jit
+    def _store(ptr, local, n, value, MASKED: tl.constexpr):
+        if MASKED:
+            tl.store(ptr + local, value, mask=local < n)
+        else:
+            tl.store(ptr + local, value)
+
+    @triton.jit
+    def _sumsq_block(gp, start, n, MASKED: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+        acc = tl.zeros((SUB,), dtype=tl.float32)
+        for s in tl.static_range(0, BLOCK, SUB):
+            g = _load(gp, start + s + tl.arange(0, SUB), n, MASKED)
+            acc += g * g
+        return tl.sum(acc, axis=0)
 
     @triton.jit
     def _sumsq_kernel(grad_addrs, blk_param, blk_start, numels, partial,
-                      GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr):
-        pid, idx, local, n, mask, g = _block(grad_addrs, blk_param, blk_start, numels, GRAD_BF16, BLOCK)
-        tl.store(partial + pid, tl.sum(g * g, axis=0))
+                      GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+        pid = tl.program_id(0)
+        idx = tl.load(blk_param + pid)
+        start = tl.multiple_of(tl.load(blk_start + pid).to(tl.int64), BLOCK)
+        n = tl.load(numels + idx)
+        gp = _grad_ptr(grad_addrs, idx, GRAD_BF16)
+        if start + BLOCK <= n:  # a whole block: unmasked, vectorized accesses
+            total = _sumsq_block(gp, start, n, False, BLOCK, SUB)
+        else:  # the parameter's ragged last block
+            total = _sumsq_block(gp, start, n, True, BLOCK, SUB)
+        tl.store(partial + pid, total)
+
+    @triton.jit
+    def _adamw_block(gp, master, exp_avg, exp_avg_sq, compute, start, base, n, scale, lr, beta1, beta2, eps,
+                     weight_decay, step_size, bias2_sqrt, MASKED: tl.constexpr, COMPUTE_BF16: tl.constexpr,
+                     BLOCK: tl.constexpr, SUB: tl.constexpr):
+        for s in tl.static_range(0, BLOCK, SUB):
+            local = start + s + tl.arange(0, SUB)
+            flat = base + local
+            g = _load(gp, local, n, MASKED) / scale
+            p = _load(master + base, local, n, MASKED)
+            m = _load(exp_avg + base, local, n, MASKED)
+            v = _load(exp_avg_sq + base, local, n, MASKED)
+            p = p - lr * weight_decay * p
+            m = beta1 * m + (1.0 - beta1) * g
+            v = beta2 * v + (1.0 - beta2) * g * g
+            p = p - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
+            _store(master, flat, base + n, p, MASKED)
+            _store(exp_avg, flat, base + n, m, MASKED)
+            _store(exp_avg_sq, flat, base + n, v, MASKED)
+            if COMPUTE_BF16:  # rounded to nearest even in integers (as torch's copy_), then an exact conversion
+                bits = p.to(tl.uint32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+                rounded = tl.where(p != p, p, bits.to(tl.float32, bitcast=True))
+                _store(compute, flat, base + n, rounded.to(tl.bfloat16), MASKED)
+            else:
+                _store(compute, flat, base + n, p.to(compute.dtype.element_ty), MASKED)
 
     @triton.jit
     def _adamw_kernel(grad_addrs, blk_param, blk_start, numels, offsets, master, exp_avg, exp_avg_sq, compute,
                       scalars, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
-                      GRAD_BF16: tl.constexpr, COMPUTE_BF16: tl.constexpr, BLOCK: tl.constexpr):
-        pid, idx, local, n, mask, g = _block(grad_addrs, blk_param, blk_start, numels, GRAD_BF16, BLOCK)
-        scale = tl.load(scalars)  # the clip divisor, as fused AdamW's grad_scale
-        skip = tl.load(scalars + 1)  # found_inf
-        step = tl.load(scalars + 2)  # this step's count (already incremented)
-        flat = tl.load(offsets + idx) + local
-        p = tl.load(master + flat, mask=mask, other=0.0)
-        m = tl.load(exp_avg + flat, mask=mask, other=0.0)
-        v = tl.load(exp_avg_sq + flat, mask=mask, other=0.0)
-        g = g / scale
-        p = p - lr * weight_decay * p
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        bias1 = 1.0 - tl.exp2(step * log2_beta1)
-        bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-        p = p - (lr / bias1) * m / (tl.sqrt(v) / bias2_sqrt + eps)
-        store = local < tl.where(skip == 0, n, 0)  # nothing stored on a skipped step
-        tl.store(master + flat, p, mask=store)
-        tl.store(exp_avg + flat, m, mask=store)
-        tl.store(exp_avg_sq + flat, v, mask=store)
-        if COMPUTE_BF16:  # rounded to nearest even in integers (as torch's copy_), then an exact conversion
-            bits = p.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            rounded = tl.where(p != p, p, bits.to(tl.float32, bitcast=True))
-            tl.store(compute + flat, rounded.to(tl.bfloat16), mask=store)
-        else:
-            tl.store(compute + flat, p.to(compute.dtype.element_ty), mask=store)
+                      GRAD_BF16: tl.constexpr, COMPUTE_BF16: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+        skip = tl.load(scalars + 1)  # found_inf: a skipped step stores nothing
+        if skip == 0:
+            pid = tl.program_id(0)
+            idx = tl.load(blk_param + pid)
+            start = tl.multiple_of(tl.load(blk_start + pid).to(tl.int64), BLOCK)
+            n = tl.load(numels + idx)
+            base = tl.multiple_of(tl.load(offsets + idx), 64)  # slices start at multiples of 64 elements
+            gp = _grad_ptr(grad_addrs, idx, GRAD_BF16)
+            scale = tl.load(scalars)  # the clip divisor, as fused AdamW's grad_scale
+            step = tl.load(scalars + 2)  # this step's count (already incremented)
+            step_size = lr / (1.0 - tl.exp2(step * log2_beta1))
+            bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+            if start + BLOCK <= n:
+                _adamw_block(gp, master, exp_avg, exp_avg_sq, compute, start, base, n, scale, lr, beta1, beta2,
+                             eps, weight_decay, step_size, bias2_sqrt, False, COMPUTE_BF16, BLOCK, SUB)
+            else:
+                _adamw_block(gp, master, exp_avg, exp_avg_sq, compute, start, base, n, scale, lr, beta1, beta2,
+                             eps, weight_decay, step_size, bias2_sqrt, True, COMPUTE_BF16, BLOCK, SUB)
+
+
+def usable_grad(grad: torch.Tensor, master: torch.Tensor, device: torch.device) -> bool:
+    """The kernels read ``grad`` as a flat, 16-byte aligned array of ``master``'s shape on ``device``."""
+    return (grad.shape == master.shape and grad.is_contiguous() and grad.device == device
+            and grad.data_ptr() % 16 == 0)
 
 
 def unsupported(optimizer: torch.optim.Optimizer, masters: list[torch.nn.Parameter]) -> str | None:
@@ -210,10 +259,10 @@ class FlatAdamW:
         if dtypes not in ({torch.bfloat16}, {torch.float32}):
             raise ValueError(f"flat AdamW: gradients must be all bfloat16 or all float32, got {sorted(map(str, dtypes))}")
         bad = [i for i, (g, m) in enumerate(zip(grads, self.masters))
-               if g.shape != m.shape or not g.is_contiguous() or g.device != self.master_flat.device]
+               if not usable_grad(g, m, self.master_flat.device)]
         if bad:
-            raise ValueError(f"flat AdamW: gradient {bad[0]} is not a contiguous {tuple(self.masters[bad[0]].shape)} "
-                             f"tensor on {self.master_flat.device}")
+            raise ValueError(f"flat AdamW: gradient {bad[0]} is not a contiguous, 16-byte aligned "
+                             f"{tuple(self.masters[bad[0]].shape)} tensor on {self.master_flat.device}")
         return self._addresses(grads), dtypes == {torch.bfloat16}
 
     @torch.no_grad()
@@ -226,7 +275,7 @@ class FlatAdamW:
             raise RuntimeError("flat AdamW: the optimizer's parameters have different step counts")
         addrs, bf16 = self._check(grads)
         _sumsq_kernel[(self.blocks,)](addrs, self.blk_param, self.blk_start, self.numels, self._partial,
-                                      GRAD_BF16=bf16, BLOCK=BLOCK)
+                                      GRAD_BF16=bf16, BLOCK=BLOCK, SUB=SUB)
         norm = self._partial.sum().sqrt()
         skipped = (~torch.isfinite(norm + torch.as_tensor(loss, device=norm.device).float())).float()
         self.steps.add_(1.0 - skipped)
@@ -237,7 +286,7 @@ class FlatAdamW:
             addrs, self.blk_param, self.blk_start, self.numels, self.offsets, self.master_flat,
             self.exp_avg, self.exp_avg_sq, self.compute_flat, scalars, float(group["lr"]), beta1, beta2,
             _log2(beta1), _log2(beta2), float(group["eps"]), float(group["weight_decay"]),
-            GRAD_BF16=bf16, COMPUTE_BF16=self.compute_flat.dtype == torch.bfloat16, BLOCK=BLOCK)
+            GRAD_BF16=bf16, COMPUTE_BF16=self.compute_flat.dtype == torch.bfloat16, BLOCK=BLOCK, SUB=SUB)
         self.optimizer._opt_called = True  # what the LR scheduler's wrapper of optimizer.step() records
         return norm, skipped
 

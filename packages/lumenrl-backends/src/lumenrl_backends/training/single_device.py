@@ -253,7 +253,8 @@ class SingleDeviceWeights:
             grads = self._stash if all(m.grad is None for m in self.masters) else None
         else:
             grads = [m.grad for m in self.masters]
-        if grads is None or any(g is None or not g.is_contiguous() for g in grads):
+        device = self.master_flat.device
+        if grads is None or any(g is None or not flat_adamw.usable_grad(g, m, device) for g, m in zip(grads, self.masters)):
             return None
         if len({g.dtype for g in grads}) != 1 or grads[0].dtype not in (torch.bfloat16, torch.float32):
             return None
