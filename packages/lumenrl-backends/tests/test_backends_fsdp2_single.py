@@ -255,6 +255,41 @@ def test_fused_adamw_clip_and_skip_match_the_host_path(monkeypatch, backend):
     assert all(torch.equal(p, m) for p, m in zip(fast.model.parameters(), fast.single.masters))
 
 
+def test_fused_adamw_through_fully_shard_steps_without_a_host_sync(monkeypatch, backend):
+    """fully_shard with fused AdamW (the CUDA setting, forced on CPU): the norm of the DTensor gradients,
+    the clip as grad_scale and the skip as found_inf stay on the device, same results as the host path."""
+    from lumenrl_backends.training import distributed as dist_utils
+
+    batch = make_batch(4)
+    host = backend("off")
+    adamw = torch.optim.AdamW
+    monkeypatch.setattr(torch.optim, "AdamW", lambda *a, **k: adamw(*a, **{**k, "fused": True}))
+    fused = backend("off")
+    assert fused.single is None and fused.optimizer.defaults["fused"]
+    syncs = []
+    monkeypatch.setattr(dist_utils, "as_float", lambda v: syncs.append(v) or float(v))
+    for _ in range(2):
+        mf, mh = fused.train_step(batch, nll_loss), host.train_step(batch, nll_loss)
+        assert mh["actor/grad_norm"] > 0.5  # clipping is active (grad_clip=0.5)
+        assert set(mf) == set(mh) and "actor/skipped_steps" not in mf
+        for key in mh:
+            assert mf[key] == pytest.approx(mh[key], rel=1e-5, abs=1e-7), key
+    assert_close_states(master_state(fused), master_state(host), 1e-5)
+    n_host = len(syncs)
+    assert n_host == 4  # the host path's norm and loss per step; the fused path read none
+
+    def nan_loss(outputs, micro):
+        loss, metrics = nll_loss(outputs, micro)
+        return loss * float("nan"), metrics
+
+    before = master_state(fused)
+    steps = [s["step"].clone() for s in fused.optimizer.state.values()]
+    mf, mh = fused.train_step(batch, nan_loss), host.train_step(batch, nan_loss)
+    assert mf["actor/skipped_steps"] == mh["actor/skipped_steps"] == 1.0
+    assert_close_states(master_state(fused), before, 0.0)  # the update was skipped on the device
+    assert all(torch.equal(s["step"], t) for s, t in zip(fused.optimizer.state.values(), steps))
+
+
 @pytest.mark.parametrize("packing", ["auto", "none"])
 def test_compiled_layers_have_no_graph_breaks(packing, backend):
     """Without fully_shard's hooks every decoder layer is one dynamo graph (packed and padded masks)."""

@@ -132,20 +132,67 @@ def as_floats(collected: Mapping[str, list]) -> dict[str, list[float]]:
     return {k: [host[id(v)] if isinstance(v, torch.Tensor) else float(v) for v in vs] for k, vs in collected.items()}
 
 
+def _grad_groups(params: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        g = p.grad
+        groups[(g.device_mesh, g.placements) if hasattr(g, "device_mesh") else None].append(p)
+    return groups
+
+
+def _total_norm(groups: dict[Any, list[torch.Tensor]]) -> torch.Tensor:
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+
+
+def can_step_without_sync(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
+    """True for a fused optimizer whose gradients are plain tensors or DTensors of one (mesh, placements):
+    :func:`fused_clip_and_step` can clip and skip inside its kernel (no host sync)."""
+    return bool(optimizer.defaults.get("fused")) and len(_grad_groups(params)) <= 1
+
+
+def fused_clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float,
+                        loss: torch.Tensor | float = 0.0, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip to total norm ``max_norm`` and step a fused optimizer without a host sync; returns the
+    (grad norm, skipped 0/1) device tensors.
+
+    The clip coefficient goes in as the fused kernel's ``grad_scale`` (grads are divided by
+    ``max((norm + 1e-6) / max_norm, 1)``, i.e. multiplied by ``clip_grad_norm_``'s clamped
+    coefficient) and a non-finite norm or loss (``loss`` summed over ``group``) as its ``found_inf``
+    (the kernel skips the update and the step count): the attributes ``torch.amp.GradScaler`` sets
+    on fused optimizers. Every rank sees the same norm (made whole) and summed loss, so all skip
+    together."""
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm} must be > 0 (float('inf') disables clipping)")
+    norm = _total_norm(_grad_groups(params))
+    if not params:  # nothing to step: a zero norm on the optimizer's device
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        norm = torch.zeros((), device=first.device if first is not None else None)
+    device = norm.device
+    total = torch.as_tensor(loss, device=device).detach().float().reshape(())
+    if _size(group) > 1:
+        total = total.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    skipped = (~torch.isfinite(norm + total)).float()
+    optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+    optimizer.found_inf = skipped
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+    return norm, skipped
+
+
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients that are DTensors on different meshes or
     placements (FSDP2 1-D, TP 2-D, expert slices): one norm per (mesh, placements) group, made whole
     (``full_tensor``: one collective per group), combined, and each group scaled on its own mesh.
     Returns the total norm (a plain tensor)."""
-    groups: dict[Any, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        g = p.grad
-        groups[(g.device_mesh, g.placements) if hasattr(g, "device_mesh") else None].append(p)
-    norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    groups = _grad_groups(params)
+    total = _total_norm(groups)
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

@@ -45,6 +45,7 @@ __all__ = ["BLOCK", "FlatAdamW", "available", "unsupported", "usable_grad"]
 
 BLOCK = 4096  # elements per program (the block table's unit)
 SUB = 1024  # elements per inner iteration (8 per thread at 4 warps: two 16-byte fp32 vectors)
+NUM_WARPS = 4
 
 
 def available() -> bool:
@@ -275,7 +276,7 @@ class FlatAdamW:
             raise RuntimeError("flat AdamW: the optimizer's parameters have different step counts")
         addrs, bf16 = self._check(grads)
         _sumsq_kernel[(self.blocks,)](addrs, self.blk_param, self.blk_start, self.numels, self._partial,
-                                      GRAD_BF16=bf16, BLOCK=BLOCK, SUB=SUB)
+                                      GRAD_BF16=bf16, BLOCK=BLOCK, SUB=SUB, num_warps=NUM_WARPS)
         norm = self._partial.sum().sqrt()
         skipped = (~torch.isfinite(norm + torch.as_tensor(loss, device=norm.device).float())).float()
         self.steps.add_(1.0 - skipped)
@@ -286,7 +287,8 @@ class FlatAdamW:
             addrs, self.blk_param, self.blk_start, self.numels, self.offsets, self.master_flat,
             self.exp_avg, self.exp_avg_sq, self.compute_flat, scalars, float(group["lr"]), beta1, beta2,
             _log2(beta1), _log2(beta2), float(group["eps"]), float(group["weight_decay"]),
-            GRAD_BF16=bf16, COMPUTE_BF16=self.compute_flat.dtype == torch.bfloat16, BLOCK=BLOCK, SUB=SUB)
+            GRAD_BF16=bf16, COMPUTE_BF16=self.compute_flat.dtype == torch.bfloat16, BLOCK=BLOCK, SUB=SUB,
+            num_warps=NUM_WARPS)
         self.optimizer._opt_called = True  # what the LR scheduler's wrapper of optimizer.step() records
         return norm, skipped
 

@@ -533,10 +533,15 @@ class FSDP2Backend(SFTSteps, BackendWeights):
     def _clip_and_step(self, optimizer, scheduler, collected: dict, prefix: str, loss: Any = 0.0) -> None:
         """Clip and step; a non-finite grad norm or ``loss`` skips the step (weights and moments untouched)."""
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
+        params = None if self.single is not None else [p for p in self.model.parameters() if p.grad is not None]
         if self.single is not None and optimizer.defaults.get("fused"):  # clip inside fused AdamW, no sync
             norm, skipped = self.single.fused_clip_and_step(optimizer, clip, loss)
             collected[f"{prefix}/grad_norm"].append(norm)
             collected[f"{prefix}/skipped_steps"].append(skipped)  # zeros are dropped in train_step
+        elif params is not None and dist_utils.can_step_without_sync(optimizer, params):
+            norm, skipped = dist_utils.fused_clip_and_step(optimizer, params, clip, loss, self.dp_group)
+            collected[f"{prefix}/grad_norm"].append(norm)
+            collected[f"{prefix}/skipped_steps"].append(skipped)
         else:
             grad_norm = self._clip_grads(clip)
             collected[f"{prefix}/grad_norm"].append(grad_norm)

@@ -42,6 +42,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training import flat_adamw
 
 __all__ = ["SINGLE_DEVICE_MODES", "SingleDeviceWeights", "check_single_device_mode"]
@@ -192,12 +193,10 @@ class SingleDeviceWeights:
     def fused_clip_and_step(self, optimizer: torch.optim.Optimizer, max_norm: float, loss: torch.Tensor | float = 0.0):
         """Clip and step without a host sync; returns the (grad norm, skipped 0/1) device tensors.
 
-        For fused AdamW: the clip coefficient goes in as its ``grad_scale`` (grads are divided by
-        ``max((norm + 1e-6) / max_norm, 1)``, i.e. multiplied by ``clip_grad_norm_``'s clamped
-        coefficient) and a non-finite norm as its ``found_inf`` (the kernel skips the update and
-        the step count), the attributes ``torch.amp.GradScaler`` sets on fused optimizers. A
-        non-finite ``loss`` (tensor or float) skips the step the same way.
-        Then :meth:`copy_back` (a no-op change when skipped).
+        Through the flat kernels where they cover ``optimizer`` (:mod:`.flat_adamw`), else through
+        :func:`~lumenrl_backends.training.distributed.fused_clip_and_step` (the clip coefficient and a
+        non-finite norm or ``loss`` as fused AdamW's ``grad_scale``/``found_inf``) and :meth:`copy_back`
+        (a no-op change when skipped).
         """
         if not max_norm > 0:
             raise ValueError(f"max_norm={max_norm} must be > 0 (float('inf') disables clipping)")
@@ -210,18 +209,9 @@ class SingleDeviceWeights:
                 m.grad = None
             return norm, skipped
         self._flat_dirty = flat is not None
-        grads = self.master_grads()
-        if grads:
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-        else:
-            norm = self.master_flat.new_zeros(())
-        skipped = (~torch.isfinite(norm + torch.as_tensor(loss, device=norm.device).float())).float()
-        optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
-        optimizer.found_inf = skipped
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf
+        self.materialize_grads()
+        norm, skipped = dist_utils.fused_clip_and_step(optimizer, [m for m in self.masters if m.grad is not None],
+                                                       max_norm, loss)
         self.copy_back()
         return norm, skipped
 
