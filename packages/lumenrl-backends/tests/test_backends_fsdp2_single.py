@@ -290,6 +290,34 @@ def test_fused_adamw_through_fully_shard_steps_without_a_host_sync(monkeypatch, 
     assert all(torch.equal(s["step"], t) for s, t in zip(fused.optimizer.state.values(), steps))
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_one_rank_unshard_copy_equals_torchs_walk(bf16, monkeypatch, backend):
+    """The root unit's one foreach cast-copy unshard (fsdp_one_rank) gives torch's results bit for bit."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lumenrl_backends.training import parallelize as par
+
+    if bf16:  # the CUDA setting, forced on CPU: bf16 compute weights cast from fp32 shards in the copy
+        monkeypatch.setattr(fsdp2_mod, "mixed_precision",
+                            lambda mode, device: MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+    batch = make_batch(4)
+    fast = backend("off")
+    monkeypatch.setattr(par, "fast_one_rank_unshard", lambda model: "disabled")
+    walk = backend("off")
+    installed = [b.model._get_fsdp_state()._fsdp_param_group.__dict__.get("wait_for_unshard") for b in (fast, walk)]
+    assert installed[0] is not None and installed[1] is None
+    copies = []
+    foreach_copy = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda *a, **k: copies.append(len(a[0])) or foreach_copy(*a, **k))
+    for _ in range(3):
+        mf = fast.train_step(batch, nll_loss)
+        n_fast = len(copies)
+        mw = walk.train_step(batch, nll_loss)
+        assert mf == mw
+    assert n_fast >= 1 and copies[0] == len(list(fast.model.parameters()))  # one copy of every parameter
+    assert_close_states(master_state(fast), master_state(walk), 0.0)
+
+
 @pytest.mark.parametrize("packing", ["auto", "none"])
 def test_compiled_layers_have_no_graph_breaks(packing, backend):
     """Without fully_shard's hooks every decoder layer is one dynamo graph (packed and padded masks)."""

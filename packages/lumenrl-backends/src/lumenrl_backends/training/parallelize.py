@@ -40,6 +40,8 @@ Design (torchtitan's composition, applied to the transformers modules):
   host work that left the GPU idle (82 ms of a 330 ms profiled 1.7B step on an H200). Same math: one
   bf16 all-gather copy of every parameter before forward, one reduce-scatter of every gradient after
   backward; the unsharded bf16 gradients live until the end of backward (+2 bytes per parameter).
+  That root unit's unshard is one foreach cast-copy (:mod:`.fsdp_one_rank`) instead of torch's
+  per-parameter cast + copy walk.
 
 Refusals carry the numbers: tp must divide the world size, the query heads, the KV heads, the
 intermediate size and the vocabulary (:func:`check_tp`); tp*cp must divide the world and the
@@ -63,6 +65,7 @@ from lumenrl_backends.training.expert_parallel import (
     has_fused_experts,
     sum_grad_over,
 )
+from lumenrl_backends.training.fsdp_one_rank import fast_one_rank_unshard
 from lumenrl_backends.training.lora import is_lora_model
 from lumenrl_backends.training.lora_tp import expand_lora_plan
 from lumenrl_backends.training.modeling import decoder_layers
@@ -367,4 +370,6 @@ def parallelize(
         for layer in decoder_layers(model):
             fully_shard(layer, mesh=dp, **kwargs)
     fully_shard(model, mesh=dp, **kwargs)  # one rank: the root is the only unit (module docstring)
+    if dp.size() == 1 and not experts:
+        fast_one_rank_unshard(model)  # one foreach cast-copy instead of a walk over the parameters
     return model
