@@ -1,6 +1,6 @@
 """AdamW over the single-device path's flat buffers: clip norm, update and bf16 copy in two Triton kernels.
 
-torch's fused AdamW walks the ~300 parameter tensors of a model in chunks of a multi-tensor launch;
+torch's fused AdamW walks the hundreds of parameter tensors of a model in chunks of a multi-tensor launch;
 the single-device path (:mod:`.single_device`) also ran a foreach copy of the bf16 gradients into
 fp32, a foreach norm, and a cast-copy of the updated masters back to the bf16 compute weights. Here,
 over the master/moment/compute flat buffers and one table of blocks (each block lies in one parameter):

@@ -2,9 +2,9 @@
 
 On one rank FSDP2 has no all-gather; its ``FSDPParamGroup.wait_for_unshard`` instead walks the
 parameters one by one: cast the fp32 shard to the compute dtype (a new tensor), allocate the
-unsharded storage, copy the cast tensor into it. For a 1.7B model that is ~300 Python iterations
-and ~600 small kernels at the start of every step, while the GPU has nothing else queued (the
-previous step ended with the metrics' host copy).
+unsharded storage, copy the cast tensor into it: a Python iteration and two kernels per parameter
+at the start of every step, while the GPU has nothing else queued (the previous step ended with
+the metrics' host copy).
 
 :func:`fast_one_rank_unshard` replaces that walk, for a root-only unit on a one-rank mesh, with
 the same storage set-up and ONE ``torch._foreach_copy_`` from the fp32 shards into the bf16
