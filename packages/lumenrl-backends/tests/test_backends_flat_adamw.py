@@ -98,7 +98,7 @@ for micro in (1, 2):
     state = opt.state[w.masters[0]]
     rows["moments"] = max(float((opt.state[m]["exp_avg"].double() - r).abs().max()) for m, r in zip(w.masters, ref.m))
     rows["steps"] = sorted({float(opt.state[m]["step"]) for m in w.masters})
-    rows["views"] = state["exp_avg"].data_ptr() == w._flat[1].exp_avg.data_ptr()
+    rows["views"] = state["exp_avg"].data_ptr() == w._flats[id(opt)][1].exp_avg.data_ptr()
     print(json.dumps(rows))
 """
 
@@ -140,8 +140,18 @@ w3.zero_grad(); backward(model3, w3, 1, 0); w3.fused_clip_and_step(opt3, CLIP)
 w3.zero_grad(); backward(model3, w3, 1, 1); w3._stash[1] = None
 w3.fused_clip_and_step(opt3, CLIP)
 w3.zero_grad(); backward(model3, w3, 1, 2); w3.fused_clip_and_step(opt3, CLIP)
-print(json.dumps({"case": "fallback", "flat_after": w3._flat[1] is not None,
+print(json.dumps({"case": "fallback", "flat_after": w3._flats[id(opt3)][1] is not None,
                   "steps": [float(opt3.state[m]["step"]) for m in w3.masters]}))
+
+# two optimizers over the same masters, alternating (an RL and an SFT step): each keeps its own flat state
+model4, w4, oa = make(True)
+ob = torch.optim.AdamW(w4.trainable, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+for step, o in enumerate((oa, ob, oa, ob, oa)):
+    w4.zero_grad(); backward(model4, w4, 1, step); w4.fused_clip_and_step(o, CLIP)
+print(json.dumps({"case": "two", "built": len(w4._flats), "active": w4.flat_active,
+                  "steps": [sorted({float(o.state[m]["step"]) for m in w4.masters}) for o in (oa, ob)],
+                  "views": all(w4._flats[id(o)][1].exp_avg.data_ptr() == o.state[w4.masters[0]]["exp_avg"].data_ptr()
+                               for o in (oa, ob))}))
 """
 
 
@@ -161,6 +171,7 @@ def test_flat_adamw_matches_float64_and_torch(triton_interpreted):
     assert other["resume"]["equal"] and other["resume"]["steps"] == [4.0], other  # 2 + 2 skipped + 2
     # the fallback stepped 3 of 4 parameters; the flat path then refused unequal step counts
     assert not other["fallback"]["flat_after"] and other["fallback"]["steps"] == [3.0, 2.0, 3.0, 3.0], other
+    assert other["two"] == {"built": 2, "active": True, "steps": [[3.0], [2.0]], "views": True}, other
 
 
 def test_unsupported_names_the_reason_and_the_torch_path_runs():

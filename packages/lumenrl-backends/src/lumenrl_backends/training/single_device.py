@@ -120,8 +120,10 @@ class SingleDeviceWeights:
         self.master_module = _mirror(model, master_of)
         self.flat_optimizer = device.type == "cuda" and flat_adamw.available()
         self._stash: list[torch.Tensor | None] | None = None  # first micro-batch's module grads, per param
-        self._flat: tuple[torch.optim.Optimizer, flat_adamw.FlatAdamW | None] | None = None
-        self._flat_dirty = False  # optimizer.step() stepped the flat state: re-adopt before the next flat step
+        # per optimizer (an RL and an SFT optimizer may alternate): its flat stepper, or None where unsupported
+        self._flats: dict[int, tuple[torch.optim.Optimizer, flat_adamw.FlatAdamW | None]] = {}
+        self._dirty: set[int] = set()  # optimizer.step() stepped their flat state: re-adopt before a flat step
+        self._last_flat: flat_adamw.FlatAdamW | None = None
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -208,7 +210,8 @@ class SingleDeviceWeights:
             for m in self.masters:
                 m.grad = None
             return norm, skipped
-        self._flat_dirty = flat is not None
+        if flat is not None:
+            self._dirty.add(id(optimizer))
         self.materialize_grads()
         norm, skipped = dist_utils.fused_clip_and_step(optimizer, [m for m in self.masters if m.grad is not None],
                                                        max_norm, loss)
@@ -217,23 +220,28 @@ class SingleDeviceWeights:
 
     @property
     def flat_active(self) -> bool:
-        """True when the last optimizer seen steps through the flat kernels."""
-        return self._flat is not None and self._flat[1] is not None
+        """True when the last optimizer stepped steps through the flat kernels."""
+        return self._last_flat is not None
 
     def _flat_stepper(self, optimizer: torch.optim.Optimizer) -> flat_adamw.FlatAdamW | None:
         """The flat AdamW stepper of ``optimizer`` when it covers it (built once per optimizer)."""
         if not self.flat_optimizer:
+            self._last_flat = None
             return None
-        if self._flat is None or self._flat[0] is not optimizer:
+        key = id(optimizer)
+        entry = self._flats.get(key)
+        if entry is None or entry[0] is not optimizer:
             ok = flat_adamw.unsupported(optimizer, self.masters) is None
-            self._flat = (optimizer, flat_adamw.FlatAdamW(optimizer, self.masters, self._slices, self.master_flat,
-                                                          self.compute_flat) if ok else None)
-        flat = self._flat[1]
-        if flat is not None and self._flat_dirty:  # a fallback step may have left unequal step counts
-            self._flat_dirty = False
+            entry = (optimizer, flat_adamw.FlatAdamW(optimizer, self.masters, self._slices, self.master_flat,
+                                                     self.compute_flat) if ok else None)
+            self._flats[key] = entry
+        flat = entry[1]
+        if flat is not None and key in self._dirty:  # a fallback step may have left unequal step counts
+            self._dirty.discard(key)
             if not flat.adopt_state():
-                self._flat = (optimizer, None)
-                return None
+                self._flats[key] = (optimizer, None)
+                flat = None
+        self._last_flat = flat
         return flat
 
     def _flat_grads(self) -> list[torch.Tensor] | None:
