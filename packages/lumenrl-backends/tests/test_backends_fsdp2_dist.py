@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+from unittest import mock
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
 from lumenrl_core.data_proto import DataProto
@@ -43,16 +45,19 @@ def loss_fn(outputs, micro):
     return loss, {}
 
 
-def build(model_path: str) -> FSDP2Backend:
+def build(model_path: str, fused: bool = False) -> FSDP2Backend:
+    """``fused``: fused AdamW (the CUDA setting, forced on CPU): clip and skip inside the optimizer, no host sync."""
     torch.manual_seed(0)
-    return FSDP2Backend(
-        AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
-        role="actor",
-        optim=OptimConfig(lr=5e-3, lr_schedule="cosine", warmup_steps=1),
-        train=PolicyTrainConfig(mini_batch_size=MINI, micro_batch_size=2),
-        num_training_steps=STEPS,
-        device=torch.device("cpu"),
-    )
+    adamw = torch.optim.AdamW
+    with mock.patch.object(torch.optim, "AdamW", lambda *a, **k: adamw(*a, **{**k, "fused": fused or k["fused"]})):
+        return FSDP2Backend(
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+            role="actor",
+            optim=OptimConfig(lr=5e-3, lr_schedule="cosine", warmup_steps=1),
+            train=PolicyTrainConfig(mini_batch_size=MINI, micro_batch_size=2),
+            num_training_steps=STEPS,
+            device=torch.device("cpu"),
+        )
 
 
 def my_shard(batch: DataProto, world: int = 2) -> DataProto:
@@ -86,14 +91,17 @@ def run(backend: FSDP2Backend, ckpt_dir: str) -> dict:
     shard_log_probs, _ = backend.compute_log_probs(shard)  # pre-sharded: this rank's rows, not gathered
     losses = [backend.train_step(b, loss_fn)["actor/loss"] for b in (batch, my_shard(batch), batch)]
     backend.save_checkpoint(ckpt_dir)
-    return {"losses": losses, "log_probs": log_probs.tolist(), "shard_log_probs": shard_log_probs.tolist()}
+    no_sync = backend.single is None and dist_utils.can_step_without_sync(backend.optimizer, list(
+        backend.model.parameters()))
+    return {"losses": losses, "log_probs": log_probs.tolist(), "shard_log_probs": shard_log_probs.tolist(),
+            "no_sync": no_sync}
 
 
-def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str, fused: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(1)
-    result = run(build(model_path), os.path.join(out_dir, "ckpt2"))
+    result = run(build(model_path, fused), os.path.join(out_dir, "ckpt2"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(result, fh)
     torch.distributed.destroy_process_group()
@@ -110,11 +118,14 @@ def model_path(tiny_qwen3_path) -> str:
     return tiny_qwen3_path(narrow=True, vocab_size=V)
 
 
-def test_two_gloo_ranks_match_one_rank(model_path, tmp_path, spawn_ranks):
-    spawn_ranks(_worker, (2, _free_port(), model_path, str(tmp_path)), 2)
+@pytest.mark.parametrize("fused", [False, True], ids=["host-clip", "fused-adamw"])
+def test_two_gloo_ranks_match_one_rank(fused, model_path, tmp_path, spawn_ranks):
+    """``fused-adamw``: the 2-rank step clips and skips on the device (norm made whole, loss all-reduced)."""
+    spawn_ranks(_worker, (2, _free_port(), model_path, str(tmp_path), fused), 2)
     two, two_r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert two["no_sync"] is fused and two_r1["no_sync"] is fused
 
-    single = build(model_path)
+    single = build(model_path, fused)
     one = run(single, str(tmp_path / "ckpt1"))
     assert one["losses"][-1] < one["losses"][0]  # the trajectory actually moves
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-5)
