@@ -4,9 +4,12 @@ LumenRL side: the ``rl`` trainer built from ``configs/grpo_dense_bf16.yaml`` exa
 ``lumenrl train`` builds it (plugin registry, ``native`` engine with CUDA graphs, FSDP2 actor on
 one GPU in bf16 mixed precision), on a random-init Qwen3-0.6B-shaped model saved to a temporary
 directory, 16 prompts x 8 generations x 256 new tokens (EOS ignored), no reference model (TRL's
-default ``beta=0``), one optimizer step per rollout batch. A step is rollout + reward + actor
-log-probs + advantages + update + weight sync (``RLTrainer.train_step``). Step 1 warms up
-(graph capture, kernels); the table reports the median of the timed steps and the phases.
+default ``beta=0``), one optimizer step per rollout batch. As TRL does with one optimizer step per
+generation batch (``num_iterations=1``: its loss takes ``old_per_token_logps`` as the update's own
+log-probs, detached), the old log-probs come from the update's forward
+(``algorithm.old_log_probs=reuse``), so neither side runs a separate log-prob pass. A step is rollout
++ reward + advantages + update + weight sync (``RLTrainer.train_step``). Step 1 warms up (graph
+capture, kernels); the table reports the median of the timed steps and the phases.
 
 TRL side: ``bench_grpo_trl.py`` run first in the same job (its ``grpo_trl.json`` in the output
 directory is picked up), else the issue's recorded baseline, TRL 1.16 GRPOTrainer
@@ -66,7 +69,7 @@ def build_trainer(model_dir: Path, out_dir: Path, args):
         f"policy.rollout.n={args.generations}", f"dataset.train_batch_size={args.prompts}",
         f"policy.rollout.max_new_tokens={args.new}", "policy.rollout.ignore_eos=true",
         f"policy.rollout.max_batch_size={args.prompts * args.generations}",
-        "algorithm.use_kl_loss=false", "policy.train.mini_batch_size=0",
+        "algorithm.use_kl_loss=false", "policy.train.mini_batch_size=0", "algorithm.old_log_probs=reuse",
         f"policy.train.micro_batch_size={args.micro_batch}", f"num_training_steps={args.steps + 1}",
         "policy.dtype=bfloat16" if args.device == "cuda" else "policy.dtype=float32",
         f"cluster.device={args.device.split(':')[0]}",  # the trainer picks cuda:LOCAL_RANK itself

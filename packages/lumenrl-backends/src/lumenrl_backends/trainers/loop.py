@@ -105,8 +105,9 @@ class RLTrainer:
     def _compute_log_probs(self, batch: DataProto, timer: PhaseTimer) -> None:
         p = self.parts
         batch.meta_info["temperature"] = float(p.sampling["temperature"]) or 1.0  # the workers read it
-        with timer("old_log_prob"):
-            batch.union(p.actor.call("compute_log_prob", batch))
+        if self.config.algorithm.old_log_probs == "recompute":  # reuse: the update's forward gives them
+            with timer("old_log_prob"):
+                batch.union(p.actor.call("compute_log_prob", batch))
         if p.ref is not None:
             with timer("ref"):
                 batch.union(p.ref.call("compute_ref_log_prob", batch))
@@ -269,8 +270,8 @@ class RLTrainer:
 
 def _mismatch_metrics(batch: DataProto) -> dict[str, float]:
     """How far the engine's log-probs are from the trainer's on the same weights (mean |delta|)."""
-    if "rollout_log_probs" not in batch.batch:
-        return {}
+    if "rollout_log_probs" not in batch.batch or "old_log_probs" not in batch.batch:
+        return {}  # algorithm.old_log_probs=reuse: the actor loss reports the mean difference
     mask = batch.batch["response_mask"]
     delta = (batch.batch["old_log_probs"].float() - batch.batch["rollout_log_probs"].float()).abs()
     worst = (delta * mask).max().item() if mask.any() else 0.0

@@ -101,14 +101,17 @@ def _local_scale(mask: torch.Tensor, mode: str, totals: Mapping[str, float]) -> 
 def actor_loss_fn(policy_loss: Callable[..., Any], algo: Any) -> LossFn:
     """The actor's ``loss_fn`` for ``backend.train_step`` (PPO-clip + KL loss + entropy bonus)."""
     mode = algo.loss_agg_mode
+    reuse = getattr(algo, "old_log_probs", "recompute") == "reuse"  # old = this forward's own, detached (ratio 1)
 
     def loss_fn(outputs: Mapping[str, torch.Tensor], micro: Any) -> tuple[torch.Tensor, dict[str, float]]:
         b, totals = micro.batch, _global_kwargs(micro)
         mask = b["response_mask"]
         log_probs, entropy = outputs["log_probs"], outputs["entropy"]
-        loss, metrics = policy_loss(
-            log_probs, b["old_log_probs"], b["advantages"], mask, b.get("is_weights"), **totals
-        )
+        old = log_probs.detach() if reuse else b["old_log_probs"]
+        loss, metrics = policy_loss(log_probs, old, b["advantages"], mask, b.get("is_weights"), **totals)
+        if reuse and "rollout_log_probs" in b:  # the engine-vs-trainer difference (a mean over micro-batches)
+            delta = (log_probs.detach().float() - b["rollout_log_probs"].float()).abs()
+            metrics["rollout/logprob_abs_diff_mean"] = masked_mean(delta, mask).item()
         metrics["actor/pg_loss"] = metrics["actor/pg_loss"] * _local_scale(mask, mode, totals)
         metrics["actor/entropy"] = masked_mean(entropy.detach(), mask).item()
         if algo.entropy_coef:

@@ -256,9 +256,34 @@ def _check_fused_moe(cfg: s.RunConfig, key: str, source: Callable[[str], str | N
                           f"{cfg.policy.rollout_engine!r} would ignore it", allowed="auto, off", source=source(k))
 
 
+def _check_old_log_probs(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
+    """algorithm.old_log_probs='reuse': valid only where the update's forward is the first to need them."""
+    if cfg.algorithm.old_log_probs != "reuse":
+        return
+    k = join_key(key, "algorithm.old_log_probs")
+    train, rows = cfg.policy.train, cfg.dataset.train_batch_size * cfg.policy.rollout.n
+    problems = [
+        (cfg.trainer.name != "rl", f"trainer.name={cfg.trainer.name!r}: only the synchronous 'rl' trainer reuses them"),
+        (train.ppo_epochs != 1, f"policy.train.ppo_epochs={train.ppo_epochs}: later epochs need the log-probs "
+                                "before the first update"),
+        (0 < train.mini_batch_size < rows, f"policy.train.mini_batch_size={train.mini_batch_size} < {rows} rows per "
+                                           "step: later mini-batches need the log-probs before the first update"),
+        (cfg.algorithm.use_kl_in_reward, "algorithm.use_kl_in_reward: the reward's KL reads them before the update"),
+        (cfg.quantization.rollout_correction.enabled,
+         "quantization.rollout_correction.enabled: the correction weights read them before the update"),
+        (cfg.moe.r3.enabled, "moe.r3.enabled: the routing step metrics read them"),
+        (cfg.policy.rollout.exact_logprobs, "policy.rollout.exact_logprobs: its check reads them"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ConfigError(k, "reuse", problem=f"cannot be combined with {why}", allowed="recompute, or change that key",
+                              source=source(k))
+
+
 def _check_run(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
     _check_exact_logprobs(cfg, key, source)
     _check_fused_moe(cfg, key, source)
+    _check_old_log_probs(cfg, key, source)
 
 
 CROSS_CHECKS: dict[type, Callable[[Any, str, Callable[[str], str | None]], None]] = {

@@ -188,6 +188,10 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_reward_coef: float = 1e-3
     entropy_coef: float = 0.0
+    # recompute: a forward pass before the update gives old_log_probs; reuse: one optimizer step per
+    # rollout batch (on-policy), so old_log_probs are the update forward's own log-probs, detached
+    # (ratio 1, TRL's default): one forward pass less per step; refused where something reads them earlier
+    old_log_probs: str = field(default="recompute", metadata=choices("recompute", "reuse"))
     # DAPO
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
     max_num_gen_batches: int = 4  # bound on extra generation batches to fill the train batch
