@@ -155,8 +155,52 @@ print(json.dumps({"case": "two", "built": len(w4._flats), "active": w4.flat_acti
 """
 
 
+# the FSDP2 backend's single-device path with the flat stepper (forced on CPU): a DCP checkpoint after
+# one step resumes into a fresh backend, and the next two steps equal the uninterrupted run's
+_BACKEND_RESUME = r"""
+import json, tempfile
+from unittest import mock
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from lumenrl_backends.training.fsdp2 import FSDP2Backend
+from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
+from test_backends_fsdp2_single import V, make_batch, master_state, nll_loss
+
+
+def backend(micro):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=V, tie_word_embeddings=True))
+    adamw = torch.optim.AdamW
+    with mock.patch.object(torch.optim, "AdamW", lambda *a, **k: adamw(*a, **{**k, "fused": True})):
+        b = FSDP2Backend(model.float(), role="actor", optim=OptimConfig(lr=1e-2, grad_clip=0.5, weight_decay=0.1),
+                         train=PolicyTrainConfig(micro_batch_size=micro, single_device="on"), num_training_steps=10,
+                         device=torch.device("cpu"))
+    b.single.flat_optimizer = True
+    return b
+
+
+batch, batch2 = make_batch(4), make_batch(4, seed=7)
+for micro in (4, 2):
+    with tempfile.TemporaryDirectory() as ck:
+        first = backend(micro)
+        first.train_step(batch, nll_loss)
+        active = first.single.flat_active
+        first.save_checkpoint(ck, extra={"step": 1})
+        after = [first.train_step(batch2, nll_loss)["actor/loss"] for _ in range(2)]
+        want = master_state(first)
+        resumed = backend(micro)
+        extra = resumed.load_checkpoint(ck)
+        got = [resumed.train_step(batch2, nll_loss)["actor/loss"] for _ in range(2)]
+        err = max(float((resumed_t - want[n]).abs().max()) for n, resumed_t in master_state(resumed).items())
+        print(json.dumps({"case": f"micro{micro}", "active": [active, resumed.single.flat_active], "extra": extra,
+                          "after": after, "got": got, "err": err}))
+"""
+
+
 def test_flat_adamw_matches_float64_and_torch(triton_interpreted):
-    runs = triton_interpreted({"steps": _STEPS, "skip": _SKIP_AND_RESUME})
+    runs = triton_interpreted({"steps": _STEPS, "skip": _SKIP_AND_RESUME, "backend": _BACKEND_RESUME})
     rows = runs.json_rows("steps")
     for name, row in rows.items():
         # one micro-batch: the bf16 module grads are read in place; two: summed in fp32 first
@@ -172,6 +216,9 @@ def test_flat_adamw_matches_float64_and_torch(triton_interpreted):
     # the fallback stepped 3 of 4 parameters; the flat path then refused unequal step counts
     assert not other["fallback"]["flat_after"] and other["fallback"]["steps"] == [3.0, 2.0, 3.0, 3.0], other
     assert other["two"] == {"built": 2, "active": True, "steps": [[3.0], [2.0]], "views": True}, other
+    for name, row in runs.json_rows("backend").items():  # one micro-batch (grads read in place) and two
+        assert row["active"] == [True, True] and row["extra"] == {"step": 1}, (name, row)
+        assert row["got"] == pytest.approx(row["after"], rel=1e-6) and row["err"] < 1e-6, (name, row)
 
 
 def test_unsupported_names_the_reason_and_the_torch_path_runs():
