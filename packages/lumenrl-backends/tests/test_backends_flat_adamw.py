@@ -158,7 +158,11 @@ print(json.dumps({"case": "two", "built": len(w4._flats), "active": w4.flat_acti
 # the FSDP2 backend's single-device path with the flat stepper (forced on CPU): a DCP checkpoint after
 # one step resumes into a fresh backend, and the next two steps equal the uninterrupted run's
 _BACKEND_RESUME = r"""
-import json, tempfile
+import json, os, tempfile
+# this process starts its own one-rank group: drop the rendezvous a parent test process may have set up
+# (its store still listens on that MASTER_PORT)
+for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    os.environ.pop(key, None)
 from unittest import mock
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
