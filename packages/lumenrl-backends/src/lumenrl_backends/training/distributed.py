@@ -148,6 +148,13 @@ def _total_norm(groups: dict[Any, list[torch.Tensor]]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
+def clip_scale_and_skip(norm: torch.Tensor, loss: torch.Tensor, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_scale, found_inf) of a clipped fused AdamW step: gradients are divided by
+    ``max((norm + 1e-6) / max_norm, 1)`` (``clip_grad_norm_``'s clamped coefficient, inverted), and the
+    step is skipped (1.0) where the norm or the loss is not finite. Device scalars, no host sync."""
+    return torch.clamp((norm + 1e-6) / max_norm, min=1.0), (~torch.isfinite(norm + loss)).float()
+
+
 def can_step_without_sync(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
     """True for a fused optimizer whose gradients are plain tensors or DTensors of one (mesh, placements):
     :func:`fused_clip_and_step` can clip and skip inside its kernel (no host sync)."""
@@ -176,8 +183,7 @@ def fused_clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Ten
     if _size(group) > 1:
         total = total.clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    skipped = (~torch.isfinite(norm + total)).float()
-    optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+    optimizer.grad_scale, skipped = clip_scale_and_skip(norm, total, max_norm)
     optimizer.found_inf = skipped
     try:
         optimizer.step()

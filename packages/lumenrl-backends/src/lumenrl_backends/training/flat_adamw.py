@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from lumenrl_backends.training.distributed import clip_scale_and_skip
+
 try:
     import triton
     import triton.language as tl
@@ -278,9 +280,9 @@ class FlatAdamW:
         _sumsq_kernel[(self.blocks,)](addrs, self.blk_param, self.blk_start, self.numels, self._partial,
                                       GRAD_BF16=bf16, BLOCK=BLOCK, SUB=SUB, num_warps=NUM_WARPS)
         norm = self._partial.sum().sqrt()
-        skipped = (~torch.isfinite(norm + torch.as_tensor(loss, device=norm.device).float())).float()
+        scale, skipped = clip_scale_and_skip(norm, torch.as_tensor(loss, device=norm.device).float(), max_norm)
         self.steps.add_(1.0 - skipped)
-        scalars = torch.stack([torch.clamp((norm + 1e-6) / max_norm, min=1.0), skipped, self.steps[0]])
+        scalars = torch.stack([scale, skipped, self.steps[0]])
         group = self.optimizer.param_groups[0]
         beta1, beta2 = (float(b) for b in group["betas"])
         _adamw_kernel[(self.blocks,)](
