@@ -68,6 +68,8 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(name="fp8_rollout", target="benchmarks.gpu.bench_fp8_rollout:run", suites=("gpu", "rollout", "quant"),
           numbers=("bf16_decode_tok_s", "fp8_decode_tok_s", "speedup"), goal="FP8 rollout decode 1.7x BF16 (8B, batch 64)",
           metric="speedup", bound=">= 1.7"),
+    Entry(name="decode_linear", target="benchmarks.gpu.bench_decode_linear:run", suites=("gpu", "rollout"),
+          numbers=("chain_cublas_ms", "chain_triton_ms", "chain_triton_pdl_ms")),
     Entry(name="attention", target="benchmarks.gpu.bench_attention:run", suites=("gpu", "rollout"),
           numbers=("bf16_us", "fp8_us")),
     Entry(name="sampler", target="benchmarks.gpu.bench_sampler:run", suites=("gpu", "rollout"),

@@ -29,6 +29,7 @@ the GB/s the GEMMs reach over the weight bytes, and the top kernels.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 
 import torch
@@ -120,25 +121,40 @@ def fusion_check(model) -> dict:
     return res
 
 
-def native_label(mode: str, fuse: bool, overlap: bool) -> str:
-    """Row name of a native variant, e.g. ``native-graph``, ``native-full-unfused-sync``."""
-    return f"native-{mode}" + ("" if fuse else "-unfused") + ("" if overlap else "-sync")
+def native_label(mode: str, fuse: bool, overlap: bool, kernels: str = "") -> str:
+    """Row name of a native variant, e.g. ``native-graph``, ``native-full-unfused-sync``,
+    ``native-full[decode_linear=off]``."""
+    return f"native-{mode}" + ("" if fuse else "-unfused") + ("" if overlap else "-sync") + (f"[{kernels}]" if kernels else "")
 
 
-def run_native(model, batch_size: int, args, mode: str, fuse: bool = True, overlap: bool = True) -> dict:
+def kernel_overrides(spec: str) -> dict[str, bool]:
+    """``"decode_linear=off,pdl=on"`` -> KernelOptions keyword overrides (boolean options only)."""
+    switch = {"on": True, "off": False}
+    fields = {f.name for f in dataclasses.fields(KernelOptions) if f.type in (bool, "bool")}
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if name not in fields or value not in switch:
+            raise SystemExit(f"--kernels item {item!r}: give NAME=on|off with NAME one of {sorted(fields)}")
+        out[name] = switch[value]
+    return out
+
+
+def run_native(model, batch_size: int, args, mode: str, fuse: bool = True, overlap: bool = True, kernels: str = "") -> dict:
     if mode == "full":
         torch._dynamo.reset()  # the model's modules change with ``fuse``: compile afresh, never reuse a variant
+    options = KernelOptions(fuse_projections=fuse, overlap_sync=overlap, **kernel_overrides(kernels))
     engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=batch_size,
                           max_seq_len=args.prompt + args.new, cuda_graphs=mode != "eager",
-                          compile="full" if mode == "full" else "none", kernels=KernelOptions(fuse_projections=fuse, overlap_sync=overlap))
+                          compile="full" if mode == "full" else "none", kernels=options)
     batch = C.prompt_batch(batch_size, args.prompt, seed=2)
     params = {**GREEDY, "max_new_tokens": args.new}
     _, warm_s = C.timed(lambda: engine.generate(batch, params))  # captures graphs / compiles
     out, total = C.timed(lambda: engine.generate(batch, params))
     perf = out.meta_info["perf"]
     decode_s = total - perf["prefill_seconds"]
-    label = native_label(mode, fuse, overlap)
-    row = {"engine": label, "fuse": fuse, "overlap": overlap,
+    label = native_label(mode, fuse, overlap, kernels)
+    row = {"engine": label, "fuse": fuse, "overlap": overlap, "kernels": kernels,
            "fused_groups": engine.fusion_report.fused if engine.fusion_report else 0,
            "speculation": dict(engine.speculation), "e2e_tok_s": batch_size * args.new / total,
            "decode_tok_s": batch_size * (args.new - 1) / decode_s, "prefill_s": perf["prefill_seconds"],
@@ -191,6 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--modes", default="graph", help="native modes: eager, graph, full (torch.compile + graphs)")
     ap.add_argument("--fuse", default="on", help="projection fusion variants of each native mode: on, off, on,off")
     ap.add_argument("--overlap", default="on", help="overlapped host sync variants: on, off, on,off")
+    ap.add_argument("--kernels", default="", help="KernelOptions variants, ';'-separated, each NAME=on|off[,...] "
+                    "(e.g. 'decode_linear=off,pdl=off;' : without and with the defaults), side by side")
     ap.add_argument("--hf", default="dynamic,static", help="HF caches to compare ('' or none: no HF)")
     ap.add_argument("--hf-batches", default="64", help="batches at which HF runs (it is slow)")
     ap.add_argument("--validate", action="store_true")
@@ -211,10 +229,14 @@ def main(argv: list[str] | None = None) -> dict:
     for name, value in (("--fuse", args.fuse), ("--overlap", args.overlap)):
         if not value or any(v not in switch for v in value.split(",")):
             raise SystemExit(f"{name}={value!r}: give on, off or on,off")
-    variants = [(switch[f], switch[o]) for f in args.fuse.split(",") for o in args.overlap.split(",")]
+    kernel_sets = args.kernels.split(";")
+    for spec in kernel_sets:
+        kernel_overrides(spec)  # bad input fails before any model loads
+    variants = [(switch[f], switch[o], ks) for f in args.fuse.split(",") for o in args.overlap.split(",")
+                for ks in kernel_sets]
     for shape in args.models.split(","):
         model = C.random_model(shape)
-        if any(fuse for fuse, _ in variants):
+        if any(fuse for fuse, _, _ in variants):
             try:
                 check = fusion_check(model)
             except Exception as err:  # noqa: BLE001 - report and keep measuring the rest
@@ -229,11 +251,11 @@ def main(argv: list[str] | None = None) -> dict:
                                      bandwidth_gbs=bandwidth)
             found = []
             for mode in args.modes.split(","):
-                for fuse, overlap in variants:
+                for fuse, overlap, kernels in variants:
                     try:
-                        found.append(run_native(model, batch_size, args, mode, fuse, overlap))
+                        found.append(run_native(model, batch_size, args, mode, fuse, overlap, kernels))
                     except Exception as err:  # noqa: BLE001 - report and keep measuring the rest
-                        label = native_label(mode, fuse, overlap)
+                        label = native_label(mode, fuse, overlap, kernels)
                         print(f"ERROR {shape} b{batch_size} {label}: {type(err).__name__}: {err}", flush=True)
                         found.append({"engine": label, "error": f"{type(err).__name__}: {err}"[:300]})
                     gc.collect()
@@ -281,6 +303,15 @@ def main(argv: list[str] | None = None) -> dict:
                 fused_gain[f"{r['model']}_b{r['batch']}_{twin['engine']}"] = twin["decode_tok_s"] / r["decode_tok_s"]
     if fused_gain:
         summary["decode_fused_over_unfused"] = fused_gain
+    if len(kernel_sets) > 1:  # each --kernels variant over the first, same model / batch / mode / fuse / overlap
+        first = {}
+        for r in rows:
+            if "decode_tok_s" in r and "kernels" in r:
+                key = (r["model"], r["batch"], r["engine"].split("[")[0])
+                first.setdefault(key, r)
+                if first[key] is not r:
+                    summary.setdefault("decode_kernels_over_first", {})[f"{r['model']}_b{r['batch']}_{r['engine']}"] = (
+                        r["decode_tok_s"] / first[key]["decode_tok_s"])
     result["summary"] = summary
     C.write_json(args.out, result)
     print("\nsummary:", summary)

@@ -82,6 +82,8 @@ class FusionReport:
     attention_fused_rope_skipped: dict[str, str] = field(default_factory=dict)  # asked for, but why not
     layers_fp8_norm: list[str] = field(default_factory=list)  # decoder layers whose norms emit per-token FP8
     mlp_fp8_skipped: dict[str, str] = field(default_factory=dict)  # fused quantized MLP -> why not the FP8 SwiGLU
+    decode_linear: list[str] = field(default_factory=list)  # modules with a decode GEMM on the Triton decode kernel
+    decode_linear_skipped: dict[str, str] = field(default_factory=dict)  # asked for: why not (one or both GEMMs)
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> why not
 
     @property
@@ -236,7 +238,14 @@ def _attention_forward(
     hidden_shape = (*input_shape, -1, self.head_dim)
     fused = getattr(self, _FUSED_ATTR)
     prequantized = kwargs.pop("lumenrl_prequantized", None)  # (codes, scales) of the normed input (layer forward)
-    if prequantized is None:
+    decode = self.__dict__.get(_DECODE_ATTR)
+    rows = input_shape.numel()
+    if decode is not None and rows > _decode_max_m():
+        decode = None  # prefill: cuBLAS
+    if prequantized is None and decode is not None and decode.first:
+        query, key, value = _decode_linear(hidden_states.reshape(rows, -1), fused.weight, fused.bias, decode).reshape(
+            *input_shape, -1).split(fused.sizes, dim=-1)
+    elif prequantized is None:
         query, key, value = fused(hidden_states)
     else:
         qkv = fused.linear.forward_quantized(*prequantized, hidden_states.dtype)
@@ -279,6 +288,9 @@ def _attention_forward(
         a_scale = cache.current_scales.v_scale.float().reshape(1, 1).expand(out.shape[:-1].numel(), 1)
         return self.o_proj.forward_quantized(out.reshape(-1, out.shape[-1]), a_scale, hidden_states.dtype).reshape(
             *input_shape, -1), weights
+    if decode is not None and decode.second:
+        o_proj = self.o_proj
+        return _decode_linear(out.reshape(rows, -1), o_proj.weight, o_proj.bias, decode).reshape(*input_shape, -1), weights
     return self.o_proj(out), weights
 
 
@@ -326,8 +338,43 @@ def _mlp_forward(
         from lumenrl_quant.fused_mlp import swiglu_mlp_fp8_tokenwise
 
         return swiglu_mlp_fp8_tokenwise(x, fused.linear, self.down_proj, x_quantized=lumenrl_prequantized)
+    decode = self.__dict__.get(_DECODE_ATTR)
+    rows = x.shape[:-1].numel()
+    if decode is not None and rows <= _decode_max_m():
+        x2 = x.reshape(rows, -1)
+        if decode.first:  # gate/up GEMM with silu(gate) * up in its epilogue
+            h = _decode_linear(x2, fused.weight, fused.bias, decode, swiglu=True)
+        else:
+            gate, up = fused(x2)
+            h = self.act_fn(gate) * up
+        down = self.down_proj
+        out = _decode_linear(h, down.weight, down.bias, decode) if decode.second else down(h)
+        return out.reshape(*x.shape[:-1], -1)
     gate, up = fused(x)
     return self.down_proj(self.act_fn(gate) * up)
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeLinears:
+    """Which of a module's two decode GEMMs run :func:`~lumenrl_backends.engines.triton_linear.decode_linear`
+    (attention: q/k/v, o; MLP: gate/up with the SwiGLU epilogue, down) and whether they launch with PDL."""
+
+    first: bool
+    second: bool
+    pdl: bool
+
+
+def _decode_max_m() -> int:
+    from lumenrl_backends.engines.triton_linear import MAX_M
+
+    return MAX_M
+
+
+def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, decode: _DecodeLinears,
+                   swiglu: bool = False) -> torch.Tensor:
+    from lumenrl_backends.engines.triton_linear import decode_linear
+
+    return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl)
 
 
 # decoder layers whose forward is: x + attn(norm1(x)), then + mlp(norm2(.)) (HF 5.x: returns the tensor)
@@ -441,12 +488,14 @@ _GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...], Any]] = {
 _ATTENTION_ATTRS = ("_lumenrl_family", "_lumenrl_window", "_lumenrl_cache_kwarg")
 _FP8_OUT_ATTR = "_lumenrl_fp8_out"  # instance attribute: the o_proj's FP8 dtype when decode attention hands it codes
 _QK_ROPE_ATTR = "_lumenrl_qk_rope"  # instance attribute: True when decode runs q/k norm + RoPE + KV write as one op
+_DECODE_ATTR = "_lumenrl_decode_linear"  # instance attribute: a _DecodeLinears, or None (cuBLAS for every M)
 
 
 @torch.no_grad()
 def fuse_projections(
     model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False, fp8_act_kernel: bool = True,
-    fp8_attn_out: bool = True, fp8_norm_quant: bool = True, fused_qk_rope: bool = True,
+    fp8_attn_out: bool = True, fp8_norm_quant: bool = True, fused_qk_rope: bool = True, decode_linear: bool = False,
+    pdl: bool = False,
 ) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
@@ -475,6 +524,12 @@ def fuse_projections(
     module's norms and its family's RoPE compute what the op computes (else ``attention_fused_rope_skipped``
     says why not).
 
+    ``decode_linear`` (off here; the engine turns it on for CUDA): decode-sized GEMMs (M <= 64 rows) of
+    plain 16-bit layers run :func:`~lumenrl_backends.engines.triton_linear.decode_linear`: q/k/v and o
+    in attention, gate/up with ``silu(gate) * up`` in its epilogue and down in the MLP
+    (``decode_linear_skipped`` says where not and why); ``pdl``: they launch with programmatic dependent
+    launch (CUDA sm90+).
+
     Call after the model is on its device (and after quantization, if any): the fused storage is
     allocated where the members live, and later ``.to()`` calls would not move it.
     """
@@ -490,6 +545,8 @@ def fuse_projections(
             else:
                 _set_fp8_out(module, name, fp8_attn_out, report)
                 _set_qk_rope(module, name, fused_qk_rope, report)
+            _set_decode_linear(module, name, "mlp" if cls.forward is _mlp_forward else "attention", decode_linear,
+                               pdl, report)
             continue
         kind = ("attention" if attention and cls.__name__ in ATTENTION_CLASSES
                 else "mlp" if mlp and cls.__name__ in MLP_CLASSES else None)
@@ -515,6 +572,7 @@ def fuse_projections(
         else:
             _set_fp8_out(module, name, fp8_attn_out, report)
             _set_qk_rope(module, name, fused_qk_rope, report)
+        _set_decode_linear(module, name, kind, decode_linear, pdl, report)
     for name, module in model.named_modules():
         if type(module).__name__ in DECODER_CLASSES:
             _set_norm_quant(module, name, fp8_norm_quant and attention and mlp, report)
@@ -541,6 +599,34 @@ def _set_qk_rope(module: nn.Module, name: str, wanted: bool, report: FusionRepor
         report.attention_fused_rope_skipped[name] = reason
 
 
+def _set_decode_linear(module: nn.Module, name: str, kind: str, wanted: bool, pdl: bool, report: FusionReport) -> None:
+    """Route the module's decode GEMMs (M <= 64 rows) to the Triton decode kernel where it takes the weights:
+    plain (unquantized) 16-bit weights of the tile's multiples; the MLP's gate/up only with a SiLU
+    activation (its epilogue is SwiGLU) and not on a lumenrl-quant FP8 SwiGLU path."""
+    from lumenrl_backends.engines.triton_linear import weight_reason
+
+    module.__dict__[_DECODE_ATTR] = None
+    if not wanted:
+        return
+    fused = module.__dict__[_FUSED_ATTR]
+    second = module.o_proj if kind == "attention" else module.down_proj
+    if kind == "attention":
+        first_reason = weight_reason(fused.weight, fused.bias) if isinstance(fused, _FusedDense) else "quantized"
+    elif module.__dict__.get(_SWIGLU_ATTR) is not None or not isinstance(fused, _FusedDense):
+        first_reason = "quantized"
+    elif type(module.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        first_reason = f"activation {type(module.act_fn).__name__} is not SiLU"
+    else:
+        first_reason = weight_reason(fused.weight, fused.bias, swiglu=True)
+    second_reason = (weight_reason(second.weight, second.bias) if type(second) is nn.Linear
+                     else f"{type(second).__name__} is not a plain nn.Linear")
+    if first_reason is None or second_reason is None:
+        module.__dict__[_DECODE_ATTR] = _DecodeLinears(first_reason is None, second_reason is None, pdl)
+        report.decode_linear.append(name)
+    if first_reason is not None or second_reason is not None:
+        report.decode_linear_skipped[name] = "; ".join(r for r in (first_reason, second_reason) if r is not None)
+
+
 def _set_swiglu(module: nn.Module, name: str, group: bool, token: bool, report: FusionReport) -> None:
     fused = module.__dict__[_FUSED_ATTR]
     reason = _swiglu_fp8_reason(module, fused) if group else "off"
@@ -565,7 +651,8 @@ def unfuse_projections(model: nn.Module) -> int:
         if base is None:
             continue
         module.__class__ = base
-        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, _QK_ROPE_ATTR, _NORM_QUANT_ATTR, "_lumenrl_layer_cache_kwarg",
+        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, _QK_ROPE_ATTR, _NORM_QUANT_ATTR, _DECODE_ATTR,
+                     "_lumenrl_layer_cache_kwarg",
                      *_ATTENTION_ATTRS):
             module.__dict__.pop(attr, None)
         count += 1

@@ -70,6 +70,7 @@ import torch
 from torch import nn
 
 from lumenrl_backends import plugin_manifest as manifest
+from lumenrl_backends.engines import triton_linear
 from lumenrl_backends.engines.attention import engine_attention
 from lumenrl_backends.engines.fusion import fuse_projections as fuse_model_projections
 from lumenrl_backends.engines.fusion import unfuse_projections
@@ -173,6 +174,7 @@ class NativeEngine:
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.exact, fuse_projections = exact_logprobs, k.fuse_projections and not exact_logprobs  # exact: HF modules
+        self._pdl = k.pdl and not exact_logprobs and triton_linear.pdl_supported(self.device)  # CUDA sm90+
         if exact_logprobs:  # the trainer's batch-invariant operators (lumenrl_backends.exact)
             enable_exact(self.model, engine_settings=(quant_scheme, kv_cache_dtype, compile))
         self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
@@ -182,7 +184,10 @@ class NativeEngine:
         self.fusion_report = fuse_model_projections(self.model, fp8_mlp=k.fuse_fp8_mlp,
                                                     fp8_act_kernel=k.fp8_act_kernel, fp8_attn_out=k.fp8_attn_out,
                                                     fp8_norm_quant=k.fp8_norm_quant and _norm_quant_pays(compile, self.device),
-                                                    fused_qk_rope=k.fused_qk_rope) if fuse_projections else None
+                                                    fused_qk_rope=k.fused_qk_rope,
+                                                    decode_linear=k.decode_linear and (
+                                                        self.device.type == "cuda" or triton_linear.INTERPRETED),
+                                                    pdl=self._pdl) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
         # MoE experts on the fused Triton kernel (FP8 experts with fp8_block), or HF's implementation
@@ -234,7 +239,9 @@ class NativeEngine:
         if compile == "full":
             # automatic dynamic shapes: the first bucket compiles static, a second bucket recompiles once
             # with a symbolic batch that every later bucket reuses (measured configs use the static one)
-            self._model_forward = torch.compile(self.model.forward)
+            # pdl: inductor's kernels launch with programmatic dependent launch (each waits for the previous
+            # kernel before its first dependent load), chaining with the decode GEMMs (engines/triton_linear.py)
+            self._model_forward = torch.compile(self.model.forward, options=triton_linear.inductor_pdl_options(self._pdl))
         self.graphs = DecodeGraphs(self._decode_step, enabled=cuda_graphs and self.device.type == "cuda")
         blocker = graph_blocker(self.model) if self.graphs.enabled else None
         if blocker:

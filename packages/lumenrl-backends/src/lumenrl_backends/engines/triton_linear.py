@@ -1,0 +1,282 @@
+"""Decode-sized linear layers in Triton, for the native engine: ``x @ w.T`` at M <= 64 rows, optionally
+with the SwiGLU ``silu(gate) * up`` in the epilogue, optionally chained by programmatic dependent launch.
+
+Why: at decode the batch (M) is 1..64 while N and K are the model's widths, so a linear reads its
+weight once and is bandwidth-bound. What separates a kernel from the copy bandwidth is its start and
+its end: the pipeline fills from DRAM while nothing streams, the last programs drain while the next
+kernel has not started, and on one H200 (Qwen3-8B, batch 64) a step runs ~400 such kernels. cuBLAS
+reaches 3.0 TB/s on the 50 MB q/k/v GEMM and 2.8 TB/s on the 34 MB o GEMM against ~4.4 TB/s of pure
+reads (``benchmarks/gpu/bench_decode_linear.py``); its split-K down projection adds a reduce kernel.
+This kernel does three things about it:
+
+* **PDL** (``pdl=True``, CUDA sm90+): the kernel is launched with programmatic stream serialization.
+  Each program first issues L2 prefetches of the first ``prefetch`` columns of its weight rows (weights
+  do not depend on the previous kernel), then waits for the previous kernel (``griddepcontrol.wait``:
+  its completion and memory flush), then lets the next kernel launch (``launch_dependents``). So the
+  weight stream starts while the previous kernel drains, and launches overlap. Correctness needs only
+  that every PDL kernel of the chain waits before it reads anything a previous kernel wrote and
+  triggers its dependents only after that wait; this kernel and inductor's PDL kernels do both, and a
+  kernel launched without PDL serializes as usual.
+* **SwiGLU epilogue** (``swiglu=True``): ``w`` is the fused ``cat([gate, up])`` weight (2I, K); a
+  program owns ``BLOCK_N`` features of both halves (two accumulators) and writes ``silu(gate) * up``
+  (M, I): no (M, 2I) intermediate and no separate elementwise kernel.
+* **Tiles for the shape**: one program per ``BLOCK_N`` output features walks all of K (no split-K, so
+  no reduce kernel and a deterministic sum order); tiles and pipeline depth per shape from a sweep
+  (:data:`TUNED`, :func:`config_for`).
+
+Numerics: float32 accumulation (``tl.dot`` of bf16/fp16 operands), the bias added in float32, one
+rounding to the output dtype; with ``swiglu`` gate and up are first rounded to the model dtype (as the
+unfused GEMM's outputs are), then ``silu(gate) * up`` is taken in float32 and rounded once (what
+inductor's fused kernel for ``act_fn(gate) * up`` does). Versus cuBLAS only the summation order differs.
+:func:`reference_decode_linear` is the float32 torch reference (also the path without Triton).
+
+Exposed as the custom op ``lumenrl::decode_linear`` (opaque to ``torch.compile``, safe in CUDA-graph
+capture). Requirements (checked by :func:`supported`): 2-D ``x`` with M <= :data:`MAX_M`, contiguous
+``w`` (N, K) of ``x``'s dtype (bf16/fp16), K a multiple of ``BLOCK_K``, N of ``BLOCK_N`` (and I for
+``swiglu``). In Triton's CPU interpreter (tests) float32 -> bf16 casts truncate, so the kernel rounds
+the bits itself there; PDL and prefetch are CUDA-only and off in the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["INTERPRETED", "MAX_M", "TUNED", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "reference_decode_linear", "supported", "weight_reason"]
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU environments without Triton
+    triton = None
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does at import
+MAX_M = 64  # one 64-row tile: measured at M = 64 (the benchmark's decode batch); larger M stays on cuBLAS
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: CUDA compute capability 9.0+ (not the interpreter, not ROCm)."""
+    return (triton is not None and not INTERPRETED and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def inductor_pdl_options(pdl: bool) -> dict[str, bool] | None:
+    """``torch.compile`` options that make inductor's Triton kernels launch with PDL (``pdl`` and a torch
+    whose inductor has ``triton.enable_pdl``), else None."""
+    from torch._inductor import config
+
+    return {"triton.enable_pdl": True} if pdl and hasattr(config.triton, "enable_pdl") else None
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# (N, K, swiglu) -> launch parameters, tuned on an H200 at M = 64 (``bench_decode_linear.py --tune``,
+# fused Qwen3-8B shapes; times in its history entry). Other shapes take :func:`config_for`'s rule.
+TUNED: dict[tuple[int, int, bool], dict[str, int]] = {
+    (6144, 4096, False): {"block_n": 64, "block_k": 128, "num_stages": 5, "num_warps": 4},  # q/k/v
+    (4096, 4096, False): {"block_n": 32, "block_k": 128, "num_stages": 6, "num_warps": 4},  # o
+    (12288, 4096, True): {"block_n": 32, "block_k": 64, "num_stages": 4, "num_warps": 4},  # gate/up + SwiGLU
+    (4096, 12288, False): {"block_n": 32, "block_k": 128, "num_stages": 6, "num_warps": 4},  # down
+}
+
+
+def config_for(n: int, k: int, device: torch.device, *, swiglu: bool = False) -> dict[str, int]:
+    """Launch parameters for an (N, K) weight (N: the output features; with ``swiglu`` the I gate
+    features): :data:`TUNED` where measured, else a rule from the same sweep: 32-feature tiles (at
+    M = 64 the weight tile is the bytes in flight, and narrow tiles give many programs), 128 only
+    where that still leaves ~1.5 programs per multiprocessor (an lm head); ``block_k`` 128 (64 for
+    SwiGLU's two tiles); as many pipeline stages as ~200 KB of shared memory holds, at most 6."""
+    tuned = TUNED.get((n, k, swiglu))
+    if tuned is not None and device.type == "cuda" and _sms(device) == 132:
+        return dict(tuned)
+    operands = 2 if swiglu else 1  # swiglu: gate and up tiles per stage
+    block_n = 128 if n // 128 >= 1.5 * _sms(device) else 32
+    block_k = 64 if swiglu else 128
+    while k % block_k and block_k > 32:
+        block_k //= 2
+    stage_bytes = (MAX_M + operands * block_n) * block_k * 2
+    stages = max(2, min(6, 200_000 // stage_bytes))
+    return {"block_n": block_n, "block_k": block_k, "num_stages": stages, "num_warps": 8 if block_n >= 128 else 4}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round(x, dt: tl.constexpr, EMULATED: tl.constexpr):
+        """float32 -> ``dt``, to nearest even (the interpreter truncates float32 -> bf16; GPUs round)."""
+        if EMULATED and dt == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(dt)
+
+    @triton.jit
+    def _operand(x, EMULATED: tl.constexpr):
+        """A dot operand: as loaded on GPUs; float32 in the interpreter, whose bf16 ``tl.dot`` multiplies
+        raw bits (Triton 3.6). A product of two 16-bit values is exact in float32, so only the sum order
+        can differ from the GPU's."""
+        if EMULATED:
+            return x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _prefetch_l2(w_ptr, rows, stride_wn, COLS: tl.constexpr, LINE: tl.constexpr):
+        """One ``prefetch.global.L2`` per 128-byte line of ``COLS`` columns of each row in ``rows``."""
+        lines = tl.arange(0, COLS // LINE) * LINE
+        ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + lines[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
+    def _decode_linear_kernel(
+        x_ptr, w_ptr, b_ptr, out_ptr, M, HALF, stride_xm, stride_wn, stride_om,
+        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+        SWIGLU: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
+        EMULATED: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mmask = offs_m < M
+        if PREFETCH > 0:  # the weight does not depend on the previous kernel: start streaming it now
+            _prefetch_l2(w_ptr, offs_n, stride_wn, PREFETCH, LINE)
+            if SWIGLU:
+                _prefetch_l2(w_ptr, offs_n + HALF, stride_wn, PREFETCH, LINE)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x) are visible from here
+            tl.extra.cuda.gdc_launch_dependents()
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWIGLU:
+            u_ptrs = w_ptr + (offs_n + HALF).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            x = _operand(tl.load(x_ptrs, mask=mmask[:, None], other=0.0), EMULATED)
+            acc = tl.dot(x, tl.trans(_operand(tl.load(w_ptrs), EMULATED)), acc)
+            if SWIGLU:
+                acc_u = tl.dot(x, tl.trans(_operand(tl.load(u_ptrs), EMULATED)), acc_u)
+                u_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        dt = out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n).to(tl.float32)[None, :]
+            if SWIGLU:
+                acc_u += tl.load(b_ptr + HALF + offs_n).to(tl.float32)[None, :]
+        if SWIGLU:  # gate and up rounded as the unfused GEMM outputs are, then silu(gate) * up in float32
+            gate = _round(acc, dt, EMULATED).to(tl.float32)
+            up = _round(acc_u, dt, EMULATED).to(tl.float32)
+            acc = gate / (1.0 + tl.exp(-gate)) * up
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, _round(acc, dt, EMULATED), mask=mmask[:, None])
+
+
+def reference_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                            swiglu: bool = False) -> torch.Tensor:
+    """The torch reference: float32 GEMM (+ bias), one rounding; ``swiglu`` rounds gate and up first."""
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out = out + bias.float()
+    if swiglu:
+        gate, up = out.to(x.dtype).float().chunk(2, dim=-1)
+        out = torch.nn.functional.silu(gate) * up
+    return out.to(x.dtype)
+
+
+def weight_reason(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False) -> str | None:
+    """None when the kernel takes this weight (and bias) for decode-sized inputs of its dtype, else why not."""
+    if triton is None:
+        return "triton is not installed"
+    if weight.dim() != 2 or weight.dtype not in _DTYPES or (bias is not None and bias.dtype != weight.dtype):
+        return f"weight {tuple(weight.shape)} {weight.dtype}; allowed: 2-D, one of {_DTYPES} (bias alike)"
+    if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        return "weight (and bias) must be contiguous"
+    n, k = weight.shape
+    if swiglu and n % 2:
+        return f"swiglu needs an even N (cat([gate, up])); got {n}"
+    cfg = config_for(n // 2 if swiglu else n, k, weight.device, swiglu=swiglu)
+    if k % cfg["block_k"] or (n // 2 if swiglu else n) % cfg["block_n"]:
+        return f"(N, K)=({n}, {k}) not a multiple of the tile ({cfg['block_n']}, {cfg['block_k']})"
+    if not (weight.is_cuda or INTERPRETED):
+        return f"device {weight.device.type}: the kernel runs on CUDA (or in Triton's interpreter)"
+    return None
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False) -> str | None:
+    """None when :func:`decode_linear` runs the kernel for these operands, else the reason it does not."""
+    if x.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+        return f"need x (M, K) and weight (N, K); got {tuple(x.shape)}, {tuple(weight.shape)}"
+    if x.shape[0] > MAX_M:
+        return f"M={x.shape[0]} > {MAX_M}"
+    if x.dtype != weight.dtype or x.device != weight.device or x.stride(-1) != 1:
+        return f"x {x.dtype} on {x.device} with last stride {x.stride(-1)}; need the weight's dtype and device, unit stride"
+    return weight_reason(weight, bias, swiglu)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
+            prefetch: int, config: dict[str, int] | None = None) -> torch.Tensor:
+    """One launch (no checks: :func:`supported` first); ``config`` overrides :func:`config_for` (the
+    benchmark's sweep)."""
+    m, k = x.shape
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    cfg = config or config_for(n, k, x.device, swiglu=swiglu)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    pdl = pdl and pdl_supported(x.device)
+    line = 128 // weight.element_size()
+    prefetch = min(prefetch, k) // line * line if pdl else 0
+    prefetch = triton.next_power_of_2(prefetch) if prefetch else 0
+    extra = {"launch_pdl": True} if pdl else {}
+    _decode_linear_kernel[(n // cfg["block_n"],)](
+        x, weight, bias if bias is not None else weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0),
+        K=k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        HAS_BIAS=bias is not None, SWIGLU=swiglu, PDL=pdl, PREFETCH=prefetch if prefetch <= k else 0, LINE=line,
+        EMULATED=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
+    )
+    return out
+
+
+def _op_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
+             prefetch: int) -> torch.Tensor:
+    if supported(x, weight, bias, swiglu) is None:
+        return _launch(x, weight, bias, swiglu, pdl, prefetch)
+    return reference_decode_linear(x, weight, bias, swiglu)
+
+
+def _op_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
+             prefetch: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0]))
+
+
+def _register():  # noqa: ANN202 - a torch.library CustomOpDef
+    """``lumenrl::decode_linear``, registered at import (a registration inside a compiled region would
+    break the graph), once per process; without Triton it runs the torch reference."""
+    op = getattr(torch.ops.lumenrl, "decode_linear", None)
+    if op is None:
+        op = torch.library.custom_op("lumenrl::decode_linear", mutates_args=())(_op_impl)
+        op.register_fake(_op_fake)
+    return op
+
+
+_OP = _register()
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, swiglu: bool = False,
+                  pdl: bool = False, prefetch: int = 512) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a decode-sized ``x`` (M, K), M <= :data:`MAX_M`; with ``swiglu``,
+    ``weight`` = ``cat([gate, up])`` (2I, K) and the result is ``silu(gate) * up`` (M, I). ``pdl``:
+    launch with programmatic dependent launch where supported (CUDA sm90+), prefetching the first
+    ``prefetch`` columns of each weight row to L2 before waiting for the previous kernel. Operands the
+    kernel does not take (:func:`supported`) run the float32 torch reference."""
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(f"swiglu=True needs weight = cat([gate, up]) with an even row count; got {tuple(weight.shape)}")
+    if prefetch < 0:
+        raise ValueError(f"prefetch={prefetch}; allowed: an int >= 0 (weight columns)")
+    return _OP(x, weight, bias, swiglu, pdl, prefetch)

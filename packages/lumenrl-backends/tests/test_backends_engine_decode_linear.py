@@ -1,0 +1,231 @@
+"""The decode GEMM kernel (``engines/triton_linear.py``): numerics against float64, its routing in the
+fused modules, and the engine with it against the engine without it.
+
+* CPU: launch parameters, refusals, where the fusion routes (and why not);
+* Triton's interpreter (one subprocess): the kernel against a float64 GEMM on fresh random inputs
+  (bias, SwiGLU, M from 1 to 64, bf16 and fp16), and a tiny bf16 Qwen3 engine with and without it;
+* CUDA (skipped elsewhere): the kernel at Qwen3-8B's decode shapes with PDL, a PDL chain captured in
+  a CUDA graph against the same chain launched plainly, and an engine under ``compile="full"``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+
+import pytest
+import torch
+
+from lumenrl_backends.engines import KernelOptions, NativeEngine
+from lumenrl_backends.engines import triton_linear as tlin
+from lumenrl_backends.engines.fusion import fuse_projections, unfuse_projections
+from lumenrl_backends.models import build_tiny_model, load_model_and_tokenizer
+from lumenrl_core.data_proto import DataProto
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA_TRITON = HAS_TRITON and torch.cuda.is_available()
+PROMPTS = ["12+34=", "7*8=", "(1+2)*3 = what is it", "9", "abc"]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+def float64_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool) -> torch.Tensor:
+    out = x.double() @ weight.double().T + (bias.double() if bias is not None else 0.0)
+    if swiglu:  # the kernel rounds gate and up to the model dtype first, as the unfused GEMM's outputs are
+        gate, up = out.to(x.dtype).double().chunk(2, dim=-1)
+        out = torch.nn.functional.silu(gate) * up
+    return out
+
+
+def kernel_errors(m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, swiglu: bool, device: str = "cpu",
+                  pdl: bool = False, seed: int = 0) -> dict:
+    """The kernel on fresh random operands: relative error against float64, and elements further from
+    the float32 torch reference than summation order explains: one output ulp, or for SwiGLU three (a
+    gate or up value that rounds to its other neighbour moves ``silu(gate) * up`` by up to ~2 ulps)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    reason = tlin.supported(x, weight, b, swiglu)
+    out = tlin.decode_linear(x, weight, b, swiglu=swiglu, pdl=pdl)
+    ref64 = float64_reference(x, weight, b, swiglu)
+    ref = tlin.reference_decode_linear(x, weight, b, swiglu)
+    ulp = torch.finfo(dtype).eps * ref.double().abs().clamp_min(torch.finfo(dtype).tiny) * (3 if swiglu else 1)
+    return {"reason": reason, "shape": list(out.shape), "finite": bool(torch.isfinite(out).all()),
+            "rel_error": float((out.double() - ref64).norm() / ref64.norm()),
+            "beyond_tolerance": int(((out.double() - ref.double()).abs() > ulp * 1.01).sum())}
+
+
+# ------------------------------------------------------------------ CPU: parameters, refusals, routing
+def test_config_rule_and_table():
+    cpu = torch.device("cpu")  # 132 multiprocessors assumed off CUDA (the H200's count); the table is CUDA-only
+    assert tlin.config_for(6144, 4096, cpu)["block_n"] == 32  # narrow tiles: 192 programs
+    assert tlin.config_for(12288, 4096, cpu, swiglu=True)["block_k"] == 64  # two tiles per stage
+    assert tlin.config_for(151936, 4096, cpu)["block_n"] == 128  # an lm head: 1187 programs
+    shapes = [(6144, 4096, False), (4096, 12288, False), (12288, 4096, True), (64, 64, False), (96, 48, False)]
+    for n, k, swiglu in shapes + list(tlin.TUNED):
+        cfg = tlin.TUNED.get((n, k, swiglu)) or tlin.config_for(n, k, cpu, swiglu=swiglu)
+        operands = 2 if swiglu else 1
+        assert k % cfg["block_k"] == 0 and n % cfg["block_n"] == 0 or (n, k) == (96, 48)
+        assert cfg["num_stages"] * (tlin.MAX_M + operands * cfg["block_n"]) * cfg["block_k"] * 2 <= 220_000
+
+
+def test_refusals_name_the_argument():
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="swiglu=True needs weight"):
+        tlin.decode_linear(torch.zeros(2, 64, dtype=torch.bfloat16), w[:63], swiglu=True)
+    with pytest.raises(ValueError, match="prefetch=-1"):
+        tlin.decode_linear(torch.zeros(2, 64, dtype=torch.bfloat16), w, prefetch=-1)
+    assert "M=65" in tlin.supported(torch.zeros(65, 64, dtype=torch.bfloat16), w)
+    assert "float32" in tlin.weight_reason(w.float())
+    assert "contiguous" in tlin.weight_reason(torch.zeros(64, 128, dtype=torch.bfloat16)[:, ::2])
+    if not tlin.INTERPRETED:
+        assert "device cpu" in tlin.weight_reason(w)
+
+
+def test_without_the_kernel_the_op_computes_the_reference():
+    """Off CUDA (no interpreter) the op runs the float32 reference: same function, checked against float64."""
+    if tlin.INTERPRETED:
+        pytest.skip("this process interprets Triton")
+    row = kernel_errors(5, 64, 128, torch.bfloat16, bias=True, swiglu=True)
+    assert row["reason"] is not None and row["shape"] == [5, 32] and row["beyond_tolerance"] == 0
+    assert row["rel_error"] < 4e-3  # one bf16 rounding (2^-8 relative) of the output
+
+
+def test_fusion_routes_decode_gemms_and_says_why_not(tmp_path):
+    model, _ = load_model_and_tokenizer(str(build_tiny_model("qwen3", tmp_path / "m", seed=0)), dtype="bfloat16")
+    try:
+        report = fuse_projections(model, decode_linear=True)
+        if tlin.INTERPRETED:
+            assert len(report.decode_linear) == 4 and not report.decode_linear_skipped  # 2 layers x (attention, MLP)
+        else:  # on the CPU without the interpreter: asked for, refused with the reason
+            assert not report.decode_linear and all("device cpu" in r for r in report.decode_linear_skipped.values())
+            assert len(report.decode_linear_skipped) == 4
+        off = fuse_projections(model, decode_linear=False)  # refusing again switches it off on the fused modules
+        assert not off.decode_linear and not off.decode_linear_skipped
+        assert all(m.__dict__.get("_lumenrl_decode_linear") is None for m in model.modules())
+    finally:
+        unfuse_projections(model)
+
+
+# ------------------------------------------------------------------ Triton's interpreter (one subprocess)
+_INTERPRETED = """
+import json, tempfile, torch
+from test_backends_engine_decode_linear import kernel_errors, engines_with_and_without
+
+for m, n, k, dt, bias, swiglu in ((1, 64, 256, "bfloat16", False, False), (5, 96, 512, "bfloat16", True, False),
+                                  (17, 128, 256, "bfloat16", False, True), (64, 64, 128, "bfloat16", True, True),
+                                  (33, 128, 1024, "float16", False, False), (3, 64, 128, "float16", True, True)):
+    row = kernel_errors(m, n, k, getattr(torch, dt), bias=bias, swiglu=swiglu, seed=m)
+    print(json.dumps({"case": f"{m}x{n}x{k}_{dt}_bias{int(bias)}_swiglu{int(swiglu)}", "dtype": dt, **row}))
+print(json.dumps({"case": "engine", **engines_with_and_without(tempfile.mkdtemp())}))
+"""
+
+
+def engines_with_and_without(tmp: str, device: str = "cpu", compile: str = "none") -> dict:
+    """Greedy generation of a tiny bf16 Qwen3 by an engine without and then with the decode GEMMs:
+    how far apart tokens and log-probs are, and how often the kernel ran."""
+    path = build_tiny_model("qwen3", tmp, seed=0, initializer_range=0.2)
+    model, tokenizer = load_model_and_tokenizer(path, dtype="bfloat16")
+    enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
+    batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    outs, launches, routed = [], [], 0
+    launch = tlin._launch
+    for on in (False, True):
+        count = [0]
+
+        def counted(*args, _count=count):  # noqa: ANN002, ANN202
+            _count[0] += 1
+            return launch(*args)
+
+        tlin._launch = counted
+        try:
+            engine = NativeEngine(model, tokenizer, device=device, max_batch_size=8, max_seq_len=40, compile=compile,
+                                  kernels=KernelOptions(decode_linear=on))
+            outs.append(engine.generate(batch, GREEDY).batch)
+        finally:
+            tlin._launch = launch
+        launches.append(count[0])
+        routed = len(engine.fusion_report.decode_linear) if on else routed
+    plain, fast = outs
+    return {"same_tokens": bool(torch.equal(plain["responses"], fast["responses"])),
+            "log_prob_diff_max": float((plain["rollout_log_probs"] - fast["rollout_log_probs"]).abs().max()),
+            "launches_without": launches[0], "launches_with": launches[1], "routed": routed}
+
+
+@pytest.fixture(scope="module")
+def interpreted(triton_interpreted) -> dict[str, dict]:
+    return triton_interpreted({"decode_linear": _INTERPRETED}).json_rows("decode_linear")
+
+
+@pytest.mark.parametrize("case", ["1x64x256_bfloat16_bias0_swiglu0", "5x96x512_bfloat16_bias1_swiglu0",
+                                  "17x128x256_bfloat16_bias0_swiglu1", "64x64x128_bfloat16_bias1_swiglu1",
+                                  "33x128x1024_float16_bias0_swiglu0", "3x64x128_float16_bias1_swiglu1"])
+def test_interpreted_kernel_against_float64(interpreted, case):
+    row = interpreted[case]
+    assert row["reason"] is None and row["finite"]  # the kernel ran (not the torch fallback)
+    # one rounding of the output (bf16 2^-8, fp16 2^-11 relative) plus float32 accumulation
+    assert row["rel_error"] < (4e-3 if row["dtype"] == "bfloat16" else 6e-4)
+    assert row["beyond_tolerance"] == 0  # against the float32 reference: summation order only
+
+
+def test_interpreted_engine_with_the_decode_gemms(interpreted):
+    row = interpreted["engine"]
+    assert row["routed"] == 4 and row["launches_without"] == 0
+    # every decode step of 2 layers: q/k/v, o, gate/up + SwiGLU, down (prefill rows > 64 stay on torch)
+    assert row["launches_with"] >= 4 * 2 * (GREEDY["max_new_tokens"] - 1)
+    # bf16 model, only the GEMMs' summation order differs: same greedy tokens, log-probs within bf16 noise
+    assert row["same_tokens"] and row["log_prob_diff_max"] < 0.05
+
+
+# ------------------------------------------------------------------ CUDA
+@pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("n,k,swiglu", [(6144, 4096, False), (4096, 4096, False), (24576, 4096, True),
+                                        (4096, 12288, False)])
+@pytest.mark.parametrize("m", [1, 64])
+def test_cuda_kernel_at_8b_shapes(n, k, swiglu, m):
+    row = kernel_errors(m, n, k, torch.bfloat16, bias=False, swiglu=swiglu, device="cuda", pdl=True, seed=m + n)
+    assert row["reason"] is None and row["finite"] and row["rel_error"] < 4e-3
+    # tl.dot's float32 accumulation against torch's float32 GEMM: rarely more than one ulp apart
+    assert row["beyond_tolerance"] <= max(1, m * n // (2 if swiglu else 1) // 1000)
+
+
+@pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and Triton")
+def test_cuda_pdl_chain_in_a_graph_equals_plain_launches():
+    """A chain of dependent decode GEMMs (each reads the previous output) captured with PDL edges: the
+    replayed result equals the same chain launched without PDL, bit for bit, on fresh inputs."""
+    if not tlin.pdl_supported(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0+")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    weights = [torch.randn(4096, 4096, device="cuda", generator=gen, dtype=torch.bfloat16) / 64 for _ in range(8)]
+    x = torch.randn(64, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+    def chain(pdl: bool) -> torch.Tensor:
+        h = x
+        for w in weights:
+            h = tlin.decode_linear(h, w, pdl=pdl)
+        return h
+
+    plain = chain(False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(True)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(True)
+    for _ in range(3):
+        x.copy_(torch.randn(64, 4096, device="cuda", generator=gen, dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, chain(False))
+    assert not torch.equal(captured, plain)  # the inputs did change
+
+
+@pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("compile", ["none", "full"])
+def test_cuda_engine_with_the_decode_gemms(compile):
+    with tempfile.TemporaryDirectory() as tmp:
+        row = engines_with_and_without(tmp, device="cuda", compile=compile)
+    assert row["routed"] == 4 and row["launches_with"] > 0
+    assert row["same_tokens"] and row["log_prob_diff_max"] < 0.05
