@@ -26,6 +26,9 @@ Kernel paths (the switches in ``backquotes`` below are fields of
   RMSNorm hands its ``fp8_row`` consumer per-token FP8 input (``fp8_norm_quant``, on with ``compile="full"``
   and off the GPU), and each decode step's q/k norms, RoPE and KV write (FP8 included) run as one op
   (``fused_qk_rope``, :mod:`~lumenrl_backends.engines.triton_rope`, bit-identical to the HF sequence);
+* decode GEMMs of plain 16-bit layers at M <= 64 rows on a Triton kernel (``decode_linear``, CUDA;
+  :mod:`~lumenrl_backends.engines.triton_linear`): q/k/v, o, gate/up with SwiGLU in its epilogue, down;
+  with ``pdl`` (CUDA sm90+) these and inductor's kernels launch with programmatic dependent launch;
 * MoE experts on lumenrl-quant's fused Triton kernel (``fused_moe``, :mod:`~lumenrl_backends.engines.moe`;
   ``auto``: CUDA, bf16), FP8 blockwise experts with ``fp8_block`` (requantized in place at ``update_weights``);
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv`` (one pass over
