@@ -15,6 +15,10 @@ overlapped host sync (speculative next step); before timing, each fused model is
 (``fusion_check``: fused vs unfused graph engine on 8 x 64-token prompts, log-probs of both vs a
 teacher-forced forward of the original unfused modules).
 
+``--kernels`` runs each native mode once per :class:`KernelOptions` variant, side by side (``;``-separated
+sets of ``NAME=on|off``, an empty set being the defaults), and reports each variant's decode tok/s over the
+first's (``decode_kernels_over_first``).
+
 ``--validate`` first checks correctness on the GPU (1.7B shape, bf16): native greedy tokens vs HF
 greedy tokens, native graph vs eager (identical tokens and log-probs), and the engine's log-probs
 vs a teacher-forced forward of the same model. ``--profile`` profiles every timed native engine as
@@ -24,6 +28,7 @@ the GB/s the GEMMs reach over the weight bytes, and the top kernels.
 
     python benchmarks/gpu/bench_decode.py --models 8b --batches 64 --validate --profile
     python benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes graph,full --fuse on,off --hf ''
+    python benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes full --hf '' --kernels "decode_linear=off,pdl=off;"
 """
 
 from __future__ import annotations

@@ -156,3 +156,14 @@ def test_train_profile_classes_name_the_kernels_of_a_training_step():
     assert _train_kernel_class("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>") == "optimizer"
     assert _train_kernel_class("triton_red_fused__to_copy_add_amax_div_exp_gather_logsumexp_0") == "inductor"
     assert _train_kernel_class("Memcpy DtoD (Device -> Device)") == "copy"
+
+
+def test_decode_profile_classes_and_overlapping_kernels():
+    """The engine's decode GEMM kernel is a GEMM, an inductor kernel whose fused name mentions the op is not;
+    busy time counts overlapping (PDL) kernels once."""
+    from benchmarks.gpu._common import covered_us, kernel_class
+
+    assert kernel_class("_decode_linear_kernel") == "gemm"
+    assert kernel_class("triton_red_fused__to_copy_add_decode_linear_mean_mul_pow_rsqrt_view_8") == "inductor"
+    assert covered_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17.0
+    assert covered_us([(3, 4)]) == 1.0 and covered_us([]) == 0.0

@@ -288,7 +288,7 @@ def _attention_forward(
         a_scale = cache.current_scales.v_scale.float().reshape(1, 1).expand(out.shape[:-1].numel(), 1)
         return self.o_proj.forward_quantized(out.reshape(-1, out.shape[-1]), a_scale, hidden_states.dtype).reshape(
             *input_shape, -1), weights
-    if decode is not None and decode.second:
+    if decode is not None and decode.second and type(self.o_proj) is nn.Linear:  # not wrapped since fusion
         o_proj = self.o_proj
         return _decode_linear(out.reshape(rows, -1), o_proj.weight, o_proj.bias, decode).reshape(*input_shape, -1), weights
     return self.o_proj(out), weights
@@ -348,7 +348,8 @@ def _mlp_forward(
             gate, up = fused(x2)
             h = self.act_fn(gate) * up
         down = self.down_proj
-        out = _decode_linear(h, down.weight, down.bias, decode) if decode.second else down(h)
+        plain = decode.second and type(down) is nn.Linear  # not wrapped since fusion
+        out = _decode_linear(h, down.weight, down.bias, decode) if plain else down(h)
         return out.reshape(*x.shape[:-1], -1)
     gate, up = fused(x)
     return self.down_proj(self.act_fn(gate) * up)
