@@ -110,25 +110,42 @@ def test_fusion_routes_decode_gemms_and_says_why_not(tmp_path):
 # ------------------------------------------------------------------ Triton's interpreter (one subprocess)
 _INTERPRETED = """
 import json, tempfile, torch
-from test_backends_engine_decode_linear import kernel_errors, engines_with_and_without
+from test_backends_engine_decode_linear import engines_with_and_without, kernel_errors, routed_mlps_against_original
 
 for m, n, k, dt, bias, swiglu in ((1, 64, 256, "bfloat16", False, False), (5, 96, 512, "bfloat16", True, False),
                                   (17, 128, 256, "bfloat16", False, True), (64, 64, 128, "bfloat16", True, True),
                                   (33, 128, 1024, "float16", False, False), (3, 64, 128, "float16", True, True)):
     row = kernel_errors(m, n, k, getattr(torch, dt), bias=bias, swiglu=swiglu, seed=m)
     print(json.dumps({"case": f"{m}x{n}x{k}_{dt}_bias{int(bias)}_swiglu{int(swiglu)}", "dtype": dt, **row}))
-print(json.dumps({"case": "engine", **engines_with_and_without(tempfile.mkdtemp())}))
+for family in ("qwen3", "llama", "deepseek_v3"):
+    print(json.dumps({"case": f"engine_{family}", **engines_with_and_without(tempfile.mkdtemp(), family=family)}))
+    print(json.dumps({"case": f"modules_{family}", **routed_mlps_against_original(tempfile.mkdtemp(), family)}))
 """
 
 
-def engines_with_and_without(tmp: str, device: str = "cpu", compile: str = "none") -> dict:
-    """Greedy generation of a tiny bf16 Qwen3 by an engine without and then with the decode GEMMs:
-    how far apart tokens and log-probs are, and how often the kernel ran."""
-    path = build_tiny_model("qwen3", tmp, seed=0, initializer_range=0.2)
+def routed_mlps_against_original(tmp: str, family: str) -> dict:
+    """Each MLP the fusion routes to the kernel, decode-sized input: its output against the module's
+    original (unfused, torch) forward, as the largest difference over the output's largest magnitude."""
+    model, _ = load_model_and_tokenizer(build_tiny_model(family, tmp, seed=0, initializer_range=0.2), dtype="bfloat16")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 1, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        mlps = {n: m for n, m in model.named_modules() if type(m).__name__.endswith("MLP")}
+        before = {n: m(x).float() for n, m in mlps.items()}
+        report = fuse_projections(model, decode_linear=True)
+        worst = max(float((m(x).float() - before[n]).abs().max() / before[n].abs().max()) for n, m in mlps.items())
+    return {"routed_mlps": len([n for n in report.decode_linear if n in mlps]), "mlps": len(mlps), "worst": worst}
+
+
+def engines_with_and_without(tmp: str, device: str = "cpu", compile: str = "none", family: str = "qwen3") -> dict:
+    """Greedy generation of a tiny bf16 ``family`` model by an engine without and then with the decode
+    GEMMs: how far apart tokens and log-probs are, how often the kernel ran, and how many fused modules
+    the engine has and routes to it."""
+    path = build_tiny_model(family, tmp, seed=0, initializer_range=0.2)
     model, tokenizer = load_model_and_tokenizer(path, dtype="bfloat16")
     enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
     batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
-    outs, launches, routed = [], [], 0
+    outs, launches, routed, fused = [], [], 0, 0
     launch = tlin._launch
     for on in (False, True):
         count = [0]
@@ -145,11 +162,12 @@ def engines_with_and_without(tmp: str, device: str = "cpu", compile: str = "none
         finally:
             tlin._launch = launch
         launches.append(count[0])
-        routed = len(engine.fusion_report.decode_linear) if on else routed
+        if on:
+            routed, fused = len(engine.fusion_report.decode_linear), engine.fusion_report.fused
     plain, fast = outs
     return {"same_tokens": bool(torch.equal(plain["responses"], fast["responses"])),
             "log_prob_diff_max": float((plain["rollout_log_probs"] - fast["rollout_log_probs"]).abs().max()),
-            "launches_without": launches[0], "launches_with": launches[1], "routed": routed}
+            "launches_without": launches[0], "launches_with": launches[1], "routed": routed, "fused": fused}
 
 
 @pytest.fixture(scope="module")
@@ -168,13 +186,21 @@ def test_interpreted_kernel_against_float64(interpreted, case):
     assert row["beyond_tolerance"] == 0  # against the float32 reference: summation order only
 
 
-def test_interpreted_engine_with_the_decode_gemms(interpreted):
-    row = interpreted["engine"]
-    assert row["routed"] == 4 and row["launches_without"] == 0
-    # every decode step of 2 layers: q/k/v, o, gate/up + SwiGLU, down (prefill rows > 64 stay on torch)
-    assert row["launches_with"] >= 4 * 2 * (GREEDY["max_new_tokens"] - 1)
-    # bf16 model, only the GEMMs' summation order differs: same greedy tokens, log-probs within bf16 noise
-    assert row["same_tokens"] and row["log_prob_diff_max"] < 0.05
+@pytest.mark.parametrize("family", ["qwen3", "llama", "deepseek_v3"])
+def test_interpreted_engine_with_the_decode_gemms(interpreted, family):
+    row = interpreted[f"engine_{family}"]
+    # every fused module routes its decode GEMMs (DeepSeek-V3: MLA attention is not fused; its dense and
+    # shared-expert MLPs are)
+    assert row["routed"] == row["fused"] == (2 if family == "deepseek_v3" else 4) and row["launches_without"] == 0
+    # every decode step: 2 GEMM launches per routed module at least (prefill rows > 64 stay on torch)
+    assert row["launches_with"] >= 2 * row["routed"] * (GREEDY["max_new_tokens"] - 1)
+    if family != "deepseek_v3":  # dense: only the GEMMs' summation order differs, so same greedy tokens
+        assert row["same_tokens"] and row["log_prob_diff_max"] < 0.05
+    # (MoE: an output one bf16 ulp off can flip a top-k expert choice of a random tiny router, after which
+    # the two runs decode different text; the routed MLPs themselves are checked module by module)
+    modules = interpreted[f"modules_{family}"]
+    assert modules["routed_mlps"] == modules["mlps"] > 0
+    assert modules["worst"] <= 2 ** -7  # two bf16 roundings (gate/up, then the output) apart at most
 
 
 # ------------------------------------------------------------------ CUDA
@@ -227,5 +253,5 @@ def test_cuda_pdl_chain_in_a_graph_equals_plain_launches():
 def test_cuda_engine_with_the_decode_gemms(compile):
     with tempfile.TemporaryDirectory() as tmp:
         row = engines_with_and_without(tmp, device="cuda", compile=compile)
-    assert row["routed"] == 4 and row["launches_with"] > 0
+    assert row["routed"] == row["fused"] == 4 and row["launches_with"] > 0
     assert row["same_tokens"] and row["log_prob_diff_max"] < 0.05
