@@ -41,17 +41,19 @@ def _free_port() -> int:
 
 
 def ensure_process_group(device: torch.device) -> None:
-    """Initialize ``torch.distributed`` (gloo on CPU, nccl on CUDA) unless already initialized."""
+    """Initialize ``torch.distributed`` (gloo on CPU, nccl on CUDA) unless already initialized: from the
+    torchrun / Ray environment (``RANK``, ``WORLD_SIZE``, ``MASTER_*``) where it is set, else as a one-rank
+    group whose rendezvous address is passed to torch, not written into ``os.environ``: a child process
+    (a data loader, a rollouter, a test's subprocess) must not inherit a rank-0-of-1 rendezvous whose port
+    this process's store already holds."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda" and device.index is None:  # init_process_group wants an indexed device
         device = torch.device("cuda", torch.cuda.current_device())
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs: dict = {"device_id": device} if device.type == "cuda" else {}
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     dist.init_process_group(backend=backend, **kwargs)
 
 
