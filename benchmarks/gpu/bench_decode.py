@@ -132,16 +132,19 @@ def native_label(mode: str, fuse: bool, overlap: bool, kernels: str = "") -> str
     return f"native-{mode}" + ("" if fuse else "-unfused") + ("" if overlap else "-sync") + (f"[{kernels}]" if kernels else "")
 
 
-def kernel_overrides(spec: str) -> dict[str, bool]:
-    """``"decode_linear=off,pdl=on"`` -> KernelOptions keyword overrides (boolean options only)."""
+def kernel_overrides(spec: str) -> dict[str, bool | str]:
+    """``"decode_linear=off,pdl=on"`` -> KernelOptions keyword overrides: on/off for the boolean options,
+    the value itself for the others (``decode_linear``, ``fused_moe``: the engine checks it)."""
     switch = {"on": True, "off": False}
-    fields = {f.name for f in dataclasses.fields(KernelOptions) if f.type in (bool, "bool")}
-    out = {}
+    kinds = {f.name: f.type for f in dataclasses.fields(KernelOptions)}
+    out: dict[str, bool | str] = {}
     for item in filter(None, spec.split(",")):
         name, _, value = item.partition("=")
-        if name not in fields or value not in switch:
-            raise SystemExit(f"--kernels item {item!r}: give NAME=on|off with NAME one of {sorted(fields)}")
-        out[name] = switch[value]
+        boolean = kinds.get(name) in (bool, "bool")
+        if name not in kinds or not value or (boolean and value not in switch):
+            raise SystemExit(f"--kernels item {item!r}: give NAME=VALUE with NAME one of {sorted(kinds)} "
+                             "(on|off for the boolean ones)")
+        out[name] = switch[value] if boolean else value
     return out
 
 

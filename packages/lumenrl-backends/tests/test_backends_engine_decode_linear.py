@@ -94,17 +94,33 @@ def test_without_the_kernel_the_op_computes_the_reference():
 def test_fusion_routes_decode_gemms_and_says_why_not(tmp_path):
     model, _ = load_model_and_tokenizer(str(build_tiny_model("qwen3", tmp_path / "m", seed=0)), dtype="bfloat16")
     try:
-        report = fuse_projections(model, decode_linear=True)
+        report = fuse_projections(model, decode_linear="on")
         if tlin.INTERPRETED:
             assert len(report.decode_linear) == 4 and not report.decode_linear_skipped  # 2 layers x (attention, MLP)
         else:  # on the CPU without the interpreter: asked for, refused with the reason
             assert not report.decode_linear and all("device cpu" in r for r in report.decode_linear_skipped.values())
             assert len(report.decode_linear_skipped) == 4
-        off = fuse_projections(model, decode_linear=False)  # refusing again switches it off on the fused modules
+        off = fuse_projections(model, decode_linear="off")  # refusing again switches it off on the fused modules
         assert not off.decode_linear and not off.decode_linear_skipped
         assert all(m.__dict__.get("_lumenrl_decode_linear") is None for m in model.modules())
     finally:
         unfuse_projections(model)
+
+
+def test_auto_takes_only_measured_shapes_and_bad_modes_are_refused(tmp_path):
+    model, tokenizer = load_model_and_tokenizer(str(build_tiny_model("qwen3", tmp_path / "m", seed=0)), dtype="bfloat16")
+    try:
+        report = fuse_projections(model, decode_linear="auto")  # the tiny shapes have no measured parameters
+        assert not report.decode_linear and len(report.decode_linear_skipped) == 4
+        assert all("measured" in r or "device cpu" in r for r in report.decode_linear_skipped.values())
+        with pytest.raises(ValueError, match="decode_linear='fast'; allowed: auto, on, off"):
+            fuse_projections(model, decode_linear="fast")
+    finally:
+        unfuse_projections(model)
+    with pytest.raises(ValueError, match="kernels.decode_linear=True; allowed: auto, on, off"):
+        NativeEngine(model, tokenizer, max_batch_size=2, max_seq_len=16, kernels=KernelOptions(decode_linear=True))
+    # the table holds the 8B decode shapes, for 132-multiprocessor CUDA devices only
+    assert (6144, 4096, False) in tlin.TUNED and not tlin.tuned(6144, 4096, torch.device("cpu"))
 
 
 # ------------------------------------------------------------------ Triton's interpreter (one subprocess)
@@ -132,7 +148,7 @@ def routed_mlps_against_original(tmp: str, family: str) -> dict:
     with torch.no_grad():
         mlps = {n: m for n, m in model.named_modules() if type(m).__name__.endswith("MLP")}
         before = {n: m(x).float() for n, m in mlps.items()}
-        report = fuse_projections(model, decode_linear=True)
+        report = fuse_projections(model, decode_linear="on")
         worst = max(float((m(x).float() - before[n]).abs().max() / before[n].abs().max()) for n, m in mlps.items())
     return {"routed_mlps": len([n for n in report.decode_linear if n in mlps]), "mlps": len(mlps), "worst": worst}
 
@@ -157,7 +173,7 @@ def engines_with_and_without(tmp: str, device: str = "cpu", compile: str = "none
         tlin._launch = counted
         try:
             engine = NativeEngine(model, tokenizer, device=device, max_batch_size=8, max_seq_len=40, compile=compile,
-                                  kernels=KernelOptions(decode_linear=on))
+                                  kernels=KernelOptions(decode_linear="on" if on else "off"))
             outs.append(engine.generate(batch, GREEDY).batch)
         finally:
             tlin._launch = launch

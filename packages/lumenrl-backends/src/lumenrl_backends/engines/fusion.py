@@ -495,7 +495,7 @@ _DECODE_ATTR = "_lumenrl_decode_linear"  # instance attribute: a _DecodeLinears,
 @torch.no_grad()
 def fuse_projections(
     model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False, fp8_act_kernel: bool = True,
-    fp8_attn_out: bool = True, fp8_norm_quant: bool = True, fused_qk_rope: bool = True, decode_linear: bool = False,
+    fp8_attn_out: bool = True, fp8_norm_quant: bool = True, fused_qk_rope: bool = True, decode_linear: str = "off",
     pdl: bool = False,
 ) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
@@ -525,15 +525,18 @@ def fuse_projections(
     module's norms and its family's RoPE compute what the op computes (else ``attention_fused_rope_skipped``
     says why not).
 
-    ``decode_linear`` (off here; the engine turns it on for CUDA): decode-sized GEMMs (M <= 64 rows) of
-    plain 16-bit layers run :func:`~lumenrl_backends.engines.triton_linear.decode_linear`: q/k/v and o
-    in attention, gate/up with ``silu(gate) * up`` in its epilogue and down in the MLP
+    ``decode_linear`` (``off`` here; the engine passes its option on CUDA): decode-sized GEMMs (M <= 64 rows)
+    of plain 16-bit layers run :func:`~lumenrl_backends.engines.triton_linear.decode_linear`: q/k/v and o
+    in attention, gate/up with ``silu(gate) * up`` in its epilogue and down in the MLP; ``auto`` only where
+    the shape has measured launch parameters for the device, ``on`` wherever the kernel takes the weight
     (``decode_linear_skipped`` says where not and why); ``pdl``: they launch with programmatic dependent
     launch (CUDA sm90+).
 
     Call after the model is on its device (and after quantization, if any): the fused storage is
     allocated where the members live, and later ``.to()`` calls would not move it.
     """
+    if decode_linear not in ("auto", "on", "off"):
+        raise ValueError(f"decode_linear={decode_linear!r}; allowed: auto, on, off")
     report = FusionReport()
     for name, module in list(model.named_modules()):
         cls = type(module)
@@ -600,15 +603,19 @@ def _set_qk_rope(module: nn.Module, name: str, wanted: bool, report: FusionRepor
         report.attention_fused_rope_skipped[name] = reason
 
 
-def _set_decode_linear(module: nn.Module, name: str, kind: str, wanted: bool, pdl: bool, report: FusionReport) -> None:
+def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: bool, report: FusionReport) -> None:
     """Route the module's decode GEMMs (M <= 64 rows) to the Triton decode kernel where it takes the weights:
     plain (unquantized) 16-bit weights of the tile's multiples; the MLP's gate/up only with a SiLU
-    activation (its epilogue is SwiGLU) and not on a lumenrl-quant FP8 SwiGLU path."""
-    from lumenrl_backends.engines.triton_linear import weight_reason
+    activation (its epilogue is SwiGLU) and not on a lumenrl-quant FP8 SwiGLU path; ``mode`` ``auto`` only
+    shapes with measured launch parameters (``triton_linear.TUNED``), ``on`` every such weight."""
+    from functools import partial
+
+    from lumenrl_backends.engines import triton_linear
 
     module.__dict__[_DECODE_ATTR] = None
-    if not wanted:
+    if mode == "off":
         return
+    weight_reason = partial(triton_linear.weight_reason, tuned_only=mode == "auto")
     fused = module.__dict__[_FUSED_ATTR]
     second = module.o_proj if kind == "attention" else module.down_proj
     if kind == "attention":

@@ -27,7 +27,8 @@ Kernel paths (the switches in ``backquotes`` below are fields of
   and off the GPU), and each decode step's q/k norms, RoPE and KV write (FP8 included) run as one op
   (``fused_qk_rope``, :mod:`~lumenrl_backends.engines.triton_rope`, bit-identical to the HF sequence);
 * decode GEMMs of plain 16-bit layers at M <= 64 rows on a Triton kernel (``decode_linear``, CUDA;
-  :mod:`~lumenrl_backends.engines.triton_linear`): q/k/v, o, gate/up with SwiGLU in its epilogue, down;
+  :mod:`~lumenrl_backends.engines.triton_linear`; ``auto``: the shapes with measured launch parameters):
+  q/k/v, o, gate/up with SwiGLU in its epilogue, down;
   with ``pdl`` (CUDA sm90+) these and inductor's kernels launch with programmatic dependent launch;
 * MoE experts on lumenrl-quant's fused Triton kernel (``fused_moe``, :mod:`~lumenrl_backends.engines.moe`;
   ``auto``: CUDA, bf16), FP8 blockwise experts with ``fp8_block`` (requantized in place at ``update_weights``);
@@ -170,6 +171,8 @@ class NativeEngine:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        if k.decode_linear not in ("auto", "on", "off"):
+            raise ValueError(f"kernels.decode_linear={k.decode_linear!r}; allowed: auto, on, off")
         if exact_logprobs and k.fused_moe == "on":
             raise ValueError("fused_moe='on' with exact_logprobs: the exact mode runs the HF modules; allowed: auto, off")
         if max_seq_len < 2:
@@ -188,8 +191,8 @@ class NativeEngine:
                                                     fp8_act_kernel=k.fp8_act_kernel, fp8_attn_out=k.fp8_attn_out,
                                                     fp8_norm_quant=k.fp8_norm_quant and _norm_quant_pays(compile, self.device),
                                                     fused_qk_rope=k.fused_qk_rope,
-                                                    decode_linear=k.decode_linear and (
-                                                        self.device.type == "cuda" or triton_linear.INTERPRETED),
+                                                    decode_linear=k.decode_linear if (
+                                                        self.device.type == "cuda" or triton_linear.INTERPRETED) else "off",
                                                     pdl=self._pdl) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules

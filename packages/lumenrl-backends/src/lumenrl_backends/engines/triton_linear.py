@@ -43,7 +43,7 @@ import os
 
 import torch
 
-__all__ = ["INTERPRETED", "MAX_M", "TUNED", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "reference_decode_linear", "supported", "weight_reason"]
+__all__ = ["INTERPRETED", "MAX_M", "TUNED", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "tuned", "reference_decode_linear", "supported", "weight_reason"]
 
 try:
     import triton
@@ -86,15 +86,20 @@ TUNED: dict[tuple[int, int, bool], dict[str, int]] = {
 }
 
 
+def tuned(n: int, k: int, device: torch.device, *, swiglu: bool = False) -> bool:
+    """Whether (N, K) has measured launch parameters (:data:`TUNED`) for ``device``: a CUDA device with
+    the H200's 132 multiprocessors."""
+    return (n, k, swiglu) in TUNED and device.type == "cuda" and _sms(device) == 132
+
+
 def config_for(n: int, k: int, device: torch.device, *, swiglu: bool = False) -> dict[str, int]:
     """Launch parameters for an (N, K) weight (N: the output features; with ``swiglu`` the I gate
     features): :data:`TUNED` where measured, else a rule from the same sweep: 32-feature tiles (at
     M = 64 the weight tile is the bytes in flight, and narrow tiles give many programs), 128 only
     where that still leaves ~1.5 programs per multiprocessor (an lm head); ``block_k`` 128 (64 for
     SwiGLU's two tiles); as many pipeline stages as ~200 KB of shared memory holds, at most 6."""
-    tuned = TUNED.get((n, k, swiglu))
-    if tuned is not None and device.type == "cuda" and _sms(device) == 132:
-        return dict(tuned)
+    if tuned(n, k, device, swiglu=swiglu):
+        return dict(TUNED[(n, k, swiglu)])
     operands = 2 if swiglu else 1  # swiglu: gate and up tiles per stage
     block_n = 128 if n // 128 >= 1.5 * _sms(device) else 32
     block_k = 64 if swiglu else 128
@@ -191,8 +196,10 @@ def reference_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return out.to(x.dtype)
 
 
-def weight_reason(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False) -> str | None:
-    """None when the kernel takes this weight (and bias) for decode-sized inputs of its dtype, else why not."""
+def weight_reason(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False, *,
+                  tuned_only: bool = False) -> str | None:
+    """None when the kernel takes this weight (and bias) for decode-sized inputs of its dtype, else why not;
+    ``tuned_only``: also only where the shape has measured launch parameters (:func:`tuned`)."""
     if triton is None:
         return "triton is not installed"
     if weight.dim() != 2 or weight.dtype not in _DTYPES or (bias is not None and bias.dtype != weight.dtype):
@@ -207,6 +214,8 @@ def weight_reason(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu
         return f"(N, K)=({n}, {k}) not a multiple of the tile ({cfg['block_n']}, {cfg['block_k']})"
     if not (weight.is_cuda or INTERPRETED):
         return f"device {weight.device.type}: the kernel runs on CUDA (or in Triton's interpreter)"
+    if tuned_only and not tuned(n // 2 if swiglu else n, k, weight.device, swiglu=swiglu):
+        return f"(N, K)=({n}, {k}): no measured launch parameters for this device (decode_linear='on' takes it)"
     return None
 
 
