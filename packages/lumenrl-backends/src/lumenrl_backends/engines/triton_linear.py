@@ -4,10 +4,10 @@ with the SwiGLU ``silu(gate) * up`` in the epilogue, optionally chained by progr
 Why: at decode the batch (M) is 1..64 while N and K are the model's widths, so a linear reads its
 weight once and is bandwidth-bound. What separates a kernel from the copy bandwidth is its start and
 its end: the pipeline fills from DRAM while nothing streams, the last programs drain while the next
-kernel has not started, and on one H200 (Qwen3-8B, batch 64) a step runs ~400 such kernels. cuBLAS
-reaches 3.0 TB/s on the 50 MB q/k/v GEMM and 2.8 TB/s on the 34 MB o GEMM against ~4.4 TB/s of pure
-reads (``benchmarks/gpu/bench_decode_linear.py``); its split-K down projection adds a reduce kernel.
-This kernel does three things about it:
+kernel has not started, and a decode step runs hundreds of such kernels; cuBLAS's split-K down
+projection adds a reduce kernel. The measured figures are the ``decode_linear`` entry of
+``benchmarks/RESULTS.md`` and ``docs/decisions/0023-decode-gemm-and-pdl.md``. This kernel does three
+things about it:
 
 * **PDL** (``pdl=True``, CUDA sm90+): the kernel is launched with programmatic stream serialization.
   Each program first issues L2 prefetches of the first ``prefetch`` columns of its weight rows (weights
