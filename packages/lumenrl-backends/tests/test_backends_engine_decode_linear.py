@@ -126,17 +126,49 @@ def test_auto_takes_only_measured_shapes_and_bad_modes_are_refused(tmp_path):
 # ------------------------------------------------------------------ Triton's interpreter (one subprocess)
 _INTERPRETED = """
 import json, tempfile, torch
-from test_backends_engine_decode_linear import engines_with_and_without, kernel_errors, routed_mlps_against_original
+from test_backends_engine_decode_linear import (auto_launches_by_rows, engines_with_and_without, kernel_errors,
+                                               routed_mlps_against_original)
 
 for m, n, k, dt, bias, swiglu in ((1, 64, 256, "bfloat16", False, False), (5, 96, 512, "bfloat16", True, False),
                                   (17, 128, 256, "bfloat16", False, True), (64, 64, 128, "bfloat16", True, True),
                                   (33, 128, 1024, "float16", False, False), (3, 64, 128, "float16", True, True)):
     row = kernel_errors(m, n, k, getattr(torch, dt), bias=bias, swiglu=swiglu, seed=m)
     print(json.dumps({"case": f"{m}x{n}x{k}_{dt}_bias{int(bias)}_swiglu{int(swiglu)}", "dtype": dt, **row}))
+print(json.dumps({"case": "auto_rows", **auto_launches_by_rows(tempfile.mkdtemp())}))
 for family in ("qwen3", "llama", "deepseek_v3"):
     print(json.dumps({"case": f"engine_{family}", **engines_with_and_without(tempfile.mkdtemp(), family=family)}))
     print(json.dumps({"case": f"modules_{family}", **routed_mlps_against_original(tempfile.mkdtemp(), family)}))
 """
+
+
+def auto_launches_by_rows(tmp: str) -> dict:
+    """``decode_linear="auto"`` with every shape taken as measured (the routing's ``tuned_only`` check
+    patched away): kernel launches of a 5-row and a 40-row greedy generation (auto routes 33..64 rows,
+    the measured tile)."""
+    model, tokenizer = load_model_and_tokenizer(build_tiny_model("qwen3", tmp, seed=0, initializer_range=0.2),
+                                                dtype="bfloat16")
+    launch, reason, count = tlin._launch, tlin.weight_reason, [0]
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        count[0] += 1
+        return launch(*args)
+
+    tlin._launch = counted
+    tlin.weight_reason = lambda weight, bias=None, swiglu=False, tuned_only=False: reason(weight, bias, swiglu)
+    try:
+        engine = NativeEngine(model, tokenizer, max_batch_size=40, max_seq_len=24,
+                              kernels=KernelOptions(decode_linear="auto"))
+        out = {"routed": len(engine.fusion_report.decode_linear)}
+        for rows in (5, 40):
+            prompts = (PROMPTS * 8)[:rows]
+            enc = tokenizer(prompts, padding=True, return_tensors="pt")
+            batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+            count[0] = 0
+            engine.generate(batch, {**GREEDY, "max_new_tokens": 3})
+            out[f"launches_{rows}"] = count[0]
+    finally:
+        tlin._launch, tlin.weight_reason = launch, reason
+    return out
 
 
 def routed_mlps_against_original(tmp: str, family: str) -> dict:
@@ -200,6 +232,13 @@ def test_interpreted_kernel_against_float64(interpreted, case):
     # one rounding of the output (bf16 2^-8, fp16 2^-11 relative) plus float32 accumulation
     assert row["rel_error"] < (4e-3 if row["dtype"] == "bfloat16" else 6e-4)
     assert row["beyond_tolerance"] == 0  # against the float32 reference: summation order only
+
+
+def test_interpreted_auto_routes_only_the_measured_row_range(interpreted):
+    row = interpreted["auto_rows"]
+    assert row["routed"] == 4
+    assert row["launches_5"] == 0  # 5 rows: below the measured 64-row tile's range, cuBLAS (torch here)
+    assert row["launches_40"] >= 4 * 2 * 2  # 40 rows: 4 GEMMs x 2 layers x the 2 decode steps at least
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "deepseek_v3"])

@@ -240,8 +240,8 @@ def _attention_forward(
     prequantized = kwargs.pop("lumenrl_prequantized", None)  # (codes, scales) of the normed input (layer forward)
     decode = self.__dict__.get(_DECODE_ATTR)
     rows = input_shape.numel()
-    if decode is not None and rows > _decode_max_m():
-        decode = None  # prefill: cuBLAS
+    if decode is not None and not decode.min_m <= rows <= _decode_max_m():
+        decode = None  # prefill (or rows outside the measured range): cuBLAS
     if prequantized is None and decode is not None and decode.first:
         query, key, value = _decode_linear(hidden_states.reshape(rows, -1), fused.weight, fused.bias, decode).reshape(
             *input_shape, -1).split(fused.sizes, dim=-1)
@@ -340,7 +340,7 @@ def _mlp_forward(
         return swiglu_mlp_fp8_tokenwise(x, fused.linear, self.down_proj, x_quantized=lumenrl_prequantized)
     decode = self.__dict__.get(_DECODE_ATTR)
     rows = x.shape[:-1].numel()
-    if decode is not None and rows <= _decode_max_m():
+    if decode is not None and decode.min_m <= rows <= _decode_max_m():
         x2 = x.reshape(rows, -1)
         if decode.first:  # gate/up GEMM with silu(gate) * up in its epilogue
             h = _decode_linear(x2, fused.weight, fused.bias, decode, swiglu=True)
@@ -358,11 +358,13 @@ def _mlp_forward(
 @dataclass(frozen=True, slots=True)
 class _DecodeLinears:
     """Which of a module's two decode GEMMs run :func:`~lumenrl_backends.engines.triton_linear.decode_linear`
-    (attention: q/k/v, o; MLP: gate/up with the SwiGLU epilogue, down) and whether they launch with PDL."""
+    (attention: q/k/v, o; MLP: gate/up with the SwiGLU epilogue, down), from how many rows (``auto``: the
+    measured one-tile range, 33..64) and whether they launch with PDL."""
 
     first: bool
     second: bool
     pdl: bool
+    min_m: int = 1
 
 
 def _decode_max_m() -> int:
@@ -629,7 +631,8 @@ def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: 
     second_reason = (weight_reason(second.weight, second.bias) if type(second) is nn.Linear
                      else f"{type(second).__name__} is not a plain nn.Linear")
     if first_reason is None or second_reason is None:
-        module.__dict__[_DECODE_ATTR] = _DecodeLinears(first_reason is None, second_reason is None, pdl)
+        module.__dict__[_DECODE_ATTR] = _DecodeLinears(first_reason is None, second_reason is None, pdl,
+                                                       triton_linear.AUTO_MIN_M if mode == "auto" else 1)
         report.decode_linear.append(name)
     if first_reason is not None or second_reason is not None:
         report.decode_linear_skipped[name] = "; ".join(r for r in (first_reason, second_reason) if r is not None)

@@ -26,5 +26,5 @@ class KernelOptions:
     fp8_attn_out: bool = True  # FP8 KV cache: decode attention writes FP8 codes for o_proj
     fp8_norm_quant: bool = True  # RMSNorm hands its fp8_row consumer per-token FP8 input (compile="full", CPU)
     decode_linear: str = "auto"  # CUDA, 16-bit decode GEMMs (M <= 64) on the Triton decode kernel (engines/triton_linear.py):
-    # auto (shapes with measured launch parameters), on (every shape it takes), off
+    # auto (shapes with measured launch parameters, 33..64 rows), on (every shape it takes, 1..64 rows), off
     pdl: bool = True  # CUDA sm90+: decode GEMMs and inductor's kernels launch with programmatic dependent launch

@@ -43,7 +43,7 @@ import os
 
 import torch
 
-__all__ = ["INTERPRETED", "MAX_M", "TUNED", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "tuned", "reference_decode_linear", "supported", "weight_reason"]
+__all__ = ["AUTO_MIN_M", "INTERPRETED", "MAX_M", "TUNED", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "tuned", "reference_decode_linear", "supported", "weight_reason"]
 
 try:
     import triton
@@ -53,6 +53,7 @@ except ImportError:  # pragma: no cover - CPU environments without Triton
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does at import
 MAX_M = 64  # one 64-row tile: measured at M = 64 (the benchmark's decode batch); larger M stays on cuBLAS
+AUTO_MIN_M = 33  # decode_linear="auto" routes 33..64 rows (the 64-row tile it was measured with); "on": 1..64
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
