@@ -75,6 +75,8 @@ def test_refusals_name_the_argument():
         tlin.decode_linear(torch.zeros(2, 64, dtype=torch.bfloat16), w[:63], swiglu=True)
     with pytest.raises(ValueError, match="prefetch=-1"):
         tlin.decode_linear(torch.zeros(2, 64, dtype=torch.bfloat16), w, prefetch=-1)
+    with pytest.raises(ValueError, match="min_m=0"):
+        tlin.decode_linear(torch.zeros(2, 64, dtype=torch.bfloat16), w, min_m=0)
     assert "M=65" in tlin.supported(torch.zeros(65, 64, dtype=torch.bfloat16), w)
     assert "float32" in tlin.weight_reason(w.float())
     assert "contiguous" in tlin.weight_reason(torch.zeros(64, 128, dtype=torch.bfloat16)[:, ::2])
@@ -82,13 +84,28 @@ def test_refusals_name_the_argument():
         assert "device cpu" in tlin.weight_reason(w)
 
 
-def test_without_the_kernel_the_op_computes_the_reference():
-    """Off CUDA (no interpreter) the op runs the float32 reference: same function, checked against float64."""
+def test_without_the_kernel_the_op_computes_the_same_function():
+    """Off CUDA (no interpreter) the op runs torch's linear: same function, checked against float64."""
     if tlin.INTERPRETED:
         pytest.skip("this process interprets Triton")
     row = kernel_errors(5, 64, 128, torch.bfloat16, bias=True, swiglu=True)
     assert row["reason"] is not None and row["shape"] == [5, 32] and row["beyond_tolerance"] == 0
     assert row["rel_error"] < 4e-3  # one bf16 rounding (2^-8 relative) of the output
+
+
+def test_a_compiled_caller_is_not_specialised_on_the_row_count():
+    """The op picks kernel or cuBLAS by M itself: one dynamic compile serves 5, 40 and 100 rows."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    w = torch.randn(128, 64).to(torch.bfloat16)
+    f = torch.compile(lambda x: tlin.decode_linear(x, w, swiglu=True, min_m=33), backend=counter, dynamic=True)
+    for rows in (5, 40, 100):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        assert torch.equal(f(x), tlin.decode_linear(x, w, swiglu=True, min_m=33))
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
 
 
 def test_fusion_routes_decode_gemms_and_says_why_not(tmp_path):

@@ -238,10 +238,8 @@ def _attention_forward(
     hidden_shape = (*input_shape, -1, self.head_dim)
     fused = getattr(self, _FUSED_ATTR)
     prequantized = kwargs.pop("lumenrl_prequantized", None)  # (codes, scales) of the normed input (layer forward)
-    decode = self.__dict__.get(_DECODE_ATTR)
+    decode = self.__dict__.get(_DECODE_ATTR)  # the op picks kernel or cuBLAS by the row count (no guard here)
     rows = input_shape.numel()
-    if decode is not None and not decode.min_m <= rows <= _decode_max_m():
-        decode = None  # prefill (or rows outside the measured range): cuBLAS
     if prequantized is None and decode is not None and decode.first:
         query, key, value = _decode_linear(hidden_states.reshape(rows, -1), fused.weight, fused.bias, decode).reshape(
             *input_shape, -1).split(fused.sizes, dim=-1)
@@ -338,9 +336,9 @@ def _mlp_forward(
         from lumenrl_quant.fused_mlp import swiglu_mlp_fp8_tokenwise
 
         return swiglu_mlp_fp8_tokenwise(x, fused.linear, self.down_proj, x_quantized=lumenrl_prequantized)
-    decode = self.__dict__.get(_DECODE_ATTR)
-    rows = x.shape[:-1].numel()
-    if decode is not None and decode.min_m <= rows <= _decode_max_m():
+    decode = self.__dict__.get(_DECODE_ATTR)  # the op picks kernel or cuBLAS by the row count (no guard here)
+    if decode is not None:
+        rows = x.shape[:-1].numel()
         x2 = x.reshape(rows, -1)
         if decode.first:  # gate/up GEMM with silu(gate) * up in its epilogue
             h = _decode_linear(x2, fused.weight, fused.bias, decode, swiglu=True)
@@ -367,17 +365,11 @@ class _DecodeLinears:
     min_m: int = 1
 
 
-def _decode_max_m() -> int:
-    from lumenrl_backends.engines.triton_linear import MAX_M
-
-    return MAX_M
-
-
 def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, decode: _DecodeLinears,
                    swiglu: bool = False) -> torch.Tensor:
     from lumenrl_backends.engines.triton_linear import decode_linear
 
-    return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl)
+    return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl, min_m=decode.min_m)
 
 
 # decoder layers whose forward is: x + attn(norm1(x)), then + mlp(norm2(.)) (HF 5.x: returns the tensor)

@@ -28,10 +28,12 @@ Numerics: float32 accumulation (``tl.dot`` of bf16/fp16 operands), the bias adde
 rounding to the output dtype; with ``swiglu`` gate and up are first rounded to the model dtype (as the
 unfused GEMM's outputs are), then ``silu(gate) * up`` is taken in float32 and rounded once (what
 inductor's fused kernel for ``act_fn(gate) * up`` does). Versus cuBLAS only the summation order differs.
-:func:`reference_decode_linear` is the float32 torch reference (also the path without Triton).
+:func:`reference_decode_linear` is the float32 torch reference (the tests'); where the kernel does not run, the
+op runs :func:`torch_linear` (cuBLAS on CUDA).
 
 Exposed as the custom op ``lumenrl::decode_linear`` (opaque to ``torch.compile``, safe in CUDA-graph
-capture). Requirements (checked by :func:`supported`): 2-D ``x`` with M <= :data:`MAX_M`, contiguous
+capture); it picks kernel or cuBLAS by the row count itself, so a compiled caller is not specialised on the
+batch. Requirements (checked by :func:`supported`): 2-D ``x`` with M <= :data:`MAX_M`, contiguous
 ``w`` (N, K) of ``x``'s dtype (bf16/fp16), K a multiple of ``BLOCK_K``, N of ``BLOCK_N`` (and I for
 ``swiglu``). In Triton's CPU interpreter (tests) float32 -> bf16 casts truncate, so the kernel rounds
 the bits itself there; PDL and prefetch are CUDA-only and off in the interpreter.
@@ -43,7 +45,7 @@ import os
 
 import torch
 
-__all__ = ["AUTO_MIN_M", "INTERPRETED", "MAX_M", "TUNED", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "tuned", "reference_decode_linear", "supported", "weight_reason"]
+__all__ = ["AUTO_MIN_M", "INTERPRETED", "MAX_M", "TUNED", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "reference_decode_linear", "supported", "torch_linear", "tuned", "weight_reason"]
 
 try:
     import triton
@@ -253,15 +255,28 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
     return out
 
 
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 swiglu: bool = False) -> torch.Tensor:
+    """What the op runs where the kernel does not: ``F.linear`` (cuBLAS on CUDA); with ``swiglu``,
+    ``silu(gate) * up`` taken in float32 from the rounded gate and up and rounded once (as inductor's fused
+    kernel for the unfused module's ``act_fn(gate) * up`` does)."""
+    out = torch.nn.functional.linear(x, weight, bias)
+    if swiglu:
+        gate, up = out.float().chunk(2, dim=-1)
+        out = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    return out
+
+
 def _op_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
-             prefetch: int) -> torch.Tensor:
-    if supported(x, weight, bias, swiglu) is None:
+             prefetch: int, min_m: int) -> torch.Tensor:
+    # the row-count choice is made here, outside the traced graph: no guard on the batch, no recompile
+    if min_m <= x.shape[0] and supported(x, weight, bias, swiglu) is None:
         return _launch(x, weight, bias, swiglu, pdl, prefetch)
-    return reference_decode_linear(x, weight, bias, swiglu)
+    return torch_linear(x, weight, bias, swiglu)
 
 
 def _op_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
-             prefetch: int) -> torch.Tensor:
+             prefetch: int, min_m: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 
@@ -279,14 +294,17 @@ _OP = _register()
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, swiglu: bool = False,
-                  pdl: bool = False, prefetch: int = 512) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for a decode-sized ``x`` (M, K), M <= :data:`MAX_M`; with ``swiglu``,
-    ``weight`` = ``cat([gate, up])`` (2I, K) and the result is ``silu(gate) * up`` (M, I). ``pdl``:
-    launch with programmatic dependent launch where supported (CUDA sm90+), prefetching the first
-    ``prefetch`` columns of each weight row to L2 before waiting for the previous kernel. Operands the
-    kernel does not take (:func:`supported`) run the float32 torch reference."""
+                  pdl: bool = False, prefetch: int = 512, min_m: int = 1) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x`` (M, K); with ``swiglu``, ``weight`` = ``cat([gate, up])`` (2I, K)
+    and the result is ``silu(gate) * up`` (M, I). The kernel runs for ``min_m`` <= M <= :data:`MAX_M` on
+    operands it takes (:func:`supported`); anything else runs :func:`torch_linear` (cuBLAS on CUDA). The
+    choice is made inside the op, so a compiled caller is not specialised on M. ``pdl``: launch with
+    programmatic dependent launch where supported (CUDA sm90+), prefetching the first ``prefetch`` columns
+    of each weight row to L2 before waiting for the previous kernel."""
     if swiglu and weight.shape[0] % 2:
         raise ValueError(f"swiglu=True needs weight = cat([gate, up]) with an even row count; got {tuple(weight.shape)}")
     if prefetch < 0:
         raise ValueError(f"prefetch={prefetch}; allowed: an int >= 0 (weight columns)")
-    return _OP(x, weight, bias, swiglu, pdl, prefetch)
+    if min_m < 1:
+        raise ValueError(f"min_m={min_m}; allowed: an int >= 1")
+    return _OP(x, weight, bias, swiglu, pdl, prefetch, min_m)
