@@ -37,6 +37,11 @@ inputs: the family's ``apply_rotary_pos_emb`` and the module's own q/k norms); a
 back to the HF sequence for prefill, cos/sin not ``(b, q, D)`` in the model dtype, and an FP8 cache
 without per-tensor scales yet (the first prefill calibrates them through ``update``).
 
+``decode_linear`` (the engine's ``KernelOptions.decode_linear``): the fused modules' 16-bit GEMMs (q/k/v,
+o; gate/up with SwiGLU, down) call :func:`~lumenrl_backends.engines.triton_linear.decode_linear`, which
+runs its Triton kernel at decode-sized row counts and cuBLAS otherwise; ``decode_linear_skipped`` in the
+report says which GEMMs stay on ``F.linear`` and why.
+
 The fused modules are kept outside the module tree (a plain attribute), so ``named_modules``,
 ``named_parameters`` and ``state_dict`` are unchanged. DeepSeek MLA (no separate q/k/v), MoE
 expert banks and any unknown class are left untouched (DeepSeek-V3 / GLM-4-MoE: their dense and
