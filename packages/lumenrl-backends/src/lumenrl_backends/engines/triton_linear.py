@@ -114,15 +114,8 @@ def config_for(n: int, k: int, device: torch.device, *, swiglu: bool = False) ->
 
 
 if triton is not None:
-
-    @triton.jit
-    def _round(x, dt: tl.constexpr, EMULATED: tl.constexpr):
-        """float32 -> ``dt``, to nearest even (the interpreter truncates float32 -> bf16; GPUs round)."""
-        if EMULATED and dt == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
-        return x.to(dt)
+    # float32 -> dtype to nearest even, also in the interpreter (which truncates float32 -> bf16)
+    from lumenrl_backends.engines.triton_rope import _round
 
     @triton.jit
     def _operand(x, EMULATED: tl.constexpr):
