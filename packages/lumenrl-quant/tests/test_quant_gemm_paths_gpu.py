@@ -83,3 +83,46 @@ def test_w8a16_linear_takes_the_triton_path_at_decode_and_matches_float64():
         x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
         ref = x.double() @ w.T + lin.bias.double()
         assert _sqnr(ref, q(x)) >= 40.0, m
+
+
+def test_rowwise_gemm_with_pdl_equals_without_in_a_graph_and_under_compile():
+    """``pdl=True`` (programmatic dependent launch, sm90+) changes when the kernel starts, not what it computes:
+    a chain of dependent rowwise GEMMs (each quantizes the previous output) captured in a CUDA graph with PDL
+    edges, and the same chain under ``torch.compile(fullgraph=True)``, equal the plain launches bit for bit
+    on fresh inputs."""
+    from lumenrl_quant import triton_gemm as tg
+
+    if not tg.pdl_supported(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0+")
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    cfg = {"block_m": 64, "block_n": 64, "block_k": 128, "split_k": 1, "num_warps": 4, "num_stages": 4}
+    weights = [quantize_fp8(torch.randn(4096, 4096, generator=gen, device="cuda") * 0.02, granularity="rowwise")
+               for _ in range(6)]
+    x = torch.randn(64, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def chain(pdl: bool) -> torch.Tensor:
+        h = x
+        for w_q, w_s in weights:
+            a_q, a_s = quantize_fp8(h, granularity="rowwise", backend="torch")
+            h = tg.fp8_rowwise_gemm(a_q, a_s, w_q, w_s, config=cfg, pdl=pdl)
+        return h
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(True)  # compile the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(True)
+    compiled = torch.compile(chain, fullgraph=True)
+    previous = None
+    for _ in range(3):
+        x.copy_(torch.randn(64, 4096, generator=gen, device="cuda").to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        plain = chain(False)
+        assert torch.equal(captured, plain)
+        assert torch.equal(compiled(True), plain)
+        assert previous is None or not torch.equal(plain, previous)  # the inputs did change
+        previous = plain

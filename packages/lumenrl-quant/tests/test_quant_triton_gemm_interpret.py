@@ -54,6 +54,14 @@ SCRIPT = textwrap.dedent(
     gemm.TRITON_ROWWISE_CONFIGS[(n, k)] = {"block_m": 16, "block_n": 32, "block_k": 128, "split_k": 4}
     out = gemm.run_gemm_path("triton_rowwise", a_q, a_s, b_q, b_s, out_dtype=torch.float32)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-6
+    # pdl=True: the opaque op (it launches plainly here, no PDL off CUDA sm90+), eager and under fullgraph compile
+    cfg = {"block_m": 16, "block_n": 32, "block_k": 128, "split_k": 1}
+    plain = tg.fp8_rowwise_gemm(a_q, a_s, b_q, b_s, out_dtype=torch.float32, config=cfg)
+    assert float((plain.double() - ref).norm() / ref.norm()) < 1e-6
+    assert torch.equal(tg.fp8_rowwise_gemm(a_q, a_s, b_q, b_s, out_dtype=torch.float32, config=cfg, pdl=True), plain)
+    compiled = torch.compile(lambda a, s: tg.fp8_rowwise_gemm(a, s, b_q, b_s, out_dtype=torch.float32, config=cfg,
+                                                              pdl=True), fullgraph=True)
+    assert torch.equal(compiled(a_q, a_s), plain)
     print(worst)
     """
 )

@@ -35,7 +35,7 @@ import torch
 
 __all__ = [
     "DEFAULT_CONFIG", "SWIGLU_DEFAULT_CONFIG", "fp8_group_act_gemm", "fp8_rowwise_gemm", "fp8_swiglu_quant",
-    "fp8_weight_only_gemm", "supports",
+    "fp8_weight_only_gemm", "pdl_supported", "supports",
 ]
 
 try:
@@ -61,7 +61,7 @@ if triton is not None:
         stride_am, stride_bn, stride_cs, stride_cm,
         K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EPILOGUE: tl.constexpr, WEIGHT_ONLY: tl.constexpr = False, DOT_FP16: tl.constexpr = False,
-        A_GROUP: tl.constexpr = 0, stride_sam=0, stride_sag=0,
+        A_GROUP: tl.constexpr = 0, stride_sam=0, stride_sag=0, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
     ):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -69,6 +69,15 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         mmask, nmask = offs_m < M, offs_n < N
         k0 = pid_k * K_SPLIT
+        if PREFETCH > 0:  # PDL: the weight does not depend on the previous kernel, start streaming it to L2
+            lines = tl.arange(0, PREFETCH // 128) * 128  # one prefetch per 128-byte line (one FP8 byte each)
+            rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                      [b_ptr + rows[:, None] * stride_bn + (k0 + lines)[None, :]], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        if PDL:  # wait for the previous kernel (its writes: a, sa), then let the next one launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :]
         b_ptrs = b_ptr + offs_n[:, None] * stride_bn + (k0 + offs_k)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -127,16 +136,18 @@ def _config(config: Mapping[str, int] | None) -> dict[str, int]:
     return _checked(config, DEFAULT_CONFIG)
 
 
-def _launch(
-    a: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
-    config: Mapping[str, int] | None, *, weight_only: bool = False, dot_fp16: bool = False, a_group: int = 0,
-) -> torch.Tensor:
-    """Checks and one launch of the kernel: ``out_dtype`` (M, N) with the scales applied when
-    ``split_k`` is 1, else the float32 partial sums (split_k, M, N) for the caller's epilogue."""
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: CUDA compute capability 9.0+ with Triton (not its interpreter, not ROCm)."""
+    import os
+
+    return (triton is not None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and device.type == "cuda"
+            and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def _launch_checks(a: torch.Tensor, b_q: torch.Tensor, cfg: Mapping[str, int], a_group: int = 0) -> None:
     if triton is None:
         raise RuntimeError("triton is not installed: pip install lumenrl-quant[triton]")
-    cfg = _config(config)
-    (m, k), n = a.shape, b_q.shape[0]
+    k = a.shape[1]
     if b_q.shape[1] != k:
         raise ValueError(f"need a (M, K), b (N, K); got {tuple(a.shape)}, {tuple(b_q.shape)}")
     split, block_k = cfg["split_k"], cfg["block_k"]
@@ -144,19 +155,63 @@ def _launch(
         raise ValueError(f"K={k} must be a multiple of split_k * block_k = {split} * {block_k}")
     if a_group and (a_group % block_k or (k // split) % a_group):
         raise ValueError(f"group={a_group} must be a multiple of block_k={block_k} and divide K / split_k = {k // split}")
+
+
+def _launch(
+    a: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+    config: Mapping[str, int] | None, *, weight_only: bool = False, dot_fp16: bool = False, a_group: int = 0,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """Checks and one launch of the kernel: ``out_dtype`` (M, N) with the scales applied when
+    ``split_k`` is 1, else the float32 partial sums (split_k, M, N) for the caller's epilogue.
+    ``pdl`` (callers check :func:`pdl_supported`): launched with programmatic dependent launch, each program
+    prefetching the first 512 bytes of its weight rows to L2 before it waits for the previous kernel."""
+    cfg = _config(config)
+    _launch_checks(a, b_q, cfg, a_group)
+    (m, k), n = a.shape, b_q.shape[0]
+    split, block_k = cfg["split_k"], cfg["block_k"]
     a, b_q = a.contiguous(), b_q.contiguous()
     epilogue = split == 1
     c = torch.empty((m, n) if epilogue else (split, m, n), dtype=out_dtype if epilogue else torch.float32,
                     device=a.device)
     grid = (triton.cdiv(n, cfg["block_n"]), split, triton.cdiv(m, cfg["block_m"]))
+    prefetch = min(512, k // split) if pdl and b_q.element_size() == 1 else 0  # bytes (= FP8 columns) per row
+    prefetch = 1 << (prefetch.bit_length() - 1) if prefetch >= 128 else 0  # a power of two within the row
     _rowwise_gemm_kernel[grid](
         a, b_q, c, sa, sb, m, n, a.stride(0), b_q.stride(0), 0 if epilogue else c.stride(0), c.stride(-2),
         K_SPLIT=k // split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EPILOGUE=epilogue,
         WEIGHT_ONLY=weight_only, DOT_FP16=dot_fp16, A_GROUP=a_group, stride_sam=sa.stride(0) if a_group else 0,
-        stride_sag=sa.stride(1) if a_group else 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        stride_sag=sa.stride(1) if a_group else 0, PDL=bool(pdl), PREFETCH=prefetch,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )
     return c
+
+
+def _pdl_op_impl(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+                 block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
+    config = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "split_k": 1, "num_warps": num_warps,
+              "num_stages": num_stages}
+    return _launch(a_q, b_q, sa, sb, out_dtype, config, pdl=pdl_supported(a_q.device))  # decided here, not traced
+
+
+def _pdl_op_fake(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+                 block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
+    return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
+
+
+def _register_pdl_op():  # noqa: ANN202 - a torch.library CustomOpDef
+    """``lumenrl_quant::fp8_rowwise_gemm_pdl``: the PDL launch as an op opaque to ``torch.compile`` (dynamo's
+    tracing of user Triton kernels takes no ``launch_pdl``); registered at import, once per process."""
+    if triton is None:
+        return None
+    op = getattr(torch.ops.lumenrl_quant, "fp8_rowwise_gemm_pdl", None)
+    if op is None:
+        op = torch.library.custom_op("lumenrl_quant::fp8_rowwise_gemm_pdl", mutates_args=())(_pdl_op_impl)
+        op.register_fake(_pdl_op_fake)
+    return op
+
+
+_PDL_OP = _register_pdl_op()
 
 
 def fp8_rowwise_gemm(
@@ -168,15 +223,29 @@ def fp8_rowwise_gemm(
     out_dtype: torch.dtype = torch.bfloat16,
     bias: torch.Tensor | None = None,
     config: Mapping[str, int] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``(a_q * a_scale) @ (b_q * b_scale).T (+ bias)`` for FP8 ``a_q`` (M, K), ``b_q`` (N, K), float32
-    ``a_scale`` (M, 1) or (M,), ``b_scale`` (N, 1) or (N,); ``config`` overrides the launch parameters."""
+    ``a_scale`` (M, 1) or (M,), ``b_scale`` (N, 1) or (N,); ``config`` overrides the launch parameters.
+
+    ``pdl``: where supported (:func:`pdl_supported`; CUDA sm90+) and with ``split_k`` 1, the kernel launches
+    with programmatic dependent launch: it may start while the previous kernel in the stream finishes,
+    prefetches its weight rows to L2, waits for that kernel (``griddepcontrol.wait``: it reads ``a_q`` and
+    ``a_scale`` only after it), then lets the next PDL kernel launch. Same result as without; runs as the
+    op ``lumenrl_quant::fp8_rowwise_gemm_pdl`` (opaque to ``torch.compile``), which decides at run time;
+    elsewhere the same kernel launches plainly."""
     from lumenrl_quant.gemm import rowwise_epilogue
 
     m = a_q.shape[0]
     sa, sb = a_scale.float().reshape(-1).contiguous(), b_scale.float().reshape(-1).contiguous()
     if sa.numel() == 1 and m > 1:
         sa = sa.expand(m).contiguous()
+    cfg = _config(config)
+    if pdl and cfg["split_k"] == 1 and _PDL_OP is not None:
+        _launch_checks(a_q, b_q, cfg)
+        c = _PDL_OP(a_q.contiguous(), b_q.contiguous(), sa, sb, out_dtype, cfg["block_m"], cfg["block_n"],
+                    cfg["block_k"], cfg["num_warps"], cfg["num_stages"])
+        return c if bias is None else c + bias.to(out_dtype)
     c = _launch(a_q, b_q, sa, sb, out_dtype, config)
     if c.dim() == 2:
         return c if bias is None else c + bias.to(out_dtype)

@@ -83,8 +83,11 @@ def packed_decode_attention(
     projection takes per-token FP8 input): over the engine's FP8 cache with one V scale, the output is
     returned as FP8 codes in V's code units (``out ≈ codes * v_scale``, see
     :func:`~lumenrl_backends.engines.triton_attention.gqa_decode_attention_fp8`), on every device;
-    otherwise it is ignored and the output is in the query's dtype."""
+    otherwise it is ignored and the output is in the query's dtype. ``lumenrl_pdl`` (keyword, bool; the
+    engine's fused attention passes True under ``KernelOptions.pdl``): the Triton kernel launches with
+    programmatic dependent launch (:mod:`~lumenrl_backends.engines.triton_pdl`); ignored elsewhere."""
     fp8_out = kwargs.pop("lumenrl_fp8_out", None)
+    pdl = kwargs.pop("lumenrl_pdl", False)
     batch, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
     d_v = value.shape[-2] if value.dim() == 5 else value.shape[-1]  # 5-D: the cache's V tiles (B, H_kv, n, D, T)
@@ -119,14 +122,14 @@ def packed_decode_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if v_scale is not None and kv_scales is not None:  # the kernel writes the codes
         out = triton_attention.gqa_decode_attention_fp8(
-            packed, key, value, rows_mask, scale, kv_scales.k_scale, v_scale, last=last, out_dtype=fp8_out,
+            packed, key, value, rows_mask, scale, kv_scales.k_scale, v_scale, last=last, out_dtype=fp8_out, pdl=pdl,
         )
     elif query.is_cuda and triton_attention.supports(query, key, attention_mask):
         out = triton_attention.gqa_decode_attention(
             packed, key, value, rows_mask, scale,
             k_scale=None if kv_scales is None else kv_scales.k_scale,
             v_scale=None if kv_scales is None else kv_scales.v_scale,
-            last=last,
+            last=last, pdl=pdl,
         )
     else:  # SDPA over the packed rows: each packed row g * Q + j takes mask row j
         mask = attention_mask if q_len == 1 else attention_mask[:, :, None].expand(

@@ -276,12 +276,13 @@ def _attention_forward(
         kwargs["sliding_window"] = self.sliding_window
     elif window == "config":
         kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
-    fp8_out = self.__dict__.get(_FP8_OUT_ATTR)
-    if fp8_out is not None:
+    fp8_out, pdl = self.__dict__.get(_FP8_OUT_ATTR), self.__dict__.get(_PDL_ATTR, False)
+    if fp8_out is not None or pdl:
         from lumenrl_backends.engines.attention import packed_decode_attention
 
         if attention is packed_decode_attention:
-            kwargs["lumenrl_fp8_out"] = fp8_out
+            kwargs.update({"lumenrl_fp8_out": fp8_out} if fp8_out is not None else {})
+            kwargs.update({"lumenrl_pdl": True} if pdl else {})
     out, weights = attention(
         self, query, key, value, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
@@ -322,7 +323,8 @@ def _decode_qk_rope(
     query = decode_qk_rope_kv_write(
         query, key, value, cos, sin, target.keys, target.values, target.columns,
         q_weight=None if norms is None else norms[0].weight, k_weight=None if norms is None else norms[1].weight,
-        eps=1e-6 if norms is None else norms[0].variance_epsilon, k_scale=target.k_scale, v_scale=target.v_scale)
+        eps=1e-6 if norms is None else norms[0].variance_epsilon, k_scale=target.k_scale, v_scale=target.v_scale,
+        pdl=self.__dict__.get(_PDL_ATTR, False))
     return (query, *cache.decode_read(self.layer_idx))
 
 
@@ -489,6 +491,7 @@ _ATTENTION_ATTRS = ("_lumenrl_family", "_lumenrl_window", "_lumenrl_cache_kwarg"
 _FP8_OUT_ATTR = "_lumenrl_fp8_out"  # instance attribute: the o_proj's FP8 dtype when decode attention hands it codes
 _QK_ROPE_ATTR = "_lumenrl_qk_rope"  # instance attribute: True when decode runs q/k norm + RoPE + KV write as one op
 _DECODE_ATTR = "_lumenrl_decode_linear"  # instance attribute: a _DecodeLinears, or None (cuBLAS for every M)
+_PDL_ATTR = "_lumenrl_pdl"  # instance attribute (attention): the decode RoPE and attention kernels launch with PDL
 
 
 @torch.no_grad()
@@ -528,8 +531,9 @@ def fuse_projections(
     of plain 16-bit layers run :func:`~lumenrl_backends.engines.triton_linear.decode_linear`: q/k/v and o
     in attention, gate/up with ``silu(gate) * up`` in its epilogue and down in the MLP; ``auto`` only where
     the shape has measured launch parameters for the device, ``on`` wherever the kernel takes the weight
-    (``decode_linear_skipped`` says where not and why); ``pdl``: they launch with programmatic dependent
-    launch (CUDA sm90+).
+    (``decode_linear_skipped`` says where not and why); ``pdl``: they, and the attentions' decode RoPE
+    and attention kernels, launch with programmatic dependent launch (CUDA sm90+,
+    :mod:`~lumenrl_backends.engines.triton_pdl`).
 
     Call after the model is on its device (and after quantization, if any): the fused storage is
     allocated where the members live, and later ``.to()`` calls would not move it.
@@ -548,6 +552,7 @@ def fuse_projections(
             else:
                 _set_fp8_out(module, name, fp8_attn_out, report)
                 _set_qk_rope(module, name, fused_qk_rope, report)
+                module.__dict__[_PDL_ATTR] = pdl
             _set_decode_linear(module, name, "mlp" if cls.forward is _mlp_forward else "attention", decode_linear,
                                pdl, report)
             continue
@@ -575,6 +580,7 @@ def fuse_projections(
         else:
             _set_fp8_out(module, name, fp8_attn_out, report)
             _set_qk_rope(module, name, fused_qk_rope, report)
+            module.__dict__[_PDL_ATTR] = pdl
         _set_decode_linear(module, name, kind, decode_linear, pdl, report)
     for name, module in model.named_modules():
         if type(module).__name__ in DECODER_CLASSES:
@@ -659,7 +665,7 @@ def unfuse_projections(model: nn.Module) -> int:
         if base is None:
             continue
         module.__class__ = base
-        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, _QK_ROPE_ATTR, _NORM_QUANT_ATTR, _DECODE_ATTR,
+        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, _QK_ROPE_ATTR, _NORM_QUANT_ATTR, _DECODE_ATTR, _PDL_ATTR,
                      "_lumenrl_layer_cache_kwarg",
                      *_ATTENTION_ATTRS):
             module.__dict__.pop(attr, None)

@@ -97,7 +97,7 @@ from lumenrl_backends.engines.moe import install_fused_experts
 from lumenrl_backends.engines.options import KernelOptions
 from lumenrl_backends.engines.prefill import Prefill
 from lumenrl_backends.engines.quant import kv_cache_dtype as resolve_kv_dtype
-from lumenrl_backends.engines.quant import quantize_rollout_model, rollout_scheme
+from lumenrl_backends.engines.quant import quantize_rollout_model, rollout_scheme, set_quantized_pdl
 from lumenrl_backends.engines.requests import (
     LENGTH,
     STOP,
@@ -196,6 +196,8 @@ class NativeEngine:
                                                     pdl=self._pdl) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
+        if self.quant_report is not None:  # lumenrl-quant's Triton rowwise decode GEMMs join the PDL chain
+            set_quantized_pdl(self.model, self._pdl)
         # MoE experts on the fused Triton kernel (FP8 experts with fp8_block), or HF's implementation
         self.moe = install_fused_experts(self.model, "off" if exact_logprobs else k.fused_moe, self.device, quant_scheme)
         self.tokenizer = tokenizer

@@ -27,4 +27,4 @@ class KernelOptions:
     fp8_norm_quant: bool = True  # RMSNorm hands its fp8_row consumer per-token FP8 input (compile="full", CPU)
     decode_linear: str = "auto"  # CUDA, 16-bit decode GEMMs (M <= 64) on the Triton decode kernel (engines/triton_linear.py):
     # auto (shapes with measured launch parameters, 33..64 rows), on (every shape it takes, 1..64 rows), off
-    pdl: bool = True  # CUDA sm90+: decode GEMMs and inductor's kernels launch with programmatic dependent launch
+    pdl: bool = True  # CUDA sm90+: decode GEMMs, RoPE, attention and inductor's kernels launch with PDL (engines/triton_pdl.py)

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PRECISION_SCHEMES", "rollout_scheme", "quantize_rollout_model", "kv_cache_dtype", "FP8KVCodec"]
+__all__ = ["PRECISION_SCHEMES", "rollout_scheme", "quantize_rollout_model", "kv_cache_dtype", "FP8KVCodec",
+           "set_quantized_pdl"]
 
 PRECISION_SCHEMES = {"fp8": "fp8_block", "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
 
@@ -47,6 +48,22 @@ def quantize_rollout_model(model: nn.Module, scheme: Any) -> Any:
 
         scheme = get_quant_scheme(scheme)
     return scheme.quantize_model(model)
+
+
+def set_quantized_pdl(model: nn.Module, pdl: bool) -> int:
+    """Set lumenrl-quant's ``QuantizedLinear.pdl`` (its Triton rowwise decode GEMM launches with programmatic
+    dependent launch) on every quantized linear of ``model``, the fused q/k/v and gate/up ones included
+    (held by their modules, not registered as submodules); returns how many were set."""
+    from lumenrl_backends.engines.fusion import _FUSED_ATTR
+    from lumenrl_quant import QuantizedLinear
+
+    count = 0
+    for module in model.modules():
+        for linear in (module, getattr(module.__dict__.get(_FUSED_ATTR), "linear", None)):
+            if isinstance(linear, QuantizedLinear):
+                linear.pdl = bool(pdl)
+                count += 1
+    return count
 
 
 def kv_cache_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype | None:

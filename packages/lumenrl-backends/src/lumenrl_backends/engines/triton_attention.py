@@ -99,6 +99,16 @@ def supports(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) 
 
 
 if triton is not None:
+    from lumenrl_backends.engines.triton_pdl import prefetch_l2, wait_then_release
+
+    @triton.jit
+    def _prefetch_first_tile(ptr, b, h, start, kv_len, s_b, s_h, s_l, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                             LINE: tl.constexpr):
+        """L2 prefetches of columns ``start .. start + BLOCK_N`` (clamped to the cache) of one row and KV head
+        of a (B, H_kv, L, D) cache with unit last stride: one per ``LINE`` elements (128 bytes)."""
+        cols = tl.minimum(start + tl.arange(0, BLOCK_N), kv_len - 1)
+        lines = tl.arange(0, D // LINE) * LINE
+        prefetch_l2(ptr + b * s_b + h * s_h + cols.to(tl.int64)[:, None] * s_l + lines[None, :])
 
     @triton.jit
     def _kv_tile(K, V, b, h, col0, end, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_vt, offs_n, offs_d,
@@ -189,10 +199,16 @@ if triton is not None:
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_SCALE: tl.constexpr, HAS_LAST: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr, DIRECT: tl.constexpr,
         K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-        V_BLOCK: tl.constexpr = 0, MASK_AHEAD: tl.constexpr = False, NQ: tl.constexpr = 1,
+        V_BLOCK: tl.constexpr = 0, MASK_AHEAD: tl.constexpr = False, NQ: tl.constexpr = 1, PDL: tl.constexpr = False,
+        LINE: tl.constexpr = 64, V_ROWS: tl.constexpr = False,
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b = b.to(tl.int64)  # row offsets: a long cache's b * s_kb passes 2**31 elements (int32 wrapped)
+        if PDL:  # the first tile's K (and V rows) to L2 while the previous kernel finishes (triton_pdl)
+            _prefetch_first_tile(K, b, h, s * CHUNK, kv_len, s_kb, s_kh, s_kl, BLOCK_N, D, LINE)
+            if V_ROWS:
+                _prefetch_first_tile(V, b, h, s * CHUNK, kv_len, s_vb, s_vh, s_vl, BLOCK_N, D, LINE)
+        wait_then_release(PDL)  # the query, the new column and ``LAST`` come from earlier kernels
         offs_g, offs_d, offs_n = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
         g_ok = offs_g < G
         q = tl.load(Q + b * s_qb + h * s_qh + offs_g[:, None] * s_qg + offs_d[None, :], mask=g_ok[:, None], other=0.0)
@@ -249,7 +265,9 @@ if triton is not None:
     def _merge_kernel(
         PART, LSE, OUT, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_outb, s_outh, s_outg,
         SPLITS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        wait_then_release(PDL)  # the partials come from the split kernel
         b, h, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_d = tl.arange(0, D)
         lse_max = tl.full([1], float("-inf"), tl.float32)
@@ -325,7 +343,10 @@ def _run(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
     splits: int | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     last: torch.Tensor | None = None, config: dict[str, int] | None = None, out_dtype: torch.dtype | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
+    from lumenrl_backends.engines.triton_pdl import launch_options
+
     batch, kv_heads, groups, dim = query.shape
     n_q = allowed.shape[1] if allowed.dim() == 3 else 1  # queries per head: packed rows g * n_q + j
     if groups % n_q or allowed.shape[0] != batch:
@@ -362,6 +383,8 @@ def _run(
         v_strides = (value.stride(0), value.stride(1), 1, v_block)
     else:
         v_strides = (value.stride(0), value.stride(1), value.stride(2), value.stride(3))
+    pdl, extra = launch_options(pdl, query.device)
+    line = max(1, 128 // key.element_size())  # elements per 128-byte line (the prefetch granule)
     _split_kernel[(batch, kv_heads, splits)](
         query, key, value, mask, partial, lse, k_scale if has_scale else lse, v_scale if has_scale else lse,
         lse if last is None else last, scale,
@@ -374,13 +397,13 @@ def _run(
         HAS_SCALE=has_scale, HAS_LAST=last is not None, RUNTIME_BOUNDS=not _INTERPRETED, DIRECT=direct,
         K_TRANS=bool(cfg["k_trans"]), FP8_DOTS=cfg["fp8_dots"], OUT_FP8=out_fp8,
         FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0,
-        V_BLOCK=v_block, MASK_AHEAD=bool(cfg["mask_ahead"]), NQ=n_q, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        V_BLOCK=v_block, MASK_AHEAD=bool(cfg["mask_ahead"]), NQ=n_q, PDL=pdl, LINE=min(line, dim),
+        V_ROWS=not v_block and value.stride(-1) == 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
     if not direct:
         _merge_kernel[(batch, kv_heads, groups)](
             partial, lse, out, *partial.stride()[:4], *lse.stride()[:3], *out.stride()[:3], SPLITS=splits, G=groups,
-            D=dim, OUT_FP8=out_fp8, FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0,
+            D=dim, OUT_FP8=out_fp8, FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0, PDL=pdl, **extra,
         )
     return out
 
@@ -388,15 +411,18 @@ def _run(
 def _op_impl(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, last: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    return _run(query, key, value, allowed, scale, k_scale=k_scale, v_scale=v_scale, last=last)
+    return _run(query, key, value, allowed, scale, k_scale=k_scale, v_scale=v_scale, last=last, pdl=pdl)
 
 
 def _op_fp8_impl(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
     k_scale: torch.Tensor, v_scale: torch.Tensor, last: torch.Tensor | None, out_dtype: torch.dtype,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    return _run(query, key, value, allowed, scale, k_scale=k_scale, v_scale=v_scale, last=last, out_dtype=out_dtype)
+    return _run(query, key, value, allowed, scale, k_scale=k_scale, v_scale=v_scale, last=last, out_dtype=out_dtype,
+                pdl=pdl)
 
 
 def _register(name: str, impl, fake):  # noqa: ANN001, ANN202 - torch.library callables
@@ -412,9 +438,10 @@ def _register(name: str, impl, fake):  # noqa: ANN001, ANN202 - torch.library ca
 
 
 _OP = _register("gqa_decode_attention", _op_impl,
-                lambda query, key, value, allowed, scale, k_scale=None, v_scale=None, last=None: torch.empty_like(query))
+                lambda query, key, value, allowed, scale, k_scale=None, v_scale=None, last=None, pdl=False: torch.empty_like(
+                    query))
 _OP_FP8 = _register("gqa_decode_attention_fp8", _op_fp8_impl,
-                    lambda query, key, value, allowed, scale, k_scale, v_scale, last, out_dtype: torch.empty_like(
+                    lambda query, key, value, allowed, scale, k_scale, v_scale, last, out_dtype, pdl=False: torch.empty_like(
                         query, dtype=out_dtype))
 
 
@@ -432,6 +459,7 @@ def _kernel_layout(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor
 def gqa_decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, last: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """query (B, H_kv, G, D), key/value (B, H_kv, L, D), allowed (B, L) bool; K with unit last stride, V
     with a unit stride in either of its last two dims (a cache stored (D, L) per head, see the module doc),
@@ -445,28 +473,30 @@ def gqa_decode_attention(
     at or past every query's last allowed column (the engine: the last query's column). FP8 key/value take one-element dequant scales
     ``k_scale``/``v_scale`` (``x = q * scale``), applied in-kernel (no dequantized copy).
     ``last`` (B,) int64, optional: each row's last column that ``allowed`` may mark (the engine's
-    write column); later columns are neither read nor computed (bounded loop)."""
+    write column); later columns are neither read nor computed (bounded loop).
+    ``pdl``: launch with programmatic dependent launch where supported (CUDA sm90+): each program prefetches
+    its first K/V tile to L2 before waiting for the previous kernel (:mod:`~lumenrl_backends.engines.triton_pdl`)."""
     key, value = _kernel_layout(key, value)
     if k_scale is not None:
         k_scale, v_scale = k_scale.reshape(1).float(), v_scale.reshape(1).float()
-    return _OP(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last)
+    return _OP(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last, bool(pdl))
 
 
 def gqa_decode_attention_fp8(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
     k_scale: torch.Tensor, v_scale: torch.Tensor, last: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.float8_e4m3fn,
+    out_dtype: torch.dtype = torch.float8_e4m3fn, pdl: bool = False,
 ) -> torch.Tensor:
     """:func:`gqa_decode_attention` over an FP8 cache that returns the output as FP8 codes in V's code
     units: ``out ≈ codes * v_scale``. Each output is a convex combination of V codes (the softmax
     weights sum to 1), so it lies within the cache format's range and ``v_scale`` is a valid static
     scale for it: no amax pass, and the output projection takes the codes directly. ``out_dtype``
-    must hold the cache's codes (the same FP8 format, or a wider one)."""
+    must hold the cache's codes (the same FP8 format, or a wider one). ``pdl``: as :func:`gqa_decode_attention`."""
     key, value = _kernel_layout(key, value)
     if key.dtype not in FP8_DTYPES:
         raise ValueError(f"gqa_decode_attention_fp8 needs an FP8 cache; got key dtype {key.dtype}")
     k_scale, v_scale = k_scale.reshape(1).float(), v_scale.reshape(1).float()
-    return _OP_FP8(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last, out_dtype)
+    return _OP_FP8(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last, out_dtype, bool(pdl))
 
 
 def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,

@@ -53,16 +53,12 @@ try:
 except ImportError:  # pragma: no cover - CPU environments without Triton
     triton = None
 
+from lumenrl_backends.engines.triton_pdl import launch_options, pdl_supported
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does at import
 MAX_M = 64  # one 64-row tile: measured at M = 64 (the benchmark's decode batch); larger M stays on cuBLAS
 AUTO_MIN_M = 33  # decode_linear="auto" routes 33..64 rows (the 64-row tile it was measured with); "on": 1..64
 _DTYPES = (torch.bfloat16, torch.float16)
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: CUDA compute capability 9.0+ (not the interpreter, not ROCm)."""
-    return (triton is not None and not INTERPRETED and device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 def inductor_pdl_options(pdl: bool) -> dict[str, bool] | None:
@@ -115,6 +111,7 @@ def config_for(n: int, k: int, device: torch.device, *, swiglu: bool = False) ->
 
 if triton is not None:
     # float32 -> dtype to nearest even, also in the interpreter (which truncates float32 -> bf16)
+    from lumenrl_backends.engines.triton_pdl import prefetch_l2, wait_then_release
     from lumenrl_backends.engines.triton_rope import _round
 
     @triton.jit
@@ -127,12 +124,10 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _prefetch_l2(w_ptr, rows, stride_wn, COLS: tl.constexpr, LINE: tl.constexpr):
-        """One ``prefetch.global.L2`` per 128-byte line of ``COLS`` columns of each row in ``rows``."""
+    def _prefetch_rows(w_ptr, rows, stride_wn, COLS: tl.constexpr, LINE: tl.constexpr):
+        """L2 prefetches of the first ``COLS`` columns of each row in ``rows`` (one per 128-byte line)."""
         lines = tl.arange(0, COLS // LINE) * LINE
-        ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + lines[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        prefetch_l2(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + lines[None, :])
 
     @triton.jit
     def _decode_linear_kernel(
@@ -147,12 +142,10 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         mmask = offs_m < M
         if PREFETCH > 0:  # the weight does not depend on the previous kernel: start streaming it now
-            _prefetch_l2(w_ptr, offs_n, stride_wn, PREFETCH, LINE)
+            _prefetch_rows(w_ptr, offs_n, stride_wn, PREFETCH, LINE)
             if SWIGLU:
-                _prefetch_l2(w_ptr, offs_n + HALF, stride_wn, PREFETCH, LINE)
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x) are visible from here
-            tl.extra.cuda.gdc_launch_dependents()
+                _prefetch_rows(w_ptr, offs_n + HALF, stride_wn, PREFETCH, LINE)
+        wait_then_release(PDL)  # the previous kernel's writes (x) are visible from here (triton_pdl)
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -234,11 +227,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     cfg = config or config_for(n, k, x.device, swiglu=swiglu)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    pdl = pdl and pdl_supported(x.device)
+    pdl, extra = launch_options(pdl, x.device)
     line = 128 // weight.element_size()
     prefetch = min(prefetch, k) // line * line if pdl else 0
     prefetch = triton.next_power_of_2(prefetch) if prefetch else 0
-    extra = {"launch_pdl": True} if pdl else {}
     _decode_linear_kernel[(n // cfg["block_n"],)](
         x, weight, bias if bias is not None else weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0),
         K=k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],

@@ -152,6 +152,7 @@ def _multi(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: tor
 
 
 if triton is not None:
+    from lumenrl_backends.engines.triton_pdl import wait_then_release
 
     @triton.jit
     def _round(x, dt: tl.constexpr, EMULATED: tl.constexpr):
@@ -197,8 +198,9 @@ if triton is not None:
         s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_cos, s_sin, s_col, s_kcb, s_kch, s_kcl, s_vcb, s_vch, s_vcl,
         s_ob, s_oh, eps, s_vct, n_q, s_qq, s_kq, s_vq, s_cosq, s_sinq, s_colq, s_oq,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr,
-        FP8_MAX: tl.constexpr, EMULATED: tl.constexpr, V_TILE: tl.constexpr = 0,
+        FP8_MAX: tl.constexpr, EMULATED: tl.constexpr, V_TILE: tl.constexpr = 0, PDL: tl.constexpr = False,
     ):
+        wait_then_release(PDL)  # q/k/v come from the previous kernel (triton_pdl's contract)
         # program (row * n_q + j, KV head): query j of the row; int64: row * cache stride > 2**31
         pid, kv_head = tl.program_id(0).to(tl.int64), tl.program_id(1)
         row, j = pid // n_q, pid % n_q
@@ -251,7 +253,10 @@ def _launch(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
     value_cache: torch.Tensor, columns: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    pdl: bool = False,
 ) -> torch.Tensor:
+    from lumenrl_backends.engines.triton_pdl import launch_options
+
     query, key, value, cos, sin, columns = _multi(query, key, value, cos, sin, columns)
     batch, n_q, heads, dim = query.shape
     kv_heads = key.shape[2]
@@ -259,6 +264,7 @@ def _launch(
     fp8 = k_scale is not None
     group = heads // kv_heads
     block_g = triton.next_power_of_2(group)
+    pdl, extra = launch_options(pdl, query.device)
     _decode_qk_rope_kv_kernel[(batch * n_q, kv_heads)](
         query, key, value, q_weight if q_weight is not None else query, k_weight if k_weight is not None else key,
         cos, sin, key_cache, value_cache, columns, k_scale if fp8 else cos, v_scale if fp8 else cos, out,
@@ -271,8 +277,8 @@ def _launch(
         out.stride(2),
         G=group, BLOCK_G=block_g, D=dim, HAS_NORM=q_weight is not None, FP8=fp8,
         FP8_MAX=_fp8_max(key_cache.dtype) if fp8 else 0.0, EMULATED=_INTERPRETED,
-        V_TILE=value_cache.shape[-1] if value_cache.dim() == 5 else 0,
-        num_warps=_num_warps(block_g, dim),
+        V_TILE=value_cache.shape[-1] if value_cache.dim() == 5 else 0, PDL=pdl,
+        num_warps=_num_warps(block_g, dim), **extra,
         enable_fp_fusion=False,  # no a * b + c -> fma: every product is rounded to the model dtype, as in torch
     )
     return out
@@ -286,15 +292,20 @@ def _op_impl(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
     value_cache: torch.Tensor, columns: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    run = _launch if _uses_kernel(key_cache) else reference_decode_qk_rope_kv_write
-    return run(query, key, value, q_weight, k_weight, eps, cos, sin, key_cache, value_cache, columns, k_scale, v_scale)
+    if _uses_kernel(key_cache):
+        return _launch(query, key, value, q_weight, k_weight, eps, cos, sin, key_cache, value_cache, columns, k_scale,
+                       v_scale, pdl)
+    return reference_decode_qk_rope_kv_write(query, key, value, q_weight, k_weight, eps, cos, sin, key_cache,
+                                             value_cache, columns, k_scale, v_scale)
 
 
 def _op_fake(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
     value_cache: torch.Tensor, columns: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     if query.dim() == 3:  # (b, H, D) -> (b, H, 1, D)
         return query.new_empty((query.shape[0], query.shape[1], 1, query.shape[2]))
@@ -368,7 +379,7 @@ def decode_qk_rope_kv_write(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     key_cache: torch.Tensor, value_cache: torch.Tensor, columns: torch.Tensor, *,
     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, pdl: bool = False,
 ) -> torch.Tensor:
     """One decode token per row: q/k RMSNorm (when ``q_weight``/``k_weight`` are given), RoPE, and
     K/V written into the cache; returns the roped query (b, H, 1, D), contiguous.
@@ -386,10 +397,11 @@ def decode_qk_rope_kv_write(
     rows ``i = 0..b-1`` (value_cache may instead be (S, H_kv, L / T, D, T) tiles, written at
     ``[i, :, c // T, :, c % T]``, see :mod:`~lumenrl_backends.engines.kv_cache`); columns (b,) int64. An FP8 cache takes one-element float32 dequant scales
     ``k_scale``/``v_scale`` and stores ``clamp(x / scale)`` codes; a cache in the model dtype takes
-    neither. See the module docstring for the rounding (the HF sequence)."""
+    neither. See the module docstring for the rounding (the HF sequence). ``pdl``: launch with programmatic
+    dependent launch where supported (CUDA sm90+; :mod:`~lumenrl_backends.engines.triton_pdl`)."""
     if query.dim() == 3 and key.dim() == 3 and value.dim() == 3 and columns.dim() == 1:
         query, key, value, cos, sin, columns = _multi(query, key, value, cos, sin, columns)
     _checked(query, key, value, cos, sin, key_cache, value_cache, columns, q_weight, k_weight, k_scale, v_scale)
     query, key, value, cos, sin = (_rows(t) for t in (query, key, value, cos, sin))
     return _OP(query, key, value, q_weight, k_weight, float(eps), cos, sin, key_cache, value_cache, columns,
-               k_scale, v_scale)
+               k_scale, v_scale, bool(pdl))
