@@ -22,7 +22,9 @@ KV-cache write (FP8 quantize included) run as one Triton kernel (``KernelOptions
 default since session 7; ``+qkrope`` names it explicitly, as call 3 of session 7 did); ``+unfusedrope`` runs
 the norm modules, RoPE and the cache update instead (the path before; any base, ``bf16+unfusedrope`` too).
 ``+vtiles`` stores V in (D, 128) tiles (``KernelOptions(kv_v_tiles=True)``; the default in session 8 calls 5-7,
-opt-in since, as the whole step measured no faster); ``+vrows`` names rows, the default, explicitly (call 7). ``--persistent-rnumel N`` lets inductor
+opt-in since, as the whole step measured no faster); ``+vrows`` names rows, the default, explicitly (call 7). ``+nopdl``
+launches without programmatic dependent launch (``KernelOptions(pdl=False)``); ``+rowod`` puts the o and down
+projections on the Triton rowwise kernel too (launch parameters ``ROWWISE_OD``; the default keeps cuBLAS there). ``--persistent-rnumel N`` lets inductor
 hold reductions of up to N columns in registers (persistent) instead of looping (its default limit is
 1024; the FP8 engine's RMSNorm + quantize kernels reduce 4096). ``--attn-fp8-config`` overrides the FP8-cache attention launch
 configuration, ``--mlp-config`` the fused MLP's (a ``bench_fused_mlp.py --tune`` JSON).
@@ -61,7 +63,7 @@ import torch
 
 import benchmarks.gpu._common as C  # noqa: E402
 from lumenrl_backends.engines import KernelOptions, NativeEngine  # noqa: E402
-from lumenrl_quant import get_quant_scheme  # noqa: E402
+from lumenrl_quant import gemm, get_quant_scheme  # noqa: E402
 
 TIS_CAP = 2.0
 
@@ -106,6 +108,10 @@ def sampled_metrics(train_model, out) -> dict[str, float]:
 
 
 SCHEME_ALIASES = {"fp8": "fp8_block"}
+# +rowod: launch parameters for the fused Qwen3-8B o (4096 x 4096) and down (4096 x 12288) shapes on the Triton
+# rowwise kernel (the engine default keeps them on cuBLAS tensorwise + scale epilogue)
+ROWWISE_OD = {(4096, 4096): {"block_m": 64, "block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 6},
+              (4096, 12288): {"block_m": 64, "block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 6}}
 
 
 def variant(name: str) -> tuple[str, frozenset[str]]:
@@ -113,10 +119,10 @@ def variant(name: str) -> tuple[str, frozenset[str]]:
     (the output head quantized too, ``quantize_lm_head``)."""
     base, *flags = name.split("+")
     unknown = set(flags) - {"kv", "head", "fusedmlp", "tokmlp", "inductmlp", "tokattn", "tokln", "qkrope", "unfusedrope",
-                            "vrows", "vtiles"}
+                            "vrows", "vtiles", "nopdl", "rowod"}
     if unknown:
         raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head, +fusedmlp, "
-                         "+tokmlp, +inductmlp, +tokattn, +tokln, +qkrope, +unfusedrope, +vrows, +vtiles")
+                         "+tokmlp, +inductmlp, +tokattn, +tokln, +qkrope, +unfusedrope, +vrows, +vtiles, +nopdl, +rowod")
     if len({"fusedmlp", "tokmlp", "inductmlp"} & set(flags)) > 1:
         raise SystemExit(f"--engines {name!r}: +fusedmlp, +tokmlp and +inductmlp exclude each other")
     if {"qkrope", "unfusedrope"} <= set(flags):
@@ -206,13 +212,22 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         quant = None if scheme is None else get_quant_scheme(
             scheme, skip_first_n_layers=args.skip_first, skip_last_n_layers=args.skip_last,
             quantize_lm_head="head" in flags)
-        engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=args.batch,
-                              max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
-                              quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
-                              kernels=KernelOptions(
-                                  fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
-                                  fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags,
-                                  fused_qk_rope="unfusedrope" not in flags, kv_v_tiles="vtiles" in flags))
+        # +rowod: o and down too on the Triton rowwise kernel (the GEMM path is chosen when the layers are built)
+        added = {shape: cfg for shape, cfg in ROWWISE_OD.items() if shape not in gemm.TRITON_ROWWISE_CONFIGS} if (
+            "rowod" in flags) else {}
+        gemm.TRITON_ROWWISE_CONFIGS.update(added)
+        try:
+            engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=args.batch,
+                                  max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
+                                  quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
+                                  kernels=KernelOptions(
+                                      fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
+                                      fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags,
+                                      fused_qk_rope="unfusedrope" not in flags, kv_v_tiles="vtiles" in flags,
+                                      pdl="nopdl" not in flags))
+        finally:
+            for shape in added:
+                del gemm.TRITON_ROWWISE_CONFIGS[shape]
         if engine.fusion_report is not None:
             row["fused_fp8_mlps"] = len(engine.fusion_report.mlp_fp8)
             row["act_kernel_mlps"] = len(engine.fusion_report.mlp_fp8_token)
@@ -223,6 +238,8 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
                        lm_head=type(getattr(engine.model, "lm_head", None)).__name__)
             check = check_linear(engine.model)
             row.update(linear_path=check["path"], linear_check_sqnr_db=check["sqnr_db"])
+            o_proj = engine.model.model.layers[-1].self_attn.o_proj  # +rowod: triton_rowwise at the batch's M
+            row["o_proj_path"] = o_proj.gemm_path_for(args.batch) if hasattr(o_proj, "gemm_path_for") else "bf16"
             if check["sqnr_db"] is not None and check["sqnr_db"] < 30.0:
                 raise RuntimeError(f"linear_check: GPU QuantizedLinear vs emulation SQNR {check['sqnr_db']:.1f} dB "
                                    "< 30 dB; not timing this variant")
