@@ -203,7 +203,7 @@ def check_linear(model) -> dict:
 def measure(name: str, mode: str, train_model, batch, params: dict, args, with_kl: bool) -> dict:
     row = {"engine": name, "mode": mode}
     scheme = scheme_of(name)
-    engine = None
+    engine, added = None, {}
     try:
         # every engine gets its own copy: the trainer model stays untouched (engines attach fusion state
         # to the model they run, which deepcopy cannot copy), and all variants start from identical weights
@@ -212,22 +212,19 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         quant = None if scheme is None else get_quant_scheme(
             scheme, skip_first_n_layers=args.skip_first, skip_last_n_layers=args.skip_last,
             quantize_lm_head="head" in flags)
-        # +rowod: o and down too on the Triton rowwise kernel (the GEMM path is chosen when the layers are built)
+        # +rowod: o and down too on the Triton rowwise kernel: its launch parameters stay registered while the
+        # engine runs (the GEMM path reads them at each call) and are removed after it (``finally`` below)
         added = {shape: cfg for shape, cfg in ROWWISE_OD.items() if shape not in gemm.TRITON_ROWWISE_CONFIGS} if (
             "rowod" in flags) else {}
         gemm.TRITON_ROWWISE_CONFIGS.update(added)
-        try:
-            engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=args.batch,
-                                  max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
-                                  quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
-                                  kernels=KernelOptions(
-                                      fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
-                                      fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags,
-                                      fused_qk_rope="unfusedrope" not in flags, kv_v_tiles="vtiles" in flags,
-                                      pdl="nopdl" not in flags))
-        finally:
-            for shape in added:
-                del gemm.TRITON_ROWWISE_CONFIGS[shape]
+        engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=args.batch,
+                              max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
+                              quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
+                              kernels=KernelOptions(
+                                  fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
+                                  fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags,
+                                  fused_qk_rope="unfusedrope" not in flags, kv_v_tiles="vtiles" in flags,
+                                  pdl="nopdl" not in flags))
         if engine.fusion_report is not None:
             row["fused_fp8_mlps"] = len(engine.fusion_report.mlp_fp8)
             row["act_kernel_mlps"] = len(engine.fusion_report.mlp_fp8_token)
@@ -265,6 +262,9 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
     except Exception as err:  # noqa: BLE001 - keep the other engines' numbers
         row["error"] = f"{type(err).__name__}: {err}"[:400]
         print(f"ERROR {name}/{mode}: {row['error']}", flush=True)
+    finally:
+        for shape in added:  # +rowod's launch parameters: this engine's only
+            del gemm.TRITON_ROWWISE_CONFIGS[shape]
     engine = None  # free the engine (and its model copy) before the next variant
     return row
 
