@@ -23,8 +23,8 @@ default since session 7; ``+qkrope`` names it explicitly, as call 3 of session 7
 the norm modules, RoPE and the cache update instead (the path before; any base, ``bf16+unfusedrope`` too).
 ``+vtiles`` stores V in (D, 128) tiles (``KernelOptions(kv_v_tiles=True)``; the default in session 8 calls 5-7,
 opt-in since, as the whole step measured no faster); ``+vrows`` names rows, the default, explicitly (call 7). ``+nopdl``
-launches without programmatic dependent launch (``KernelOptions(pdl=False)``); ``+rowod`` puts the o and down
-projections on the Triton rowwise kernel too (launch parameters ``ROWWISE_OD``; the default keeps cuBLAS there). ``--persistent-rnumel N`` lets inductor
+launches without programmatic dependent launch (``KernelOptions(pdl=False)``); ``+cublasod`` runs the o and down
+projections on cuBLAS tensorwise + the scale epilogue (the path before they joined the Triton rowwise kernel). ``--persistent-rnumel N`` lets inductor
 hold reductions of up to N columns in registers (persistent) instead of looping (its default limit is
 1024; the FP8 engine's RMSNorm + quantize kernels reduce 4096). ``--attn-fp8-config`` overrides the FP8-cache attention launch
 configuration, ``--mlp-config`` the fused MLP's (a ``bench_fused_mlp.py --tune`` JSON).
@@ -108,10 +108,9 @@ def sampled_metrics(train_model, out) -> dict[str, float]:
 
 
 SCHEME_ALIASES = {"fp8": "fp8_block"}
-# +rowod: launch parameters for the fused Qwen3-8B o (4096 x 4096) and down (4096 x 12288) shapes on the Triton
-# rowwise kernel (the engine default keeps them on cuBLAS tensorwise + scale epilogue)
-ROWWISE_OD = {(4096, 4096): {"block_m": 64, "block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 6},
-              (4096, 12288): {"block_m": 64, "block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 6}}
+# +cublasod: the fused Qwen3-8B o (4096 x 4096) and down (4096 x 12288) shapes back on cuBLAS tensorwise + scale
+# epilogue (the path before lumenrl-quant gave them Triton rowwise launch parameters)
+CUBLAS_OD = ((4096, 4096), (4096, 12288))
 
 
 def variant(name: str) -> tuple[str, frozenset[str]]:
@@ -119,10 +118,10 @@ def variant(name: str) -> tuple[str, frozenset[str]]:
     (the output head quantized too, ``quantize_lm_head``)."""
     base, *flags = name.split("+")
     unknown = set(flags) - {"kv", "head", "fusedmlp", "tokmlp", "inductmlp", "tokattn", "tokln", "qkrope", "unfusedrope",
-                            "vrows", "vtiles", "nopdl", "rowod"}
+                            "vrows", "vtiles", "nopdl", "cublasod"}
     if unknown:
         raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head, +fusedmlp, "
-                         "+tokmlp, +inductmlp, +tokattn, +tokln, +qkrope, +unfusedrope, +vrows, +vtiles, +nopdl, +rowod")
+                         "+tokmlp, +inductmlp, +tokattn, +tokln, +qkrope, +unfusedrope, +vrows, +vtiles, +nopdl, +cublasod")
     if len({"fusedmlp", "tokmlp", "inductmlp"} & set(flags)) > 1:
         raise SystemExit(f"--engines {name!r}: +fusedmlp, +tokmlp and +inductmlp exclude each other")
     if {"qkrope", "unfusedrope"} <= set(flags):
@@ -203,7 +202,7 @@ def check_linear(model) -> dict:
 def measure(name: str, mode: str, train_model, batch, params: dict, args, with_kl: bool) -> dict:
     row = {"engine": name, "mode": mode}
     scheme = scheme_of(name)
-    engine, added = None, {}
+    engine, removed = None, {}
     try:
         # every engine gets its own copy: the trainer model stays untouched (engines attach fusion state
         # to the model they run, which deepcopy cannot copy), and all variants start from identical weights
@@ -212,11 +211,10 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         quant = None if scheme is None else get_quant_scheme(
             scheme, skip_first_n_layers=args.skip_first, skip_last_n_layers=args.skip_last,
             quantize_lm_head="head" in flags)
-        # +rowod: o and down too on the Triton rowwise kernel: its launch parameters stay registered while the
-        # engine runs (the GEMM path reads them at each call) and are removed after it (``finally`` below)
-        added = {shape: cfg for shape, cfg in ROWWISE_OD.items() if shape not in gemm.TRITON_ROWWISE_CONFIGS} if (
-            "rowod" in flags) else {}
-        gemm.TRITON_ROWWISE_CONFIGS.update(added)
+        # +cublasod: o and down without Triton launch parameters (their GEMM path is chosen when the layers are
+        # built, and the parameters are read at each call): removed while this engine runs, restored after it
+        removed = {shape: gemm.TRITON_ROWWISE_CONFIGS.pop(shape) for shape in CUBLAS_OD
+                   if shape in gemm.TRITON_ROWWISE_CONFIGS} if "cublasod" in flags else {}
         engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=args.batch,
                               max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
                               quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
@@ -235,7 +233,7 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
                        lm_head=type(getattr(engine.model, "lm_head", None)).__name__)
             check = check_linear(engine.model)
             row.update(linear_path=check["path"], linear_check_sqnr_db=check["sqnr_db"])
-            o_proj = engine.model.model.layers[-1].self_attn.o_proj  # +rowod: triton_rowwise at the batch's M
+            o_proj = engine.model.model.layers[-1].self_attn.o_proj  # +cublasod: its path at the batch's M
             row["o_proj_path"] = o_proj.gemm_path_for(args.batch) if hasattr(o_proj, "gemm_path_for") else "bf16"
             if check["sqnr_db"] is not None and check["sqnr_db"] < 30.0:
                 raise RuntimeError(f"linear_check: GPU QuantizedLinear vs emulation SQNR {check['sqnr_db']:.1f} dB "
@@ -263,8 +261,7 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         row["error"] = f"{type(err).__name__}: {err}"[:400]
         print(f"ERROR {name}/{mode}: {row['error']}", flush=True)
     finally:
-        for shape in added:  # +rowod's launch parameters: this engine's only
-            del gemm.TRITON_ROWWISE_CONFIGS[shape]
+        gemm.TRITON_ROWWISE_CONFIGS.update(removed)  # +cublasod: back for the next engine
     engine = None  # free the engine (and its model copy) before the next variant
     return row
 

@@ -85,12 +85,17 @@ ROWWISE_EPILOGUE_MAX_M = 256
 # Rowwise GEMMs with M <= TRITON_ROWWISE_MAX_M whose (N, K) has a tuned launch configuration in
 # ``TRITON_ROWWISE_CONFIGS`` run the Triton split-K kernel (:mod:`lumenrl_quant.triton_gemm`) where
 # it beat cuBLAS in ``benchmarks/quant/bench_decode_gemm.py --tune`` (RESULTS.md); 0 disables.
-# On an H200 at M = 64 Triton wins at Qwen3-8B's fused q/k/v and gate/up shapes; cuBLAS stays faster at
-# its o and down shapes, which therefore have no entry (figures: entry decode_gemm of RESULTS.md).
+# On an H200 at M = 64 Triton wins at Qwen3-8B's fused q/k/v and gate/up shapes. At its o and down shapes,
+# timed alone, the kernel (best tiles 32 x 256) is level with cuBLAS tensorwise at o (8.06 vs 8.02 us) and behind
+# it at down (18.7 vs 16.9 us; both before the scale epilogue, which inductor fuses into the next kernel);
+# inside the native engine's decode step, though, it launches with PDL and the step ran 1.3% faster with o and
+# down on it too (``bench_fp8_rollout.py`` ``+cublasod`` A/B, one process; decision 0023), so they have entries.
 TRITON_ROWWISE_MIN_M, TRITON_ROWWISE_MAX_M = 33, 64  # measured at M = 64 only (one 64-row tile)
 TRITON_ROWWISE_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
     (6144, 4096): {"block_m": 64, "block_n": 64, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 5},
     (24576, 4096): {"block_m": 64, "block_n": 64, "block_k": 128, "split_k": 1, "num_warps": 4, "num_stages": 4},
+    (4096, 4096): {"block_m": 64, "block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 6},
+    (4096, 12288): {"block_m": 64, "block_n": 32, "block_k": 256, "split_k": 1, "num_warps": 4, "num_stages": 6},
 }
 
 _FAILED: set[tuple] = set()
