@@ -28,6 +28,8 @@ Smoke (CPU, seconds): a hidden-64 / 8-expert version of the same engines (fused 
 lumenrl-quant's torch path; no roofline).
 GPU: ``python -m benchmarks run gpu --only moe_decode_speed``.
 Profile (where the recording and FP8-expert time goes): ``python -m benchmarks.moe.decode_speed --profile``.
+Recording cost per ``KernelOptions`` variant, side by side in one process:
+``python -m benchmarks.moe.decode_speed --record-cost "pdl=on;pdl=off"`` (``--smoke``: the CPU shape).
 """
 
 from __future__ import annotations
@@ -74,12 +76,14 @@ def _model(shape: dict, device: str, dtype: torch.dtype):
 
 
 def _engine(model, batch, new: int, *, device: str, compile: str, record: bool = False, fused_moe: str = "on",
-            quant_scheme=None) -> tuple[NativeEngine, dict]:
-    """A native engine over ``model``, warmed up (compiled, graphs captured), and its sampling params."""
+            quant_scheme=None, kernels: dict | None = None) -> tuple[NativeEngine, dict]:
+    """A native engine over ``model``, warmed up (compiled, graphs captured), and its sampling params;
+    ``kernels``: further ``KernelOptions`` overrides."""
     torch._dynamo.reset()
     rows, prompt = batch.batch["input_ids"].shape
     engine = NativeEngine(model, _Tok(), device=device, max_batch_size=rows, max_seq_len=prompt + new,
-                          compile=compile, record_routes=record, kernels=KernelOptions(fused_moe=fused_moe),
+                          compile=compile, record_routes=record,
+                          kernels=KernelOptions(**{"fused_moe": fused_moe, **(kernels or {})}),
                           quant_scheme=quant_scheme)
     if fused_moe == "on":
         assert engine.moe.report.fused and not engine.moe.report.skipped, engine.moe.report
@@ -106,14 +110,15 @@ def _native(model, batch, new: int, *, device: str, compile: str, fused_moe: str
     return batch.batch["input_ids"].shape[0] * (new - 1) / decode_s, decode_s
 
 
-def _record_cost(model, batch, new: int, *, device: str, compile: str, runs: int = 3, calls: int = 5) -> dict:
+def _record_cost(model, batch, new: int, *, device: str, compile: str, runs: int = 3, calls: int = 5,
+                 kernels: dict | None = None) -> dict:
     """R3 recording cost, robust to drift: a plain and a recording engine over the same model, both warmed
     up, then ``runs`` rounds of ``calls`` generate calls each, interleaved (plain, recording, plain, ...);
     per round the cost is median(recording) / median(plain) - 1; reported: the median round, the spread
     of the rounds, and the plain engine's decode rate over all its calls. The plain engine is built (and
     its decode graphs captured) before the recording engine patches the routers."""
-    plain, params = _engine(model, batch, new, device=device, compile=compile)
-    recording, _ = _engine(model, batch, new, device=device, compile=compile, record=True)
+    plain, params = _engine(model, batch, new, device=device, compile=compile, kernels=kernels)
+    recording, _ = _engine(model, batch, new, device=device, compile=compile, record=True, kernels=kernels)
     rounds, plain_all = [], []
     for _ in range(runs):
         times: dict[bool, list[float]] = {False: [], True: []}
@@ -145,15 +150,33 @@ def _hf(model, batch, new: int, device: str) -> float:
     return ids.shape[0] * (new - 1) / max(total - prefill, 1e-9)
 
 
-def moe_decode_speed(smoke: bool) -> dict:
+def _setup(smoke: bool) -> tuple:
+    """(device, shape, (rows, prompt, new), model, batch, compile mode) of the full or the smoke run."""
     device = "cpu" if smoke or not torch.cuda.is_available() else "cuda"
     shape, (rows, prompt, new) = (SMOKE, (4, 16, 8)) if smoke else (FULL, (64, 256, 128))
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = _model(shape, device, dtype)
+    model = _model(shape, device, torch.float32 if device == "cpu" else torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(10, shape["vocab_size"] - 1, (rows, prompt), generator=g)
     batch = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-    compile = "full" if device == "cuda" else "none"
+    return device, shape, (rows, prompt, new), model, batch, "full" if device == "cuda" else "none"
+
+
+def record_cost_variants(specs: str, smoke: bool) -> dict[str, dict]:
+    """``--record-cost "pdl=on;pdl=off"``: the R3 recording cost (:func:`_record_cost`) per ``KernelOptions``
+    variant (``NAME=VALUE,...``, ';'-separated, as ``bench_decode.py --kernels``), one variant after another
+    in one process; the variants' rounds are printed side by side."""
+    from benchmarks.gpu.bench_decode import kernel_overrides
+
+    device, _, (_, _, new), model, batch, compile = _setup(smoke)
+    results = {}
+    for spec in specs.split(";"):
+        results[spec] = _record_cost(model, batch, new, device=device, compile=compile, kernels=kernel_overrides(spec))
+        print(f"{spec or 'default':24s} {results[spec]}", flush=True)
+    return results
+
+
+def moe_decode_speed(smoke: bool) -> dict:
+    device, shape, (rows, prompt, new), model, batch, compile = _setup(smoke)
     out = {"device": device, "shape": "smoke" if smoke else "qwen3-30b-a3b x12 layers", "batch": rows,
            "prompt": prompt, "new": new, "compile": compile,
            "experts_implementation": model.config._experts_implementation}
@@ -252,6 +275,8 @@ if __name__ == "__main__":
 
     if "--profile" in sys.argv:
         profile()
+    elif "--record-cost" in sys.argv:  # python -m benchmarks.moe.decode_speed --record-cost "pdl=on;pdl=off" [--smoke]
+        record_cost_variants(sys.argv[sys.argv.index("--record-cost") + 1], smoke="--smoke" in sys.argv)
     else:
         for key, value in moe_decode_speed(smoke="--full" not in sys.argv).items():
             print(f"{key:28s} {value}")
