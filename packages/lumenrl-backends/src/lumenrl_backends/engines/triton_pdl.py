@@ -17,9 +17,10 @@ interpreter the kernels run without it (:func:`pdl_supported` is False there).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+# one answer for the stack: lumenrl-quant's rowwise GEMM joins the same chains
+from lumenrl_quant.triton_gemm import pdl_supported
 
 __all__ = ["launch_options", "pdl_supported"]
 
@@ -28,15 +29,6 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU environments without Triton
     triton = None
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does at import
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: CUDA compute capability 9.0+ (not the interpreter, not ROCm)."""
-    return (triton is not None and not _INTERPRETED and device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device) >= (9, 0))
-
 
 def launch_options(pdl: bool, device: torch.device) -> tuple[bool, dict[str, bool]]:
     """(whether the kernel runs its PDL prologue, the launch keyword arguments): PDL only where supported."""
