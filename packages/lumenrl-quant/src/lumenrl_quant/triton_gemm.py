@@ -29,6 +29,7 @@ sweeps them against cuBLAS at the engine's shapes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
@@ -136,12 +137,13 @@ def _config(config: Mapping[str, int] | None) -> dict[str, int]:
     return _checked(config, DEFAULT_CONFIG)
 
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does at import
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: CUDA compute capability 9.0+ with Triton (not its interpreter, not ROCm)."""
-    import os
-
-    return (triton is not None and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and device.type == "cuda"
-            and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0))
+    return (triton is not None and not _INTERPRETED and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 def _launch_checks(a: torch.Tensor, b_q: torch.Tensor, cfg: Mapping[str, int], a_group: int = 0) -> None:
