@@ -219,6 +219,20 @@ def covered_us(intervals: list[tuple[float, float]]) -> float:
     return covered
 
 
+def marginal_us(intervals: list[tuple[float, float]]) -> list[float]:
+    """Per interval (in the given order), how much it extends the union of the intervals that start before it:
+    ``end - max(start, latest earlier end)``, at least 0. Under PDL a kernel starts early and waits inside,
+    so its duration counts time the previous kernel owns; its marginal time does not. The marginal times
+    sum to :func:`covered_us` of the same intervals."""
+    order = sorted(range(len(intervals)), key=lambda i: intervals[i])
+    out, reach = [0.0] * len(intervals), float("-inf")
+    for i in order:
+        start, end = intervals[i]
+        out[i] = max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return out
+
+
 def profile_engine(engine: Any, batch: Any, params: dict[str, Any], *, steps: int = 32,
                    weight_bytes: float | None = None, kv_bytes: float | None = None) -> dict[str, Any]:
     """Where a decode step's time goes, from the CUDA kernels of the engine as timed (graphs replayed,
@@ -253,26 +267,39 @@ def profile_engine(engine: Any, batch: Any, params: dict[str, Any], *, steps: in
     if not decode:
         return {"error": "no decode kernels recorded"}
     total = sum(e.time_range.elapsed_us() for e in decode)
-    busy = covered_us([(e.time_range.start, e.time_range.end) for e in decode])
+    spans = [(e.time_range.start, e.time_range.end) for e in decode]
+    busy = covered_us(spans)
+    marginal = marginal_us(spans)
     span = max(e.time_range.end for e in decode) - decode[0].time_range.start
     by_class: dict[str, float] = {}
+    by_class_marginal: dict[str, float] = {}
     by_name: dict[str, list[float]] = {}
-    for e in decode:
-        us = e.time_range.elapsed_us()
-        by_class[kernel_class(e.name)] = by_class.get(kernel_class(e.name), 0.0) + us
-        slot = by_name.setdefault(e.name, [0, 0.0])
+    for e, own in zip(decode, marginal):
+        us, cls = e.time_range.elapsed_us(), kernel_class(e.name)
+        by_class[cls] = by_class.get(cls, 0.0) + us
+        by_class_marginal[cls] = by_class_marginal.get(cls, 0.0) + own
+        slot = by_name.setdefault(e.name, [0, 0.0, 0.0])
         slot[0] += 1
         slot[1] += us
+        slot[2] += own
     per = 1e3 * steps  # us -> ms per step
+    per_step = len(decode) // steps
+    middle = steps // 2 * per_step  # one whole decode step (graphs replay the same kernels every step)
+    sequence = [{"name": e.name[:60], "start_us": round(e.time_range.start - decode[middle].time_range.start, 2),
+                 "us": round(e.time_range.elapsed_us(), 2), "marginal_us": round(own, 2)}
+                for e, own in zip(decode[middle:middle + per_step], marginal[middle:middle + per_step])]
     out: dict[str, Any] = {
         "steps": steps, "kernels_per_step": len(decode) / steps, "busy_ms_per_step": busy / per,
         "span_ms_per_step": span / per, "idle_ms_per_step": (span - busy) / per,
         "overlap_ms_per_step": (total - busy) / per,
         "wall_ms_per_step_profiled": (wall_full - wall_head) * 1e3 / steps,
         "busy_ms_by_class": {k: v / per for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+        # the same per class, each kernel counted by its marginal time (:func:`marginal_us`): sums to busy
+        "marginal_ms_by_class": {k: v / per for k, v in sorted(by_class_marginal.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n[:90], "class": kernel_class(n), "per_step": c / steps, "ms_per_step": us / per,
-                         "share": us / total}
-                        for n, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]],
+                         "marginal_ms_per_step": own / per, "share": us / total}
+                        for n, (c, us, own) in sorted(by_name.items(), key=lambda kv: -kv[1][2])[:15]],
+        "step_sequence": sequence,
     }
     if weight_bytes is not None and by_class.get("gemm"):
         out["gemm_weight_gbs"] = weight_bytes / (by_class["gemm"] / per * 1e-3) / 1e9
@@ -290,12 +317,14 @@ def profile_numbers(prof: dict[str, Any] | None, prefix: str = "profile/") -> di
                            ("kernels_per_step", "busy_ms_per_step", "idle_ms_per_step", "span_ms_per_step",
                             "overlap_ms_per_step", "gemm_weight_gbs", "attention_kv_gbs") if k in prof}
     out.update({f"{prefix}{cls}_ms_per_step": round(ms, 4) for cls, ms in prof["busy_ms_by_class"].items()})
+    out.update({f"{prefix}{cls}_marginal_ms_per_step": round(ms, 4)
+                for cls, ms in prof.get("marginal_ms_by_class", {}).items()})
     for i, k in enumerate(prof["top_kernels"][:3]):
         out[f"{prefix}top{i + 1}"] = f"{k['name'][:120]} ({k['ms_per_step']:.3f} ms/step)"
     return out
 
 
-def print_profile(prof: dict[str, Any], label: str) -> None:
+def print_profile(prof: dict[str, Any], label: str, verbose: bool = True) -> None:
     if "error" in prof:
         print(f"profile {label}: {prof['error']}")
         return
@@ -304,7 +333,13 @@ def print_profile(prof: dict[str, Any], label: str) -> None:
           f"{prof['wall_ms_per_step_profiled']:.3f} ms per step; gemm {prof.get('gemm_weight_gbs', 0):.0f} GB/s of "
           f"weights, attention {prof.get('attention_kv_gbs', 0):.0f} GB/s of KV")
     print("  by class (ms/step): " + ", ".join(f"{k} {v:.3f}" for k, v in prof["busy_ms_by_class"].items()))
-    print_table(prof["top_kernels"], ["name", "class", "per_step", "ms_per_step", "share"])
+    if "marginal_ms_by_class" in prof:
+        print("  by class, marginal (ms/step): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in prof["marginal_ms_by_class"].items()))
+    print_table(prof["top_kernels"], ["name", "class", "per_step", "ms_per_step", "marginal_ms_per_step", "share"])
+    if prof.get("step_sequence") and verbose:
+        print(f"  one decode step, kernel by kernel ({label}):")
+        print_table(prof["step_sequence"], ["name", "start_us", "us", "marginal_us"])
 
 
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:

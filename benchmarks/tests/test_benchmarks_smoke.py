@@ -167,3 +167,19 @@ def test_decode_profile_classes_and_overlapping_kernels():
     assert kernel_class("triton_red_fused__to_copy_add_decode_linear_mean_mul_pow_rsqrt_view_8") == "inductor"
     assert covered_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17.0
     assert covered_us([(3, 4)]) == 1.0 and covered_us([]) == 0.0
+
+
+def test_marginal_time_sums_to_busy_and_skips_waits():
+    """A PDL kernel that starts early is charged only from its predecessor's end; a kernel inside another's
+    interval is charged nothing; the marginal times sum to the union, on random intervals too."""
+    import random
+
+    from benchmarks.gpu._common import covered_us, marginal_us
+
+    assert marginal_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == [10, 2, 5, 0]
+    assert marginal_us([]) == []
+    rng = random.Random(7)
+    for _ in range(50):
+        spans = [(a, a + rng.uniform(0, 5)) for a in (rng.uniform(0, 30) for _ in range(rng.randint(1, 12)))]
+        own = marginal_us(spans)
+        assert min(own) >= 0 and abs(sum(own) - covered_us(spans)) < 1e-9
