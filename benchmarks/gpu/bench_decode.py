@@ -134,7 +134,8 @@ def native_label(mode: str, fuse: bool, overlap: bool, kernels: str = "") -> str
 
 def kernel_overrides(spec: str) -> dict[str, bool | str]:
     """``"decode_linear=off,pdl=on"`` -> KernelOptions keyword overrides: on/off for the boolean options,
-    the value itself for the others (``decode_linear``, ``fused_moe``: the engine checks it)."""
+    an int for digits (``pdl_prefetch=4096``), the value itself for the others (``decode_linear``,
+    ``fused_moe``: the engine checks it)."""
     switch = {"on": True, "off": False}
     kinds = {f.name: f.type for f in dataclasses.fields(KernelOptions)}
     out: dict[str, bool | str] = {}
@@ -144,7 +145,7 @@ def kernel_overrides(spec: str) -> dict[str, bool | str]:
         if name not in kinds or not value or (boolean and value not in switch):
             raise SystemExit(f"--kernels item {item!r}: give NAME=VALUE with NAME one of {sorted(kinds)} "
                              "(on|off for the boolean ones)")
-        out[name] = switch[value] if boolean else value
+        out[name] = switch[value] if boolean else int(value) if value.isdigit() else value
     return out
 
 

@@ -299,10 +299,10 @@ def test_cuda_pdl_chain_in_a_graph_equals_plain_launches():
     weights = [torch.randn(4096, 4096, device="cuda", generator=gen, dtype=torch.bfloat16) / 64 for _ in range(8)]
     x = torch.randn(64, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
 
-    def chain(pdl: bool) -> torch.Tensor:
+    def chain(pdl: bool, prefetch: int = tlin.PDL_PREFETCH) -> torch.Tensor:
         h = x
         for w in weights:
-            h = tlin.decode_linear(h, w, pdl=pdl)
+            h = tlin.decode_linear(h, w, pdl=pdl, prefetch=prefetch)
         return h
 
     plain = chain(False)
@@ -319,6 +319,7 @@ def test_cuda_pdl_chain_in_a_graph_equals_plain_launches():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, chain(False))
+        assert torch.equal(chain(True, prefetch=4096), captured) and torch.equal(chain(True, prefetch=0), captured)
     assert not torch.equal(captured, plain)  # the inputs did change
 
 

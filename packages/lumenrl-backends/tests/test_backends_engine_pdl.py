@@ -208,3 +208,40 @@ def test_quantized_linears_join_the_pdl_chain(monkeypatch):
         linear = registered[0]
         linear(torch.randn(3, linear.in_features, dtype=torch.bfloat16))
         assert seen == [True]
+        assert set_quantized_pdl(engine.model, True, 2048) == len(registered) + 2 * layers
+        assert all(m.pdl_prefetch == 2048 for m in registered)
+        prefetches: list[int] = []
+        monkeypatch.setattr(qlinear, "run_gemm_path", lambda *a, **k: prefetches.append(k["pdl_prefetch"]) or original(*a, **k))
+        linear(torch.randn(3, linear.in_features, dtype=torch.bfloat16))
+        assert prefetches == [2048]
+
+
+def test_pdl_prefetch_reaches_every_decode_gemm_and_bad_values_are_refused(monkeypatch):
+    """``KernelOptions.pdl_prefetch`` (bytes per weight row): an FP8 engine's quantized linears get it, the fused
+    modules' 16-bit decode GEMMs get it in weight columns (their default without it); a negative or non-int
+    value is refused before the model is touched, naming the key."""
+    from lumenrl_backends.engines import triton_linear
+    from lumenrl_quant import QuantizedLinear
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tokenizer = _tiny(tmp)
+        for bad in (-1, 1.5, "4k"):
+            with pytest.raises(ValueError, match=r"kernels.pdl_prefetch=.*allowed: None or an int >= 0"):
+                NativeEngine(model, tokenizer, device="cpu", max_batch_size=2, max_seq_len=16,
+                             kernels=KernelOptions(pdl_prefetch=bad))
+        engine = NativeEngine(model, tokenizer, device="cpu", max_batch_size=2, max_seq_len=16, cuda_graphs=False,
+                              quant_scheme="fp8_row", kernels=KernelOptions(pdl_prefetch=4096))
+        quantized = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
+        assert quantized and all(m.pdl_prefetch == 4096 for m in quantized)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, _ = _tiny(tmp)
+        monkeypatch.setattr(triton_linear, "weight_reason", lambda *a, **k: None)  # CPU: let the fusion route them
+        try:
+            for given, columns in ((None, triton_linear.PDL_PREFETCH), (4096, 2048), (0, 0)):
+                fuse_projections(model, decode_linear="on", pdl=True, pdl_prefetch=given)
+                routed = [m.__dict__["_lumenrl_decode_linear"] for m in model.modules()
+                          if m.__dict__.get("_lumenrl_decode_linear") is not None]
+                assert len(routed) == 2 * model.config.num_hidden_layers
+                assert all(d.pdl and d.prefetch == columns for d in routed)
+        finally:
+            unfuse_projections(model)

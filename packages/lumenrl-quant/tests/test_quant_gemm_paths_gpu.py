@@ -101,11 +101,11 @@ def test_rowwise_gemm_with_pdl_equals_without_in_a_graph_and_under_compile():
                for _ in range(6)]
     x = torch.randn(64, 4096, generator=gen, device="cuda").to(torch.bfloat16)
 
-    def chain(pdl: bool) -> torch.Tensor:
+    def chain(pdl: bool, prefetch: int = tg.PDL_PREFETCH) -> torch.Tensor:
         h = x
         for w_q, w_s in weights:
             a_q, a_s = quantize_fp8(h, granularity="rowwise", backend="torch")
-            h = tg.fp8_rowwise_gemm(a_q, a_s, w_q, w_s, config=cfg, pdl=pdl)
+            h = tg.fp8_rowwise_gemm(a_q, a_s, w_q, w_s, config=cfg, pdl=pdl, prefetch=prefetch)
         return h
 
     stream = torch.cuda.Stream()
@@ -124,6 +124,7 @@ def test_rowwise_gemm_with_pdl_equals_without_in_a_graph_and_under_compile():
         torch.cuda.synchronize()
         plain = chain(False)
         assert torch.equal(captured, plain)
+        assert torch.equal(chain(True, prefetch=4096), plain) and torch.equal(chain(True, prefetch=0), plain)
         assert torch.equal(compiled(True), compiled(False))
         assert previous is None or not torch.equal(plain, previous)  # the inputs did change
         previous = plain

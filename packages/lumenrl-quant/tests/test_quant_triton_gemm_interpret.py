@@ -59,6 +59,9 @@ SCRIPT = textwrap.dedent(
     plain = tg.fp8_rowwise_gemm(a_q, a_s, b_q, b_s, out_dtype=torch.float32, config=cfg)
     assert float((plain.double() - ref).norm() / ref.norm()) < 1e-6
     assert torch.equal(tg.fp8_rowwise_gemm(a_q, a_s, b_q, b_s, out_dtype=torch.float32, config=cfg, pdl=True), plain)
+    for prefetch in (0, 128, 4096):  # bytes of each weight row prefetched before the wait: where, not what
+        assert torch.equal(tg.fp8_rowwise_gemm(a_q, a_s, b_q, b_s, out_dtype=torch.float32, config=cfg, pdl=True,
+                                               prefetch=prefetch), plain)
     compiled = torch.compile(lambda a, s: tg.fp8_rowwise_gemm(a, s, b_q, b_s, out_dtype=torch.float32, config=cfg,
                                                               pdl=True), fullgraph=True)
     assert torch.equal(compiled(a_q, a_s), plain)
@@ -72,6 +75,17 @@ def test_rowwise_gemm_matches_float64_in_the_interpreter():
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.strip().splitlines()[-1]) < 1e-6
+
+
+@pytest.mark.parametrize("prefetch", [-1, 1.5, True])
+def test_bad_prefetch_is_refused_naming_it(prefetch):
+    import torch
+
+    from lumenrl_quant import triton_gemm as tg
+
+    a_q, b_q = torch.zeros(4, 256).to(torch.float8_e4m3fn), torch.zeros(32, 256).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"prefetch=.*allowed: an int >= 0"):
+        tg.fp8_rowwise_gemm(a_q, torch.ones(4, 1), b_q, torch.ones(32, 1), pdl=True, prefetch=prefetch)
 
 
 @pytest.mark.parametrize(("config", "named"), [

@@ -400,13 +400,15 @@ def run_gemm_path(
     b_block_size: tuple[int, int] | None = None,
     unit_scale: torch.Tensor | None = None,
     pdl: bool = False,
+    pdl_prefetch: int = 512,
 ) -> torch.Tensor:
     """Run ``path`` (from :func:`gemm_path`) as is: no checks, no fallback, traceable by dynamo.
 
     ``unit_scale``: a float32 ``()`` one on the operands' device for ``scaled_mm_rowwise_epilogue``
     (a cached one is used when None; pass a module-held one inside ``torch.compile``).
     ``pdl``: the ``triton_rowwise`` path launches with programmatic dependent launch where supported
-    (:func:`lumenrl_quant.triton_gemm.fp8_rowwise_gemm`); the other paths ignore it.
+    (:func:`lumenrl_quant.triton_gemm.fp8_rowwise_gemm`), prefetching ``pdl_prefetch`` bytes of each weight
+    row; the other paths ignore both.
     """
     if path == "triton_blockwise":
         from lumenrl_quant import triton_kernels as tk
@@ -417,7 +419,8 @@ def run_gemm_path(
         from lumenrl_quant import triton_gemm as tg
 
         config = TRITON_ROWWISE_CONFIGS[tuple(b_q.shape)]
-        return tg.fp8_rowwise_gemm(a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, bias=bias, config=config, pdl=pdl)
+        return tg.fp8_rowwise_gemm(a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, bias=bias, config=config, pdl=pdl,
+                                   prefetch=pdl_prefetch)
     if path == "scaled_mm_rowwise_epilogue":
         one = unit_scale if unit_scale is not None else _unit_scale(a_q.device)
         acc = torch._scaled_mm(a_q.contiguous(), b_q.contiguous().t(), scale_a=one, scale_b=one,

@@ -138,6 +138,7 @@ class QuantizedLinear(nn.Module):
         # programmatic dependent launch for the Triton rowwise decode GEMM (CUDA sm90+; an engine that chains
         # PDL kernels sets it): see lumenrl_quant.triton_gemm.fp8_rowwise_gemm. Plain attribute, not state.
         self.pdl = False
+        self.pdl_prefetch = 512  # bytes of each weight row prefetched to L2 before the PDL wait
         self._select_paths()
 
     @classmethod
@@ -284,7 +285,8 @@ class QuantizedLinear(nn.Module):
         key = (out_dtype, _m_class(a_q.shape[0]))
         path = self._paths.get(key, "emulated")
         kw = {"out_dtype": out_dtype, "bias": self.bias, "a_block_size": a_block, "b_block_size": w_block,
-              "unit_scale": self._unit, "pdl": getattr(self, "pdl", False)}
+              "unit_scale": self._unit, "pdl": getattr(self, "pdl", False),
+              "pdl_prefetch": getattr(self, "pdl_prefetch", 512)}
         if torch.compiler.is_compiling():
             return run_gemm_path(path, a_q, a_scale, self.weight, self.weight_scale, **kw)
         if gemm._FAILED and path != "emulated":  # a fast path failed somewhere: re-check (slow, rare, correct)

@@ -138,6 +138,7 @@ def _config(config: Mapping[str, int] | None) -> dict[str, int]:
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does at import
+PDL_PREFETCH = 512  # bytes of each weight row a PDL launch prefetches to L2 before it waits (see fp8_rowwise_gemm)
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -162,12 +163,12 @@ def _launch_checks(a: torch.Tensor, b_q: torch.Tensor, cfg: Mapping[str, int], a
 def _launch(
     a: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
     config: Mapping[str, int] | None, *, weight_only: bool = False, dot_fp16: bool = False, a_group: int = 0,
-    pdl: bool = False,
+    pdl: bool = False, prefetch: int = PDL_PREFETCH,
 ) -> torch.Tensor:
     """Checks and one launch of the kernel: ``out_dtype`` (M, N) with the scales applied when
     ``split_k`` is 1, else the float32 partial sums (split_k, M, N) for the caller's epilogue.
     ``pdl`` (callers check :func:`pdl_supported`): launched with programmatic dependent launch, each program
-    prefetching the first 512 bytes of its weight rows to L2 before it waits for the previous kernel."""
+    prefetching the first ``prefetch`` bytes of its weight rows to L2 before it waits for the previous kernel."""
     cfg = _config(config)
     _launch_checks(a, b_q, cfg, a_group)
     (m, k), n = a.shape, b_q.shape[0]
@@ -177,7 +178,7 @@ def _launch(
     c = torch.empty((m, n) if epilogue else (split, m, n), dtype=out_dtype if epilogue else torch.float32,
                     device=a.device)
     grid = (triton.cdiv(n, cfg["block_n"]), split, triton.cdiv(m, cfg["block_m"]))
-    prefetch = min(512, k // split) if pdl and b_q.element_size() == 1 else 0  # bytes (= FP8 columns) per row
+    prefetch = min(prefetch, k // split) if pdl and b_q.element_size() == 1 else 0  # bytes (= FP8 columns) per row
     prefetch = 1 << (prefetch.bit_length() - 1) if prefetch >= 128 else 0  # a power of two within the row
     _rowwise_gemm_kernel[grid](
         a, b_q, c, sa, sb, m, n, a.stride(0), b_q.stride(0), 0 if epilogue else c.stride(0), c.stride(-2),
@@ -190,14 +191,17 @@ def _launch(
 
 
 def _pdl_op_impl(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
-                 block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
+                 block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+                 prefetch: int = PDL_PREFETCH) -> torch.Tensor:
     config = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "split_k": 1, "num_warps": num_warps,
               "num_stages": num_stages}
-    return _launch(a_q, b_q, sa, sb, out_dtype, config, pdl=pdl_supported(a_q.device))  # decided here, not traced
+    return _launch(a_q, b_q, sa, sb, out_dtype, config, pdl=pdl_supported(a_q.device),  # decided here, not traced
+                   prefetch=prefetch)
 
 
 def _pdl_op_fake(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
-                 block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int) -> torch.Tensor:
+                 block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
+                 prefetch: int = PDL_PREFETCH) -> torch.Tensor:
     return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
 
 
@@ -226,13 +230,15 @@ def fp8_rowwise_gemm(
     bias: torch.Tensor | None = None,
     config: Mapping[str, int] | None = None,
     pdl: bool = False,
+    prefetch: int = PDL_PREFETCH,
 ) -> torch.Tensor:
     """``(a_q * a_scale) @ (b_q * b_scale).T (+ bias)`` for FP8 ``a_q`` (M, K), ``b_q`` (N, K), float32
     ``a_scale`` (M, 1) or (M,), ``b_scale`` (N, 1) or (N,); ``config`` overrides the launch parameters.
 
     ``pdl``: where supported (:func:`pdl_supported`; CUDA sm90+) and with ``split_k`` 1, the kernel launches
     with programmatic dependent launch: it may start while the previous kernel in the stream finishes,
-    prefetches its weight rows to L2, waits for that kernel (``griddepcontrol.wait``: it reads ``a_q`` and
+    prefetches the first ``prefetch`` bytes of its weight rows to L2 (a power of two >= 128 within the row;
+    0: none), waits for that kernel (``griddepcontrol.wait``: it reads ``a_q`` and
     ``a_scale`` only after it), then lets the next PDL kernel launch. Same result as without; runs as the
     op ``lumenrl_quant::fp8_rowwise_gemm_pdl`` (opaque to ``torch.compile``), which decides at run time;
     elsewhere the same kernel launches plainly."""
@@ -243,10 +249,12 @@ def fp8_rowwise_gemm(
     if sa.numel() == 1 and m > 1:
         sa = sa.expand(m).contiguous()
     cfg = _config(config)
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r}; allowed: an int >= 0 (bytes of each weight row)")
     if pdl and cfg["split_k"] == 1 and _PDL_OP is not None:
         _launch_checks(a_q, b_q, cfg)
         c = _PDL_OP(a_q.contiguous(), b_q.contiguous(), sa, sb, out_dtype, cfg["block_m"], cfg["block_n"],
-                    cfg["block_k"], cfg["num_warps"], cfg["num_stages"])
+                    cfg["block_k"], cfg["num_warps"], cfg["num_stages"], prefetch)
         return c if bias is None else c + bias.to(out_dtype)
     c = _launch(a_q, b_q, sa, sb, out_dtype, config)
     if c.dim() == 2:

@@ -260,13 +260,14 @@ class _DecodeLinears:
     second: bool
     pdl: bool
     min_m: int = 1
+    prefetch: int = 512  # with pdl: weight columns of each row prefetched to L2 before the wait
 
 
 def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, decode: _DecodeLinears,
                    swiglu: bool = False) -> torch.Tensor:
     from lumenrl_backends.engines.triton_linear import decode_linear
 
-    return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl, min_m=decode.min_m)
+    return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl, prefetch=decode.prefetch, min_m=decode.min_m)
 
 
 # decoder layers whose forward is: x + attn(norm1(x)), then + mlp(norm2(.)) (HF 5.x: returns the tensor)
@@ -388,7 +389,7 @@ _PDL_ATTR = "_lumenrl_pdl"  # instance attribute (attention): the decode RoPE an
 def fuse_projections(
     model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False, fp8_act_kernel: bool = True,
     fp8_attn_out: bool = True, fp8_norm_quant: bool = True, fused_qk_rope: bool = True, decode_linear: str = "off",
-    pdl: bool = False,
+    pdl: bool = False, pdl_prefetch: int | None = None,
 ) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
@@ -444,7 +445,7 @@ def fuse_projections(
                 _set_qk_rope(module, name, fused_qk_rope, report)
                 module.__dict__[_PDL_ATTR] = pdl
             _set_decode_linear(module, name, "mlp" if cls.forward is _mlp_forward else "attention", decode_linear,
-                               pdl, report)
+                               pdl, report, pdl_prefetch)
             continue
         kind = ("attention" if attention and cls.__name__ in ATTENTION_CLASSES
                 else "mlp" if mlp and cls.__name__ in MLP_CLASSES else None)
@@ -471,7 +472,7 @@ def fuse_projections(
             _set_fp8_out(module, name, fp8_attn_out, report)
             _set_qk_rope(module, name, fused_qk_rope, report)
             module.__dict__[_PDL_ATTR] = pdl
-        _set_decode_linear(module, name, kind, decode_linear, pdl, report)
+        _set_decode_linear(module, name, kind, decode_linear, pdl, report, pdl_prefetch)
     for name, module in model.named_modules():
         if type(module).__name__ in DECODER_CLASSES:
             _set_norm_quant(module, name, fp8_norm_quant and attention and mlp, report)
@@ -498,7 +499,8 @@ def _set_qk_rope(module: nn.Module, name: str, wanted: bool, report: FusionRepor
         report.attention_fused_rope_skipped[name] = reason
 
 
-def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: bool, report: FusionReport) -> None:
+def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: bool, report: FusionReport,
+                       prefetch_bytes: int | None = None) -> None:
     """Route the module's decode GEMMs (M <= 64 rows) to the Triton decode kernel where it takes the weights:
     plain (unquantized) 16-bit weights of the tile's multiples; the MLP's gate/up only with a SiLU
     activation (its epilogue is SwiGLU) and not on a lumenrl-quant FP8 SwiGLU path; ``mode`` ``auto`` only
@@ -524,8 +526,10 @@ def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: 
     second_reason = (weight_reason(second.weight, second.bias) if type(second) is nn.Linear
                      else f"{type(second).__name__} is not a plain nn.Linear")
     if first_reason is None or second_reason is None:
+        prefetch = (triton_linear.PDL_PREFETCH if prefetch_bytes is None
+                    else prefetch_bytes // 2)  # weight columns of the kernel's 16-bit weights
         module.__dict__[_DECODE_ATTR] = _DecodeLinears(first_reason is None, second_reason is None, pdl,
-                                                       triton_linear.AUTO_MIN_M if mode == "auto" else 1)
+                                                       triton_linear.AUTO_MIN_M if mode == "auto" else 1, prefetch)
         report.decode_linear.append(name)
     if first_reason is not None or second_reason is not None:
         report.decode_linear_skipped[name] = "; ".join(r for r in (first_reason, second_reason) if r is not None)

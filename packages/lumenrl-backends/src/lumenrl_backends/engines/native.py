@@ -173,6 +173,8 @@ class NativeEngine:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         if k.decode_linear not in ("auto", "on", "off"):
             raise ValueError(f"kernels.decode_linear={k.decode_linear!r}; allowed: auto, on, off")
+        if k.pdl_prefetch is not None and (type(k.pdl_prefetch) is not int or k.pdl_prefetch < 0):
+            raise ValueError(f"kernels.pdl_prefetch={k.pdl_prefetch!r}; allowed: None or an int >= 0 (bytes per weight row)")
         if exact_logprobs and k.fused_moe == "on":
             raise ValueError("fused_moe='on' with exact_logprobs: the exact mode runs the HF modules; allowed: auto, off")
         if max_seq_len < 2:
@@ -193,11 +195,11 @@ class NativeEngine:
                                                     fused_qk_rope=k.fused_qk_rope,
                                                     decode_linear=k.decode_linear if (
                                                         self.device.type == "cuda" or triton_linear.INTERPRETED) else "off",
-                                                    pdl=self._pdl) if fuse_projections else None
+                                                    pdl=self._pdl, pdl_prefetch=k.pdl_prefetch) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
         if self.quant_report is not None:  # lumenrl-quant's Triton rowwise decode GEMMs join the PDL chain
-            set_quantized_pdl(self.model, self._pdl)
+            set_quantized_pdl(self.model, self._pdl, k.pdl_prefetch)
         # MoE experts on the fused Triton kernel (FP8 experts with fp8_block), or HF's implementation
         self.moe = install_fused_experts(self.model, "off" if exact_logprobs else k.fused_moe, self.device, quant_scheme)
         self.tokenizer = tokenizer

@@ -28,3 +28,5 @@ class KernelOptions:
     decode_linear: str = "auto"  # CUDA, 16-bit decode GEMMs (M <= 64) on the Triton decode kernel (engines/triton_linear.py):
     # auto (shapes with measured launch parameters, 33..64 rows), on (every shape it takes, 1..64 rows), off
     pdl: bool = True  # CUDA sm90+: decode GEMMs, RoPE, attention and inductor's kernels launch with PDL (engines/triton_pdl.py)
+    pdl_prefetch: int | None = None  # with pdl: bytes of each weight row a decode GEMM prefetches to L2 before its wait;
+    # None: each kernel's default (bf16 decode GEMM 1024 = triton_linear.PDL_PREFETCH columns, FP8 rowwise 512)

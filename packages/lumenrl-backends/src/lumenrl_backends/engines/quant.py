@@ -50,10 +50,11 @@ def quantize_rollout_model(model: nn.Module, scheme: Any) -> Any:
     return scheme.quantize_model(model)
 
 
-def set_quantized_pdl(model: nn.Module, pdl: bool) -> int:
+def set_quantized_pdl(model: nn.Module, pdl: bool, prefetch: int | None = None) -> int:
     """Set lumenrl-quant's ``QuantizedLinear.pdl`` (its Triton rowwise decode GEMM launches with programmatic
     dependent launch) on every quantized linear of ``model``, the fused q/k/v and gate/up ones included
-    (held by their modules, not registered as submodules); returns how many were set."""
+    (held by their modules, not registered as submodules), and, unless None, ``pdl_prefetch`` (bytes of each
+    weight row prefetched to L2 before the wait); returns how many were set."""
     from lumenrl_backends.engines.fusion import _FUSED_ATTR
     from lumenrl_quant import QuantizedLinear
 
@@ -62,6 +63,8 @@ def set_quantized_pdl(model: nn.Module, pdl: bool) -> int:
         for linear in (module, getattr(module.__dict__.get(_FUSED_ATTR), "linear", None)):
             if isinstance(linear, QuantizedLinear):
                 linear.pdl = bool(pdl)
+                if prefetch is not None:
+                    linear.pdl_prefetch = int(prefetch)
                 count += 1
     return count
 

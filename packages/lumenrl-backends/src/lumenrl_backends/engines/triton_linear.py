@@ -45,7 +45,7 @@ import os
 
 import torch
 
-__all__ = ["AUTO_MIN_M", "INTERPRETED", "MAX_M", "TUNED", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "reference_decode_linear", "supported", "torch_linear", "tuned", "weight_reason"]
+__all__ = ["AUTO_MIN_M", "INTERPRETED", "MAX_M", "PDL_PREFETCH", "TUNED", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "reference_decode_linear", "supported", "torch_linear", "tuned", "weight_reason"]
 
 try:
     import triton
@@ -57,6 +57,7 @@ from lumenrl_backends.engines.triton_pdl import launch_options, pdl_supported
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does at import
 MAX_M = 64  # one 64-row tile: measured at M = 64 (the benchmark's decode batch); larger M stays on cuBLAS
+PDL_PREFETCH = 512  # weight columns (1 KB of a bf16 row) a PDL launch prefetches to L2 before it waits
 AUTO_MIN_M = 33  # decode_linear="auto" routes 33..64 rows (the 64-row tile it was measured with); "on": 1..64
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -279,7 +280,7 @@ _OP = _register()
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, swiglu: bool = False,
-                  pdl: bool = False, prefetch: int = 512, min_m: int = 1) -> torch.Tensor:
+                  pdl: bool = False, prefetch: int = PDL_PREFETCH, min_m: int = 1) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x`` (M, K); with ``swiglu``, ``weight`` = ``cat([gate, up])`` (2I, K)
     and the result is ``silu(gate) * up`` (M, I). The kernel runs for ``min_m`` <= M <= :data:`MAX_M` on
     operands it takes (:func:`supported`); anything else runs :func:`torch_linear` (cuBLAS on CUDA). The
