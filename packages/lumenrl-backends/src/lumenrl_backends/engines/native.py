@@ -74,6 +74,7 @@ import torch
 from torch import nn
 
 from lumenrl_backends import plugin_manifest as manifest
+from lumenrl_backends.engines import quant as engine_quant
 from lumenrl_backends.engines import triton_linear
 from lumenrl_backends.engines.attention import engine_attention
 from lumenrl_backends.engines.fusion import fuse_projections as fuse_model_projections
@@ -96,8 +97,6 @@ from lumenrl_backends.engines.loading import (
 from lumenrl_backends.engines.moe import install_fused_experts
 from lumenrl_backends.engines.options import KernelOptions
 from lumenrl_backends.engines.prefill import Prefill
-from lumenrl_backends.engines.quant import kv_cache_dtype as resolve_kv_dtype
-from lumenrl_backends.engines.quant import quantize_rollout_model, rollout_scheme, set_quantized_pdl
 from lumenrl_backends.engines.requests import (
     LENGTH,
     STOP,
@@ -129,14 +128,6 @@ class _Launched:
     requests: list[Request]
     buffer: torch.Tensor  # (2 * max_batch_size,) float64 host buffer; [:2b] = (tokens, log-probs)
     event: Any  # CUDA event after the copy (None on CPU: the copy is synchronous)
-
-
-def _norm_quant_pays(compile: str, device: torch.device) -> bool:
-    """RMSNorm + quantize in one pass (``fp8_norm_quant``) is one inductor kernel under ``compile="full"``;
-    run eagerly on a GPU it is a dozen small torch kernels, more than the HF norm plus the Triton quantize
-    kernel it replaces, so CUDA engines without compile keep the two-step form. CPU engines use it (same
-    numerics as the compiled GPU engine; no launch cost to speak of)."""
-    return compile == "full" or device.type != "cuda"
 
 
 class NativeEngine:
@@ -171,10 +162,6 @@ class NativeEngine:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
-        if k.decode_linear not in ("auto", "on", "off"):
-            raise ValueError(f"kernels.decode_linear={k.decode_linear!r}; allowed: auto, on, off")
-        if k.pdl_prefetch is not None and (type(k.pdl_prefetch) is not int or k.pdl_prefetch < 0):
-            raise ValueError(f"kernels.pdl_prefetch={k.pdl_prefetch!r}; allowed: None or an int >= 0 (bytes per weight row)")
         if exact_logprobs and k.fused_moe == "on":
             raise ValueError("fused_moe='on' with exact_logprobs: the exact mode runs the HF modules; allowed: auto, off")
         if max_seq_len < 2:
@@ -185,25 +172,24 @@ class NativeEngine:
         self._pdl = k.pdl and not exact_logprobs and triton_linear.pdl_supported(self.device)  # CUDA sm90+
         if exact_logprobs:  # the trainer's batch-invariant operators (lumenrl_backends.exact)
             enable_exact(self.model, engine_settings=(quant_scheme, kv_cache_dtype, compile))
-        self.quant_report = quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
+        self.quant_report = engine_quant.quantize_rollout_model(self.model, quant_scheme) if quant_scheme else None
         if exact_logprobs and quant_scheme:  # agreement with its own quantized model (exact/patch.py)
             enable_exact_quantized(self.model)
         # one q/k/v and one gate/up GEMM per layer; parameters become views of the fused storage
-        self.fusion_report = fuse_model_projections(self.model, fp8_mlp=k.fuse_fp8_mlp,
-                                                    fp8_act_kernel=k.fp8_act_kernel, fp8_attn_out=k.fp8_attn_out,
-                                                    fp8_norm_quant=k.fp8_norm_quant and _norm_quant_pays(compile, self.device),
-                                                    fused_qk_rope=k.fused_qk_rope,
-                                                    decode_linear=k.decode_linear if (
-                                                        self.device.type == "cuda" or triton_linear.INTERPRETED) else "off",
-                                                    pdl=self._pdl, pdl_prefetch=k.pdl_prefetch) if fuse_projections else None
+        self.fusion_report = fuse_model_projections(
+            self.model, fp8_mlp=k.fuse_fp8_mlp, fp8_act_kernel=k.fp8_act_kernel, fp8_attn_out=k.fp8_attn_out,
+            fp8_norm_quant=k.fp8_norm_quant and engine_quant.norm_quant_pays(compile, self.device),
+            fused_qk_rope=k.fused_qk_rope, pdl=self._pdl, pdl_prefetch=k.pdl_prefetch,
+            decode_linear=k.decode_linear if self.device.type == "cuda" or triton_linear.INTERPRETED else "off",
+        ) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
         if self.quant_report is not None:  # lumenrl-quant's Triton rowwise decode GEMMs join the PDL chain
-            set_quantized_pdl(self.model, self._pdl, k.pdl_prefetch)
+            engine_quant.set_quantized_pdl(self.model, self._pdl, k.pdl_prefetch)
         # MoE experts on the fused Triton kernel (FP8 experts with fp8_block), or HF's implementation
         self.moe = install_fused_experts(self.model, "off" if exact_logprobs else k.fused_moe, self.device, quant_scheme)
         self.tokenizer = tokenizer
-        kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.device)
+        kv_dtype = engine_quant.kv_cache_dtype(kv_cache_dtype, self.device)
         if gpu_memory_utilization is not None and self.device.type == "cuda":
             element = torch.empty((), dtype=kv_dtype or next(self.model.parameters()).dtype).element_size()
             max_batch_size = slots_for_budget(
@@ -284,7 +270,7 @@ class NativeEngine:
         rollout, rollout_quant = run_config.policy.rollout, run_config.quantization.rollout
         engine = cls(
             **engine_kwargs_from_config(run_config, model, tokenizer),
-            quant_scheme=rollout_scheme(rollout_quant),
+            quant_scheme=engine_quant.rollout_scheme(rollout_quant),
             kv_cache_dtype=rollout_quant.kv_cache_dtype,
             cuda_graphs=rollout.cuda_graphs,
             compile=rollout.compile,

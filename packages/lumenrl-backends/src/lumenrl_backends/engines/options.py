@@ -30,3 +30,9 @@ class KernelOptions:
     pdl: bool = True  # CUDA sm90+: decode GEMMs, RoPE, attention and inductor's kernels launch with PDL (engines/triton_pdl.py)
     pdl_prefetch: int | None = None  # with pdl: bytes of each weight row a decode GEMM prefetches to L2 before its wait;
     # None: each kernel's default (bf16 decode GEMM 1024 = triton_linear.PDL_PREFETCH columns, FP8 rowwise 512)
+
+    def __post_init__(self) -> None:  # refused when built, before any engine touches a model
+        if self.decode_linear not in ("auto", "on", "off"):
+            raise ValueError(f"kernels.decode_linear={self.decode_linear!r}; allowed: auto, on, off")
+        if self.pdl_prefetch is not None and (type(self.pdl_prefetch) is not int or self.pdl_prefetch < 0):
+            raise ValueError(f"kernels.pdl_prefetch={self.pdl_prefetch!r}; allowed: None or an int >= 0 (bytes per weight row)")

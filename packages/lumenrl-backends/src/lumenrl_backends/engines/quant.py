@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 __all__ = ["PRECISION_SCHEMES", "rollout_scheme", "quantize_rollout_model", "kv_cache_dtype", "FP8KVCodec",
-           "set_quantized_pdl"]
+           "norm_quant_pays", "set_quantized_pdl"]
 
 PRECISION_SCHEMES = {"fp8": "fp8_block", "mxfp8": "mxfp8", "mxfp4": "mxfp4"}
 
@@ -48,6 +48,14 @@ def quantize_rollout_model(model: nn.Module, scheme: Any) -> Any:
 
         scheme = get_quant_scheme(scheme)
     return scheme.quantize_model(model)
+
+
+def norm_quant_pays(compile: str, device: torch.device) -> bool:
+    """RMSNorm + quantize in one pass (``fp8_norm_quant``) is one inductor kernel under ``compile="full"``;
+    run eagerly on a GPU it is a dozen small torch kernels, more than the HF norm plus the Triton quantize
+    kernel it replaces, so CUDA engines without compile keep the two-step form. CPU engines use it (same
+    numerics as the compiled GPU engine; no launch cost to speak of)."""
+    return compile == "full" or device.type != "cuda"
 
 
 def set_quantized_pdl(model: nn.Module, pdl: bool, prefetch: int | None = None) -> int:
