@@ -24,7 +24,9 @@ greedy tokens, native graph vs eager (identical tokens and log-probs), and the e
 vs a teacher-forced forward of the same model. ``--profile`` profiles every timed native engine as
 timed (graphs replayed, compiled or not; ``_common.profile_engine``): per decode step the kernel busy
 time, the idle time between kernels, busy time by kernel class (GEMM, attention, inductor, copy) with
-the GB/s the GEMMs reach over the weight bytes, and the top kernels.
+the GB/s the GEMMs reach over the weight bytes, the same by each kernel's marginal time (what it adds to
+the busy union: under PDL a kernel starts early and waits, so durations overlap), the top kernels by
+marginal time, and one step's kernels in order (start, duration, marginal time).
 
     python benchmarks/gpu/bench_decode.py --models 8b --batches 64 --validate --profile
     python benchmarks/gpu/bench_decode.py --models 8b --batches 64 --modes graph,full --fuse on,off --hf ''
