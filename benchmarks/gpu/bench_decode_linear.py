@@ -16,6 +16,9 @@ GB/s counts weight bytes. Checked first: the kernel against cuBLAS (relative err
 
     python benchmarks/gpu/bench_decode_linear.py --tune
 
+``--shapes 0.6b --m 128``: Qwen3-0.6B's shapes at the GRPO benchmark's rollout batch (two 64-row tiles
+per weight tile; ``--layers 28``).
+
 Smoke (``run(True)``): M = 4, one tiny shape per kind, on the CPU (the op's torch reference path).
 """
 
@@ -33,6 +36,10 @@ from lumenrl_backends.engines import triton_linear as tlin  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (24576, 4096, True),
           "down": (4096, 12288, False)}
+# Qwen3-0.6B (hidden 1024, 16 + 8 + 8 heads of 128, intermediate 3072): the GRPO benchmark's rollout, batch 128
+SHAPES_06B = {"qkv": (4096, 1024, False), "o": (1024, 2048, False), "gate_up": (6144, 1024, True),
+              "down": (1024, 3072, False)}
+PRESETS = {"8b": SHAPES, "0.6b": SHAPES_06B}
 TINY = {"qkv": (128, 64, False), "o": (64, 64, False), "gate_up": (256, 64, True), "down": (64, 128, False)}
 
 
@@ -48,7 +55,7 @@ def _sweep(n: int, k: int, swiglu: bool) -> list[dict[str, int]]:
     out = []
     for bn, bk, stages, warps in itertools.product((32, 64, 128), (64, 128, 256), (3, 4, 5, 6), (4, 8)):
         operands = 2 if swiglu else 1
-        if (n // 2 if swiglu else n) % bn or k % bk or stages * (tlin.MAX_M + operands * bn) * bk * 2 > 220_000:
+        if (n // 2 if swiglu else n) % bn or k % bk or stages * (tlin.TILE_M + operands * bn) * bk * 2 > 220_000:
             continue
         if (warps == 8) != (bn * operands >= 128):
             continue
@@ -98,17 +105,18 @@ def bench_chain(shapes: dict, m: int, layers: int) -> dict[str, float]:
     dev = C.DEVICE
     weights = [{name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
                 for name, (n, k, _) in shapes.items()} for _ in range(layers)]
-    hidden = shapes["o"][0]
+    hidden = shapes["qkv"][1]  # the model width: q/k/v's K, o's N
+    q_width = shapes["o"][1]  # the attention output o reads: the q heads (stands in for attention here)
     x = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
 
     def step(kind: str) -> torch.Tensor:
         h = x
         for w in weights:
             if kind == "cublas":
-                h = F.linear(_cublas(F.linear(F.linear(h, w["qkv"])[:, :hidden], w["o"]), w["gate_up"], True), w["down"])
+                h = F.linear(_cublas(F.linear(F.linear(h, w["qkv"])[:, :q_width], w["o"]), w["gate_up"], True), w["down"])
             else:
                 pdl = kind == "triton_pdl"
-                h = tlin.decode_linear(tlin.decode_linear(tlin.decode_linear(h, w["qkv"], pdl=pdl)[:, :hidden], w["o"],
+                h = tlin.decode_linear(tlin.decode_linear(tlin.decode_linear(h, w["qkv"], pdl=pdl)[:, :q_width], w["o"],
                                                           pdl=pdl), w["gate_up"], swiglu=True, pdl=pdl)
                 h = tlin.decode_linear(h, w["down"], pdl=pdl)
         return h
@@ -122,13 +130,16 @@ def bench_chain(shapes: dict, m: int, layers: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--m", type=int, default=64)
+    ap.add_argument("--m", type=int, default=64, help=f"rows (1..{tlin.MAX_M}; past {tlin.TILE_M}: two row tiles)")
+    ap.add_argument("--shapes", choices=sorted(PRESETS), default="8b", help="fused decode shapes of this model")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="decode_linear.json")
     args = ap.parse_args(argv)
-    shapes = TINY if args.smoke else SHAPES
+    if not 1 <= args.m <= tlin.MAX_M:
+        raise SystemExit(f"--m {args.m}: allowed 1..{tlin.MAX_M} (the kernel's row range)")
+    shapes = dict(TINY if args.smoke else PRESETS[args.shapes])
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args), "rows": []}
     for name, (n, k, swiglu) in shapes.items():
         result["rows"] += bench_shape(name, n, k, swiglu, args.m, args.tune)

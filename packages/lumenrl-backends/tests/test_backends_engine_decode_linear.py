@@ -3,7 +3,7 @@ fused modules, and the engine with it against the engine without it.
 
 * CPU: launch parameters, refusals, where the fusion routes (and why not);
 * Triton's interpreter (one subprocess): the kernel against a float64 GEMM on fresh random inputs
-  (bias, SwiGLU, M from 1 to 64, bf16 and fp16), and a tiny bf16 Qwen3 engine with and without it;
+  (bias, SwiGLU, M from 1 to 128, bf16 and fp16), and a tiny bf16 Qwen3 engine with and without it;
 * CUDA (skipped elsewhere): the kernel at Qwen3-8B's decode shapes with PDL, a PDL chain captured in
   a CUDA graph against the same chain launched plainly, and an engine under ``compile="full"``.
 """
@@ -66,7 +66,7 @@ def test_config_rule_and_table():
         cfg = tlin.TUNED.get((n, k, swiglu)) or tlin.config_for(n, k, cpu, swiglu=swiglu)
         operands = 2 if swiglu else 1
         assert k % cfg["block_k"] == 0 and n % cfg["block_n"] == 0 or (n, k) == (96, 48)
-        assert cfg["num_stages"] * (tlin.MAX_M + operands * cfg["block_n"]) * cfg["block_k"] * 2 <= 220_000
+        assert cfg["num_stages"] * (tlin.TILE_M + operands * cfg["block_n"]) * cfg["block_k"] * 2 <= 220_000
 
 
 def test_refusals_name_the_argument():
@@ -77,7 +77,10 @@ def test_refusals_name_the_argument():
         tlin.decode_linear(torch.zeros(2, 64, dtype=torch.bfloat16), w, prefetch=-1)
     with pytest.raises(ValueError, match="min_m=0"):
         tlin.decode_linear(torch.zeros(2, 64, dtype=torch.bfloat16), w, min_m=0)
-    assert "M=65" in tlin.supported(torch.zeros(65, 64, dtype=torch.bfloat16), w)
+    for bad in (0, 129):
+        with pytest.raises(ValueError, match=f"max_m={bad}; allowed: an int in min_m..128"):
+            tlin.decode_linear(torch.zeros(2, 64, dtype=torch.bfloat16), w, max_m=bad)
+    assert "M=129" in tlin.supported(torch.zeros(129, 64, dtype=torch.bfloat16), w)
     assert "float32" in tlin.weight_reason(w.float())
     assert "contiguous" in tlin.weight_reason(torch.zeros(64, 128, dtype=torch.bfloat16)[:, ::2])
     if not tlin.INTERPRETED:
@@ -100,10 +103,11 @@ def test_a_compiled_caller_is_not_specialised_on_the_row_count():
     torch._dynamo.reset()
     counter = CompileCounter()
     w = torch.randn(128, 64).to(torch.bfloat16)
-    f = torch.compile(lambda x: tlin.decode_linear(x, w, swiglu=True, min_m=33), backend=counter, dynamic=True)
+    f = torch.compile(lambda x: tlin.decode_linear(x, w, swiglu=True, min_m=33, max_m=64), backend=counter,
+                      dynamic=True)
     for rows in (5, 40, 100):
         x = torch.randn(rows, 64).to(torch.bfloat16)
-        assert torch.equal(f(x), tlin.decode_linear(x, w, swiglu=True, min_m=33))
+        assert torch.equal(f(x), tlin.decode_linear(x, w, swiglu=True, min_m=33, max_m=64))
     assert counter.frame_count == 1
     torch._dynamo.reset()
 
@@ -148,7 +152,9 @@ from test_backends_engine_decode_linear import (auto_launches_by_rows, engines_w
 
 for m, n, k, dt, bias, swiglu in ((1, 64, 256, "bfloat16", False, False), (5, 96, 512, "bfloat16", True, False),
                                   (17, 128, 256, "bfloat16", False, True), (64, 64, 128, "bfloat16", True, True),
-                                  (33, 128, 1024, "float16", False, False), (3, 64, 128, "float16", True, True)):
+                                  (33, 128, 1024, "float16", False, False), (3, 64, 128, "float16", True, True),
+                                  (100, 64, 256, "bfloat16", True, False), (128, 64, 128, "bfloat16", False, True),
+                                  (65, 128, 128, "float16", True, True)):
     row = kernel_errors(m, n, k, getattr(torch, dt), bias=bias, swiglu=swiglu, seed=m)
     print(json.dumps({"case": f"{m}x{n}x{k}_{dt}_bias{int(bias)}_swiglu{int(swiglu)}", "dtype": dt, **row}))
 print(json.dumps({"case": "auto_rows", **auto_launches_by_rows(tempfile.mkdtemp())}))
@@ -177,7 +183,7 @@ def auto_launches_by_rows(tmp: str) -> dict:
         out["routed"] = len(fuse_projections(model, decode_linear="auto").decode_linear)
         mlp = model.model.layers[0].mlp
         with torch.no_grad():
-            for rows in (5, 40):
+            for rows in (5, 40, 100):
                 count[0] = 0
                 mlp(torch.randn(rows, 1, model.config.hidden_size).to(torch.bfloat16))
                 out[f"launches_{rows}"] = count[0]
@@ -241,7 +247,10 @@ def interpreted(triton_interpreted) -> dict[str, dict]:
 
 @pytest.mark.parametrize("case", ["1x64x256_bfloat16_bias0_swiglu0", "5x96x512_bfloat16_bias1_swiglu0",
                                   "17x128x256_bfloat16_bias0_swiglu1", "64x64x128_bfloat16_bias1_swiglu1",
-                                  "33x128x1024_float16_bias0_swiglu0", "3x64x128_float16_bias1_swiglu1"])
+                                  "33x128x1024_float16_bias0_swiglu0", "3x64x128_float16_bias1_swiglu1",
+                                  # past one 64-row tile: a second program per weight tile
+                                  "100x64x256_bfloat16_bias1_swiglu0", "128x64x128_bfloat16_bias0_swiglu1",
+                                  "65x128x128_float16_bias1_swiglu1"])
 def test_interpreted_kernel_against_float64(interpreted, case):
     row = interpreted[case]
     assert row["reason"] is None and row["finite"]  # the kernel ran (not the torch fallback)
@@ -255,6 +264,7 @@ def test_interpreted_auto_routes_only_the_measured_row_range(interpreted):
     assert row["routed"] == 4
     assert row["launches_5"] == 0  # 5 rows: below the measured 64-row tile's range, cuBLAS (torch here)
     assert row["launches_40"] == 2  # 40 rows: gate/up with SwiGLU, then down
+    assert row["launches_100"] == 0  # 100 rows: two tiles, not measured: cuBLAS under auto
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -281,7 +291,7 @@ def test_interpreted_routed_mlps_match_their_original_forward(interpreted, famil
 @pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and Triton")
 @pytest.mark.parametrize("n,k,swiglu", [(6144, 4096, False), (4096, 4096, False), (24576, 4096, True),
                                         (4096, 12288, False)])
-@pytest.mark.parametrize("m", [1, 64])
+@pytest.mark.parametrize("m", [1, 64, 128])
 def test_cuda_kernel_at_8b_shapes(n, k, swiglu, m):
     row = kernel_errors(m, n, k, torch.bfloat16, bias=False, swiglu=swiglu, device="cuda", pdl=True, seed=m + n)
     assert row["reason"] is None and row["finite"] and row["rel_error"] < 4e-3

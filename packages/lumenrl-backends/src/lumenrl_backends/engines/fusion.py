@@ -254,12 +254,13 @@ def _mlp_forward(
 class _DecodeLinears:
     """Which of a module's two decode GEMMs run :func:`~lumenrl_backends.engines.triton_linear.decode_linear`
     (attention: q/k/v, o; MLP: gate/up with the SwiGLU epilogue, down), from how many rows (``auto``: the
-    measured one-tile range, 33..64) and whether they launch with PDL."""
+    measured one-tile range, 33..64; ``on``: 1..128) and whether they launch with PDL."""
 
     first: bool
     second: bool
     pdl: bool
     min_m: int = 1
+    max_m: int = 128  # triton_linear.MAX_M; auto: AUTO_MAX_M (the measured tile)
     prefetch: int = 512  # with pdl: weight columns of each row prefetched to L2 before the wait
 
 
@@ -267,7 +268,8 @@ def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    swiglu: bool = False) -> torch.Tensor:
     from lumenrl_backends.engines.triton_linear import decode_linear
 
-    return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl, prefetch=decode.prefetch, min_m=decode.min_m)
+    return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl, prefetch=decode.prefetch, min_m=decode.min_m,
+                         max_m=decode.max_m)
 
 
 # decoder layers whose forward is: x + attn(norm1(x)), then + mlp(norm2(.)) (HF 5.x: returns the tensor)
@@ -418,7 +420,7 @@ def fuse_projections(
     module's norms and its family's RoPE compute what the op computes (else ``attention_fused_rope_skipped``
     says why not).
 
-    ``decode_linear`` (``off`` here; the engine passes its option on CUDA): decode-sized GEMMs (M <= 64 rows)
+    ``decode_linear`` (``off`` here; the engine passes its option on CUDA): decode-sized GEMMs (M <= 128 rows)
     of plain 16-bit layers run :func:`~lumenrl_backends.engines.triton_linear.decode_linear`: q/k/v and o
     in attention, gate/up with ``silu(gate) * up`` in its epilogue and down in the MLP; ``auto`` only where
     the shape has measured launch parameters for the device, ``on`` wherever the kernel takes the weight
@@ -501,7 +503,7 @@ def _set_qk_rope(module: nn.Module, name: str, wanted: bool, report: FusionRepor
 
 def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: bool, report: FusionReport,
                        prefetch_bytes: int | None = None) -> None:
-    """Route the module's decode GEMMs (M <= 64 rows) to the Triton decode kernel where it takes the weights:
+    """Route the module's decode GEMMs (M <= 128 rows) to the Triton decode kernel where it takes the weights:
     plain (unquantized) 16-bit weights of the tile's multiples; the MLP's gate/up only with a SiLU
     activation (its epilogue is SwiGLU) and not on a lumenrl-quant FP8 SwiGLU path; ``mode`` ``auto`` only
     shapes with measured launch parameters (``triton_linear.TUNED``), ``on`` every such weight."""
@@ -528,8 +530,9 @@ def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: 
     if first_reason is None or second_reason is None:
         prefetch = (triton_linear.PDL_PREFETCH if prefetch_bytes is None
                     else prefetch_bytes // 2)  # weight columns of the kernel's 16-bit weights
-        module.__dict__[_DECODE_ATTR] = _DecodeLinears(first_reason is None, second_reason is None, pdl,
-                                                       triton_linear.AUTO_MIN_M if mode == "auto" else 1, prefetch)
+        rows = (triton_linear.AUTO_MIN_M, triton_linear.AUTO_MAX_M) if mode == "auto" else (1, triton_linear.MAX_M)
+        module.__dict__[_DECODE_ATTR] = _DecodeLinears(first_reason is None, second_reason is None, pdl, *rows,
+                                                       prefetch=prefetch)
         report.decode_linear.append(name)
     if first_reason is not None or second_reason is not None:
         report.decode_linear_skipped[name] = "; ".join(r for r in (first_reason, second_reason) if r is not None)

@@ -26,7 +26,7 @@ Kernel paths (the switches in ``backquotes`` below are fields of
   RMSNorm hands its ``fp8_row`` consumer per-token FP8 input (``fp8_norm_quant``, on with ``compile="full"``
   and off the GPU), and each decode step's q/k norms, RoPE and KV write (FP8 included) run as one op
   (``fused_qk_rope``, :mod:`~lumenrl_backends.engines.triton_rope`, bit-identical to the HF sequence);
-* decode GEMMs of plain 16-bit layers at M <= 64 rows on a Triton kernel (``decode_linear``, CUDA;
+* decode GEMMs of plain 16-bit layers at M <= 128 rows on a Triton kernel (``decode_linear``, CUDA;
   :mod:`~lumenrl_backends.engines.triton_linear`; ``auto``: the shapes with measured launch parameters):
   q/k/v, o, gate/up with SwiGLU in its epilogue, down;
   with ``pdl`` (CUDA sm90+) these and inductor's kernels launch with programmatic dependent launch;

@@ -25,8 +25,8 @@ class KernelOptions:
     fp8_act_kernel: bool = True  # fp8_row: SiLU * up and the down input's quantization as one kernel
     fp8_attn_out: bool = True  # FP8 KV cache: decode attention writes FP8 codes for o_proj
     fp8_norm_quant: bool = True  # RMSNorm hands its fp8_row consumer per-token FP8 input (compile="full", CPU)
-    decode_linear: str = "auto"  # CUDA, 16-bit decode GEMMs (M <= 64) on the Triton decode kernel (engines/triton_linear.py):
-    # auto (shapes with measured launch parameters, 33..64 rows), on (every shape it takes, 1..64 rows), off
+    decode_linear: str = "auto"  # CUDA, 16-bit decode GEMMs (M <= 128) on the Triton decode kernel (engines/triton_linear.py):
+    # auto (shapes with measured launch parameters, 33..64 rows), on (every shape it takes, 1..128 rows), off
     pdl: bool = True  # CUDA sm90+: decode GEMMs, RoPE, attention and inductor's kernels launch with PDL (engines/triton_pdl.py)
     pdl_prefetch: int | None = None  # with pdl: bytes of each weight row a decode GEMM prefetches to L2 before its wait;
     # None: each kernel's default (bf16 decode GEMM 1024 = triton_linear.PDL_PREFETCH columns, FP8 rowwise 512)

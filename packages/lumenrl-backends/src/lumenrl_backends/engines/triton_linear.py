@@ -1,7 +1,7 @@
-"""Decode-sized linear layers in Triton, for the native engine: ``x @ w.T`` at M <= 64 rows, optionally
+"""Decode-sized linear layers in Triton, for the native engine: ``x @ w.T`` at M <= 128 rows, optionally
 with the SwiGLU ``silu(gate) * up`` in the epilogue, optionally chained by programmatic dependent launch.
 
-Why: at decode the batch (M) is 1..64 while N and K are the model's widths, so a linear reads its
+Why: at decode the batch (M) is 1..128 while N and K are the model's widths, so a linear reads its
 weight once and is bandwidth-bound. What separates a kernel from the copy bandwidth is its start and
 its end: the pipeline fills from DRAM while nothing streams, the last programs drain while the next
 kernel has not started, and a decode step runs hundreds of such kernels; cuBLAS's split-K down
@@ -22,7 +22,9 @@ things about it:
   (M, I): no (M, 2I) intermediate and no separate elementwise kernel.
 * **Tiles for the shape**: one program per ``BLOCK_N`` output features walks all of K (no split-K, so
   no reduce kernel and a deterministic sum order); tiles and pipeline depth per shape from a sweep
-  (:data:`TUNED`, :func:`config_for`).
+  (:data:`TUNED`, :func:`config_for`). Rows come in tiles of up to :data:`TILE_M` (64); past 64 rows a
+  second program takes the next 64 rows of the same weight tile, launched right after the first, so the
+  pair runs side by side and the weight streams from HBM once (the second read hits L2).
 
 Numerics: float32 accumulation (``tl.dot`` of bf16/fp16 operands), the bias added in float32, one
 rounding to the output dtype; with ``swiglu`` gate and up are first rounded to the model dtype (as the
@@ -45,7 +47,7 @@ import os
 
 import torch
 
-__all__ = ["AUTO_MIN_M", "INTERPRETED", "MAX_M", "PDL_PREFETCH", "TUNED", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "reference_decode_linear", "supported", "torch_linear", "tuned", "weight_reason"]
+__all__ = ["AUTO_MAX_M", "AUTO_MIN_M", "INTERPRETED", "MAX_M", "PDL_PREFETCH", "TILE_M", "TUNED", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "reference_decode_linear", "supported", "torch_linear", "tuned", "weight_reason"]
 
 try:
     import triton
@@ -56,9 +58,10 @@ except ImportError:  # pragma: no cover - CPU environments without Triton
 from lumenrl_backends.engines.triton_pdl import launch_options, pdl_supported
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does at import
-MAX_M = 64  # one 64-row tile: measured at M = 64 (the benchmark's decode batch); larger M stays on cuBLAS
+TILE_M = 64  # rows per program: the tile measured at M = 64 (the benchmark's decode batch)
+MAX_M = 128  # up to two row tiles (each program pair of one weight tile runs side by side: one weight read)
 PDL_PREFETCH = 512  # weight columns (1 KB of a bf16 row) a PDL launch prefetches to L2 before it waits
-AUTO_MIN_M = 33  # decode_linear="auto" routes 33..64 rows (the 64-row tile it was measured with); "on": 1..64
+AUTO_MIN_M, AUTO_MAX_M = 33, 64  # decode_linear="auto" routes 33..64 rows (the 64-row tile measured); "on": 1..128
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -105,7 +108,7 @@ def config_for(n: int, k: int, device: torch.device, *, swiglu: bool = False) ->
     block_k = 64 if swiglu else 128
     while k % block_k and block_k > 32:
         block_k //= 2
-    stage_bytes = (MAX_M + operands * block_n) * block_k * 2
+    stage_bytes = (TILE_M + operands * block_n) * block_k * 2
     stages = max(2, min(6, 200_000 // stage_bytes))
     return {"block_n": block_n, "block_k": block_k, "num_stages": stages, "num_warps": 8 if block_n >= 128 else 4}
 
@@ -132,13 +135,15 @@ if triton is not None:
 
     @triton.jit
     def _decode_linear_kernel(
-        x_ptr, w_ptr, b_ptr, out_ptr, M, HALF, stride_xm, stride_wn, stride_om,
+        x_ptr, w_ptr, b_ptr, out_ptr, M, M_TILES, HALF, stride_xm, stride_wn, stride_om,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
         SWIGLU: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
         EMULATED: tl.constexpr,
     ):
-        pid_n = tl.program_id(0)
-        offs_m = tl.arange(0, BLOCK_M)
+        # row tiles of one weight tile are neighbours in launch order: they run side by side and the second
+        # finds the weight in L2 (one HBM read of the weight for up to MAX_M rows)
+        pid_n, pid_m = tl.program_id(0) // M_TILES, tl.program_id(0) % M_TILES
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         mmask = offs_m < M
@@ -232,9 +237,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
     line = 128 // weight.element_size()
     prefetch = min(prefetch, k) // line * line if pdl else 0
     prefetch = triton.next_power_of_2(prefetch) if prefetch else 0
-    _decode_linear_kernel[(n // cfg["block_n"],)](
-        x, weight, bias if bias is not None else weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0),
-        K=k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+    block_m = max(16, triton.next_power_of_2(min(m, TILE_M)))
+    m_tiles = triton.cdiv(m, block_m)
+    _decode_linear_kernel[(n // cfg["block_n"] * m_tiles,)](
+        x, weight, bias if bias is not None else weight, out, m, m_tiles, n, x.stride(0), weight.stride(0),
+        out.stride(0), K=k, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         HAS_BIAS=bias is not None, SWIGLU=swiglu, PDL=pdl, PREFETCH=prefetch if prefetch <= k else 0, LINE=line,
         EMULATED=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
@@ -254,15 +261,15 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _op_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
-             prefetch: int, min_m: int) -> torch.Tensor:
+             prefetch: int, min_m: int, max_m: int = MAX_M) -> torch.Tensor:
     # the row-count choice is made here, outside the traced graph: no guard on the batch, no recompile
-    if min_m <= x.shape[0] and supported(x, weight, bias, swiglu) is None:
+    if min_m <= x.shape[0] <= max_m and supported(x, weight, bias, swiglu) is None:
         return _launch(x, weight, bias, swiglu, pdl, prefetch)
     return torch_linear(x, weight, bias, swiglu)
 
 
 def _op_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
-             prefetch: int, min_m: int) -> torch.Tensor:
+             prefetch: int, min_m: int, max_m: int = MAX_M) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 
@@ -280,9 +287,10 @@ _OP = _register()
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, swiglu: bool = False,
-                  pdl: bool = False, prefetch: int = PDL_PREFETCH, min_m: int = 1) -> torch.Tensor:
+                  pdl: bool = False, prefetch: int = PDL_PREFETCH, min_m: int = 1, max_m: int = MAX_M) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x`` (M, K); with ``swiglu``, ``weight`` = ``cat([gate, up])`` (2I, K)
-    and the result is ``silu(gate) * up`` (M, I). The kernel runs for ``min_m`` <= M <= :data:`MAX_M` on
+    and the result is ``silu(gate) * up`` (M, I). The kernel runs for ``min_m`` <= M <= ``max_m`` (at most
+    :data:`MAX_M`: rows beyond one :data:`TILE_M` tile take a second program per weight tile) on
     operands it takes (:func:`supported`); anything else runs :func:`torch_linear` (cuBLAS on CUDA). The
     choice is made inside the op, so a compiled caller is not specialised on M. ``pdl``: launch with
     programmatic dependent launch where supported (CUDA sm90+), prefetching the first ``prefetch`` columns
@@ -293,4 +301,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"prefetch={prefetch}; allowed: an int >= 0 (weight columns)")
     if min_m < 1:
         raise ValueError(f"min_m={min_m}; allowed: an int >= 1")
-    return _OP(x, weight, bias, swiglu, pdl, prefetch, min_m)
+    if not min_m <= max_m <= MAX_M:
+        raise ValueError(f"max_m={max_m}; allowed: an int in min_m..{MAX_M} (min_m={min_m})")
+    return _OP(x, weight, bias, swiglu, pdl, prefetch, min_m, max_m)
