@@ -115,23 +115,30 @@ def _record_cost(model, batch, new: int, *, device: str, compile: str, runs: int
     """R3 recording cost, robust to drift: a plain and a recording engine over the same model, both warmed
     up, then ``runs`` rounds of ``calls`` generate calls each, interleaved (plain, recording, plain, ...);
     per round the cost is median(recording) / median(plain) - 1; reported: the median round, the spread
-    of the rounds, and the plain engine's decode rate over all its calls. The plain engine is built (and
+    of the rounds, the plain engine's decode rate over all its calls, and each engine's spread of call times
+    over all rounds ((max - min) / median: which of the two jitters when the rounds disagree). The plain engine is built (and
     its decode graphs captured) before the recording engine patches the routers."""
     plain, params = _engine(model, batch, new, device=device, compile=compile, kernels=kernels)
     recording, _ = _engine(model, batch, new, device=device, compile=compile, record=True, kernels=kernels)
-    rounds, plain_all = [], []
+    rounds, every = [], {False: [], True: []}
     for _ in range(runs):
         times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(calls):
             for record, engine in ((False, plain), (True, recording)):
                 times[record].append(_decode_s(engine, batch, params, device))
         rounds.append(100.0 * (statistics.median(times[True]) / statistics.median(times[False]) - 1.0))
-        plain_all += times[False]
+        for record in times:
+            every[record] += times[record]
     uninstall_routing(model)  # the model's own routers for the next engines
     rows = batch.batch["input_ids"].shape[0]
-    return {"native_decode_tok_s": rows * (new - 1) / statistics.median(plain_all),
+
+    def spread_pct(values: list[float]) -> float:  # which engine's calls jitter: (max - min) / median
+        return 100.0 * (max(values) - min(values)) / statistics.median(values)
+
+    return {"native_decode_tok_s": rows * (new - 1) / statistics.median(every[False]),
             "record_overhead_pct": statistics.median(rounds), "record_overhead_spread_pct": max(rounds) - min(rounds),
-            "record_overhead_rounds": ", ".join(f"{r:.2f}" for r in rounds)}
+            "record_overhead_rounds": ", ".join(f"{r:.2f}" for r in rounds),
+            "plain_call_spread_pct": spread_pct(every[False]), "recording_call_spread_pct": spread_pct(every[True])}
 
 
 def _hf(model, batch, new: int, device: str) -> float:

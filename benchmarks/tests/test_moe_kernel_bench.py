@@ -21,5 +21,6 @@ def test_record_cost_variants_run_each_kernel_option_set():
     assert list(out) == ["pdl=off", "pdl=on"]
     for row in out.values():
         assert row["native_decode_tok_s"] > 0 and len(row["record_overhead_rounds"].split(", ")) == 3
+        assert row["plain_call_spread_pct"] >= 0 and row["recording_call_spread_pct"] >= 0
     with pytest.raises(SystemExit, match="nope=1"):
         record_cost_variants("nope=1", smoke=True)
