@@ -259,9 +259,9 @@ class _DecodeLinears:
     first: bool
     second: bool
     pdl: bool
-    min_m: int = 1
-    max_m: int = 128  # triton_linear.MAX_M; auto: AUTO_MAX_M (the measured tile)
-    prefetch: int = 512  # with pdl: weight columns of each row prefetched to L2 before the wait
+    min_m: int  # rows the kernel takes: min_m..max_m (auto: AUTO_MIN_M..AUTO_MAX_M, on: 1..MAX_M)
+    max_m: int
+    prefetch: int  # with pdl: weight columns of each row prefetched to L2 before the wait
 
 
 def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, decode: _DecodeLinears,
