@@ -65,6 +65,25 @@ SCRIPT = textwrap.dedent(
     compiled = torch.compile(lambda a, s: tg.fp8_rowwise_gemm(a, s, b_q, b_s, out_dtype=torch.float32, config=cfg,
                                                               pdl=True), fullgraph=True)
     assert torch.equal(compiled(a_q, a_s), plain)
+    # one activation scale for every row (a per-tensor scale, e.g. the FP8 cache's V scale for o_proj), given as
+    # one element or as a broadcast view of one: read as it is, the same result as the materialized (M, 1) column
+    one = a_s[:1].reshape(1, 1) * 1.5
+    column = one.expand(m, 1).contiguous()
+    for c in (cfg, {"block_m": 16, "block_n": 64, "block_k": 64, "split_k": 2}):
+        want = tg.fp8_rowwise_gemm(a_q, column, b_q, b_s, out_dtype=torch.float32, config=c)
+        for scale in (one.expand(m, 1), one.reshape(1)):
+            for pdl in (False, True):
+                assert torch.equal(tg.fp8_rowwise_gemm(a_q, scale, b_q, b_s, out_dtype=torch.float32, config=c, pdl=pdl),
+                                   want), (c, tuple(scale.shape), pdl)
+    assert torch.equal(compiled(a_q, one.expand(m, 1)), tg.fp8_rowwise_gemm(a_q, column, b_q, b_s, out_dtype=torch.float32,
+                                                                          config=cfg))
+    # ... and under compile the broadcast scale reaches the op as it is: no kernel materializes an (M,) copy
+    from torch._inductor.utils import run_and_get_code
+    per_tensor = torch.compile(lambda a, v: tg.fp8_rowwise_gemm(a, v.reshape(1, 1).expand(a.shape[0], 1), b_q, b_s,
+                                                                out_dtype=torch.float32, config=cfg, pdl=True))
+    _, (code,) = run_and_get_code(per_tensor, a_q, one.reshape(1))
+    body = code[code.index("def call("):]
+    assert "fp8_rowwise_gemm_pdl" in body and "cpp_fused" not in body, body
     print(worst)
     """
 )

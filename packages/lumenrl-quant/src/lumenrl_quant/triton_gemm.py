@@ -107,8 +107,8 @@ if triton is not None:
         if EPILOGUE:
             sb = tl.load(sb_ptr + offs_n, mask=nmask, other=0.0)
             out = acc * sb[None, :]
-            if not WEIGHT_ONLY and A_GROUP == 0:
-                sa = tl.load(sa_ptr + offs_m, mask=mmask, other=0.0)
+            if not WEIGHT_ONLY and A_GROUP == 0:  # stride_sam 0: one scale for every row (a per-tensor scale)
+                sa = tl.load(sa_ptr + offs_m * stride_sam, mask=mmask, other=0.0)
                 out = out * sa[:, None]
             tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
         else:
@@ -183,7 +183,8 @@ def _launch(
     _rowwise_gemm_kernel[grid](
         a, b_q, c, sa, sb, m, n, a.stride(0), b_q.stride(0), 0 if epilogue else c.stride(0), c.stride(-2),
         K_SPLIT=k // split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EPILOGUE=epilogue,
-        WEIGHT_ONLY=weight_only, DOT_FP16=dot_fp16, A_GROUP=a_group, stride_sam=sa.stride(0) if a_group else 0,
+        WEIGHT_ONLY=weight_only, DOT_FP16=dot_fp16, A_GROUP=a_group,
+        stride_sam=sa.stride(0) if a_group else int(sa.numel() > 1),  # one activation scale: read for every row
         stride_sag=sa.stride(1) if a_group else 0, PDL=bool(pdl), PREFETCH=prefetch,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )
@@ -233,7 +234,8 @@ def fp8_rowwise_gemm(
     prefetch: int = PDL_PREFETCH,
 ) -> torch.Tensor:
     """``(a_q * a_scale) @ (b_q * b_scale).T (+ bias)`` for FP8 ``a_q`` (M, K), ``b_q`` (N, K), float32
-    ``a_scale`` (M, 1) or (M,), ``b_scale`` (N, 1) or (N,); ``config`` overrides the launch parameters.
+    ``a_scale`` (M, 1) or (M,) (or one scale: one element, or a broadcast view of one, which is read as it is),
+    ``b_scale`` (N, 1) or (N,); ``config`` overrides the launch parameters.
 
     ``pdl``: where supported (:func:`pdl_supported`; CUDA sm90+) and with ``split_k`` 1, the kernel launches
     with programmatic dependent launch: it may start while the previous kernel in the stream finishes,
@@ -244,10 +246,10 @@ def fp8_rowwise_gemm(
     elsewhere the same kernel launches plainly."""
     from lumenrl_quant.gemm import rowwise_epilogue
 
-    m = a_q.shape[0]
-    sa, sb = a_scale.float().reshape(-1).contiguous(), b_scale.float().reshape(-1).contiguous()
-    if sa.numel() == 1 and m > 1:
-        sa = sa.expand(m).contiguous()
+    sa, sb = a_scale.float().reshape(-1), b_scale.float().reshape(-1).contiguous()
+    if sa.numel() > 1 and sa.stride(0) == 0:  # one scale broadcast over the rows: the kernel reads it per row
+        sa = sa[:1]
+    sa = sa.contiguous()  # (M,) or (1,): no copy of a broadcast scale (it cost a kernel per call under compile)
     cfg = _config(config)
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}; allowed: an int >= 0 (bytes of each weight row)")
