@@ -106,7 +106,8 @@ def test_random_valid_configs_round_trip_through_yaml(data):
     except ConfigError as exc:
         # cross-field constraints not encoded in the strategy
         if "MIS band" in exc.problem or "router probabilities" in exc.problem or exc.key in (
-                "policy.rollout.exact_logprobs", "policy.rollout.fused_moe", "algorithm.old_log_probs"):
+                "policy.rollout.exact_logprobs", "policy.rollout.fused_moe", "algorithm.old_log_probs",
+                "policy.rollout.decode_linear", "policy.rollout.pdl"):
             reject()
         raise
     with tempfile.TemporaryDirectory() as tmp:

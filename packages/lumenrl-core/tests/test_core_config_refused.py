@@ -108,6 +108,10 @@ SILENT = [
     (["policy.generation_backend=atom"], "policy.rollout_engine"),
     (["policy.rollout.fused_moe=on", "policy.rollout_engine=hf"], "policy.rollout.fused_moe"),
     (["policy.rollout.fused_moe=yes"], "policy.rollout.fused_moe"),
+    (["policy.rollout.decode_linear=on", "policy.rollout_engine=hf"], "policy.rollout.decode_linear"),
+    (["policy.rollout.pdl=false", "policy.rollout_engine=hf"], "policy.rollout.pdl"),
+    (["policy.rollout.decode_linear=on", "policy.rollout.fuse_projections=false"], "policy.rollout.decode_linear"),
+    (["policy.rollout.decode_linear=always"], "policy.rollout.decode_linear"),
 ]
 
 

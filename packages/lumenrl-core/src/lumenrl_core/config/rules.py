@@ -256,6 +256,22 @@ def _check_fused_moe(cfg: s.RunConfig, key: str, source: Callable[[str], str | N
                           f"{cfg.policy.rollout_engine!r} would ignore it", allowed="auto, off", source=source(k))
 
 
+def _check_native_kernels(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
+    """policy.rollout.decode_linear / pdl choose native-engine kernels: another engine, or a native engine whose
+    projections are not fused (fuse_projections false, exact_logprobs), would ignore a non-default value."""
+    rollout = cfg.policy.rollout
+    for name, value, default in (("decode_linear", rollout.decode_linear, "auto"), ("pdl", rollout.pdl, True)):
+        if value != default and cfg.policy.rollout_engine != "native":
+            k = join_key(key, f"policy.rollout.{name}")
+            raise ConfigError(k, value, problem=f"only the native engine has these decode kernels; policy.rollout_engine="
+                              f"{cfg.policy.rollout_engine!r} would ignore it", allowed=str(default), source=source(k))
+    if rollout.decode_linear == "on" and (not rollout.fuse_projections or rollout.exact_logprobs):
+        k = join_key(key, "policy.rollout.decode_linear")
+        why = "policy.rollout.fuse_projections=false" if not rollout.fuse_projections else "policy.rollout.exact_logprobs"
+        raise ConfigError(k, "on", problem=f"the decode kernel runs the fused projections, which {why} turns off",
+                          allowed="auto, off", source=source(k))
+
+
 def _check_old_log_probs(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
     """algorithm.old_log_probs='reuse': valid only where the update's forward is the first to need them."""
     if cfg.algorithm.old_log_probs != "reuse":
@@ -283,6 +299,7 @@ def _check_old_log_probs(cfg: s.RunConfig, key: str, source: Callable[[str], str
 def _check_run(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
     _check_exact_logprobs(cfg, key, source)
     _check_fused_moe(cfg, key, source)
+    _check_native_kernels(cfg, key, source)
     _check_old_log_probs(cfg, key, source)
 
 

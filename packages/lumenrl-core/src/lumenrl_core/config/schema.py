@@ -117,6 +117,10 @@ class SamplingConfig:
     # auto = on for bf16 experts on CUDA with Triton; on = every recognised experts module on any device
     # (CPU: torch emulation); off = transformers' experts implementation
     fused_moe: str = field(default="auto", metadata=choices("auto", "on", "off"))
+    # native engine, CUDA: 16-bit decode GEMMs of the fused projections on its Triton decode kernel (decision 0023):
+    # auto = shapes with measured launch parameters, 33..64 rows; on = every shape it takes, 1..128 rows; off = cuBLAS
+    decode_linear: str = field(default="auto", metadata=choices("auto", "on", "off"))
+    pdl: bool = True  # native engine, CUDA sm90+: decode kernels launch with programmatic dependent launch
     # bitwise on-policy mode (native engine + fsdp2 actor): batch-invariant kernels on both sides, so rollout
     # log-probs equal the trainer's exactly; needs full-precision rollout (no FP8/MX weights or KV), compile none
     exact_logprobs: bool = False
