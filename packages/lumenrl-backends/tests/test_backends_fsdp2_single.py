@@ -310,3 +310,70 @@ def test_compiled_layers_have_no_graph_breaks(packing, backend):
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] >= 1
     torch._dynamo.reset()
+
+
+def test_one_rank_reduce_scatter_skips_the_gradient_copy_and_equals_torchs(monkeypatch, backend):
+    """The root unit's one-rank reduce-scatter output is its input buffer (fsdp_one_rank.OneRankReduceScatter):
+    no copy of the whole flat gradient, and the same losses, metrics and master weights as torch's path bit for
+    bit, over steps of two micro-batches each (the backend reduces once per step, after the last one)."""
+    from lumenrl_backends.training import parallelize as par
+
+    batch = make_batch(4)
+    fast = backend("off", micro=2)
+    monkeypatch.setattr(par, "fast_one_rank_reduce", lambda model: "disabled")
+    torch_path = backend("off", micro=2)
+    groups = [b.model._get_fsdp_state()._fsdp_param_group for b in (fast, torch_path)]
+    comm = groups[0].__dict__.get("_lumenrl_reduce_scatter")
+    assert comm is not None and "_lumenrl_reduce_scatter" not in groups[1].__dict__
+    numel = sum(fp.sharded_param.numel() for fp in groups[0].fsdp_params)
+    copies: list[tuple[int, bool]] = []  # (numel, onto itself) of every copy_ of a whole flat gradient
+    copy_ = torch.Tensor.copy_
+
+    def spy(self, src, *args, **kwargs):
+        if self.dim() == 1 and self.numel() >= numel:
+            copies.append((self.numel(), self is src))
+        return copy_(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    for step in range(3):
+        before = len(copies)
+        mf = fast.train_step(batch, nll_loss)
+        fast_copies = copies[before:]
+        mt = torch_path.train_step(batch, nll_loss)
+        torch_copies = copies[before + len(fast_copies):]
+        assert mf == mt, step
+        assert torch_copies and not any(same for _, same in torch_copies)  # torch: a real copy per backward
+        assert all(same for _, same in fast_copies)  # ours: onto itself (ATen skips it)
+    assert comm.calls == 3  # one reduce per step: each one's output was its input
+    assert_close_states(master_state(fast), master_state(torch_path), 0.0)
+
+
+def test_one_rank_reduce_scatter_accumulates_across_synced_backwards():
+    """Two backwards that both reduce (sync on for each) accumulate into the sharded gradients the same with the
+    input-as-output reduce-scatter as with torch's copy, and a reduce never hands back an earlier buffer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lumenrl_backends.training import distributed as dist_utils
+    from lumenrl_backends.training.fsdp_one_rank import fast_one_rank_reduce
+
+    dist_utils.ensure_process_group(CPU)
+    mesh = init_device_mesh("cpu", (1,))
+    grads = []
+    for fast in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+        fully_shard(model, mesh=mesh)
+        if fast:
+            assert fast_one_rank_reduce(model) is None
+        seen = []
+        for seed in (1, 2):  # two synced backwards before any optimizer step
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))
+            model(x).square().sum().backward()
+            seen.append({p.grad.to_local().untyped_storage().data_ptr() for p in model.parameters()})
+        grads.append([p.grad.full_tensor().clone() for p in model.parameters()])
+        if fast:
+            comm = model._get_fsdp_state()._fsdp_param_group._lumenrl_reduce_scatter
+            assert comm.calls == 2 and seen[0] == seen[1]  # the second reduce added into the first's gradients
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)

@@ -41,7 +41,8 @@ Design (torchtitan's composition, applied to the transformers modules):
   bf16 all-gather copy of every parameter before forward, one reduce-scatter of every gradient after
   backward; the unsharded bf16 gradients live until the end of backward (+2 bytes per parameter).
   That root unit's unshard is one foreach cast-copy (:mod:`.fsdp_one_rank`) instead of torch's
-  per-parameter cast + copy walk.
+  per-parameter cast + copy walk, and its one-rank reduce-scatter hands its input buffer back as the output
+  instead of copying every gradient into a second fp32 buffer.
 
 Refusals carry the numbers: tp must divide the world size, the query heads, the KV heads, the
 intermediate size and the vocabulary (:func:`check_tp`); tp*cp must divide the world and the
@@ -65,7 +66,7 @@ from lumenrl_backends.training.expert_parallel import (
     has_fused_experts,
     sum_grad_over,
 )
-from lumenrl_backends.training.fsdp_one_rank import fast_one_rank_unshard
+from lumenrl_backends.training.fsdp_one_rank import fast_one_rank_reduce, fast_one_rank_unshard
 from lumenrl_backends.training.lora import is_lora_model
 from lumenrl_backends.training.lora_tp import expand_lora_plan
 from lumenrl_backends.training.modeling import decoder_layers
@@ -372,4 +373,5 @@ def parallelize(
     fully_shard(model, mesh=dp, **kwargs)  # one rank: the root is the only unit (module docstring)
     if dp.size() == 1 and not experts:
         fast_one_rank_unshard(model)  # one foreach cast-copy instead of a walk over the parameters
+        fast_one_rank_reduce(model)  # the gradients' flat buffer is the reduce-scatter's output: no copy
     return model
