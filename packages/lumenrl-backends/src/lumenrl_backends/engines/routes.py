@@ -106,44 +106,72 @@ def r3_engine_kwargs(r3: Any) -> dict[str, Any]:
 
 def routes_column(requests: list[Any], prompt_width: int, width: int) -> dict[str, torch.Tensor]:
     """``routed_experts`` (B, P+T, L_moe, k) (+ ``router_probs`` (B, P+T, L_moe, E)) from the
-    requests' recorded rows; prompts are left-padded to ``prompt_width``, responses right-padded."""
-    recorded = [r.routes for r in requests if getattr(r, "routes", None) is not None]
-    if not recorded:
-        return {}
-    layers, k = recorded[0].shape[-2:]
-    pad_row = torch.arange(k, dtype=recorded[0].dtype)
-    routes = pad_row.expand(len(requests), prompt_width + width, layers, k).clone()
-    probs = None
-    first_probs = next((r.route_probs for r in requests if getattr(r, "route_probs", None) is not None), None)
-    if first_probs is not None:
-        probs = torch.zeros(len(requests), prompt_width + width, layers, first_probs.shape[-1])
+    requests' recorded rows; prompts are left-padded to ``prompt_width``, responses right-padded.
+    One device -> host copy and one scatter per column for the whole batch, no copy per request."""
     owners = [r for r in requests if getattr(r, "routes", None) is not None]
-    host = _to_host([r.routes for r in owners])  # one device -> host copy for the whole batch
-    host_probs = _to_host([r.route_probs for r in owners]) if probs is not None else [None] * len(owners)
-    for r, rows, row_probs in zip(owners, host, host_probs):
-        lo = prompt_width - len(r.prompt)
-        rows = rows[: len(r.prompt) + len(r.response) - 1]  # the last token was never fed
-        routes[r.index, lo : lo + rows.shape[0]] = rows
-        if row_probs is not None:
-            probs[r.index, lo : lo + rows.shape[0]] = row_probs[: rows.shape[0]]
+    if not owners:
+        return {}
+    layers, k = owners[0].routes.shape[-2:]
+    row_width = prompt_width + width
+    # every owner's first min(recorded, context + response - 1) rows (the last token was never fed) go to
+    # row r.index, columns lo .. lo + n of the (B, P+T) grid, lo = prompt_width - len(prompt)
+    counts = [min(r.routes.shape[0], len(r.prompt) + len(r.response) - 1) for r in owners]
+    firsts = [r.index * row_width + prompt_width - len(r.prompt) for r in owners]  # flat (B * (P+T)) row of lo
+    dest = _row_ranges(firsts, counts)
+    routes = torch.empty(len(requests), row_width, layers, k, dtype=owners[0].routes.dtype)
+    routes.copy_(torch.arange(k, dtype=routes.dtype))  # padding rows: experts 0..k-1 (no repeated expert)
+    routes.view(-1, layers, k).index_copy_(0, dest, _rows([r.routes for r in owners], counts))
     out = {"routed_experts": routes}
-    if probs is not None:
+    first_probs = next((r.route_probs for r in owners if getattr(r, "route_probs", None) is not None), None)
+    if first_probs is not None:
+        experts = first_probs.shape[-1]
+        probs = torch.zeros(len(requests), row_width, layers, experts)
+        keep = [i for i, r in enumerate(owners) if getattr(r, "route_probs", None) is not None]
+        p_counts = [min(counts[i], owners[i].route_probs.shape[0]) for i in keep]
+        p_dest = _row_ranges([firsts[i] for i in keep], p_counts)
+        rows = _rows([owners[i].route_probs for i in keep], p_counts)
+        probs.view(-1, layers, experts).index_copy_(0, p_dest, rows.to(probs.dtype))
         out["router_probs"] = probs
     return out
 
 
-def _to_host(parts: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """``parts`` on the host with one copy per device (not one sync per request); None stays None."""
-    out: list[torch.Tensor | None] = [None] * len(parts)
+def _row_ranges(starts: list[int], counts: list[int]) -> torch.Tensor:
+    """``cat(arange(s, s + n) for s, n in zip(starts, counts))`` as one int64 tensor, without a Python loop
+    over rows."""
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    total = int(counts_t.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    first = torch.cumsum(counts_t, 0) - counts_t  # position of each block's first row in the output
+    shift = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64) - first, counts_t, output_size=total)
+    return torch.arange(total, dtype=torch.int64) + shift
+
+
+def _rows(parts: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+    """The first ``counts[i]`` rows of each of ``parts``, concatenated on the host: one device -> host copy
+    per device (not one sync per request), no gather when every part is taken whole."""
+    stacked = _stacked_on_host(parts)
+    lengths = [part.shape[0] for part in parts]
+    if counts == lengths:
+        return stacked
+    starts = torch.cumsum(torch.tensor([0, *lengths[:-1]]), 0).tolist()
+    return stacked.index_select(0, _row_ranges(starts, counts))
+
+
+def _stacked_on_host(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` (each (n_i, ...)) concatenated along rows on the host: one copy per device (not one sync
+    per request)."""
     by_device: dict[torch.device, list[int]] = {}
     for i, part in enumerate(parts):
-        if part is not None:
-            by_device.setdefault(part.device, []).append(i)
+        by_device.setdefault(part.device, []).append(i)
+    if len(by_device) == 1:
+        return torch.cat(parts).cpu()
+    host = [None] * len(parts)
     for index in by_device.values():
-        flat = torch.cat([parts[i].reshape(-1) for i in index]).cpu()
-        for i, chunk in zip(index, flat.split([parts[i].numel() for i in index])):
-            out[i] = chunk.view(parts[i].shape)
-    return out
+        flat = torch.cat([parts[i] for i in index]).cpu()
+        for i, chunk in zip(index, flat.split([parts[i].shape[0] for i in index])):
+            host[i] = chunk
+    return torch.cat(host)
 
 
 def carry_routes(requests: list[Any], batch: Any) -> None:
