@@ -23,6 +23,8 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +63,16 @@ def tiny_qwen3_lm():
         return AutoModelForCausalLM.from_config(config).float()
 
     return make
+
+
+@pytest.fixture
+def inductor_kernel_calls():
+    """``calls(code)``: the kernel and extern calls in the ``call`` function of a wrapper inductor generated
+    (``torch._inductor.utils.run_and_get_code``; on the CPU, C++ kernels). Skips without a C++ compiler."""
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("inductor's CPU backend needs a C++ compiler")
+    pattern = re.compile(r"^\s+(?:buf\d+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(", re.M)
+    return lambda code: len(pattern.findall(code[code.index("def call("):]))
 
 
 @pytest.fixture(scope="session")

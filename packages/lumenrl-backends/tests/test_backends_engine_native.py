@@ -369,6 +369,10 @@ def test_from_config(qwen3_dir):
     out = engine.generate(prompt_batch(engine.tokenizer), config.policy.rollout)
     assert out.batch["responses"].shape == (len(PROMPTS), 8)
     assert NativeEngine.probe() is None and "interrupt_resume" in NativeEngine.capabilities
+    assert engine.kernels.decode_linear == "auto" and engine.kernels.pdl is True  # the config's defaults
+    config.policy.rollout.decode_linear, config.policy.rollout.pdl = "off", False
+    engine = NativeEngine.from_config(config)
+    assert engine.kernels.decode_linear == "off" and engine.kernels.pdl is False  # read, not ignored
 
 
 @pytest.mark.gpu

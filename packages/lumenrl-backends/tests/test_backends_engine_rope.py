@@ -312,6 +312,48 @@ def test_compile_full_engine_runs_the_op_in_one_graph(tiny_models, kv, monkeypat
     assert result["reference_runs"] == result["expected_runs"] > 0
 
 
+def test_compile_full_computes_the_step_rope_once(monkeypatch, inductor_kernel_calls):
+    """compile="full" (inductor on the CPU): the decode step's RoPE tables are computed once, before the forward
+    (``fusion.rope_tables``, ``CacheView.rope``), and no kernel of the forward computes cos/sin (without them
+    inductor copies the forward's cos/sin for each layer's op, in kernels of four layers); the same tokens and
+    log-probs as the engine without the tables, bit for bit, sampling at temperature 1."""
+    from torch._inductor.utils import run_and_get_code
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lumenrl_backends.engines import native
+
+    config = AutoConfig.for_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
+    ids = torch.randint(1, 255, (3, 5), generator=torch.Generator().manual_seed(4))
+    batch = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    results = {}
+    for tables in (True, False):
+        if not tables:
+            monkeypatch.setattr(native, "rope_tables", lambda *args: None)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        torch._dynamo.reset()
+        engine = NativeEngine(model, _NoTokenizer(), max_batch_size=4, max_seq_len=32, compile="full")
+        assert (engine._rope is not None) == tables
+        out, codes = run_and_get_code(engine.generate, batch,
+                                      {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True, "seed": 3})
+        forward = max(codes, key=inductor_kernel_calls)  # the model's forward: the graph with the most kernels
+        results[tables] = out.batch, "cos" in forward, [c for c in codes if c is not forward and "cos" in c]
+    torch._dynamo.reset()
+    (with_tables, cos_in_forward, rope_graphs), (without, cos_before, _) = results[True], results[False]
+    assert not cos_in_forward and len(rope_graphs) == 1 and inductor_kernel_calls(rope_graphs[0]) == 1
+    assert cos_before  # the forward computed them itself
+    assert torch.equal(with_tables["responses"], without["responses"])
+    assert torch.equal(with_tables["rollout_log_probs"], without["rollout_log_probs"])
+
+
+class _NoTokenizer:  # the engine only decodes response text with it
+    eos_token_id, pad_token_id = None, 0
+
+    def batch_decode(self, rows, **_):  # noqa: ANN001, ANN201
+        return ["" for _ in rows]
+
+
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and triton")]
 
 

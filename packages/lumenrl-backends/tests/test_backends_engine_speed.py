@@ -273,12 +273,46 @@ def test_compile_full_traces_decode_in_one_graph(loaded, monkeypatch):
     engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=32, compile="full")
     compiled = engine.generate(batch, params)
     assert sum(counters["graph_break"].values()) == 0
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == 4  # the forward; the step's masks, RoPE tables, state advance
     assert torch.equal(eager.batch["responses"], compiled.batch["responses"])
     assert torch.allclose(eager.batch["rollout_log_probs"], compiled.batch["rollout_log_probs"], atol=1e-5)
-    for rows in (6, 2):  # buckets 8 and 2: one more compile (symbolic batch), then reuse
+    for rows in (6, 2):  # buckets 8 and 2: one more compile of each (symbolic batch), then reuse
         engine.generate(prompt_batch(tokenizer, PROMPTS[:rows]), params)
-    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["stats"]["unique_graphs"] == 8
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_compiled_step_ops_are_one_kernel_each_and_equal_eager(window, inductor_kernel_calls):
+    """compile="full": the decode step's own work around the forward (mark the written column valid, build the
+    masks; advance the occupied slots' state) compiles into one kernel each, with eager's results on fresh
+    inputs (inductor on the CPU: C++ kernels; the GPU's Triton kernels come from the same scheduler)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from lumenrl_backends.engines.kv_cache import decode_masks
+    from lumenrl_backends.engines.slots import advance_slots
+
+    g = torch.Generator().manual_seed(int(window or 0))
+    slots, length, batch = 8, 32, 4
+    valid = torch.rand(slots, length, generator=g) > 0.5
+    columns = torch.randint(0, length, (batch,), generator=g)
+    state = [torch.randint(0, 100, (slots,), generator=g) for _ in range(4)]  # tokens, columns, positions, counters
+    occupied = torch.rand(slots, generator=g) > 0.3
+    sampled, log_probs = torch.randint(0, 100, (batch,), generator=g), torch.randn(batch, generator=g)
+    torch._dynamo.reset()
+    try:
+        for fn, args in ((decode_masks, (valid, columns, batch, length, window, window is not None)),
+                         (advance_slots, (*state, occupied, batch, sampled, log_probs))):
+            eager_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            want = fn(*eager_args)
+            got, codes = run_and_get_code(torch.compile(fn), *args)
+            assert len(codes) == 1 and inductor_kernel_calls(codes[0]) == 1, codes
+            for a, b in zip((*args, got), (*eager_args, want)):  # in-place state, then the result
+                if isinstance(a, torch.Tensor):
+                    assert torch.equal(a, b)
+                elif isinstance(a, tuple):
+                    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.gpu

@@ -59,7 +59,7 @@ from torch import nn
 
 from lumenrl_backends.engines.fused_storage import _fuse_group, _FusedDense, _FusedQuantized
 
-__all__ = ["FusionReport", "fuse_projections", "unfuse_projections", "ATTENTION_CLASSES", "MLP_CLASSES"]
+__all__ = ["FusionReport", "fuse_projections", "rope_tables", "unfuse_projections", "ATTENTION_CLASSES", "MLP_CLASSES"]
 
 # class name -> how the HF forward passes ``sliding_window`` to the attention function:
 # None (not passed), "self" (self.sliding_window), "config" (getattr(config, "sliding_window", None))
@@ -199,6 +199,9 @@ def _decode_qk_rope(
     from lumenrl_backends.engines.triton_rope import decode_qk_rope_kv_write
 
     batch, q_len, _, dim = query.shape
+    view = getattr(cache, "view", None)
+    if view is not None and view.rope is not None:  # the engine's once-per-step tables (CacheView.rope)
+        position_embeddings = view.rope
     if position_embeddings is None or value.shape[-1] != dim:
         return None
     cos, sin = position_embeddings
@@ -550,6 +553,29 @@ def _set_swiglu(module: nn.Module, name: str, group: bool, token: bool, report: 
         mode = "token"
         report.mlp_fp8_token.append(name)
     module.__dict__[_SWIGLU_ATTR] = mode
+
+
+def rope_tables(model: nn.Module, report: FusionReport | None, options: dict | None) -> Any | None:
+    """``tables(positions (b, 1)) -> (cos, sin)``: the decode step's RoPE, compiled, for the engine to compute
+    once per step (``CacheView.rope``), or None where the fused RoPE op does not run or the layers might not all
+    take the model's one rotary embedding (none, or several rotary modules: local and global RoPE).
+
+    Why: under ``torch.compile`` each call of the opaque fused op realizes its own copy of the forward's
+    cos/sin (inductor copies a pointwise input of an extern kernel per consumer), in kernels of four layers
+    each (nine per step at 36 layers). Tables computed before the forward reach every layer as graph inputs.
+    Same values: the model's own rotary module, traced the same way."""
+    inner = getattr(model, "model", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    rotaries = [m for m in model.modules() if "RotaryEmbedding" in type(m).__name__]
+    if report is None or not report.attention_fused_rope or rotary is None or rotaries != [rotary]:
+        return None
+    parameter = next(model.parameters())
+    probe = torch.empty(0, dtype=parameter.dtype, device=parameter.device)  # the rotary reads x's dtype and device
+
+    def tables(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary(probe, positions)
+
+    return torch.compile(tables, options=options)
 
 
 def unfuse_projections(model: nn.Module) -> int:

@@ -55,7 +55,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lumenrl_backends.engines.quant import FP8KVCodec
 
-__all__ = ["CacheView", "DecodeWrite", "SlotKVCache", "V_TILE", "decode_mask", "prefill_mask", "to_attention_mask",
+__all__ = ["CacheView", "DecodeWrite", "SlotKVCache", "V_TILE", "decode_mask", "decode_masks", "prefill_mask", "to_attention_mask",
            "value_rows", "value_tiles"]
 
 V_TILE = 128  # columns per V tile where the cache stores V in tiles (a multiple of the kernel's block_n)
@@ -89,6 +89,9 @@ class CacheView:
     columns: torch.Tensor  # (b, q) int64 cache column of each new token
     decode: bool  # True: read back rows 0..b-1 (rows must be arange(b)); False: fresh prefill
     kv_len: int  # decode: number of cache columns visible to attention
+    # decode, compile="full": the step's RoPE (cos, sin), each (b, 1, D), computed once before the forward; the
+    # fused q/k-norm + RoPE + KV-write op reads these instead of the forward's position embeddings (engines/fusion.py)
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class DecodeWrite(NamedTuple):
@@ -272,6 +275,18 @@ def decode_mask(
     allowed = valid[:, :kv_len] | (cols == write_cols[:, None])
     allowed = allowed & (cols <= write_cols[:, None]) & _window_ok(write_cols[:, None], cols, window)
     return allowed[:, None, None, :]
+
+
+def decode_masks(
+    valid: torch.Tensor, write_cols: torch.Tensor, batch: int, kv_len: int, window: int | None, mixed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step's masks over slots 0..batch-1: marks each slot's write column valid in ``valid`` (S, L)
+    (in place), then (allowed, allowed without the window; the same tensor unless ``mixed``), each
+    (batch, 1, 1, kv_len) bool. One function so that the engine compiles it into one kernel (``compile="full"``)."""
+    rows = valid[:batch]
+    rows.scatter_(1, write_cols[:, None], True)
+    allowed = decode_mask(rows, write_cols, kv_len, window)
+    return allowed, decode_mask(rows, write_cols, kv_len, None) if mixed else allowed
 
 
 def to_attention_mask(allowed: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:

@@ -78,13 +78,13 @@ from lumenrl_backends.engines import quant as engine_quant
 from lumenrl_backends.engines import triton_linear
 from lumenrl_backends.engines.attention import engine_attention
 from lumenrl_backends.engines.fusion import fuse_projections as fuse_model_projections
-from lumenrl_backends.engines.fusion import unfuse_projections
+from lumenrl_backends.engines.fusion import rope_tables, unfuse_projections
 from lumenrl_backends.engines.graphs import DecodeGraphs, graph_blocker, kv_bytes_per_token, slots_for_budget
 from lumenrl_backends.engines.kv_cache import (
     V_TILE,
     CacheView,
     SlotKVCache,
-    decode_mask,
+    decode_masks,
     to_attention_mask,
 )
 from lumenrl_backends.engines.loading import (
@@ -109,7 +109,7 @@ from lumenrl_backends.engines.requests import (
 )
 from lumenrl_backends.engines.routes import engine_routes, r3_engine_kwargs
 from lumenrl_backends.engines.sampling import SamplingParams, coerce_sampling, sample_tokens
-from lumenrl_backends.engines.slots import SlotState, batch_buckets
+from lumenrl_backends.engines.slots import SlotState, advance_slots, batch_buckets
 from lumenrl_backends.engines.speculative import attach_from_config, speculative_generate
 from lumenrl_backends.engines.triton_attention import kernel_agrees
 from lumenrl_backends.engines.triton_sampling import fused_sample, fused_sampler_agrees
@@ -155,7 +155,7 @@ class NativeEngine:
         record_routes: bool = False, record_router_logits: bool = False, moe_router: str = "",
         exact_logprobs: bool = False,
     ) -> None:
-        k = kernels or KernelOptions()
+        k = self.kernels = kernels or KernelOptions()
         if compile not in ("none", "full"):
             raise ValueError(f"compile={compile!r} is not supported; choose 'none' or 'full'")
         if prefill_chunk_tokens < 1:
@@ -232,12 +232,18 @@ class NativeEngine:
         self._interrupt = threading.Event()
         self._rows = torch.arange(max_batch_size, device=self.device)
         self._model_forward = self.model.forward
+        self._masks, self._advance, self._rope = decode_masks, advance_slots, None  # the step's own ops
         if compile == "full":
             # automatic dynamic shapes: the first bucket compiles static, a second bucket recompiles once
             # with a symbolic batch that every later bucket reuses (measured configs use the static one)
             # pdl: inductor's kernels launch with programmatic dependent launch (each waits for the previous
             # kernel before its first dependent load), chaining with the decode GEMMs (engines/triton_linear.py)
-            self._model_forward = torch.compile(self.model.forward, options=triton_linear.inductor_pdl_options(self._pdl))
+            options = triton_linear.inductor_pdl_options(self._pdl)
+            self._model_forward = torch.compile(self.model.forward, options=options)
+            # the step's mask building and state advance: a dozen tiny eager kernels (each a break in the PDL
+            # chain) become one inductor kernel each
+            self._masks, self._advance = (torch.compile(fn, options=options) for fn in (decode_masks, advance_slots))
+            self._rope = rope_tables(self.model, self.fusion_report, options)  # once per step, not per layer
         self.graphs = DecodeGraphs(self._decode_step, enabled=cuda_graphs and self.device.type == "cuda")
         blocker = graph_blocker(self.model) if self.graphs.enabled else None
         if blocker:
@@ -276,7 +282,8 @@ class NativeEngine:
             compile=rollout.compile,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
             kernels=KernelOptions(fuse_projections=rollout.fuse_projections, fused_moe=rollout.fused_moe,
-                                  overlap_sync=rollout.overlap_sync, fuse_fp8_mlp=rollout_quant.fuse_mlp),
+                                  overlap_sync=rollout.overlap_sync, fuse_fp8_mlp=rollout_quant.fuse_mlp,
+                                  decode_linear=rollout.decode_linear, pdl=rollout.pdl),
             exact_logprobs=rollout.exact_logprobs,
             **r3_engine_kwargs(run_config.moe.r3),
         )
@@ -542,25 +549,19 @@ class NativeEngine:
         tokens, log_probs = self._sample(logits, slice(0, batch), mode)
         if self.exact:
             log_probs = exact_token_log_probs(logits, tokens, s.temperature[:batch])
-        live = s.occupied[:batch]
-        s.tokens[:batch].copy_(torch.where(live, tokens, s.tokens[:batch]))
-        step = live.to(torch.int64)
-        s.columns[:batch] += step
-        s.positions[:batch] += step
-        s.counters[:batch] += step
-        return tokens, log_probs, torch.stack([tokens.to(torch.float64), log_probs.to(torch.float64)])
+        packed = self._advance(s.tokens, s.columns, s.positions, s.counters, s.occupied, batch, tokens, log_probs)
+        return tokens, log_probs, packed
 
     def _decode_forward(self, batch: int, kv_len: int) -> torch.Tensor:
         """One fixed-shape decode forward over slots 0..batch-1; no host sync, no host->device copy."""
         s = self.slots
         rows = self._rows[:batch]
         columns = s.columns[:batch]
-        self.cache.valid[:batch].scatter_(1, columns[:, None], True)
-        self.cache.set_view(CacheView(rows=rows, columns=columns[:, None], decode=True, kv_len=kv_len))
-        valid = self.cache.valid[:batch]
-        allowed = decode_mask(valid, columns, kv_len, self.window)
-        full = decode_mask(valid, columns, kv_len, None) if self._mixed_layers else allowed  # only mixed layers read it
+        # the written column becomes valid; ``full`` (no window) only for models that mix window and full layers
+        allowed, full = self._masks(self.cache.valid, columns, batch, kv_len, self.window, self._mixed_layers)
         ids, positions = s.tokens[:batch, None], s.positions[:batch, None]
+        self.cache.set_view(CacheView(rows=rows, columns=columns[:, None], decode=True, kv_len=kv_len,
+                                      rope=None if self._rope is None else self._rope(positions)))
         self.routes.decode(batch, columns)  # R3: static-index writes, captured with the step
         return self._forward(ids, positions, allowed, full, forward=self._model_forward).logits[:, -1]
 

@@ -15,7 +15,7 @@ import torch
 
 from lumenrl_backends.engines.sampling import SamplingParams
 
-__all__ = ["SlotState", "batch_buckets"]
+__all__ = ["SlotState", "advance_slots", "batch_buckets"]
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -80,3 +80,18 @@ class SlotState:
         self.top_k[slots] = int(params.top_k)
         self.top_p[slots] = float(params.top_p)
         self.occupied[slots] = True
+
+
+def advance_slots(tokens: torch.Tensor, columns: torch.Tensor, positions: torch.Tensor, counters: torch.Tensor,
+                  occupied: torch.Tensor, batch: int, sampled: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    """After a decode step over slots 0..batch-1: occupied slots take their ``sampled`` token as the next input
+    and advance column, position and counter by one (free slots keep theirs), in place on the (S,) state
+    tensors; returns (2, batch) float64: the sampled tokens and their log-probs, for one host copy. One function
+    so that the engine compiles it into one kernel (``compile="full"``)."""
+    live = occupied[:batch]
+    tokens[:batch].copy_(torch.where(live, sampled, tokens[:batch]))
+    step = live.to(torch.int64)
+    columns[:batch] += step
+    positions[:batch] += step
+    counters[:batch] += step
+    return torch.stack([sampled.to(torch.float64), log_probs.to(torch.float64)])
