@@ -1,9 +1,10 @@
 """Run suite entries, append their numbers to ``history.jsonl``, and render ``RESULTS.md`` from it.
 
 One JSON object per line: ``date`` (UTC, ISO), ``commit`` (short hash, ``+dirty`` when the tree had
-changes), ``hardware`` (GPU name or CPU), ``command``, ``entry``, ``seconds`` and ``numbers`` (what the
-entry returned). Smoke runs are not recorded. ``RESULTS.md`` shows, per goal of the suite, the latest
-record of its entry and the spread (lowest .. highest) of the goal's number over the last three records of
+changes), ``hardware`` (GPU name or CPU), ``command``, ``entry``, ``seconds``, ``numbers`` (what the
+entry returned) and, for a GPU entry where NVML answers, ``telemetry``: the GPU's busy SM clock, power and
+clock-limit reasons while it ran (:mod:`benchmarks.telemetry`; RESULTS.md shows them beside the hardware).
+Smoke runs are not recorded. ``RESULTS.md`` shows, per goal of the suite, the latest record of its entry and the spread (lowest .. highest) of the goal's number over the last three records of
 that entry that hold it: a speed claim holds when it holds on a re-run.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from benchmarks.suite import ENTRIES, Entry
 
-__all__ = ["HISTORY", "RESULTS", "check_numbers", "merge", "read_history", "render_results", "run_entries"]
+__all__ = ["HISTORY", "RESULTS", "check_numbers", "merge", "read_history", "render_results", "run_entries", "run_sampled"]
 
 ROOT = Path(__file__).resolve().parent
 HISTORY = ROOT / "history.jsonl"
@@ -77,8 +78,12 @@ def run_entries(chosen: list[Entry], *, smoke: bool, command: str, record: bool 
             rows.append((entry.name, "skipped (needs CUDA)", ""))
             continue
         t0 = time.perf_counter()
+        telemetry: dict[str, float] = {}
         try:
-            numbers = entry.load()(smoke) if smoke else run_isolated(entry)
+            if smoke:
+                numbers = entry.load()(smoke)
+            else:
+                numbers, telemetry = run_sampled(entry)
             problems = check_numbers(entry, numbers)
         except Exception:  # one broken benchmark must not hide the others' numbers
             traceback.print_exc()
@@ -88,7 +93,7 @@ def run_entries(chosen: list[Entry], *, smoke: bool, command: str, record: bool 
         status = "FAILED: " + "; ".join(problems) if problems else f"ok {seconds:.1f}s"
         rows.append((entry.name, status, _headline(entry, numbers)))
         if record and not smoke and not problems:
-            append(entry, numbers, command=command, seconds=seconds)
+            append(entry, numbers, command=command, seconds=seconds, telemetry=telemetry)
     _print_table(rows)
     return failed
 
@@ -117,10 +122,25 @@ def run_isolated(entry: Entry) -> dict[str, Any]:
         return json.loads(out.read_text())
 
 
-def append(entry: Entry, numbers: dict[str, Any], *, command: str, seconds: float) -> None:
+def run_sampled(entry: Entry) -> tuple[dict[str, Any], dict[str, float]]:
+    """:func:`run_isolated`, with the GPU's clocks, power and clock-limit reasons sampled from this process
+    while it runs (:mod:`benchmarks.telemetry`; a CPU entry or a machine without NVML: no telemetry)."""
+    from benchmarks.telemetry import GpuSampler
+
+    if entry.device != "cuda":
+        return run_isolated(entry), {}
+    with GpuSampler(0.25) as sampler:
+        numbers = run_isolated(entry)
+    return numbers, sampler.summary()
+
+
+def append(entry: Entry, numbers: dict[str, Any], *, command: str, seconds: float,
+           telemetry: dict[str, float] | None = None) -> None:
     rec = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": commit(),
            "hardware": hardware(), "command": command, "entry": entry.name, "seconds": round(seconds, 1),
            "numbers": numbers}
+    if telemetry:  # what the GPU ran at meanwhile (busy samples): clocks, power, clock-limit reasons
+        rec["telemetry"] = telemetry
     line = json.dumps(rec, sort_keys=True) + "\n"
     with HISTORY.open("a") as f:
         f.write(line)
@@ -182,6 +202,20 @@ def spread(history: list[dict[str, Any]], entry: str, metric: str, runs: int = S
     return f"{_fmt(min(values))} .. {_fmt(max(values))} ({len(values)} runs)"
 
 
+def _gpu_state(telemetry: dict[str, float] | None) -> str:
+    """`` (SM 1755 MHz, 640 W, power-capped 35%)``: the run's busy median clock and power, and how often a
+    power cap or a thermal slowdown held the clock down; "" for a run recorded without telemetry."""
+    if not telemetry or "sm_mhz_median" not in telemetry:
+        return ""
+    parts = [f"SM {telemetry['sm_mhz_median']:.0f} MHz"]
+    if "power_w_median" in telemetry:
+        parts.append(f"{telemetry['power_w_median']:.0f} W")
+    for key, label in (("power_capped_frac", "power-capped"), ("thermal_frac", "thermal slowdown")):
+        if telemetry.get(key):
+            parts.append(f"{label} {100 * telemetry[key]:.0f}%")
+    return " (" + ", ".join(parts) + ")"
+
+
 def render_results(history: list[dict[str, Any]]) -> str:
     """RESULTS.md: one row per goal, from the latest history record of its entry, with the spread of
     its number over the entry's last three records."""
@@ -212,7 +246,7 @@ def render_results(history: list[dict[str, Any]]) -> str:
             lines.append(_row(goal, f"`{entry.name}`", target, _fmt(value),
                               "yes" if met else "no" if met is False else "?", spread(history, entry.name, metric),
                               rec["date"][:10], rec["commit"],
-                              rec["hardware"], f"`{rec['command']}`"))
+                              rec["hardware"] + _gpu_state(rec.get("telemetry")), f"`{rec['command']}`"))
     others = sorted({r["entry"] for r in history} - {e.name for e in ENTRIES if e.goal})
     if others:
         lines += ["", "Measurements without a goal (latest): " + ", ".join(

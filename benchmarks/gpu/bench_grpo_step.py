@@ -9,7 +9,10 @@ generation batch (``num_iterations=1``: its loss takes ``old_per_token_logps`` a
 log-probs, detached), the old log-probs come from the update's forward
 (``algorithm.old_log_probs=reuse``), so neither side runs a separate log-prob pass. A step is rollout
 + reward + advantages + update + weight sync (``RLTrainer.train_step``). Step 1 warms up (graph
-capture, kernels); the table reports the median of the timed steps and the phases.
+capture, kernels); the table reports the median of the timed steps and the phases. On CUDA (``--profile-steps``,
+32 by default; 0: none) the trained engine's decode step at the rollout's shape (all rows, temperature 1) is then
+profiled once (``_common.profile_engine``: kernels per step, time by kernel class, marginal times, idle): where
+the rollout's latency-bound steps go.
 
 TRL side: ``bench_grpo_trl.py`` run first in the same job (its ``grpo_trl.json`` in the output
 directory is picked up), else the issue's recorded baseline, TRL 1.16 GRPOTrainer
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--micro-batch", type=int, default=32)
     ap.add_argument("--override", action="append", default=[], help="extra config overrides (key=value)")
     ap.add_argument("--out", default="grpo_step.json")
+    ap.add_argument("--profile-steps", type=int, default=32, help="CUDA: decode steps of the rollout profile (0: none)")
     args = ap.parse_args(argv)
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,6 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
                           "generated_tokens": metrics["perf/generated_tokens"]})
             print(f"step {step}: {seconds:.2f} s  phases {', '.join(f'{k} {v:.2f}' for k, v in phases.items())}")
             sys.stdout.flush()
+        if args.device == "cuda" and args.profile_steps > 0:
+            result["profile"] = rollout_profile(trainer, args.prompts * args.generations, args.profile_steps)
+            C.print_profile(result["profile"], "rollout decode step")
     timed = steps[1:]
     median = statistics.median(s["seconds"] for s in timed)
     trl_s, trl_source = TRL_BASELINE_S, "recorded baseline from issue 5 (TRL 1.16, no vLLM, same H200 and shapes); not rerun"
@@ -124,6 +131,22 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def rollout_profile(trainer, rows: int, steps: int) -> dict:
+    """The trainer's engine decoding ``rows`` short random prompts at temperature 1 (the rollout's shape and
+    sampling mode), profiled over ``steps`` decode steps; an error is recorded, not raised (the step times
+    stand without it)."""
+    from lumenrl_core.data_proto import DataProto
+
+    engine = trainer.parts.engine
+    vocab = engine.model.config.vocab_size
+    ids = torch.randint(10, vocab - 1, (rows, 6), generator=torch.Generator().manual_seed(0))
+    batch = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    try:
+        return C.profile_engine(engine, batch, {"temperature": 1.0, "ignore_eos": True, "seed": 0}, steps=steps)
+    except Exception as err:  # noqa: BLE001 - a diagnostic: the step times do not depend on it
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
 SMOKE_ARGS = ["--shape", "tiny", "--prompts", "2", "--generations", "2", "--new", "4", "--steps", "1", "--device", "cpu"]
 
 
@@ -131,7 +154,7 @@ def run(smoke: bool) -> dict:
     """Suite entry: median seconds of one GRPO step (0.6B, 16 prompts x 8, 256 new tokens; smoke: tiny on CPU)."""
     result = main([*SMOKE_ARGS, "--micro-batch", "4", "--out", "grpo_step_smoke.json"] if smoke else [
         "--micro-batch", "64", "--override", "policy.rollout.compile=full", "--override", "policy.train.compile_layers=true"])
-    return {"step_s": result["median_step_s"]}
+    return {"step_s": result["median_step_s"], **C.profile_numbers(result.get("profile"), "rollout_profile/")}
 
 
 if __name__ == "__main__":

@@ -99,11 +99,13 @@ def run(smoke: bool) -> dict:
     from benchmarks.gpu import bench_grpo_step
 
     workload = SMOKE_ARGS if smoke else []
-    lumenrl_s = bench_grpo_step.run(smoke)["step_s"]
+    lumenrl = bench_grpo_step.run(smoke)
+    lumenrl_s = lumenrl["step_s"]
+    profile = {k: v for k, v in lumenrl.items() if k.startswith("rollout_profile/")}  # where the rollout goes (CUDA)
     if smoke and importlib.util.find_spec("trl") is None:
-        return {"lumenrl_step_s": lumenrl_s, "trl": "not installed"}
+        return {"lumenrl_step_s": lumenrl_s, "trl": "not installed", **profile}
     trl_s = main([*workload, "--out", "grpo_trl_smoke.json" if smoke else "grpo_trl.json"])["median_step_s"]
-    return {"lumenrl_step_s": lumenrl_s, "trl_step_s": trl_s, "speedup": trl_s / lumenrl_s}
+    return {"lumenrl_step_s": lumenrl_s, "trl_step_s": trl_s, "speedup": trl_s / lumenrl_s, **profile}
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu._common import OUT_DIR, command_line, environment, print_table, write_json  # noqa: E402
+from benchmarks.telemetry import GpuSampler  # noqa: E402
 from lumenrl_backends.training.fsdp2 import FSDP2Backend  # noqa: E402
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, TrainingQuantConfig  # noqa: E402
 from lumenrl_core.data_proto import DataProto  # noqa: E402
@@ -203,16 +204,21 @@ def run_variant(
     first = 0.0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for i in range(warmup + steps):
-        sync(device)
-        t0 = time.perf_counter()
-        metrics = backend.train_step(batch, pg_loss)
-        sync(device)
-        dt = time.perf_counter() - t0
-        if i == 0:
-            first = dt
-        if i >= warmup:
-            times.append(dt)
+    timed_from = 0.0
+    with GpuSampler() as sampler:  # the GPU's clock and power over the timed steps (power-capped GEMMs run slower)
+        for i in range(warmup + steps):
+            sync(device)
+            if i == warmup:
+                timed_from = time.time()
+            t0 = time.perf_counter()
+            metrics = backend.train_step(batch, pg_loss)
+            sync(device)
+            dt = time.perf_counter() - t0
+            if i == 0:
+                first = dt
+            if i >= warmup:
+                times.append(dt)
+    gpu = sampler.summary(since=timed_from)
     step = statistics.median(times)
     breakdown = profile_step(name, backend, batch) if profile and device.type == "cuda" else {}
     out = {
@@ -226,6 +232,8 @@ def run_variant(
     }
     if breakdown:
         out["profile"] = breakdown
+    if gpu:
+        out["gpu"] = gpu
     if device.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del backend, model, batch
@@ -410,7 +418,17 @@ def run(smoke: bool) -> dict:
     return {"mfu": r["mfu"], "tokens_per_s": r["tokens_per_s"], "step_s": r["step_s"], "mfu_fsdp2": f["mfu"],
             "fsdp2_step_s": f["step_s"], "fsdp2_over_single_step": f["step_s"] / r["step_s"],
             **{f"profile/{k}": v for k, v in r.get("profile", {}).items()},  # where each step's GPU time goes
-            **{f"profile_fsdp2/{k}": v for k, v in f.get("profile", {}).items()}}
+            **{f"profile_fsdp2/{k}": v for k, v in f.get("profile", {}).items()},
+            **_gpu_numbers("single", r), **_gpu_numbers("fsdp2", f),
+            **{key: result["peak_mem_gib"] for key, result in (("peak_mem_gib", r), ("fsdp2_peak_mem_gib", f))
+               if "peak_mem_gib" in result}}  # CUDA: the step's peak allocated memory of each path
+
+
+def _gpu_numbers(side: str, result: dict[str, Any]) -> dict[str, float]:
+    """The SM clock, power and power-capped share of one variant's timed steps (absent without NVML)."""
+    gpu = result.get("gpu", {})
+    return {f"gpu/{side}_{key}": gpu[key] for key in ("sm_mhz_median", "power_w_median", "power_capped_frac")
+            if key in gpu}
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ engines ``compile="full"`` over the same model, in this order (the FP8 engines q
   weights but the input embedding + the mean KV, over the measured copy bandwidth);
 * ``record_overhead_pct``: decode time with R3 recording on vs off, fused experts (goal <= 3%): two engines
   built side by side, three rounds of five interleaved calls each (:func:`_record_cost`), the median round;
-  ``record_overhead_spread_pct`` is the spread of the rounds;
+  ``record_overhead_spread_pct`` is the spread of the rounds; where NVML answers, the GPU's median SM clock
+  during each engine's calls and each round (``plain_sm_mhz``, ``recording_sm_mhz``, ``round_sm_mhz``:
+  whether the clock moved when the rounds disagree);
 * ``grouped_mm_decode_tok_s``: the same engine with ``fused_moe="off"`` (transformers' ``grouped_mm``);
 * ``hf_decode_tok_s``: HF ``generate`` (dynamic cache), prefill timed separately;
 * ``fp8_experts_decode_tok_s`` / ``fp8_experts_vs_bf16``: FP8 expert weights (``fp8_block`` with the
@@ -38,6 +40,7 @@ import statistics
 import time
 
 import torch
+from benchmarks.telemetry import GpuSampler, summarize
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lumenrl_backends.engines import KernelOptions, NativeEngine
@@ -121,14 +124,21 @@ def _record_cost(model, batch, new: int, *, device: str, compile: str, runs: int
     plain, params = _engine(model, batch, new, device=device, compile=compile, kernels=kernels)
     recording, _ = _engine(model, batch, new, device=device, compile=compile, record=True, kernels=kernels)
     rounds, every = [], {False: [], True: []}
-    for _ in range(runs):
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(calls):
-            for record, engine in ((False, plain), (True, recording)):
-                times[record].append(_decode_s(engine, batch, params, device))
-        rounds.append(100.0 * (statistics.median(times[True]) / statistics.median(times[False]) - 1.0))
-        for record in times:
-            every[record] += times[record]
+    spans: dict[bool, list[tuple[float, float]]] = {False: [], True: []}  # wall-clock windows of each engine's calls
+    round_spans = []
+    with GpuSampler() as sampler:  # did the GPU's clock move between the calls or the rounds?
+        for _ in range(runs):
+            times: dict[bool, list[float]] = {False: [], True: []}
+            round_from = time.time()
+            for _ in range(calls):
+                for record, engine in ((False, plain), (True, recording)):
+                    call_from = time.time()
+                    times[record].append(_decode_s(engine, batch, params, device))
+                    spans[record].append((call_from, time.time()))
+            round_spans.append((round_from, time.time()))
+            rounds.append(100.0 * (statistics.median(times[True]) / statistics.median(times[False]) - 1.0))
+            for record in times:
+                every[record] += times[record]
     uninstall_routing(model)  # the model's own routers for the next engines
     rows = batch.batch["input_ids"].shape[0]
 
@@ -138,7 +148,23 @@ def _record_cost(model, batch, new: int, *, device: str, compile: str, runs: int
     return {"native_decode_tok_s": rows * (new - 1) / statistics.median(every[False]),
             "record_overhead_pct": statistics.median(rounds), "record_overhead_spread_pct": max(rounds) - min(rounds),
             "record_overhead_rounds": ", ".join(f"{r:.2f}" for r in rounds),
-            "plain_call_spread_pct": spread_pct(every[False]), "recording_call_spread_pct": spread_pct(every[True])}
+            "plain_call_spread_pct": spread_pct(every[False]), "recording_call_spread_pct": spread_pct(every[True]),
+            **_clocks(sampler, spans, round_spans)}
+
+
+def _clocks(sampler: GpuSampler, spans: dict[bool, list[tuple[float, float]]],
+            round_spans: list[tuple[float, float]]) -> dict:
+    """The GPU's median SM clock during each engine's calls (``plain_sm_mhz``, ``recording_sm_mhz``) and per
+    round (``round_sm_mhz``); nothing without NVML (a CPU run)."""
+    def clock(windows: list[tuple[float, float]]) -> float | None:
+        inside = [s for a, b in windows for s in sampler.samples if s.t >= a and max(s.t, s.t_end) <= b]
+        return summarize(inside).get("sm_mhz_median")
+
+    plain, recording, per_round = clock(spans[False]), clock(spans[True]), [clock([w]) for w in round_spans]
+    if plain is None or recording is None:
+        return {}
+    return {"plain_sm_mhz": plain, "recording_sm_mhz": recording,
+            "round_sm_mhz": ", ".join("-" if c is None else f"{c:.0f}" for c in per_round)}
 
 
 def _hf(model, batch, new: int, device: str) -> float:
