@@ -60,3 +60,41 @@ def test_routes_column_matches_the_per_request_layout(seed, probs):
 def test_routes_column_without_routes_is_empty():
     requests = [SimpleNamespace(index=0, prompt=[1], response=[2], routes=None, route_probs=None)]
     assert routes_column(requests, 1, 1) == {}
+
+
+@pytest.mark.parametrize("probs", [False, True])
+@pytest.mark.parametrize("finishing", [1, 5])
+def test_finished_rows_are_copied_out_in_one_gather(probs, finishing):
+    """``EngineRoutes.take`` queues, ``flush`` copies: each request gets exactly its slot's rows [start, end)
+    (ragged starts and ends, an end past the buffer, an empty range), as the per-request slices were."""
+    from transformers import AutoModelForCausalLM
+
+    from lumenrl_backends.engines.routes import EngineRoutes
+    from lumenrl_backends.models.tiny import tiny_config
+    from lumenrl_core.assembly.requirements import moe_layout_supported
+
+    if not moe_layout_supported():
+        pytest.skip("needs the transformers >= 5.13 MoE layout")
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", num_hidden_layers=2, num_experts=8))
+    rec = EngineRoutes(model, max_slots=6, max_len=10, device=torch.device("cpu"), record_probs=probs)
+    g = torch.Generator().manual_seed(finishing)
+    rec.routes.copy_(torch.randint(0, 8, rec.routes.shape, generator=g).to(rec.routes.dtype))
+    if probs:
+        rec.probs.copy_(torch.rand(rec.probs.shape, generator=g))
+    spans = [(0, 2, 9), (3, 0, 10), (1, 4, 14), (5, 6, 6), (2, 1, 5)][:finishing]  # (slot, start, end)
+    requests = [SimpleNamespace(routes=None, route_probs=None) for _ in spans]
+    for request, (slot, start, end) in zip(requests, spans):
+        rec.start[slot] = start
+        rec.take(request, slot, end)
+    assert all(r.routes is None for r in requests)  # queued, not copied yet
+    want = [(rec.routes[slot, start:end].clone(), rec.probs[slot, start:end].clone() if probs else None)
+            for slot, start, end in spans]
+    rec.flush()
+    rec.routes.zero_()  # the slots are reused: the requests hold copies
+    if probs:
+        rec.probs.zero_()
+    for request, (routes, route_probs) in zip(requests, want):
+        assert torch.equal(request.routes, routes)
+        assert (request.route_probs is None) if not probs else torch.equal(request.route_probs, route_probs)
+    rec.flush()  # nothing queued: a no-op
+    assert torch.equal(requests[0].routes, want[0][0])

@@ -392,6 +392,7 @@ class NativeEngine:
             request.response.append(int(token))
             request.log_probs.append(log_prob)
             self._finish_if_done(request, slot, params, stops, active, lag)
+        self.routes.flush()  # R3: the rows of this step's finished requests, one gather (before a slot is reused)
 
     @staticmethod
     def _sampling_mode(params: SamplingParams) -> str:

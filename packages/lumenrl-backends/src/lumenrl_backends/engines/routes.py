@@ -7,7 +7,8 @@ float32. Each forward writes the routes of its input tokens at their (slot, cach
 prefill at ``(rows, 0..W-1)`` of its left-padded block, decode at ``(rows, columns)`` of slots
 0..b-1 (static tensors, so the writes are part of a captured CUDA-graph step). When a request
 finishes (or is interrupted) its rows ``[start, end)`` are copied out on the device (no host
-sync): one row per context token that was fed to the model, i.e. every token but the last.
+sync; the rows of every request that finishes in one step in one gather): one row per context token that
+was fed to the model, i.e. every token but the last.
 :func:`routes_column` lays them out as ``routed_experts`` (B, P+T, L_moe, k) aligned with
 ``input_ids``; rows of padding and of the last token hold ``0..k-1`` (no repeated expert).
 """
@@ -38,6 +39,7 @@ class EngineRoutes:
                       if record_probs else None)
         self.max_len = max_len
         self.start: dict[int, int] = {}  # slot -> first cache column of its request
+        self._pending: list[tuple[Any, int, int]] = []  # (request, flat first row, rows): copies :meth:`flush` makes
         self._rows = torch.arange(max_slots, device=device)
 
     def prefill(self, rows: torch.Tensor, width: int, starts: list[int]) -> None:
@@ -66,12 +68,37 @@ class EngineRoutes:
         """Interrupted rows: the routes of what they generated so far."""
         for slot, request in active.items():
             self.take(request, slot, host_columns[slot] - lag)
+        self.flush()
 
     def take(self, request: Any, slot: int, end: int) -> None:
-        """Copy the slot's rows [start, end) to ``request.routes`` (device clone, no sync)."""
+        """Queue the copy of the slot's rows [start, end) to ``request.routes``; :meth:`flush` makes it. The
+        engine flushes before the slot can be written again (after each step's finishes), so the rows are
+        the request's."""
         start = self.start.get(slot, 0)
-        request.routes = self.routes[slot, start:end].clone()
-        request.route_probs = self.probs[slot, start:end].clone() if self.probs is not None else None
+        self._pending.append((request, slot * self.max_len + start, max(0, min(end, self.max_len) - start)))
+
+    def flush(self) -> None:
+        """The queued copies as one gather on the device (no host sync): a step where 64 rows finish makes one
+        index copy and one ``index_select`` per buffer, not 64 clones; each request holds a view of its rows."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        requests = [p[0] for p in pending]
+        counts = [p[2] for p in pending]
+        if len(pending) == 1:
+            first = pending[0][1]
+            parts = {"routes": self.routes.view(-1, *self.routes.shape[2:])[first:first + counts[0]].clone()}
+            if self.probs is not None:
+                parts["route_probs"] = self.probs.view(-1, *self.probs.shape[2:])[first:first + counts[0]].clone()
+            split = {name: [t] for name, t in parts.items()}
+        else:
+            index = _row_ranges([p[1] for p in pending], counts).to(self.routes.device, non_blocking=True)
+            split = {"routes": self.routes.view(-1, *self.routes.shape[2:]).index_select(0, index).split(counts)}
+            if self.probs is not None:
+                split["route_probs"] = self.probs.view(-1, *self.probs.shape[2:]).index_select(0, index).split(counts)
+        for i, request in enumerate(requests):
+            request.routes = split["routes"][i]
+            request.route_probs = split["route_probs"][i] if "route_probs" in split else None
 
 
 class NoRoutes:
@@ -80,7 +107,7 @@ class NoRoutes:
     enabled = False
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("prefill", "decode", "done", "finish", "take", "take_all"):
+        if name in ("prefill", "decode", "done", "finish", "take", "take_all", "flush"):
             return _noop
         raise AttributeError(name)
 
