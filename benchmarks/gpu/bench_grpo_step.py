@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> dict:
     if measured.exists():  # bench_grpo_trl.py ran first in this job: the ratio is side by side
         trl_s = json.loads(measured.read_text())["median_step_s"]
         trl_source = f"measured in the same job: {measured.name}"
-    result.update(steps=steps, median_step_s=median, trl_step_s=trl_s, trl_source=trl_source,
-                  speedup_vs_trl=trl_s / median)
+    phases = {k: statistics.median(s[k] for s in timed) for k in timed[-1] if k not in ("step", "seconds")}
+    result.update(steps=steps, median_step_s=median, step_s_min=min(s["seconds"] for s in timed),
+                  step_s_max=max(s["seconds"] for s in timed), phase_medians=phases, trl_step_s=trl_s,
+                  trl_source=trl_source, speedup_vs_trl=trl_s / median)
     result["summary"] = {"grpo_step_speedup_vs_trl": {
         "value": trl_s / median, "lumenrl_step_s": median, "trl_step_s": trl_s,
         "trl_source": trl_source, "command": result["command"]}}
@@ -151,10 +153,14 @@ SMOKE_ARGS = ["--shape", "tiny", "--prompts", "2", "--generations", "2", "--new"
 
 
 def run(smoke: bool) -> dict:
-    """Suite entry: median seconds of one GRPO step (0.6B, 16 prompts x 8, 256 new tokens; smoke: tiny on CPU)."""
+    """Suite entry: median seconds of one GRPO step (0.6B, 16 prompts x 8, 256 new tokens; smoke: tiny on CPU), the
+    lowest and highest timed step, and the median seconds of each phase (``phase/<name>_s``: rollout, update, weight
+    sync, ...: where the step goes)."""
     result = main([*SMOKE_ARGS, "--micro-batch", "4", "--out", "grpo_step_smoke.json"] if smoke else [
         "--micro-batch", "64", "--override", "policy.rollout.compile=full", "--override", "policy.train.compile_layers=true"])
-    return {"step_s": result["median_step_s"], **C.profile_numbers(result.get("profile"), "rollout_profile/")}
+    phases = {f"phase/{name}_s": seconds for name, seconds in result["phase_medians"].items() if name != "generated_tokens"}
+    return {"step_s": result["median_step_s"], "step_s_min": result["step_s_min"], "step_s_max": result["step_s_max"],
+            **phases, **C.profile_numbers(result.get("profile"), "rollout_profile/")}
 
 
 if __name__ == "__main__":

@@ -101,11 +101,15 @@ def run(smoke: bool) -> dict:
     workload = SMOKE_ARGS if smoke else []
     lumenrl = bench_grpo_step.run(smoke)
     lumenrl_s = lumenrl["step_s"]
-    profile = {k: v for k, v in lumenrl.items() if k.startswith("rollout_profile/")}  # where the rollout goes (CUDA)
+    # where LumenRL's step goes (phase medians; CUDA: the rollout's decode-step profile) and the spread of its steps
+    detail = {k: v for k, v in lumenrl.items() if k.startswith(("rollout_profile/", "phase/"))}
+    detail.update(lumenrl_step_s_min=lumenrl["step_s_min"], lumenrl_step_s_max=lumenrl["step_s_max"])
     if smoke and importlib.util.find_spec("trl") is None:
-        return {"lumenrl_step_s": lumenrl_s, "trl": "not installed", **profile}
-    trl_s = main([*workload, "--out", "grpo_trl_smoke.json" if smoke else "grpo_trl.json"])["median_step_s"]
-    return {"lumenrl_step_s": lumenrl_s, "trl_step_s": trl_s, "speedup": trl_s / lumenrl_s, **profile}
+        return {"lumenrl_step_s": lumenrl_s, "trl": "not installed", **detail}
+    trl = main([*workload, "--out", "grpo_trl_smoke.json" if smoke else "grpo_trl.json"])
+    trl_s, trl_steps = trl["median_step_s"], trl["step_seconds"][1:]
+    return {"lumenrl_step_s": lumenrl_s, "trl_step_s": trl_s, "speedup": trl_s / lumenrl_s,
+            "trl_step_s_min": min(trl_steps), "trl_step_s_max": max(trl_steps), **detail}
 
 
 if __name__ == "__main__":
