@@ -196,6 +196,10 @@ def triton_interpreted():
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_agent_register_timeout_ms", "300000")  # slow agent start on a busy 2-core box
+# Ray starts its workers (every actor: roles, rollouter, trainer) at niceness 15, below the driver and raylets; on a
+# machine busy with other work at niceness 0 (the suite's other xdist worker, anything else) they get a small share of
+# the CPU and a test that takes 9 s took 450 s. The test cluster's workers run at the same priority as everything else.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 def _start_cluster(node: dict):

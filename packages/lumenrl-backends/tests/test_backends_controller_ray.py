@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -87,3 +89,21 @@ def test_per_rank_and_broadcast_modes(group):
         group.call("add", [1, 2, 3], dispatch="dp_compute")
     with pytest.raises(ValueError, match="direct_rollout_method.*refused"):
         group.call("add", 1, dispatch="direct_rollout_method")
+
+
+@pytest.mark.parametrize(("address", "env", "want"), [
+    ("", {}, "0"),  # a Ray it may start: its workers (the run's roles) at the driver's priority
+    ("", {"RAY_worker_niceness": "7"}, "7"),  # the user's choice wins
+    ("ray://head:10001", {}, None),  # an existing cluster: its own settings
+    ("", {"RAY_ADDRESS": "head:6379"}, None),
+])
+def test_a_ray_the_controller_starts_runs_its_workers_unniced(monkeypatch, address, env, want):
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    started = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: started.update(kwargs, niceness=os.environ.get("RAY_worker_niceness")))  # noqa: SIM112 - Ray spells it so
+    RayController(address=address)
+    assert started["address"] == (address or None) and started["niceness"] == want

@@ -19,6 +19,7 @@ actor died raises :class:`WorkerDiedError` naming the group (role) and rank.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,12 @@ class RayController:
         self.placement_strategy = placement_strategy
         self._placement_groups: list[Any] = []
         if not ray.is_initialized():
+            if not (address or os.environ.get("RAY_ADDRESS")):
+                # a Ray this process may start itself: its workers are the run's roles (the training and the
+                # rollout), not background work, so they keep the driver's priority instead of Ray's default
+                # niceness 15, which on a machine busy with other work starved them (a 9 s job took minutes);
+                # RAY_worker_niceness set by the user wins
+                os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(address=address or None, ignore_reinit_error=True)
 
     @classmethod
