@@ -48,7 +48,12 @@ def kernel_errors(m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, swi
     reason = tlin.supported(x, weight, b, swiglu)
     out = tlin.decode_linear(x, weight, b, swiglu=swiglu, pdl=pdl)
     ref64 = float64_reference(x, weight, b, swiglu)
-    ref = tlin.reference_decode_linear(x, weight, b, swiglu)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one summation order for the float32 reference, whatever the runner's thread count
+    try:
+        ref = tlin.reference_decode_linear(x, weight, b, swiglu)
+    finally:
+        torch.set_num_threads(threads)
     ulp = torch.finfo(dtype).eps * ref.double().abs().clamp_min(torch.finfo(dtype).tiny) * (3 if swiglu else 1)
     return {"reason": reason, "shape": list(out.shape), "finite": bool(torch.isfinite(out).all()),
             "rel_error": float((out.double() - ref64).norm() / ref64.norm()),
@@ -140,8 +145,9 @@ def test_auto_takes_only_measured_shapes_and_bad_modes_are_refused(tmp_path):
         unfuse_projections(model)
     with pytest.raises(ValueError, match="kernels.decode_linear=True; allowed: auto, on, off"):
         NativeEngine(model, tokenizer, max_batch_size=2, max_seq_len=16, kernels=KernelOptions(decode_linear=True))
-    # the table holds the 8B decode shapes, for 132-multiprocessor CUDA devices only
+    # the table holds the 8B and 0.6B decode shapes, for 132-multiprocessor CUDA devices only
     assert (6144, 4096, False) in tlin.TUNED and not tlin.tuned(6144, 4096, torch.device("cpu"))
+    assert (4096, 1024, False) in tlin.TUNED
 
 
 # ------------------------------------------------------------------ Triton's interpreter (one subprocess)
@@ -167,7 +173,7 @@ for family in ("qwen3", "llama", "deepseek_v3"):
 
 def auto_launches_by_rows(tmp: str) -> dict:
     """``decode_linear="auto"`` with every shape taken as measured (the routing's ``tuned_only`` check
-    patched away): kernel launches of a fused MLP's forward at 5 and at 40 rows (auto routes 33..64 rows,
+    patched away): kernel launches of a fused MLP's forward at 5, 40 and 100 rows (auto routes 33..64 rows,
     the measured tile; the attention's forward applies the same row gate)."""
     model, _ = load_model_and_tokenizer(build_tiny_model("qwen3", tmp, seed=0), dtype="bfloat16")
     launch, reason, count = tlin._launch, tlin.weight_reason, [0]
@@ -178,17 +184,20 @@ def auto_launches_by_rows(tmp: str) -> dict:
 
     tlin._launch = counted
     tlin.weight_reason = lambda weight, bias=None, swiglu=False, tuned_only=False: reason(weight, bias, swiglu)
-    out = {}
+    out, auto_rows = {}, tlin.auto_rows
     try:
-        out["routed"] = len(fuse_projections(model, decode_linear="auto").decode_linear)
-        mlp = model.model.layers[0].mlp
-        with torch.no_grad():
-            for rows in (5, 40, 100):
-                count[0] = 0
-                mlp(torch.randn(rows, 1, model.config.hidden_size).to(torch.bfloat16))
-                out[f"launches_{rows}"] = count[0]
+        for prefix, rows_of_shape in (("", auto_rows), ("two_tiles_", lambda n, k, swiglu=False: (65, 128))):
+            tlin.auto_rows = rows_of_shape  # the second pass: shapes measured at two row tiles (65..128 rows)
+            out[f"{prefix}routed"] = len(fuse_projections(model, decode_linear="auto").decode_linear)
+            mlp = model.model.layers[0].mlp
+            with torch.no_grad():
+                for rows in (5, 40, 100):
+                    count[0] = 0
+                    mlp(torch.randn(rows, 1, model.config.hidden_size).to(torch.bfloat16))
+                    out[f"{prefix}launches_{rows}"] = count[0]
+            unfuse_projections(model)
     finally:
-        tlin._launch, tlin.weight_reason = launch, reason
+        tlin._launch, tlin.weight_reason, tlin.auto_rows = launch, reason, auto_rows
         unfuse_projections(model)
     return out
 
@@ -265,6 +274,16 @@ def test_interpreted_auto_routes_only_the_measured_row_range(interpreted):
     assert row["launches_5"] == 0  # 5 rows: below the measured 64-row tile's range, cuBLAS (torch here)
     assert row["launches_40"] == 2  # 40 rows: gate/up with SwiGLU, then down
     assert row["launches_100"] == 0  # 100 rows: two tiles, not measured: cuBLAS under auto
+    # a shape measured at two row tiles (triton_linear.TUNED_ROWS, the 0.6B shapes at 128 rows): 65..128 rows only
+    assert row["two_tiles_routed"] == 4
+    assert row["two_tiles_launches_5"] == row["two_tiles_launches_40"] == 0 and row["two_tiles_launches_100"] == 2
+
+
+def test_measured_row_ranges_cover_only_tuned_shapes():
+    assert set(tlin.TUNED_ROWS) <= set(tlin.TUNED)
+    assert all(1 <= lo <= hi <= tlin.MAX_M for lo, hi in tlin.TUNED_ROWS.values())
+    assert tlin.auto_rows(6144, 4096) == (tlin.AUTO_MIN_M, tlin.AUTO_MAX_M)  # 8B q/k/v: the 64-row tile
+    assert tlin.auto_rows(3072, 1024, swiglu=True) == (65, 128)  # 0.6B gate/up: measured at 128 rows
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

@@ -256,13 +256,13 @@ def _mlp_forward(
 @dataclass(frozen=True, slots=True)
 class _DecodeLinears:
     """Which of a module's two decode GEMMs run :func:`~lumenrl_backends.engines.triton_linear.decode_linear`
-    (attention: q/k/v, o; MLP: gate/up with the SwiGLU epilogue, down), from how many rows (``auto``: the
-    measured one-tile range, 33..64; ``on``: 1..128) and whether they launch with PDL."""
+    (attention: q/k/v, o; MLP: gate/up with the SwiGLU epilogue, down), from how many rows (``auto``: the rows the
+    shapes were measured at, ``triton_linear.auto_rows``; ``on``: 1..128) and whether they launch with PDL."""
 
     first: bool
     second: bool
     pdl: bool
-    min_m: int  # rows the kernel takes: min_m..max_m (auto: AUTO_MIN_M..AUTO_MAX_M, on: 1..MAX_M)
+    min_m: int  # rows the kernel takes: min_m..max_m (auto: triton_linear.auto_rows, on: 1..MAX_M)
     max_m: int
     prefetch: int  # with pdl: weight columns of each row prefetched to L2 before the wait
 
@@ -533,7 +533,14 @@ def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: 
     if first_reason is None or second_reason is None:
         prefetch = (triton_linear.PDL_PREFETCH if prefetch_bytes is None
                     else prefetch_bytes // 2)  # weight columns of the kernel's 16-bit weights
-        rows = (triton_linear.AUTO_MIN_M, triton_linear.AUTO_MAX_M) if mode == "auto" else (1, triton_linear.MAX_M)
+        rows = (1, triton_linear.MAX_M)
+        if mode == "auto":  # the rows the routed shapes were measured at (both: the rows common to the two)
+            first_shape = (fused.weight.shape[0] // (1 if kind == "attention" else 2), fused.weight.shape[1],
+                           kind != "attention")
+            shapes = [s for s, ok in ((first_shape, first_reason is None),
+                                      ((*second.weight.shape, False), second_reason is None)) if ok]
+            ranges = [triton_linear.auto_rows(*shape[:2], swiglu=shape[2]) for shape in shapes]
+            rows = (max(r[0] for r in ranges), min(r[1] for r in ranges))
         module.__dict__[_DECODE_ATTR] = _DecodeLinears(first_reason is None, second_reason is None, pdl, *rows,
                                                        prefetch=prefetch)
         report.decode_linear.append(name)

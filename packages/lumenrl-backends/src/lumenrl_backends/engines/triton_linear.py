@@ -47,7 +47,7 @@ import os
 
 import torch
 
-__all__ = ["AUTO_MAX_M", "AUTO_MIN_M", "INTERPRETED", "MAX_M", "PDL_PREFETCH", "TILE_M", "TUNED", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "reference_decode_linear", "supported", "torch_linear", "tuned", "weight_reason"]
+__all__ = ["AUTO_MAX_M", "AUTO_MIN_M", "INTERPRETED", "MAX_M", "PDL_PREFETCH", "TILE_M", "TUNED", "TUNED_ROWS", "auto_rows", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "reference_decode_linear", "supported", "torch_linear", "tuned", "weight_reason"]
 
 try:
     import triton
@@ -61,7 +61,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read o
 TILE_M = 64  # rows per program: the tile measured at M = 64 (the benchmark's decode batch)
 MAX_M = 128  # up to two row tiles (each program pair of one weight tile runs side by side: one weight read)
 PDL_PREFETCH = 512  # weight columns (1 KB of a bf16 row) a PDL launch prefetches to L2 before it waits
-AUTO_MIN_M, AUTO_MAX_M = 33, 64  # decode_linear="auto" routes 33..64 rows (the 64-row tile measured); "on": 1..128
+AUTO_MIN_M, AUTO_MAX_M = 33, 64  # decode_linear="auto": 33..64 rows (one 64-row tile) unless TUNED_ROWS says; "on": 1..128
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -79,14 +79,32 @@ def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# (N, K, swiglu) -> launch parameters, tuned on an H200 at M = 64 (``bench_decode_linear.py --tune``,
-# fused Qwen3-8B shapes; times in its history entry). Other shapes take :func:`config_for`'s rule.
+# (N, K, swiglu) -> launch parameters, tuned on an H200 (``bench_decode_linear.py --tune``; times in its history
+# entry) at the rows of :data:`TUNED_ROWS`. Other shapes take :func:`config_for`'s rule.
 TUNED: dict[tuple[int, int, bool], dict[str, int]] = {
+    # fused Qwen3-8B shapes, M = 64 (the decode benchmark's batch)
     (6144, 4096, False): {"block_n": 64, "block_k": 128, "num_stages": 5, "num_warps": 4},  # q/k/v
     (4096, 4096, False): {"block_n": 32, "block_k": 128, "num_stages": 6, "num_warps": 4},  # o
     (12288, 4096, True): {"block_n": 32, "block_k": 64, "num_stages": 4, "num_warps": 4},  # gate/up + SwiGLU
     (4096, 12288, False): {"block_n": 32, "block_k": 128, "num_stages": 6, "num_warps": 4},  # down
+    # fused Qwen3-0.6B shapes, M = 128 (the GRPO benchmark's rollout: 16 prompts x 8)
+    (4096, 1024, False): {"block_n": 64, "block_k": 128, "num_stages": 5, "num_warps": 4},  # q/k/v
+    (1024, 2048, False): {"block_n": 32, "block_k": 128, "num_stages": 5, "num_warps": 4},  # o
+    (3072, 1024, True): {"block_n": 64, "block_k": 64, "num_stages": 5, "num_warps": 8},  # gate/up + SwiGLU
+    (1024, 3072, False): {"block_n": 32, "block_k": 128, "num_stages": 5, "num_warps": 4},  # down
 }
+# rows decode_linear="auto" routes for a tuned shape: the row tiles it was measured at (one 64-row tile: 33..64;
+# two: 65..128); shapes not listed: AUTO_MIN_M..AUTO_MAX_M
+TUNED_ROWS: dict[tuple[int, int, bool], tuple[int, int]] = {
+    (4096, 1024, False): (65, 128), (1024, 2048, False): (65, 128), (3072, 1024, True): (65, 128),
+    (1024, 3072, False): (65, 128),
+}
+
+
+def auto_rows(n: int, k: int, *, swiglu: bool = False) -> tuple[int, int]:
+    """(min_m, max_m): the rows ``decode_linear="auto"`` sends to the kernel for a tuned (N, K) weight (N: output
+    features; with ``swiglu`` the I gate features): the rows its launch parameters were measured at."""
+    return TUNED_ROWS.get((n, k, swiglu), (AUTO_MIN_M, AUTO_MAX_M))
 
 
 def tuned(n: int, k: int, device: torch.device, *, swiglu: bool = False) -> bool:
