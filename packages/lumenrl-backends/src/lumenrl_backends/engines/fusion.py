@@ -533,14 +533,10 @@ def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: 
     if first_reason is None or second_reason is None:
         prefetch = (triton_linear.PDL_PREFETCH if prefetch_bytes is None
                     else prefetch_bytes // 2)  # weight columns of the kernel's 16-bit weights
-        rows = (1, triton_linear.MAX_M)
-        if mode == "auto":  # the rows the routed shapes were measured at (both: the rows common to the two)
-            first_shape = (fused.weight.shape[0] // (1 if kind == "attention" else 2), fused.weight.shape[1],
-                           kind != "attention")
-            shapes = [s for s, ok in ((first_shape, first_reason is None),
-                                      ((*second.weight.shape, False), second_reason is None)) if ok]
-            ranges = [triton_linear.auto_rows(*shape[:2], swiglu=shape[2]) for shape in shapes]
-            rows = (max(r[0] for r in ranges), min(r[1] for r in ranges))
+        swiglu = kind != "attention"  # auto: the rows the routed shapes were measured at (both: those common)
+        ranges = [triton_linear.auto_rows(fused.weight.shape[0] // (1 + swiglu), fused.weight.shape[1], swiglu=swiglu)
+                  ] * (first_reason is None) + [triton_linear.auto_rows(*second.weight.shape)] * (second_reason is None)
+        rows = (max(r[0] for r in ranges), min(r[1] for r in ranges)) if mode == "auto" else (1, triton_linear.MAX_M)
         module.__dict__[_DECODE_ATTR] = _DecodeLinears(first_reason is None, second_reason is None, pdl, *rows,
                                                        prefetch=prefetch)
         report.decode_linear.append(name)
