@@ -83,22 +83,19 @@ class EngineRoutes:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        requests = [p[0] for p in pending]
         counts = [p[2] for p in pending]
-        if len(pending) == 1:
-            first = pending[0][1]
-            parts = {"routes": self.routes.view(-1, *self.routes.shape[2:])[first:first + counts[0]].clone()}
-            if self.probs is not None:
-                parts["route_probs"] = self.probs.view(-1, *self.probs.shape[2:])[first:first + counts[0]].clone()
-            split = {name: [t] for name, t in parts.items()}
-        else:
-            index = _row_ranges([p[1] for p in pending], counts).to(self.routes.device, non_blocking=True)
-            split = {"routes": self.routes.view(-1, *self.routes.shape[2:]).index_select(0, index).split(counts)}
-            if self.probs is not None:
-                split["route_probs"] = self.probs.view(-1, *self.probs.shape[2:]).index_select(0, index).split(counts)
-        for i, request in enumerate(requests):
-            request.routes = split["routes"][i]
-            request.route_probs = split["route_probs"][i] if "route_probs" in split else None
+        first = pending[0][1]
+        index = None if len(pending) == 1 else _row_ranges([p[1] for p in pending], counts).to(self.routes.device,
+                                                                                            non_blocking=True)
+
+        def rows(buffer: torch.Tensor | None) -> list[torch.Tensor | None]:  # one request: a slice copy, no index
+            if buffer is None:
+                return [None] * len(pending)
+            flat = buffer.view(-1, *buffer.shape[2:])
+            return [flat[first:first + counts[0]].clone()] if index is None else list(flat.index_select(0, index).split(counts))
+
+        for (request, _, _), routes, probs in zip(pending, rows(self.routes), rows(self.probs)):
+            request.routes, request.route_probs = routes, probs
 
 
 class NoRoutes:
