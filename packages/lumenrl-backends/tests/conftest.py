@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -129,12 +130,28 @@ def spawn_ranks(request):
     multiprocessing.get_context("forkserver").set_forkserver_preload(_RANK_PRELOAD)
     root = str(request.config.rootpath)
 
-    def spawn(fn, args: tuple, nprocs: int, start_method: str = "forkserver") -> None:
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            monkeypatch.syspath_prepend(root)
-            mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method=start_method)
+    def spawn(fn, args, nprocs: int, start_method: str = "forkserver", attempts: int = 3) -> None:
+        """``args``: a tuple, or ``args(port)`` -> tuple for ranks that rendezvous on a free local port: the port is
+        found free here but bound later by rank 0, and another process (an xdist worker's test, an outgoing
+        connection) can take it in between; then the ranks fail with EADDRINUSE and run again on a new port."""
+        for attempt in range(attempts):
+            try:
+                with pytest.MonkeyPatch.context() as monkeypatch:
+                    monkeypatch.syspath_prepend(root)
+                    mp.start_processes(fn, args=args(_free_port()) if callable(args) else args, nprocs=nprocs,
+                                       join=True, start_method=start_method)
+                return
+            except mp.ProcessRaisedException as err:
+                if not callable(args) or "EADDRINUSE" not in str(err) or attempt == attempts - 1:
+                    raise
 
     return spawn
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # The scripts of one ``triton_interpreted`` call, each as ``__main__`` with fresh globals and the generator

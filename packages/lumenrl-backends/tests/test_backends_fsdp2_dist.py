@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from unittest import mock
 
 import pytest
@@ -107,12 +106,6 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str, fus
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_path(tiny_qwen3_path) -> str:
     return tiny_qwen3_path(narrow=True, vocab_size=V)
@@ -121,7 +114,7 @@ def model_path(tiny_qwen3_path) -> str:
 @pytest.mark.parametrize("fused", [False, True], ids=["host-clip", "fused-adamw"])
 def test_two_gloo_ranks_match_one_rank(fused, model_path, tmp_path, spawn_ranks):
     """``fused-adamw``: the 2-rank step clips and skips on the device (norm made whole, loss all-reduced)."""
-    spawn_ranks(_worker, (2, _free_port(), model_path, str(tmp_path), fused), 2)
+    spawn_ranks(_worker, lambda port: (2, port, model_path, str(tmp_path), fused), 2)
     two, two_r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert two["no_sync"] is fused and two_r1["no_sync"] is fused
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 
 import pytest
 import torch
@@ -121,14 +120,8 @@ def _worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _check(spawn_ranks, tmp_path, world: int, cases: list) -> None:
-    spawn_ranks(_worker, (world, _free_port(), cases, str(tmp_path)), world)
+    spawn_ranks(_worker, lambda port: (world, port, cases, str(tmp_path)), world)
     valid = make_batch().batch["response_mask"].bool()
     for name, path, kwargs in cases:
         lora = kwargs.get("lora", False)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import socket
 import types
 
 import pytest
@@ -178,17 +177,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str, layouts: list, devic
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(spawn_ranks, out_dir, layouts: list, device: str = "cpu") -> dict[str, list[dict]]:
     """Two ranks run ``layouts`` (``(name, model_path, sizes)``); the name -> both ranks' results."""
     for name, _, _ in layouts:
         os.makedirs(os.path.join(out_dir, name), exist_ok=True)
-    spawn_ranks(_worker, (2, _free_port(), str(out_dir), layouts, device), 2,
+    spawn_ranks(_worker, lambda port: (2, port, str(out_dir), layouts, device), 2,
                 start_method="spawn" if device == "cuda" else "forkserver")
     return {name: [torch.load(os.path.join(out_dir, name, f"rank{r}.pt"), weights_only=False) for r in range(2)]
             for name, _, _ in layouts}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
@@ -153,14 +152,8 @@ def _worker(rank: int, world: int, port: int, cases: list) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(spawn_ranks, world: int, cases: list) -> None:
-    spawn_ranks(_worker, (world, _free_port(), cases), world)
+    spawn_ranks(_worker, lambda port: (world, port, cases), world)
 
 
 def test_two_ranks_tp_sp_cp_ep_match_one_rank(spawn_ranks):
