@@ -312,11 +312,20 @@ def test_compiled_layers_have_no_graph_breaks(packing, backend):
     torch._dynamo.reset()
 
 
-def test_one_rank_reduce_scatter_skips_the_gradient_copy_and_equals_torchs(monkeypatch, backend):
-    """The root unit's one-rank reduce-scatter output is its input buffer (fsdp_one_rank.OneRankReduceScatter):
-    no copy of the whole flat gradient, and the same losses, metrics and master weights as torch's path bit for
-    bit, over steps of two micro-batches each (the backend reduces once per step, after the last one)."""
+@pytest.mark.parametrize("bf16", [False, True])
+def test_one_rank_reduce_scatter_skips_the_gradient_copy_and_equals_torchs(bf16, monkeypatch, backend):
+    """The root unit's one-rank reduce-scatter output is its input buffer (fsdp_one_rank.OneRankReduceScatter),
+    packed by one foreach copy instead of ``chunk_cat``: no copy of the whole flat gradient, and the same losses,
+    metrics and master weights as torch's path bit for bit, over steps of two micro-batches each (the backend
+    reduces once per step, after the last one). ``bf16``: the CUDA setting (bf16 gradients cast to fp32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from lumenrl_backends.training import fsdp_one_rank as one_rank
     from lumenrl_backends.training import parallelize as par
+
+    if bf16:
+        monkeypatch.setattr(fsdp2_mod, "mixed_precision",
+                            lambda mode, device: MixedPrecisionPolicy(torch.bfloat16, torch.float32))
 
     batch = make_batch(4)
     fast = backend("off", micro=2)
@@ -335,15 +344,21 @@ def test_one_rank_reduce_scatter_skips_the_gradient_copy_and_equals_torchs(monke
         return copy_(self, src, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    packs: list[str] = []  # which copy-in packed each reduce's gradients: ours (foreach copy) or chunk_cat
+    ours, chunk_cat = one_rank._one_rank_copy_in, torch.ops.fsdp.chunk_cat
+    monkeypatch.setattr(one_rank, "_one_rank_copy_in", lambda *a: packs.append("ours") or ours(*a))
+    monkeypatch.setattr(torch.ops.fsdp, "chunk_cat", lambda *a, **k: packs.append("chunk_cat") or chunk_cat(*a, **k))
     for step in range(3):
         before = len(copies)
+        packs.clear()
         mf = fast.train_step(batch, nll_loss)
-        fast_copies = copies[before:]
+        fast_copies, fast_packs = copies[before:], list(packs)
         mt = torch_path.train_step(batch, nll_loss)
         torch_copies = copies[before + len(fast_copies):]
         assert mf == mt, step
         assert torch_copies and not any(same for _, same in torch_copies)  # torch: a real copy per backward
         assert all(same for _, same in fast_copies)  # ours: onto itself (ATen skips it)
+        assert fast_packs == ["ours"] and packs[1:] == ["chunk_cat"]  # no chunk_cat host table on our unit
     assert comm.calls == 3  # one reduce per step: each one's output was its input
     assert_close_states(master_state(fast), master_state(torch_path), 0.0)
 

@@ -25,11 +25,20 @@ buffer as the output, so the copy is a copy of a tensor onto itself, which ATen 
 where it is known: armed only while the unit's ``post_backward`` runs (one ``foreach_reduce``: its input is
 allocated, then its output of the same size, dtype and device); every other allocation is fresh. Tested: equal
 to torch's path bit for bit over steps with gradient accumulation, no whole-gradient copy.
+
+The packing itself (FSDP2's ``foreach_reduce_scatter_copy_in``: one ``chunk_cat`` of the bf16 gradients into the
+fp32 buffer) is cheap on the GPU (about 5 ms at 1.7B) but not on the host: ATen's CUDA ``chunk_cat`` builds an
+index entry for every 2 KiB block of its output and copies that table through pinned memory, about 27 MB and
+35 ms of CPU at 1.7B, on the critical path between the end of backward and the optimizer, so the GPU waits. On
+one rank the chunk layout is the plain concatenation (one chunk, no padding), so while our ``post_backward``
+runs, the copy-in is one ``torch._foreach_copy_`` into views of the flat buffer (the cast happens in the copy,
+round to nearest even as in ``chunk_cat``). Everywhere else (other units, more ranks) torch's function runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -116,6 +125,42 @@ def fast_one_rank_unshard(model: nn.Module) -> str | None:
     return None
 
 
+_ONE_RANK = threading.local()  # .active: inside one of our units' post_backward (the thread that runs it)
+
+
+def _install_one_rank_copy_in() -> bool:
+    """Route FSDP2's reduce-scatter copy-in through :func:`_one_rank_copy_in` while one of our units reduces;
+    returns False where torch's module has no such function (then its own copy-in runs)."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+    except ImportError:
+        return False
+    torch_copy_in = getattr(coll, "foreach_reduce_scatter_copy_in", None)
+    if torch_copy_in is None:
+        return False
+    if getattr(torch_copy_in, "_lumenrl_one_rank", False):
+        return True
+
+    def copy_in(unsharded_grads: list[torch.Tensor], reduce_scatter_input: torch.Tensor, world_size: int) -> None:
+        if world_size == 1 and getattr(_ONE_RANK, "active", False):
+            _one_rank_copy_in(unsharded_grads, reduce_scatter_input)
+        else:
+            torch_copy_in(unsharded_grads, reduce_scatter_input, world_size)
+
+    copy_in._lumenrl_one_rank = True  # type: ignore[attr-defined]
+    coll.foreach_reduce_scatter_copy_in = copy_in
+    return True
+
+
+def _one_rank_copy_in(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """``chunk_cat(grads, dim=0, num_chunks=1, out=flat)``: each gradient, flattened, one after another."""
+    sizes = [g.numel() for g in grads]
+    if sum(sizes) != flat.numel():
+        raise RuntimeError(f"one-rank copy-in: {sum(sizes)} gradient elements for a buffer of {flat.numel()}")
+    outs = [view.view(g.shape) for view, g in zip(torch.split(flat, sizes), grads, strict=True)]
+    torch._foreach_copy_(outs, grads)
+
+
 class OneRankReduceScatter:
     """A reduce-scatter for a one-rank group whose output is its input (see the module doc). While armed, the
     first allocation is remembered and a second one of the same shape, dtype and device returns it; ``calls``
@@ -174,9 +219,15 @@ def fast_one_rank_reduce(model: nn.Module) -> str | None:
     model.set_custom_reduce_scatter(comm)
     torch_post_backward = group.post_backward
 
+    copy_in = _install_one_rank_copy_in()
+
     def post_backward(*args: Any) -> Any:
-        with comm.armed():
-            return torch_post_backward(*args)
+        _ONE_RANK.active = copy_in
+        try:
+            with comm.armed():
+                return torch_post_backward(*args)
+        finally:
+            _ONE_RANK.active = False
 
     group.post_backward = post_backward
     group._lumenrl_reduce_scatter = comm
