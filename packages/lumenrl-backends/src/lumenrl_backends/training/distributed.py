@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lumenrl_backends.training.local_shards import sharded_grad_norm, step_on_local_shards
+
 __all__ = [
     "ensure_process_group",
     "world_size",
@@ -145,8 +147,12 @@ def _grad_groups(params: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
 def _total_norm(groups: dict[Any, list[torch.Tensor]]) -> torch.Tensor:
     norms = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
-        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        grads = [p.grad for p in group]
+        norm = sharded_grad_norm(grads)  # FSDP's all-Shard layout: on the local shards, no DTensor dispatch
+        if norm is None:
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norms.append(norm)
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
 
@@ -188,7 +194,11 @@ def fused_clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Ten
     optimizer.grad_scale, skipped = clip_scale_and_skip(norm, total, max_norm)
     optimizer.found_inf = skipped
     try:
-        optimizer.step()
+        on_shards = bool(params) and hasattr(params[0], "device_mesh")
+        with torch.no_grad():
+            done = on_shards and step_on_local_shards(optimizer)  # DTensors: the same kernel on their locals
+        if not done:
+            optimizer.step()
     finally:
         del optimizer.grad_scale, optimizer.found_inf
     return norm, skipped
