@@ -14,12 +14,13 @@ from lumenrl_backends.training import local_shards
 CPU = torch.device("cpu")
 
 
-def _sharded_model(seed: int, mesh) -> torch.nn.Module:
+def _sharded_model(seed: int, mesh, device: torch.device = CPU) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 24),
-                                torch.nn.LayerNorm(24), torch.nn.Linear(24, 5))
+    with device:
+        model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 24),
+                                    torch.nn.LayerNorm(24), torch.nn.Linear(24, 5))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -28,7 +29,7 @@ def _sharded_model(seed: int, mesh) -> torch.nn.Module:
 
 def _backward(model: torch.nn.Module, seed: int, scale: float = 1.0) -> None:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(7, 12, generator=g)
+    x = torch.randn(7, 12, generator=g).to(next(model.parameters()).device)
     (model(x).square().sum() * scale).backward()
 
 
@@ -40,13 +41,20 @@ def one_rank_mesh():
     return init_device_mesh("cpu", (1,))
 
 
-def test_step_on_local_shards_equals_dtensor_step_bit_for_bit(one_rank_mesh, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_step_on_local_shards_equals_dtensor_step_bit_for_bit(device, monkeypatch):
     """Five clipped AdamW steps (weight decay, a scheduler, one step skipped for a non-finite loss) through
     ``fused_clip_and_step``: the local-shard step and DTensor's ``optimizer.step()`` give the same norms, skips,
     parameters, moments and step counts, bit for bit; the local path ran for every step after the first."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dist_utils.ensure_process_group(torch.device(device))
+    mesh = init_device_mesh(device, (1,))
     runs = {}
     for local in (True, False):
-        model = _sharded_model(0, one_rank_mesh)
+        model = _sharded_model(0, mesh, torch.device(device))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1, fused=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
         used: list[bool] = []
