@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu._common import OUT_DIR, command_line, environment, print_table, write_json  # noqa: E402
+from benchmarks.gpu.trace_gaps import format_gaps, profile_gaps  # noqa: E402
 from benchmarks.telemetry import GpuSampler  # noqa: E402
 from lumenrl_backends.training.fsdp2 import FSDP2Backend  # noqa: E402
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, TrainingQuantConfig  # noqa: E402
@@ -176,6 +177,10 @@ def profile_step(name: str, backend: FSDP2Backend, batch: DataProto) -> dict[str
     out.update(busy_ms=round(busy, 2), span_ms=round(span, 2), idle_ms=round(span - busy, 2),
                wall_ms_profiled=round(wall * 1e3, 2))
     print(f"profile {name}: " + ", ".join(f"{k} {v}" for k, v in out.items()), flush=True)
+    gaps = profile_gaps(prof, top=3)  # the largest idle gaps and the host work that covered them
+    print(format_gaps(gaps), flush=True)
+    for i, g in enumerate(gaps, 1):
+        out[f"gap{i}"] = f"{g['gap_us'] / 1e3:.2f} ms before {g['after']} (host: {g['host']})"
     return out
 
 
