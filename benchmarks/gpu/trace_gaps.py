@@ -47,8 +47,7 @@ def idle_gaps(trace: dict[str, Any], top: int = 5, min_us: float = 20.0) -> list
     end, before = None, ""
     for e in gpu:
         if end is not None and e["ts"] - end >= min_us:
-            corr = e.get("args", {}).get("correlation")
-            launch = launches.get(corr) if corr is not None else None
+            launch = launches.get(e.get("args", {}).get("correlation"))  # no None key: uncorrelated -> None
             late = launch["ts"] - end if launch is not None else None
             gaps.append({
                 "gap_us": round(e["ts"] - end, 1), "before": before[:60], "after": e["name"][:60],
