@@ -84,3 +84,14 @@ def test_a_reuse_run_makes_the_same_first_update_without_the_extra_forward(tmp_p
         assert math.isfinite(reuse[key]) and reuse[key] == pytest.approx(recompute[key], rel=1e-4, abs=1e-6), key
     assert reuse["rollout/logprob_abs_diff_mean"] == pytest.approx(recompute["rollout/logprob_abs_diff_mean"],
                                                                    rel=1e-3, abs=1e-6)
+
+
+def test_a_step_s_phases_add_up_to_the_step(tmp_path):
+    """score, prepare and the remainder (``timing/other_s``) are timed too, so the phases cover the whole step."""
+    metrics = _first_step(tmp_path, "reuse")
+    phases = {k: v for k, v in metrics.items() if k.startswith("timing/")}
+    for key in ("timing/generate_s", "timing/score_s", "timing/prepare_s", "timing/update_actor_s", "timing/other_s"):
+        assert key in phases and phases[key] >= 0.0, key
+    assert phases["timing/score_s"] > 0.0 and phases["timing/generate_s"] > 0.0
+    assert sum(phases.values()) <= metrics["perf/step_s"] + 1e-6
+    assert sum(phases.values()) == pytest.approx(metrics["perf/step_s"], abs=0.05)

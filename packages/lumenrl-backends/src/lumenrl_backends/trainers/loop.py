@@ -117,9 +117,10 @@ class RLTrainer:
 
     def _update(self, batch: DataProto, timer: PhaseTimer) -> dict[str, float]:
         p, metrics = self.parts, {}
-        metrics.update(apply_kl_in_reward(batch, self.config.algorithm))
-        metrics.update(compute_advantages(batch, p.estimator))
-        metrics.update(apply_rollout_correction(batch, p.correction))
+        with timer("prepare"):
+            metrics.update(apply_kl_in_reward(batch, self.config.algorithm))
+            metrics.update(compute_advantages(batch, p.estimator))
+            metrics.update(apply_rollout_correction(batch, p.correction))
         if p.critic is not None:
             with timer("update_critic"):
                 metrics.update(p.critic.call("update_critic", batch, self.critic_loss))
@@ -132,12 +133,15 @@ class RLTrainer:
         timer, cfg = PhaseTimer(), self.config
         rollout = self._score_and_generate(step)
         timer.add("generate", rollout.generate_s)
+        timer.add("score", rollout.score_s)
         # data-parallel rollout: every rank / the driver holds the whole gathered batch
         batch = _trim_to_mini_batches(rollout.batch, cfg)
         metrics = dict(rollout.metrics)
-        metrics.update(self.parts.release_rollout())  # colocated: the engines' KV cache freed for training
+        with timer("release"):
+            metrics.update(self.parts.release_rollout())  # colocated: the engines' KV cache freed for training
         if len(batch):
-            metrics.update(batch_metrics(batch, cfg.policy.rollout.max_new_tokens))
+            with timer("prepare"):
+                metrics.update(batch_metrics(batch, cfg.policy.rollout.max_new_tokens))
             self._compute_log_probs(batch, timer)
             metrics.update(_mismatch_metrics(batch))
             check_exact(metrics, cfg.policy.rollout, step)
@@ -147,7 +151,7 @@ class RLTrainer:
         else:
             metrics["batch/skipped"] = 1.0
         metrics.setdefault("actor/kl", math.nan)  # no reference model: KL not measured
-        metrics.update(timer.metrics())
+        metrics.update(timer.metrics(metrics))
         metrics.update(
             throughput_metrics(
                 generated_tokens=rollout.generated_tokens,

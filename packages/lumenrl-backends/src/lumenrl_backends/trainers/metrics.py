@@ -9,7 +9,7 @@ time, all PPO epochs), ``timing/<phase>_s`` for every phase of the step.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,8 +41,14 @@ class PhaseTimer:
     def elapsed(self) -> float:
         return time.perf_counter() - self._start
 
-    def metrics(self) -> dict[str, float]:
-        return {f"timing/{phase}_s": s for phase, s in self.seconds.items()}
+    def metrics(self, reported: Mapping[str, float] | None = None) -> dict[str, float]:
+        """``timing/<phase>_s`` per phase; given the step's ``reported`` metrics, also ``timing/other_s``: the
+        time since the timer started that neither a phase nor a ``timing/*`` key of ``reported`` covers."""
+        out = {f"timing/{phase}_s": s for phase, s in self.seconds.items()}
+        if reported is not None:
+            covered = sum(out.values()) + sum(v for k, v in reported.items() if k.startswith("timing/") and k not in out)
+            out["timing/other_s"] = max(0.0, self.elapsed() - covered)
+        return out
 
 
 def batch_metrics(batch: DataProto, max_new_tokens: int) -> dict[str, float]:

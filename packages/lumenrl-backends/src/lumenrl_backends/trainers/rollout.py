@@ -90,6 +90,7 @@ class RolloutResult:
     metrics: dict[str, float] = field(default_factory=dict)
     generated_tokens: int = 0
     generate_s: float = 0.0
+    score_s: float = 0.0  # the reward function and its text decoding
 
 
 def collect_rollouts(
@@ -119,7 +120,9 @@ def collect_rollouts(
         batch = generate(engine, rows, sampling, sampling_seed(run_seed, step, round_index))
         result.generate_s += time.perf_counter() - start
         result.generated_tokens += int(batch.batch["response_mask"].sum())
+        start = time.perf_counter()
         metrics = score(batch)
+        result.score_s += time.perf_counter() - start
         if round_index == 0:
             result.metrics.update(metrics)
         if dynamic_sampling:
