@@ -24,7 +24,8 @@ the norm modules, RoPE and the cache update instead (the path before; any base, 
 ``+vtiles`` stores V in (D, 128) tiles (``KernelOptions(kv_v_tiles=True)``; the default in session 8 calls 5-7,
 opt-in since, as the whole step measured no faster); ``+vrows`` names rows, the default, explicitly (call 7). ``+nopdl``
 launches without programmatic dependent launch (``KernelOptions(pdl=False)``), ``+pf<bytes>`` prefetches that many
-bytes of each weight row before the PDL wait (``KernelOptions(pdl_prefetch=...)``, e.g. ``+pf2048``); ``+cublasod`` runs the o and down
+bytes of each weight row before the PDL wait (``KernelOptions(pdl_prefetch=...)``, e.g. ``+pf2048``; ``+pfs<bytes>`` for
+the o and down projections only, ``pdl_prefetch_second``); ``+cublasod`` runs the o and down
 projections on cuBLAS tensorwise + the scale epilogue (the path before they joined the Triton rowwise kernel). ``--persistent-rnumel N`` lets inductor
 hold reductions of up to N columns in registers (persistent) instead of looping (its default limit is
 1024; the FP8 engine's RMSNorm + quantize kernels reduce 4096). ``--attn-fp8-config`` overrides the FP8-cache attention launch
@@ -114,21 +115,21 @@ SCHEME_ALIASES = {"fp8": "fp8_block"}
 CUBLAS_OD = ((4096, 4096), (4096, 12288))
 
 
-def prefetch_bytes(flags: frozenset[str]) -> int | None:
+def prefetch_bytes(flags: frozenset[str], prefix: str = "pf") -> int | None:
     """``+pf4096`` -> ``KernelOptions.pdl_prefetch`` 4096 (bytes of each weight row a PDL GEMM prefetches); None
-    without the suffix (each kernel's default)."""
-    return next((int(f[2:]) for f in flags if f.startswith("pf") and f[2:].isdigit()), None)
+    without the suffix (each kernel's default). ``prefix="pfs"``: ``+pfs8192`` -> ``pdl_prefetch_second`` (o and down)."""
+    return next((int(f[len(prefix):]) for f in flags if f.startswith(prefix) and f[len(prefix):].isdigit()), None)
 
 
 def variant(name: str) -> tuple[str, frozenset[str]]:
     """``fp8_row+kv+head`` -> ``("fp8_row", {"kv", "head"})``; suffixes: ``kv`` (FP8 KV cache), ``head``
     (the output head quantized too, ``quantize_lm_head``)."""
     base, *flags = name.split("+")
-    unknown = {f for f in flags if not (f.startswith("pf") and f[2:].isdigit())} - {"kv", "head", "fusedmlp", "tokmlp", "inductmlp", "tokattn", "tokln", "qkrope", "unfusedrope",
+    unknown = {f for f in flags if not (f.startswith(("pf", "pfs")) and f.lstrip("pfs").isdigit())} - {"kv", "head", "fusedmlp", "tokmlp", "inductmlp", "tokattn", "tokln", "qkrope", "unfusedrope",
                             "vrows", "vtiles", "nopdl", "cublasod"}
     if unknown:
         raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head, +fusedmlp, "
-                         "+tokmlp, +inductmlp, +tokattn, +tokln, +qkrope, +unfusedrope, +vrows, +vtiles, +nopdl, +cublasod, +pf<bytes>")
+                         "+tokmlp, +inductmlp, +tokattn, +tokln, +qkrope, +unfusedrope, +vrows, +vtiles, +nopdl, +cublasod, +pf<bytes>, +pfs<bytes>")
     if len({"fusedmlp", "tokmlp", "inductmlp"} & set(flags)) > 1:
         raise SystemExit(f"--engines {name!r}: +fusedmlp, +tokmlp and +inductmlp exclude each other")
     if {"qkrope", "unfusedrope"} <= set(flags):
@@ -229,7 +230,8 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
                                   fuse_fp8_mlp="fusedmlp" in flags, fp8_act_kernel="inductmlp" not in flags,
                                   fp8_attn_out="tokattn" not in flags, fp8_norm_quant="tokln" not in flags,
                                   fused_qk_rope="unfusedrope" not in flags, kv_v_tiles="vtiles" in flags,
-                                  pdl="nopdl" not in flags, pdl_prefetch=prefetch_bytes(flags)))
+                                  pdl="nopdl" not in flags, pdl_prefetch=prefetch_bytes(flags),
+                                  pdl_prefetch_second=prefetch_bytes(flags, "pfs")))
         if engine.fusion_report is not None:
             row["fused_fp8_mlps"] = len(engine.fusion_report.mlp_fp8)
             row["act_kernel_mlps"] = len(engine.fusion_report.mlp_fp8_token)

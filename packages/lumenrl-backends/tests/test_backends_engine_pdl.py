@@ -225,23 +225,41 @@ def test_pdl_prefetch_reaches_every_decode_gemm_and_bad_values_are_refused(monke
 
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer = _tiny(tmp)
-        for bad in (-1, 1.5, "4k"):
-            with pytest.raises(ValueError, match=r"kernels.pdl_prefetch=.*allowed: None or an int >= 0"):
-                NativeEngine(model, tokenizer, device="cpu", max_batch_size=2, max_seq_len=16,
-                             kernels=KernelOptions(pdl_prefetch=bad))
+        for key in ("pdl_prefetch", "pdl_prefetch_second"):
+            for bad in (-1, 1.5, "4k"):
+                with pytest.raises(ValueError, match=rf"kernels.{key}=.*allowed: None or an int >= 0"):
+                    NativeEngine(model, tokenizer, device="cpu", max_batch_size=2, max_seq_len=16,
+                                 kernels=KernelOptions(**{key: bad}))
         engine = NativeEngine(model, tokenizer, device="cpu", max_batch_size=2, max_seq_len=16, cuda_graphs=False,
                               quant_scheme="fp8_row", kernels=KernelOptions(pdl_prefetch=4096))
         quantized = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
         assert quantized and all(m.pdl_prefetch == 4096 for m in quantized)
+    with tempfile.TemporaryDirectory() as tmp:  # the second GEMMs (o_proj, down_proj) take their own amount
+        model, tokenizer = _tiny(tmp)
+        engine = NativeEngine(model, tokenizer, device="cpu", max_batch_size=2, max_seq_len=16, cuda_graphs=False,
+                              quant_scheme="fp8_row", kernels=KernelOptions(pdl_prefetch=1024, pdl_prefetch_second=8192))
+        named = dict(engine.model.named_modules())
+        second = {n for n in named if n.rsplit(".", 1)[-1] in ("o_proj", "down_proj")}
+        fused = [m.__dict__["_lumenrl_fused"].linear for m in named.values() if "_lumenrl_fused" in m.__dict__]
+        assert second and all(named[n].pdl_prefetch == 8192 for n in second)
+        assert len(fused) == 2 * model.config.num_hidden_layers and all(m.pdl_prefetch == 1024 for m in fused)
     with tempfile.TemporaryDirectory() as tmp:
         model, _ = _tiny(tmp)
         monkeypatch.setattr(triton_linear, "weight_reason", lambda *a, **k: None)  # CPU: let the fusion route them
         try:
-            for given, columns in ((None, triton_linear.PDL_PREFETCH), (4096, 2048), (0, 0)):
+            default = triton_linear.PDL_PREFETCH
+            for given, columns in ((None, (default, default)), (4096, (2048, 2048)), (0, (0, 0)),
+                                   ((None, 8192), (default, 4096)), ((2048, 0), (1024, 0))):
                 fuse_projections(model, decode_linear="on", pdl=True, pdl_prefetch=given)
                 routed = [m.__dict__["_lumenrl_decode_linear"] for m in model.modules()
                           if m.__dict__.get("_lumenrl_decode_linear") is not None]
                 assert len(routed) == 2 * model.config.num_hidden_layers
                 assert all(d.pdl and d.prefetch == columns for d in routed)
+            calls: list[tuple[bool, int]] = []  # the MLP's forward: gate/up (SwiGLU) takes the first, down the second
+            monkeypatch.setattr(triton_linear, "decode_linear", lambda x, w, b, **k: calls.append((k["swiglu"], k["prefetch"]))
+                                or triton_linear.reference_decode_linear(x, w, b, swiglu=k["swiglu"]))
+            with torch.no_grad():
+                model.model.layers[0].mlp(torch.randn(3, model.config.hidden_size, dtype=next(model.parameters()).dtype))
+            assert calls == [(True, 1024), (False, 0)]
         finally:
             unfuse_projections(model)

@@ -184,7 +184,8 @@ def _attention_forward(
             *input_shape, -1), weights
     if decode is not None and decode.second and type(self.o_proj) is nn.Linear:  # not wrapped since fusion
         o_proj = self.o_proj
-        return _decode_linear(out.reshape(rows, -1), o_proj.weight, o_proj.bias, decode).reshape(*input_shape, -1), weights
+        out = _decode_linear(out.reshape(rows, -1), o_proj.weight, o_proj.bias, decode, second=True)
+        return out.reshape(*input_shape, -1), weights
     return self.o_proj(out), weights
 
 
@@ -247,7 +248,7 @@ def _mlp_forward(
             h = self.act_fn(gate) * up
         down = self.down_proj
         plain = decode.second and type(down) is nn.Linear  # not wrapped since fusion
-        out = _decode_linear(h, down.weight, down.bias, decode) if plain else down(h)
+        out = _decode_linear(h, down.weight, down.bias, decode, second=True) if plain else down(h)
         return out.reshape(*x.shape[:-1], -1)
     gate, up = fused(x)
     return self.down_proj(self.act_fn(gate) * up)
@@ -264,15 +265,15 @@ class _DecodeLinears:
     pdl: bool
     min_m: int  # rows the kernel takes: min_m..max_m (auto: triton_linear.auto_rows, on: 1..MAX_M)
     max_m: int
-    prefetch: int  # with pdl: weight columns of each row prefetched to L2 before the wait
+    prefetch: tuple[int, int]  # with pdl: weight columns of each row prefetched to L2 before the wait (first, second)
 
 
 def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, decode: _DecodeLinears,
-                   swiglu: bool = False) -> torch.Tensor:
+                   swiglu: bool = False, second: bool = False) -> torch.Tensor:
     from lumenrl_backends.engines.triton_linear import decode_linear
 
-    return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl, prefetch=decode.prefetch, min_m=decode.min_m,
-                         max_m=decode.max_m)
+    return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl, prefetch=decode.prefetch[second],
+                         min_m=decode.min_m, max_m=decode.max_m)
 
 
 # decoder layers whose forward is: x + attn(norm1(x)), then + mlp(norm2(.)) (HF 5.x: returns the tensor)
@@ -394,7 +395,7 @@ _PDL_ATTR = "_lumenrl_pdl"  # instance attribute (attention): the decode RoPE an
 def fuse_projections(
     model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False, fp8_act_kernel: bool = True,
     fp8_attn_out: bool = True, fp8_norm_quant: bool = True, fused_qk_rope: bool = True, decode_linear: str = "off",
-    pdl: bool = False, pdl_prefetch: int | None = None,
+    pdl: bool = False, pdl_prefetch: int | tuple[int | None, int | None] | None = None,
 ) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
@@ -505,7 +506,7 @@ def _set_qk_rope(module: nn.Module, name: str, wanted: bool, report: FusionRepor
 
 
 def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: bool, report: FusionReport,
-                       prefetch_bytes: int | None = None) -> None:
+                       prefetch_bytes: int | tuple[int | None, int | None] | None = None) -> None:
     """Route the module's decode GEMMs (M <= 128 rows) to the Triton decode kernel where it takes the weights:
     plain (unquantized) 16-bit weights of the tile's multiples; the MLP's gate/up only with a SiLU
     activation (its epilogue is SwiGLU) and not on a lumenrl-quant FP8 SwiGLU path; ``mode`` ``auto`` only
@@ -531,8 +532,8 @@ def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: 
     second_reason = (weight_reason(second.weight, second.bias) if type(second) is nn.Linear
                      else f"{type(second).__name__} is not a plain nn.Linear")
     if first_reason is None or second_reason is None:
-        prefetch = (triton_linear.PDL_PREFETCH if prefetch_bytes is None
-                    else prefetch_bytes // 2)  # weight columns of the kernel's 16-bit weights
+        pair = prefetch_bytes if isinstance(prefetch_bytes, tuple) else (prefetch_bytes, prefetch_bytes)
+        prefetch = tuple(triton_linear.PDL_PREFETCH if b is None else b // 2 for b in pair)  # 16-bit weight columns
         swiglu = kind != "attention"  # auto: the rows the routed shapes were measured at (both: those common)
         ranges = [triton_linear.auto_rows(fused.weight.shape[0] // (1 + swiglu), fused.weight.shape[1], swiglu=swiglu)
                   ] * (first_reason is None) + [triton_linear.auto_rows(*second.weight.shape)] * (second_reason is None)

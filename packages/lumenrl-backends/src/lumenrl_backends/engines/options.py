@@ -30,9 +30,18 @@ class KernelOptions:
     pdl: bool = True  # CUDA sm90+: decode GEMMs, RoPE, attention and inductor's kernels launch with PDL (engines/triton_pdl.py)
     pdl_prefetch: int | None = None  # with pdl: bytes of each weight row a decode GEMM prefetches to L2 before its wait;
     # None: each kernel's default (bf16 decode GEMM 1024 = triton_linear.PDL_PREFETCH columns, FP8 rowwise 512)
+    pdl_prefetch_second: int | None = None  # the same for the GEMMs after a long kernel (o_proj after attention,
+    # down_proj after gate/up), whose tails leave more time to prefetch; None: as pdl_prefetch
 
     def __post_init__(self) -> None:  # refused when built, before any engine touches a model
         if self.decode_linear not in ("auto", "on", "off"):
             raise ValueError(f"kernels.decode_linear={self.decode_linear!r}; allowed: auto, on, off")
-        if self.pdl_prefetch is not None and (type(self.pdl_prefetch) is not int or self.pdl_prefetch < 0):
-            raise ValueError(f"kernels.pdl_prefetch={self.pdl_prefetch!r}; allowed: None or an int >= 0 (bytes per weight row)")
+        for name in ("pdl_prefetch", "pdl_prefetch_second"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"kernels.{name}={value!r}; allowed: None or an int >= 0 (bytes per weight row)")
+
+    def prefetches(self) -> tuple[int | None, int | None]:
+        """(bytes per weight row prefetched by the GEMMs after a norm, by those after a long kernel); None: the
+        kernel's default."""
+        return self.pdl_prefetch, self.pdl_prefetch if self.pdl_prefetch_second is None else self.pdl_prefetch_second

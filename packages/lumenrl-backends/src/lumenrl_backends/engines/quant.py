@@ -58,21 +58,24 @@ def norm_quant_pays(compile: str, device: torch.device) -> bool:
     return compile == "full" or device.type != "cuda"
 
 
-def set_quantized_pdl(model: nn.Module, pdl: bool, prefetch: int | None = None) -> int:
+def set_quantized_pdl(model: nn.Module, pdl: bool, prefetch: int | tuple[int | None, int | None] | None = None) -> int:
     """Set lumenrl-quant's ``QuantizedLinear.pdl`` (its Triton rowwise decode GEMM launches with programmatic
     dependent launch) on every quantized linear of ``model``, the fused q/k/v and gate/up ones included
     (held by their modules, not registered as submodules), and, unless None, ``pdl_prefetch`` (bytes of each
-    weight row prefetched to L2 before the wait); returns how many were set."""
+    weight row prefetched to L2 before the wait; a pair: for the GEMMs after a norm, and for ``o_proj`` and
+    ``down_proj``, which follow attention and gate/up); returns how many were set."""
     from lumenrl_backends.engines.fusion import _FUSED_ATTR
     from lumenrl_quant import QuantizedLinear
 
+    first, second = prefetch if isinstance(prefetch, tuple) else (prefetch, prefetch)
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         for linear in (module, getattr(module.__dict__.get(_FUSED_ATTR), "linear", None)):
             if isinstance(linear, QuantizedLinear):
                 linear.pdl = bool(pdl)
-                if prefetch is not None:
-                    linear.pdl_prefetch = int(prefetch)
+                after_long = linear is module and name.rsplit(".", 1)[-1] in ("o_proj", "down_proj")
+                if (second if after_long else first) is not None:
+                    linear.pdl_prefetch = int(second if after_long else first)
                 count += 1
     return count
 
