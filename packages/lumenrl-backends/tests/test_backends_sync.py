@@ -102,3 +102,27 @@ def test_sync_rejects_a_non_module_source(tiny_model):
     with pytest.raises(TypeError, match="source must be an nn.Module"):
         sync_to_engine(object(), engine, 1)
     assert sync_to_engine(copy.deepcopy(tiny_model(0)), engine, 1).tensors > 0
+
+
+@pytest.mark.parametrize("flush_bytes", [1, 1 << 30])
+def test_copy_weights_batches_its_copies_converts_dtype_and_flushes_by_bytes(tiny_model, monkeypatch, flush_bytes):
+    """``copy_weights_`` copies in foreach batches of at most ``_FLUSH_BYTES`` incoming bytes (a tiny limit: each
+    tensor lands before the next is read), converting fp32 into the bf16 engine as per-tensor ``copy_`` does."""
+    from lumenrl_backends.engines import weights
+
+    monkeypatch.setattr(weights, "_FLUSH_BYTES", flush_bytes)
+    target, source = tiny_model(2).to(torch.bfloat16), tiny_model(3)
+    expected = {n: p.detach().to(torch.bfloat16) for n, p in source.named_parameters()}
+    streamed: list[str] = []
+
+    def stream():
+        for name, tensor in source.named_parameters():
+            if flush_bytes == 1 and streamed:
+                assert torch.equal(target.get_parameter(streamed[-1]), expected[streamed[-1]])
+            streamed.append(name)
+            yield name, tensor
+
+    assert weights.copy_weights_(target, stream()) == len(expected)
+    for name, param in target.named_parameters():
+        assert param.dtype == torch.bfloat16 and torch.equal(param, expected[name]), name
+    assert torch.equal(target.lm_head.weight, expected["model.embed_tokens.weight"])  # tied: one storage

@@ -32,9 +32,24 @@ def normalise_name(name: str) -> str:
 
 def named_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer by every name (tied weights appear under each name)."""
-    targets = {normalise_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
-    targets.update({normalise_name(n): b for n, b in model.named_buffers(remove_duplicate=False)})
-    return targets
+    return _walk(model)[0]
+
+
+def _walk(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, nn.Module]]:
+    """One pass over the module tree: (name -> parameter or buffer, under every name; name -> module with
+    ``reload_``), names normalised."""
+    targets: dict[str, torch.Tensor] = {}
+    reloadable: dict[str, nn.Module] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        prefix = normalise_name(f"{mod_name}.") if mod_name else ""
+        if hasattr(module, "reload_"):
+            reloadable[prefix[:-1]] = module
+        for tensors in (module._parameters, module._buffers):
+            targets.update((prefix + leaf, t) for leaf, t in tensors.items() if t is not None)
+    return targets, reloadable
+
+
+_FLUSH_BYTES = 256 << 20  # incoming bytes held for one batched copy (a multi-rank sync gathers them)
 
 
 def _unknown(name: str, targets: Mapping[str, torch.Tensor]) -> KeyError:
@@ -55,20 +70,16 @@ def copy_weights_(
     """
     reloaders = reloaders or {}
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    targets = named_targets(model)
-    modules = {normalise_name(n): m for n, m in model.named_modules(remove_duplicate=False)}
-    count = 0
+    targets, reloadable = _walk(model)
+    batch: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    held = count = 0
     for name, tensor in items:
         key = normalise_name(name)
         if hasattr(tensor, "full_tensor"):  # a DTensor shard from FSDP2: gather it
             tensor = tensor.full_tensor()
-        if key in reloaders:
-            reloaders[key](tensor.detach())
-            count += 1
-            continue
         owner, _, leaf = key.rpartition(".")
-        if leaf == "weight" and hasattr(modules.get(owner), "reload_"):
-            modules[owner].reload_(tensor.detach())  # requantize in place
+        if key in reloaders or (leaf == "weight" and owner in reloadable):
+            (reloaders.get(key) or reloadable[owner].reload_)(tensor.detach())  # requantize in place
             count += 1
             continue
         if key not in targets:
@@ -78,6 +89,18 @@ def copy_weights_(
             raise ValueError(
                 f"update_weights: {key!r} has shape {tuple(tensor.shape)}, the engine model expects {tuple(target.shape)}"
             )
-        target.copy_(tensor.detach())
+        batch[0].append(target)
+        batch[1].append(tensor.detach())
+        held += tensor.numel() * tensor.element_size()
         count += 1
+        if held >= _FLUSH_BYTES:
+            _copy(*batch)
+            batch, held = ([], []), 0
+    _copy(*batch)
     return count
+
+
+def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``copy_`` of each pair, as one foreach launch where torch takes the lists (dtype converted on the way)."""
+    if targets:
+        torch._foreach_copy_(targets, sources)
