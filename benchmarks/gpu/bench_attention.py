@@ -38,7 +38,7 @@ import benchmarks.gpu._common as C  # noqa: E402
 from benchmarks.quant._common import run_interpreted  # noqa: E402
 from lumenrl_backends.engines import triton_attention as ta  # noqa: E402
 
-HEADS = {"8b": (8, 4, 128), "tiny": (2, 4, 32)}  # KV heads, query heads per KV head, head dim
+HEADS = {"8b": (8, 4, 128), "0.6b": (8, 2, 128), "tiny": (2, 4, 32)}  # KV heads, query heads per KV head, head dim
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # as Triton reads it
 
 
@@ -148,7 +148,7 @@ def inputs(batch: int, kv_heads: int, groups: int, dim: int, cache: int, length:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="8b", choices=sorted(HEADS), help="heads: 8b (Qwen3-8B) or tiny (smoke)")
+    ap.add_argument("--shape", default="8b", choices=sorted(HEADS), help="heads: 8b (Qwen3-8B), 0.6b (Qwen3-0.6B: the GRPO benchmark's rollout) or tiny (smoke)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--cache", type=int, default=512)
     ap.add_argument("--lengths", default="384", help="columns each row attends to (comma separated)")
