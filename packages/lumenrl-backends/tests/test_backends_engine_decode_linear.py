@@ -28,35 +28,48 @@ PROMPTS = ["12+34=", "7*8=", "(1+2)*3 = what is it", "9", "abc"]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}
 
 
-def float64_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool) -> torch.Tensor:
-    out = x.double() @ weight.double().T + (bias.double() if bias is not None else 0.0)
+def float64_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool,
+                      norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The exact function: ``residual + (RMSNorm(x) @ w.T + b)`` (each part optional) in float64."""
+    x64 = x.double()
+    if norm is not None:
+        x64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + norm[1]) * norm[0].double()
+    out = x64 @ weight.double().T + (bias.double() if bias is not None else 0.0)
     if swiglu:  # the kernel rounds gate and up to the model dtype first, as the unfused GEMM's outputs are
         gate, up = out.to(x.dtype).double().chunk(2, dim=-1)
         out = torch.nn.functional.silu(gate) * up
-    return out
+    return out if residual is None else out + residual.double()
 
 
 def kernel_errors(m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, swiglu: bool, device: str = "cpu",
-                  pdl: bool = False, seed: int = 0) -> dict:
+                  pdl: bool = False, seed: int = 0, norm: bool = False, residual: bool = False) -> dict:
     """The kernel on fresh random operands: relative error against float64, and elements further from
     the float32 torch reference than summation order explains: one output ulp, or for SwiGLU three (a
-    gate or up value that rounds to its other neighbour moves ``silu(gate) * up`` by up to ~2 ulps)."""
+    gate or up value that rounds to its other neighbour moves ``silu(gate) * up`` by up to ~2 ulps); with a
+    residual, one more ulp of the GEMM's part (rounded before the add). ``norm``: an RMSNorm of x (weight
+    around 1, eps 1e-6) inside the GEMM, x at a scale far from 1 (the norm matters); ``residual``: + a residual."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    x = (torch.randn(m, k, generator=gen) * (7.0 if norm else 1.0)).to(device, dtype)
     weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
     b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
-    reason = tlin.supported(x, weight, b, swiglu)
-    out = tlin.decode_linear(x, weight, b, swiglu=swiglu, pdl=pdl)
-    ref64 = float64_reference(x, weight, b, swiglu)
+    g = (1 + 0.3 * torch.randn(k, generator=gen)).to(device, dtype) if norm else None
+    r = torch.randn(m, n // 2 if swiglu else n, generator=gen).to(device, dtype) if residual else None
+    reason = tlin.supported(x, weight, b, swiglu, g, r)
+    out = tlin.decode_linear(x, weight, b, swiglu=swiglu, pdl=pdl, norm_weight=g, eps=1e-6, residual=r)
+    ref64 = float64_reference(x, weight, b, swiglu, None if g is None else (g, 1e-6), r)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one summation order for the float32 reference, whatever the runner's thread count
     try:
-        ref = tlin.reference_decode_linear(x, weight, b, swiglu)
+        ref = tlin.reference_decode_linear(x, weight, b, swiglu, g, 1e-6, r)
+        part = tlin.reference_decode_linear(x, weight, b, swiglu, g, 1e-6) if residual else ref
     finally:
         torch.set_num_threads(threads)
-    ulp = torch.finfo(dtype).eps * ref.double().abs().clamp_min(torch.finfo(dtype).tiny) * (3 if swiglu else 1)
+    scale = ref.double().abs() + (part.double().abs() if residual else 0.0)
+    ulp = torch.finfo(dtype).eps * scale.clamp_min(torch.finfo(dtype).tiny) * (3 if swiglu else 1)
+    hf = tlin.torch_linear(x, weight, b, swiglu, g, 1e-6, r)  # transformers' sequence: norm, GEMM, add
     return {"reason": reason, "shape": list(out.shape), "finite": bool(torch.isfinite(out).all()),
             "rel_error": float((out.double() - ref64).norm() / ref64.norm()),
+            "hf_rel_error": float((hf.double() - ref64).norm() / ref64.norm()),
             "beyond_tolerance": int(((out.double() - ref.double()).abs() > ulp * 1.01).sum())}
 
 
@@ -99,6 +112,46 @@ def test_without_the_kernel_the_op_computes_the_same_function():
     row = kernel_errors(5, 64, 128, torch.bfloat16, bias=True, swiglu=True)
     assert row["reason"] is not None and row["shape"] == [5, 32] and row["beyond_tolerance"] == 0
     assert row["rel_error"] < 4e-3  # one bf16 rounding (2^-8 relative) of the output
+
+
+def test_norm_and_residual_fall_back_to_transformers_sequence():
+    """Where the kernel does not run (prefill rows, CPU), ``norm_weight``/``residual`` compute what the decoder
+    layer computes: its RMSNorm module, the linear, then ``residual + out``, bit for bit."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(200, 64, generator=gen) * 5).to(torch.bfloat16)
+    w, r = torch.randn(96, 64, generator=gen).to(torch.bfloat16), torch.randn(200, 96, generator=gen).to(torch.bfloat16)
+    norm = Qwen3RMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(64, generator=gen))
+        expected = r + torch.nn.functional.linear(norm(x), w)
+        got = tlin.decode_linear(x, w, norm_weight=norm.weight, eps=norm.variance_epsilon, residual=r, max_m=64)
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match=r"norm_weight shape \(32,\); allowed: \(64,\)"):
+        tlin.decode_linear(x, w, norm_weight=norm.weight[:32])
+    with pytest.raises(ValueError, match=r"residual shape \(200, 32\); allowed: \(200, 96\)"):
+        tlin.decode_linear(x, w, residual=r[:, :32])
+    with pytest.raises(ValueError, match="eps=-1.0; allowed: a float >= 0"):
+        tlin.decode_linear(x, w, norm_weight=norm.weight, eps=-1.0)
+    assert "residual" in tlin.supported(x[:4], w, residual=r[:4].float())
+
+
+def test_fused_norm_is_opt_in_and_needs_the_decode_gemms(tmp_path):
+    model, _ = load_model_and_tokenizer(str(build_tiny_model("qwen3", tmp_path / "m", seed=0)), dtype="bfloat16")
+    try:
+        assert not KernelOptions().fused_norm
+        report = fuse_projections(model, decode_linear="off", fused_norm=True)
+        assert not report.layers_fused_norm and len(report.layers_fused_norm_skipped) == 2
+        assert all("decode kernel" in r for r in report.layers_fused_norm_skipped.values())
+        if tlin.INTERPRETED:
+            return
+        # asked for with decode_linear="on": on the CPU the GEMMs stay on torch, so the norms stay separate too
+        report = fuse_projections(model, decode_linear="on", fused_norm=True)
+        assert not report.layers_fused_norm and len(report.layers_fused_norm_skipped) == 2
+        assert all(m.__dict__.get("_lumenrl_layer_mode") is None for m in model.modules())
+    finally:
+        unfuse_projections(model)
 
 
 def test_a_compiled_caller_is_not_specialised_on_the_row_count():
@@ -153,8 +206,8 @@ def test_auto_takes_only_measured_shapes_and_bad_modes_are_refused(tmp_path):
 # ------------------------------------------------------------------ Triton's interpreter (one subprocess)
 _INTERPRETED = """
 import json, tempfile, torch
-from test_backends_engine_decode_linear import (auto_launches_by_rows, engines_with_and_without, kernel_errors,
-                                               routed_mlps_against_original)
+from test_backends_engine_decode_linear import (auto_launches_by_rows, engines_fused_norm, engines_with_and_without,
+                                               kernel_errors, routed_mlps_against_original)
 
 for m, n, k, dt, bias, swiglu in ((1, 64, 256, "bfloat16", False, False), (5, 96, 512, "bfloat16", True, False),
                                   (17, 128, 256, "bfloat16", False, True), (64, 64, 128, "bfloat16", True, True),
@@ -163,6 +216,16 @@ for m, n, k, dt, bias, swiglu in ((1, 64, 256, "bfloat16", False, False), (5, 96
                                   (65, 128, 128, "float16", True, True)):
     row = kernel_errors(m, n, k, getattr(torch, dt), bias=bias, swiglu=swiglu, seed=m)
     print(json.dumps({"case": f"{m}x{n}x{k}_{dt}_bias{int(bias)}_swiglu{int(swiglu)}", "dtype": dt, **row}))
+for m, n, k, dt, bias, swiglu, norm, res in ((1, 64, 256, "bfloat16", False, False, True, False),
+                                             (5, 96, 512, "bfloat16", True, False, False, True),
+                                             (17, 128, 256, "bfloat16", False, True, True, False),
+                                             (64, 64, 128, "float16", True, False, True, True),
+                                             (100, 64, 256, "bfloat16", False, False, True, True),
+                                             (128, 64, 128, "bfloat16", True, True, True, True)):
+    row = kernel_errors(m, n, k, getattr(torch, dt), bias=bias, swiglu=swiglu, seed=m + 1, norm=norm, residual=res)
+    print(json.dumps({"case": f"{m}x{n}x{k}_{dt}_norm{int(norm)}_res{int(res)}", "dtype": dt, **row}))
+for family in ("qwen3", "llama"):
+    print(json.dumps({"case": f"fused_norm_{family}", **engines_fused_norm(tempfile.mkdtemp(), family=family)}))
 print(json.dumps({"case": "auto_rows", **auto_launches_by_rows(tempfile.mkdtemp())}))
 for family in ("qwen3", "llama"):
     print(json.dumps({"case": f"engine_{family}", **engines_with_and_without(tempfile.mkdtemp(), family=family)}))
@@ -178,9 +241,9 @@ def auto_launches_by_rows(tmp: str) -> dict:
     model, _ = load_model_and_tokenizer(build_tiny_model("qwen3", tmp, seed=0), dtype="bfloat16")
     launch, reason, count = tlin._launch, tlin.weight_reason, [0]
 
-    def counted(*args):  # noqa: ANN002, ANN202
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         count[0] += 1
-        return launch(*args)
+        return launch(*args, **kwargs)
 
     tlin._launch = counted
     tlin.weight_reason = lambda weight, bias=None, swiglu=False, tuned_only=False: reason(weight, bias, swiglu)
@@ -229,9 +292,9 @@ def engines_with_and_without(tmp: str, device: str = "cpu", compile: str = "none
     for on in (False, True):
         count = [0]
 
-        def counted(*args, _count=count):  # noqa: ANN002, ANN202
+        def counted(*args, _count=count, **kwargs):  # noqa: ANN002, ANN003, ANN202
             _count[0] += 1
-            return launch(*args)
+            return launch(*args, **kwargs)
 
         tlin._launch = counted
         try:
@@ -247,6 +310,37 @@ def engines_with_and_without(tmp: str, device: str = "cpu", compile: str = "none
     return {"same_tokens": bool(torch.equal(plain["responses"], fast["responses"])),
             "log_prob_diff_max": float((plain["rollout_log_probs"] - fast["rollout_log_probs"]).abs().max()),
             "launches_without": launches[0], "launches_with": launches[1], "routed": routed, "fused": fused}
+
+
+def engines_fused_norm(tmp: str, device: str = "cpu", compile: str = "none", family: str = "qwen3") -> dict:
+    """Greedy generation of a tiny bf16 ``family`` model with every decode GEMM on the kernel, without and then with
+    ``fused_norm``: how far apart the log-probs are, the layers that fused their norms, and the kernel launches
+    that carried a norm and a residual add."""
+    path = build_tiny_model(family, tmp, seed=0, initializer_range=0.2)
+    model, tokenizer = load_model_and_tokenizer(path, dtype="bfloat16")
+    enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
+    batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    outs, launch, seen, layers = [], tlin._launch, {"norm": 0, "residual": 0}, 0
+    for on in (False, True):
+        def counted(*args, _on=on, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            for key in seen:
+                seen[key] += _on and kwargs.get(key if key == "residual" else "norm_weight") is not None
+            return launch(*args, **kwargs)
+
+        tlin._launch = counted
+        try:
+            engine = NativeEngine(model, tokenizer, device=device, max_batch_size=8, max_seq_len=40, compile=compile,
+                                  kernels=KernelOptions(decode_linear="on", fused_norm=on))
+            outs.append(engine.generate(batch, GREEDY).batch)
+        finally:
+            tlin._launch = launch
+        layers = len(engine.fusion_report.layers_fused_norm) if on else layers
+    plain, fused = outs
+    same = plain["responses"] == fused["responses"]
+    agree = same.cumprod(dim=1).bool()  # positions before a row's first different token: same context
+    return {"layers": layers, "norm_launches": seen["norm"], "residual_launches": seen["residual"],
+            "tokens_same_frac": float(same.float().mean()),
+            "log_prob_diff_max": float((plain["rollout_log_probs"] - fused["rollout_log_probs"])[agree].abs().max())}
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +360,31 @@ def test_interpreted_kernel_against_float64(interpreted, case):
     # one rounding of the output (bf16 2^-8, fp16 2^-11 relative) plus float32 accumulation
     assert row["rel_error"] < (4e-3 if row["dtype"] == "bfloat16" else 6e-4)
     assert row["beyond_tolerance"] == 0  # against the float32 reference: summation order only
+
+
+@pytest.mark.parametrize("case", ["1x64x256_bfloat16_norm1_res0", "5x96x512_bfloat16_norm0_res1",
+                                  "17x128x256_bfloat16_norm1_res0", "64x64x128_float16_norm1_res1",
+                                  "100x64x256_bfloat16_norm1_res1", "128x64x128_bfloat16_norm1_res1"])
+def test_interpreted_kernel_with_norm_and_residual_against_float64(interpreted, case):
+    """fused_norm's GEMMs: RMSNorm of the input inside, the residual add in the epilogue."""
+    row = interpreted[case]
+    assert row["reason"] is None and row["finite"]
+    # the normed input's rounding comes on top of the output's (transformers' own sequence: up to ~5e-3 in bf16)
+    assert row["rel_error"] < (8e-3 if row["dtype"] == "bfloat16" else 1.2e-3)
+    # x * g rounded once where transformers rounds x * rstd and then g * (.): no further from float64
+    assert row["rel_error"] <= 1.25 * row["hf_rel_error"]
+    assert row["beyond_tolerance"] == 0  # against its float32 reference: summation order only
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_interpreted_engine_with_fused_norms(interpreted, family):
+    row = interpreted[f"fused_norm_{family}"]
+    assert row["layers"] == 2  # both decoder layers of the tiny model
+    # every decode step: each layer's two norms ran inside q/k/v and gate/up, its two adds in o and down
+    steps = GREEDY["max_new_tokens"] - 1
+    assert row["norm_launches"] >= 2 * row["layers"] * steps and row["residual_launches"] == row["norm_launches"]
+    # one rounding of the normed input differs: log-probs of the same context within bf16 noise
+    assert row["log_prob_diff_max"] < 0.05 and row["tokens_same_frac"] >= 0.8
 
 
 def test_interpreted_auto_routes_only_the_measured_row_range(interpreted):
@@ -359,3 +478,24 @@ def test_cuda_engine_with_the_decode_gemms(compile):
         row = engines_with_and_without(tmp, device="cuda", compile=compile)
     assert row["routed"] == row["fused"] == 4 and row["launches_with"] > 0
     assert row["same_tokens"] and row["log_prob_diff_max"] < 0.05
+
+
+@pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("n,k,swiglu,norm", [(6144, 4096, False, True), (24576, 4096, True, True),
+                                             (4096, 4096, False, False), (4096, 12288, False, False)])
+def test_cuda_fused_norm_gemms_at_8b_shapes(n, k, swiglu, norm):
+    """fused_norm's four GEMMs of an 8B layer at the decode batch: norm inside q/k/v and gate/up, + residual after
+    o and down."""
+    row = kernel_errors(64, n, k, torch.bfloat16, bias=False, swiglu=swiglu, device="cuda", pdl=True, seed=n,
+                        norm=norm, residual=not norm)
+    assert row["reason"] is None and row["finite"] and row["rel_error"] <= 1.25 * row["hf_rel_error"]
+    assert row["beyond_tolerance"] <= max(1, 64 * n // (2 if swiglu else 1) // 1000)
+
+
+@pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("compile", ["none", "full"])
+def test_cuda_engine_with_fused_norms(compile):
+    with tempfile.TemporaryDirectory() as tmp:
+        row = engines_fused_norm(tmp, device="cuda", compile=compile)
+    assert row["layers"] == 2 and row["norm_launches"] > 0 and row["residual_launches"] > 0
+    assert row["log_prob_diff_max"] < 0.05

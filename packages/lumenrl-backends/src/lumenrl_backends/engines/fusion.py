@@ -87,6 +87,8 @@ class FusionReport:
     attention_fused_rope: list[str] = field(default_factory=list)  # decode q/k norm + RoPE + KV write in one kernel
     attention_fused_rope_skipped: dict[str, str] = field(default_factory=dict)  # asked for, but why not
     layers_fp8_norm: list[str] = field(default_factory=list)  # decoder layers whose norms emit per-token FP8
+    layers_fused_norm: list[str] = field(default_factory=list)  # decoder layers whose norms/adds run in the GEMMs
+    layers_fused_norm_skipped: dict[str, str] = field(default_factory=dict)  # asked for, but why not
     mlp_fp8_skipped: dict[str, str] = field(default_factory=dict)  # fused quantized MLP -> why not the FP8 SwiGLU
     decode_linear: list[str] = field(default_factory=list)  # modules with a decode GEMM on the Triton decode kernel
     decode_linear_skipped: dict[str, str] = field(default_factory=dict)  # asked for: why not (one or both GEMMs)
@@ -133,11 +135,12 @@ def _attention_forward(
     hidden_shape = (*input_shape, -1, self.head_dim)
     fused = getattr(self, _FUSED_ATTR)
     prequantized = kwargs.pop("lumenrl_prequantized", None)  # (codes, scales) of the normed input (layer forward)
+    norm, residual = kwargs.pop("lumenrl_norm", None), kwargs.pop("lumenrl_residual", None)  # fused_layers: norm_gemm
     decode = self.__dict__.get(_DECODE_ATTR)  # the op picks kernel or cuBLAS by the row count (no guard here)
     rows = input_shape.numel()
     if prequantized is None and decode is not None and decode.first:
-        query, key, value = _decode_linear(hidden_states.reshape(rows, -1), fused.weight, fused.bias, decode).reshape(
-            *input_shape, -1).split(fused.sizes, dim=-1)
+        query, key, value = _decode_linear(hidden_states.reshape(rows, -1), fused.weight, fused.bias, decode,
+                                           norm=norm).reshape(*input_shape, -1).split(fused.sizes, dim=-1)
     elif prequantized is None:
         query, key, value = fused(hidden_states)
     else:
@@ -184,7 +187,8 @@ def _attention_forward(
             *input_shape, -1), weights
     if decode is not None and decode.second and type(self.o_proj) is nn.Linear:  # not wrapped since fusion
         o_proj = self.o_proj
-        out = _decode_linear(out.reshape(rows, -1), o_proj.weight, o_proj.bias, decode, second=True)
+        out = _decode_linear(out.reshape(rows, -1), o_proj.weight, o_proj.bias, decode, second=True,
+                             residual=None if residual is None else residual.reshape(rows, -1))
         return out.reshape(*input_shape, -1), weights
     return self.o_proj(out), weights
 
@@ -223,7 +227,8 @@ def _decode_qk_rope(
 
 
 def _mlp_forward(
-    self: nn.Module, x: torch.Tensor, lumenrl_prequantized: tuple[torch.Tensor, torch.Tensor] | None = None
+    self: nn.Module, x: torch.Tensor, lumenrl_prequantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lumenrl_norm: tuple[torch.Tensor, float] | None = None, lumenrl_residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if torch.is_grad_enabled():  # training: the original forward on the member views (gradients flow)
         return self._lumenrl_original_forward(x)
@@ -242,13 +247,14 @@ def _mlp_forward(
         rows = x.shape[:-1].numel()
         x2 = x.reshape(rows, -1)
         if decode.first:  # gate/up GEMM with silu(gate) * up in its epilogue
-            h = _decode_linear(x2, fused.weight, fused.bias, decode, swiglu=True)
+            h = _decode_linear(x2, fused.weight, fused.bias, decode, swiglu=True, norm=lumenrl_norm)
         else:
             gate, up = fused(x2)
             h = self.act_fn(gate) * up
         down = self.down_proj
         plain = decode.second and type(down) is nn.Linear  # not wrapped since fusion
-        out = _decode_linear(h, down.weight, down.bias, decode, second=True) if plain else down(h)
+        residual = None if lumenrl_residual is None else lumenrl_residual.reshape(rows, -1)
+        out = _decode_linear(h, down.weight, down.bias, decode, second=True, residual=residual) if plain else down(h)
         return out.reshape(*x.shape[:-1], -1)
     gate, up = fused(x)
     return self.down_proj(self.act_fn(gate) * up)
@@ -269,86 +275,13 @@ class _DecodeLinears:
 
 
 def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, decode: _DecodeLinears,
-                   swiglu: bool = False, second: bool = False) -> torch.Tensor:
+                   swiglu: bool = False, second: bool = False, norm: tuple[torch.Tensor, float] | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
     from lumenrl_backends.engines.triton_linear import decode_linear
 
     return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl, prefetch=decode.prefetch[second],
-                         min_m=decode.min_m, max_m=decode.max_m)
-
-
-# decoder layers whose forward is: x + attn(norm1(x)), then + mlp(norm2(.)) (HF 5.x: returns the tensor)
-DECODER_CLASSES = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer"})
-RMSNORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"})
-_NORM_QUANT_ATTR = "_lumenrl_norm_quant"  # instance attribute: True when the layer quantizes in its norms
-
-
-def _layer_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    cache: Any = None,
-    past_key_values: Any = None,
-    use_cache: bool | None = False,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """The HF decoder layer, with each RMSNorm producing its consumer's per-token FP8 input directly
-    (:func:`lumenrl_quant.rmsnorm_quantize_fp8`: one pass with two parallel reductions instead of the
-    normalised row and then its amax). Engine forwards only; everything else runs the HF forward."""
-    cache = cache if cache is not None else past_key_values
-    if not (self.__dict__.get(_NORM_QUANT_ATTR) and _engine_forward(cache)):
-        return self._lumenrl_original_forward(
-            hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-            **{self._lumenrl_layer_cache_kwarg: cache}, use_cache=use_cache, position_embeddings=position_embeddings,
-            **kwargs)
-    from lumenrl_quant import rmsnorm_quantize_fp8
-
-    attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-    residual = hidden_states
-    normed = rmsnorm_quantize_fp8(hidden_states, norm1.weight, norm1.variance_epsilon,
-                                  dtype=getattr(attn, _FUSED_ATTR).linear.fp8_dtype)
-    hidden_states, _ = attn(
-        hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-        use_cache=use_cache, position_embeddings=position_embeddings, lumenrl_prequantized=normed, **kwargs)
-    hidden_states = residual + hidden_states
-    residual = hidden_states
-    normed = rmsnorm_quantize_fp8(hidden_states, norm2.weight, norm2.variance_epsilon,
-                                  dtype=getattr(mlp, _FUSED_ATTR).linear.fp8_dtype)
-    return residual + mlp(hidden_states, lumenrl_prequantized=normed)
-
-
-def _norm_quant_reason(layer: nn.Module) -> str | None:
-    """None when :func:`_layer_forward` can quantize in this layer's norms, else why not."""
-    import inspect
-
-    if inspect.signature(type(layer)._lumenrl_original_forward if type(layer) in _SUBCLASSES.values()
-                         else type(layer).forward).return_annotation not in (torch.Tensor, "torch.Tensor"):
-        return "the HF layer forward does not return a tensor (older transformers)"
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if type(attn).forward is not _attention_forward or type(mlp).forward is not _mlp_forward:
-        return "attention or MLP not fused"
-    fused = attn.__dict__.get(_FUSED_ATTR)
-    if not isinstance(fused, _FusedQuantized) or fused.linear.scheme != "fp8_row":
-        return "q/k/v not fp8_row"
-    if mlp.__dict__.get(_SWIGLU_ATTR) != "token":
-        return "MLP not on the per-token FP8 path"
-    for name in ("input_layernorm", "post_attention_layernorm"):
-        norm = getattr(layer, name, None)
-        if type(norm).__name__ not in RMSNORM_CLASSES or not hasattr(norm, "variance_epsilon"):
-            return f"{name} is {type(norm).__name__}, not a known RMSNorm"
-    return None
-
-
-def _set_norm_quant(layer: nn.Module, name: str, wanted: bool, report: FusionReport) -> None:
-    reason = _norm_quant_reason(layer) if wanted else "off"
-    if reason is None and type(layer) not in _SUBCLASSES.values():
-        layer.__dict__["_lumenrl_layer_cache_kwarg"] = _cache_kwarg(type(layer))
-        layer.__class__ = _fused_class(type(layer), _layer_forward)
-    if type(layer) in _SUBCLASSES.values():
-        layer.__dict__[_NORM_QUANT_ATTR] = reason is None
-    if reason is None:
-        report.layers_fp8_norm.append(name)
+                         min_m=decode.min_m, max_m=decode.max_m, norm_weight=None if norm is None else norm[0],
+                         eps=1e-6 if norm is None else norm[1], residual=residual)
 
 
 def _swiglu_fp8_reason(module: nn.Module, fused: Any, tokenwise: bool = False) -> str | None:
@@ -395,7 +328,7 @@ _PDL_ATTR = "_lumenrl_pdl"  # instance attribute (attention): the decode RoPE an
 def fuse_projections(
     model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False, fp8_act_kernel: bool = True,
     fp8_attn_out: bool = True, fp8_norm_quant: bool = True, fused_qk_rope: bool = True, decode_linear: str = "off",
-    pdl: bool = False, pdl_prefetch: int | tuple[int | None, int | None] | None = None,
+    pdl: bool = False, pdl_prefetch: int | tuple[int | None, int | None] | None = None, fused_norm: bool = False,
 ) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
@@ -419,6 +352,10 @@ def fuse_projections(
     input (``fp8_row``, the MLP on the per-token path) run their RMSNorms as
     :func:`lumenrl_quant.rmsnorm_quantize_fp8`, which hands the consumer its FP8 codes and scales.
 
+    ``fused_norm`` (opt-in): decoder layers whose four decode GEMMs all run the Triton decode kernel take
+    their RMSNorms into the q/k/v and gate/up GEMMs and their residual adds into the o and down GEMMs
+    (:mod:`~lumenrl_backends.engines.fused_layers`); ``layers_fused_norm_skipped`` says where not and why.
+
     ``fused_qk_rope`` (default on): attentions run their decode step's q/k norms,
     RoPE and KV-cache write as one op (:mod:`~lumenrl_backends.engines.triton_rope`), where the
     module's norms and its family's RoPE compute what the op computes (else ``attention_fused_rope_skipped``
@@ -437,10 +374,12 @@ def fuse_projections(
     """
     if decode_linear not in ("auto", "on", "off"):
         raise ValueError(f"decode_linear={decode_linear!r}; allowed: auto, on, off")
+    from lumenrl_backends.engines.fused_layers import DECODER_CLASSES, layer_forward, set_layer_fusion
+
     report = FusionReport()
     for name, module in list(model.named_modules()):
         cls = type(module)
-        if cls in _SUBCLASSES.values() and cls.forward is _layer_forward:
+        if cls in _SUBCLASSES.values() and cls.forward is layer_forward:
             continue  # decoder layers: below, once their attention and MLP are settled
         if cls in _SUBCLASSES.values():  # fused by an earlier engine on the same model: keep it
             (report.attention if cls.forward is _attention_forward else report.mlp).append(name)
@@ -481,7 +420,8 @@ def fuse_projections(
         _set_decode_linear(module, name, kind, decode_linear, pdl, report, pdl_prefetch)
     for name, module in model.named_modules():
         if type(module).__name__ in DECODER_CLASSES:
-            _set_norm_quant(module, name, fp8_norm_quant and attention and mlp, report)
+            set_layer_fusion(module, name, fp8_norm=fp8_norm_quant and attention and mlp,
+                             norm_gemm=fused_norm and attention and mlp, report=report)
     return report
 
 
@@ -592,7 +532,7 @@ def unfuse_projections(model: nn.Module) -> int:
         if base is None:
             continue
         module.__class__ = base
-        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, _QK_ROPE_ATTR, _NORM_QUANT_ATTR, _DECODE_ATTR, _PDL_ATTR,
+        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, _QK_ROPE_ATTR, "_lumenrl_layer_mode", _DECODE_ATTR, _PDL_ATTR,
                      "_lumenrl_layer_cache_kwarg",
                      *_ATTENTION_ATTRS):
             module.__dict__.pop(attr, None)

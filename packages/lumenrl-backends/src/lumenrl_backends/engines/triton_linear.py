@@ -47,7 +47,7 @@ import os
 
 import torch
 
-__all__ = ["AUTO_MAX_M", "AUTO_MIN_M", "INTERPRETED", "MAX_M", "PDL_PREFETCH", "TILE_M", "TUNED", "TUNED_ROWS", "auto_rows", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "reference_decode_linear", "supported", "torch_linear", "tuned", "weight_reason"]
+__all__ = ["AUTO_MAX_M", "AUTO_MIN_M", "INTERPRETED", "MAX_M", "PDL_PREFETCH", "TILE_M", "TUNED", "TUNED_ROWS", "auto_rows", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "reference_decode_linear", "rms_norm", "supported", "torch_linear", "tuned", "weight_reason"]
 
 try:
     import triton
@@ -153,10 +153,10 @@ if triton is not None:
 
     @triton.jit
     def _decode_linear_kernel(
-        x_ptr, w_ptr, b_ptr, out_ptr, M, M_TILES, HALF, stride_xm, stride_wn, stride_om,
+        x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, M, M_TILES, HALF, stride_xm, stride_wn, stride_rm, stride_om, eps,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-        SWIGLU: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
-        EMULATED: tl.constexpr,
+        SWIGLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        LINE: tl.constexpr, EMULATED: tl.constexpr,
     ):
         # row tiles of one weight tile are neighbours in launch order: they run side by side and the second
         # finds the weight in L2 (one HBM read of the weight for up to MAX_M rows)
@@ -176,8 +176,17 @@ if triton is not None:
         if SWIGLU:
             u_ptrs = w_ptr + (offs_n + HALF).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if NORM:  # RMSNorm of x: the row's sum of squares gathered along K, x * g as the operand, rstd at the end
+            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            g_ptrs = g_ptr + offs_k
         for _ in range(0, K, BLOCK_K):
-            x = _operand(tl.load(x_ptrs, mask=mmask[:, None], other=0.0), EMULATED)
+            x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
+            if NORM:
+                xf = x.to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
+                x = _round(xf * tl.load(g_ptrs).to(tl.float32)[None, :], x_ptr.dtype.element_ty, EMULATED)
+                g_ptrs += BLOCK_K
+            x = _operand(x, EMULATED)
             acc = tl.dot(x, tl.trans(_operand(tl.load(w_ptrs), EMULATED)), acc)
             if SWIGLU:
                 acc_u = tl.dot(x, tl.trans(_operand(tl.load(u_ptrs), EMULATED)), acc_u)
@@ -185,6 +194,11 @@ if triton is not None:
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         dt = out_ptr.dtype.element_ty
+        if NORM:  # (x * rstd * g) @ w.T = rstd * ((x * g) @ w.T): the row's scale after the sum
+            rstd = tl.math.rsqrt(ss / K + eps)[:, None]
+            acc = acc * rstd
+            if SWIGLU:
+                acc_u = acc_u * rstd
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n).to(tl.float32)[None, :]
             if SWIGLU:
@@ -193,19 +207,39 @@ if triton is not None:
             gate = _round(acc, dt, EMULATED).to(tl.float32)
             up = _round(acc_u, dt, EMULATED).to(tl.float32)
             acc = gate / (1.0 + tl.exp(-gate)) * up
+        if RESIDUAL:  # the layer's residual add: the GEMM output rounded as the unfused one is, then + residual
+            res = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mmask[:, None], other=0.0)
+            acc = _round(acc, dt, EMULATED).to(tl.float32) + res.to(tl.float32)
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, _round(acc, dt, EMULATED), mask=mmask[:, None])
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Llama, Qwen2/3, Mistral): float32 statistics, ``x * rstd`` rounded to x's dtype, then
+    times the weight in it (what :func:`torch_linear` applies before the GEMM where the kernel does not run)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def reference_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                            swiglu: bool = False) -> torch.Tensor:
-    """The torch reference: float32 GEMM (+ bias), one rounding; ``swiglu`` rounds gate and up first."""
-    out = x.float() @ weight.float().T
+                            swiglu: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference of the kernel's numerics: float32 GEMM (+ bias), one rounding; ``swiglu`` rounds gate
+    and up first; ``norm_weight``: the operand is ``x * g`` rounded to x's dtype and the float32 row scale
+    ``rsqrt(mean(x^2) + eps)`` multiplies the sum; ``residual``: the output rounded, plus the residual, rounded."""
+    if norm_weight is not None:
+        x32 = x.float()
+        operand = (x32 * norm_weight.float()).to(x.dtype).float()
+        out = (operand @ weight.float().T) * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        out = x.float() @ weight.float().T
     if bias is not None:
         out = out + bias.float()
     if swiglu:
         gate, up = out.to(x.dtype).float().chunk(2, dim=-1)
         out = torch.nn.functional.silu(gate) * up
+    if residual is not None:
+        out = out.to(x.dtype).float() + residual.float()
     return out.to(x.dtype)
 
 
@@ -232,7 +266,8 @@ def weight_reason(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu
     return None
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False) -> str | None:
+def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu: bool = False,
+              norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> str | None:
     """None when :func:`decode_linear` runs the kernel for these operands, else the reason it does not."""
     if x.dim() != 2 or x.shape[-1] != weight.shape[-1]:
         return f"need x (M, K) and weight (N, K); got {tuple(x.shape)}, {tuple(weight.shape)}"
@@ -240,11 +275,15 @@ def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         return f"M={x.shape[0]} > {MAX_M}"
     if x.dtype != weight.dtype or x.device != weight.device or x.stride(-1) != 1:
         return f"x {x.dtype} on {x.device} with last stride {x.stride(-1)}; need the weight's dtype and device, unit stride"
+    for name, t in (("norm_weight", norm_weight), ("residual", residual)):
+        if t is not None and (t.dtype != x.dtype or t.device != x.device or t.stride(-1) != 1):
+            return f"{name} {t.dtype} on {t.device} with last stride {t.stride(-1)}; need x's dtype and device, unit stride"
     return weight_reason(weight, bias, swiglu)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
-            prefetch: int, config: dict[str, int] | None = None) -> torch.Tensor:
+            prefetch: int, config: dict[str, int] | None = None, norm_weight: torch.Tensor | None = None,
+            eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     """One launch (no checks: :func:`supported` first); ``config`` overrides :func:`config_for` (the
     benchmark's sweep)."""
     m, k = x.shape
@@ -258,36 +297,45 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
     block_m = max(16, triton.next_power_of_2(min(m, TILE_M)))
     m_tiles = triton.cdiv(m, block_m)
     _decode_linear_kernel[(n // cfg["block_n"] * m_tiles,)](
-        x, weight, bias if bias is not None else weight, out, m, m_tiles, n, x.stride(0), weight.stride(0),
-        out.stride(0), K=k, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        HAS_BIAS=bias is not None, SWIGLU=swiglu, PDL=pdl, PREFETCH=prefetch if prefetch <= k else 0, LINE=line,
-        EMULATED=INTERPRETED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
+        x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
+        residual if residual is not None else out, out, m, m_tiles, n, x.stride(0), weight.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0), float(eps), K=k, BLOCK_M=block_m,
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], HAS_BIAS=bias is not None, SWIGLU=swiglu,
+        NORM=norm_weight is not None, RESIDUAL=residual is not None, PDL=pdl,
+        PREFETCH=prefetch if prefetch <= k else 0, LINE=line, EMULATED=INTERPRETED, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **extra,
     )
     return out
 
 
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 swiglu: bool = False) -> torch.Tensor:
+                 swiglu: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
     """What the op runs where the kernel does not: ``F.linear`` (cuBLAS on CUDA); with ``swiglu``,
     ``silu(gate) * up`` taken in float32 from the rounded gate and up and rounded once (as inductor's fused
-    kernel for the unfused module's ``act_fn(gate) * up`` does)."""
+    kernel for the unfused module's ``act_fn(gate) * up`` does); ``norm_weight``: transformers' RMSNorm of x
+    first (:func:`rms_norm`); ``residual``: added to the rounded output (the decoder layer's ``residual + h``)."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
     out = torch.nn.functional.linear(x, weight, bias)
     if swiglu:
         gate, up = out.float().chunk(2, dim=-1)
         out = (torch.nn.functional.silu(gate) * up).to(x.dtype)
-    return out
+    return out if residual is None else residual + out
 
 
 def _op_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
-             prefetch: int, min_m: int, max_m: int = MAX_M) -> torch.Tensor:
+             prefetch: int, min_m: int, max_m: int = MAX_M, norm_weight: torch.Tensor | None = None,
+             eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     # the row-count choice is made here, outside the traced graph: no guard on the batch, no recompile
-    if min_m <= x.shape[0] <= max_m and supported(x, weight, bias, swiglu) is None:
-        return _launch(x, weight, bias, swiglu, pdl, prefetch)
-    return torch_linear(x, weight, bias, swiglu)
+    if min_m <= x.shape[0] <= max_m and supported(x, weight, bias, swiglu, norm_weight, residual) is None:
+        return _launch(x, weight, bias, swiglu, pdl, prefetch, norm_weight=norm_weight, eps=eps, residual=residual)
+    return torch_linear(x, weight, bias, swiglu, norm_weight, eps, residual)
 
 
 def _op_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
-             prefetch: int, min_m: int, max_m: int = MAX_M) -> torch.Tensor:
+             prefetch: int, min_m: int, max_m: int = MAX_M, norm_weight: torch.Tensor | None = None,
+             eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 
@@ -305,14 +353,22 @@ _OP = _register()
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, swiglu: bool = False,
-                  pdl: bool = False, prefetch: int = PDL_PREFETCH, min_m: int = 1, max_m: int = MAX_M) -> torch.Tensor:
+                  pdl: bool = False, prefetch: int = PDL_PREFETCH, min_m: int = 1, max_m: int = MAX_M,
+                  norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x`` (M, K); with ``swiglu``, ``weight`` = ``cat([gate, up])`` (2I, K)
     and the result is ``silu(gate) * up`` (M, I). The kernel runs for ``min_m`` <= M <= ``max_m`` (at most
     :data:`MAX_M`: rows beyond one :data:`TILE_M` tile take a second program per weight tile) on
     operands it takes (:func:`supported`); anything else runs :func:`torch_linear` (cuBLAS on CUDA). The
     choice is made inside the op, so a compiled caller is not specialised on M. ``pdl``: launch with
     programmatic dependent launch where supported (CUDA sm90+), prefetching the first ``prefetch`` columns
-    of each weight row to L2 before waiting for the previous kernel."""
+    of each weight row to L2 before waiting for the previous kernel.
+
+    ``norm_weight`` (K,): the GEMM's input is ``RMSNorm(x)`` with this weight and ``eps`` (the decoder layer's
+    norm before q/k/v or gate/up): the kernel gathers each row's sum of squares while it streams K and scales the
+    sum at the end (:func:`reference_decode_linear`), so no separate norm kernel runs. ``residual`` (M, N): the
+    result is ``residual + (x @ weight.T)`` (the layer's residual add after o or down), rounded as the unfused
+    add is."""
     if swiglu and weight.shape[0] % 2:
         raise ValueError(f"swiglu=True needs weight = cat([gate, up]) with an even row count; got {tuple(weight.shape)}")
     if prefetch < 0:
@@ -321,4 +377,11 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"min_m={min_m}; allowed: an int >= 1")
     if not min_m <= max_m <= MAX_M:
         raise ValueError(f"max_m={max_m}; allowed: an int in min_m..{MAX_M} (min_m={min_m})")
-    return _OP(x, weight, bias, swiglu, pdl, prefetch, min_m, max_m)
+    if norm_weight is not None and tuple(norm_weight.shape) != (weight.shape[-1],):
+        raise ValueError(f"norm_weight shape {tuple(norm_weight.shape)}; allowed: ({weight.shape[-1]},), the weight's K")
+    if not eps >= 0:
+        raise ValueError(f"eps={eps}; allowed: a float >= 0")
+    out_shape = (x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0])
+    if residual is not None and tuple(residual.shape) != out_shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)}; allowed: {out_shape}, the output's shape")
+    return _OP(x, weight, bias, swiglu, pdl, prefetch, min_m, max_m, norm_weight, float(eps), residual)
