@@ -86,6 +86,7 @@ class FusionReport:
     attention_fp8_out: list[str] = field(default_factory=list)  # attentions whose decode output goes to o_proj as FP8
     attention_fused_rope: list[str] = field(default_factory=list)  # decode q/k norm + RoPE + KV write in one kernel
     attention_fused_rope_skipped: dict[str, str] = field(default_factory=dict)  # asked for, but why not
+    attention_rope_folded: list[str] = field(default_factory=list)  # ... and that inside the attention kernel
     layers_fp8_norm: list[str] = field(default_factory=list)  # decoder layers whose norms emit per-token FP8
     layers_fused_norm: list[str] = field(default_factory=list)  # decoder layers whose norms/adds run in the GEMMs
     layers_fused_norm_skipped: dict[str, str] = field(default_factory=dict)  # asked for, but why not
@@ -147,42 +148,50 @@ def _attention_forward(
         qkv = fused.linear.forward_quantized(*prequantized, hidden_states.dtype)
         query, key, value = qkv.reshape(*input_shape, -1).split(fused.sizes, dim=-1)
     query, key, value = query.view(hidden_shape), key.view(hidden_shape), value.view(hidden_shape)
-    written = _decode_qk_rope(self, cache, query, key, value, position_embeddings) if self.__dict__.get(
-        _QK_ROPE_ATTR) else None
-    if written is not None:
-        query, key, value = written
-    else:
-        if hasattr(self, "q_norm"):  # Qwen3 / Qwen3-MoE: RMSNorm over the head dim before RoPE
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        cos, sin = position_embeddings
-        query, key = family.apply_rotary_pos_emb(query, key, cos, sin)
-        key, value = cache.update(key, value, self.layer_idx)
     functions = family.ALL_ATTENTION_FUNCTIONS
     implementation = self.config._attn_implementation
     if hasattr(functions, "get_interface"):
         attention = functions.get_interface(implementation, family.eager_attention_forward)
     else:  # older transformers
         attention = family.eager_attention_forward if implementation == "eager" else functions[implementation]
-    window = self._lumenrl_window
-    if window == "self":
-        kwargs["sliding_window"] = self.sliding_window
-    elif window == "config":
-        kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
-    fp8_out, pdl = self.__dict__.get(_FP8_OUT_ATTR), self.__dict__.get(_PDL_ATTR, False)
-    if fp8_out is not None or pdl:
-        from lumenrl_backends.engines.attention import packed_decode_attention
+    from lumenrl_backends.engines.attention import packed_decode_attention
 
+    fp8_out, pdl = self.__dict__.get(_FP8_OUT_ATTR), self.__dict__.get(_PDL_ATTR, False)
+    folded = None  # rope_in_attention: q/k norm + RoPE + KV write inside the attention kernel
+    if self.__dict__.get(_FOLD_ATTR) and attention is packed_decode_attention:
+        from lumenrl_backends.engines.triton_rope_attention import fold_for_engine
+
+        folded = fold_for_engine(self, cache, query, key, value, position_embeddings, attention_mask, fp8_out, pdl)
+    if folded is not None:
+        (out, v_scale), weights = folded, None
+    else:
+        written = _decode_qk_rope(self, cache, query, key, value, position_embeddings) if self.__dict__.get(
+            _QK_ROPE_ATTR) else None
+        if written is not None:
+            query, key, value = written
+        else:
+            if hasattr(self, "q_norm"):  # Qwen3 / Qwen3-MoE: RMSNorm over the head dim before RoPE
+                query, key = self.q_norm(query), self.k_norm(key)
+            query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            cos, sin = position_embeddings
+            query, key = family.apply_rotary_pos_emb(query, key, cos, sin)
+            key, value = cache.update(key, value, self.layer_idx)
+        window = self._lumenrl_window
+        if window == "self":
+            kwargs["sliding_window"] = self.sliding_window
+        elif window == "config":
+            kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
         if attention is packed_decode_attention:
             kwargs.update({"lumenrl_fp8_out": fp8_out} if fp8_out is not None else {})
             kwargs.update({"lumenrl_pdl": True} if pdl else {})
-    out, weights = attention(
-        self, query, key, value, attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
-    )
+        out, weights = attention(
+            self, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+        )
+        v_scale = cache.current_scales.v_scale if out.dtype == fp8_out else None
     out = out.reshape(*input_shape, -1).contiguous()
-    if out.dtype == fp8_out:  # codes in V's units over the FP8 cache: its V scale is their static scale
-        a_scale = cache.current_scales.v_scale.float().reshape(1, 1).expand(out.shape[:-1].numel(), 1)
+    if v_scale is not None:  # codes in V's units over the FP8 cache: its V scale is their static scale
+        a_scale = v_scale.float().reshape(1, 1).expand(out.shape[:-1].numel(), 1)
         return self.o_proj.forward_quantized(out.reshape(-1, out.shape[-1]), a_scale, hidden_states.dtype).reshape(
             *input_shape, -1), weights
     if decode is not None and decode.second and type(self.o_proj) is nn.Linear:  # not wrapped since fusion
@@ -321,6 +330,7 @@ _ATTENTION_ATTRS = ("_lumenrl_family", "_lumenrl_window", "_lumenrl_cache_kwarg"
 _FP8_OUT_ATTR = "_lumenrl_fp8_out"  # instance attribute: the o_proj's FP8 dtype when decode attention hands it codes
 _QK_ROPE_ATTR = "_lumenrl_qk_rope"  # instance attribute: True when decode runs q/k norm + RoPE + KV write as one op
 _DECODE_ATTR = "_lumenrl_decode_linear"  # instance attribute: a _DecodeLinears, or None (cuBLAS for every M)
+_FOLD_ATTR = "_lumenrl_rope_in_attention"  # instance attribute: decode q/k norm + RoPE + KV write inside attention
 _PDL_ATTR = "_lumenrl_pdl"  # instance attribute (attention): the decode RoPE and attention kernels launch with PDL
 
 
@@ -329,6 +339,7 @@ def fuse_projections(
     model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False, fp8_act_kernel: bool = True,
     fp8_attn_out: bool = True, fp8_norm_quant: bool = True, fused_qk_rope: bool = True, decode_linear: str = "off",
     pdl: bool = False, pdl_prefetch: int | tuple[int | None, int | None] | None = None, fused_norm: bool = False,
+    rope_in_attention: bool = False,
 ) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
@@ -351,6 +362,9 @@ def fuse_projections(
     ``fp8_norm_quant`` (default on): decoder layers whose attention and MLP both take per-token FP8
     input (``fp8_row``, the MLP on the per-token path) run their RMSNorms as
     :func:`lumenrl_quant.rmsnorm_quantize_fp8`, which hands the consumer its FP8 codes and scales.
+
+    ``rope_in_attention`` (opt-in, with ``fused_qk_rope``): that op's work runs inside the decode attention
+    kernel (:mod:`~lumenrl_backends.engines.triton_rope_attention`; ``attention_rope_folded``).
 
     ``fused_norm`` (opt-in): decoder layers whose four decode GEMMs all run the Triton decode kernel take
     their RMSNorms into the q/k/v and gate/up GEMMs and their residual adds into the o and down GEMMs
@@ -387,7 +401,7 @@ def fuse_projections(
                 _set_swiglu(module, name, fp8_mlp, fp8_act_kernel, report)
             else:
                 _set_fp8_out(module, name, fp8_attn_out, report)
-                _set_qk_rope(module, name, fused_qk_rope, report)
+                _set_qk_rope(module, name, fused_qk_rope, report, rope_in_attention)
                 module.__dict__[_PDL_ATTR] = pdl
             _set_decode_linear(module, name, "mlp" if cls.forward is _mlp_forward else "attention", decode_linear,
                                pdl, report, pdl_prefetch)
@@ -415,7 +429,7 @@ def fuse_projections(
             _set_swiglu(module, name, fp8_mlp, fp8_act_kernel, report)
         else:
             _set_fp8_out(module, name, fp8_attn_out, report)
-            _set_qk_rope(module, name, fused_qk_rope, report)
+            _set_qk_rope(module, name, fused_qk_rope, report, rope_in_attention)
             module.__dict__[_PDL_ATTR] = pdl
         _set_decode_linear(module, name, kind, decode_linear, pdl, report, pdl_prefetch)
     for name, module in model.named_modules():
@@ -433,14 +447,17 @@ def _set_fp8_out(module: nn.Module, name: str, wanted: bool, report: FusionRepor
         report.attention_fp8_out.append(name)
 
 
-def _set_qk_rope(module: nn.Module, name: str, wanted: bool, report: FusionReport) -> None:
+def _set_qk_rope(module: nn.Module, name: str, wanted: bool, report: FusionReport, fold: bool = False) -> None:
     from lumenrl_backends.engines.triton_rope import hf_mismatch
 
     reason = hf_mismatch(module._lumenrl_family.apply_rotary_pos_emb, getattr(module, "q_norm", None),
                          getattr(module, "k_norm", None), module.head_dim) if wanted else "off"
     module.__dict__[_QK_ROPE_ATTR] = reason is None
+    module.__dict__[_FOLD_ATTR] = fold and reason is None  # the fold computes what the fused op computes
     if reason is None:
         report.attention_fused_rope.append(name)
+        if fold:
+            report.attention_rope_folded.append(name)
     elif reason != "off":
         report.attention_fused_rope_skipped[name] = reason
 
@@ -532,7 +549,7 @@ def unfuse_projections(model: nn.Module) -> int:
         if base is None:
             continue
         module.__class__ = base
-        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, _QK_ROPE_ATTR, "_lumenrl_layer_mode", _DECODE_ATTR, _PDL_ATTR,
+        for attr in (_FUSED_ATTR, _SWIGLU_ATTR, _FP8_OUT_ATTR, _QK_ROPE_ATTR, _FOLD_ATTR, "_lumenrl_layer_mode", _DECODE_ATTR, _PDL_ATTR,
                      "_lumenrl_layer_cache_kwarg",
                      *_ATTENTION_ATTRS):
             module.__dict__.pop(attr, None)

@@ -180,6 +180,7 @@ class NativeEngine:
             self.model, fp8_mlp=k.fuse_fp8_mlp, fp8_act_kernel=k.fp8_act_kernel, fp8_attn_out=k.fp8_attn_out,
             fp8_norm_quant=k.fp8_norm_quant and engine_quant.norm_quant_pays(compile, self.device),
             fused_qk_rope=k.fused_qk_rope, pdl=self._pdl, pdl_prefetch=k.prefetches(), fused_norm=k.fused_norm,
+            rope_in_attention=k.rope_in_attention,
             decode_linear=k.decode_linear if self.device.type == "cuda" or triton_linear.INTERPRETED else "off",
         ) if fuse_projections else None
         if not fuse_projections:
