@@ -246,6 +246,14 @@ if triton is not None:
             m_i, l_i, acc = _attend(q, q8, q_scale, k, v, allowed, m_i, l_i, acc, scale, K_TRANS, FP8_DOTS, NQ)
             if MASK_AHEAD:
                 allowed = allowed_next
+        _store_split(PART, LSE, V_SCALE, acc, l_i, m_i, b, h, s, offs_g, offs_d, g_ok, s_ob, s_oh, s_os, s_og, s_lb,
+                     s_lh, s_ls, HAS_SCALE, DIRECT, OUT_FP8, FP8_MAX)
+
+    @triton.jit
+    def _store_split(PART, LSE, V_SCALE, acc, l_i, m_i, b, h, s, offs_g, offs_d, g_ok, s_ob, s_oh, s_os, s_og, s_lb,
+                     s_lh, s_ls, HAS_SCALE: tl.constexpr, DIRECT: tl.constexpr, OUT_FP8: tl.constexpr,
+                     FP8_MAX: tl.constexpr):
+        """A split program's end: the normalised output (one split: final; else a partial and its log-sum-exp)."""
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         if OUT_FP8:  # in V's code units: a convex combination of FP8 codes, within +-FP8_MAX
@@ -365,14 +373,7 @@ def _run(
     chunk = math.ceil(math.ceil(kv_len / splits) / block_n) * block_n
     splits = math.ceil(kv_len / chunk)  # no empty trailing split
     out = torch.empty((batch, kv_heads, groups, dim), dtype=out_dtype if out_fp8 else query.dtype, device=query.device)
-    direct = splits == 1
-    if direct:
-        partial, lse = out.unsqueeze(2), out  # lse: an unused pointer
-        p_strides, l_strides = out.unsqueeze(2).stride()[:4], (0, 0, 0)
-    else:
-        partial = torch.empty((batch, kv_heads, splits, groups, dim), dtype=torch.float32, device=query.device)
-        lse = torch.empty((batch, kv_heads, splits, groups), dtype=torch.float32, device=query.device)
-        p_strides, l_strides = partial.stride()[:4], lse.stride()[:3]
+    direct, partial, lse, p_strides, l_strides = _split_buffers(out, splits)
     mask = allowed
     has_scale = k_scale is not None
     v_block = value.shape[-1] if value.dim() == 5 else 0
@@ -401,11 +402,30 @@ def _run(
         V_ROWS=not v_block and value.stride(-1) == 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
     if not direct:
-        _merge_kernel[(batch, kv_heads, groups)](
-            partial, lse, out, *partial.stride()[:4], *lse.stride()[:3], *out.stride()[:3], SPLITS=splits, G=groups,
-            D=dim, OUT_FP8=out_fp8, FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0, PDL=pdl, **extra,
-        )
+        _merge(partial, lse, out, out_dtype if out_fp8 else None, pdl, extra)
     return out
+
+
+def _split_buffers(out: torch.Tensor, splits: int) -> tuple[bool, torch.Tensor, torch.Tensor, tuple, tuple]:
+    """(direct, partials, log-sum-exps, their strides) of a split launch writing ``out`` (B, H_kv, G, D): one split
+    writes ``out`` itself (the lse pointer unused); more write float32 partials for :func:`_merge`."""
+    batch, kv_heads, groups, dim = out.shape
+    if splits == 1:
+        return True, out.unsqueeze(2), out, out.unsqueeze(2).stride()[:4], (0, 0, 0)
+    partial = torch.empty((batch, kv_heads, splits, groups, dim), dtype=torch.float32, device=out.device)
+    lse = torch.empty((batch, kv_heads, splits, groups), dtype=torch.float32, device=out.device)
+    return False, partial, lse, partial.stride()[:4], lse.stride()[:3]
+
+
+def _merge(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_fp8: torch.dtype | None, pdl: bool,
+           extra: dict) -> None:
+    """The merge kernel over a launch's partials into ``out`` (``out_fp8``: codes clamped to that format)."""
+    batch, kv_heads, splits, groups, dim = partial.shape
+    _merge_kernel[(batch, kv_heads, groups)](
+        partial, lse, out, *partial.stride()[:4], *lse.stride()[:3], *out.stride()[:3], SPLITS=splits, G=groups,
+        D=dim, OUT_FP8=out_fp8 is not None, FP8_MAX=torch.finfo(out_fp8).max if out_fp8 is not None else 0.0,
+        PDL=pdl, **extra,
+    )
 
 
 def _op_impl(
@@ -425,14 +445,15 @@ def _op_fp8_impl(
                 pdl=pdl)
 
 
-def _register(name: str, impl, fake):  # noqa: ANN001, ANN202 - torch.library callables
+def _register(name: str, impl, fake, mutates: tuple[str, ...] = ()):  # noqa: ANN001, ANN202 - torch.library
     """The custom op ``lumenrl::<name>``: registered at import (a registration inside a torch.compile'd
-    region would break the graph), only where Triton exists, once per process (a re-import reuses it)."""
+    region would break the graph), only where Triton exists, once per process (a re-import reuses it);
+    ``mutates``: the arguments it writes in place."""
     if triton is None:
         return None
     op = getattr(torch.ops.lumenrl, name, None)
     if op is None:
-        op = torch.library.custom_op(f"lumenrl::{name}", mutates_args=())(impl)
+        op = torch.library.custom_op(f"lumenrl::{name}", mutates_args=mutates)(impl)
         op.register_fake(fake)
     return op
 

@@ -41,7 +41,13 @@ except ImportError:  # pragma: no cover - CPU environments without Triton
 
 
 if triton is not None:
-    from lumenrl_backends.engines.triton_attention import _attend, _kv_tile, _prefetch_first_tile, _visible
+    from lumenrl_backends.engines.triton_attention import (
+        _attend,
+        _kv_tile,
+        _prefetch_first_tile,
+        _store_split,
+        _visible,
+    )
     from lumenrl_backends.engines.triton_pdl import wait_then_release
     from lumenrl_backends.engines.triton_rope import _norm_rope, _store_kv
 
@@ -109,20 +115,8 @@ if triton is not None:
             m_i, l_i, acc = _attend(q, q, one, k, v, allowed, m_i, l_i, acc, scale, K_TRANS, 0, 1)
             if MASK_AHEAD:
                 allowed = allowed_next
-        has = l_i > 0
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
-        if OUT_FP8:
-            out = tl.minimum(tl.maximum(out, -FP8_MAX), FP8_MAX)
-        elif HAS_SCALE:
-            out = out * tl.load(V_SCALE)
-        if DIRECT:
-            tl.store(PART + b * s_ob + h * s_oh + offs_g[:, None] * s_og + offs_d[None, :],
-                     out.to(PART.dtype.element_ty), mask=g_ok[:, None])
-        else:
-            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-            tl.store(PART + b * s_ob + h * s_oh + s * s_os + offs_g[:, None] * s_og + offs_d[None, :], out,
-                     mask=g_ok[:, None])
-            tl.store(LSE + b * s_lb + h * s_lh + s * s_ls + offs_g, lse, mask=g_ok)
+        _store_split(PART, LSE, V_SCALE, acc, l_i, m_i, b, h, s, offs_g, offs_d, g_ok, s_ob, s_oh, s_os, s_og, s_lb,
+                     s_lh, s_ls, HAS_SCALE, DIRECT, OUT_FP8, FP8_MAX)
 
 
 def fold_supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -157,14 +151,7 @@ def _op_impl(
     chunk = math.ceil(math.ceil(kv_len / splits) / block_n) * block_n
     splits = math.ceil(kv_len / chunk)
     out = torch.empty((batch, kv_heads, groups, dim), dtype=out_dtype if out_fp8 else query.dtype, device=query.device)
-    direct = splits == 1
-    if direct:
-        partial, lse = out.unsqueeze(2), out
-        p_strides, l_strides = out.unsqueeze(2).stride()[:4], (0, 0, 0)
-    else:
-        partial = torch.empty((batch, kv_heads, splits, groups, dim), dtype=torch.float32, device=query.device)
-        lse = torch.empty((batch, kv_heads, splits, groups), dtype=torch.float32, device=query.device)
-        p_strides, l_strides = partial.stride()[:4], lse.stride()[:3]
+    direct, partial, lse, p_strides, l_strides = ta._split_buffers(out, splits)
     pdl, extra = launch_options(pdl, query.device)
     line = max(1, 128 // key_cache.element_size())
     _rope_attention_kernel[(batch, kv_heads, splits)](
@@ -182,10 +169,7 @@ def _op_impl(
         **extra,
     )
     if not direct:
-        ta._merge_kernel[(batch, kv_heads, groups)](
-            partial, lse, out, *partial.stride()[:4], *lse.stride()[:3], *out.stride()[:3], SPLITS=splits, G=groups,
-            D=dim, OUT_FP8=out_fp8, FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0, PDL=pdl, **extra,
-        )
+        ta._merge(partial, lse, out, out_dtype, pdl, extra)
     return out
 
 
@@ -199,20 +183,7 @@ def _op_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weig
     return query.new_empty((batch, kv_heads, heads // kv_heads, dim), dtype=out_dtype or query.dtype)
 
 
-def _register():  # noqa: ANN202 - a torch.library CustomOpDef
-    """``lumenrl::decode_rope_attention`` (mutates the caches), registered at import, once per process, where
-    Triton exists."""
-    if triton is None:
-        return None
-    op = getattr(torch.ops.lumenrl, "decode_rope_attention", None)
-    if op is None:
-        op = torch.library.custom_op("lumenrl::decode_rope_attention", mutates_args=("key_cache", "value_cache"))(
-            _op_impl)
-        op.register_fake(_op_fake)
-    return op
-
-
-_OP = _register()
+_OP = ta._register("decode_rope_attention", _op_impl, _op_fake, mutates=("key_cache", "value_cache"))
 
 
 def decode_rope_attention(
