@@ -9,8 +9,6 @@ unusable is replaced by a spawned one and the run goes on.
 from __future__ import annotations
 
 import json
-import os
-import runpy
 import subprocess
 import sys
 import textwrap
@@ -34,15 +32,31 @@ ARGS = ("num_training_steps=2", "trainer.warm_start_sft_steps=0", "dataset.train
 needs_forkserver = pytest.mark.skipif(rs.start_method() != "forkserver", reason="no forkserver on this platform")
 
 
+_FORKED_CHILD = """
+import json, os, runpy, sys
+from pathlib import Path
+from lumenrl_backends import rollouter_server as rs
+
+tmp = Path(sys.argv[1])
+assert rs.prestart() and rs.prestart()  # idempotent
+# set after the server started: a spawned child would see these, so must a forked one
+os.environ["LUMENRL_SERVER_PROBE"] = os.urandom(4).hex()
+os.environ.pop("LUMENRL_SERVER_GONE", None)
+sys.path.insert(0, str(tmp / "plugins"))
+state = rs.caller_state()
+(tmp / "state.json").write_text(json.dumps(state))
+os.environ["LUMENRL_SERVER_GONE"] = "1"  # in this process only after the state was taken
+proc = rs.context().Process(target=runpy.run_path, args=(str(tmp / "child.py"),))
+proc.start()
+proc.join(120)
+print(json.dumps({"exitcode": proc.exitcode, "state": state}))
+"""
+
+
 @needs_forkserver
-def test_a_forked_child_has_the_imports_and_the_callers_environment_and_path(tmp_path, monkeypatch):
-    assert rs.prestart() and rs.prestart()  # idempotent
-    # set after the server started: a spawned child would see these, so must a forked one
-    monkeypatch.setenv("LUMENRL_SERVER_PROBE", os.urandom(4).hex())
-    monkeypatch.delenv("LUMENRL_SERVER_GONE", raising=False)
-    monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
-    state = rs.caller_state()
-    (tmp_path / "state.json").write_text(json.dumps(state))
+def test_a_forked_child_has_the_imports_and_the_callers_environment_and_path(tmp_path):
+    """In a process of its own: this test session's forkserver may already run with another preload list (the
+    gloo ranks' ``spawn_ranks`` starts it), which a later ``prestart`` keeps, by design."""
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(f"""
         import gc, json, os, sys
@@ -53,17 +67,16 @@ def test_a_forked_child_has_the_imports_and_the_callers_environment_and_path(tmp
         json.dump({{"preloaded": preloaded, "warmed": warmed, "env": dict(os.environ), "path": sys.path}},
                   open({str(tmp_path / 'out.json')!r}, "w"))
     """))
-    os.environ["LUMENRL_SERVER_GONE"] = "1"  # in this process only after the state was taken
-    try:
-        proc = rs.context().Process(target=runpy.run_path, args=(str(script),))
-        proc.start()
-        proc.join(120)
-    finally:
-        del os.environ["LUMENRL_SERVER_GONE"]
-    assert proc.exitcode == 0
+    done = subprocess.run([sys.executable, "-c", _FORKED_CHILD, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    state = result["state"]
+    assert result["exitcode"] == 0
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["preloaded"] and out["warmed"]  # forked from the server after its imports and warm-up (frozen heap)
     assert out["env"] == state["env"] and "LUMENRL_SERVER_GONE" not in out["env"]
+    assert "LUMENRL_SERVER_PROBE" in out["env"]
     assert out["path"] == state["sys_path"] and out["path"][0] == str(tmp_path / "plugins")
 
 
