@@ -144,6 +144,10 @@ def test_fused_norm_is_opt_in_and_needs_the_decode_gemms(tmp_path):
         report = fuse_projections(model, decode_linear="off", fused_norm=True)
         assert not report.layers_fused_norm and len(report.layers_fused_norm_skipped) == 2
         assert all("decode kernel" in r for r in report.layers_fused_norm_skipped.values())
+        layer = model.model.layers[0]  # a norm handed to modules whose GEMMs are not on the op is refused, not dropped
+        with torch.no_grad(), pytest.raises(RuntimeError, match="needs gate/up and down on the decode kernel"):
+            layer.mlp(torch.zeros(2, 1, 64, dtype=torch.bfloat16),
+                      lumenrl_norm=(layer.post_attention_layernorm.weight, 1e-6))
         if tlin.INTERPRETED:
             return
         # asked for with decode_linear="on": on the CPU the GEMMs stay on torch, so the norms stay separate too

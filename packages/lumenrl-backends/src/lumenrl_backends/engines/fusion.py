@@ -139,6 +139,8 @@ def _attention_forward(
     norm, residual = kwargs.pop("lumenrl_norm", None), kwargs.pop("lumenrl_residual", None)  # fused_layers: norm_gemm
     decode = self.__dict__.get(_DECODE_ATTR)  # the op picks kernel or cuBLAS by the row count (no guard here)
     rows = input_shape.numel()
+    if (norm is not None or residual is not None) and not _both_decode(decode, self.o_proj, prequantized):
+        raise RuntimeError(f"{type(self).__name__}: a fused norm or residual needs q/k/v and o on the decode kernel")
     if prequantized is None and decode is not None and decode.first:
         query, key, value = _decode_linear(hidden_states.reshape(rows, -1), fused.weight, fused.bias, decode,
                                            norm=norm).reshape(*input_shape, -1).split(fused.sizes, dim=-1)
@@ -252,6 +254,8 @@ def _mlp_forward(
 
         return swiglu_mlp_fp8_tokenwise(x, fused.linear, self.down_proj, x_quantized=lumenrl_prequantized)
     decode = self.__dict__.get(_DECODE_ATTR)  # the op picks kernel or cuBLAS by the row count (no guard here)
+    if (lumenrl_norm is not None or lumenrl_residual is not None) and not _both_decode(decode, self.down_proj, mode):
+        raise RuntimeError(f"{type(self).__name__}: a fused norm or residual needs gate/up and down on the decode kernel")
     if decode is not None:
         rows = x.shape[:-1].numel()
         x2 = x.reshape(rows, -1)
@@ -281,6 +285,11 @@ class _DecodeLinears:
     min_m: int  # rows the kernel takes: min_m..max_m (auto: triton_linear.auto_rows, on: 1..MAX_M)
     max_m: int
     prefetch: tuple[int, int]  # with pdl: weight columns of each row prefetched to L2 before the wait (first, second)
+
+
+def _both_decode(decode: _DecodeLinears | None, second: nn.Module, other_path: Any) -> bool:
+    """Whether a module's two GEMMs both run the decode op (where fused_norm's norm and residual go)."""
+    return other_path is None and decode is not None and decode.first and decode.second and type(second) is nn.Linear
 
 
 def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, decode: _DecodeLinears,
