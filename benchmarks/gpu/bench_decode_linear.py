@@ -10,7 +10,10 @@ several times the L2, every rotation inside one CUDA graph (as in a decode step)
   parameters (``--tune``: also every configuration of a sweep; the best is reported per shape);
 * ``chain``: one layer's four GEMMs in order over 36 layers' distinct weights, each reading the
   previous output (a decode step's GEMMs without attention and norms), by cuBLAS, by the kernel,
-  and by the kernel with PDL (``pdl=True``): what the launches cost between kernels.
+  and by the kernel with PDL (``pdl=True``): what the launches cost between kernels; then the same
+  chain with the layer's two residual adds and RMSNorms, as compiled kernels between the PDL GEMMs
+  (``triton_pdl_norms``: the engine's default layer) and inside them (``triton_pdl_fused``:
+  ``KernelOptions.fused_norm``, norm in q/k/v and gate/up, residual in o and down).
 
 GB/s counts weight bytes. Checked first: the kernel against cuBLAS (relative error <= 1e-2).
 
@@ -121,9 +124,32 @@ def bench_chain(shapes: dict, m: int, layers: int) -> dict[str, float]:
                 h = tlin.decode_linear(h, w["down"], pdl=pdl)
         return h
 
+    norms = [(torch.rand(hidden, device=dev) + 0.5).to(torch.bfloat16) for _ in range(2)]
+    options = tlin.inductor_pdl_options(dev == "cuda" and tlin.pdl_supported(torch.device(dev)))
+    add_norm = torch.compile(lambda r, h, g: (r + h, tlin.rms_norm(r + h, g, 1e-6)), options=options)
+
+    def layers_with_norms(fused: bool) -> torch.Tensor:
+        h, d = x, torch.zeros_like(x)  # d: the last down output, added to the residual before the next norm
+        for w in weights:
+            if fused:
+                a = tlin.decode_linear(h, w["qkv"], pdl=True, norm_weight=norms[0])[:, :q_width]
+                h = tlin.decode_linear(a, w["o"], pdl=True, residual=h)
+                g = tlin.decode_linear(h, w["gate_up"], swiglu=True, pdl=True, norm_weight=norms[1])
+                h = tlin.decode_linear(g, w["down"], pdl=True, residual=h)
+            else:  # each residual add with the norm after it: one compiled kernel, as in the engine's layer
+                h, n = add_norm(h, d, norms[0])
+                a = tlin.decode_linear(n, w["qkv"], pdl=True)[:, :q_width]
+                h, n = add_norm(h, tlin.decode_linear(a, w["o"], pdl=True), norms[1])
+                d = tlin.decode_linear(tlin.decode_linear(n, w["gate_up"], swiglu=True, pdl=True), w["down"], pdl=True)
+        return h if fused else h + d
+
     out = {}
     for kind in ("cublas", "triton", "triton_pdl"):
         ms, _ = C.time_graph_ms([lambda k=kind: step(k)], iters=10)
+        out[kind] = ms
+    for kind, fused in (("triton_pdl_norms", False), ("triton_pdl_fused", True)):
+        layers_with_norms(fused)  # compile outside the capture
+        ms, _ = C.time_graph_ms([lambda f=fused: layers_with_norms(f)], iters=10)
         out[kind] = ms
     return out
 
@@ -164,6 +190,7 @@ def run(smoke: bool) -> dict:
     out.update({f"chain_{k}_ms": v for k, v in chain.items()})
     out["chain_triton_over_cublas"] = chain["cublas"] / chain["triton"]
     out["chain_triton_pdl_over_cublas"] = chain["cublas"] / chain["triton_pdl"]
+    out["chain_fused_norm_over_norms"] = chain["triton_pdl_norms"] / chain["triton_pdl_fused"]
     return out
 
 
