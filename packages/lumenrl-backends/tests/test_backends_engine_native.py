@@ -373,9 +373,6 @@ def test_from_config(qwen3_dir):
     config.policy.rollout.decode_linear, config.policy.rollout.pdl = "off", False
     engine = NativeEngine.from_config(config)
     assert engine.kernels.decode_linear == "off" and engine.kernels.pdl is False  # read, not ignored
-    assert engine.kernels.fused_norm is False
-    config.policy.rollout.decode_linear, config.policy.rollout.fused_norm = "on", True
-    assert NativeEngine.from_config(config).kernels.fused_norm is True
 
 
 @pytest.mark.gpu

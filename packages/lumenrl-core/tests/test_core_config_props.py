@@ -107,7 +107,7 @@ def test_random_valid_configs_round_trip_through_yaml(data):
         # cross-field constraints not encoded in the strategy
         if "MIS band" in exc.problem or "router probabilities" in exc.problem or exc.key in (
                 "policy.rollout.exact_logprobs", "policy.rollout.fused_moe", "algorithm.old_log_probs",
-                "policy.rollout.decode_linear", "policy.rollout.pdl", "policy.rollout.fused_norm"):
+                "policy.rollout.decode_linear", "policy.rollout.pdl"):
             reject()
         raise
     with tempfile.TemporaryDirectory() as tmp:

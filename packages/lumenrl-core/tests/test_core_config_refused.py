@@ -112,9 +112,6 @@ SILENT = [
     (["policy.rollout.pdl=false", "policy.rollout_engine=hf"], "policy.rollout.pdl"),
     (["policy.rollout.decode_linear=on", "policy.rollout.fuse_projections=false"], "policy.rollout.decode_linear"),
     (["policy.rollout.decode_linear=always"], "policy.rollout.decode_linear"),
-    (["policy.rollout.fused_norm=true", "policy.rollout_engine=hf"], "policy.rollout.fused_norm"),
-    (["policy.rollout.fused_norm=true", "policy.rollout.decode_linear=off"], "policy.rollout.fused_norm"),
-    (["policy.rollout.fused_norm=true", "policy.rollout.exact_logprobs=true"], "policy.rollout.fused_norm"),
 ]
 
 

@@ -284,7 +284,7 @@ class NativeEngine:
             gpu_memory_utilization=rollout.gpu_memory_utilization,
             kernels=KernelOptions(fuse_projections=rollout.fuse_projections, fused_moe=rollout.fused_moe,
                                   overlap_sync=rollout.overlap_sync, fuse_fp8_mlp=rollout_quant.fuse_mlp,
-                                  decode_linear=rollout.decode_linear, pdl=rollout.pdl, fused_norm=rollout.fused_norm),
+                                  decode_linear=rollout.decode_linear, pdl=rollout.pdl),
             exact_logprobs=rollout.exact_logprobs,
             **r3_engine_kwargs(run_config.moe.r3),
         )

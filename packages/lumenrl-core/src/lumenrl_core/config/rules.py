@@ -257,12 +257,10 @@ def _check_fused_moe(cfg: s.RunConfig, key: str, source: Callable[[str], str | N
 
 
 def _check_native_kernels(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
-    """policy.rollout.decode_linear / pdl / fused_norm choose native-engine kernels: another engine, or a native
-    engine whose projections are not fused (fuse_projections false, exact_logprobs), would ignore a non-default
-    value; fused_norm also needs the decode GEMMs (decode_linear auto or on)."""
+    """policy.rollout.decode_linear / pdl choose native-engine kernels: another engine, or a native engine whose
+    projections are not fused (fuse_projections false, exact_logprobs), would ignore a non-default value."""
     rollout = cfg.policy.rollout
-    for name, value, default in (("decode_linear", rollout.decode_linear, "auto"), ("pdl", rollout.pdl, True),
-                                 ("fused_norm", rollout.fused_norm, False)):
+    for name, value, default in (("decode_linear", rollout.decode_linear, "auto"), ("pdl", rollout.pdl, True)):
         if value != default and cfg.policy.rollout_engine != "native":
             k = join_key(key, f"policy.rollout.{name}")
             raise ConfigError(k, value, problem=f"only the native engine has these decode kernels; policy.rollout_engine="
@@ -272,12 +270,6 @@ def _check_native_kernels(cfg: s.RunConfig, key: str, source: Callable[[str], st
         why = "policy.rollout.fuse_projections=false" if not rollout.fuse_projections else "policy.rollout.exact_logprobs"
         raise ConfigError(k, "on", problem=f"the decode kernel runs the fused projections, which {why} turns off",
                           allowed="auto, off", source=source(k))
-    if rollout.fused_norm and (rollout.decode_linear == "off" or not rollout.fuse_projections or rollout.exact_logprobs):
-        k = join_key(key, "policy.rollout.fused_norm")
-        why = ("policy.rollout.decode_linear=off" if rollout.decode_linear == "off" else
-               "policy.rollout.fuse_projections=false" if not rollout.fuse_projections else "policy.rollout.exact_logprobs")
-        raise ConfigError(k, True, problem=f"the norms run inside the decode GEMMs, which {why} turns off",
-                          allowed="false", source=source(k))
 
 
 def _check_old_log_probs(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:

@@ -121,9 +121,6 @@ class SamplingConfig:
     # auto = shapes with measured launch parameters, 33..64 rows; on = every shape it takes, 1..128 rows; off = cuBLAS
     decode_linear: str = field(default="auto", metadata=choices("auto", "on", "off"))
     pdl: bool = True  # native engine, CUDA sm90+: decode kernels launch with programmatic dependent launch
-    # native engine, opt-in: decoder layers whose decode GEMMs are on that kernel take their RMSNorms into
-    # q/k/v and gate/up and their residual adds into o and down (engines/fused_layers.py)
-    fused_norm: bool = False
     # bitwise on-policy mode (native engine + fsdp2 actor): batch-invariant kernels on both sides, so rollout
     # log-probs equal the trainer's exactly; needs full-precision rollout (no FP8/MX weights or KV), compile none
     exact_logprobs: bool = False
