@@ -372,10 +372,10 @@ def fuse_projections(
     input (``fp8_row``, the MLP on the per-token path) run their RMSNorms as
     :func:`lumenrl_quant.rmsnorm_quantize_fp8`, which hands the consumer its FP8 codes and scales.
 
-    ``rope_in_attention`` (opt-in, with ``fused_qk_rope``): that op's work runs inside the decode attention
-    kernel (:mod:`~lumenrl_backends.engines.triton_rope_attention`; ``attention_rope_folded``).
+    ``rope_in_attention`` (experiment, measured slower; with ``fused_qk_rope``): that op's work runs inside the
+    decode attention kernel (:mod:`~lumenrl_backends.engines.triton_rope_attention`; ``attention_rope_folded``).
 
-    ``fused_norm`` (opt-in): decoder layers whose four decode GEMMs all run the Triton decode kernel take
+    ``fused_norm`` (experiment, measured slower): decoder layers whose four decode GEMMs all run the Triton decode kernel take
     their RMSNorms into the q/k/v and gate/up GEMMs and their residual adds into the o and down GEMMs
     (:mod:`~lumenrl_backends.engines.fused_layers`); ``layers_fused_norm_skipped`` says where not and why.
 

@@ -30,10 +30,10 @@ class KernelOptions:
     pdl: bool = True  # CUDA sm90+: decode GEMMs, RoPE, attention and inductor's kernels launch with PDL (engines/triton_pdl.py)
     pdl_prefetch: int | None = None  # with pdl: bytes of each weight row a decode GEMM prefetches to L2 before its wait;
     # None: each kernel's default (bf16 decode GEMM 1024 = triton_linear.PDL_PREFETCH columns, FP8 rowwise 512)
-    rope_in_attention: bool = False  # opt-in (unmeasured): decode q/k norms + RoPE + KV write inside the attention
-    # kernel instead of a kernel of their own (engines/triton_rope_attention.py; needs fused_qk_rope)
-    fused_norm: bool = False  # opt-in (unmeasured): decode, 16-bit layers whose GEMMs are on the decode kernel: the
-    # RMSNorms inside q/k/v and gate/up, the residual adds in o and down's epilogues (engines/fused_layers.py)
+    rope_in_attention: bool = False  # experiment, measured slower (decision 0023): decode q/k norms + RoPE + KV write
+    # inside the attention kernel instead of a kernel of their own (engines/triton_rope_attention.py)
+    fused_norm: bool = False  # experiment, measured slower (decision 0023): decode, 16-bit layers whose GEMMs are on
+    # the decode kernel: the RMSNorms inside q/k/v and gate/up, the residual adds in o and down's epilogues
     pdl_prefetch_second: int | None = None  # the same for the GEMMs after a long kernel (o_proj after attention,
     # down_proj after gate/up), whose tails leave more time to prefetch; None: as pdl_prefetch
 
