@@ -29,7 +29,7 @@ import math
 import torch
 
 from lumenrl_backends.engines import triton_attention as ta
-from lumenrl_backends.engines.triton_rope import _INTERPRETED, _checked, _fp8_max, _rows, head_dim_supported
+from lumenrl_backends.engines.triton_rope import _INTERPRETED, _checked, _fp8_max, _rows
 
 __all__ = ["decode_rope_attention", "fold_for_engine", "fold_supported"]
 
@@ -128,7 +128,7 @@ def fold_supported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     return (triton is not None and (query.is_cuda or _INTERPRETED) and query.dim() == 3 and key_cache.dim() == 4
             and value_cache.dim() == 4 and query.shape[1] % key_cache.shape[1] == 0
             and query.shape[1] // key_cache.shape[1] <= ta.MAX_ROWS and key_cache.shape[1] < query.shape[1]
-            and dim in (32, 64, 128, 256) and head_dim_supported(dim) and query.dtype in (torch.bfloat16, torch.float16)
+            and dim in (32, 64, 128, 256) and query.dtype in (torch.bfloat16, torch.float16)
             and allowed.dim() == 2 and allowed.dtype == torch.bool and allowed.shape[0] == query.shape[0])
 
 
