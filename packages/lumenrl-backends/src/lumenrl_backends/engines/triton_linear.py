@@ -56,6 +56,7 @@ except ImportError:  # pragma: no cover - CPU environments without Triton
     triton = None
 
 from lumenrl_backends.engines.triton_pdl import launch_options, pdl_supported
+from lumenrl_backends.engines.triton_rope import rms_norm  # transformers' RMSNorm (the torch path's norm)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does at import
 TILE_M = 64  # rows per program: the tile measured at M = 64 (the benchmark's decode batch)
@@ -212,13 +213,6 @@ if triton is not None:
             acc = _round(acc, dt, EMULATED).to(tl.float32) + res.to(tl.float32)
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, _round(acc, dt, EMULATED), mask=mmask[:, None])
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm (Llama, Qwen2/3, Mistral): float32 statistics, ``x * rstd`` rounded to x's dtype, then
-    times the weight in it (what :func:`torch_linear` applies before the GEMM where the kernel does not run)."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def reference_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
