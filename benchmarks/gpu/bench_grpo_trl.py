@@ -5,7 +5,7 @@ never sampled: ``min_new_tokens``), no reference model (``beta=0``), one optimiz
 generation batch, bf16 on GPU. Rewards are random per completion (GRPO needs non-zero
 advantages to do real work; their values do not change the step's cost). A step is TRL's
 training step (generation, log-probs, loss, backward, optimizer); the median of the steps after
-the first is reported. TRL and ``datasets`` travel as wheels (``--trl-wheels``, see RESULTS.md).
+the first is reported. TRL and ``datasets`` travel as wheels in ``.whl/trl`` (``benchmarks/gpu_env.sh`` installs them).
 
     python benchmarks/gpu/bench_grpo_trl.py --steps 3
 """

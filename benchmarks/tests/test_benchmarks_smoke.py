@@ -69,6 +69,12 @@ def test_results_show_the_spread_of_the_last_three_runs():
     assert "| 2 .. 4 (3 runs) |" in row  # the oldest run (100) is not among the last three
     row = next(line for line in render_results(history).splitlines() if f"`{other.name}`" in line)
     assert "| 1 run |" in row
+    # a later run on other hardware is the row's figure, and no re-run of the earlier hardware's runs
+    history.append({"date": "2026-01-06T00:00:00Z", "commit": "h2", "hardware": "H2", "command": "c",
+                    "entry": goal.name, "numbers": {goal.metric: 9.0}})
+    rows = [line for line in render_results(history).splitlines() if f"`{goal.name}`" in line]
+    assert len(rows) == 2 and "| 9 | " in rows[0] and "| 1 run |" in rows[0] and "| H2 |" in rows[0]
+    assert "| 2 .. 4 (3 runs) |" in rows[1] and "| H |" in rows[1]
 
 
 def _fake_bench(smoke: bool) -> dict:
