@@ -18,6 +18,7 @@ several times the L2, every rotation inside one CUDA graph (as in a decode step)
 GB/s counts weight bytes. Checked first: the kernel against cuBLAS (relative error <= 1e-2).
 
     python benchmarks/gpu/bench_decode_linear.py --tune
+    python benchmarks/gpu/bench_decode_linear.py --tune --splits 1,2,4   # also split-K (the chain A/Bs the best)
 
 ``--shapes 0.6b --m 128``: Qwen3-0.6B's shapes at the GRPO benchmark's rollout batch (two 64-row tiles
 per weight tile; ``--layers 28``).
@@ -54,19 +55,20 @@ def _cublas(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> torch.Tensor:
     return out
 
 
-def _sweep(n: int, k: int, swiglu: bool) -> list[dict[str, int]]:
+def _sweep(n: int, k: int, swiglu: bool, splits: tuple[int, ...] = (1,)) -> list[dict[str, int]]:
     out = []
-    for bn, bk, stages, warps in itertools.product((32, 64, 128), (64, 128, 256), (3, 4, 5, 6), (4, 8)):
+    for bn, bk, stages, warps, split in itertools.product((32, 64, 128), (64, 128, 256), (3, 4, 5, 6), (4, 8), splits):
         operands = 2 if swiglu else 1
-        if (n // 2 if swiglu else n) % bn or k % bk or stages * (tlin.TILE_M + operands * bn) * bk * 2 > 220_000:
+        if (n // 2 if swiglu else n) % bn or k % (bk * split) or stages * (tlin.TILE_M + operands * bn) * bk * 2 > 220_000:
             continue
-        if (warps == 8) != (bn * operands >= 128):
+        if (warps == 8) != (bn * operands >= 128) or k // split < stages * bk:  # a split shorter than the pipeline
             continue
-        out.append({"block_n": bn, "block_k": bk, "num_stages": stages, "num_warps": warps})
+        out.append({"block_n": bn, "block_k": bk, "num_stages": stages, "num_warps": warps, "split": split})
     return out
 
 
-def bench_shape(name: str, n: int, k: int, swiglu: bool, m: int, tune: bool) -> list[dict]:
+def bench_shape(name: str, n: int, k: int, swiglu: bool, m: int, tune: bool,
+                splits: tuple[int, ...] = (1,)) -> list[dict]:
     dev = C.DEVICE
     copies = max(2, math.ceil(400e6 / (n * k * 2))) if dev == "cuda" else 2
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -76,7 +78,7 @@ def bench_shape(name: str, n: int, k: int, swiglu: bool, m: int, tune: bool) -> 
     rows = []
     ms, how = C.time_graph_ms([lambda w=w: _cublas(x, w, swiglu) for w in weights])
     rows.append({"shape": name, "path": "cublas", "us": ms * 1e3, "gbs": gb / ms * 1e3, "timing": how})
-    configs = [None] + (_sweep(n, k, swiglu) if tune and dev == "cuda" else [])
+    configs = [None] + (_sweep(n, k, swiglu, splits) if tune and dev == "cuda" else [])
     best = None
     for cfg in configs:
         if dev == "cuda":
@@ -102,9 +104,11 @@ def bench_shape(name: str, n: int, k: int, swiglu: bool, m: int, tune: bool) -> 
     return rows
 
 
-def bench_chain(shapes: dict, m: int, layers: int) -> dict[str, float]:
+def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None) -> dict[str, float]:
     """One decode step's GEMMs (q/k/v -> o -> gate/up+SwiGLU -> down, each reading the previous output)
-    over ``layers`` layers of distinct weights: ms per step by cuBLAS, the kernel, the kernel with PDL."""
+    over ``layers`` layers of distinct weights: ms per step by cuBLAS, the kernel, the kernel with PDL; ``best``
+    ({(N, K, swiglu): launch parameters}, a sweep's best): also the kernel with PDL at those parameters
+    (``triton_pdl_best``), then at the table's again (``triton_pdl_again``)."""
     dev = C.DEVICE
     weights = [{name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
                 for name, (n, k, _) in shapes.items()} for _ in range(layers)]
@@ -147,6 +151,16 @@ def bench_chain(shapes: dict, m: int, layers: int) -> dict[str, float]:
     for kind in ("cublas", "triton", "triton_pdl"):
         ms, _ = C.time_graph_ms([lambda k=kind: step(k)], iters=10)
         out[kind] = ms
+    if best:  # the sweep's best launch parameters in place of the table's, side by side with the table's
+        table = dict(tlin.TUNED)
+        try:
+            tlin.TUNED.update(best)
+            step("triton_pdl")  # compile outside the capture
+            out["triton_pdl_best"], _ = C.time_graph_ms([lambda: step("triton_pdl")], iters=10)
+        finally:
+            tlin.TUNED.clear()
+            tlin.TUNED.update(table)
+        out["triton_pdl_again"], _ = C.time_graph_ms([lambda: step("triton_pdl")], iters=10)
     for kind, fused in (("triton_pdl_norms", False), ("triton_pdl_fused", True)):
         layers_with_norms(fused)  # compile outside the capture
         ms, _ = C.time_graph_ms([lambda f=fused: layers_with_norms(f)], iters=10)
@@ -159,19 +173,29 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--m", type=int, default=64, help=f"rows (1..{tlin.MAX_M}; past {tlin.TILE_M}: two row tiles)")
     ap.add_argument("--shapes", choices=sorted(PRESETS), default="8b", help="fused decode shapes of this model")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--splits", default="1", help="K splits the sweep tries, comma-separated (1: no split-K)")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="decode_linear.json")
     args = ap.parse_args(argv)
     if not 1 <= args.m <= tlin.MAX_M:
         raise SystemExit(f"--m {args.m}: allowed 1..{tlin.MAX_M} (the kernel's row range)")
+    try:
+        splits = tuple(int(v) for v in args.splits.split(","))
+        assert splits and min(splits) >= 1
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--splits {args.splits!r}: allowed comma-separated ints >= 1") from None
     shapes = dict(TINY if args.smoke else PRESETS[args.shapes])
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args), "rows": []}
+    best = {}
     for name, (n, k, swiglu) in shapes.items():
-        result["rows"] += bench_shape(name, n, k, swiglu, args.m, args.tune)
+        result["rows"] += bench_shape(name, n, k, swiglu, args.m, args.tune, splits)
+        tuned = [r for r in result["rows"] if r["shape"] == name and r["path"] == "triton-tuned" and "us" in r]
+        if tuned:
+            best[(n // 2 if swiglu else n, k, swiglu)] = tuned[-1]["config"]
         C.write_json(args.out, result)
     C.print_table(result["rows"], ["shape", "path", "config", "us", "gbs", "rel_err", "error"])
-    result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers)
+    result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers, best)
     print("chain (ms per step):", result["chain_ms"])
     C.write_json(args.out, result)
     return result

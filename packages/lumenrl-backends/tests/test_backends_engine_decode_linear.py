@@ -42,12 +42,15 @@ def float64_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def kernel_errors(m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, swiglu: bool, device: str = "cpu",
-                  pdl: bool = False, seed: int = 0, norm: bool = False, residual: bool = False) -> dict:
+                  pdl: bool = False, seed: int = 0, norm: bool = False, residual: bool = False,
+                  config: dict | None = None) -> dict:
     """The kernel on fresh random operands: relative error against float64, and elements further from
     the float32 torch reference than summation order explains: one output ulp, or for SwiGLU three (a
     gate or up value that rounds to its other neighbour moves ``silu(gate) * up`` by up to ~2 ulps); with a
     residual, one more ulp of the GEMM's part (rounded before the add). ``norm``: an RMSNorm of x (weight
-    around 1, eps 1e-6) inside the GEMM, x at a scale far from 1 (the norm matters); ``residual``: + a residual."""
+    around 1, eps 1e-6) inside the GEMM, x at a scale far from 1 (the norm matters); ``residual``: + a residual.
+    ``config``: these launch parameters (a K ``split`` among them), launched twice: whether the bits repeat and the
+    split-K counters are back at zero."""
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(m, k, generator=gen) * (7.0 if norm else 1.0)).to(device, dtype)
     weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
@@ -55,7 +58,14 @@ def kernel_errors(m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, swi
     g = (1 + 0.3 * torch.randn(k, generator=gen)).to(device, dtype) if norm else None
     r = torch.randn(m, n // 2 if swiglu else n, generator=gen).to(device, dtype) if residual else None
     reason = tlin.supported(x, weight, b, swiglu, g, r)
-    out = tlin.decode_linear(x, weight, b, swiglu=swiglu, pdl=pdl, norm_weight=g, eps=1e-6, residual=r)
+    extra = {}
+    if config is None:
+        out = tlin.decode_linear(x, weight, b, swiglu=swiglu, pdl=pdl, norm_weight=g, eps=1e-6, residual=r)
+    else:
+        out = tlin._launch(x, weight, b, swiglu, pdl, tlin.PDL_PREFETCH, config, g, 1e-6, r)
+        again = tlin._launch(x, weight, b, swiglu, pdl, tlin.PDL_PREFETCH, config, g, 1e-6, r)
+        extra = {"repeats": bool(torch.equal(out, again)),
+                 "counters_zero": all(int(c.abs().sum()) == 0 for c in tlin._COUNTERS.values())}
     ref64 = float64_reference(x, weight, b, swiglu, None if g is None else (g, 1e-6), r)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one summation order for the float32 reference, whatever the runner's thread count
@@ -70,7 +80,7 @@ def kernel_errors(m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, swi
     return {"reason": reason, "shape": list(out.shape), "finite": bool(torch.isfinite(out).all()),
             "rel_error": float((out.double() - ref64).norm() / ref64.norm()),
             "hf_rel_error": float((hf.double() - ref64).norm() / ref64.norm()),
-            "beyond_tolerance": int(((out.double() - ref.double()).abs() > ulp * 1.01).sum())}
+            "beyond_tolerance": int(((out.double() - ref.double()).abs() > ulp * 1.01).sum()), **extra}
 
 
 # ------------------------------------------------------------------ CPU: parameters, refusals, routing
@@ -228,6 +238,13 @@ for m, n, k, dt, bias, swiglu, norm, res in ((1, 64, 256, "bfloat16", False, Fal
                                              (128, 64, 128, "bfloat16", True, True, True, True)):
     row = kernel_errors(m, n, k, getattr(torch, dt), bias=bias, swiglu=swiglu, seed=m + 1, norm=norm, residual=res)
     print(json.dumps({"case": f"{m}x{n}x{k}_{dt}_norm{int(norm)}_res{int(res)}", "dtype": dt, **row}))
+for m, n, k, dt, bias, swiglu, res, split in ((1, 64, 256, "bfloat16", False, False, False, 2),
+                                              (17, 96, 512, "float16", True, False, True, 4),
+                                              (64, 64, 384, "bfloat16", False, True, False, 3),
+                                              (100, 64, 256, "bfloat16", True, True, True, 2)):
+    cfg = {"block_n": 32, "block_k": 64, "num_stages": 2, "num_warps": 4, "split": split}
+    row = kernel_errors(m, n, k, getattr(torch, dt), bias=bias, swiglu=swiglu, seed=m + 2, residual=res, config=cfg)
+    print(json.dumps({"case": f"{m}x{n}x{k}_{dt}_split{split}", "dtype": dt, **row}))
 for family in ("qwen3", "llama"):
     print(json.dumps({"case": f"fused_norm_{family}", **engines_fused_norm(tempfile.mkdtemp(), family=family)}))
 print(json.dumps({"case": "auto_rows", **auto_launches_by_rows(tempfile.mkdtemp())}))
@@ -427,6 +444,17 @@ def test_interpreted_routed_mlps_match_their_original_forward(interpreted, famil
     modules = interpreted[f"modules_{family}"]
     assert modules["routed_mlps"] == modules["mlps"] > 0
     assert modules["worst"] <= 2 ** -7  # two bf16 roundings (gate/up, then the output) apart at most
+
+
+@pytest.mark.parametrize("case", ["1x64x256_bfloat16_split2", "17x96x512_float16_split4",
+                                  "64x64x384_bfloat16_split3", "100x64x256_bfloat16_split2"])
+def test_interpreted_split_k_against_float64(interpreted, case):
+    """K split over programs, the last program of a tile adding the partial sums in split order: as accurate as
+    one program, the same bits on a second launch, and the arrival counters left at zero for the next."""
+    row = interpreted[case]
+    assert row["reason"] is None and row["finite"] and row["repeats"] and row["counters_zero"]
+    assert row["rel_error"] < (4e-3 if row["dtype"] == "bfloat16" else 6e-4)
+    assert row["beyond_tolerance"] == 0
 
 
 # ------------------------------------------------------------------ CUDA

@@ -44,6 +44,7 @@ the bits itself there; PDL and prefetch are CUDA-only and off in the interpreter
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -154,33 +155,37 @@ if triton is not None:
 
     @triton.jit
     def _decode_linear_kernel(
-        x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, M, M_TILES, HALF, stride_xm, stride_wn, stride_rm, stride_om, eps,
-        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-        SWIGLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-        LINE: tl.constexpr, EMULATED: tl.constexpr,
+        x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, M_TILES, HALF, stride_xm, stride_wn,
+        stride_rm, stride_om, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
+        RESIDUAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
+        EMULATED: tl.constexpr,
     ):
         # row tiles of one weight tile are neighbours in launch order: they run side by side and the second
-        # finds the weight in L2 (one HBM read of the weight for up to MAX_M rows)
-        pid_n, pid_m = tl.program_id(0) // M_TILES, tl.program_id(0) % M_TILES
+        # finds the weight in L2 (one HBM read of the weight for up to MAX_M rows); then the K splits
+        pid = tl.program_id(0)
+        pid_m, pid_s, pid_n = pid % M_TILES, pid // M_TILES % SPLIT, pid // (M_TILES * SPLIT)
+        k_start = pid_s * (K // SPLIT)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_k = k_start + tl.arange(0, BLOCK_K)
         mmask = offs_m < M
         if PREFETCH > 0:  # the weight does not depend on the previous kernel: start streaming it now
-            _prefetch_rows(w_ptr, offs_n, stride_wn, PREFETCH, LINE)
+            _prefetch_rows(w_ptr + k_start, offs_n, stride_wn, PREFETCH, LINE)
             if SWIGLU:
-                _prefetch_rows(w_ptr, offs_n + HALF, stride_wn, PREFETCH, LINE)
+                _prefetch_rows(w_ptr + k_start, offs_n + HALF, stride_wn, PREFETCH, LINE)
         wait_then_release(PDL)  # the previous kernel's writes (x) are visible from here (triton_pdl)
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        tl.static_assert(SPLIT == 1 or not NORM, "the norm needs the row's whole sum of squares: no split-K")
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SwiGLU's up half (unused otherwise)
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)  # the norm's sums of squares (unused otherwise)
         if SWIGLU:
             u_ptrs = w_ptr + (offs_n + HALF).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if NORM:  # RMSNorm of x: the row's sum of squares gathered along K, x * g as the operand, rstd at the end
-            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
             g_ptrs = g_ptr + offs_k
-        for _ in range(0, K, BLOCK_K):
+        for _ in range(0, K // SPLIT, BLOCK_K):
             x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
             if NORM:
                 xf = x.to(tl.float32)
@@ -194,6 +199,47 @@ if triton is not None:
                 u_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if SPLIT > 1:  # every split leaves its float32 sums; the last to arrive adds them in split order
+            acc, acc_u, last = _split_reduce(acc, acc_u, part_ptr, count_ptr,
+                                             pid_n * M_TILES + pid_m, pid_s, SPLIT, BLOCK_M, BLOCK_N, SWIGLU)
+            if last:
+                _epilogue(acc, acc_u, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mmask, HALF,
+                          stride_rm, stride_om, eps, K, HAS_BIAS, SWIGLU, NORM, RESIDUAL, EMULATED)
+        else:
+            _epilogue(acc, acc_u, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mmask, HALF,
+                      stride_rm, stride_om, eps, K, HAS_BIAS, SWIGLU, NORM, RESIDUAL, EMULATED)
+
+    @triton.jit
+    def _split_reduce(acc, acc_u, part_ptr, count_ptr, tile, pid_s, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SWIGLU: tl.constexpr):
+        """Split-K without a second kernel, deterministically: each split stores its float32 partial sums, then
+        counts itself in on the tile's counter (release: after a CTA barrier, so every thread's stores are
+        ordered before it); the program that counts last (acquire) sums the partials in split order 0..S-1,
+        whichever program that is, so the bits do not depend on which split finished last, and resets the
+        counter to 0 for the next launch (which, under PDL, touches it only after this kernel completed)."""
+        tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        base = part_ptr + tile.to(tl.int64) * (SPLIT * (2 if SWIGLU else 1) * tile_elems)
+        tl.store(base + pid_s * tile_elems + offs, acc)
+        if SWIGLU:
+            tl.store(base + (SPLIT + pid_s) * tile_elems + offs, acc_u)
+        tl.debug_barrier()
+        last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        tl.debug_barrier()
+        if last:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):  # L2 loads (.cg): other multiprocessors wrote these
+                acc += tl.load(base + s * tile_elems + offs, cache_modifier=".cg")
+                if SWIGLU:
+                    acc_u += tl.load(base + (SPLIT + s) * tile_elems + offs, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        return acc, acc_u, last
+
+    @triton.jit
+    def _epilogue(acc, acc_u, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mmask, HALF, stride_rm, stride_om, eps,
+                  K: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
+                  RESIDUAL: tl.constexpr, EMULATED: tl.constexpr):
         dt = out_ptr.dtype.element_ty
         if NORM:  # (x * rstd * g) @ w.T = rstd * ((x * g) @ w.T): the row's scale after the sum
             rstd = tl.math.rsqrt(ss / K + eps)[:, None]
@@ -251,8 +297,9 @@ def weight_reason(weight: torch.Tensor, bias: torch.Tensor | None = None, swiglu
     if swiglu and n % 2:
         return f"swiglu needs an even N (cat([gate, up])); got {n}"
     cfg = config_for(n // 2 if swiglu else n, k, weight.device, swiglu=swiglu)
-    if k % cfg["block_k"] or (n // 2 if swiglu else n) % cfg["block_n"]:
-        return f"(N, K)=({n}, {k}) not a multiple of the tile ({cfg['block_n']}, {cfg['block_k']})"
+    if k % (cfg["block_k"] * cfg.get("split", 1)) or (n // 2 if swiglu else n) % cfg["block_n"]:
+        return (f"(N, K)=({n}, {k}) not a multiple of the tile ({cfg['block_n']}, {cfg['block_k']}"
+                f" x {cfg.get('split', 1)} K splits)")
     if not (weight.is_cuda or INTERPRETED):
         return f"device {weight.device.type}: the kernel runs on CUDA (or in Triton's interpreter)"
     if tuned_only and not tuned(n // 2 if swiglu else n, k, weight.device, swiglu=swiglu):
@@ -275,6 +322,25 @@ def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return weight_reason(weight, bias, swiglu)
 
 
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Split-K arrival counters: int32 zeros, which every launch leaves at zero (its last program per tile resets
+    the tile's counter). One buffer per device and thread: the kernels one thread launches run one after the
+    other (its eager step, then its graph capture and replays), while two threads (an async trainer's
+    rollouter and trainer) may launch at once. Created outside CUDA-graph capture (a capture replays kernels,
+    never allocations): the engine's graphs run each step eagerly before capturing it."""
+    key = (device, threading.get_ident())
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode_linear: split-K counters must exist before CUDA-graph capture; run the GEMM "
+                               "once outside the capture first")
+        buf = _COUNTERS[key] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
             prefetch: int, config: dict[str, int] | None = None, norm_weight: torch.Tensor | None = None,
             eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -290,11 +356,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
     prefetch = triton.next_power_of_2(prefetch) if prefetch else 0
     block_m = max(16, triton.next_power_of_2(min(m, TILE_M)))
     m_tiles = triton.cdiv(m, block_m)
-    _decode_linear_kernel[(n // cfg["block_n"] * m_tiles,)](
+    tiles = n // cfg["block_n"] * m_tiles
+    split = 1 if norm_weight is not None else cfg.get("split", 1)  # the norm needs whole rows: no split
+    if split > 1:  # the splits' float32 partial sums (stay in L2) and the per-tile arrival counters
+        parts = torch.empty(tiles * split * (2 if swiglu else 1) * block_m * cfg["block_n"], dtype=torch.float32,
+                            device=x.device)
+        counts = _counters(x.device, tiles)
+    else:
+        parts = counts = out
+    _decode_linear_kernel[(tiles * split,)](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
-        residual if residual is not None else out, out, m, m_tiles, n, x.stride(0), weight.stride(0),
+        residual if residual is not None else out, out, parts, counts, m, m_tiles, n, x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), float(eps), K=k, BLOCK_M=block_m,
-        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], HAS_BIAS=bias is not None, SWIGLU=swiglu,
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT=split, HAS_BIAS=bias is not None, SWIGLU=swiglu,
         NORM=norm_weight is not None, RESIDUAL=residual is not None, PDL=pdl,
         PREFETCH=prefetch if prefetch <= k else 0, LINE=line, EMULATED=INTERPRETED, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **extra,
