@@ -470,6 +470,21 @@ def test_cuda_kernel_at_8b_shapes(n, k, swiglu, m):
 
 
 @pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("n,k,swiglu,split", [(6144, 4096, False, 2), (4096, 4096, False, 4), (24576, 4096, True, 2),
+                                              (4096, 12288, False, 4)])
+@pytest.mark.parametrize("m", [1, 64, 128])
+def test_cuda_split_k_at_8b_shapes(n, k, swiglu, split, m):
+    """Split-K on the GPU, where the splits run at once on different multiprocessors: as accurate as one program,
+    the same bits on a second launch, the counters back at zero."""
+    cfg = {"block_n": 64 if swiglu else 32, "block_k": 128, "num_stages": 4, "num_warps": 4, "split": split}
+    row = kernel_errors(m, n, k, torch.bfloat16, bias=False, swiglu=swiglu, device="cuda", pdl=True, seed=m + split,
+                        residual=not swiglu, config=cfg)
+    assert row["reason"] is None and row["finite"] and row["rel_error"] < 4e-3
+    assert row["repeats"] and row["counters_zero"]
+    assert row["beyond_tolerance"] <= max(1, m * n // (2 if swiglu else 1) // 1000)
+
+
+@pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and Triton")
 def test_cuda_pdl_chain_in_a_graph_equals_plain_launches():
     """A chain of dependent decode GEMMs (each reads the previous output) captured with PDL edges: the
     replayed result equals the same chain launched without PDL, bit for bit, on fresh inputs."""
