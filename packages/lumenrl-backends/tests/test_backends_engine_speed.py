@@ -272,13 +272,40 @@ def test_compile_full_traces_decode_in_one_graph(loaded, monkeypatch):
     counters.clear()
     engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=32, compile="full")
     compiled = engine.generate(batch, params)
-    assert sum(counters["graph_break"].values()) == 0
+    assert sum(counters["graph_break"].values()) == 0 and engine._model_forward.fallback is None
     assert counters["stats"]["unique_graphs"] == 4  # the forward; the step's masks, RoPE tables, state advance
     assert torch.equal(eager.batch["responses"], compiled.batch["responses"])
     assert torch.allclose(eager.batch["rollout_log_probs"], compiled.batch["rollout_log_probs"], atol=1e-5)
     for rows in (6, 2):  # buckets 8 and 2: one more compile of each (symbolic batch), then reuse
         engine.generate(prompt_batch(tokenizer, PROMPTS[:rows]), params)
     assert counters["stats"]["unique_graphs"] == 8
+
+
+def test_compile_full_says_why_the_forward_is_not_one_graph(loaded, monkeypatch):
+    """A forward with a graph break: compile="full" does not split it silently (every add and norm its own kernel,
+    small functions recompiled per layer); it warns with the reason, keeps it, and decodes through the piecewise
+    compile, equal to the eager engine."""
+    import torch._dynamo
+
+    model, tokenizer = loaded
+    batch = prompt_batch(tokenizer, PROMPTS[:3])
+    params = {"temperature": 1.0, "max_new_tokens": 5, "seed": 4}
+    eager = NativeEngine(model, tokenizer, max_batch_size=4, max_seq_len=32).generate(batch, params)
+    real_compile, norm = torch.compile, model.model.norm.forward
+
+    def breaking(hidden):  # noqa: ANN001, ANN202
+        torch._dynamo.graph_break()
+        return norm(hidden)
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{**kw, "backend": "eager"}))
+    monkeypatch.setattr(model.model.norm, "forward", breaking)
+    torch._dynamo.reset()
+    engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=32, compile="full")
+    with pytest.warns(UserWarning, match="does not compile as one graph"):
+        compiled = engine.generate(batch, params)
+    assert engine._model_forward.fallback.startswith("Unsupported: Call to `torch._dynamo.graph_break()`")
+    assert torch.equal(eager.batch["responses"], compiled.batch["responses"])
+    assert torch.allclose(eager.batch["rollout_log_probs"], compiled.batch["rollout_log_probs"], atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 3])

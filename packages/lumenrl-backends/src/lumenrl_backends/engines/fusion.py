@@ -297,7 +297,7 @@ def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    residual: torch.Tensor | None = None) -> torch.Tensor:
     from lumenrl_backends.engines.triton_linear import decode_linear
 
-    return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl, prefetch=decode.prefetch[second],
+    return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl, prefetch=decode.prefetch[1 if second else 0],
                          min_m=decode.min_m, max_m=decode.max_m, norm_weight=None if norm is None else norm[0],
                          eps=1e-6 if norm is None else norm[1], residual=residual)
 

@@ -114,6 +114,7 @@ from lumenrl_backends.engines.speculative import attach_from_config, speculative
 from lumenrl_backends.engines.triton_attention import kernel_agrees
 from lumenrl_backends.engines.triton_sampling import fused_sample, fused_sampler_agrees
 from lumenrl_backends.engines.weights import copy_weights_
+from lumenrl_backends.engines.whole_graph import WholeGraph
 from lumenrl_backends.exact import enable_exact, enable_exact_quantized, exact_token_log_probs
 
 __all__ = ["NativeEngine", "sliding_window_of"]
@@ -235,14 +236,13 @@ class NativeEngine:
         self._model_forward = self.model.forward
         self._masks, self._advance, self._rope = decode_masks, advance_slots, None  # the step's own ops
         if compile == "full":
-            # automatic dynamic shapes: the first bucket compiles static, a second bucket recompiles once
-            # with a symbolic batch that every later bucket reuses (measured configs use the static one)
+            # automatic dynamic shapes: the first bucket compiles static, a second bucket recompiles once with a
+            # symbolic batch that every later bucket reuses (measured configs use the static one)
             # pdl: inductor's kernels launch with programmatic dependent launch (each waits for the previous
             # kernel before its first dependent load), chaining with the decode GEMMs (engines/triton_linear.py)
             options = triton_linear.inductor_pdl_options(self._pdl)
-            self._model_forward = torch.compile(self.model.forward, options=options)
-            # the step's mask building and state advance: a dozen tiny eager kernels (each a break in the PDL
-            # chain) become one inductor kernel each
+            self._model_forward = WholeGraph(self.model.forward, options, what="model's forward")  # or loud pieces
+            # mask building and state advance: a dozen tiny eager kernels (PDL chain breaks) become one kernel each
             self._masks, self._advance = (torch.compile(fn, options=options) for fn in (decode_masks, advance_slots))
             self._rope = rope_tables(self.model, self.fusion_report, options)  # once per step, not per layer
         self.graphs = DecodeGraphs(self._decode_step, enabled=cuda_graphs and self.device.type == "cuda")
