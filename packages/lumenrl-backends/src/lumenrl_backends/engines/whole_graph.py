@@ -2,9 +2,9 @@
 
 ``torch.compile`` without ``fullgraph`` never fails on a graph break: it splits the function, and where a break
 cannot be split cleanly (an exception dynamo observes while tracing, say) it runs the whole frame eagerly and
-compiles its callees one by one. The decode step still runs, but every residual add and norm becomes its own
-kernel and each small function recompiles per layer: a step measured 11 kernels per layer instead of 8, slower by
-a fifth, with nothing said. :class:`WholeGraph` asks for the whole forward first (``fullgraph=True``); a graph break
+compiles its callees one by one. The decode step still runs, but every residual add and norm becomes a kernel of
+its own and small functions recompile per layer, with nothing said (decision 0023 has the case that slipped
+through). :class:`WholeGraph` asks for the whole forward first (``fullgraph=True``); a graph break
 raises while tracing, before anything executes, so the same call is then made through the piecewise compile, the
 reason is kept in :attr:`WholeGraph.fallback` and a warning names it. Tests assert ``fallback is None`` for the
 models the engine serves.
