@@ -189,3 +189,29 @@ def test_marginal_time_sums_to_busy_and_skips_waits():
         spans = [(a, a + rng.uniform(0, 5)) for a in (rng.uniform(0, 30) for _ in range(rng.randint(1, 12)))]
         own = marginal_us(spans)
         assert min(own) >= 0 and abs(sum(own) - covered_us(spans)) < 1e-9
+
+
+def test_a_forward_compiled_in_pieces_stops_a_benchmark(tmp_path):
+    """The engine's warning that compile="full" fell back to a piecewise forward is an error inside the suite: no
+    figure of a degraded engine reaches the history."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lumenrl_backends.engines.whole_graph import WholeGraph
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import benchmarks, torch, torch._dynamo\n"
+            "from lumenrl_backends.engines.whole_graph import WholeGraph\n"
+            "def f(x):\n    torch._dynamo.graph_break()\n    return x + 1\n"
+            "WholeGraph(f, what='test forward')(torch.ones(2))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "does not compile as one graph" in run.stderr
+    import torch._dynamo
+
+    def doubled(x: float) -> float:
+        torch._dynamo.graph_break()
+        return x * 2
+
+    with pytest.warns(UserWarning, match="does not compile as one graph"):  # elsewhere a warning, and the value
+        assert WholeGraph(doubled, what="t")(3.0) == 6.0
