@@ -180,11 +180,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not 1 <= args.m <= tlin.MAX_M:
         raise SystemExit(f"--m {args.m}: allowed 1..{tlin.MAX_M} (the kernel's row range)")
-    try:
-        splits = tuple(int(v) for v in args.splits.split(","))
-        assert splits and min(splits) >= 1
-    except (ValueError, AssertionError):
-        raise SystemExit(f"--splits {args.splits!r}: allowed comma-separated ints >= 1") from None
+    splits = tuple(int(v) for v in args.splits.split(",") if v.strip().isdigit())
+    if not splits or len(splits) != len(args.splits.split(",")) or min(splits) < 1:
+        raise SystemExit(f"--splits {args.splits!r}: allowed comma-separated ints >= 1")
     shapes = dict(TINY if args.smoke else PRESETS[args.shapes])
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args), "rows": []}
     best = {}

@@ -30,11 +30,11 @@ class WholeGraph:
         self.fallback: str | None = None  # why the whole graph did not compile (None: it did, or not yet called)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.fallback is not None:
-            return self._compiled(*args, **kwargs)
         try:
             return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:  # raised while tracing: nothing has run yet
+            if self.fallback is not None:  # already the piecewise compile: a real error
+                raise
             lines = [line.strip() for line in str(err).splitlines() if line.strip()]
             self.fallback = f"{type(err).__name__}: {' '.join(lines[:2])[:300]}"
         warnings.warn(f"compile='full': the {self._what} does not compile as one graph ({self.fallback}); compiling it "
