@@ -110,6 +110,7 @@ def fold_against_two_kernels(*, batch: int = 3, heads: int = 8, kv_heads: int = 
             "same_values": bool(torch.equal(bits(vc1), bits(vc2))), "shape": list(one.shape),
             "out_dtype": str(one.dtype), "max_diff_over_max": float(diff.max() / two.float().abs().max()),
             "max_diff_spacings": float((diff / spacing).max()),
+            "max_excess_over_max": float((diff - spacing).clamp(min=0).max() / two.float().abs().max()),
             "written": bool(not torch.equal(bits(kc2), bits(k_cache))), "finite": bool(torch.isfinite(one.float()).all()),
             "rel_error": float((got - ref).norm() / ref.norm())}
 
