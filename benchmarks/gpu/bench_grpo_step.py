@@ -73,7 +73,7 @@ def build_trainer(model_dir: Path, out_dir: Path, args):
         f"policy.rollout.max_new_tokens={args.new}", "policy.rollout.ignore_eos=true",
         f"policy.rollout.max_batch_size={args.prompts * args.generations}",
         "algorithm.use_kl_loss=false", "policy.train.mini_batch_size=0", "algorithm.old_log_probs=reuse",
-        f"policy.train.micro_batch_size={args.micro_batch}", f"num_training_steps={args.steps + 1}",
+        f"policy.train.micro_batch_size={args.micro_batch}", f"num_training_steps={args.steps + 1 + int(getattr(args, 'trace_step', False))}",
         "policy.dtype=bfloat16" if args.device == "cuda" else "policy.dtype=float32",
         f"cluster.device={args.device.split(':')[0]}",  # the trainer picks cuda:LOCAL_RANK itself
     ] + args.override
@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--override", action="append", default=[], help="extra config overrides (key=value)")
     ap.add_argument("--out", default="grpo_step.json")
     ap.add_argument("--profile-steps", type=int, default=32, help="CUDA: decode steps of the rollout profile (0: none)")
+    ap.add_argument("--trace-step", action="store_true",
+                    help="profile one more step (host + GPU): the GPU's idle time per phase and the host work behind it")
     args = ap.parse_args(argv)
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
                           "generated_tokens": metrics["perf/generated_tokens"]})
             print(f"step {step}: {seconds:.2f} s  phases {', '.join(f'{k} {v:.2f}' for k, v in phases.items())}")
             sys.stdout.flush()
+        if args.trace_step:
+            result["step_trace"] = trace_step(trainer, args.steps + 2)
         if args.device == "cuda" and args.profile_steps > 0:
             result["profile"] = rollout_profile(trainer, args.prompts * args.generations, args.profile_steps)
             C.print_profile(result["profile"], "rollout decode step")
@@ -134,6 +138,26 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def trace_step(trainer, step: int) -> dict:
+    """One more training step under ``torch.profiler`` (host and, on CUDA, GPU activity): its wall seconds and
+    :func:`~benchmarks.gpu.trace_gaps.idle_summary` (the GPU's idle time by phase and by the host work behind it).
+    Not a timed step: the profiler adds host overhead to every launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.gpu.trace_gaps import export_trace, idle_summary
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        trainer.train_step(step)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    summary = {"wall_s": round(wall, 4), **idle_summary(export_trace(prof))}
+    print("traced step:", json.dumps(summary))
+    return summary
+
+
 def rollout_profile(trainer, rows: int, steps: int) -> dict:
     """The trainer's engine decoding ``rows`` short random prompts at temperature 1 (the rollout's shape and
     sampling mode), profiled over ``steps`` decode steps; an error is recorded, not raised (the step times
@@ -157,11 +181,15 @@ def run(smoke: bool) -> dict:
     """Suite entry: median seconds of one GRPO step (0.6B, 16 prompts x 8, 256 new tokens; smoke: tiny on CPU), the
     lowest and highest timed step, and the median seconds of each phase (``phase/<name>_s``: rollout, update, weight
     sync, ...: where the step goes)."""
-    result = main([*SMOKE_ARGS, "--micro-batch", "4", "--out", "grpo_step_smoke.json"] if smoke else [
-        "--micro-batch", "64", "--override", "policy.rollout.compile=full", "--override", "policy.train.compile_layers=true"])
+    result = main([*SMOKE_ARGS, "--micro-batch", "4", "--trace-step", "--out", "grpo_step_smoke.json"] if smoke else [
+        "--micro-batch", "64", "--trace-step", "--override", "policy.rollout.compile=full",
+        "--override", "policy.train.compile_layers=true"])
     phases = {f"phase/{name}_s": seconds for name, seconds in result["phase_medians"].items()}
+    trace = result["step_trace"]
+    traced = {"step_trace/idle_ms": trace["idle_ms"], "step_trace/busy_ms": trace["busy_ms"],
+              **{f"step_trace/idle_ms/{phase or 'outside'}": ms for phase, ms in trace["idle_ms_by_phase"].items()}}
     return {"step_s": result["median_step_s"], "step_s_min": result["step_s_min"], "step_s_max": result["step_s_max"],
-            **phases, **C.profile_numbers(result.get("profile"), "rollout_profile/")}
+            **phases, **traced, **C.profile_numbers(result.get("profile"), "rollout_profile/")}
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from benchmarks.gpu.trace_gaps import format_gaps, idle_gaps, profile_gaps
+from benchmarks.gpu.trace_gaps import format_gaps, idle_gaps, idle_summary, profile_gaps
 
 
 def _x(cat: str, name: str, ts: float, dur: float, corr: int | None = None) -> dict:
@@ -46,3 +46,35 @@ def test_profile_gaps_reads_a_real_profiler_trace():
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.randn(64, 64) @ torch.randn(64, 64)
     assert profile_gaps(prof) == []
+
+
+def test_idle_summary_splits_idle_by_phase_and_host():
+    trace = {"traceEvents": [
+        _x("user_annotation", "lumenrl/generate", 0, 300), _x("user_annotation", "lumenrl/update", 300, 400),
+        _x("user_annotation", "other/range", 0, 1000),  # not a phase: ignored
+        _x("kernel", "a", 0, 100), _x("kernel", "b", 50, 100),  # busy 0..150
+        _x("cpu_op", "aten::item", 150, 60),  # 60 us idle in generate, covered by the host's item()
+        _x("kernel", "c", 210, 40),  # busy 210..250
+        _x("kernel", "d", 252, 10),  # a 2 us gap: below min_us, counts in idle_ms only
+        _x("kernel", "e", 400, 100),  # 138 us idle from 262: starts inside generate
+        _x("kernel", "f", 800, 10),  # 300 us idle from 500: inside update, no host work covering it
+    ]}
+    out = idle_summary(trace, min_us=5.0)
+    assert out["span_ms"] == 0.81 and out["busy_ms"] == 0.31 and out["idle_ms"] == 0.5
+    assert out["gaps"] == 3
+    assert out["idle_ms_by_phase"] == {"generate": 0.198, "update": 0.3}
+    assert out["idle_ms_by_host"]["aten::item"] == 0.06
+    assert idle_summary({"traceEvents": []})["idle_ms"] == 0.0
+
+
+def test_phase_timer_marks_each_phase_in_a_profiler_trace():
+    from benchmarks.gpu.trace_gaps import export_trace
+    from torch.profiler import ProfilerActivity, profile
+
+    from lumenrl_backends.trainers.metrics import PhaseTimer
+
+    timer = PhaseTimer()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, timer("generate"):
+        torch.randn(32, 32) @ torch.randn(32, 32)
+    names = {e.get("name") for e in export_trace(prof)["traceEvents"] if e.get("cat") == "user_annotation"}
+    assert "lumenrl/generate" in names and timer.seconds["generate"] > 0

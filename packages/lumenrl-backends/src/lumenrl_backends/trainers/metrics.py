@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import torch
 
 from lumenrl_core.data_proto import DataProto
 
@@ -21,7 +22,9 @@ __all__ = ["PhaseTimer", "batch_metrics", "throughput_metrics", "train_tokens"]
 
 
 class PhaseTimer:
-    """Accumulates wall time per named phase: ``with timer("generate"): ...``."""
+    """Accumulates wall time per named phase: ``with timer("generate"): ...``. Each phase is also a
+    ``lumenrl/<phase>`` range in a ``torch.profiler`` trace (a no-op without an active profiler), so a profiled
+    step shows where each phase begins and ends."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -31,7 +34,8 @@ class PhaseTimer:
     def __call__(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"lumenrl/{phase}"):
+                yield
         finally:
             self.add(phase, time.perf_counter() - start)
 
