@@ -29,8 +29,9 @@ def fold_against_two_kernels(*, batch: int = 3, heads: int = 8, kv_heads: int = 
                              kv_len: int = 40, norm: bool = True, fp8: bool = False, fp8_out: bool = False,
                              splits: int | None = None, device: str = "cpu", seed: int = 0,
                              dtype: str = "float16") -> dict:
-    """Both paths on the same fresh inputs, and the error of the fold's output against float64 attention over
-    the HF sequence's query (``reference_decode_qk_rope_kv_write``) and cache; ``splits`` forces the split count
+    """Both paths on the same fresh inputs, and the error of each one's output (``rel_error``: the fold's,
+    ``rel_error_two``: the two kernels') against float64 attention over the HF sequence's query
+    (``reference_decode_qk_rope_kv_write``) and cache; ``splits`` forces the split count
     (the CPU has no multiprocessor count to derive it from). The interpreter takes fp16 (its bf16 ``tl.dot``
     multiplies raw bits, decision 0023), CUDA either."""
     from lumenrl_backends.engines.triton_rope import (
@@ -87,18 +88,24 @@ def fold_against_two_kernels(*, batch: int = 3, heads: int = 8, kv_heads: int = 
     def bits(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8) if t.element_size() == 1 else t.float()
 
-    # float64 attention over the HF sequence's query and the two-kernel path's cache (an FP8 cache: the interpreter's
-    # float32 -> FP8 casts differ from torch's, so the RoPE kernel's codes, which the fold must equal, are the input)
     kc3, vc3 = k_cache.clone(), v_cache.clone()
     q64 = reference_decode_qk_rope_kv_write(q, k, v, q_w, k_w, 1e-6, cos, sin, kc3, vc3, columns, *scales).double()
-    k64, v64 = ((kc1, vc1) if fp8 else (kc3, vc3))
-    k64, v64 = k64[:batch, :, :kv_len].double(), v64[:batch, :, :kv_len].double()
-    if fp8:
-        k64, v64 = k64 * scales[0].double(), v64 * scales[1].double()
     q64 = q64.reshape(batch, kv_heads, heads // kv_heads, dim)
-    scores = (q64 @ k64.transpose(-1, -2) * scale).masked_fill(~allowed[:, None, None, :], float("-inf"))
-    ref = torch.softmax(scores, dim=-1) @ v64
-    got = one.double() * (scales[1].double() if fp8_out else 1.0)
+
+    def rel_error(out: torch.Tensor, k64: torch.Tensor, v64: torch.Tensor) -> float:
+        k64, v64 = k64[:batch, :, :kv_len].double(), v64[:batch, :, :kv_len].double()
+        if fp8:
+            k64, v64 = k64 * scales[0].double(), v64 * scales[1].double()
+        scores = (q64 @ k64.transpose(-1, -2) * scale).masked_fill(~allowed[:, None, None, :], float("-inf"))
+        ref = torch.softmax(scores, dim=-1) @ v64
+        got = out.double() * (scales[1].double() if fp8_out else 1.0)
+        return float((got - ref).norm() / ref.norm())
+
+    # an FP8 cache: each path against float64 attention over the cache it wrote (the interpreter's float32 -> FP8
+    # casts differ from torch's, and on CUDA FMA contraction may move a key code one step, so each path's own codes
+    # are its input); a 16-bit cache: over the reference's cache
+    errors = ((rel_error(one, kc2, vc2), rel_error(two, kc1, vc1)) if fp8
+              else (rel_error(one, kc3, vc3), rel_error(two, kc3, vc3)))
     diff = (one.float() - two.float()).abs()
     # the gap in units of the output format's spacing at the larger of the two values (e4m3: 3 mantissa bits,
     # smallest spacing 2**-9; bf16/fp16: 7/10 mantissa bits)
@@ -112,7 +119,7 @@ def fold_against_two_kernels(*, batch: int = 3, heads: int = 8, kv_heads: int = 
             "max_diff_spacings": float((diff / spacing).max()),
             "max_excess_over_max": float((diff - spacing).clamp(min=0).max() / two.float().abs().max()),
             "written": bool(not torch.equal(bits(kc2), bits(k_cache))), "finite": bool(torch.isfinite(one.float()).all()),
-            "rel_error": float((got - ref).norm() / ref.norm())}
+            "rel_error": errors[0], "rel_error_two": errors[1]}
 
 
 def engines_with_and_without(tmp: str, family: str, device: str = "cpu", compile: str = "none") -> dict:
@@ -217,7 +224,11 @@ def test_cuda_fold_at_8b_heads(fp8):
     row = fold_against_two_kernels(batch=64, heads=32, kv_heads=8, dim=128, length=1024, kv_len=600, fp8=fp8,
                                    fp8_out=fp8, device="cuda", seed=1, dtype="bfloat16")
     assert row["written"] and row["finite"] and row["same_values"]
-    assert row["rel_error"] < (6e-2 if fp8 else 8e-3)
-    # FMA contraction in the norms' sums of squares: a value next to a rounding boundary may land one step away
-    # (one e4m3 step is up to 1/8 of the value, so FP8 outputs are bounded in steps, not relative to the max)
-    assert row["max_diff_spacings"] <= 1.0 if fp8 else row["max_diff_over_max"] < 0.01
+    bound = 6e-2 if fp8 else 8e-3  # FP8 output codes: 3 mantissa bits
+    assert row["rel_error"] < bound and row["rel_error_two"] < bound
+    # the fold is as accurate as the path it replaces. Not bit for bit here: FMA contraction in the norms and RoPE
+    # moves a few new key codes one step (an e4m3 step is up to 1/8 of a value), so the two paths attend over
+    # slightly different keys (on an H100 their FP8 outputs differed by up to one output step plus ~1% of the max)
+    assert row["rel_error"] <= 1.2 * row["rel_error_two"] + 1e-3
+    if not fp8:
+        assert row["max_diff_over_max"] < 0.01
