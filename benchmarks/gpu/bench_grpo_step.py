@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
 def trace_step(trainer, step: int) -> dict:
     """One more training step under ``torch.profiler`` (host and, on CUDA, GPU activity): its wall seconds and
     :func:`~benchmarks.gpu.trace_gaps.idle_summary` (the GPU's idle time by phase and by the host work behind it).
-    Not a timed step: the profiler adds host overhead to every launch."""
+    Not a timed step: the profiler adds host overhead to every launch. A failure of the trace itself is recorded,
+    not raised (the timed steps stand without it)."""
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.gpu.trace_gaps import export_trace, idle_summary
@@ -153,7 +154,12 @@ def trace_step(trainer, step: int) -> dict:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    summary = {"wall_s": round(wall, 4), **idle_summary(export_trace(prof))}
+    tick = time.perf_counter()
+    try:
+        summary = {"wall_s": round(wall, 4), **idle_summary(export_trace(prof))}
+    except Exception as err:  # noqa: BLE001 - a diagnostic
+        return {"error": f"{type(err).__name__}: {err}"}
+    summary["analysis_s"] = round(time.perf_counter() - tick, 1)
     print("traced step:", json.dumps(summary))
     return summary
 
@@ -186,8 +192,11 @@ def run(smoke: bool) -> dict:
         "--override", "policy.train.compile_layers=true"])
     phases = {f"phase/{name}_s": seconds for name, seconds in result["phase_medians"].items()}
     trace = result["step_trace"]
-    traced = {"step_trace/idle_ms": trace["idle_ms"], "step_trace/busy_ms": trace["busy_ms"],
-              **{f"step_trace/idle_ms/{phase or 'outside'}": ms for phase, ms in trace["idle_ms_by_phase"].items()}}
+    traced = {} if "error" in trace else {
+        "step_trace/idle_ms": trace["idle_ms"], "step_trace/busy_ms": trace["busy_ms"],
+        **{f"step_trace/idle_ms/{phase or 'outside'}": ms for phase, ms in trace["idle_ms_by_phase"].items()},
+        **{f"step_trace/gap{i}": f"{g['gap_us'] / 1e3:.2f} ms in {g['phase'] or 'no phase'} before {g['after']} "
+           f"(host: {g['host'] or '-'})" for i, g in enumerate(trace["largest_gaps"][:3], 1)}}
     return {"step_s": result["median_step_s"], "step_s_min": result["step_s_min"], "step_s_max": result["step_s_max"],
             **phases, **traced, **C.profile_numbers(result.get("profile"), "rollout_profile/")}
 

@@ -8,8 +8,8 @@ the gap (the innermost ``cpu_op`` or runtime call, e.g. ``aten::_chunk_cat`` or 
 A gap whose activity was launched before it began waited on something else (another stream, an event).
 
 ``idle_summary(trace)`` totals a whole trace instead: span, busy time (the union of GPU activities) and idle time,
-the idle split by the ``lumenrl/<phase>`` range around it (the trainer's ``PhaseTimer`` marks each phase of a step)
-and by the host work that covered it, so a profiled training step says which phase leaves the GPU waiting.
+the idle split by the ``lumenrl/<phase>`` range around it (the trainer's ``PhaseTimer`` marks each phase of a step),
+and the largest gaps with the host work that covered them: which phase of a profiled step leaves the GPU waiting.
 """
 
 from __future__ import annotations
@@ -63,42 +63,48 @@ def idle_gaps(trace: dict[str, Any], top: int = 5, min_us: float = 20.0) -> list
     return sorted(gaps, key=lambda g: -g["gap_us"])[:top]
 
 
-def idle_summary(trace: dict[str, Any], *, min_us: float = 5.0, top: int = 6,
+def idle_summary(trace: dict[str, Any], *, min_us: float = 5.0, top: int = 5,
                  phase_prefix: str = "lumenrl/") -> dict[str, Any]:
     """Span, busy and idle milliseconds of the trace's GPU activities (busy: the union of their intervals); the
     idle gaps of at least ``min_us`` summed by the phase range (a ``user_annotation`` named ``phase_prefix...``)
-    that holds the gap's start (``""``: none) and, the ``top`` largest, by covering host work (as in
-    :func:`idle_gaps`); gaps below ``min_us`` count in ``idle_ms`` only."""
+    that holds the gap's start (``""``: none), and the ``top`` largest gaps with their phase and the host work that
+    covered them (as in :func:`idle_gaps`; only for those: a step has thousands of gaps and ~10^5 host events).
+    Gaps below ``min_us`` count in ``idle_ms`` only."""
     gpu = sorted(_events(trace, GPU_CATS), key=lambda e: e["ts"])
     if not gpu:
-        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "idle_ms_by_phase": {}, "idle_ms_by_host": {}}
-    phases = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-              and str(e.get("name", "")).startswith(phase_prefix) and "ts" in e and "dur" in e]
-    host = _events(trace, HOST_CATS)
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "idle_ms_by_phase": {}, "largest_gaps": []}
+    phases = sorted(((e["ts"], e["ts"] + e["dur"], e["name"][len(phase_prefix):])
+                     for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                     and str(e.get("name", "")).startswith(phase_prefix) and "ts" in e and "dur" in e),
+                    key=lambda p: p[1] - p[0])  # innermost first
+
+    def phase_at(t: float) -> str:
+        return next((name for lo, hi, name in phases if lo <= t < hi), "")
+
     busy, end = 0.0, None
-    by_phase: dict[str, float] = {}
-    by_host: dict[str, float] = {}
-    gaps = 0
+    gaps: list[tuple[float, float, str]] = []  # (start, length, the activity after it)
     for e in gpu:
         start, stop = e["ts"], e["ts"] + e["dur"]
         if end is None or start >= end:
             if end is not None and start - end >= min_us:
-                gaps += 1
-                around = [p for p in phases if p["ts"] <= end < p["ts"] + p["dur"]]
-                phase = min(around, key=lambda p: p["dur"])["name"][len(phase_prefix):] if around else ""
-                by_phase[phase] = by_phase.get(phase, 0.0) + start - end
-                cover = _host_cover(host, end, start)[:60]
-                by_host[cover] = by_host.get(cover, 0.0) + start - end
+                gaps.append((end, start - end, e["name"]))
             busy += e["dur"]
             end = stop
         elif stop > end:
             busy += stop - end
             end = stop
+    by_phase: dict[str, float] = {}
+    for start, length, _ in gaps:
+        phase = phase_at(start)
+        by_phase[phase] = by_phase.get(phase, 0.0) + length
+    host = _events(trace, HOST_CATS)
+    largest = [{"gap_us": round(length, 1), "phase": phase_at(start), "after": after[:60],
+                "host": _host_cover(host, start, start + length)[:60]}
+               for start, length, after in sorted(gaps, key=lambda g: -g[1])[:top]]
     span = end - gpu[0]["ts"]
-    ranked = sorted(by_host.items(), key=lambda kv: -kv[1])[:top]
     return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3), "idle_ms": round((span - busy) / 1e3, 3),
-            "gaps": gaps, "idle_ms_by_phase": {k: round(v / 1e3, 3) for k, v in sorted(by_phase.items())},
-            "idle_ms_by_host": {k: round(v / 1e3, 3) for k, v in ranked}}
+            "gaps": len(gaps), "idle_ms_by_phase": {k: round(v / 1e3, 3) for k, v in sorted(by_phase.items())},
+            "largest_gaps": largest}
 
 
 def export_trace(prof: Any) -> dict[str, Any]:

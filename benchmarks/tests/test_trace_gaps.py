@@ -63,7 +63,10 @@ def test_idle_summary_splits_idle_by_phase_and_host():
     assert out["span_ms"] == 0.81 and out["busy_ms"] == 0.31 and out["idle_ms"] == 0.5
     assert out["gaps"] == 3
     assert out["idle_ms_by_phase"] == {"generate": 0.198, "update": 0.3}
-    assert out["idle_ms_by_host"]["aten::item"] == 0.06
+    assert [g["gap_us"] for g in out["largest_gaps"]] == [300.0, 138.0, 60.0]
+    assert out["largest_gaps"][0]["phase"] == "update" and out["largest_gaps"][0]["after"] == "f"
+    assert out["largest_gaps"][2] == {"gap_us": 60.0, "phase": "generate", "after": "c", "host": "aten::item"}
+    assert len(idle_summary(trace, top=1)["largest_gaps"]) == 1
     assert idle_summary({"traceEvents": []})["idle_ms"] == 0.0
 
 
