@@ -41,26 +41,38 @@ def _host_cover(host: list[dict[str, Any]], start: float, end: float) -> str:
     return max(overlaps, key=lambda oe: oe[0])[1]["name"]
 
 
+def _walk(gpu: list[dict[str, Any]], min_us: float) -> tuple[float, list[tuple[float, float, dict[str, Any], str]]]:
+    """Busy microseconds (the union of the activities' intervals, ``gpu`` sorted by start) and the idle gaps of at
+    least ``min_us``: (start, length, the activity after it, the name of the one whose end began it)."""
+    busy, end, before = 0.0, None, ""
+    gaps: list[tuple[float, float, dict[str, Any], str]] = []
+    for e in gpu:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if end is not None and start - end >= min_us:
+            gaps.append((end, start - end, e, before))
+        if end is None or stop > end:
+            busy += stop - max(start, end if end is not None else start)
+            end, before = stop, e["name"]
+    return busy, gaps
+
+
+def _largest(gaps: list[tuple[float, float, dict[str, Any], str]], top: int) -> list[tuple[float, float, dict[str, Any], str]]:
+    return sorted(gaps, key=lambda g: -g[1])[:top]
+
+
 def idle_gaps(trace: dict[str, Any], top: int = 5, min_us: float = 20.0) -> list[dict[str, Any]]:
     """The ``top`` largest GPU idle gaps of at least ``min_us`` microseconds, largest first."""
     gpu = sorted(_events(trace, GPU_CATS), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in _events(trace, ("cuda_runtime", "cuda_driver"))
                 if e.get("args", {}).get("correlation") is not None}
     host = _events(trace, HOST_CATS)
-    gaps: list[dict[str, Any]] = []
-    end, before = None, ""
-    for e in gpu:
-        if end is not None and e["ts"] - end >= min_us:
-            launch = launches.get(e.get("args", {}).get("correlation"))  # no None key: uncorrelated -> None
-            late = launch["ts"] - end if launch is not None else None
-            gaps.append({
-                "gap_us": round(e["ts"] - end, 1), "before": before[:60], "after": e["name"][:60],
-                "launch_late_us": round(late, 1) if late is not None else None,
-                "host": _host_cover(host, end, e["ts"])[:60],
-            })
-        if end is None or e["ts"] + e["dur"] > end:
-            end, before = e["ts"] + e["dur"], e["name"]
-    return sorted(gaps, key=lambda g: -g["gap_us"])[:top]
+    out: list[dict[str, Any]] = []
+    for start, length, e, before in _largest(_walk(gpu, min_us)[1], top):
+        launch = launches.get(e.get("args", {}).get("correlation"))  # no None key: uncorrelated -> None
+        out.append({"gap_us": round(length, 1), "before": before[:60], "after": e["name"][:60],
+                    "launch_late_us": round(launch["ts"] - start, 1) if launch is not None else None,
+                    "host": _host_cover(host, start, start + length)[:60]})
+    return out
 
 
 def idle_summary(trace: dict[str, Any], *, min_us: float = 5.0, top: int = 5,
@@ -68,8 +80,7 @@ def idle_summary(trace: dict[str, Any], *, min_us: float = 5.0, top: int = 5,
     """Span, busy and idle milliseconds of the trace's GPU activities (busy: the union of their intervals); the
     idle gaps of at least ``min_us`` summed by the phase range (a ``user_annotation`` named ``phase_prefix...``)
     that holds the gap's start (``""``: none), and the ``top`` largest gaps with their phase and the host work that
-    covered them (as in :func:`idle_gaps`; only for those: a step has thousands of gaps and ~10^5 host events).
-    Gaps below ``min_us`` count in ``idle_ms`` only."""
+    covered them (as in :func:`idle_gaps`). Gaps below ``min_us`` count in ``idle_ms`` only."""
     gpu = sorted(_events(trace, GPU_CATS), key=lambda e: e["ts"])
     if not gpu:
         return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "idle_ms_by_phase": {}, "largest_gaps": []}
@@ -81,27 +92,15 @@ def idle_summary(trace: dict[str, Any], *, min_us: float = 5.0, top: int = 5,
     def phase_at(t: float) -> str:
         return next((name for lo, hi, name in phases if lo <= t < hi), "")
 
-    busy, end = 0.0, None
-    gaps: list[tuple[float, float, str]] = []  # (start, length, the activity after it)
-    for e in gpu:
-        start, stop = e["ts"], e["ts"] + e["dur"]
-        if end is None or start >= end:
-            if end is not None and start - end >= min_us:
-                gaps.append((end, start - end, e["name"]))
-            busy += e["dur"]
-            end = stop
-        elif stop > end:
-            busy += stop - end
-            end = stop
+    busy, gaps = _walk(gpu, min_us)
     by_phase: dict[str, float] = {}
-    for start, length, _ in gaps:
+    for start, length, _, _ in gaps:
         phase = phase_at(start)
         by_phase[phase] = by_phase.get(phase, 0.0) + length
     host = _events(trace, HOST_CATS)
-    largest = [{"gap_us": round(length, 1), "phase": phase_at(start), "after": after[:60],
-                "host": _host_cover(host, start, start + length)[:60]}
-               for start, length, after in sorted(gaps, key=lambda g: -g[1])[:top]]
-    span = end - gpu[0]["ts"]
+    largest = [{"gap_us": round(length, 1), "phase": phase_at(start), "after": e["name"][:60],
+                "host": _host_cover(host, start, start + length)[:60]} for start, length, e, _ in _largest(gaps, top)]
+    span = max(e["ts"] + e["dur"] for e in gpu) - gpu[0]["ts"]
     return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3), "idle_ms": round((span - busy) / 1e3, 3),
             "gaps": len(gaps), "idle_ms_by_phase": {k: round(v / 1e3, 3) for k, v in sorted(by_phase.items())},
             "largest_gaps": largest}
