@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="grpo_step.json")
     ap.add_argument("--profile-steps", type=int, default=32, help="CUDA: decode steps of the rollout profile (0: none)")
     ap.add_argument("--trace-step", action="store_true",
-                    help="profile one more step (host + GPU): the GPU's idle time per phase and the host work behind it")
+                    help="profile one more step (host + GPU): the GPU's idle time per phase, the largest gaps and their host work")
     args = ap.parse_args(argv)
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def trace_step(trainer, step: int) -> dict:
     """One more training step under ``torch.profiler`` (host and, on CUDA, GPU activity): its wall seconds and
-    :func:`~benchmarks.gpu.trace_gaps.idle_summary` (the GPU's idle time by phase and by the host work behind it).
+    :func:`~benchmarks.gpu.trace_gaps.idle_summary` (the GPU's idle time per phase, the largest gaps and their host work).
     Not a timed step: the profiler adds host overhead to every launch. A failure of the trace itself is recorded,
     not raised (the timed steps stand without it)."""
     from torch.profiler import ProfilerActivity, profile
