@@ -14,7 +14,9 @@ engines ``compile="full"`` over the same model, in this order (the FP8 engines q
   built side by side, three rounds of five interleaved calls each (:func:`_record_cost`), the median round;
   ``record_overhead_spread_pct`` is the spread of the rounds; where NVML answers, the GPU's median SM clock
   during each engine's calls and each round (``plain_sm_mhz``, ``recording_sm_mhz``, ``round_sm_mhz``:
-  whether the clock moved when the rounds disagree);
+  whether the clock moved when the rounds disagree); ``record_overhead_loop_pct``: the same rounds timed to the
+  engine's final sync (the decode loop alone), ``plain_post_ms`` / ``recording_post_ms``: each engine's host
+  time after it (building the returned batch, the routes' layout included);
 * ``grouped_mm_decode_tok_s``: the same engine with ``fused_moe="off"`` (transformers' ``grouped_mm``);
 * ``hf_decode_tok_s``: HF ``generate`` (dynamic cache), prefill timed separately;
 * ``fp8_experts_decode_tok_s`` / ``fp8_experts_vs_bf16``: FP8 expert weights (``fp8_block`` with the
@@ -95,13 +97,17 @@ def _engine(model, batch, new: int, *, device: str, compile: str, record: bool =
     return engine, params
 
 
-def _decode_s(engine: NativeEngine, batch, params: dict, device: str) -> float:
-    """Seconds of one generate call less its prefill."""
+def _decode_s(engine: NativeEngine, batch, params: dict, device: str, parts: dict | None = None) -> float:
+    """Seconds of one generate call less its prefill; ``parts`` (optional) gets ``loop`` (the engine's own
+    time up to its final sync, less prefill) and ``post`` (building the returned batch after that sync)."""
     _sync(device)
     start = time.perf_counter()
     out = engine.generate(batch, params)
     _sync(device)
-    return time.perf_counter() - start - out.meta_info["perf"]["prefill_seconds"]
+    wall, perf = time.perf_counter() - start, out.meta_info["perf"]
+    if parts is not None:
+        parts["loop"], parts["post"] = perf["seconds"] - perf["prefill_seconds"], wall - perf["seconds"]
+    return wall - perf["prefill_seconds"]
 
 
 def _native(model, batch, new: int, *, device: str, compile: str, fused_moe: str = "on",
@@ -124,19 +130,26 @@ def _record_cost(model, batch, new: int, *, device: str, compile: str, runs: int
     plain, params = _engine(model, batch, new, device=device, compile=compile, kernels=kernels)
     recording, _ = _engine(model, batch, new, device=device, compile=compile, record=True, kernels=kernels)
     rounds, every = [], {False: [], True: []}
+    loops, posts, loop_rounds = {False: [], True: []}, {False: [], True: []}, []  # where a round's cost is
     spans: dict[bool, list[tuple[float, float]]] = {False: [], True: []}  # wall-clock windows of each engine's calls
     round_spans = []
     with GpuSampler() as sampler:  # did the GPU's clock move between the calls or the rounds?
         for _ in range(runs):
             times: dict[bool, list[float]] = {False: [], True: []}
+            loop: dict[bool, list[float]] = {False: [], True: []}
             round_from = time.time()
             for _ in range(calls):
                 for record, engine in ((False, plain), (True, recording)):
-                    call_from = time.time()
-                    times[record].append(_decode_s(engine, batch, params, device))
+                    call_from, parts = time.time(), {}
+                    times[record].append(_decode_s(engine, batch, params, device, parts))
                     spans[record].append((call_from, time.time()))
+                    loop[record].append(parts["loop"])
+                    posts[record].append(parts["post"])
             round_spans.append((round_from, time.time()))
             rounds.append(100.0 * (statistics.median(times[True]) / statistics.median(times[False]) - 1.0))
+            loop_rounds.append(100.0 * (statistics.median(loop[True]) / statistics.median(loop[False]) - 1.0))
+            for record in loop:
+                loops[record] += loop[record]
             for record in times:
                 every[record] += times[record]
     uninstall_routing(model)  # the model's own routers for the next engines
@@ -149,6 +162,13 @@ def _record_cost(model, batch, new: int, *, device: str, compile: str, runs: int
             "record_overhead_pct": statistics.median(rounds), "record_overhead_spread_pct": max(rounds) - min(rounds),
             "record_overhead_rounds": ", ".join(f"{r:.2f}" for r in rounds),
             "plain_call_spread_pct": spread_pct(every[False]), "recording_call_spread_pct": spread_pct(every[True]),
+            # the same split at the engine's final sync: the decode loop's cost, and each engine's host time
+            # after it (the returned batch; the recording engine's includes laying out the routes)
+            "record_overhead_loop_pct": statistics.median(loop_rounds),
+            "record_overhead_loop_rounds": ", ".join(f"{r:.2f}" for r in loop_rounds),
+            "plain_loop_spread_pct": spread_pct(loops[False]), "recording_loop_spread_pct": spread_pct(loops[True]),
+            "plain_post_ms": 1e3 * statistics.median(posts[False]),
+            "recording_post_ms": 1e3 * statistics.median(posts[True]),
             **_clocks(sampler, spans, round_spans)}
 
 

@@ -57,6 +57,22 @@ def test_routes_column_matches_the_per_request_layout(seed, probs):
     assert torch.equal(got["routed_experts"][3], torch.arange(2, dtype=torch.int16).expand(21, 3, 2))  # no routes: pad rows
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("where", ["cuda", "mixed"])
+def test_routes_column_from_device_rows_matches(where):
+    """Rows on the engine's device (laid out there, one copy back) or on two devices (a continued batch: rows
+    finished before the interrupt come back on the host) give the same host columns."""
+    requests, prompt_width, width = _requests(4, probs=True)
+    want = _reference(requests, prompt_width, width)
+    for i, r in enumerate(requests):
+        if where == "cuda" or i % 2:
+            r.routes = r.routes.cuda() if r.routes is not None else None
+            r.route_probs = r.route_probs.cuda() if r.route_probs is not None else None
+    got = routes_column(requests, prompt_width, width)
+    for name in want:
+        assert got[name].device.type == "cpu" and torch.equal(got[name], want[name]), name
+
+
 def test_routes_column_without_routes_is_empty():
     requests = [SimpleNamespace(index=0, prompt=[1], response=[2], routes=None, route_probs=None)]
     assert routes_column(requests, 1, 1) == {}

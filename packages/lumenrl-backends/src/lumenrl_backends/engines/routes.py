@@ -129,9 +129,10 @@ def r3_engine_kwargs(r3: Any) -> dict[str, Any]:
 
 
 def routes_column(requests: list[Any], prompt_width: int, width: int) -> dict[str, torch.Tensor]:
-    """``routed_experts`` (B, P+T, L_moe, k) (+ ``router_probs`` (B, P+T, L_moe, E)) from the
+    """``routed_experts`` (B, P+T, L_moe, k) (+ ``router_probs`` (B, P+T, L_moe, E)) on the host, from the
     requests' recorded rows; prompts are left-padded to ``prompt_width``, responses right-padded.
-    One device -> host copy and one scatter per column for the whole batch, no copy per request."""
+    The grid is laid out where the rows are (the engine's device: one gather and one scatter per column, no
+    host loop over rows) and copied to the host once; rows on several devices are laid out on the host."""
     owners = [r for r in requests if getattr(r, "routes", None) is not None]
     if not owners:
         return {}
@@ -141,22 +142,29 @@ def routes_column(requests: list[Any], prompt_width: int, width: int) -> dict[st
     # row r.index, columns lo .. lo + n of the (B, P+T) grid, lo = prompt_width - len(prompt)
     counts = [min(r.routes.shape[0], len(r.prompt) + len(r.response) - 1) for r in owners]
     firsts = [r.index * row_width + prompt_width - len(r.prompt) for r in owners]  # flat (B * (P+T)) row of lo
-    dest = _row_ranges(firsts, counts)
-    routes = torch.empty(len(requests), row_width, layers, k, dtype=owners[0].routes.dtype)
-    routes.copy_(torch.arange(k, dtype=routes.dtype))  # padding rows: experts 0..k-1 (no repeated expert)
-    routes.view(-1, layers, k).index_copy_(0, dest, _rows([r.routes for r in owners], counts))
-    out = {"routed_experts": routes}
-    first_probs = next((r.route_probs for r in owners if getattr(r, "route_probs", None) is not None), None)
-    if first_probs is not None:
-        experts = first_probs.shape[-1]
-        probs = torch.zeros(len(requests), row_width, layers, experts)
-        keep = [i for i, r in enumerate(owners) if getattr(r, "route_probs", None) is not None]
-        p_counts = [min(counts[i], owners[i].route_probs.shape[0]) for i in keep]
-        p_dest = _row_ranges([firsts[i] for i in keep], p_counts)
-        rows = _rows([owners[i].route_probs for i in keep], p_counts)
-        probs.view(-1, layers, experts).index_copy_(0, p_dest, rows.to(probs.dtype))
-        out["router_probs"] = probs
+    pad = torch.arange(k, dtype=owners[0].routes.dtype)  # padding rows: experts 0..k-1 (no repeated expert)
+    out = {"routed_experts": _laid_out([r.routes for r in owners], counts, firsts, (len(requests), row_width), pad)}
+    keep = [i for i, r in enumerate(owners) if getattr(r, "route_probs", None) is not None]
+    if keep:
+        parts = [owners[i].route_probs for i in keep]
+        p_counts = [min(counts[i], part.shape[0]) for i, part in zip(keep, parts)]
+        zero = torch.zeros(parts[0].shape[-1], dtype=torch.float32)
+        out["router_probs"] = _laid_out(parts, p_counts, [firsts[i] for i in keep], (len(requests), row_width), zero)
     return out
+
+
+def _laid_out(parts: list[torch.Tensor], counts: list[int], firsts: list[int], grid: tuple[int, int],
+              fill: torch.Tensor) -> torch.Tensor:
+    """A host tensor ``(*grid, *parts[0].shape[1:])`` of ``fill``'s dtype holding ``fill`` everywhere but at
+    flat grid rows ``firsts[i] .. firsts[i] + counts[i]``, which hold the first ``counts[i]`` rows of
+    ``parts[i]``; built on the parts' device when they share one."""
+    devices = {part.device for part in parts}
+    device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+    rows = _rows(parts, counts, device)
+    out = torch.empty(*grid, *parts[0].shape[1:], dtype=fill.dtype, device=device)
+    out.copy_(fill.to(device))
+    out.view(-1, *parts[0].shape[1:]).index_copy_(0, _row_ranges(firsts, counts).to(device), rows.to(fill.dtype))
+    return out.cpu()
 
 
 def _row_ranges(starts: list[int], counts: list[int]) -> torch.Tensor:
@@ -171,31 +179,30 @@ def _row_ranges(starts: list[int], counts: list[int]) -> torch.Tensor:
     return torch.arange(total, dtype=torch.int64) + shift
 
 
-def _rows(parts: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
-    """The first ``counts[i]`` rows of each of ``parts``, concatenated on the host: one device -> host copy
-    per device (not one sync per request), no gather when every part is taken whole."""
-    stacked = _stacked_on_host(parts)
+def _rows(parts: list[torch.Tensor], counts: list[int], device: torch.device) -> torch.Tensor:
+    """The first ``counts[i]`` rows of each of ``parts``, concatenated on ``device``: one copy per device the
+    parts are on (not one per request), no gather when every part is taken whole."""
+    stacked = _stacked(parts, device)
     lengths = [part.shape[0] for part in parts]
     if counts == lengths:
         return stacked
     starts = torch.cumsum(torch.tensor([0, *lengths[:-1]]), 0).tolist()
-    return stacked.index_select(0, _row_ranges(starts, counts))
+    return stacked.index_select(0, _row_ranges(starts, counts).to(device))
 
 
-def _stacked_on_host(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``parts`` (each (n_i, ...)) concatenated along rows on the host: one copy per device (not one sync
-    per request)."""
+def _stacked(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``parts`` (each (n_i, ...)) concatenated along rows on ``device``: one copy per device they are on."""
     by_device: dict[torch.device, list[int]] = {}
     for i, part in enumerate(parts):
         by_device.setdefault(part.device, []).append(i)
     if len(by_device) == 1:
-        return torch.cat(parts).cpu()
-    host = [None] * len(parts)
+        return torch.cat(parts).to(device)
+    moved: list[torch.Tensor | None] = [None] * len(parts)
     for index in by_device.values():
-        flat = torch.cat([parts[i] for i in index]).cpu()
+        flat = torch.cat([parts[i] for i in index]).to(device)
         for i, chunk in zip(index, flat.split([parts[i].shape[0] for i in index])):
-            host[i] = chunk
-    return torch.cat(host)
+            moved[i] = chunk
+    return torch.cat(moved)
 
 
 def carry_routes(requests: list[Any], batch: Any) -> None:
