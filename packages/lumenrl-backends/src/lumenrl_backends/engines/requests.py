@@ -18,6 +18,7 @@ log-probs), finished rows pass through unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -171,18 +172,20 @@ def build_rollout_batch(
     meta_info: dict[str, Any],
 ) -> Any:
     """Assemble the rollout DataProto (layout in the module docstring)."""
-    from lumenrl_backends.engines.routes import routes_column
+    from lumenrl_backends.engines.routes import routes_column, row_ranges
     from lumenrl_core.data_proto import DataProto
 
     rows, width = len(requests), max([width] + [len(r.response) for r in requests])
     responses = torch.full((rows, width), pad_id, dtype=torch.int64)
     response_mask = torch.zeros((rows, width), dtype=torch.int64)
     log_probs = torch.zeros((rows, width), dtype=torch.float32)
-    for r in requests:
-        n = len(r.response)
-        responses[r.index, :n] = torch.tensor(r.response, dtype=torch.int64)
-        response_mask[r.index, :n] = 1
-        log_probs[r.index, :n] = torch.tensor(r.log_probs, dtype=torch.float32)
+    # every response at the start of its row: one tensor per column from the flattened lists, one scatter
+    filled = row_ranges([r.index * width for r in requests], [len(r.response) for r in requests])
+    responses.view(-1).index_copy_(0, filled, torch.tensor(list(chain.from_iterable(r.response for r in requests)),
+                                                           dtype=torch.int64))
+    response_mask.view(-1).index_fill_(0, filled, 1)
+    log_probs.view(-1).index_copy_(0, filled, torch.tensor(list(chain.from_iterable(r.log_probs for r in requests)),
+                                                           dtype=torch.float32))
     prompts, prompt_mask = prompts.cpu().to(torch.int64), prompt_mask.cpu().to(torch.int64)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     tensors = {

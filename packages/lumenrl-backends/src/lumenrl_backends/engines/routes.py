@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EngineRoutes", "NoRoutes", "carry_routes", "engine_routes", "r3_engine_kwargs", "record_generate_routes", "routes_column"]
+__all__ = ["EngineRoutes", "NoRoutes", "carry_routes", "engine_routes", "r3_engine_kwargs", "record_generate_routes", "routes_column",
+           "row_ranges"]
 
 
 class EngineRoutes:
@@ -85,7 +86,7 @@ class EngineRoutes:
             return
         counts = [p[2] for p in pending]
         first = pending[0][1]
-        index = None if len(pending) == 1 else _row_ranges([p[1] for p in pending], counts).to(self.routes.device,
+        index = None if len(pending) == 1 else row_ranges([p[1] for p in pending], counts).to(self.routes.device,
                                                                                             non_blocking=True)
 
         def rows(buffer: torch.Tensor | None) -> list[torch.Tensor | None]:  # one request: a slice copy, no index
@@ -163,11 +164,11 @@ def _laid_out(parts: list[torch.Tensor], counts: list[int], firsts: list[int], g
     rows = _rows(parts, counts, device)
     out = torch.empty(*grid, *parts[0].shape[1:], dtype=fill.dtype, device=device)
     out.copy_(fill.to(device))
-    out.view(-1, *parts[0].shape[1:]).index_copy_(0, _row_ranges(firsts, counts).to(device), rows.to(fill.dtype))
+    out.view(-1, *parts[0].shape[1:]).index_copy_(0, row_ranges(firsts, counts).to(device), rows.to(fill.dtype))
     return out.cpu()
 
 
-def _row_ranges(starts: list[int], counts: list[int]) -> torch.Tensor:
+def row_ranges(starts: list[int], counts: list[int]) -> torch.Tensor:
     """``cat(arange(s, s + n) for s, n in zip(starts, counts))`` as one int64 tensor, without a Python loop
     over rows."""
     counts_t = torch.tensor(counts, dtype=torch.int64)
@@ -187,7 +188,7 @@ def _rows(parts: list[torch.Tensor], counts: list[int], device: torch.device) ->
     if counts == lengths:
         return stacked
     starts = torch.cumsum(torch.tensor([0, *lengths[:-1]]), 0).tolist()
-    return stacked.index_select(0, _row_ranges(starts, counts).to(device))
+    return stacked.index_select(0, row_ranges(starts, counts).to(device))
 
 
 def _stacked(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
