@@ -7,6 +7,7 @@ speculative next step (overlapped host sync) must keep tokens and log-probs bit-
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -363,6 +364,23 @@ def test_speculative_step_keeps_results_bit_identical(qwen3_dir):
         assert list(a.non_tensor_batch["finish_reason"]) == list(b.non_tensor_batch["finish_reason"])
     assert overlap.speculation["launched"] > 0 and overlap.speculation["rolled_back"] > 0
     assert sync.speculation["launched"] == 0
+
+
+def test_no_step_is_speculated_past_every_rows_last_token(qwen3_dir):
+    """Every row stops at its length cap: the overlapped loop queues a step ahead on every decode step but the
+    last (that step would only be discarded and waited for), with results equal to the synchronous loop;
+    a per-row cap (``max_new_tokens`` column) shorter than the sampling's counts as the row's last token."""
+    sync, overlap = engine(qwen3_dir, kernels=KernelOptions(overlap_sync=False)), engine(qwen3_dir)
+    batch = prompt_batch(sync.tokenizer)
+    for new in (2, 9):
+        before = overlap.speculation["launched"]
+        params = {**SAMPLED, "max_new_tokens": new, "ignore_eos": True}
+        assert_same(overlap.generate(batch, params), sync.generate(batch, params), atol=0.0)
+        assert overlap.speculation["launched"] - before == new - 2  # decode steps 2..new-1 ran queued ahead
+    batch["max_new_tokens"] = np.full(len(batch), 5, dtype=np.int64)  # each row's own cap
+    before = overlap.speculation["launched"]
+    out = overlap.generate(batch, {**SAMPLED, "max_new_tokens": 9, "ignore_eos": True})
+    assert (out.batch["response_mask"].sum(1) == 5).all() and overlap.speculation["launched"] - before == 3
 
 
 def test_interrupt_from_another_thread_with_a_speculative_step_in_flight(qwen3_dir):

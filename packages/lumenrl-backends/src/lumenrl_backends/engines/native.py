@@ -366,10 +366,7 @@ class NativeEngine:
     ) -> None:
         if request.response[-1] in stops:
             request.finish_reason = STOP
-        elif (
-            len(request.response) >= min(params.max_new_tokens, request.max_new_tokens or params.max_new_tokens)
-            or self.slots.host_columns[slot] - lag >= self.max_seq_len
-        ):
+        elif len(request.response) >= request.cap(params) or self.slots.host_columns[slot] - lag >= self.max_seq_len:
             request.finish_reason = LENGTH
         if request.done:
             self.routes.take(request, slot, self.slots.host_columns[slot] - lag)
@@ -518,7 +515,8 @@ class NativeEngine:
         tokens and log-probs are those of the unspeculated loop."""
         step, self._inflight = self._inflight or self._launch(active, params), None
         s = self.slots
-        if speculate and all(s.host_columns[slot] < self.max_seq_len for slot in active):
+        ends = all(len(r.response) + 1 >= r.cap(params) for r in active.values())  # every row's last token
+        if speculate and not ends and all(s.host_columns[slot] < self.max_seq_len for slot in active):
             self._inflight = self._launch(active, params)  # every row's next column is in the cache
             self.speculation["launched"] += 1
         if step.event is not None:

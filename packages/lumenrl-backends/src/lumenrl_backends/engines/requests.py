@@ -59,6 +59,10 @@ class Request:
     def context(self) -> list[int]:
         return self.prompt + self.response
 
+    def cap(self, params: SamplingParams) -> int:
+        """The most response tokens this row may have (its own cap within the sampling's)."""
+        return min(params.max_new_tokens, self.max_new_tokens or params.max_new_tokens)
+
 
 def stop_ids_for(params: SamplingParams, eos_token_ids: list[int]) -> frozenset[int]:
     stops = set(params.stop_token_ids)
