@@ -110,6 +110,18 @@ def test_dynamic_sampling_stops_at_the_generation_bound():
     assert len(set(result.batch.non_tensor_batch["uid"])) == 6  # 2 mixed groups per round, not full
 
 
+def test_rollout_marks_prompts_generate_and_score_in_a_profiler_trace():
+    """Each round's prompt fetch, generation and scoring are ``lumenrl/<phase>`` ranges of a torch.profiler
+    trace, as the trainer's PhaseTimer phases are, so a profiled step attributes the GPU's idle time to them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        collect_rollouts(next_prompts=lambda: _prompts(4), engine=_ScriptedEngine(width=2), score=_score, sampling={},
+                         n=2, run_seed=0, step=1, target_groups=8, dynamic_sampling=True, max_num_gen_batches=2)
+    names = [e.name for e in prof.events() if e.name.startswith("lumenrl/")]
+    assert names.count("lumenrl/prompts") == names.count("lumenrl/generate") == names.count("lumenrl/score") == 2
+
+
 def test_concat_rounds_pads_prompt_left_and_response_right():
     a = _ScriptedEngine(width=2).generate(_prompts(2, width=3), {})
     b = _ScriptedEngine(width=4).generate(_prompts(2, width=5), {})

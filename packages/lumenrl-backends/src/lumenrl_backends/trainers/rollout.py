@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from lumenrl_core.algorithms import DynamicSamplingState, dynamic_sampling_keep_indices, outcome_scores
 from lumenrl_core.data_proto import DataProto
@@ -115,13 +116,16 @@ def collect_rollouts(
     kept: list[DataProto] = []
     result = RolloutResult(batch=DataProto())
     for round_index in _rounds(dynamic_sampling, state):
-        rows = expand_groups(next_prompts(), n, group_tag=f"s{step}r{round_index}")
+        with record_function("lumenrl/prompts"):  # ranges of a torch.profiler trace, as PhaseTimer's phases
+            rows = expand_groups(next_prompts(), n, group_tag=f"s{step}r{round_index}")
         start = time.perf_counter()
-        batch = generate(engine, rows, sampling, sampling_seed(run_seed, step, round_index))
+        with record_function("lumenrl/generate"):
+            batch = generate(engine, rows, sampling, sampling_seed(run_seed, step, round_index))
         result.generate_s += time.perf_counter() - start
         result.generated_tokens += int(batch.batch["response_mask"].sum())
         start = time.perf_counter()
-        metrics = score(batch)
+        with record_function("lumenrl/score"):
+            metrics = score(batch)
         result.score_s += time.perf_counter() - start
         if round_index == 0:
             result.metrics.update(metrics)
