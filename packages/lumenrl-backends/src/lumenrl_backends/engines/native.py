@@ -515,8 +515,8 @@ class NativeEngine:
         tokens and log-probs are those of the unspeculated loop."""
         step, self._inflight = self._inflight or self._launch(active, params), None
         s = self.slots
-        ends = all(len(r.response) + 1 >= r.cap(params) for r in active.values())  # every row's last token
-        if speculate and not ends and all(s.host_columns[slot] < self.max_seq_len for slot in active):
+        if (speculate and any(len(r.response) + 1 < r.cap(params) for r in active.values())  # not all last tokens
+                and all(s.host_columns[slot] < self.max_seq_len for slot in active)):
             self._inflight = self._launch(active, params)  # every row's next column is in the cache
             self.speculation["launched"] += 1
         if step.event is not None:
