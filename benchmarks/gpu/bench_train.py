@@ -17,6 +17,8 @@ policy-gradient loss) on random-initialized Qwen3 shapes:
   (twice the tokens per optimizer step; the optimizer cost is amortized over them).
   ``+torch_adamw``: the single-device path with torch's fused AdamW instead of its flat Triton
   AdamW (``training/flat_adamw.py``, the CUDA default), for the side-by-side optimizer cost.
+  ``+mix_split32`` / ``+mix_split64`` / ``+no_mix``: the single-device compiled step under an Inductor
+  config patch (the mix-order reduction's split size, or the reduction off), to time against the default.
   Before timing any ``+single`` variant, :func:`check_single_vs_sharded` runs one step of both
   paths on a small Qwen3 on the GPU and requires equal losses, grad norms and master updates
   (within bf16 tolerance); its result is in the JSON (``numerics_check``).
@@ -46,6 +48,7 @@ import traceback
 from typing import Any
 
 import torch
+import torch._inductor.config
 
 from benchmarks.gpu._common import OUT_DIR, command_line, environment, print_table, write_json  # noqa: E402
 from benchmarks.gpu.trace_gaps import format_gaps, profile_gaps  # noqa: E402
@@ -86,6 +89,14 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
     "8b-layers/bf16+compile": ("8b-layers", "full", {**COMPILE, **OFF}, None, False),
     "8b-layers/bf16+compile+single": ("8b-layers", "full", {**COMPILE, **ON}, None, False),
     "8b-layers/fp8-tensorwise+compile": ("8b-layers", "full", {**COMPILE, **OFF}, "tensorwise", False),
+    # Inductor's mix-order reduction (each RMSNorm backward: one kernel for the input gradient and per-split
+    # partial sums of the weight gradient, then an ATen sum over the splits in the wrapper). Its split-size
+    # heuristic (rows / (8 x SMs), clamped to 16..128) gives 512 x 2048 partials per hidden-size norm at
+    # 8 x 1024 tokens; these variants time larger splits (fewer partials to sum) and the unfused reductions.
+    **{f"1.7b/bf16+compile+single+{tag}": ("1.7b", "full", {**COMPILE, **ON, "inductor": patch}, None, False)
+       for tag, patch in (("mix_split32", {"triton.mix_order_reduction_split_size": 32}),
+                          ("mix_split64", {"triton.mix_order_reduction_split_size": 64}),
+                          ("no_mix", {"triton.mix_order_reduction": False}))},
 }
 
 
@@ -192,6 +203,14 @@ def run_variant(
     rows = kwargs.pop("rows", rows)
     micro = kwargs.pop("micro", rows)
     flat = kwargs.pop("flat_optimizer", None)
+    with torch._inductor.config.patch(kwargs.pop("inductor", {})):  # read when the first step compiles
+        return _run_variant(name, shape, kind, kwargs, recipe, ac, rows, micro, flat, steps, warmup, device, seq,
+                            profile)
+
+
+def _run_variant(name: str, shape: str, kind: str, kwargs: dict[str, Any], recipe: str | None, ac: bool, rows: int,
+                 micro: int, flat: bool | None, steps: int, warmup: int, device: torch.device, seq: int,
+                 profile: bool) -> dict[str, Any]:
     model = build_model(shape, device)
     params = sum(p.numel() for p in model.parameters())  # unique (tied counted once)
     vocab = model.config.vocab_size

@@ -23,7 +23,6 @@ import argparse
 import copy
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -36,12 +35,6 @@ _GPU_SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=
                   head_dim=128, vocab_size=151936, num_hidden_layers=4, max_position_embeddings=4096)
 _CPU_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, vocab_size=128, num_hidden_layers=2, max_position_embeddings=256)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sync(device: torch.device) -> None:
@@ -83,27 +76,37 @@ def _measure(model, tp: int, world: int, device, rows: int, seq: int, repeats: i
     return {f"tp{tp}_prefill_tok_s": tokens / fwd, f"tp{tp}_train_tok_s": tokens / train, f"tp{tp}_peak_gib": peak}
 
 
-def _worker(rank: int, world: int, port: int, smoke: bool, out: str) -> None:
+def _worker(rank: int, world: int, store: str, smoke: bool, out: str) -> None:
+    import faulthandler
+
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    faulthandler.enable()  # a rank killed by a signal (an abort in C++) prints its Python stacks
     device = torch.device("cpu") if smoke else torch.device("cuda", rank)
-    if not smoke:
+    if smoke:
+        torch.set_num_threads(1)  # the ranks share the machine's cores (CI: two)
+    else:
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group("gloo" if smoke else "nccl")
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model("qwen3", **(_CPU_SHAPE if smoke else _GPU_SHAPE), tie_word_embeddings=False)
-    dtype = torch.float32 if smoke else torch.bfloat16
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
-    rows, seq, repeats = (2, 16, 1) if smoke else (8, 1024, 3)
-    result: dict[str, Any] = {"world": world, "shape": "tiny-cpu" if smoke else "qwen3-1.7b-4layers"}
-    for tp in (1, 2, 4):
-        if tp <= world and world % tp == 0:
-            result.update(_measure(model, tp, world, device, rows, seq, repeats))
-    if rank == 0:
-        with open(out, "w") as fh:
-            json.dump(result, fh)
-    torch.distributed.destroy_process_group()
+    # rendezvous through a file in the run's temporary folder: no port is picked here and bound later by a
+    # rank (another process can take it in between)
+    torch.distributed.init_process_group("gloo" if smoke else "nccl", init_method=f"file://{store}", rank=rank,
+                                         world_size=world, **({} if smoke else {"device_id": device}))
+    try:
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model("qwen3", **(_CPU_SHAPE if smoke else _GPU_SHAPE), tie_word_embeddings=False)
+        dtype = torch.float32 if smoke else torch.bfloat16
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+        rows, seq, repeats = (2, 16, 1) if smoke else (8, 1024, 3)
+        result: dict[str, Any] = {"world": world, "shape": "tiny-cpu" if smoke else "qwen3-1.7b-4layers"}
+        for tp in (1, 2, 4):
+            if tp <= world and world % tp == 0:
+                result.update(_measure(model, tp, world, device, rows, seq, repeats))
+        if rank == 0:
+            with open(out, "w") as fh:
+                json.dump(result, fh)
+        torch.distributed.barrier()  # no rank tears the group down while another still uses it
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def run(smoke: bool) -> dict[str, Any]:
@@ -112,7 +115,7 @@ def run(smoke: bool) -> dict[str, Any]:
         raise RuntimeError(f"bench_tp needs >= 2 GPUs; {world} visible")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
-        mp.spawn(_worker, args=(world, _free_port(), smoke, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), smoke, out), nprocs=world, join=True)
         with open(out) as fh:
             return json.load(fh)
 
