@@ -33,6 +33,9 @@ def _share_cores_among_workers() -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Every Python process a test starts (ranks, servers, examples) prints its threads' stacks when a signal
+    # kills it (an abort in C++, a segfault): a crash in a child names its place in the test's output.
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         _share_cores_among_workers()
         return  # the controller set it up; workers share its cache

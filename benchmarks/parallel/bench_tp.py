@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import json
 import os
 import statistics
@@ -87,10 +88,12 @@ def _worker(rank: int, world: int, store: str, smoke: bool, out: str) -> None:
         torch.set_num_threads(1)  # the ranks share the machine's cores (CI: two)
     else:
         torch.cuda.set_device(device)
-    # rendezvous through a file in the run's temporary folder: no port is picked here and bound later by a
-    # rank (another process can take it in between)
+    # Rendezvous through a file in the run's temporary folder: no port is picked here and bound later by a
+    # rank (another process can take it in between). A lost rank fails the others' collectives within 5
+    # minutes, not torch's default 30.
     torch.distributed.init_process_group("gloo" if smoke else "nccl", init_method=f"file://{store}", rank=rank,
-                                         world_size=world, **({} if smoke else {"device_id": device}))
+                                         world_size=world, timeout=datetime.timedelta(minutes=5),
+                                         **({} if smoke else {"device_id": device}))
     try:
         torch.manual_seed(0)
         cfg = AutoConfig.for_model("qwen3", **(_CPU_SHAPE if smoke else _GPU_SHAPE), tie_word_embeddings=False)
