@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     trainer = plan.trainer_cls.from_plan(plan)  # == lumenrl_core.assembly.assemble(config)
     summary = trainer.fit()
+    from lumenrl_backends.training.distributed import release_process_group
+
+    release_process_group()  # the process group the run made (torchrun ranks, or one rank) goes before exit
     before = summary["eval_before"].get("eval/accuracy")
     after = summary["eval_after"].get("eval/accuracy")
     if before is not None and after is not None:

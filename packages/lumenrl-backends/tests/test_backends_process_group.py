@@ -38,3 +38,39 @@ def test_one_rank_group_writes_no_rendezvous_environment():
     assert parent["env"] == []  # nothing for a child to inherit
     child = json.loads(parent["child"])  # the child, started while the parent's group lives, formed its own
     assert child["world"] == 1 and child["sum"] == 2.0 and child["env"] == []
+
+
+_RELEASE = """
+import json, socket
+import torch
+import torch.distributed as dist
+from lumenrl_backends.training import distributed as D
+
+out = {}
+D.ensure_process_group(torch.device("cpu"))
+D.release_process_group()
+out["own_released"] = not dist.is_initialized()
+D.ensure_process_group(torch.device("cpu"))  # a second run in the same process makes a fresh group
+t = torch.tensor([3.0])
+dist.all_reduce(t)
+out["second_sum"] = float(t)
+D.release_process_group()
+D.release_process_group()  # nothing left to release: a no-op
+out["second_released"] = not dist.is_initialized()
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)  # the caller's
+D.ensure_process_group(torch.device("cpu"))  # uses it
+D.release_process_group()
+out["callers_kept"] = dist.is_initialized()
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_release_destroys_only_the_group_ensure_made():
+    done = subprocess.run([sys.executable, "-c", _RELEASE], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {"own_released": True, "second_sum": 3.0, "second_released": True, "callers_kept": True}

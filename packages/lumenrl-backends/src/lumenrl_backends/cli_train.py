@@ -56,6 +56,7 @@ def plan_from_args(config: str | None, overrides: Sequence[str], *, start_rollou
 def run_train(args: argparse.Namespace) -> int:
     plan = plan_from_args(args.config, args.overrides, start_rollouter_server=True)
     from lumenrl_backends.cli import CLIError
+    from lumenrl_backends.training.distributed import release_process_group
     from lumenrl_backends.training.nonfinite import NonFiniteError
 
     trainer = plan.trainer_cls.from_plan(plan)
@@ -63,4 +64,5 @@ def run_train(args: argparse.Namespace) -> int:
         trainer.fit()
     except NonFiniteError as exc:  # a streak of skipped steps, or non-finite weights at a save: one line
         raise CLIError(f"training stopped: {exc}") from None
+    release_process_group()  # every rank ends fit together; the group the run made goes before exit
     return 0

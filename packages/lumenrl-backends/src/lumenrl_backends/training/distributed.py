@@ -3,6 +3,9 @@
 One process or torchrun ranks: when ``torch.distributed`` is not initialized yet, a backend
 initializes it from the torchrun environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/...) or,
 without one, as a 1-rank group on a free local port. gloo on CPU, nccl on CUDA.
+:func:`release_process_group` destroys that group (only one this module made) at the normal end of
+a run, as torch asks of every program: left to interpreter exit, a group's backend is torn down
+while Python itself is being finalized.
 :func:`as_floats` turns a step's collected metric tensors into floats with one host copy per device.
 Reductions and gathers take an optional ``group`` (the data-parallel ranks of a TP/CP mesh); None
 is the whole world. :func:`clip_grad_norm_` clips gradients that are DTensors on several meshes.
@@ -23,6 +26,7 @@ from lumenrl_backends.training.local_shards import sharded_grad_norm, step_on_lo
 
 __all__ = [
     "ensure_process_group",
+    "release_process_group",
     "world_size",
     "rank",
     "all_reduce_sum",
@@ -57,6 +61,21 @@ def ensure_process_group(device: torch.device) -> None:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         kwargs.update(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     dist.init_process_group(backend=backend, **kwargs)
+    global _owned_group
+    _owned_group = dist.group.WORLD
+
+
+_owned_group: Any = None  # the default group ensure_process_group made (None: none, or the caller's own)
+
+
+def release_process_group() -> None:
+    """Destroy the process group :func:`ensure_process_group` made, if it is still the current one; a
+    group the caller initialized is the caller's to destroy and is left alone. Every rank calls it at the
+    same point, after its last collective (the end of a run)."""
+    global _owned_group
+    owned, _owned_group = _owned_group, None
+    if owned is not None and dist.is_initialized() and dist.group.WORLD is owned:
+        dist.destroy_process_group()
 
 
 def world_size() -> int:
