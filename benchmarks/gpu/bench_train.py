@@ -203,14 +203,7 @@ def run_variant(
     rows = kwargs.pop("rows", rows)
     micro = kwargs.pop("micro", rows)
     flat = kwargs.pop("flat_optimizer", None)
-    with torch._inductor.config.patch(kwargs.pop("inductor", {})):  # read when the first step compiles
-        return _run_variant(name, shape, kind, kwargs, recipe, ac, rows, micro, flat, steps, warmup, device, seq,
-                            profile)
-
-
-def _run_variant(name: str, shape: str, kind: str, kwargs: dict[str, Any], recipe: str | None, ac: bool, rows: int,
-                 micro: int, flat: bool | None, steps: int, warmup: int, device: torch.device, seq: int,
-                 profile: bool) -> dict[str, Any]:
+    kwargs.pop("inductor", None)  # applied around this call by main
     model = build_model(shape, device)
     params = sum(p.numel() for p in model.parameters())  # unique (tied counted once)
     vocab = model.config.vocab_size
@@ -403,7 +396,9 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         signal.alarm(args.variant_timeout_s)
         try:
-            r = run_variant(name, args.steps, args.warmup, device, rows, seq, name in args.profile.split(","))
+            # a variant's Inductor config patch holds while its first step compiles
+            with torch._inductor.config.patch(VARIANTS[name][2].get("inductor", {})):
+                r = run_variant(name, args.steps, args.warmup, device, rows, seq, name in args.profile.split(","))
         except Exception as exc:  # report and go on: one broken variant must not lose the others
             traceback.print_exc()
             r = {"variant": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
