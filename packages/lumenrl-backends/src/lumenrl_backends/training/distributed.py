@@ -46,6 +46,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_owned_group: Any = None  # the default group ensure_process_group made (None: none, or the caller's own)
+
+
 def ensure_process_group(device: torch.device) -> None:
     """Initialize ``torch.distributed`` (gloo on CPU, nccl on CUDA) unless already initialized: from the
     torchrun / Ray environment (``RANK``, ``WORLD_SIZE``, ``MASTER_*``) where it is set, else as a one-rank
@@ -63,9 +66,6 @@ def ensure_process_group(device: torch.device) -> None:
     dist.init_process_group(backend=backend, **kwargs)
     global _owned_group
     _owned_group = dist.group.WORLD
-
-
-_owned_group: Any = None  # the default group ensure_process_group made (None: none, or the caller's own)
 
 
 def release_process_group() -> None:
