@@ -308,6 +308,8 @@ def engines_with_and_without(tmp: str, device: str = "cpu", compile: str = "none
     model, tokenizer = load_model_and_tokenizer(path, dtype="bfloat16")
     enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
     batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    # interpreted (CPU): RoPE in torch, the decode GEMMs are what differs; the interpreted RoPE kernel costs seconds
+    # a step and has its own engine tests (test_backends_engine_rope.py)
     outs, launches, routed, fused = [], [], 0, 0
     launch = tlin._launch
     for on in (False, True):
@@ -320,7 +322,7 @@ def engines_with_and_without(tmp: str, device: str = "cpu", compile: str = "none
         tlin._launch = counted
         try:
             engine = NativeEngine(model, tokenizer, device=device, max_batch_size=8, max_seq_len=40, compile=compile,
-                                  kernels=KernelOptions(decode_linear="on" if on else "off"))
+                                  kernels=KernelOptions(decode_linear="on" if on else "off", fused_qk_rope=device != "cpu"))
             outs.append(engine.generate(batch, GREEDY).batch)
         finally:
             tlin._launch = launch
@@ -342,6 +344,7 @@ def engines_fused_norm(tmp: str, device: str = "cpu", compile: str = "none", fam
     model, tokenizer = load_model_and_tokenizer(path, dtype="bfloat16")
     enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
     batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    # interpreted (CPU): RoPE in torch, as in engines_with_and_without
     outs, launch, seen, layers = [], tlin._launch, {"norm": 0, "residual": 0}, 0
     for on in (False, True):
         def counted(*args, _on=on, **kwargs):  # noqa: ANN002, ANN003, ANN202
@@ -352,7 +355,7 @@ def engines_fused_norm(tmp: str, device: str = "cpu", compile: str = "none", fam
         tlin._launch = counted
         try:
             engine = NativeEngine(model, tokenizer, device=device, max_batch_size=8, max_seq_len=40, compile=compile,
-                                  kernels=KernelOptions(decode_linear="on", fused_norm=on))
+                                  kernels=KernelOptions(decode_linear="on", fused_norm=on, fused_qk_rope=device != "cpu"))
             outs.append(engine.generate(batch, GREEDY).batch)
         finally:
             tlin._launch = launch
