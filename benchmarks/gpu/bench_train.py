@@ -17,8 +17,9 @@ policy-gradient loss) on random-initialized Qwen3 shapes:
   (twice the tokens per optimizer step; the optimizer cost is amortized over them).
   ``+torch_adamw``: the single-device path with torch's fused AdamW instead of its flat Triton
   AdamW (``training/flat_adamw.py``, the CUDA default), for the side-by-side optimizer cost.
-  ``+mix_split32`` / ``+mix_split64`` / ``+no_mix``: the single-device compiled step under an Inductor
-  config patch (the mix-order reduction's split size, or the reduction off), to time against the default.
+  ``+mix_order`` / ``+mix_split64``: the single-device compiled step with the decoder layers' Inductor options
+  (``training.modeling.LAYER_INDUCTOR_OPTIONS``) changed for that variant: Inductor's mix-order reduction back
+  on (its own default, which the layers turn off), or on with a 64-row split, to time against the default.
   Before timing any ``+single`` variant, :func:`check_single_vs_sharded` runs one step of both
   paths on a small Qwen3 on the GPU and requires equal losses, grad norms and master updates
   (within bf16 tolerance); its result is in the JSON (``numerics_check``).
@@ -46,14 +47,15 @@ import statistics
 import time
 import traceback
 from typing import Any
+from unittest import mock
 
 import torch
-import torch._inductor.config
 
 from benchmarks.gpu._common import OUT_DIR, command_line, environment, print_table, write_json  # noqa: E402
 from benchmarks.gpu.trace_gaps import format_gaps, profile_gaps  # noqa: E402
 from benchmarks.telemetry import GpuSampler  # noqa: E402
 from lumenrl_backends.training.fsdp2 import FSDP2Backend  # noqa: E402
+from lumenrl_backends.training.modeling import LAYER_INDUCTOR_OPTIONS  # noqa: E402
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, TrainingQuantConfig  # noqa: E402
 from lumenrl_core.data_proto import DataProto  # noqa: E402
 
@@ -90,13 +92,13 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
     "8b-layers/bf16+compile+single": ("8b-layers", "full", {**COMPILE, **ON}, None, False),
     "8b-layers/fp8-tensorwise+compile": ("8b-layers", "full", {**COMPILE, **OFF}, "tensorwise", False),
     # Inductor's mix-order reduction (each RMSNorm backward: one kernel for the input gradient and per-split
-    # partial sums of the weight gradient, then an ATen sum over the splits in the wrapper). Its split-size
-    # heuristic (rows / (8 x SMs), clamped to 16..128) gives 512 x 2048 partials per hidden-size norm at
-    # 8 x 1024 tokens; these variants time larger splits (fewer partials to sum) and the unfused reductions.
+    # partial sums of the weight gradient, then an ATen sum over the splits in the wrapper), which the compiled
+    # layers turn off (decision 0006): these variants turn it back on, with Inductor's split-size heuristic
+    # (rows / (8 x SMs), clamped to 16..128) or a 64-row split, for the side-by-side timing.
     **{f"1.7b/bf16+compile+single+{tag}": ("1.7b", "full", {**COMPILE, **ON, "inductor": patch}, None, False)
-       for tag, patch in (("mix_split32", {"triton.mix_order_reduction_split_size": 32}),
-                          ("mix_split64", {"triton.mix_order_reduction_split_size": 64}),
-                          ("no_mix", {"triton.mix_order_reduction": False}))},
+       for tag, patch in (("mix_order", {"triton.mix_order_reduction": True}),
+                          ("mix_split64", {"triton.mix_order_reduction": True,
+                                           "triton.mix_order_reduction_split_size": 64}))},
 }
 
 
@@ -203,7 +205,7 @@ def run_variant(
     rows = kwargs.pop("rows", rows)
     micro = kwargs.pop("micro", rows)
     flat = kwargs.pop("flat_optimizer", None)
-    kwargs.pop("inductor", None)  # applied around this call by main
+    kwargs.pop("inductor", None)  # the layers' Inductor options: set around this call by main
     model = build_model(shape, device)
     params = sum(p.numel() for p in model.parameters())  # unique (tied counted once)
     vocab = model.config.vocab_size
@@ -396,8 +398,8 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         signal.alarm(args.variant_timeout_s)
         try:
-            # a variant's Inductor config patch holds while its first step compiles
-            with torch._inductor.config.patch(VARIANTS[name][2].get("inductor", {})):
+            # a variant's layer Inductor options hold while its first step compiles the layers
+            with mock.patch.dict(LAYER_INDUCTOR_OPTIONS, VARIANTS[name][2].get("inductor", {})):
                 r = run_variant(name, args.steps, args.warmup, device, rows, seq, name in args.profile.split(","))
         except Exception as exc:  # report and go on: one broken variant must not lose the others
             traceback.print_exc()

@@ -83,6 +83,29 @@ def test_probe_and_capabilities():
     assert {"logprobs", "values", "checkpoint"} <= FSDP2Backend.capabilities
 
 
+def test_compiled_layers_take_the_layer_inductor_options(tiny_path):
+    """Inductor layers compile with LAYER_INDUCTOR_OPTIONS (mix-order reduction off); another backend gets none;
+    a key this torch's Inductor lacks is dropped, not passed on (compiling would refuse it)."""
+    from unittest import mock
+
+    import torch._inductor.config as inductor_config
+
+    from lumenrl_backends.training import modeling
+
+    before = inductor_config.triton.mix_order_reduction
+    model = load(tiny_path)
+    modeling.compile_decoder_layers(model, True)
+    for layer in modeling.decoder_layers(model):
+        config = layer._compiled_call_impl.get_compiler_config()
+        assert config["triton.mix_order_reduction"] is False
+    assert inductor_config.triton.mix_order_reduction is before  # the process-wide setting is left alone
+    eager = load(tiny_path)
+    modeling.compile_decoder_layers(eager, "eager")
+    assert modeling.decoder_layers(eager)[0]._compiled_call_impl.get_compiler_config() is None
+    with mock.patch.dict(modeling.LAYER_INDUCTOR_OPTIONS, {"triton.no_such_option": 1}):
+        assert modeling.layer_inductor_options() == {"triton.mix_order_reduction": False}
+
+
 def test_log_probs_match_a_plain_float64_forward(tiny_path):
     batch = make_batch(5)
     be = backend(tiny_path, role="ref", micro=2)

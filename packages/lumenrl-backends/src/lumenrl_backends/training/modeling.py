@@ -18,10 +18,12 @@ from torch import nn
 from lumenrl_backends.training.logprobs import fused_token_log_probs
 
 __all__ = [
+    "LAYER_INDUCTOR_OPTIONS",
     "CriticModel",
     "compile_decoder_layers",
     "decoder_layers",
     "enable_activation_checkpointing",
+    "layer_inductor_options",
     "response_logits",
     "token_log_probs",
 ]
@@ -61,11 +63,33 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+# Inductor options of the compiled decoder layers (decision 0006). No mix-order reduction: each RMSNorm
+# backward's weight gradient is a reduction kernel of its own, not per-split partial sums that the generated
+# wrapper then adds up with an ATen sum (4 per layer); the 1.7B step took 0.3-1.1 ms less in 4 of 4 pairs.
+LAYER_INDUCTOR_OPTIONS: dict[str, object] = {"triton.mix_order_reduction": False}
+
+
+def layer_inductor_options() -> dict[str, object]:
+    """:data:`LAYER_INDUCTOR_OPTIONS` less the keys this torch's Inductor does not have (an older release)."""
+    import torch._inductor.config as inductor_config
+
+    def known(key: str) -> bool:
+        node = inductor_config
+        for part in key.split("."):
+            if not hasattr(node, part):
+                return False
+            node = getattr(node, part)
+        return True
+
+    return {k: v for k, v in LAYER_INDUCTOR_OPTIONS.items() if known(k)}
+
+
 def compile_decoder_layers(model: nn.Module, backend: bool | str) -> None:
     """``nn.Module.compile`` on every decoder layer (in place: parameter names do not change).
 
     Identical layers share one compiled graph; the recompile limit is raised so that per-layer
     guards never push a layer back to eager. FSDP2's hooks stay eager (dynamo skips them).
+    Under Inductor (``True`` or ``"inductor"``) the layers compile with :func:`layer_inductor_options`.
     """
     import torch._dynamo
 
@@ -74,7 +98,10 @@ def compile_decoder_layers(model: nn.Module, backend: bool | str) -> None:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(config, name):
             setattr(config, name, max(getattr(config, name), 2 * len(layers) + 8))
-    kwargs = {} if backend is True else {"backend": backend}
+    kwargs: dict[str, object] = {} if backend is True else {"backend": backend}
+    options = layer_inductor_options() if backend in (True, "inductor") else {}
+    if options:
+        kwargs["options"] = options
     for layer in layers:
         layer.compile(dynamic=False, **kwargs)
 
