@@ -8,8 +8,10 @@ the gap (the innermost ``cpu_op`` or runtime call, e.g. ``aten::_chunk_cat`` or 
 A gap whose activity was launched before it began waited on something else (another stream, an event).
 
 ``idle_summary(trace)`` totals a whole trace instead: span, busy time (the union of GPU activities) and idle time,
-the idle split by the ``lumenrl/<phase>`` range around it (the trainer's ``PhaseTimer`` marks each phase of a step),
-and the largest gaps with the host work that covered them: which phase of a profiled step leaves the GPU waiting.
+the idle split by the ``lumenrl/<phase>`` range around it (the trainer's ``PhaseTimer`` marks each phase of a step,
+the rollout its ``prompts``/``generate``/``score`` and the native engine its ``prefill``), the busy time split by the
+phase that launched each activity, and the largest gaps with the host work that covered them: which phase of a
+profiled step keeps the GPU busy, and which leaves it waiting.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ HOST_CATS = ("cpu_op", "cuda_runtime", "cuda_driver")
 def _events(trace: dict[str, Any], cats: tuple[str, ...]) -> list[dict[str, Any]]:
     return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in cats
             and "ts" in e and "dur" in e]
+
+
+def _launches(trace: dict[str, Any]) -> dict[Any, dict[str, Any]]:
+    """Runtime/driver calls by correlation id (the launch of the GPU activity with the same id)."""
+    return {e["args"]["correlation"]: e for e in _events(trace, ("cuda_runtime", "cuda_driver"))
+            if e.get("args", {}).get("correlation") is not None}
 
 
 def _host_cover(host: list[dict[str, Any]], start: float, end: float) -> str:
@@ -63,8 +71,7 @@ def _largest(gaps: list[tuple[float, float, dict[str, Any], str]], top: int) -> 
 def idle_gaps(trace: dict[str, Any], top: int = 5, min_us: float = 20.0) -> list[dict[str, Any]]:
     """The ``top`` largest GPU idle gaps of at least ``min_us`` microseconds, largest first."""
     gpu = sorted(_events(trace, GPU_CATS), key=lambda e: e["ts"])
-    launches = {e["args"]["correlation"]: e for e in _events(trace, ("cuda_runtime", "cuda_driver"))
-                if e.get("args", {}).get("correlation") is not None}
+    launches = _launches(trace)
     host = _events(trace, HOST_CATS)
     out: list[dict[str, Any]] = []
     for start, length, e, before in _largest(_walk(gpu, min_us)[1], top):
@@ -83,7 +90,8 @@ def idle_summary(trace: dict[str, Any], *, min_us: float = 5.0, top: int = 5,
     covered them (as in :func:`idle_gaps`). Gaps below ``min_us`` count in ``idle_ms`` only."""
     gpu = sorted(_events(trace, GPU_CATS), key=lambda e: e["ts"])
     if not gpu:
-        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "idle_ms_by_phase": {}, "largest_gaps": []}
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "idle_ms_by_phase": {}, "busy_ms_by_phase": {},
+                "largest_gaps": []}
     phases = sorted(((e["ts"], e["ts"] + e["dur"], e["name"][len(phase_prefix):])
                      for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "user_annotation"
                      and str(e.get("name", "")).startswith(phase_prefix) and "ts" in e and "dur" in e),
@@ -93,6 +101,17 @@ def idle_summary(trace: dict[str, Any], *, min_us: float = 5.0, top: int = 5,
         return next((name for lo, hi, name in phases if lo <= t < hi), "")
 
     busy, gaps = _walk(gpu, min_us)
+    launches = _launches(trace)
+    busy_by_phase: dict[str, float] = {}
+    end: float | None = None
+    for e in gpu:  # each activity's share of the union, to the phase its launch (else its start) falls in
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        added = stop - (start if end is None else max(start, end))
+        if added > 0:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            phase = phase_at(launch["ts"] if launch is not None else start)
+            busy_by_phase[phase] = busy_by_phase.get(phase, 0.0) + added
+        end = stop if end is None else max(end, stop)
     by_phase: dict[str, float] = {}
     for start, length, _, _ in gaps:
         phase = phase_at(start)
@@ -103,6 +122,7 @@ def idle_summary(trace: dict[str, Any], *, min_us: float = 5.0, top: int = 5,
     span = max(e["ts"] + e["dur"] for e in gpu) - gpu[0]["ts"]
     return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3), "idle_ms": round((span - busy) / 1e3, 3),
             "gaps": len(gaps), "idle_ms_by_phase": {k: round(v / 1e3, 3) for k, v in sorted(by_phase.items())},
+            "busy_ms_by_phase": {k: round(v / 1e3, 3) for k, v in sorted(busy_by_phase.items())},
             "largest_gaps": largest}
 
 

@@ -66,8 +66,25 @@ def test_idle_summary_splits_idle_by_phase_and_host():
     assert [g["gap_us"] for g in out["largest_gaps"]] == [300.0, 138.0, 60.0]
     assert out["largest_gaps"][0]["phase"] == "update" and out["largest_gaps"][0]["after"] == "f"
     assert out["largest_gaps"][2] == {"gap_us": 60.0, "phase": "generate", "after": "c", "host": "aten::item"}
+    # busy time by phase: no launch recorded here, so each activity's share of the union goes to the phase at its start
+    assert out["busy_ms_by_phase"] == {"": 0.01, "generate": 0.2, "update": 0.1}
     assert len(idle_summary(trace, top=1)["largest_gaps"]) == 1
     assert idle_summary({"traceEvents": []})["idle_ms"] == 0.0
+
+
+def test_busy_time_goes_to_the_phase_that_launched_it():
+    """A kernel runs after its launching phase ended (queued work): its time counts for the launching phase; a
+    nested range (the engine's prefill inside generate) takes its own launches."""
+    trace = {"traceEvents": [
+        _x("user_annotation", "lumenrl/generate", 0, 100), _x("user_annotation", "lumenrl/prefill", 10, 20),
+        _x("user_annotation", "lumenrl/update", 100, 200),
+        _x("cuda_runtime", "cudaLaunchKernel", 12, 2, corr=1), _x("kernel", "prefill_gemm", 15, 30, corr=1),
+        _x("cuda_runtime", "cudaGraphLaunch", 50, 2, corr=2), _x("kernel", "decode_step", 60, 80, corr=2),  # to 140
+        _x("cuda_runtime", "cudaLaunchKernel", 150, 2, corr=3), _x("kernel", "backward", 155, 40, corr=3),
+    ]}
+    out = idle_summary(trace, min_us=5.0)
+    assert out["busy_ms_by_phase"] == {"prefill": 0.03, "generate": 0.08, "update": 0.04}
+    assert out["busy_ms"] == 0.15
 
 
 def test_phase_timer_marks_each_phase_in_a_profiler_trace():

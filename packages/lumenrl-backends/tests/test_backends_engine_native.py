@@ -68,6 +68,19 @@ def test_output_layout(loaded):
     assert out.meta_info["interrupted"] is False
 
 
+def test_prefill_is_a_profiler_range_inside_generate(loaded):
+    """Each admission's prefill runs inside a ``lumenrl/prefill`` range (benchmarks' traces split a step's GPU time
+    by such ranges); the decode loop is outside it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = engine_for(loaded, max_batch_size=4)  # 6 prompts, 4 slots: a second admission mid-generation
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.generate(prompt_batch(loaded[1]), {"temperature": 0.0, "max_new_tokens": 4})
+    ranges = [e for e in prof.events() if e.name == "lumenrl/prefill"]
+    assert len(ranges) >= 2  # the first 4 rows, then the rest as slots free up
+    assert all(e.time_range.elapsed_us() > 0 for e in ranges)
+
+
 def test_greedy_matches_hf_generate(loaded):
     model, tokenizer = loaded
     batch = prompt_batch(tokenizer)

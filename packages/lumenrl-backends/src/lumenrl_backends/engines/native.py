@@ -72,6 +72,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.engines import quant as engine_quant
@@ -345,8 +346,9 @@ class NativeEngine:
                 if queue and self.slots.free:
                     admitted = [queue.popleft() for _ in range(min(len(queue), len(self.slots.free)))]
                     tick = time.perf_counter()
-                    for chunk in self._prefill_chunks(admitted):
-                        self._admit(chunk, params, active, stops)
+                    with record_function("lumenrl/prefill"):  # a range of a torch.profiler trace (trainer phases)
+                        for chunk in self._prefill_chunks(admitted):
+                            self._admit(chunk, params, active, stops)
                     self._prefill_seconds += time.perf_counter() - tick
                 if active and not self._interrupt.is_set():
                     self._decode(active, params, stops, speculate=self.overlap_sync and not queue)
