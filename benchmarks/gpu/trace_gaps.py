@@ -49,19 +49,22 @@ def _host_cover(host: list[dict[str, Any]], start: float, end: float) -> str:
     return max(overlaps, key=lambda oe: oe[0])[1]["name"]
 
 
-def _walk(gpu: list[dict[str, Any]], min_us: float) -> tuple[float, list[tuple[float, float, dict[str, Any], str]]]:
-    """Busy microseconds (the union of the activities' intervals, ``gpu`` sorted by start) and the idle gaps of at
-    least ``min_us``: (start, length, the activity after it, the name of the one whose end began it)."""
-    busy, end, before = 0.0, None, ""
+def _walk(gpu: list[dict[str, Any]], min_us: float) -> tuple[
+        list[tuple[dict[str, Any], float]], list[tuple[float, float, dict[str, Any], str]]]:
+    """Each activity's share of the union of the intervals (``gpu`` sorted by start; their sum is the busy time)
+    and the idle gaps of at least ``min_us``: (start, length, the activity after it, the name of the one whose end
+    began it)."""
+    shares: list[tuple[dict[str, Any], float]] = []
+    end, before = None, ""
     gaps: list[tuple[float, float, dict[str, Any], str]] = []
     for e in gpu:
         start, stop = e["ts"], e["ts"] + e["dur"]
         if end is not None and start - end >= min_us:
             gaps.append((end, start - end, e, before))
         if end is None or stop > end:
-            busy += stop - max(start, end if end is not None else start)
+            shares.append((e, stop - max(start, end if end is not None else start)))
             end, before = stop, e["name"]
-    return busy, gaps
+    return shares, gaps
 
 
 def _largest(gaps: list[tuple[float, float, dict[str, Any], str]], top: int) -> list[tuple[float, float, dict[str, Any], str]]:
@@ -100,18 +103,16 @@ def idle_summary(trace: dict[str, Any], *, min_us: float = 5.0, top: int = 5,
     def phase_at(t: float) -> str:
         return next((name for lo, hi, name in phases if lo <= t < hi), "")
 
-    busy, gaps = _walk(gpu, min_us)
+    shares, gaps = _walk(gpu, min_us)
+    busy = sum(added for _, added in shares)
     launches = _launches(trace)
     busy_by_phase: dict[str, float] = {}
-    end: float | None = None
-    for e in gpu:  # each activity's share of the union, to the phase its launch (else its start) falls in
-        start, stop = e["ts"], e["ts"] + e["dur"]
-        added = stop - (start if end is None else max(start, end))
-        if added > 0:
-            launch = launches.get(e.get("args", {}).get("correlation"))
-            phase = phase_at(launch["ts"] if launch is not None else start)
-            busy_by_phase[phase] = busy_by_phase.get(phase, 0.0) + added
-        end = stop if end is None else max(end, stop)
+    for e, added in shares:  # to the phase its launch (else its start) falls in
+        if added <= 0:
+            continue
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        phase = phase_at(launch["ts"] if launch is not None else e["ts"])
+        busy_by_phase[phase] = busy_by_phase.get(phase, 0.0) + added
     by_phase: dict[str, float] = {}
     for start, length, _, _ in gaps:
         phase = phase_at(start)
