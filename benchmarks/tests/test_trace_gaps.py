@@ -65,7 +65,9 @@ def test_idle_summary_splits_idle_by_phase_and_host():
     assert out["idle_ms_by_phase"] == {"generate": 0.198, "update": 0.3}
     assert [g["gap_us"] for g in out["largest_gaps"]] == [300.0, 138.0, 60.0]
     assert out["largest_gaps"][0]["phase"] == "update" and out["largest_gaps"][0]["after"] == "f"
-    assert out["largest_gaps"][2] == {"gap_us": 60.0, "phase": "generate", "after": "c", "host": "aten::item"}
+    assert out["largest_gaps"][2] == {"gap_us": 60.0, "phase": "generate", "after": "c", "host": "aten::item",
+                                      "host_path": "other/range > lumenrl/generate > aten::item"}  # outermost first
+    assert out["largest_gaps"][0]["host_path"] == "other/range > lumenrl/update"  # no host op: the ranges alone
     # busy time by phase: no launch recorded here, so each activity's share of the union goes to the phase at its start
     assert out["busy_ms_by_phase"] == {"": 0.01, "generate": 0.2, "update": 0.1}
     assert len(idle_summary(trace, top=1)["largest_gaps"]) == 1

@@ -114,3 +114,19 @@ def test_finished_rows_are_copied_out_in_one_gather(probs, finishing):
         assert (request.route_probs is None) if not probs else torch.equal(request.route_probs, route_probs)
     rec.flush()  # nothing queued: a no-op
     assert torch.equal(requests[0].routes, want[0][0])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_row_ranges_is_the_concatenation_of_aranges(seed):
+    """Random block starts and lengths (empty blocks included) against the per-block loop it replaces."""
+    from lumenrl_backends.engines.routes import row_ranges
+
+    g = torch.Generator().manual_seed(seed)
+    blocks = int(torch.randint(1, 40, (1,), generator=g))
+    starts = torch.randint(0, 10_000, (blocks,), generator=g).tolist()
+    counts = torch.randint(0, 300, (blocks,), generator=g).tolist()
+    counts[0] = 0
+    want = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, counts)])
+    got = row_ranges(starts, counts)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert row_ranges([5, 9], [0, 0]).numel() == 0

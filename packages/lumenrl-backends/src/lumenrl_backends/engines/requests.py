@@ -180,16 +180,17 @@ def build_rollout_batch(
     from lumenrl_core.data_proto import DataProto
 
     rows, width = len(requests), max([width] + [len(r.response) for r in requests])
-    responses = torch.full((rows, width), pad_id, dtype=torch.int64)
-    response_mask = torch.zeros((rows, width), dtype=torch.int64)
-    log_probs = torch.zeros((rows, width), dtype=torch.float32)
-    # every response at the start of its row: one tensor per column from the flattened lists, one scatter
-    filled = row_ranges([r.index * width for r in requests], [len(r.response) for r in requests])
-    responses.view(-1).index_copy_(0, filled, torch.tensor(list(chain.from_iterable(r.response for r in requests)),
-                                                           dtype=torch.int64))
-    response_mask.view(-1).index_fill_(0, filled, 1)
-    log_probs.view(-1).index_copy_(0, filled, torch.tensor(list(chain.from_iterable(r.log_probs for r in requests)),
-                                                           dtype=torch.float32))
+    # every response at the start of its row: one array per column from the flattened lists, one scatter each
+    # (numpy: host bookkeeping between the rollout and the trainer, no torch CPU operator)
+    filled = row_ranges([r.index * width for r in requests], [len(r.response) for r in requests]).numpy()
+    responses = np.full((rows, width), pad_id, dtype=np.int64)
+    response_mask = np.zeros((rows, width), dtype=np.int64)
+    log_probs = np.zeros((rows, width), dtype=np.float32)
+    responses.reshape(-1)[filled] = np.fromiter(chain.from_iterable(r.response for r in requests), np.int64, filled.size)
+    response_mask.reshape(-1)[filled] = 1
+    log_probs.reshape(-1)[filled] = np.fromiter(chain.from_iterable(r.log_probs for r in requests), np.float32,
+                                                filled.size)
+    responses, response_mask, log_probs = map(torch.from_numpy, (responses, response_mask, log_probs))
     prompts, prompt_mask = prompts.cpu().to(torch.int64), prompt_mask.cpu().to(torch.int64)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     tensors = {

@@ -18,6 +18,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -170,14 +171,15 @@ def _laid_out(parts: list[torch.Tensor], counts: list[int], firsts: list[int], g
 
 def row_ranges(starts: list[int], counts: list[int]) -> torch.Tensor:
     """``cat(arange(s, s + n) for s, n in zip(starts, counts))`` as one int64 tensor, without a Python loop
-    over rows."""
-    counts_t = torch.tensor(counts, dtype=torch.int64)
-    total = int(counts_t.sum())
+    over rows. Host bookkeeping on the rollout's path, so built in numpy: no torch CPU operator (and none of its
+    intra-op thread pool) between two GPU launches."""
+    counts_a = np.asarray(counts, dtype=np.int64)
+    total = int(counts_a.sum())
     if total == 0:
         return torch.zeros(0, dtype=torch.int64)
-    first = torch.cumsum(counts_t, 0) - counts_t  # position of each block's first row in the output
-    shift = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64) - first, counts_t, output_size=total)
-    return torch.arange(total, dtype=torch.int64) + shift
+    first = np.cumsum(counts_a) - counts_a  # position of each block's first row in the output
+    shift = np.repeat(np.asarray(starts, dtype=np.int64) - first, counts_a)
+    return torch.from_numpy(np.arange(total, dtype=np.int64) + shift)
 
 
 def _rows(parts: list[torch.Tensor], counts: list[int], device: torch.device) -> torch.Tensor:
