@@ -91,7 +91,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile-steps", type=int, default=32, help="CUDA: decode steps of the rollout profile (0: none)")
     ap.add_argument("--trace-step", action="store_true",
                     help="profile one more step (host + GPU): the GPU's idle time per phase, the largest gaps and their host work")
+    ap.add_argument("--trace-stack", action="store_true",
+                    help="--trace-step with Python frames recorded too: each gap's host path names the code it sat in")
     args = ap.parse_args(argv)
+    args.trace_step = args.trace_step or args.trace_stack
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, out_dir = Path(tmp) / "model", Path(tmp) / "run"
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"step {step}: {seconds:.2f} s  phases {', '.join(f'{k} {v:.2f}' for k, v in phases.items())}")
             sys.stdout.flush()
         if args.trace_step:
-            result["step_trace"] = trace_step(trainer, args.steps + 2)
+            result["step_trace"] = trace_step(trainer, args.steps + 2, stack=args.trace_stack)
         if args.device == "cuda" and args.profile_steps > 0:
             result["profile"] = rollout_profile(trainer, args.prompts * args.generations, args.profile_steps)
             C.print_profile(result["profile"], "rollout decode step")
@@ -138,17 +141,17 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def trace_step(trainer, step: int) -> dict:
+def trace_step(trainer, step: int, stack: bool = False) -> dict:
     """One more training step under ``torch.profiler`` (host and, on CUDA, GPU activity): its wall seconds and
     :func:`~benchmarks.gpu.trace_gaps.idle_summary` (the GPU's idle time per phase, the largest gaps and their host work).
-    Not a timed step: the profiler adds host overhead to every launch. A failure of the trace itself is recorded,
-    not raised (the timed steps stand without it)."""
+    Not a timed step: the profiler adds host overhead to every launch (``stack``: Python frames too, more so). A
+    failure of the trace itself is recorded, not raised (the timed steps stand without it)."""
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.gpu.trace_gaps import export_trace, idle_summary
 
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=stack) as prof:
         start = time.perf_counter()
         trainer.train_step(step)
         if torch.cuda.is_available():

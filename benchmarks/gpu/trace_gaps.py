@@ -49,11 +49,14 @@ def _host_cover(host: list[dict[str, Any]], start: float, end: float) -> str:
     return max(overlaps, key=lambda oe: oe[0])[1]["name"]
 
 
-def _host_path(host: list[dict[str, Any]], start: float, end: float) -> str:
-    """The host events (phase ranges included) covering at least half of [start, end), outermost first: the call
-    path the gap sat in, e.g. ``lumenrl/generate > aten::repeat_interleave``."""
-    covering = [e for e in host if min(end, e["ts"] + e["dur"]) - max(start, e["ts"]) >= 0.5 * (end - start)]
-    return " > ".join(e["name"] for e in sorted(covering, key=lambda e: (-e["dur"], e["ts"])))
+def _host_path(host: list[dict[str, Any]], start: float, end: float, depth: int = 10) -> str:
+    """The host events (phase ranges, and Python frames of a ``with_stack`` trace, included) covering at least half
+    of [start, end), outermost first, the innermost ``depth`` of them: the call path the gap sat in, e.g.
+    ``lumenrl/generate > aten::repeat_interleave``. A frame shows as ``file.py(line): function``."""
+    covering = sorted((e for e in host if min(end, e["ts"] + e["dur"]) - max(start, e["ts"]) >= 0.5 * (end - start)),
+                      key=lambda e: (-e["dur"], e["ts"]))
+    names = [e["name"].rsplit("/", 1)[-1] if e.get("cat") == "python_function" else e["name"] for e in covering]
+    return " > ".join((["..."] if len(names) > depth else []) + names[-depth:])
 
 
 def _walk(gpu: list[dict[str, Any]], min_us: float) -> tuple[
@@ -125,10 +128,10 @@ def idle_summary(trace: dict[str, Any], *, min_us: float = 5.0, top: int = 5,
         phase = phase_at(start)
         by_phase[phase] = by_phase.get(phase, 0.0) + length
     host = _events(trace, HOST_CATS)
-    ranges = host + _events(trace, ("user_annotation",))
+    ranges = host + _events(trace, ("user_annotation", "python_function"))
     largest = [{"gap_us": round(length, 1), "phase": phase_at(start), "after": e["name"][:60],
                 "host": _host_cover(host, start, start + length)[:60],
-                "host_path": _host_path(ranges, start, start + length)[:240]}
+                "host_path": _host_path(ranges, start, start + length)[:400]}
                for start, length, e, _ in _largest(gaps, top)]
     span = max(e["ts"] + e["dur"] for e in gpu) - gpu[0]["ts"]
     return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3), "idle_ms": round((span - busy) / 1e3, 3),

@@ -100,3 +100,16 @@ def test_phase_timer_marks_each_phase_in_a_profiler_trace():
         torch.randn(32, 32) @ torch.randn(32, 32)
     names = {e.get("name") for e in export_trace(prof)["traceEvents"] if e.get("cat") == "user_annotation"}
     assert "lumenrl/generate" in names and timer.seconds["generate"] > 0
+
+
+def test_host_path_names_the_python_frames_of_a_stack_trace():
+    """With ``with_stack`` the trace holds Python frames: the gap's path runs through them, innermost last,
+    each frame shortened to its file and function; a deep path keeps its innermost frames."""
+    frames = [_x("python_function", f"pkg/mod{i}.py({i}): f{i}", 0 + i, 1000 - 2 * i) for i in range(12)]
+    trace = {"traceEvents": [
+        _x("user_annotation", "lumenrl/generate", 0, 1000), *frames,
+        _x("kernel", "a", 0, 100), _x("kernel", "b", 400, 10),  # 300 us idle inside every frame
+    ]}
+    gap = idle_summary(trace)["largest_gaps"][0]
+    assert gap["gap_us"] == 300.0
+    assert gap["host_path"] == "... > " + " > ".join(f"mod{i}.py({i}): f{i}" for i in range(2, 12))

@@ -289,3 +289,18 @@ def test_flat_adamw_on_cuda_matches_torch_fused():
         assert float((a - b).abs().max() / b.abs().max()) < 1e-5
     for p, m in zip(model.parameters(), w.masters):
         assert torch.equal(p, m.to(torch.bfloat16))
+
+
+def test_gradient_addresses_are_reused_while_they_match():
+    """The device copy of the gradients' addresses is made again only when a gradient moved."""
+    masters = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3, 2))]
+    flat = torch.cat([m.detach().flatten() for m in masters])
+    slices = [(0, 5, masters[0].shape), (5, 6, masters[1].shape)]
+    f = flat_adamw.FlatAdamW(torch.optim.AdamW(masters), masters, slices, flat, flat.clone())
+    grads = [torch.randn(5), torch.randn(3, 2)]
+    first = f._addresses(grads)
+    assert first.tolist() == [g.data_ptr() for g in grads]
+    assert f._addresses(list(grads)) is first  # same buffers: no new tensor, no copy
+    moved = [grads[0], torch.randn(3, 2)]
+    second = f._addresses(moved)
+    assert second is not first and second.tolist() == [g.data_ptr() for g in moved]

@@ -211,6 +211,8 @@ class FlatAdamW:
         self._views = [(self.exp_avg[o: o + n].view(s), self.exp_avg_sq[o: o + n].view(s), self.steps[i])
                        for i, (o, n, s) in enumerate(slices)]
         self._partial = torch.empty(self.blocks, dtype=torch.float32, device=device)
+        self._grad_ptrs: tuple[int, ...] = ()  # the last step's gradient addresses and their device copy
+        self._grad_ptrs_dev: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- optimizer state
 
@@ -250,9 +252,16 @@ class FlatAdamW:
     # ----------------------------------------------------------------- the step
 
     def _addresses(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        cpu = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
+        """The gradients' addresses as a device int64 tensor. The caching allocator hands a training loop the
+        same gradient buffers step after step, so the last step's device copy is reused while the addresses
+        match: no pinning and no copy on the host's path in the steady state."""
+        ptrs = tuple(g.data_ptr() for g in grads)
+        if ptrs == self._grad_ptrs and self._grad_ptrs_dev is not None:
+            return self._grad_ptrs_dev
+        cpu = torch.tensor(ptrs, dtype=torch.int64)
         if self.master_flat.device.type == "cuda":  # pinned + async: no host sync, the allocator guards reuse
-            return cpu.pin_memory().to(self.master_flat.device, non_blocking=True)
+            cpu = cpu.pin_memory().to(self.master_flat.device, non_blocking=True)
+        self._grad_ptrs, self._grad_ptrs_dev = ptrs, cpu
         return cpu
 
     def _check(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
