@@ -25,6 +25,7 @@ with torch 2.11 and transformers 5.17 (the versions on the device machine).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -82,6 +83,34 @@ def build_trainer(model_dir: Path, out_dir: Path, args):
     return plan.trainer_cls.from_plan(plan), overrides
 
 
+class GcPauses:
+    """Python's garbage-collector pauses while active (``gc.callbacks``): a host stall that no profiler range
+    names. ``take()`` returns and clears (collections, total ms, longest ms, full collections)."""
+
+    def __init__(self) -> None:
+        self._start, self._pauses = 0.0, []
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self._pauses.append((info["generation"], (time.perf_counter() - self._start) * 1e3))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def take(self) -> dict[str, float]:
+        ms = [p for _, p in self._pauses]
+        out = {"gc_collections": len(ms), "gc_ms": round(sum(ms), 2), "gc_max_ms": round(max(ms, default=0.0), 2),
+               "gc_full": sum(g == 2 for g, _ in self._pauses)}
+        self._pauses.clear()
+        return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
@@ -102,17 +131,21 @@ def main(argv: list[str] | None = None) -> dict:
         trainer, overrides = build_trainer(model_dir, out_dir, args)
         result["overrides"] = overrides
         steps = []
-        for step in range(1, args.steps + 2):
-            start = time.perf_counter()
-            metrics = trainer.train_step(step)
-            if args.device == "cuda":
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - start
-            phases = {k.removeprefix("timing/").removesuffix("_s"): v for k, v in metrics.items() if k.startswith("timing/")}
-            steps.append({"step": step, "seconds": seconds, **phases,
-                          "generated_tokens": metrics["perf/generated_tokens"]})
-            print(f"step {step}: {seconds:.2f} s  phases {', '.join(f'{k} {v:.2f}' for k, v in phases.items())}")
-            sys.stdout.flush()
+        with GcPauses() as pauses:
+            for step in range(1, args.steps + 2):
+                start = time.perf_counter()
+                metrics = trainer.train_step(step)
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                seconds = time.perf_counter() - start
+                phases = {k.removeprefix("timing/").removesuffix("_s"): v for k, v in metrics.items()
+                          if k.startswith("timing/")}
+                gc_step = pauses.take()
+                steps.append({"step": step, "seconds": seconds, **phases,
+                              "generated_tokens": metrics["perf/generated_tokens"], **gc_step})
+                print(f"step {step}: {seconds:.2f} s  phases {', '.join(f'{k} {v:.2f}' for k, v in phases.items())}  "
+                      f"gc {gc_step['gc_collections']} collections {gc_step['gc_ms']} ms (full {gc_step['gc_full']})")
+                sys.stdout.flush()
         if args.trace_step:
             result["step_trace"] = trace_step(trainer, args.steps + 2, stack=args.trace_stack)
         if args.device == "cuda" and args.profile_steps > 0:
@@ -125,8 +158,10 @@ def main(argv: list[str] | None = None) -> dict:
     if measured.exists():  # bench_grpo_trl.py ran first in this job: the ratio is side by side
         trl_s = json.loads(measured.read_text())["median_step_s"]
         trl_source = f"measured in the same job: {measured.name}"
-    phases = {k: statistics.median(s[k] for s in timed) for k in timed[-1]
-              if k not in ("step", "seconds", "generated_tokens")}
+    not_phases = ("step", "seconds", "generated_tokens", "gc_collections", "gc_ms", "gc_max_ms", "gc_full")
+    phases = {k: statistics.median(s[k] for s in timed) for k in timed[-1] if k not in not_phases}
+    result["gc"] = {"ms_per_step": statistics.median(s["gc_ms"] for s in timed),
+                    "max_ms": max(s["gc_max_ms"] for s in timed), "full_per_step": sum(s["gc_full"] for s in timed) / len(timed)}
     result.update(steps=steps, median_step_s=median, step_s_min=min(s["seconds"] for s in timed),
                   step_s_max=max(s["seconds"] for s in timed), phase_medians=phases, trl_step_s=trl_s,
                   trl_source=trl_source, speedup_vs_trl=trl_s / median)
@@ -136,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     C.write_json(args.out, result)
     rows = [{"system": "lumenrl (native + fsdp2)", "step_s": median, **{k: v for k, v in timed[-1].items() if k not in ("step", "seconds")}},
             {"system": f"trl GRPOTrainer ({trl_source.split(':')[0]})", "step_s": trl_s}]
-    C.print_table(rows, ["system", "step_s", *[k for k in timed[-1] if k not in ("step", "seconds", "generated_tokens")]])
+    C.print_table(rows, ["system", "step_s", *[k for k in timed[-1] if k not in not_phases]])
     print(f"speedup vs TRL: {trl_s / median:.2f}x")
     return result
 
@@ -194,6 +229,7 @@ def run(smoke: bool) -> dict:
         "--micro-batch", "64", "--trace-step", "--override", "policy.rollout.compile=full",
         "--override", "policy.train.compile_layers=true"])
     phases = {f"phase/{name}_s": seconds for name, seconds in result["phase_medians"].items()}
+    phases.update({f"gc/{k}": v for k, v in result["gc"].items()})  # the collector's pauses in the timed steps
     trace = result["step_trace"]
     traced = {} if "error" in trace else {
         "step_trace/idle_ms": trace["idle_ms"], "step_trace/busy_ms": trace["busy_ms"],
