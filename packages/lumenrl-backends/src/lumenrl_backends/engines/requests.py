@@ -30,6 +30,7 @@ __all__ = [
     "Request",
     "requests_from_batch",
     "build_rollout_batch",
+    "decode_texts",
     "generated_tokens",
     "left_pad",
     "rollout_meta",
@@ -165,6 +166,17 @@ def left_pad(
     return ids.to(device), mask.to(device)
 
 
+def decode_texts(tokenizer: Any, sequences: list[list[int]]) -> list[str]:
+    """``tokenizer.batch_decode(sequences, skip_special_tokens=True)``. For a fast (Rust-backed) tokenizer that
+    does no space clean-up, that is its backend's decode of each sequence, called directly: transformers'
+    ``batch_decode`` first walks every id of the batch in Python (twice), a cost on the host's path between the
+    rollout's last step and the update."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", None) is False:
+        return [backend.decode(seq, skip_special_tokens=True) for seq in sequences]
+    return tokenizer.batch_decode(sequences, skip_special_tokens=True)
+
+
 def build_rollout_batch(
     requests: list[Request],
     prompts: torch.Tensor,
@@ -180,8 +192,8 @@ def build_rollout_batch(
     from lumenrl_core.data_proto import DataProto
 
     rows, width = len(requests), max([width] + [len(r.response) for r in requests])
+    # numpy throughout: host bookkeeping between the rollout's last step and the update, no torch CPU operator
     # every response at the start of its row: one array per column from the flattened lists, one scatter each
-    # (numpy: host bookkeeping between the rollout and the trainer, no torch CPU operator)
     filled = row_ranges([r.index * width for r in requests], [len(r.response) for r in requests]).numpy()
     responses = np.full((rows, width), pad_id, dtype=np.int64)
     response_mask = np.zeros((rows, width), dtype=np.int64)
@@ -190,20 +202,20 @@ def build_rollout_batch(
     response_mask.reshape(-1)[filled] = 1
     log_probs.reshape(-1)[filled] = np.fromiter(chain.from_iterable(r.log_probs for r in requests), np.float32,
                                                 filled.size)
-    responses, response_mask, log_probs = map(torch.from_numpy, (responses, response_mask, log_probs))
-    prompts, prompt_mask = prompts.cpu().to(torch.int64), prompt_mask.cpu().to(torch.int64)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    tensors = {
-        "prompts": prompts,
+    prompts_np = prompts.cpu().to(torch.int64).numpy()
+    attention_mask = np.concatenate([prompt_mask.cpu().to(torch.int64).numpy(), response_mask], axis=1)
+    arrays = {
+        "prompts": prompts_np,
         "responses": responses,
         "response_mask": response_mask,
-        "input_ids": torch.cat([prompts, responses], dim=1),
+        "input_ids": np.concatenate([prompts_np, responses], axis=1),
         "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "position_ids": np.maximum(np.cumsum(attention_mask, axis=1) - 1, 0),
         "rollout_log_probs": log_probs,
-        **routes_column(requests, prompts.shape[1], width),
     }
-    texts = tokenizer.batch_decode([r.response for r in requests], skip_special_tokens=True)
+    tensors = {**{k: torch.from_numpy(v) for k, v in arrays.items()},
+               **routes_column(requests, prompts_np.shape[1], width)}
+    texts = decode_texts(tokenizer, [r.response for r in requests])
     non_tensors = {
         "response_text": np.array(texts, dtype=object),
         "finish_reason": np.array([r.finish_reason or INTERRUPTED for r in requests], dtype=object),

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lumenrl_backends.engines.requests import decode_texts
 from lumenrl_backends.workers.reward import place_scores
 from lumenrl_core.algorithms import apply_overlong_penalty
 from lumenrl_core.data_proto import DataProto
@@ -31,7 +32,7 @@ _NOT_EXTRA = ("uid", "raw_prompt", "response_text", "finish_reason", "seed", "in
 def decode_responses(tokenizer: Any, responses: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
     """Response text per row, masked-out tokens and special tokens (EOS) dropped."""
     rows = [r[m.bool()].tolist() for r, m in zip(responses, response_mask)]
-    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+    return decode_texts(tokenizer, rows)
 
 
 def scores_on_last_token(scores: Sequence[float], response_mask: torch.Tensor) -> torch.Tensor:
