@@ -62,3 +62,23 @@ def test_decode_texts_is_batch_decode(clean_up):
     rows = [torch.randint(0, len(tok), (int(n),), generator=g).tolist() for n in torch.randint(0, 40, (12,), generator=g)]
     rows[0] = list(tok.all_special_ids) + rows[0]
     assert decode_texts(tok, rows) == tok.batch_decode(rows, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_left_pad_and_unpad_round_trip(seed):
+    """``left_pad`` against the per-row loop it replaced (ragged rows, an empty one, a width wider than the
+    longest); ``_unpad`` gives the rows back."""
+    from lumenrl_backends.engines.requests import _unpad, left_pad
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, 1000, (int(n),), generator=g).tolist() for n in torch.randint(0, 30, (11,), generator=g)]
+    seqs[3] = []
+    for width in (0, 40):
+        ids, mask = left_pad(seqs, 7, torch.device("cpu"), width=width)
+        w = max(width, max(map(len, seqs)))
+        want_ids, want_mask = torch.full((len(seqs), w), 7), torch.zeros(len(seqs), w, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            if s:
+                want_ids[i, w - len(s):], want_mask[i, w - len(s):] = torch.tensor(s), 1
+        assert torch.equal(ids, want_ids) and torch.equal(mask, want_mask) and ids.dtype == torch.int64
+        assert _unpad(ids, mask) == seqs

@@ -110,7 +110,8 @@ def _row_seeds(batch: Any, params: SamplingParams, rows: int, continuing: bool) 
 
 
 def _unpad(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+    keep = mask.cpu().numpy().astype(bool)  # numpy: no torch operator per row on the host's path
+    return [row[m].tolist() for row, m in zip(ids.cpu().numpy(), keep)]
 
 
 def requests_from_batch(
@@ -156,14 +157,17 @@ def left_pad(
     sequences: list[list[int]], pad_id: int, device: torch.device, width: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad lists of ids -> ids (n, L) int64 and mask (n, L) int64; L = the longest, or ``width`` if larger."""
-    width = max(width, max(len(s) for s in sequences))
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.int64)
-    mask = torch.zeros((len(sequences), width), dtype=torch.int64)
-    for i, seq in enumerate(sequences):
-        if seq:
-            ids[i, width - len(seq) :] = torch.tensor(seq, dtype=torch.int64)
-            mask[i, width - len(seq) :] = 1
-    return ids.to(device), mask.to(device)
+    from lumenrl_backends.engines.routes import row_ranges
+
+    lengths = [len(s) for s in sequences]
+    rows, width = len(sequences), max(width, max(lengths))
+    # one scatter of the flattened ids (numpy, no loop of torch operators over rows), then one copy each
+    filled = row_ranges([(i + 1) * width - n for i, n in enumerate(lengths)], lengths).numpy()
+    ids = np.full((rows, width), pad_id, dtype=np.int64)
+    mask = np.zeros((rows, width), dtype=np.int64)
+    ids.reshape(-1)[filled] = np.fromiter(chain.from_iterable(sequences), np.int64, filled.size)
+    mask.reshape(-1)[filled] = 1
+    return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 
 def decode_texts(tokenizer: Any, sequences: list[list[int]]) -> list[str]:
