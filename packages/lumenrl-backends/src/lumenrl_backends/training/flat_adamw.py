@@ -258,11 +258,11 @@ class FlatAdamW:
         ptrs = tuple(g.data_ptr() for g in grads)
         if ptrs == self._grad_ptrs and self._grad_ptrs_dev is not None:
             return self._grad_ptrs_dev
-        cpu = torch.tensor(ptrs, dtype=torch.int64)
+        addresses = torch.tensor(ptrs, dtype=torch.int64)
         if self.master_flat.device.type == "cuda":  # pinned + async: no host sync, the allocator guards reuse
-            cpu = cpu.pin_memory().to(self.master_flat.device, non_blocking=True)
-        self._grad_ptrs, self._grad_ptrs_dev = ptrs, cpu
-        return cpu
+            addresses = addresses.pin_memory().to(self.master_flat.device, non_blocking=True)
+        self._grad_ptrs, self._grad_ptrs_dev = ptrs, addresses
+        return addresses
 
     def _check(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
         if len(grads) != len(self.masters):
