@@ -105,8 +105,8 @@ class GcPauses:
 
     def take(self) -> dict[str, float]:
         ms = [p for _, p in self._pauses]
-        out = {"gc_collections": len(ms), "gc_ms": round(sum(ms), 2), "gc_max_ms": round(max(ms, default=0.0), 2),
-               "gc_full": sum(g == 2 for g, _ in self._pauses)}
+        out = {"collections": len(ms), "ms": round(sum(ms), 2), "max_ms": round(max(ms, default=0.0), 2),
+               "full": sum(g == 2 for g, _ in self._pauses)}
         self._pauses.clear()
         return out
 
@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
                           if k.startswith("timing/")}
                 gc_step = pauses.take()
                 steps.append({"step": step, "seconds": seconds, **phases,
-                              "generated_tokens": metrics["perf/generated_tokens"], **gc_step})
+                              "generated_tokens": metrics["perf/generated_tokens"], "gc": gc_step})
                 print(f"step {step}: {seconds:.2f} s  phases {', '.join(f'{k} {v:.2f}' for k, v in phases.items())}  "
-                      f"gc {gc_step['gc_collections']} collections {gc_step['gc_ms']} ms (full {gc_step['gc_full']})")
+                      f"gc {gc_step['collections']} collections {gc_step['ms']} ms (full {gc_step['full']})")
                 sys.stdout.flush()
         if args.trace_step:
             result["step_trace"] = trace_step(trainer, args.steps + 2, stack=args.trace_stack)
@@ -158,10 +158,11 @@ def main(argv: list[str] | None = None) -> dict:
     if measured.exists():  # bench_grpo_trl.py ran first in this job: the ratio is side by side
         trl_s = json.loads(measured.read_text())["median_step_s"]
         trl_source = f"measured in the same job: {measured.name}"
-    not_phases = ("step", "seconds", "generated_tokens", "gc_collections", "gc_ms", "gc_max_ms", "gc_full")
+    not_phases = ("step", "seconds", "generated_tokens", "gc")
     phases = {k: statistics.median(s[k] for s in timed) for k in timed[-1] if k not in not_phases}
-    result["gc"] = {"ms_per_step": statistics.median(s["gc_ms"] for s in timed),
-                    "max_ms": max(s["gc_max_ms"] for s in timed), "full_per_step": sum(s["gc_full"] for s in timed) / len(timed)}
+    result["gc"] = {"ms_per_step": statistics.median(s["gc"]["ms"] for s in timed),
+                    "max_ms": max(s["gc"]["max_ms"] for s in timed),
+                    "full_per_step": sum(s["gc"]["full"] for s in timed) / len(timed)}
     result.update(steps=steps, median_step_s=median, step_s_min=min(s["seconds"] for s in timed),
                   step_s_max=max(s["seconds"] for s in timed), phase_medians=phases, trl_step_s=trl_s,
                   trl_source=trl_source, speedup_vs_trl=trl_s / median)
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         "value": trl_s / median, "lumenrl_step_s": median, "trl_step_s": trl_s,
         "trl_source": trl_source, "command": result["command"]}}
     C.write_json(args.out, result)
-    rows = [{"system": "lumenrl (native + fsdp2)", "step_s": median, **{k: v for k, v in timed[-1].items() if k not in ("step", "seconds")}},
+    rows = [{"system": "lumenrl (native + fsdp2)", "step_s": median, **{k: v for k, v in timed[-1].items() if k not in not_phases}},
             {"system": f"trl GRPOTrainer ({trl_source.split(':')[0]})", "step_s": trl_s}]
     C.print_table(rows, ["system", "step_s", *[k for k in timed[-1] if k not in not_phases]])
     print(f"speedup vs TRL: {trl_s / median:.2f}x")
