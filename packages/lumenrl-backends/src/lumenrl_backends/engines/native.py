@@ -365,7 +365,9 @@ class NativeEngine:
         stops: frozenset[int],
         active: dict[int, Request],
         lag: int = 0,
-    ) -> None:
+    ) -> bool:
+        """Mark ``request`` finished if it is; a finished one leaves ``active`` (its slot is the caller's to
+        release). Returns whether it finished."""
         if request.response[-1] in stops:
             request.finish_reason = STOP
         elif len(request.response) >= request.cap(params) or self.slots.host_columns[slot] - lag >= self.max_seq_len:
@@ -373,7 +375,7 @@ class NativeEngine:
         if request.done:
             self.routes.take(request, slot, self.slots.host_columns[slot] - lag)
             del active[slot]
-            self.slots.release(slot)
+        return request.done
 
     def _record(
         self,
@@ -387,11 +389,14 @@ class NativeEngine:
     ) -> None:
         """Append one sampled token (host values, aligned with ``slot_ids``) to each active request;
         ``lag``: steps already launched past this one (their columns are in the host mirror)."""
+        finished = []
         for slot, token, log_prob in zip(slot_ids, tokens, log_probs):
             request = active[slot]
             request.response.append(int(token))
             request.log_probs.append(log_prob)
-            self._finish_if_done(request, slot, params, stops, active, lag)
+            if self._finish_if_done(request, slot, params, stops, active, lag):
+                finished.append(slot)
+        self.slots.release_many(finished)  # one batch: rows that all end on this step free their slots together
         self.routes.flush()  # R3: the rows of this step's finished requests, one gather (before a slot is reused)
 
     @staticmethod

@@ -63,15 +63,29 @@ class SlotState:
         return [heapq.heappop(self.free) for _ in range(count)]
 
     def release(self, slot: int) -> None:
-        self.occupied[slot] = False
-        self.columns[slot] = 0
-        self.positions[slot] = 0
-        self.host_columns[slot] = 0
-        heapq.heappush(self.free, slot)
+        self.release_many([slot])
+
+    def release_many(self, slots: list[int]) -> None:
+        """Free ``slots``: not occupied, column and position 0 on the device, column 0 in the host mirror. When
+        that frees every slot (a batch whose rows all end on one step), the device state is reset by three
+        whole-tensor fills, not three scalar writes per slot (each a kernel launched from the host)."""
+        for slot in slots:
+            self.host_columns[slot] = 0
+            heapq.heappush(self.free, slot)
+        if len(self.free) == len(self.host_columns):  # every slot free: free slots already hold column 0
+            self.occupied.fill_(False)
+            self.columns.zero_()
+            self.positions.zero_()
+            return
+        for slot in slots:  # scalar writes: no host->device copy, nothing waits for the queued decode step
+            self.occupied[slot] = False
+            self.columns[slot] = 0
+            self.positions[slot] = 0
 
     def release_all(self) -> None:
-        for slot in self.occupied.nonzero().flatten().tolist():
-            self.release(slot)
+        """Free every occupied slot (the host's free list says which: no device read)."""
+        free = set(self.free)
+        self.release_many([slot for slot in range(len(self.host_columns)) if slot not in free])
 
     def admit(self, slots: torch.Tensor, seeds: list[int], params: SamplingParams) -> None:
         device = self.seeds.device
