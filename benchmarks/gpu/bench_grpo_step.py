@@ -237,7 +237,7 @@ def run(smoke: bool) -> dict:
         **{f"step_trace/idle_ms/{phase or 'outside'}": ms for phase, ms in trace["idle_ms_by_phase"].items()},
         **{f"step_trace/busy_ms/{phase or 'outside'}": ms for phase, ms in trace["busy_ms_by_phase"].items()},
         **{f"step_trace/gap{i}": f"{g['gap_us'] / 1e3:.2f} ms in {g['phase'] or 'no phase'} before {g['after']} "
-           f"(host: {g['host'] or '-'})" for i, g in enumerate(trace["largest_gaps"][:3], 1)}}
+           f"(host: {g['host'] or '-'}; path: {g['host_path'] or '-'})" for i, g in enumerate(trace["largest_gaps"][:3], 1)}}
     return {"step_s": result["median_step_s"], "step_s_min": result["step_s_min"], "step_s_max": result["step_s_max"],
             **phases, **traced, **C.profile_numbers(result.get("profile"), "rollout_profile/")}
 
