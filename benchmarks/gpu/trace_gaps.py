@@ -36,10 +36,15 @@ def _launches(trace: dict[str, Any]) -> dict[Any, dict[str, Any]]:
             if e.get("args", {}).get("correlation") is not None}
 
 
+def _overlap(e: dict[str, Any], start: float, end: float) -> float:
+    """Microseconds of [start, end) that event ``e`` covers (<= 0: none)."""
+    return min(end, e["ts"] + e["dur"]) - max(start, e["ts"])
+
+
 def _host_cover(host: list[dict[str, Any]], start: float, end: float) -> str:
     """The innermost (shortest) host event covering at least half of [start, end); else the one covering most
     of it; '' if none overlaps."""
-    overlaps = [(min(end, e["ts"] + e["dur"]) - max(start, e["ts"]), e) for e in host]
+    overlaps = [(_overlap(e, start, end), e) for e in host]
     overlaps = [(o, e) for o, e in overlaps if o > 0]
     if not overlaps:
         return ""
@@ -53,7 +58,7 @@ def _host_path(host: list[dict[str, Any]], start: float, end: float, depth: int 
     """The host events (phase ranges, and Python frames of a ``with_stack`` trace, included) covering at least half
     of [start, end), outermost first, the innermost ``depth`` of them: the call path the gap sat in, e.g.
     ``lumenrl/generate > aten::repeat_interleave``. A frame shows as ``file.py(line): function``."""
-    covering = sorted((e for e in host if min(end, e["ts"] + e["dur"]) - max(start, e["ts"]) >= 0.5 * (end - start)),
+    covering = sorted((e for e in host if _overlap(e, start, end) >= 0.5 * (end - start)),
                       key=lambda e: (-e["dur"], e["ts"]))
     names = [e["name"].rsplit("/", 1)[-1] if e.get("cat") == "python_function" else e["name"] for e in covering]
     return " > ".join((["..."] if len(names) > depth else []) + names[-depth:])

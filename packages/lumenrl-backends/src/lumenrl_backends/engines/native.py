@@ -357,26 +357,6 @@ class NativeEngine:
             self._inflight = None  # a speculative step left by an interrupt: dropped (slots are reset below)
             self.slots.release_all()
 
-    def _finish_if_done(
-        self,
-        request: Request,
-        slot: int,
-        params: SamplingParams,
-        stops: frozenset[int],
-        active: dict[int, Request],
-        lag: int = 0,
-    ) -> bool:
-        """Mark ``request`` finished if it is; a finished one leaves ``active`` (its slot is the caller's to
-        release). Returns whether it finished."""
-        if request.response[-1] in stops:
-            request.finish_reason = STOP
-        elif len(request.response) >= request.cap(params) or self.slots.host_columns[slot] - lag >= self.max_seq_len:
-            request.finish_reason = LENGTH
-        if request.done:
-            self.routes.take(request, slot, self.slots.host_columns[slot] - lag)
-            del active[slot]
-        return request.done
-
     def _record(
         self,
         slot_ids: list[int],
@@ -387,16 +367,23 @@ class NativeEngine:
         active: dict[int, Request],
         lag: int = 0,
     ) -> None:
-        """Append one sampled token (host values, aligned with ``slot_ids``) to each active request;
+        """Append one sampled token (host values, aligned with ``slot_ids``) to each active request; a finished
+        one leaves ``active``, and the slots of all that finished on this step are released together.
         ``lag``: steps already launched past this one (their columns are in the host mirror)."""
         finished = []
         for slot, token, log_prob in zip(slot_ids, tokens, log_probs):
             request = active[slot]
             request.response.append(int(token))
             request.log_probs.append(log_prob)
-            if self._finish_if_done(request, slot, params, stops, active, lag):
+            if request.response[-1] in stops:
+                request.finish_reason = STOP
+            elif len(request.response) >= request.cap(params) or self.slots.host_columns[slot] - lag >= self.max_seq_len:
+                request.finish_reason = LENGTH
+            if request.done:
+                self.routes.take(request, slot, self.slots.host_columns[slot] - lag)
+                del active[slot]
                 finished.append(slot)
-        self.slots.release_many(finished)  # one batch: rows that all end on this step free their slots together
+        self.slots.release_many(finished)
         self.routes.flush()  # R3: the rows of this step's finished requests, one gather (before a slot is reused)
 
     @staticmethod
