@@ -489,25 +489,28 @@ class FSDP2Backend(SFTSteps, BackendWeights):
     ) -> None:
         """One optimizer step on this rank's rows ``local`` of a ``mini_rows``-row mini-batch."""
         local.meta_info = dict(local.meta_info)  # per-step counts must not leak into the caller's dict
-        local = local.to(self.device)  # loss_fn mixes outputs with batch tensors (advantages, masks)
+        # Token count and packing plans from the rows where they are (host tensors on the usual path),
+        # before the move: reading them back from the device would wait for the queued work.
         mask = local.batch.get("response_mask")
         local_tokens = float(mask.sum()) if mask is not None else float(local.batch["responses"].numel())
+        plans = self._plans(local, max(self.train_cfg.micro_batch_size, 1))
+        local = local.to(self.device)  # loss_fn mixes outputs with batch tensors (advantages, masks)
         local.meta_info.update(
             mini_batch_tokens=dist_utils.all_reduce_sum(local_tokens, self.device, self.dp_group),
             mini_batch_seqs=mini_rows,
             dp_size=self.dp_size,
         )
         self._zero_grad(self.optimizer)
-        mini_loss = self._accumulate(local, loss_fn, collected)
+        mini_loss = self._accumulate(local, loss_fn, collected, plans)
         collected[f"{self.prefix}/loss"].append(mini_loss)
         self._clip_and_step(self.optimizer, self.scheduler, collected, self.prefix, mini_loss)
 
-    def _accumulate(self, local: Any, loss_fn: Callable, collected: dict[str, list[float]]) -> Any:
-        """Forward and backward every micro-batch of ``local``; returns the summed loss (on the device)."""
-        size = max(self.train_cfg.micro_batch_size, 1)
-        micros = split_rows(local, size)
+    def _accumulate(self, local: Any, loss_fn: Callable, collected: dict[str, list[float]], plans: list) -> Any:
+        """Forward and backward every micro-batch of ``local`` (laid out by ``plans``); returns the summed
+        loss (on the device)."""
+        micros = split_rows(local, max(self.train_cfg.micro_batch_size, 1))
         mini_loss = 0.0  # tensors stay on the device until train_step's one host copy
-        for i, (micro, plan) in enumerate(zip(micros, self._plans(local, size))):
+        for i, (micro, plan) in enumerate(zip(micros, plans, strict=True)):
             self._grad_sync(i == len(micros) - 1)
             loss, micro_metrics = loss_fn(self._micro_outputs(micro, plan), micro)
             self._backward(loss)

@@ -187,9 +187,9 @@ class MegatronBackend(FSDP2Backend):
 
     # ----------------------------------------------------------------- training
 
-    def _accumulate(self, local: Any, loss_fn: Callable, collected: dict[str, list[float]]) -> Any:
+    def _accumulate(self, local: Any, loss_fn: Callable, collected: dict[str, list[float]], plans: list) -> Any:
         if self.groups.pp == 1:
-            return super()._accumulate(local, loss_fn, collected)
+            return super()._accumulate(local, loss_fn, collected, plans)
         micros = split_rows(local, max(self.train_cfg.micro_batch_size, 1))
         inputs = [self._inputs(m) for m in micros]
 
