@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 import benchmarks.gpu._common as C  # noqa: E402
+from benchmarks.gpu.trace_gaps import gap_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TRL_BASELINE_S = 8.2  # issue 5: TRL 1.16 GRPOTrainer, no vLLM, 0.6B shape, 16 x 8 x 256, this H200
@@ -236,8 +237,9 @@ def run(smoke: bool) -> dict:
         "step_trace/idle_ms": trace["idle_ms"], "step_trace/busy_ms": trace["busy_ms"],
         **{f"step_trace/idle_ms/{phase or 'outside'}": ms for phase, ms in trace["idle_ms_by_phase"].items()},
         **{f"step_trace/busy_ms/{phase or 'outside'}": ms for phase, ms in trace["busy_ms_by_phase"].items()},
-        **{f"step_trace/gap{i}": f"{g['gap_us'] / 1e3:.2f} ms in {g['phase'] or 'no phase'} before {g['after']} "
-           f"(host: {g['host'] or '-'}; path: {g['host_path'] or '-'})" for i, g in enumerate(trace["largest_gaps"][:3], 1)}}
+        **{f"step_trace/gap{i}": gap_text(g) for i, g in enumerate(trace["largest_gaps"][:3], 1)},
+        **{f"step_trace/idle_host{i}": f"{ms:.2f} ms: {key}" for i, (key, ms) in
+           enumerate(list(trace.get("idle_ms_by_host", {}).items())[:3], 1)}}
     return {"step_s": result["median_step_s"], "step_s_min": result["step_s_min"], "step_s_max": result["step_s_max"],
             **phases, **traced, **C.profile_numbers(result.get("profile"), "rollout_profile/")}
 

@@ -49,9 +49,9 @@ def _host_cover(host: list[dict[str, Any]], start: float, end: float) -> str:
     if not overlaps:
         return ""
     half = [e for o, e in overlaps if o >= 0.5 * (end - start)]
-    if half:
-        return min(half, key=lambda e: e["dur"])["name"]
-    return max(overlaps, key=lambda oe: oe[0])[1]["name"]
+    if half:  # ties: the earliest start (the same answer whatever the order of ``host``)
+        return min(half, key=lambda e: (e["dur"], e["ts"]))["name"]
+    return max(overlaps, key=lambda oe: (oe[0], -oe[1]["ts"]))[1]["name"]
 
 
 def _host_path(host: list[dict[str, Any]], start: float, end: float, depth: int = 10) -> str:
@@ -82,6 +82,30 @@ def _walk(gpu: list[dict[str, Any]], min_us: float) -> tuple[
     return shares, gaps
 
 
+def _covers(host: list[dict[str, Any]], gaps: list[tuple[float, float, dict[str, Any], str]]) -> list[str]:
+    """:func:`_host_cover` of every gap in one sweep (host events sorted by start; those that ended before a gap began
+    are dropped for good, as later gaps start later): what the host was doing in each."""
+    host = sorted(host, key=lambda e: e["ts"])
+    out, live, i = [], [], 0
+    for start, length, _, _ in sorted(gaps, key=lambda g: g[0]):
+        while i < len(host) and host[i]["ts"] < start + length:
+            live.append(host[i])
+            i += 1
+        live = [e for e in live if e["ts"] + e["dur"] > start]
+        out.append(_host_cover(live, start, start + length))
+    return out
+
+
+def _by_host(gaps: list[tuple[float, float, dict[str, Any], str]], covers: list[str], phase_at: Any,
+             top: int) -> dict[str, float]:
+    """Idle milliseconds summed by (phase, the host operation that covered the gap), the ``top`` largest."""
+    total: dict[str, float] = {}
+    for (start, length, _, _), name in zip(sorted(gaps, key=lambda g: g[0]), covers):
+        key = f"{phase_at(start) or 'no phase'}: {name[:60] or '-'}"
+        total[key] = total.get(key, 0.0) + length
+    return {k: round(v / 1e3, 3) for k, v in sorted(total.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def _largest(gaps: list[tuple[float, float, dict[str, Any], str]], top: int) -> list[tuple[float, float, dict[str, Any], str]]:
     return sorted(gaps, key=lambda g: -g[1])[:top]
 
@@ -104,12 +128,13 @@ def idle_summary(trace: dict[str, Any], *, min_us: float = 5.0, top: int = 5,
                  phase_prefix: str = "lumenrl/") -> dict[str, Any]:
     """Span, busy and idle milliseconds of the trace's GPU activities (busy: the union of their intervals); the
     idle gaps of at least ``min_us`` summed by the phase range (a ``user_annotation`` named ``phase_prefix...``)
-    that holds the gap's start (``""``: none), and the ``top`` largest gaps with their phase and the host work that
-    covered them (as in :func:`idle_gaps`). Gaps below ``min_us`` count in ``idle_ms`` only."""
+    that holds the gap's start (``""``: none), the idle summed by phase and covering host operation (``idle_ms_by_host``,
+    the ``top`` largest: many short gaps under one operation add up), and the ``top`` largest gaps with their phase and
+    the host work that covered them (as in :func:`idle_gaps`). Gaps below ``min_us`` count in ``idle_ms`` only."""
     gpu = sorted(_events(trace, GPU_CATS), key=lambda e: e["ts"])
     if not gpu:
         return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "idle_ms_by_phase": {}, "busy_ms_by_phase": {},
-                "largest_gaps": []}
+                "idle_ms_by_host": {}, "largest_gaps": []}
     phases = sorted(((e["ts"], e["ts"] + e["dur"], e["name"][len(phase_prefix):])
                      for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") == "user_annotation"
                      and str(e.get("name", "")).startswith(phase_prefix) and "ts" in e and "dur" in e),
@@ -139,10 +164,11 @@ def idle_summary(trace: dict[str, Any], *, min_us: float = 5.0, top: int = 5,
                 "host_path": _host_path(ranges, start, start + length)[:400]}
                for start, length, e, _ in _largest(gaps, top)]
     span = max(e["ts"] + e["dur"] for e in gpu) - gpu[0]["ts"]
+    by_host = _by_host(gaps, _covers(host, gaps), phase_at, top)
     return {"span_ms": round(span / 1e3, 3), "busy_ms": round(busy / 1e3, 3), "idle_ms": round((span - busy) / 1e3, 3),
             "gaps": len(gaps), "idle_ms_by_phase": {k: round(v / 1e3, 3) for k, v in sorted(by_phase.items())},
             "busy_ms_by_phase": {k: round(v / 1e3, 3) for k, v in sorted(busy_by_phase.items())},
-            "largest_gaps": largest}
+            "idle_ms_by_host": by_host, "largest_gaps": largest}
 
 
 def export_trace(prof: Any) -> dict[str, Any]:
@@ -168,3 +194,23 @@ def format_gaps(gaps: list[dict[str, Any]]) -> str:
         f"{'?' if g['launch_late_us'] is None else g['launch_late_us']} us after the gap began; host: {g['host']!r}"
         for g in gaps
     )
+
+
+def gap_text(gap: dict[str, Any], limit: int = 200) -> str:
+    """One of :func:`idle_summary`'s largest gaps as a line of at most ``limit`` characters (a history number is a
+    short string): its length, phase, the activity after it, the covering host operation and as many of the
+    innermost frames of its host path as fit (the outer ones become ``...``)."""
+    head = (f"{gap['gap_us'] / 1e3:.2f} ms in {gap['phase'] or 'no phase'} before {gap['after']} "
+            f"(host: {gap['host'] or '-'}; path: ")
+    frames = (gap.get("host_path") or "-").split(" > ")
+    cut = frames[0] == "..."  # idle_summary kept only the innermost frames already
+    frames = frames[1:] if cut else frames
+    room = limit - len(head) - 1  # the closing parenthesis
+    kept: list[str] = []
+    for frame in reversed(frames):
+        if len(" > ".join(["...", frame, *kept])) > room:
+            break
+        kept.insert(0, frame)
+    if cut or len(kept) < len(frames):
+        kept.insert(0, "...")
+    return (head + " > ".join(kept) + ")")[:limit]

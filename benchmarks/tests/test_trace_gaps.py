@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
-from benchmarks.gpu.trace_gaps import format_gaps, idle_gaps, idle_summary, profile_gaps
+from benchmarks.gpu.trace_gaps import (
+    _covers,
+    _host_cover,
+    format_gaps,
+    gap_text,
+    idle_gaps,
+    idle_summary,
+    profile_gaps,
+)
 
 
 def _x(cat: str, name: str, ts: float, dur: float, corr: int | None = None) -> dict:
@@ -70,6 +80,7 @@ def test_idle_summary_splits_idle_by_phase_and_host():
     assert out["largest_gaps"][0]["host_path"] == "other/range > lumenrl/update"  # no host op: the ranges alone
     # busy time by phase: no launch recorded here, so each activity's share of the union goes to the phase at its start
     assert out["busy_ms_by_phase"] == {"": 0.01, "generate": 0.2, "update": 0.1}
+    assert out["idle_ms_by_host"] == {"update: -": 0.3, "generate: -": 0.138, "generate: aten::item": 0.06}
     assert len(idle_summary(trace, top=1)["largest_gaps"]) == 1
     assert idle_summary({"traceEvents": []})["idle_ms"] == 0.0
 
@@ -113,3 +124,33 @@ def test_host_path_names_the_python_frames_of_a_stack_trace():
     gap = idle_summary(trace)["largest_gaps"][0]
     assert gap["gap_us"] == 300.0
     assert gap["host_path"] == "... > " + " > ".join(f"mod{i}.py({i}): f{i}" for i in range(2, 12))
+
+
+def test_idle_by_host_adds_up_many_short_gaps():
+    """Forty 10 us gaps under one host operation outweigh one 200 us gap: the sum by operation shows it."""
+    events = [_x("user_annotation", "lumenrl/update_actor", 0, 2000), _x("cpu_op", "aten::mul", 0, 1000)]
+    events += [_x("kernel", f"k{i}", 20 * i, 10) for i in range(41)]  # 10 us idle after each
+    events += [_x("cpu_op", "aten::item", 810, 200), _x("kernel", "late", 1010, 5)]  # 200 us inside item()
+    out = idle_summary({"traceEvents": events}, min_us=5.0, top=2)
+    assert out["idle_ms_by_host"] == {"update_actor: aten::mul": 0.4, "update_actor: aten::item": 0.2}
+    assert out["largest_gaps"][0]["gap_us"] == 200.0
+
+
+def test_the_sweep_names_the_same_host_operation_as_a_full_scan():
+    rng = random.Random(0)
+    host = [_x("cpu_op", f"op{i}", rng.uniform(0, 10_000), rng.choice([5, 50, 500, 5000])) for i in range(400)]
+    gaps = sorted(((rng.uniform(0, 10_000), rng.uniform(5, 300), {}, "") for _ in range(300)), key=lambda g: g[0])
+    assert _covers(host, gaps) == [_host_cover(host, start, start + length) for start, length, _, _ in gaps]
+
+
+def test_gap_text_fits_a_history_string_and_keeps_the_innermost_frames():
+    frames = [f"module_{i}.py({i * 10}): function_{i}" for i in range(12)]
+    gap = {"gap_us": 20870.0, "phase": "generate", "after": "Memcpy HtoD (Pageable -> Device)", "host": "aten::index",
+           "host_path": " > ".join(["...", *frames])}
+    text = gap_text(gap)
+    assert len(text) <= 200 and text.startswith("20.87 ms in generate before Memcpy HtoD")
+    kept = text.split("path: ... > ")[1].removesuffix(")").split(" > ")
+    assert 1 <= len(kept) < len(frames) and kept == frames[-len(kept):]  # the innermost frames, in order
+    short = {**gap, "phase": "", "host": "", "host_path": "lumenrl/update > aten::mul"}
+    assert gap_text(short) == ("20.87 ms in no phase before Memcpy HtoD (Pageable -> Device) (host: -; "
+                               "path: lumenrl/update > aten::mul)")
