@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="profile one more step (host + GPU): the GPU's idle time per phase, the largest gaps and their host work")
     ap.add_argument("--trace-stack", action="store_true",
                     help="--trace-step with Python frames recorded too: each gap's host path names the code it sat in")
+    ap.add_argument("--cprofile-step", action="store_true",
+                    help="run one more step under cProfile and print its host functions by own time (slow host code)")
     args = ap.parse_args(argv)
     args.trace_step = args.trace_step or args.trace_stack
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
                 sys.stdout.flush()
         if args.trace_step:
             result["step_trace"] = trace_step(trainer, args.steps + 2, stack=args.trace_stack)
+        if args.cprofile_step:
+            result["host_profile"] = host_profile(trainer, args.steps + 2 + int(args.trace_step))
         if args.device == "cuda" and args.profile_steps > 0:
             result["profile"] = rollout_profile(trainer, args.prompts * args.generations, args.profile_steps)
             C.print_profile(result["profile"], "rollout decode step")
@@ -202,6 +206,26 @@ def trace_step(trainer, step: int, stack: bool = False) -> dict:
     summary["analysis_s"] = round(time.perf_counter() - tick, 1)
     print("traced step:", json.dumps(summary))
     return summary
+
+
+def host_profile(trainer, step: int, top: int = 25) -> list[dict]:
+    """One more training step under ``cProfile``: the ``top`` functions by own (host) time, torch operators
+    included (each a builtin call), with their call counts. Not a timed step (the profiler slows every call)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(trainer.train_step, step)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # (file, line, function) -> (primitive calls, calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    out = [{"function": f"{Path(file).name}:{line}({name})", "calls": calls, "own_ms": round(own * 1e3, 3),
+            "cum_ms": round(cum * 1e3, 3)} for (file, line, name), (_, calls, own, cum, _) in rows]
+    print("host profile of one step (own ms, cumulative ms, calls, function):")
+    for r in out:
+        print(f"  {r['own_ms']:9.3f} {r['cum_ms']:9.3f} {r['calls']:7d}  {r['function']}")
+    return out
 
 
 def rollout_profile(trainer, rows: int, steps: int) -> dict:

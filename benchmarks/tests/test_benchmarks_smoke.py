@@ -215,3 +215,23 @@ def test_a_forward_compiled_in_pieces_stops_a_benchmark(tmp_path):
 
     with pytest.warns(UserWarning, match="does not compile as one graph"):  # elsewhere a warning, and the value
         assert WholeGraph(doubled, what="t")(3.0) == 6.0
+
+
+def test_host_profile_ranks_a_steps_functions_by_own_time():
+    """``bench_grpo_step --cprofile-step``: the step's slow host function comes first, with its call count."""
+    import time
+
+    from benchmarks.gpu.bench_grpo_step import host_profile
+
+    class Trainer:
+        def train_step(self, step: int) -> None:
+            for _ in range(3):
+                self.slow()
+            sum(range(1000))
+
+        def slow(self) -> None:
+            time.sleep(0.01)
+
+    rows = host_profile(Trainer(), 7, top=3)
+    assert len(rows) == 3 and rows[0]["function"].endswith("(<built-in method time.sleep>)")
+    assert rows[0]["calls"] == 3 and rows[0]["own_ms"] >= 25.0
