@@ -119,6 +119,18 @@ def _device(cfg: Any) -> torch.device:
     return dist_utils.resolve_device(cfg.cluster.device)
 
 
+def set_host_threads(cpu_threads: int, loaded_on: torch.device | None = None) -> None:
+    """torch's intra-op threads in this process (``trainer.cpu_threads``): a positive value is set before the models
+    load (``loaded_on`` None). 0 leaves torch's default on the CPU; once the models are loaded on an accelerator
+    (``loaded_on``), it means one thread: the host then only launches work and keeps books on small tensors, where a
+    pool gains nothing and, on a busy host, stalls every operator until its descheduled threads run (a few dozen
+    small operators took 26 ms instead of 0.3 ms with both cores of a 2-core machine busy; decision 0023)."""
+    if loaded_on is None and cpu_threads > 0:
+        torch.set_num_threads(cpu_threads)
+    elif loaded_on is not None and cpu_threads == 0 and loaded_on.type != "cpu":
+        torch.set_num_threads(1)
+
+
 def _sampling(cfg: Any) -> dict[str, Any]:
     r = cfg.policy.rollout
     return {
@@ -163,8 +175,7 @@ def build_parts(
     process starts there, overlapping this build)."""
     cfg = plan.config
     _quiet_transformers()
-    if _device(cfg).type == "cpu" and cfg.trainer.cpu_threads > 0:
-        torch.set_num_threads(cfg.trainer.cpu_threads)  # tiny CPU models: threads mostly add sync overhead
+    set_host_threads(cfg.trainer.cpu_threads)
     dist_utils.ensure_process_group(_device(cfg))  # torchrun ranks, or a 1-rank group
     is_main = dist_utils.rank() == 0
     seed_everything(cfg.seed)
@@ -186,6 +197,7 @@ def build_parts(
         overlong_penalty_factor=cfg.algorithm.overlong_penalty_factor,
     )
     correction = plan.build_rollout_correction() if cfg.quantization.rollout_correction.enabled else None
+    set_host_threads(cfg.trainer.cpu_threads, _device(cfg))
     return TrainerParts(
         config=cfg,
         tokenizer=tokenizer,

@@ -89,13 +89,13 @@ def build_before_start(cfg: Any, boot: dict[str, Any]) -> Built:
     """In the rollouter's process: plan, the (warm-started) policy loaded, the train loader and, unless it
     must wait for the start message, the rollout engine."""
     from lumenrl_backends.models import load_model_and_tokenizer
+    from lumenrl_backends.trainers.build import set_host_threads
     from lumenrl_backends.trainers.data import make_loader, split_records
     from lumenrl_backends.training import distributed as dist_utils
     from lumenrl_core.assembly import plan_run
 
-    if cfg.trainer.cpu_threads > 0:
-        torch.set_num_threads(cfg.trainer.cpu_threads)
     device = torch.device(boot["device"]) if boot.get("device") else dist_utils.resolve_device(cfg.cluster.device)
+    set_host_threads(cfg.trainer.cpu_threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the engine's "cuda" is this device
     plan = plan_run(cfg)
@@ -106,6 +106,7 @@ def build_before_start(cfg: Any, boot: dict[str, Any]) -> Built:
     loader = make_loader(cfg, train_records, tokenizer, batch_size=cfg.dataset.train_batch_size, seed=cfg.seed,
                          shuffle=cfg.dataset.shuffle)
     built = Built(plan=plan, model=model, tokenizer=tokenizer, loader=loader, device=device)
+    set_host_threads(cfg.trainer.cpu_threads, device)
     if not engine_waits_for_start(boot, device):
         built.engine = _engine(cfg, built)
     return built

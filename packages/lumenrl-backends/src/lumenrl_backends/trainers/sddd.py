@@ -22,7 +22,7 @@ import torch
 
 from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.engines.speculative import attach_draft
-from lumenrl_backends.trainers.build import seed_everything
+from lumenrl_backends.trainers.build import seed_everything, set_host_threads
 from lumenrl_backends.trainers.checkpoint import CheckpointManager
 from lumenrl_backends.trainers.metrics import PhaseTimer
 from lumenrl_backends.trainers.outputs import write_run_record, write_summary
@@ -105,10 +105,10 @@ class SDDDTrainer:
             raise ValueError(f"trainer.name='sddd' needs algorithm.name='sddd' (got {cfg.algorithm.name!r})")
         self.plan, self.out = plan, Path(cfg.trainer.output_dir)
         seed_everything(cfg.seed)
-        if cfg.trainer.cpu_threads:
-            torch.set_num_threads(cfg.trainer.cpu_threads)
+        set_host_threads(cfg.trainer.cpu_threads)
         self.teacher, self.tokenizer = load_teacher(cfg)
         self.engine = teacher_engine(cfg, self.teacher, self.tokenizer)
+        set_host_threads(cfg.trainer.cpu_threads, next(self.teacher.parameters()).device)
         self.transfer, self._proc, self._stop = self._open_transfer()
         meta = self.transfer.get("meta")
         self.chunks = int(meta["chunks"][0])

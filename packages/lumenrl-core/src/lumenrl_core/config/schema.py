@@ -368,7 +368,9 @@ class TrainerConfig:
     warm_start_sft_steps: int = 0  # built-in demo: short SFT before RL (0 = none)
     warm_start_sft_lr: float = field(default=3e-3, metadata={"gt": 0})  # constant lr of the warm-start SFT
     warm_start_sft_batch_size: int = field(default=64, metadata={"ge": 1})  # examples per SFT step
-    cpu_threads: int = field(default=0, metadata={"ge": 0})  # torch intra-op threads when on CPU; 0 = torch default
+    # torch intra-op threads of the run's processes; 0 = torch's default on CPU, one once the models are loaded on
+    # an accelerator (the host only keeps books there: a thread pool stalls small operators on a busy host)
+    cpu_threads: int = field(default=0, metadata={"ge": 0})
     # output_dir holding another config's run (its config.yaml differs): refused unless true, which first
     # removes that run's outputs (the same config: resumed with checkpointing.resume=true, else replaced)
     overwrite: bool = False
