@@ -83,11 +83,11 @@ def _walk(gpu: list[dict[str, Any]], min_us: float) -> tuple[
 
 
 def _covers(host: list[dict[str, Any]], gaps: list[tuple[float, float, dict[str, Any], str]]) -> list[str]:
-    """:func:`_host_cover` of every gap in one sweep (host events sorted by start; those that ended before a gap began
-    are dropped for good, as later gaps start later): what the host was doing in each."""
+    """:func:`_host_cover` of every gap (``gaps`` in start order, as :func:`_walk` gives them) in one sweep: host
+    events sorted by start, those that ended before a gap began dropped for good, as later gaps start later."""
     host = sorted(host, key=lambda e: e["ts"])
     out, live, i = [], [], 0
-    for start, length, _, _ in sorted(gaps, key=lambda g: g[0]):
+    for start, length, _, _ in gaps:
         while i < len(host) and host[i]["ts"] < start + length:
             live.append(host[i])
             i += 1
@@ -100,7 +100,7 @@ def _by_host(gaps: list[tuple[float, float, dict[str, Any], str]], covers: list[
              top: int) -> dict[str, float]:
     """Idle milliseconds summed by (phase, the host operation that covered the gap), the ``top`` largest."""
     total: dict[str, float] = {}
-    for (start, length, _, _), name in zip(sorted(gaps, key=lambda g: g[0]), covers):
+    for (start, length, _, _), name in zip(gaps, covers, strict=True):
         key = f"{phase_at(start) or 'no phase'}: {name[:60] or '-'}"
         total[key] = total.get(key, 0.0) + length
     return {k: round(v / 1e3, 3) for k, v in sorted(total.items(), key=lambda kv: -kv[1])[:top]}
