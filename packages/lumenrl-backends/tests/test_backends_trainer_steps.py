@@ -212,6 +212,69 @@ def test_actor_loss_summed_over_micro_batches_equals_the_mini_batch_loss():
     assert abs(total.double().item() - expected.item()) < 1e-6 * max(1.0, abs(expected.item()))
 
 
+def _actor_micro(device: str = "cpu", seed: int = 3, b: int = 4, t: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(b, t, generator=g) * 2
+    mask = (torch.rand(b, t, generator=g) > 0.3).long()
+    mask[:, 0] = 1
+    batch = {"old_log_probs": lp + 0.3 * torch.randn(b, t, generator=g), "advantages": torch.randn(b, t, generator=g),
+             "ref_log_probs": lp + 0.2 * torch.randn(b, t, generator=g), "response_mask": mask}
+    micro = SimpleNamespace(batch={k: v.to(device) for k, v in batch.items()},
+                            meta_info={"mini_batch_tokens": float(mask.sum()) + 7.0, "mini_batch_seqs": b + 2})
+    return {"log_probs": lp.to(device).requires_grad_(), "entropy": torch.rand(b, t, generator=g).to(device)}, micro
+
+
+@pytest.mark.parametrize("use_kl_loss", [False, True])
+def test_actor_metrics_stay_tensors_until_the_backend_reads_them(use_kl_loss):
+    """The built-in loss leaves every metric a 0-dim tensor (the backend reads them back once per step); a
+    policy-loss plugin without ``sync_metrics`` is called as before and its floats pass through."""
+    algo = AlgorithmConfig(use_kl_loss=use_kl_loss, kl_loss_coef=0.1, entropy_coef=0.01)
+    outputs, micro = _actor_micro()
+    loss, metrics = actor_loss_fn(PPOClipLoss(), algo)(outputs, micro)
+    assert {"actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac"} <= set(metrics)
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in metrics.values()), metrics
+    # pg_loss is rescaled from the mini-batch denominator to this micro-batch's own token mean
+    mask = micro.batch["response_mask"].double()
+    _, plain = PPOClipLoss()(outputs["log_probs"].detach(), micro.batch["old_log_probs"], micro.batch["advantages"],
+                             micro.batch["response_mask"])
+    assert float(metrics["actor/pg_loss"]) == pytest.approx(plain["actor/pg_loss"], rel=1e-6)
+    assert float(metrics["actor/entropy"]) == pytest.approx(
+        float((outputs["entropy"].double() * mask).sum() / mask.sum()), rel=1e-6)
+
+    def floats_only(log_probs, old, advantages, mask, is_weights=None, *, global_tokens=None, global_seqs=None):
+        return (log_probs * mask).sum() / global_tokens, {"actor/pg_loss": 0.5, "actor/custom": 2.0}
+
+    loss2, metrics2 = actor_loss_fn(floats_only, algo)(outputs, micro)
+    assert metrics2["actor/custom"] == 2.0 and isinstance(metrics2["actor/pg_loss"], torch.Tensor)
+    loss2.backward()
+    assert outputs["log_probs"].grad is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("use_kl_loss", [False, True])
+def test_the_actor_and_critic_losses_queue_without_waiting_for_the_device(use_kl_loss):
+    """No host read-back between a micro-batch's forward and its backward: under CUDA's sync debug mode
+    'error' any synchronizing call (``item``, ``tolist``, a pageable host-to-device copy) raises."""
+    from lumenrl_backends.trainers.update import critic_loss_fn
+
+    algo = AlgorithmConfig(use_kl_loss=use_kl_loss, kl_loss_coef=0.1, entropy_coef=0.01)
+    actor, critic = actor_loss_fn(PPOClipLoss(), algo), critic_loss_fn(
+        SimpleNamespace(cliprange_value=0.5, value_loss_coef=0.5), "token-mean")
+    outputs, micro = _actor_micro("cuda")
+    micro.batch.update(values=micro.batch["old_log_probs"], returns=micro.batch["advantages"])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, metrics = actor(outputs, micro)
+        loss.backward()
+        vloss, vmetrics = critic({"values": outputs["log_probs"]}, micro)
+        vloss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(isinstance(v, torch.Tensor) for v in (*metrics.values(), *vmetrics.values()))
+    assert torch.isfinite(outputs["log_probs"].grad).all()
+
+
 def test_rollout_correction_weights_and_narrows_the_response_mask():
     def correction(old, rollout, mask):
         keep = ((old - rollout).abs() < 0.5).long() * mask

@@ -258,3 +258,41 @@ def test_masked_helpers():
     w = masked_whiten(x, mask)
     torch.testing.assert_close(w, (x - mean) / math.sqrt(var + 1e-8))
     assert masked_mean(x, torch.zeros_like(mask)).item() == 0.0
+
+
+@pytest.mark.parametrize("seed", [20, 21])
+def test_unsynced_metrics_are_the_same_values_left_as_tensors(seed):
+    """``sync_metrics=False``: each metric a 0-dim tensor equal to the float the default returns."""
+    new, old, adv, mask = _data(seed)
+    g = torch.Generator().manual_seed(seed)
+    ref, values = -torch.rand(new.shape, generator=g), torch.randn(new.shape, generator=g)
+    n_tok, n_seq = count_tokens_and_seqs(mask)
+    calls = (
+        lambda **kw: ppo_clip_loss(new, old, adv, mask, global_tokens=n_tok, global_seqs=n_seq, **kw),
+        lambda **kw: PPOClipLoss(clip_ratio_c=None)(new, old, adv, mask, global_tokens=n_tok, **kw),
+        lambda **kw: kl_loss(new, ref, mask, global_tokens=n_tok, **kw),
+        lambda **kw: clipped_value_loss(values, old, adv, mask, global_tokens=n_tok, **kw),
+    )
+    for call in calls:
+        loss_host, host = call()
+        loss_dev, dev = call(sync_metrics=False)
+        assert torch.equal(loss_host, loss_dev) and host.keys() == dev.keys()
+        for key, value in host.items():
+            assert isinstance(value, float), key
+            assert isinstance(dev[key], torch.Tensor) and dev[key].dim() == 0 and not dev[key].requires_grad, key
+            assert float(dev[key]) == value, key
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_a_python_count_and_a_tensor_count_give_the_same_loss(mode):
+    """The global counts may come as Python numbers (kept on the host) or tensors; the loss is the same."""
+    g = torch.Generator().manual_seed(30)
+    loss_mat = torch.randn(5, 7, generator=g, dtype=torch.float64)
+    mask = (torch.rand(5, 7, generator=g) > 0.4).double()
+    n_tok, n_seq = count_tokens_and_seqs(mask)
+    as_numbers = agg_loss(loss_mat, mask, mode, global_tokens=n_tok, global_seqs=n_seq)
+    as_tensors = agg_loss(loss_mat, mask, mode, global_tokens=torch.tensor(n_tok), global_seqs=torch.tensor(n_seq))
+    assert as_numbers.item() == pytest.approx(as_tensors.item(), rel=1e-15)
+    assert as_numbers.item() == pytest.approx(_ref_agg(loss_mat, mask, mode), rel=1e-12)
+    empty = agg_loss(loss_mat, torch.zeros_like(mask), mode, global_tokens=0, global_seqs=0)
+    assert empty.item() == 0.0  # a zero count is clamped to 1: an empty batch gives 0, not nan

@@ -96,7 +96,12 @@ class AdvantageEstimator(Protocol):
 
 @runtime_checkable
 class PolicyLoss(Protocol):
-    """``(log_probs, old_log_probs, advantages, mask, is_weights) -> (loss, metrics)``."""
+    """``(log_probs, old_log_probs, advantages, mask, is_weights) -> (loss, metrics)``.
+
+    The trainer also passes the keywords ``global_tokens`` / ``global_seqs`` (the mini-batch totals) and, where
+    ``__call__`` names it, ``sync_metrics=False``: the metrics may then be 0-dim device tensors, which the
+    backend reads back once per optimizer step instead of once per micro-batch. Floats are always accepted.
+    """
 
     def __call__(
         self,
@@ -105,7 +110,7 @@ class PolicyLoss(Protocol):
         advantages: torch.Tensor,
         mask: torch.Tensor,
         is_weights: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+    ) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]: ...
 
 
 @runtime_checkable

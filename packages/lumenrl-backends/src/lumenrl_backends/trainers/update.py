@@ -14,6 +14,7 @@ Rollout correction keeps only ``rollout_keep_mask`` tokens: it is folded into
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,7 +32,7 @@ __all__ = [
     "critic_loss_fn",
 ]
 
-LossFn = Callable[[Mapping[str, torch.Tensor], Any], tuple[torch.Tensor, dict[str, float]]]
+LossFn = Callable[[Mapping[str, torch.Tensor], Any], tuple[torch.Tensor, dict[str, Any]]]  # floats or 0-dim tensors
 
 
 def apply_kl_in_reward(batch: DataProto, algo: Any) -> dict[str, float]:
@@ -90,40 +91,57 @@ def _global_kwargs(micro: Any) -> dict[str, float]:
     }
 
 
-def _local_scale(mask: torch.Tensor, mode: str, totals: Mapping[str, float]) -> float:
-    """Factor turning a globally-normalized micro loss into this micro-batch's own mean loss."""
+def _local_scale(mask: torch.Tensor, mode: str, totals: Mapping[str, float]) -> torch.Tensor:
+    """Factor turning a globally-normalized micro loss into this micro-batch's own mean loss (on the mask's
+    device: no read-back)."""
     per_row = mask.to(torch.float32).sum(dim=-1)
     if mode == "token-mean":
-        return float(totals["global_tokens"]) / max(per_row.sum().item(), 1.0)
-    return float(totals["global_seqs"]) / max((per_row > 0).sum().item(), 1.0)
+        return float(totals["global_tokens"]) / per_row.sum().clamp_min(1.0)
+    return float(totals["global_seqs"]) / (per_row > 0).sum().to(torch.float32).clamp_min(1.0)
+
+
+def _names_keyword(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` takes the keyword ``name`` (by name, not through ``**kwargs``)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
 
 
 def actor_loss_fn(policy_loss: Callable[..., Any], algo: Any) -> LossFn:
-    """The actor's ``loss_fn`` for ``backend.train_step`` (PPO-clip + KL loss + entropy bonus)."""
+    """The actor's ``loss_fn`` for ``backend.train_step`` (PPO-clip + KL loss + entropy bonus).
+
+    Its metrics are 0-dim device tensors (or floats, from a policy loss that returns floats): the backend reads
+    them back once per ``train_step``, so nothing here makes the host wait for the forward before it queues the
+    backward.
+    """
     mode = algo.loss_agg_mode
     reuse = getattr(algo, "old_log_probs", "recompute") == "reuse"  # old = this forward's own, detached (ratio 1)
+    lazy = {"sync_metrics": False} if _names_keyword(policy_loss, "sync_metrics") else {}
 
-    def loss_fn(outputs: Mapping[str, torch.Tensor], micro: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_fn(outputs: Mapping[str, torch.Tensor], micro: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         b, totals = micro.batch, _global_kwargs(micro)
         mask = b["response_mask"]
         log_probs, entropy = outputs["log_probs"], outputs["entropy"]
         old = log_probs.detach() if reuse else b["old_log_probs"]
-        loss, metrics = policy_loss(log_probs, old, b["advantages"], mask, b.get("is_weights"), **totals)
+        loss, metrics = policy_loss(log_probs, old, b["advantages"], mask, b.get("is_weights"), **totals, **lazy)
+        metrics = dict(metrics)
         if reuse and "rollout_log_probs" in b:  # the engine-vs-trainer difference (a mean over micro-batches)
             delta = (log_probs.detach().float() - b["rollout_log_probs"].float()).abs()
-            metrics["rollout/logprob_abs_diff_mean"] = masked_mean(delta, mask).item()
+            metrics["rollout/logprob_abs_diff_mean"] = masked_mean(delta, mask)
         metrics["actor/pg_loss"] = metrics["actor/pg_loss"] * _local_scale(mask, mode, totals)
-        metrics["actor/entropy"] = masked_mean(entropy.detach(), mask).item()
+        metrics["actor/entropy"] = masked_mean(entropy.detach(), mask)
         if algo.entropy_coef:
             loss = loss - algo.entropy_coef * agg_loss(entropy, mask, mode, **totals)
         if algo.use_kl_loss:
             kl, kl_metrics = kl_loss(
-                log_probs, b["ref_log_probs"], mask, kind=algo.kl_loss_type, loss_agg_mode=mode, **totals
+                log_probs, b["ref_log_probs"], mask, kind=algo.kl_loss_type, loss_agg_mode=mode,
+                sync_metrics=False, **totals,
             )
             loss = loss + algo.kl_loss_coef * kl
             metrics.update(kl_metrics)
         elif "ref_log_probs" in b:
-            metrics["actor/kl"] = masked_mean(log_probs.detach() - b["ref_log_probs"], mask).item()
+            metrics["actor/kl"] = masked_mean(log_probs.detach() - b["ref_log_probs"], mask)
         return loss, metrics
 
     return loss_fn
@@ -141,9 +159,10 @@ def critic_loss_fn(critic: Any, loss_agg_mode: str) -> LossFn:
             b["response_mask"],
             cliprange_value=critic.cliprange_value,
             loss_agg_mode=loss_agg_mode,
+            sync_metrics=False,
             **totals,
         )
-        metrics["critic/vf_loss"] *= _local_scale(b["response_mask"], loss_agg_mode, totals)
+        metrics["critic/vf_loss"] = metrics["critic/vf_loss"] * _local_scale(b["response_mask"], loss_agg_mode, totals)
         return critic.value_loss_coef * loss, metrics
 
     return loss_fn

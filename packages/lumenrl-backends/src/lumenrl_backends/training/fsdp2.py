@@ -494,7 +494,9 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         mask = local.batch.get("response_mask")
         local_tokens = float(mask.sum()) if mask is not None else float(local.batch["responses"].numel())
         plans = self._plans(local, max(self.train_cfg.micro_batch_size, 1))
-        local = local.to(self.device)  # loss_fn mixes outputs with batch tensors (advantages, masks)
+        # loss_fn mixes outputs with batch tensors (advantages, masks). non_blocking: a blocking copy from host
+        # memory would first wait for the queued work (the previous mini-batch's optimizer step)
+        local = local.to(self.device, non_blocking=True)
         local.meta_info.update(
             mini_batch_tokens=dist_utils.all_reduce_sum(local_tokens, self.device, self.dp_group),
             mini_batch_seqs=mini_rows,

@@ -67,7 +67,13 @@ def agg_loss(
     raise ValueError(f"loss_agg_mode={mode!r} is not supported; allowed: {', '.join(LOSS_AGG_MODES)}")
 
 
-def _denominator(given: int | float | torch.Tensor | None, local: torch.Tensor) -> torch.Tensor:
-    """The global count when given, else the local one; clamped to >= 1 so empty batches give 0."""
-    value = local if given is None else torch.as_tensor(given, dtype=local.dtype, device=local.device)
-    return value.clamp_min(1.0)
+def _denominator(given: int | float | torch.Tensor | None, local: torch.Tensor) -> torch.Tensor | float:
+    """The global count when given, else the local one; clamped to >= 1 so empty batches give 0.
+
+    A Python count stays a Python number: making it a device tensor would copy it from pageable host memory,
+    which waits for all the work queued on the stream (the forward this loss follows)."""
+    if given is None:
+        return local.clamp_min(1.0)
+    if isinstance(given, torch.Tensor):
+        return given.to(dtype=local.dtype, device=local.device).clamp_min(1.0)
+    return max(float(given), 1.0)

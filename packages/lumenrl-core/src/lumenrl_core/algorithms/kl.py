@@ -50,12 +50,15 @@ def kl_loss(
     *,
     kind: str = "low_var_kl",
     loss_agg_mode: str = "token-mean",
+    sync_metrics: bool = True,
     **agg_kwargs: object,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL loss term (scalar, differentiable in ``log_probs``) and ``actor/kl`` (masked token mean)."""
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+    """KL loss term (scalar, differentiable in ``log_probs``) and ``actor/kl`` (masked token mean: a float, or a
+    0-dim device tensor with ``sync_metrics=False``, see :func:`~lumenrl_core.algorithms.ppo_clip_loss`)."""
     kl = kl_estimate(log_probs, ref_log_probs, kind)
     loss = agg_loss(kl, mask, loss_agg_mode, **agg_kwargs)
-    return loss, {"actor/kl": masked_mean(kl.detach(), mask).item()}
+    mean = masked_mean(kl.detach(), mask)
+    return loss, {"actor/kl": mean.item() if sync_metrics else mean}
 
 
 def apply_kl_penalty(

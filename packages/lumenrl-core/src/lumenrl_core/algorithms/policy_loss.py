@@ -11,7 +11,7 @@ dual-clip caps the loss of negative-advantage tokens whose ratio has blown up; `
 disables it. Optional ``is_weights`` (rollout-correction importance weights, detached) multiply
 the per-token loss before aggregation (see :mod:`lumenrl_core.algorithms.aggregation`).
 
-Metrics (floats, over valid tokens of this call):
+Metrics (floats, or 0-dim device tensors with ``sync_metrics=False``; over valid tokens of this call):
 ``actor/pg_loss`` (the aggregated loss), ``actor/clip_frac`` (fraction of tokens where the
 clipped term is the active max, i.e. the gradient is cut), ``actor/ppo_kl`` (mean k1 of old vs
 new: logp_old - logp), ``actor/pg_clipfrac_lower`` (fraction where the dual-clip bound is active).
@@ -53,7 +53,7 @@ def ppo_clip_token_loss(
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (None turns dual-clip off)")
     if clip_ratio_c is None:  # dual-clip off
-        stats["clipfrac_lower"] = torch.zeros((), dtype=torch.float32)
+        stats["clipfrac_lower"] = torch.zeros((), dtype=torch.float32, device=log_probs.device)
         return loss_clip, stats
     dual_bound = -advantages * clip_ratio_c
     negative = advantages < 0
@@ -76,8 +76,13 @@ def ppo_clip_loss(
     global_tokens: int | float | torch.Tensor | None = None,
     global_seqs: int | float | torch.Tensor | None = None,
     max_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Aggregated PPO-clip loss (scalar) and its metrics; see the module docstring."""
+    sync_metrics: bool = True,
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+    """Aggregated PPO-clip loss (scalar) and its metrics; see the module docstring.
+
+    ``sync_metrics=False`` leaves the metrics as 0-dim float32 tensors on the loss's device, for a caller
+    that reads many of them back at once (a training backend, once per optimizer step): reading them here
+    would make the host wait for the forward before it can queue the backward."""
     loss_mat, stats = ppo_clip_token_loss(
         log_probs,
         old_log_probs,
@@ -93,12 +98,13 @@ def ppo_clip_loss(
         loss_mat, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len
     )
     names = ("actor/pg_loss", "actor/clip_frac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
-    values = torch.stack(
+    stacked = torch.stack(
         [
             t.detach().float().to(loss.device)
             for t in (loss, *(stats[k] for k in ("clip_frac", "ppo_kl", "clipfrac_lower")))
         ]
-    ).tolist()  # one device sync for all four
+    )
+    values = stacked.tolist() if sync_metrics else list(stacked.unbind())  # tolist: one device sync for all four
     return loss, dict(zip(names, values, strict=True))
 
 
@@ -153,7 +159,8 @@ class PPOClipLoss:
         *,
         global_tokens: int | float | torch.Tensor | None = None,
         global_seqs: int | float | torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+        sync_metrics: bool = True,
+    ) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         return ppo_clip_loss(
             log_probs,
             old_log_probs,
@@ -167,4 +174,5 @@ class PPOClipLoss:
             global_tokens=global_tokens,
             global_seqs=global_seqs,
             max_len=self.max_len,
+            sync_metrics=sync_metrics,
         )

@@ -27,9 +27,11 @@ def clipped_value_loss(
     *,
     cliprange_value: float = 0.5,
     loss_agg_mode: str = "token-mean",
+    sync_metrics: bool = True,
     **agg_kwargs: object,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Scalar clipped value loss and metrics ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``."""
+) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+    """Scalar clipped value loss and metrics ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``
+    (floats, or 0-dim float64 device tensors with ``sync_metrics=False``)."""
     if cliprange_value <= 0:
         raise ValueError(f"cliprange_value={cliprange_value!r} is invalid: must be > 0")
     clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
@@ -42,5 +44,6 @@ def clipped_value_loss(
         masked_mean(values.detach(), mask),
     )
     names = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean")
-    values_out = torch.stack([t.to(torch.float64) for t in stats]).tolist()  # one device sync, exact
+    stacked = torch.stack([t.to(torch.float64) for t in stats])
+    values_out = stacked.tolist() if sync_metrics else list(stacked.unbind())  # tolist: one device sync, exact
     return loss, dict(zip(names, values_out, strict=True))
