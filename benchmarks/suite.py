@@ -83,6 +83,8 @@ ENTRIES: tuple[Entry, ...] = (
           metric="mfu", bound=">= 0.5",
           more_goals=(("train step MFU 45% through fully_shard (1.7B, FSDP2 on a one-rank mesh)", "mfu_fsdp2",
                        ">= 0.45"),)),
+    Entry(name="logprobs", target="benchmarks.gpu.bench_logprobs:run", suites=("gpu", "train"),
+          numbers=("forward_us", "backward_us")),
     Entry(name="grpo_step", target="benchmarks.gpu.bench_grpo_step:run", suites=("gpu", "train"),
           numbers=("step_s",)),
     Entry(name="grpo_step_vs_trl", target="benchmarks.gpu.bench_grpo_trl:run", suites=("gpu", "train"),

@@ -118,6 +118,37 @@ def test_one_pass_triton_kernels_match_float64(triton_interpreted):
         assert row["grad"] < (5e-3 if bf16 else 5e-5) and row["grad_lp"] < (5e-3 if bf16 else 5e-5), (name, row)
 
 
+_TRITON_CONFIG_CASES = """
+import json, torch
+from lumenrl_backends.training import triton_logprobs as tk
+from test_backends_fsdp2_logprobs import case, reference, rel
+# launch parameters the benchmark sweeps: prefetching forward loops, multi-chunk backward programs with a ragged end
+logits, tokens, g_lp, g_ent = case(2, shape=(2, 3, 5000), dtype=torch.float32)
+logits[0, :, 1024:1100] = float("-inf")
+tokens[0] = tokens[0] % 1024
+x = logits[:, :-1]
+ref_in = x.double().nan_to_num(neginf=-1e4).requires_grad_(True)
+ref_lp, ref_ent = reference(ref_in, tokens, 0.7)
+(ref_grad,) = torch.autograd.grad((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum(), ref_in)
+for fwd, bwd in (({"prefetch": True}, {"chunks": 2}),
+                 ({"block": 1024, "prefetch": True, "stages": 2, "num_warps": 4}, {"block": 1024, "chunks": 3, "stages": 2}),
+                 ({"block": 2048, "stages": 3}, {"block": 4096, "chunks": 4, "num_warps": 4})):
+    lse, lp, ent = tk.token_log_probs_forward(x, tokens, 0.7, True, config=fwd)
+    grad = tk.token_log_probs_backward(x, tokens, lse, ent, g_lp, g_ent, 0.7, config=bwd)
+    print(json.dumps({"case": json.dumps([fwd, bwd]), "lp": float((lp.double() - ref_lp).abs().max()),
+                      "ent": float((ent.double() - ref_ent).abs().max()), "grad": rel(grad, ref_grad),
+                      "finite": bool(grad.isfinite().all() and lp.isfinite().all() and ent.isfinite().all())}))
+"""
+
+
+def test_every_launch_configuration_matches_float64(triton_interpreted):
+    """The forward's prefetch and pipelined loop and the backward's multi-chunk programs compute the same values."""
+    rows = triton_interpreted({"configs": _TRITON_CONFIG_CASES}).json_rows("configs")
+    assert len(rows) == 3
+    for name, row in rows.items():
+        assert row["finite"] and row["lp"] < 5e-5 and row["ent"] < 5e-5 and row["grad"] < 5e-5, (name, row)
+
+
 def test_a_compiled_cuda_step_uses_the_triton_kernels():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert logprobs.logprob_backend(cpu, True) == "inductor" and logprobs.logprob_backend(cuda, "eager") == "eager"

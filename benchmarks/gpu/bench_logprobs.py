@@ -1,0 +1,175 @@
+"""The training step's log-prob kernels (``training/triton_logprobs.py``): launch parameters side by side.
+
+A compiled training step on CUDA turns the (rows, vocabulary) logits into token log-probs and entropies in one
+pass (forward) and writes their gradient in one more (backward). Both only stream memory, so each is timed
+against the bytes it must move: the forward reads the logits once, the backward reads them and writes the
+gradient. Shapes (bf16 logits, Qwen3's 151936-token vocabulary):
+
+* ``train``: the ``train`` entry's step, 8 x 1023 response positions;
+* ``grpo``: one micro-batch of the GRPO entry's update, 64 x 256 positions.
+
+For each shape the defaults (``FORWARD`` / ``BACKWARD``) are timed first and last, and every variant of the sweep
+between them; each variant's log-probs and entropies must equal the defaults' within 2e-5 and its gradient
+within one bf16 ulp of it (else an ``ERROR`` row). ``us`` is the median of ``--iters`` timed calls (CUDA events),
+``pct_copy`` the bytes moved per second over the measured device copy bandwidth.
+
+    python benchmarks/gpu/bench_logprobs.py [--shapes train,grpo] [--no-sweep] [--smoke]
+
+``--smoke`` runs a tiny shape and two variants of each sweep in Triton's CPU interpreter. Writes ``logprobs.json``; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import torch  # noqa: E402
+
+from benchmarks.gpu._common import command_line, copy_bandwidth_gbs, environment, print_table, write_json  # noqa: E402
+from lumenrl_backends.training import triton_logprobs as tk  # noqa: E402
+
+VOCAB = 151936
+SHAPES = {"train": (8, 1023), "grpo": (64, 256), "smoke": (2, 3)}
+FORWARD_SWEEP: list[dict[str, Any]] = [
+    {"prefetch": True},
+    {"stages": 2}, {"stages": 3},
+    {"block": 2048, "prefetch": True}, {"block": 8192, "prefetch": True, "num_warps": 16},
+    {"block": 4096, "num_warps": 4, "prefetch": True}, {"block": 2048, "num_warps": 4, "stages": 3},
+    {"block": 8192, "num_warps": 8}, {"block": 8192, "num_warps": 16}, {"block": 16384, "num_warps": 16},
+]
+BACKWARD_SWEEP: list[dict[str, Any]] = [
+    {"block": 4096}, {"block": 8192, "num_warps": 8}, {"block": 8192, "num_warps": 16},
+    {"chunks": 4}, {"chunks": 4, "stages": 2}, {"chunks": 8, "stages": 3},
+    {"block": 4096, "chunks": 2, "stages": 2}, {"block": 4096, "chunks": 4, "stages": 3},
+    {"block": 1024, "chunks": 8, "stages": 3, "num_warps": 4}, {"block": 2048, "chunks": 8, "stages": 2, "num_warps": 4},
+]
+
+
+def _median_us(fn, iters: int) -> float:
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+    fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def _bench_shape(shape: str, sweep: bool, iters: int, copy_gbs: float) -> list[dict[str, Any]]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, cols = SHAPES[shape]
+    vocab = VOCAB if shape != "smoke" else 5000
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = (3 * torch.randn(rows, cols, vocab, device=device, generator=g)).bfloat16()
+    tokens = torch.randint(0, vocab, (rows, cols), device=device, generator=g)
+    g_lp, g_ent = (torch.randn(rows, cols, device=device, generator=g) for _ in range(2))
+    nbytes = logits.numel() * logits.element_size()
+    base = tk.token_log_probs_forward(logits, tokens, 1.0, True)
+    base_grad = tk.token_log_probs_backward(logits, tokens, base[0], base[2], g_lp, g_ent, 1.0)
+    out: list[dict[str, Any]] = []
+
+    def record(kernel: str, name: str, cfg: dict[str, Any]) -> None:
+        row: dict[str, Any] = {"shape": shape, "kernel": kernel, "variant": name}
+        try:
+            if kernel == "forward":
+                lse, lp, ent = tk.token_log_probs_forward(logits, tokens, 1.0, True, config=cfg)
+                err = max(float((lp - base[1]).abs().max()), float((ent - base[2]).abs().max()))
+                if err > 2e-5:
+                    raise AssertionError(f"log-probs/entropies differ from the defaults' by {err:.2e}")
+                us = _median_us(lambda: tk.token_log_probs_forward(logits, tokens, 1.0, True, config=cfg), iters)
+                moved = nbytes
+            else:
+                grad = tk.token_log_probs_backward(logits, tokens, base[0], base[2], g_lp, g_ent, 1.0, config=cfg)
+                ulps = float(((grad.float() - base_grad.float()).abs()
+                              / base_grad.float().abs().clamp_min(1e-30).mul(2**-7)).max())
+                if ulps > 1.0:
+                    raise AssertionError(f"gradient differs from the defaults' by {ulps:.2f} bf16 ulps")
+                us = _median_us(lambda: tk.token_log_probs_backward(logits, tokens, base[0], base[2], g_lp, g_ent,
+                                                                    1.0, config=cfg), iters)
+                moved = 2 * nbytes
+            row.update(us=us, gbs=moved / us / 1e3, pct_copy=100 * moved / us / 1e3 / copy_gbs)
+        except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
+            row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+            print(f"ERROR {shape} {kernel} {name}: {row['error']}", flush=True)
+        out.append(row)
+
+    for kernel, variants in (("forward", FORWARD_SWEEP), ("backward", BACKWARD_SWEEP)):
+        record(kernel, "default", {})
+        for cfg in (variants[:2] if shape == "smoke" else variants) if sweep else []:
+            record(kernel, ",".join(f"{k}={v}" for k, v in cfg.items()), cfg)
+        record(kernel, "default (again)", {})
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="train,grpo")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    shapes = ["smoke"] if args.smoke else [s for s in args.shapes.split(",") if s]
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {unknown}; allowed: {', '.join(k for k in SHAPES if k != 'smoke')}")
+    copy_gbs = copy_bandwidth_gbs() if torch.cuda.is_available() else float("nan")
+    rows = [r for shape in shapes for r in _bench_shape(shape, not args.no_sweep, args.iters, copy_gbs)]
+    payload = {"command": command_line(), "env": environment(), "copy_gbs": copy_gbs,
+               "defaults": {"forward": tk.FORWARD, "backward": tk.BACKWARD}, "rows": rows}
+    write_json("logprobs.json", payload)
+    print_table(rows, ["shape", "kernel", "variant", "us", "gbs", "pct_copy", "error"])
+    return payload
+
+
+def _interpreted_smoke() -> list[dict[str, Any]]:
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from benchmarks.gpu._common import RESULTS_DIR
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu.bench_logprobs", "--smoke"], cwd=root, env=env, check=True)
+    out_dir = Path(os.environ.get("LUMENRL_BENCH_OUT") or RESULTS_DIR)
+    return json.loads((out_dir / "logprobs.json").read_text())["rows"]
+
+
+def run(smoke: bool) -> dict:
+    """Suite entry: the default kernels' share of the copy bandwidth at the train shape (smoke: the interpreter's
+    tiny shape, timing only), and the best variant of the sweep where one beats the default."""
+    if smoke and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        rows = _interpreted_smoke()  # Triton reads TRITON_INTERPRET once, at import: a process of its own
+    else:
+        rows = main(["--smoke"] if smoke else ["--shapes", "train"])["rows"]
+    errors = [r["error"] for r in rows if "error" in r]
+    if errors:
+        raise RuntimeError(f"log-prob kernel variants failed: {errors}")
+    shape = "smoke" if smoke else "train"
+    numbers: dict[str, Any] = {}
+    for kernel in ("forward", "backward"):
+        mine = [r for r in rows if r["shape"] == shape and r["kernel"] == kernel]
+        default = min(r["us"] for r in mine if r["variant"].startswith("default"))
+        best = min(mine, key=lambda r: r["us"])
+        numbers.update({f"{kernel}_us": default, f"{kernel}_best_us": best["us"], f"{kernel}_best": best["variant"]})
+        if not smoke:
+            numbers[f"{kernel}_pct_copy"] = max(r["pct_copy"] for r in mine if r["variant"].startswith("default"))
+    return numbers
+
+
+if __name__ == "__main__":
+    main()
