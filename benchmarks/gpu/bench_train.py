@@ -2,7 +2,8 @@
 
 Every variant runs ``FSDP2Backend.train_step`` (the real RL path: fp32 master weights, bf16
 mixed precision, fused AdamW, grad clipping, log-probs + entropy of the response tokens and a
-policy-gradient loss) on random-initialized Qwen3 shapes:
+policy-gradient loss) on random-initialized Qwen3 shapes, with the rows on the host as the RL trainer
+passes them (``--batch-on-device``: already on the GPU):
 
 * ``1.7b``: Qwen3-1.7B (hidden 2048, intermediate 6144, 28 layers, 16/8 heads, head_dim 128,
   vocab 151936, tied embeddings), 8 x 1024 tokens per step (1 prompt + 1023 response tokens per
@@ -198,7 +199,8 @@ def profile_step(name: str, backend: FSDP2Backend, batch: DataProto) -> dict[str
 
 
 def run_variant(
-    name: str, steps: int, warmup: int, device: torch.device, rows: int, seq: int, profile: bool = False
+    name: str, steps: int, warmup: int, device: torch.device, rows: int, seq: int, profile: bool = False,
+    batch_on_device: bool = False,
 ) -> dict[str, Any]:
     shape, kind, kwargs, recipe, ac = VARIANTS[name]
     kwargs = dict(kwargs)
@@ -217,7 +219,10 @@ def run_variant(
     )
     if flat is not None and backend.single is not None:
         backend.single.flat_optimizer = flat
-    batch = make_batch(kind, vocab, rows, seq, device)
+    # the rows on the host, as the RL trainer hands them to train_step (its rollout batches live there); the
+    # backend copies them each step. batch_on_device: already on the GPU (the counts and the packing plan then
+    # read them back, a wait for the queued work at each step's start)
+    batch = make_batch(kind, vocab, rows, seq, device if batch_on_device else torch.device("cpu"))
     tokens = int(batch.batch["attention_mask"].sum())
     times: list[float] = []
     first = 0.0
@@ -242,7 +247,7 @@ def run_variant(
     breakdown = profile_step(name, backend, batch) if profile and device.type == "cuda" else {}
     out = {
         "variant": name, "shape": shape, "params": params, "tokens": tokens, "rows": rows, "micro": micro,
-        "single_device": backend.single is not None, "step_s": step,
+        "single_device": backend.single is not None, "batch_on_device": batch_on_device, "step_s": step,
         "flat_adamw": backend.single is not None and backend.single.flat_active,
         "step_s_min": min(times), "step_s_max": max(times), "first_step_s": first,
         "tokens_per_s": tokens / step, "tflops_6n": 6 * params * tokens / step / 1e12,
@@ -371,6 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--variant-timeout-s", type=int, default=120, help="abort one variant after this")
     ap.add_argument("--profile", default="1.7b/bf16", help="variants to profile one step of")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run of the code paths")
+    ap.add_argument("--batch-on-device", action="store_true",
+                    help="hand train_step rows already on the GPU (default: on the host, as the RL trainer does)")
     args = ap.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
@@ -400,7 +407,8 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             # a variant's layer Inductor options hold while its first step compiles the layers
             with mock.patch.dict(LAYER_INDUCTOR_OPTIONS, VARIANTS[name][2].get("inductor", {})):
-                r = run_variant(name, args.steps, args.warmup, device, rows, seq, name in args.profile.split(","))
+                r = run_variant(name, args.steps, args.warmup, device, rows, seq, name in args.profile.split(","),
+                                args.batch_on_device)
         except Exception as exc:  # report and go on: one broken variant must not lose the others
             traceback.print_exc()
             r = {"variant": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
