@@ -35,9 +35,7 @@ __all__ = ["BACKWARD", "FORWARD", "available", "token_log_probs_backward", "toke
 # forward: vocabulary chunk per loop step, warps, software-pipeline stages of the chunk loop, and ``prefetch`` (load
 # the next chunk before reducing this one: twice the bytes in flight per program); backward: chunk, chunks per
 # program (a loop, pipelined by ``stages``), warps.
-# Forward: four warps with the next chunk prefetched read 88% of the copy bandwidth at the train entry's shape and
-# 95% at the GRPO update's, against 77-79% for eight warps without (one H100, ``bench_logprobs.py``); no backward
-# variant beat the default by more than the run-to-run spread (88-91% of the copy bandwidth).
+# The defaults are the fastest of ``bench_logprobs.py``'s sweep (decision 0023, "The training log-prob kernels").
 FORWARD = {"block": 4096, "num_warps": 4, "stages": 1, "prefetch": True}
 BACKWARD = {"block": 2048, "chunks": 1, "num_warps": 8, "stages": 1}
 
