@@ -96,8 +96,13 @@ def test_plan_picks_packing_for_ragged_rows_and_trimming_for_shared_padding():
     shared = ragged_batch([3, 3], [4, 4])  # same layout in every row: only columns can go
     plan = plan_micro_batch(shared.batch["attention_mask"], T)
     assert isinstance(plan, TrimPlan) and (plan.lo, plan.hi, plan.resp_len) == (P - 3, P + 4, 4)
+    assert plan.dense  # every kept column valid in every row, positions from 0: no mask needed
     full = ragged_batch([P, P], [T, T])
-    assert plan_micro_batch(full.batch["attention_mask"], T) is None  # nothing to remove
+    plan = plan_micro_batch(full.batch["attention_mask"], T, position_ids=full.batch["position_ids"])
+    assert isinstance(plan, TrimPlan) and (plan.lo, plan.hi, plan.resp_len, plan.dense) == (0, P + T, T, True)
+    shifted = full.batch["position_ids"] + 3  # nothing to remove, but the positions need their ids
+    assert plan_micro_batch(full.batch["attention_mask"], T, position_ids=shifted) is None
+    assert not plan_micro_batch(batch.batch["attention_mask"], T, mode="trim")  # ragged rows: never dense
     assert plan_micro_batch(batch.batch["attention_mask"], T, mode="none") is None
     with pytest.raises(ValueError, match="packing='pack'"):
         plan_micro_batch(batch.batch["attention_mask"], T, mode="pack")
@@ -110,7 +115,7 @@ def test_custom_position_ids_fall_back_to_trimming():
     assert not isinstance(plan, PackPlan)
 
 
-@pytest.mark.parametrize("lens", [RAGGED, ([3, 3, 3], [4, 4, 4])], ids=["packed", "trimmed"])
+@pytest.mark.parametrize("lens", [RAGGED, ([3, 3, 3], [4, 4, 4]), ([P] * 3, [T] * 3)], ids=["packed", "trimmed", "dense"])
 def test_log_probs_equal_padded_and_float64(tiny, lens):
     batch = ragged_batch(*lens, seed=1)
     valid = batch.batch["response_mask"].bool()
@@ -128,8 +133,9 @@ def test_log_probs_equal_padded_and_float64(tiny, lens):
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
 
 
-def test_train_step_loss_and_gradients_equal_padded(tiny):
-    batch = ragged_batch(*RAGGED, seed=2)
+@pytest.mark.parametrize("lens", [RAGGED, ([P] * 6, [T] * 6)], ids=["packed", "dense"])
+def test_train_step_loss_and_gradients_equal_padded(tiny, lens):
+    batch = ragged_batch(*lens, seed=2)
     packed, padded = make(tiny, packing="auto", micro=3), make(tiny, packing="none", micro=3)
     m_packed, m_padded = packed.train_step(batch, pg_loss), padded.train_step(batch, pg_loss)
     assert m_packed["actor/loss"] == pytest.approx(m_padded["actor/loss"], rel=1e-5, abs=1e-7)
@@ -151,8 +157,9 @@ def master_params(b) -> list:
     return list(zip(names, b.single.masters if b.single is not None else b.model.parameters(), strict=True))
 
 
-def test_critic_values_equal_padded(tiny):
-    batch = ragged_batch(*RAGGED, seed=4)
+@pytest.mark.parametrize("lens", [RAGGED, ([P] * 3, [T] * 3)], ids=["packed", "dense"])
+def test_critic_values_equal_padded(tiny, lens):
+    batch = ragged_batch(*lens, seed=4)
     valid = batch.batch["response_mask"].bool()
     v = make(tiny, packing="auto", role="critic").compute_values(batch)
     v0 = make(tiny, packing="none", role="critic").compute_values(batch)

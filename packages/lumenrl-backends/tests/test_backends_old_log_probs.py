@@ -82,8 +82,13 @@ def test_a_reuse_run_makes_the_same_first_update_without_the_extra_forward(tmp_p
     assert timing and not any(k.startswith("timing/old_log_prob") for k in reuse)
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/advantages_abs_mean"):
         assert math.isfinite(reuse[key]) and reuse[key] == pytest.approx(recompute[key], rel=1e-4, abs=1e-6), key
+    # The engine-vs-trainer gap (~2e-5 per token) measured against the update's own forward (reuse) or a separate
+    # no-grad forward (recompute). On the CPU both forwards run the same kernels; on a GPU they need not (measured
+    # on an H100: 1.98e-5 against 2.12e-5, before and after the metrics stayed on the device), so there the two
+    # means only have to agree to the gap's own scale.
+    gap_rel = 0.15 if torch.cuda.is_available() else 1e-3
     assert reuse["rollout/logprob_abs_diff_mean"] == pytest.approx(recompute["rollout/logprob_abs_diff_mean"],
-                                                                   rel=1e-3, abs=1e-6)
+                                                                   rel=gap_rel, abs=1e-6)
 
 
 def test_a_step_s_phases_add_up_to_the_step(tmp_path):

@@ -320,6 +320,8 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         if isinstance(plan, TrimPlan):
             cols = slice(plan.lo, plan.hi)
             sliced = {k: inputs[k][:, cols] for k in ("input_ids", "attention_mask", "position_ids")}
+            if plan.dense and self.dims.cp == 1:  # no padding: plain causal attention, positions 0..n-1
+                sliced["attention_mask"] = sliced["position_ids"] = None
             sliced["responses"] = inputs["responses"][:, : plan.resp_len]
             first, second = self._forward_padded(sliced, temperature, with_entropy)
             pad = (0, T - plan.resp_len)

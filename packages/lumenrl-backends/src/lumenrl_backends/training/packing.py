@@ -56,6 +56,10 @@ class TrimPlan:
     hi: int
     resp_len: int  # T' <= T: response columns kept (the rest are padding in every row)
     slots: int  # b * (hi - lo)
+    # every kept column is a valid token of every row and the positions are 0, 1, ... from ``lo``: the forward
+    # needs neither a mask nor position ids (given either, transformers reads it back to look for padding or
+    # packed sequences, a wait for the queued work)
+    dense: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,12 +104,15 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def _trim(mask: torch.Tensor, resp_len: int) -> TrimPlan:
+def _trim(mask: torch.Tensor, resp_len: int, position_ids: torch.Tensor | None = None) -> TrimPlan:
     b, L = mask.shape
     cols = mask.any(dim=0).nonzero().flatten().tolist()
     lo = min(cols[0], L - resp_len - 1) if cols else 0
     hi = max(cols[-1] + 1, L - resp_len + 1) if cols else L
-    return TrimPlan(lo=lo, hi=hi, resp_len=hi - (L - resp_len), slots=b * (hi - lo))
+    dense = bool(cols) and bool(mask[:, lo:hi].all())
+    if dense and position_ids is not None:  # the columns before lo hold no token: positions must restart at lo
+        dense = bool((position_ids.cpu()[:, lo:hi] == torch.arange(hi - lo)).all())
+    return TrimPlan(lo=lo, hi=hi, resp_len=hi - (L - resp_len), slots=b * (hi - lo), dense=dense)
 
 
 def _positions_are_cumsum(mask: torch.Tensor, position_ids: torch.Tensor | None) -> bool:
@@ -174,15 +181,16 @@ def plan_micro_batch(
     mode: str = "auto",
     align: int = 8,
 ) -> TrimPlan | PackPlan | None:
-    """The cheapest exact layout for a (b, L) micro-batch, or None for the plain padded forward."""
+    """The cheapest exact layout for a (b, L) micro-batch, or None for the plain padded forward. A batch without
+    padding gets a :class:`TrimPlan` over all its columns marked ``dense``."""
     if check_packing_mode(mode) == "none":
         return None
     mask = attention_mask.detach().cpu().bool()
     b, L = mask.shape
     if not 0 < resp_len < L:
         raise ValueError(f"response length {resp_len} must be in [1, {L - 1}] for sequences of length {L}")
-    trim = _trim(mask, resp_len)
-    best: TrimPlan | PackPlan | None = trim if trim.slots < b * L else None
+    trim = _trim(mask, resp_len, position_ids)
+    best: TrimPlan | PackPlan | None = trim if trim.slots < b * L or trim.dense else None
     if mode == "auto" and _positions_are_cumsum(mask, position_ids):
         cost = trim.slots if best is not None else b * L
         lengths = mask.sum(-1)
