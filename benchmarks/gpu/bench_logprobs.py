@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from typing import Any
 
 if "--smoke" in sys.argv:
@@ -33,6 +31,7 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 
 from benchmarks.gpu._common import command_line, copy_bandwidth_gbs, environment, print_table, write_json  # noqa: E402
+from benchmarks.quant._common import run_interpreted, time_ms  # noqa: E402
 from lumenrl_backends.training import triton_logprobs as tk  # noqa: E402
 
 VOCAB = 151936
@@ -52,25 +51,8 @@ BACKWARD_SWEEP: list[dict[str, Any]] = [
 ]
 
 
-def _median_us(fn, iters: int) -> float:
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e6
-    fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 def _bench_shape(shape: str, sweep: bool, iters: int, copy_gbs: float) -> list[dict[str, Any]]:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() and shape != "smoke" else "cpu"  # smoke: the interpreter
     rows, cols = SHAPES[shape]
     vocab = VOCAB if shape != "smoke" else 5000
     g = torch.Generator(device=device).manual_seed(0)
@@ -90,7 +72,8 @@ def _bench_shape(shape: str, sweep: bool, iters: int, copy_gbs: float) -> list[d
                 err = max(float((lp - base[1]).abs().max()), float((ent - base[2]).abs().max()))
                 if err > 2e-5:
                     raise AssertionError(f"log-probs/entropies differ from the defaults' by {err:.2e}")
-                us = _median_us(lambda: tk.token_log_probs_forward(logits, tokens, 1.0, True, config=cfg), iters)
+                us = 1e3 * time_ms(lambda: tk.token_log_probs_forward(logits, tokens, 1.0, True, config=cfg), warmup=1,
+                                  iters=iters)
                 moved = nbytes
             else:
                 grad = tk.token_log_probs_backward(logits, tokens, base[0], base[2], g_lp, g_ent, 1.0, config=cfg)
@@ -98,8 +81,8 @@ def _bench_shape(shape: str, sweep: bool, iters: int, copy_gbs: float) -> list[d
                               / base_grad.float().abs().clamp_min(1e-30).mul(2**-7)).max())
                 if ulps > 1.0:
                     raise AssertionError(f"gradient differs from the defaults' by {ulps:.2f} bf16 ulps")
-                us = _median_us(lambda: tk.token_log_probs_backward(logits, tokens, base[0], base[2], g_lp, g_ent,
-                                                                    1.0, config=cfg), iters)
+                us = 1e3 * time_ms(lambda: tk.token_log_probs_backward(logits, tokens, base[0], base[2], g_lp, g_ent,
+                                                                       1.0, config=cfg), warmup=1, iters=iters)
                 moved = 2 * nbytes
             row.update(us=us, gbs=moved / us / 1e3, pct_copy=100 * moved / us / 1e3 / copy_gbs)
         except Exception as exc:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
@@ -126,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; allowed: {', '.join(k for k in SHAPES if k != 'smoke')}")
-    copy_gbs = copy_bandwidth_gbs() if torch.cuda.is_available() else float("nan")
+    copy_gbs = copy_bandwidth_gbs() if torch.cuda.is_available() and not args.smoke else float("nan")
     rows = [r for shape in shapes for r in _bench_shape(shape, not args.no_sweep, args.iters, copy_gbs)]
     payload = {"command": command_line(), "env": environment(), "copy_gbs": copy_gbs,
                "defaults": {"forward": tk.FORWARD, "backward": tk.BACKWARD}, "rows": rows}
@@ -135,27 +118,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return payload
 
 
-def _interpreted_smoke() -> list[dict[str, Any]]:
-    import json
-    import subprocess
-    from pathlib import Path
-
-    from benchmarks.gpu._common import RESULTS_DIR
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    subprocess.run([sys.executable, "-m", "benchmarks.gpu.bench_logprobs", "--smoke"], cwd=root, env=env, check=True)
-    out_dir = Path(os.environ.get("LUMENRL_BENCH_OUT") or RESULTS_DIR)
-    return json.loads((out_dir / "logprobs.json").read_text())["rows"]
+def smoke() -> dict[str, Any]:
+    """The ``--smoke`` run (tiny shape, Triton's interpreter), as a target of ``run_interpreted``."""
+    return main(["--smoke"])
 
 
 def run(smoke: bool) -> dict:
     """Suite entry: the default kernels' share of the copy bandwidth at the train shape (smoke: the interpreter's
     tiny shape, timing only), and the best variant of the sweep where one beats the default."""
-    if smoke and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        rows = _interpreted_smoke()  # Triton reads TRITON_INTERPRET once, at import: a process of its own
+    if smoke:  # on a GPU too: the suite's smoke mode is the CPU code path
+        rows = run_interpreted("benchmarks.gpu.bench_logprobs:smoke")["rows"]
     else:
-        rows = main(["--smoke"] if smoke else ["--shapes", "train"])["rows"]
+        rows = main(["--shapes", "train"])["rows"]
     errors = [r["error"] for r in rows if "error" in r]
     if errors:
         raise RuntimeError(f"log-prob kernel variants failed: {errors}")
