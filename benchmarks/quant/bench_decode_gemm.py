@@ -21,6 +21,7 @@ Paths (all produce the scaled result, checked against the float32 emulation, rel
   the bf16 x times the dequantized weight).
 
     python benchmarks/quant/bench_decode_gemm.py --tune
+    python benchmarks/quant/bench_decode_gemm.py --tune --space wide   # block_k to 512, 3-7 stages, 4/8 warps
 
 Smoke (``run(True)``): M = 4 on one ``tiny`` shape (N 64, K 256), the same paths and checks, timed
 over 2 weight copies; without a GPU in Triton's CPU interpreter, where the bf16-dot W8A16 variant is
@@ -50,6 +51,22 @@ def _sweep() -> list[dict[str, int]]:
     for bn, bk, split, stages in itertools.product((32, 64, 128), (128, 256), (1, 2, 4), (3, 5)):
         cfg = {**tg.DEFAULT_CONFIG, "block_n": bn, "block_k": bk, "split_k": split, "num_stages": stages}
         if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+SMEM_BUDGET = 220_000  # bytes of shared memory a launch may use for its pipeline stages (H100/H200: 227 KB)
+
+
+def _sweep_wide() -> list[dict[str, int]]:
+    """Deeper pipelines and longer K tiles than :func:`_sweep` (FP8 tiles hold half the bytes of bf16 ones, so the
+    same tile keeps half the bytes in flight): block_k up to 512, 3-7 stages, 4 or 8 warps, no split; only
+    configurations whose stages fit :data:`SMEM_BUDGET` (FP8 A and B tiles: (block_m + block_n) x block_k bytes)."""
+    out = [dict(tg.DEFAULT_CONFIG)]
+    for bn, bk, stages, warps in itertools.product((32, 64), (256, 512), (3, 4, 5, 6, 7), (4, 8)):
+        cfg = {**tg.DEFAULT_CONFIG, "block_n": bn, "block_k": bk, "split_k": 1, "num_stages": stages,
+               "num_warps": warps}
+        if stages * (cfg["block_m"] + bn) * bk <= SMEM_BUDGET and cfg not in out:
             out.append(cfg)
     return out
 
@@ -121,10 +138,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--m", default="64", help="decode batch sizes (comma separated)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--space", choices=("default", "wide"), default="default",
+                    help="--tune space of the rowwise kernel: default (tiles, split-K) or wide (longer K tiles, deeper "
+                         "pipelines, 4 or 8 warps)")
     ap.add_argument("--iters", type=int, default=20, help="timed replays per path")
     ap.add_argument("--out", default="quant_decode_gemm", help="detail JSON name (under $LUMENRL_BENCH_OUT)")
     args = ap.parse_args(argv)
-    configs = _sweep() if args.tune else [dict(tg.DEFAULT_CONFIG)]
+    configs = ({"default": _sweep, "wide": _sweep_wide}[args.space]() if args.tune else [dict(tg.DEFAULT_CONFIG)])
     w8a16 = [{**tg.DEFAULT_CONFIG, "block_n": bn, "block_k": bk, "num_stages": st}
              for bn, bk, st in itertools.product((32, 64), (128, 256), (3, 4, 5))] if args.tune else [dict(tg.DEFAULT_CONFIG)]
     rows, best = [], []
