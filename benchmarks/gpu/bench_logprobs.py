@@ -36,18 +36,18 @@ from lumenrl_backends.training import triton_logprobs as tk  # noqa: E402
 
 VOCAB = 151936
 SHAPES = {"train": (8, 1023), "grpo": (64, 256), "smoke": (2, 3)}
+# every variant names all its launch parameters (they do not depend on the current defaults)
 FORWARD_SWEEP: list[dict[str, Any]] = [
-    {"prefetch": True},
-    {"stages": 2}, {"stages": 3},
-    {"block": 2048, "prefetch": True}, {"block": 8192, "prefetch": True, "num_warps": 16},
-    {"block": 4096, "num_warps": 4, "prefetch": True}, {"block": 2048, "num_warps": 4, "stages": 3},
-    {"block": 8192, "num_warps": 8}, {"block": 8192, "num_warps": 16}, {"block": 16384, "num_warps": 16},
+    {"block": b, "num_warps": w, "stages": st, "prefetch": pf} for b, w, st, pf in (
+        (4096, 8, 1, False),  # the default before the prefetching loop
+        (4096, 8, 1, True), (4096, 8, 2, False), (4096, 8, 3, False), (2048, 8, 1, True), (8192, 16, 1, True),
+        (2048, 4, 3, False), (8192, 4, 1, True), (8192, 8, 1, False), (8192, 16, 1, False), (16384, 16, 1, False),
+        (4096, 2, 1, True), (2048, 4, 1, True))
 ]
 BACKWARD_SWEEP: list[dict[str, Any]] = [
-    {"block": 4096}, {"block": 8192, "num_warps": 8}, {"block": 8192, "num_warps": 16},
-    {"chunks": 4}, {"chunks": 4, "stages": 2}, {"chunks": 8, "stages": 3},
-    {"block": 4096, "chunks": 2, "stages": 2}, {"block": 4096, "chunks": 4, "stages": 3},
-    {"block": 1024, "chunks": 8, "stages": 3, "num_warps": 4}, {"block": 2048, "chunks": 8, "stages": 2, "num_warps": 4},
+    {"block": b, "chunks": c, "num_warps": w, "stages": st} for b, c, w, st in (
+        (4096, 1, 8, 1), (8192, 1, 8, 1), (8192, 1, 16, 1), (2048, 4, 8, 1), (2048, 4, 8, 2), (2048, 8, 8, 3),
+        (4096, 2, 8, 2), (4096, 4, 8, 3), (1024, 8, 4, 3), (2048, 8, 4, 2))
 ]
 
 
