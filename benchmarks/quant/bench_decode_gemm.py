@@ -120,7 +120,7 @@ def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]],
         if not tg.supports(k, cfg):
             continue
         add("triton", [lambda q=q, c=cfg: tg.fp8_rowwise_gemm(a_q, sa, q[0], q[1], config=c) for q in quantized],
-            n * k, **{key: cfg[key] for key in ("block_n", "block_k", "split_k", "num_stages")})
+            n * k, **{key: cfg[key] for key in ("block_n", "block_k", "split_k", "num_stages", "num_warps")})
     for dot in (torch.float16,) if _INTERPRETED else (torch.bfloat16, torch.float16):  # W8A16: no activation quantization
         for cfg in w8a16_configs:
             if not tg.supports(k, cfg):
@@ -128,7 +128,7 @@ def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]],
             add(f"triton_w8a16_{str(dot).removeprefix('torch.')}",
                 [lambda q=q, c=cfg, d=dot: tg.fp8_weight_only_gemm(a, q[0], q[1], dot_dtype=d, config=c)
                  for q in quantized], n * k, against=ref_w16,
-                **{key: cfg[key] for key in ("block_n", "block_k", "split_k", "num_stages")})
+                **{key: cfg[key] for key in ("block_n", "block_k", "split_k", "num_stages", "num_warps")})
     torch.cuda.empty_cache()
     return rows
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
                 r["shape"] = name
             best.extend(fixed)
             write_json(args.out, {"rows": rows, "summary": best})
-    cols = ["shape", "M", "N", "K", "path", "block_n", "block_k", "split_k", "num_stages", "us", "weight_gbs", "x_bf16",
+    cols = ["shape", "M", "N", "K", "path", "block_n", "block_k", "split_k", "num_stages", "num_warps", "us", "weight_gbs", "x_bf16",
             "rel_err"]
     print(table("decode GEMMs, fp8_row (cuBLAS variants; best Triton config per shape)", best, cols))
     errors = [r for r in rows if "error" in r]
