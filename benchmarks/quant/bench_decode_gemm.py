@@ -22,6 +22,7 @@ Paths (all produce the scaled result, checked against the float32 emulation, rel
 
     python benchmarks/quant/bench_decode_gemm.py --tune
     python benchmarks/quant/bench_decode_gemm.py --tune --space wide   # block_k to 512, 3-7 stages, 4/8 warps
+    python benchmarks/quant/bench_decode_gemm.py --tune --space table --tma 0,1 --no-w8a16  # the engine's tiles, TMA
 
 Smoke (``run(True)``): M = 4 on one ``tiny`` shape (N 64, K 256), the same paths and checks, timed
 over 2 weight copies; without a GPU in Triton's CPU interpreter, where the bf16-dot W8A16 variant is
@@ -69,6 +70,24 @@ def _sweep_wide() -> list[dict[str, int]]:
         if stages * (cfg["block_m"] + bn) * bk <= SMEM_BUDGET and cfg not in out:
             out.append(cfg)
     return out
+
+
+def _sweep_table() -> list[dict[str, int]]:
+    """The default and the engine's measured configurations (``gemm.TRITON_ROWWISE_CONFIGS``), for an A/B of one
+    launch option over the tiles the engine runs (e.g. ``--tma 0,1``)."""
+    from lumenrl_quant.gemm import TRITON_ROWWISE_CONFIGS
+
+    out = [dict(tg.DEFAULT_CONFIG)]
+    for cfg in TRITON_ROWWISE_CONFIGS.values():
+        cfg = {**tg.DEFAULT_CONFIG, **cfg}
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def with_tma(configs: list[dict[str, int]], tmas: tuple[int, ...]) -> list[dict[str, int]]:
+    """Each configuration once per ``tma`` value (0: pointer loads, 1: TMA tile copies)."""
+    return [{**cfg, "tma": t} for t in tmas for cfg in configs]
 
 
 def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]],
@@ -119,8 +138,9 @@ def bench_shape(m: int, n: int, k: int, configs: list[dict[str, int]],
     for cfg in configs:
         if not tg.supports(k, cfg):
             continue
-        add("triton", [lambda q=q, c=cfg: tg.fp8_rowwise_gemm(a_q, sa, q[0], q[1], config=c) for q in quantized],
-            n * k, **{key: cfg[key] for key in ("block_n", "block_k", "split_k", "num_stages", "num_warps")})
+        add("triton_tma" if cfg.get("tma") else "triton",
+            [lambda q=q, c=cfg: tg.fp8_rowwise_gemm(a_q, sa, q[0], q[1], config=c) for q in quantized],
+            n * k, **{key: cfg[key] for key in ("block_n", "block_k", "split_k", "num_stages", "num_warps", "tma")})
     for dot in (torch.float16,) if _INTERPRETED else (torch.bfloat16, torch.float16):  # W8A16: no activation quantization
         for cfg in w8a16_configs:
             if not tg.supports(k, cfg):
@@ -138,14 +158,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--m", default="64", help="decode batch sizes (comma separated)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--space", choices=("default", "wide"), default="default",
+    ap.add_argument("--tma", default="0", choices=("0", "1", "0,1"), help="tile loads: pointers (0), TMA copies (1)")
+    ap.add_argument("--no-w8a16", action="store_true", help="leave out the weight-only FP8 kernel")
+    ap.add_argument("--space", choices=("default", "wide", "table"), default="default",
                     help="--tune space of the rowwise kernel: default (tiles, split-K) or wide (longer K tiles, deeper "
                          "pipelines, 4 or 8 warps)")
     ap.add_argument("--iters", type=int, default=20, help="timed replays per path")
     ap.add_argument("--out", default="quant_decode_gemm", help="detail JSON name (under $LUMENRL_BENCH_OUT)")
     args = ap.parse_args(argv)
-    configs = ({"default": _sweep, "wide": _sweep_wide}[args.space]() if args.tune else [dict(tg.DEFAULT_CONFIG)])
-    w8a16 = [{**tg.DEFAULT_CONFIG, "block_n": bn, "block_k": bk, "num_stages": st}
+    configs = ({"default": _sweep, "wide": _sweep_wide, "table": _sweep_table}[args.space]() if args.tune
+               else [dict(tg.DEFAULT_CONFIG)])
+    configs = with_tma(configs, tuple(int(t) for t in args.tma.split(",")))
+    w8a16 = [] if args.no_w8a16 else [{**tg.DEFAULT_CONFIG, "block_n": bn, "block_k": bk, "num_stages": st}
              for bn, bk, st in itertools.product((32, 64), (128, 256), (3, 4, 5))] if args.tune else [dict(tg.DEFAULT_CONFIG)]
     rows, best = [], []
     for m in (int(x) for x in args.m.split(",")):
@@ -161,8 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
                 r["shape"] = name
             best.extend(fixed)
             write_json(args.out, {"rows": rows, "summary": best})
-    cols = ["shape", "M", "N", "K", "path", "block_n", "block_k", "split_k", "num_stages", "num_warps", "us", "weight_gbs", "x_bf16",
-            "rel_err"]
+    cols = ["shape", "M", "N", "K", "path", "block_n", "block_k", "split_k", "num_stages", "num_warps", "tma", "us",
+            "weight_gbs", "x_bf16", "rel_err"]
     print(table("decode GEMMs, fp8_row (cuBLAS variants; best Triton config per shape)", best, cols))
     errors = [r for r in rows if "error" in r]
     if errors:

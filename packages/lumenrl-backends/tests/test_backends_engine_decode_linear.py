@@ -50,7 +50,7 @@ def kernel_errors(m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, swi
     residual, one more ulp of the GEMM's part (rounded before the add). ``norm``: an RMSNorm of x (weight
     around 1, eps 1e-6) inside the GEMM, x at a scale far from 1 (the norm matters); ``residual``: + a residual.
     ``config``: these launch parameters (a K ``split`` among them), launched twice: whether the bits repeat and the
-    split-K counters are back at zero."""
+    split-K counters are back at zero; with ``"tma": 1`` also whether the bits equal the pointer loads'."""
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(m, k, generator=gen) * (7.0 if norm else 1.0)).to(device, dtype)
     weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
@@ -66,6 +66,9 @@ def kernel_errors(m: int, n: int, k: int, dtype: torch.dtype, *, bias: bool, swi
         again = tlin._launch(x, weight, b, swiglu, pdl, tlin.PDL_PREFETCH, config, g, 1e-6, r)
         extra = {"repeats": bool(torch.equal(out, again)),
                  "counters_zero": all(int(c.abs().sum()) == 0 for c in tlin._COUNTERS.values())}
+        if config.get("tma"):  # the same tiles in the same order as pointer loads: the same bits
+            plain = tlin._launch(x, weight, b, swiglu, pdl, tlin.PDL_PREFETCH, {**config, "tma": 0}, g, 1e-6, r)
+            extra.update(tma_reason=tlin.tma_reason(x, weight), equals_pointer_loads=bool(torch.equal(out, plain)))
     ref64 = float64_reference(x, weight, b, swiglu, None if g is None else (g, 1e-6), r)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one summation order for the float32 reference, whatever the runner's thread count
@@ -245,6 +248,14 @@ for m, n, k, dt, bias, swiglu, res, split in ((1, 64, 256, "bfloat16", False, Fa
     cfg = {"block_n": 32, "block_k": 64, "num_stages": 2, "num_warps": 4, "split": split}
     row = kernel_errors(m, n, k, getattr(torch, dt), bias=bias, swiglu=swiglu, seed=m + 2, residual=res, config=cfg)
     print(json.dumps({"case": f"{m}x{n}x{k}_{dt}_split{split}", "dtype": dt, **row}))
+for m, n, k, dt, bias, swiglu, norm, res, split in ((1, 64, 256, "bfloat16", False, False, False, False, 1),
+                                                   (17, 96, 512, "float16", True, False, True, True, 1),
+                                                   (64, 64, 256, "bfloat16", False, True, True, False, 1),
+                                                   (100, 64, 256, "bfloat16", True, True, False, True, 2)):
+    cfg = {"block_n": 32, "block_k": 64, "num_stages": 2, "num_warps": 4, "split": split, "tma": 1}
+    row = kernel_errors(m, n, k, getattr(torch, dt), bias=bias, swiglu=swiglu, seed=m + 3, norm=norm, residual=res,
+                        config=cfg)
+    print(json.dumps({"case": f"{m}x{n}x{k}_{dt}_tma_split{split}", "dtype": dt, **row}))
 for family in ("qwen3", "llama"):
     print(json.dumps({"case": f"fused_norm_{family}", **engines_fused_norm(tempfile.mkdtemp(), family=family)}))
 print(json.dumps({"case": "auto_rows", **auto_launches_by_rows(tempfile.mkdtemp())}))
@@ -461,7 +472,42 @@ def test_interpreted_split_k_against_float64(interpreted, case):
     assert row["beyond_tolerance"] == 0
 
 
+@pytest.mark.parametrize("case", ["1x64x256_bfloat16_tma_split1", "17x96x512_float16_tma_split1",
+                                  "64x64x256_bfloat16_tma_split1", "100x64x256_bfloat16_tma_split2"])
+def test_interpreted_tma_loads_give_the_pointer_loads_bits(interpreted, case):
+    """Tiles copied by tensor descriptors (``"tma": 1``; rows past M, of a partial row tile, read as zeros), with a
+    norm, a residual, SwiGLU, split-K: the same bits as the pointer loads, as accurate against float64."""
+    row = interpreted[case]
+    assert row["reason"] is None and row["tma_reason"] is None and row["finite"]
+    assert row["equals_pointer_loads"] and row["repeats"] and row["counters_zero"]
+    assert row["rel_error"] < (8e-3 if row["dtype"] == "bfloat16" else 1.2e-3)  # with a norm: its rounding too
+    assert row["rel_error"] <= 1.25 * row["hf_rel_error"] and row["beyond_tolerance"] == 0
+
+
+def test_tma_needs_aligned_operands():
+    """A base or row stride off 16 bytes is named; the launch then loads with pointers."""
+    if tlin.TensorDescriptor is None:
+        pytest.skip("this Triton has no host tensor descriptors")
+    x = torch.zeros(4, 72, dtype=torch.bfloat16)
+    assert tlin.tma_reason(x, torch.zeros(8, 64, dtype=torch.bfloat16)) is None
+    reason = tlin.tma_reason(x[:, 1:65])
+    assert reason is not None and "16-byte aligned" in reason
+    assert "16-byte aligned" in tlin.tma_reason(torch.zeros(4, 36, dtype=torch.bfloat16)[:, :32])
+
+
 # ------------------------------------------------------------------ CUDA
+@pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("n,k,swiglu", [(6144, 4096, False), (24576, 4096, True), (4096, 12288, False)])
+@pytest.mark.parametrize("m", [1, 64, 128])
+def test_cuda_tma_loads_at_8b_shapes(n, k, swiglu, m):
+    """Tensor-descriptor tile copies on the GPU: the pointer loads' bits, the same accuracy."""
+    cfg = {"block_n": 64 if swiglu else 32, "block_k": 128, "num_stages": 4, "num_warps": 4, "tma": 1}
+    row = kernel_errors(m, n, k, torch.bfloat16, bias=False, swiglu=swiglu, device="cuda", pdl=True, seed=m + 5,
+                        residual=not swiglu, norm=swiglu, config=cfg)
+    assert row["reason"] is None and row["tma_reason"] is None and row["finite"] and row["rel_error"] < 8e-3
+    assert row["rel_error"] <= 1.25 * row["hf_rel_error"] and row["equals_pointer_loads"] and row["repeats"]
+
+
 @pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and Triton")
 @pytest.mark.parametrize("n,k,swiglu", [(6144, 4096, False), (4096, 4096, False), (24576, 4096, True),
                                         (4096, 12288, False)])

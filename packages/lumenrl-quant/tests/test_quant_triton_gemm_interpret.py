@@ -41,6 +41,13 @@ SCRIPT = textwrap.dedent(
                 bound = 1e-6 if out_dtype == torch.float32 else 8e-3
                 assert err < bound, (m, n, k, cfg, out_dtype, err)
                 worst = max(worst, err if out_dtype == torch.float32 else 0.0)
+                # tma: 1 copies the same tiles through tensor descriptors (rows past M or N read as zeros): same bits
+                assert tg.tma_reason(a_q, b_q) is None
+                tma = tg.fp8_rowwise_gemm(a_q, a_s, b_q, b_s, out_dtype=out_dtype, bias=bias, config={**cfg, "tma": 1})
+                assert torch.equal(tma, out), (m, n, k, cfg, out_dtype)
+        if cfg["split_k"] == 1:  # ... and through the PDL op, which passes it on
+            plain = tg.fp8_rowwise_gemm(a_q, a_s, b_q, b_s, config=cfg)
+            assert torch.equal(tg.fp8_rowwise_gemm(a_q, a_s, b_q, b_s, config={**cfg, "tma": 1}, pdl=True), plain)
     # W8A16: bf16 activations against the same FP8 weight, bf16 and fp16 dots, fused and split-K epilogue
     xb = x.bfloat16()
     ref16 = xb.double() @ (b_q.double() * b_s.double().reshape(-1, 1)).T
@@ -109,7 +116,7 @@ def test_bad_prefetch_is_refused_naming_it(prefetch):
 
 @pytest.mark.parametrize(("config", "named"), [
     ({"block_n": 48}, "block_n=48"), ({"split_k": 3}, "split_k=3"), ({"num_stages": 0}, "num_stages=0"),
-    ({"stages": 2}, "['stages']"),
+    ({"stages": 2}, "['stages']"), ({"tma": 2}, "tma=2"), ({"tma": True}, "tma=True"),
 ])
 def test_rowwise_gemm_config_errors_name_the_bad_value(config, named):
     import re
@@ -118,6 +125,19 @@ def test_rowwise_gemm_config_errors_name_the_bad_value(config, named):
 
     with pytest.raises(ValueError, match=re.escape(named)):
         triton_gemm._config(config)
+
+
+def test_tma_needs_aligned_operands():
+    """A row stride off 16 bytes is named (the launch then loads with pointers)."""
+    import torch
+
+    from lumenrl_quant import triton_gemm
+
+    if triton_gemm.TensorDescriptor is None:
+        pytest.skip("this Triton has no host tensor descriptors")
+    codes = torch.zeros(4, 144, dtype=torch.float8_e4m3fn)
+    assert triton_gemm.tma_reason(codes[:, :128]) is None
+    assert "16-byte aligned" in triton_gemm.tma_reason(torch.zeros(4, 132, dtype=torch.float8_e4m3fn)[:, :128])
 
 
 def test_weight_only_gemm_names_bad_dtypes():

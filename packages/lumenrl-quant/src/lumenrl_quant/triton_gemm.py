@@ -23,8 +23,10 @@ gate/up GEMM with SiLU * up and a 1 x ``group`` FP8 quantization in its epilogue
 Accumulation is float32 (``tl.dot`` of FP8 operands), so the result equals the float32 emulation
 up to summation order. K must be a multiple of ``split_k * block_k`` (checked; the caller falls
 back to cuBLAS otherwise). Launch parameters come from ``config`` (``block_m``, ``block_n``,
-``block_k``, ``split_k``, ``num_warps``, ``num_stages``); ``benchmarks/quant/bench_decode_gemm.py``
-sweeps them against cuBLAS at the engine's shapes.
+``block_k``, ``split_k``, ``num_warps``, ``num_stages``, and ``tma``: 1 copies the tiles with the tensor memory
+accelerator through host tensor descriptors instead of pointer loads, where :func:`tma_reason` allows; the same
+tiles in the same order, so the same bits); ``benchmarks/quant/bench_decode_gemm.py`` sweeps them against cuBLAS at
+the engine's shapes.
 """
 
 from __future__ import annotations
@@ -44,9 +46,13 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU environments without Triton
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - no Triton, or one without host tensor descriptors
+    TensorDescriptor = None
 
 DEFAULT_CONFIG: dict[str, int] = {"block_m": 64, "block_n": 64, "block_k": 128, "split_k": 1, "num_warps": 4,
-                                  "num_stages": 4}
+                                  "num_stages": 4, "tma": 0}
 
 
 def supports(k: int, config: Mapping[str, int] | None = None) -> bool:
@@ -63,6 +69,7 @@ if triton is not None:
         K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EPILOGUE: tl.constexpr, WEIGHT_ONLY: tl.constexpr = False, DOT_FP16: tl.constexpr = False,
         A_GROUP: tl.constexpr = 0, stride_sam=0, stride_sag=0, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+        a_desc=None, b_desc=None, TMA: tl.constexpr = False,
     ):
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -85,8 +92,12 @@ if triton is not None:
         if A_GROUP > 0:  # group scales stored group-major (stride_sam 1): one contiguous load per K block
             sa_next = tl.load(sa_ptr + (k0 // A_GROUP) * stride_sag + offs_m * stride_sam, mask=mmask, other=0.0)
         for kk in range(0, K_SPLIT, BLOCK_K):
-            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=nmask[:, None], other=0.0)
+            if TMA:  # tensor-memory-accelerator tile copies (rows past M or N read as zeros)
+                a = a_desc.load([pid_m * BLOCK_M, k0 + kk])
+                b = b_desc.load([pid_n * BLOCK_N, k0 + kk])
+            else:
+                a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=nmask[:, None], other=0.0)
             if WEIGHT_ONLY:  # 16-bit activations, FP8 weight widened in registers (E4M3 -> fp16: one cvt)
                 if DOT_FP16:
                     a = a.to(tl.float16)
@@ -130,6 +141,8 @@ def _checked(config: Mapping[str, int] | None, defaults: Mapping[str, int]) -> d
             raise ValueError(f"config {name}={value!r}; allowed: a power of two >= {low}")
     if not isinstance(cfg["num_stages"], int) or cfg["num_stages"] < 1:
         raise ValueError(f"config num_stages={cfg['num_stages']!r}; allowed: an int >= 1")
+    if cfg.get("tma", 0) not in (0, 1) or isinstance(cfg.get("tma"), bool):
+        raise ValueError(f"config tma={cfg['tma']!r}; allowed: 0 (pointer loads) or 1 (TMA tile copies)")
     return cfg
 
 
@@ -180,29 +193,48 @@ def _launch(
     grid = (triton.cdiv(n, cfg["block_n"]), split, triton.cdiv(m, cfg["block_m"]))
     prefetch = min(prefetch, k // split) if pdl and b_q.element_size() == 1 else 0  # bytes (= FP8 columns) per row
     prefetch = 1 << (prefetch.bit_length() - 1) if prefetch >= 128 else 0  # a power of two within the row
+    descs = {}
+    if cfg["tma"] and tma_reason(a, b_q) is None:
+        descs = {"a_desc": TensorDescriptor.from_tensor(a, [cfg["block_m"], block_k]),
+                 "b_desc": TensorDescriptor.from_tensor(b_q, [cfg["block_n"], block_k]), "TMA": True}
     _rowwise_gemm_kernel[grid](
         a, b_q, c, sa, sb, m, n, a.stride(0), b_q.stride(0), 0 if epilogue else c.stride(0), c.stride(-2),
         K_SPLIT=k // split, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k, EPILOGUE=epilogue,
         WEIGHT_ONLY=weight_only, DOT_FP16=dot_fp16, A_GROUP=a_group,
         stride_sam=sa.stride(0) if a_group else int(sa.numel() > 1),  # one activation scale: read for every row
-        stride_sag=sa.stride(1) if a_group else 0, PDL=bool(pdl), PREFETCH=prefetch,
+        stride_sag=sa.stride(1) if a_group else 0, PDL=bool(pdl), PREFETCH=prefetch, **descs,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}),
     )
     return c
 
 
+def tma_reason(*tensors: torch.Tensor) -> str | None:
+    """None when the tensor memory accelerator can copy tiles of these 2-D operands (``config["tma"] = 1``: CUDA
+    sm90+ or Triton's interpreter, 16-byte aligned base and row stride, unit last stride), else why not; where it
+    cannot, the kernel loads the tiles with pointers (the same sums)."""
+    if TensorDescriptor is None:
+        return "this Triton has no host tensor descriptors (triton.tools.tensor_descriptor)"
+    for t in tensors:
+        if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device) < (9, 0):
+            return f"device capability {torch.cuda.get_device_capability(t.device)}; TMA needs (9, 0) or newer"
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return (f"operand {tuple(t.shape)} stride {tuple(t.stride())} at {t.data_ptr() % 16} bytes past 16: "
+                    "TMA needs a 16-byte aligned base and row stride, unit last stride")
+    return None
+
+
 def _pdl_op_impl(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
                  block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-                 prefetch: int = PDL_PREFETCH) -> torch.Tensor:
+                 prefetch: int = PDL_PREFETCH, tma: int = 0) -> torch.Tensor:
     config = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "split_k": 1, "num_warps": num_warps,
-              "num_stages": num_stages}
+              "num_stages": num_stages, "tma": tma}
     return _launch(a_q, b_q, sa, sb, out_dtype, config, pdl=pdl_supported(a_q.device),  # decided here, not traced
                    prefetch=prefetch)
 
 
 def _pdl_op_fake(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
                  block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-                 prefetch: int = PDL_PREFETCH) -> torch.Tensor:
+                 prefetch: int = PDL_PREFETCH, tma: int = 0) -> torch.Tensor:
     return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
 
 
@@ -256,7 +288,7 @@ def fp8_rowwise_gemm(
     if pdl and cfg["split_k"] == 1 and _PDL_OP is not None:
         _launch_checks(a_q, b_q, cfg)
         c = _PDL_OP(a_q.contiguous(), b_q.contiguous(), sa, sb, out_dtype, cfg["block_m"], cfg["block_n"],
-                    cfg["block_k"], cfg["num_warps"], cfg["num_stages"], prefetch)
+                    cfg["block_k"], cfg["num_warps"], cfg["num_stages"], prefetch, cfg["tma"])
         return c if bias is None else c + bias.to(out_dtype)
     c = _launch(a_q, b_q, sa, sb, out_dtype, config)
     if c.dim() == 2:

@@ -55,6 +55,10 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU environments without Triton
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - no Triton, or one without host tensor descriptors
+    TensorDescriptor = None
 
 from lumenrl_backends.engines.triton_pdl import launch_options, pdl_supported
 from lumenrl_backends.engines.triton_rope import rms_norm  # transformers' RMSNorm (the torch path's norm)
@@ -155,11 +159,11 @@ if triton is not None:
 
     @triton.jit
     def _decode_linear_kernel(
-        x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, part_ptr, count_ptr, M, M_TILES, HALF, stride_xm, stride_wn,
-        stride_rm, stride_om, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
+        x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, out_ptr, part_ptr, count_ptr, x_desc, w_desc, M, M_TILES, HALF,
+        stride_xm, stride_wn, stride_rm, stride_om, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
         RESIDUAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
-        EMULATED: tl.constexpr,
+        EMULATED: tl.constexpr, TMA: tl.constexpr,
     ):
         # row tiles of one weight tile are neighbours in launch order: they run side by side and the second
         # finds the weight in L2 (one HBM read of the weight for up to MAX_M rows); then the K splits
@@ -185,17 +189,29 @@ if triton is not None:
             u_ptrs = w_ptr + (offs_n + HALF).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         if NORM:  # RMSNorm of x: the row's sum of squares gathered along K, x * g as the operand, rstd at the end
             g_ptrs = g_ptr + offs_k
-        for _ in range(0, K // SPLIT, BLOCK_K):
-            x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
+        for k_off in range(0, K // SPLIT, BLOCK_K):
+            kk = k_start + k_off
+            if TMA:  # tensor-memory-accelerator copies of the tiles (rows past M read as zeros)
+                x = x_desc.load([pid_m * BLOCK_M, kk])
+            else:
+                x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
             if NORM:
                 xf = x.to(tl.float32)
                 ss += tl.sum(xf * xf, axis=1)
                 x = _round(xf * tl.load(g_ptrs).to(tl.float32)[None, :], x_ptr.dtype.element_ty, EMULATED)
                 g_ptrs += BLOCK_K
             x = _operand(x, EMULATED)
-            acc = tl.dot(x, tl.trans(_operand(tl.load(w_ptrs), EMULATED)), acc)
+            if TMA:
+                w = w_desc.load([pid_n * BLOCK_N, kk])
+            else:
+                w = tl.load(w_ptrs)
+            acc = tl.dot(x, tl.trans(_operand(w, EMULATED)), acc)
             if SWIGLU:
-                acc_u = tl.dot(x, tl.trans(_operand(tl.load(u_ptrs), EMULATED)), acc_u)
+                if TMA:
+                    u = w_desc.load([HALF + pid_n * BLOCK_N, kk])
+                else:
+                    u = tl.load(u_ptrs)
+                acc_u = tl.dot(x, tl.trans(_operand(u, EMULATED)), acc_u)
                 u_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -364,16 +380,35 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
         counts = _counters(x.device, tiles)
     else:
         parts = counts = out
+    x_desc = w_desc = None
+    if cfg.get("tma") and tma_reason(x, weight) is None:
+        x_desc = TensorDescriptor.from_tensor(x, [block_m, cfg["block_k"]])
+        w_desc = TensorDescriptor.from_tensor(weight, [cfg["block_n"], cfg["block_k"]])
     _decode_linear_kernel[(tiles * split,)](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
-        residual if residual is not None else out, out, parts, counts, m, m_tiles, n, x.stride(0), weight.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0), float(eps), K=k, BLOCK_M=block_m,
-        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT=split, HAS_BIAS=bias is not None, SWIGLU=swiglu,
-        NORM=norm_weight is not None, RESIDUAL=residual is not None, PDL=pdl,
-        PREFETCH=prefetch if prefetch <= k else 0, LINE=line, EMULATED=INTERPRETED, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **extra,
+        residual if residual is not None else out, out, parts, counts, x_desc, w_desc, m, m_tiles, n, x.stride(0),
+        weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), float(eps), K=k,
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT=split, HAS_BIAS=bias is not None,
+        SWIGLU=swiglu, NORM=norm_weight is not None, RESIDUAL=residual is not None, PDL=pdl,
+        PREFETCH=prefetch if prefetch <= k else 0, LINE=line, EMULATED=INTERPRETED, TMA=w_desc is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
     return out
+
+
+def tma_reason(*tensors: torch.Tensor) -> str | None:
+    """None when the tensor memory accelerator can copy tiles of these 2-D operands (a launch configuration's
+    ``"tma": 1``: CUDA sm90+ or Triton's interpreter, 16-byte aligned base and row stride, unit last stride), else
+    why not; where it cannot, the launch loads the tiles with pointers (the same sums)."""
+    if TensorDescriptor is None:
+        return "this Triton has no host tensor descriptors (triton.tools.tensor_descriptor)"
+    for t in tensors:
+        if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device) < (9, 0):
+            return f"device capability {torch.cuda.get_device_capability(t.device)}; TMA needs (9, 0) or newer"
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return (f"operand {tuple(t.shape)} stride {tuple(t.stride())} at {t.data_ptr() % 16} bytes past 16: "
+                    "TMA needs a 16-byte aligned base and row stride, unit last stride")
+    return None
 
 
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
