@@ -56,17 +56,18 @@ def _cublas(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> torch.Tensor:
     return out
 
 
-def _sweep(n: int, k: int, swiglu: bool, splits: tuple[int, ...] = (1,), tmas: tuple[int, ...] = (0,)) -> list[dict[str, int]]:
+def _sweep(n: int, k: int, swiglu: bool, splits: tuple[int, ...] = (1,), tmas: tuple[int, ...] = (0,),
+           wss: tuple[int, ...] = (0,)) -> list[dict[str, int]]:
     out = []
-    for bn, bk, stages, warps, split, tma in itertools.product((32, 64, 128), (64, 128, 256), (3, 4, 5, 6), (4, 8),
-                                                               splits, tmas):
+    for bn, bk, stages, warps, split, tma, ws in itertools.product((32, 64, 128), (64, 128, 256), (3, 4, 5, 6), (4, 8),
+                                                                   splits, tmas, wss):
         operands = 2 if swiglu else 1
         if (n // 2 if swiglu else n) % bn or k % (bk * split) or stages * (tlin.TILE_M + operands * bn) * bk * 2 > 220_000:
             continue
         if (warps == 8) != (bn * operands >= 128) or k // split < stages * bk:  # a split shorter than the pipeline
             continue
         out.append({"block_n": bn, "block_k": bk, "num_stages": stages, "num_warps": warps, "split": split,
-                    **({"tma": 1} if tma else {})})
+                    **({"tma": 1} if tma else {}), **({"ws": 1} if ws else {})})
     return out
 
 
@@ -79,7 +80,7 @@ def _ints(flag: str, value: str, low: int, high: int | None) -> tuple[int, ...]:
 
 
 def bench_shape(name: str, n: int, k: int, swiglu: bool, m: int, tune: bool,
-                splits: tuple[int, ...] = (1,), tmas: tuple[int, ...] = (0,)) -> list[dict]:
+                splits: tuple[int, ...] = (1,), tmas: tuple[int, ...] = (0,), wss: tuple[int, ...] = (0,)) -> list[dict]:
     dev = C.DEVICE
     copies = max(2, math.ceil(400e6 / (n * k * 2))) if dev == "cuda" else 2
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -89,7 +90,7 @@ def bench_shape(name: str, n: int, k: int, swiglu: bool, m: int, tune: bool,
     rows = []
     ms, how = C.time_graph_ms([lambda w=w: _cublas(x, w, swiglu) for w in weights])
     rows.append({"shape": name, "path": "cublas", "us": ms * 1e3, "gbs": gb / ms * 1e3, "timing": how})
-    configs = [None] + (_sweep(n, k, swiglu, splits, tmas) if tune and dev == "cuda" else [])
+    configs = [None] + (_sweep(n, k, swiglu, splits, tmas, wss) if tune and dev == "cuda" else [])
     best = None
     for cfg in configs:
         if dev == "cuda":
@@ -115,11 +116,12 @@ def bench_shape(name: str, n: int, k: int, swiglu: bool, m: int, tune: bool,
     return rows
 
 
-def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None) -> dict[str, float]:
+def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma_rounds: int = 0) -> dict:
     """One decode step's GEMMs (q/k/v -> o -> gate/up+SwiGLU -> down, each reading the previous output)
     over ``layers`` layers of distinct weights: ms per step by cuBLAS, the kernel, the kernel with PDL; ``best``
     ({(N, K, swiglu): launch parameters}, a sweep's best): also the kernel with PDL at those parameters
-    (``triton_pdl_best``), then at the table's again (``triton_pdl_again``)."""
+    (``triton_pdl_best``), then at the table's again (``triton_pdl_again``); ``tma_rounds``: that many rounds of the
+    kernel with PDL at the table's parameters by pointer loads and by TMA copies (lists of ms, alternating)."""
     dev = C.DEVICE
     weights = [{name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
                 for name, (n, k, _) in shapes.items()} for _ in range(layers)]
@@ -127,16 +129,17 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None) -> 
     q_width = shapes["o"][1]  # the attention output o reads: the q heads (stands in for attention here)
     x = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
 
-    def step(kind: str) -> torch.Tensor:
+    def step(kind: str, tma: bool = False) -> torch.Tensor:
         h = x
         for w in weights:
             if kind == "cublas":
                 h = F.linear(_cublas(F.linear(F.linear(h, w["qkv"])[:, :q_width], w["o"]), w["gate_up"], True), w["down"])
             else:
                 pdl = kind == "triton_pdl"
-                h = tlin.decode_linear(tlin.decode_linear(tlin.decode_linear(h, w["qkv"], pdl=pdl)[:, :q_width], w["o"],
-                                                          pdl=pdl), w["gate_up"], swiglu=True, pdl=pdl)
-                h = tlin.decode_linear(h, w["down"], pdl=pdl)
+                h = tlin.decode_linear(tlin.decode_linear(tlin.decode_linear(h, w["qkv"], pdl=pdl, tma=tma)[:, :q_width],
+                                                          w["o"], pdl=pdl, tma=tma), w["gate_up"], swiglu=True, pdl=pdl,
+                                       tma=tma)
+                h = tlin.decode_linear(h, w["down"], pdl=pdl, tma=tma)
         return h
 
     norms = [(torch.rand(hidden, device=dev) + 0.5).to(torch.bfloat16) for _ in range(2)]
@@ -172,6 +175,11 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None) -> 
             tlin.TUNED.clear()
             tlin.TUNED.update(table)
         out["triton_pdl_again"], _ = C.time_graph_ms([lambda: step("triton_pdl")], iters=10)
+    for _ in range(tma_rounds):  # the table's launch parameters with pointer loads, then TMA copies, alternating
+        for tma in (False, True):
+            step("triton_pdl", tma)  # compile outside the capture
+            ms, _ = C.time_graph_ms([lambda t=tma: step("triton_pdl", t)], iters=10)
+            out.setdefault("triton_pdl_tma" if tma else "triton_pdl_pointers", []).append(ms)
     for kind, fused in (("triton_pdl_norms", False), ("triton_pdl_fused", True)):
         layers_with_norms(fused)  # compile outside the capture
         ms, _ = C.time_graph_ms([lambda f=fused: layers_with_norms(f)], iters=10)
@@ -186,24 +194,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--splits", default="1", help="K splits the sweep tries, comma-separated (1: no split-K)")
     ap.add_argument("--tma", default="0", help="tile loads the sweep tries: 0 pointers, 1 tensor descriptors (TMA)")
+    ap.add_argument("--ws", default="0", help="K loops the sweep tries: 0 plain, 1 warp-specialized (Triton tl.range)")
+    ap.add_argument("--ab-tma", type=int, default=0, help="rounds of the chain with pointer loads vs TMA copies")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="decode_linear.json")
     args = ap.parse_args(argv)
     if not 1 <= args.m <= tlin.MAX_M:
         raise SystemExit(f"--m {args.m}: allowed 1..{tlin.MAX_M} (the kernel's row range)")
-    splits, tmas = _ints("--splits", args.splits, 1, None), _ints("--tma", args.tma, 0, 1)
+    splits, tmas, wss = _ints("--splits", args.splits, 1, None), _ints("--tma", args.tma, 0, 1), _ints("--ws", args.ws, 0, 1)
     shapes = dict(TINY if args.smoke else PRESETS[args.shapes])
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args), "rows": []}
     best = {}
     for name, (n, k, swiglu) in shapes.items():
-        result["rows"] += bench_shape(name, n, k, swiglu, args.m, args.tune, splits, tmas)
+        result["rows"] += bench_shape(name, n, k, swiglu, args.m, args.tune, splits, tmas, wss)
         tuned = [r for r in result["rows"] if r["shape"] == name and r["path"] == "triton-tuned" and "us" in r]
         if tuned:
             best[(n // 2 if swiglu else n, k, swiglu)] = tuned[-1]["config"]
         C.write_json(args.out, result)
     C.print_table(result["rows"], ["shape", "path", "config", "us", "gbs", "rel_err", "error"])
-    result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers, best)
+    result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers, best, args.ab_tma)
     print("chain (ms per step):", result["chain_ms"])
     C.write_json(args.out, result)
     return result

@@ -29,7 +29,8 @@ the o and down projections only, ``pdl_prefetch_second``); ``+cublasod`` runs th
 projections on cuBLAS tensorwise + the scale epilogue (the path before they joined the Triton rowwise kernel);
 ``+ropeattn`` runs the q/k norms, RoPE and K/V write inside the attention kernel
 (``KernelOptions(rope_in_attention=True)``), ``+fusednorm`` the norms inside the decode GEMMs (bf16 layers only:
-``bf16+fusednorm``). ``--persistent-rnumel N`` lets inductor
+``bf16+fusednorm``), ``+tma`` copies the decode GEMMs' tiles with the tensor memory accelerator
+(``KernelOptions(tma=True)``; any base). ``--persistent-rnumel N`` lets inductor
 hold reductions of up to N columns in registers (persistent) instead of looping (its default limit is
 1024; the FP8 engine's RMSNorm + quantize kernels reduce 4096). ``--attn-fp8-config`` overrides the FP8-cache attention launch
 configuration, ``--mlp-config`` the fused MLP's (a ``bench_fused_mlp.py --tune`` JSON).
@@ -129,11 +130,11 @@ def variant(name: str) -> tuple[str, frozenset[str]]:
     (the output head quantized too, ``quantize_lm_head``)."""
     base, *flags = name.split("+")
     unknown = {f for f in flags if not (f.startswith(("pf", "pfs")) and f.lstrip("pfs").isdigit())} - {"kv", "head", "fusedmlp", "tokmlp", "inductmlp", "tokattn", "tokln", "qkrope", "unfusedrope",
-                            "vrows", "vtiles", "nopdl", "cublasod", "ropeattn", "fusednorm"}
+                            "vrows", "vtiles", "nopdl", "cublasod", "ropeattn", "fusednorm", "tma"}
     if unknown:
         raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head, +fusedmlp, "
                          "+tokmlp, +inductmlp, +tokattn, +tokln, +qkrope, +unfusedrope, +vrows, +vtiles, +nopdl, +cublasod, +ropeattn, "
-                         "+fusednorm, +pf<bytes>, +pfs<bytes>")
+                         "+fusednorm, +tma, +pf<bytes>, +pfs<bytes>")
     if len({"fusedmlp", "tokmlp", "inductmlp"} & set(flags)) > 1:
         raise SystemExit(f"--engines {name!r}: +fusedmlp, +tokmlp and +inductmlp exclude each other")
     if {"qkrope", "unfusedrope"} <= set(flags):
@@ -236,7 +237,8 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
                                   fused_qk_rope="unfusedrope" not in flags, kv_v_tiles="vtiles" in flags,
                                   pdl="nopdl" not in flags, pdl_prefetch=prefetch_bytes(flags),
                                   pdl_prefetch_second=prefetch_bytes(flags, "pfs"),
-                                  rope_in_attention="ropeattn" in flags, fused_norm="fusednorm" in flags))
+                                  rope_in_attention="ropeattn" in flags, fused_norm="fusednorm" in flags,
+                                  tma="tma" in flags))
         if engine.fusion_report is not None:
             row["fused_fp8_mlps"] = len(engine.fusion_report.mlp_fp8)
             row["act_kernel_mlps"] = len(engine.fusion_report.mlp_fp8_token)

@@ -223,8 +223,8 @@ def test_auto_takes_only_measured_shapes_and_bad_modes_are_refused(tmp_path):
 # ------------------------------------------------------------------ Triton's interpreter (one subprocess)
 _INTERPRETED = """
 import json, tempfile, torch
-from test_backends_engine_decode_linear import (auto_launches_by_rows, engines_fused_norm, engines_with_and_without,
-                                               kernel_errors, routed_mlps_against_original)
+from test_backends_engine_decode_linear import (auto_launches_by_rows, engines_fused_norm, engines_tma,
+                                               engines_with_and_without, kernel_errors, routed_mlps_against_original)
 
 for m, n, k, dt, bias, swiglu in ((1, 64, 256, "bfloat16", False, False), (5, 96, 512, "bfloat16", True, False),
                                   (17, 128, 256, "bfloat16", False, True), (64, 64, 128, "bfloat16", True, True),
@@ -259,6 +259,7 @@ for m, n, k, dt, bias, swiglu, norm, res, split in ((1, 64, 256, "bfloat16", Fal
 for family in ("qwen3", "llama"):
     print(json.dumps({"case": f"fused_norm_{family}", **engines_fused_norm(tempfile.mkdtemp(), family=family)}))
 print(json.dumps({"case": "auto_rows", **auto_launches_by_rows(tempfile.mkdtemp())}))
+print(json.dumps({"case": "engine_tma", **engines_tma(tempfile.mkdtemp())}))
 for family in ("qwen3", "llama"):
     print(json.dumps({"case": f"engine_{family}", **engines_with_and_without(tempfile.mkdtemp(), family=family)}))
 for family in ("qwen3", "llama", "deepseek_v3"):
@@ -345,6 +346,38 @@ def engines_with_and_without(tmp: str, device: str = "cpu", compile: str = "none
             "compile_fallback": getattr(engine._model_forward, "fallback", None),  # compile="full": one graph
             "log_prob_diff_max": float((plain["rollout_log_probs"] - fast["rollout_log_probs"]).abs().max()),
             "launches_without": launches[0], "launches_with": launches[1], "routed": routed, "fused": fused}
+
+
+def engines_tma(tmp: str, device: str = "cpu", compile: str = "none", family: str = "qwen3") -> dict:
+    """Greedy generation of a tiny bf16 ``family`` model with every decode GEMM on the kernel, by engines with
+    ``KernelOptions.tma`` off and on: whether tokens and log-probs are the same bits, and the kernel launches
+    that asked for TMA tile copies."""
+    path = build_tiny_model(family, tmp, seed=0, initializer_range=0.2)
+    model, tokenizer = load_model_and_tokenizer(path, dtype="bfloat16")
+    enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
+    batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    outs, asked = [], []
+    launch = tlin._launch
+    for tma in (False, True):
+        count = [0]
+
+        def counted(*args, _count=count, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            _count[0] += bool(kwargs.get("tma"))
+            return launch(*args, **kwargs)
+
+        tlin._launch = counted
+        try:
+            engine = NativeEngine(model, tokenizer, device=device, max_batch_size=8, max_seq_len=40, compile=compile,
+                                  kernels=KernelOptions(decode_linear="on", tma=tma, fused_qk_rope=device != "cpu"))
+            outs.append(engine.generate(batch, GREEDY).batch)
+        finally:
+            tlin._launch = launch
+        asked.append(count[0])
+    plain, tma = outs
+    return {"same_tokens": bool(torch.equal(plain["responses"], tma["responses"])),
+            "same_log_probs": bool(torch.equal(plain["rollout_log_probs"], tma["rollout_log_probs"])),
+            "tma_launches_off": asked[0], "tma_launches_on": asked[1],
+            "compile_fallback": getattr(engine._model_forward, "fallback", None)}
 
 
 def engines_fused_norm(tmp: str, device: str = "cpu", compile: str = "none", family: str = "qwen3") -> dict:
@@ -484,6 +517,13 @@ def test_interpreted_tma_loads_give_the_pointer_loads_bits(interpreted, case):
     assert row["rel_error"] <= 1.25 * row["hf_rel_error"] and row["beyond_tolerance"] == 0
 
 
+def test_interpreted_engine_with_tma_gives_the_same_bits(interpreted):
+    """``KernelOptions.tma`` reaches every decode GEMM launch, and generation is bit for bit the same."""
+    row = interpreted["engine_tma"]
+    assert row["tma_launches_off"] == 0 and row["tma_launches_on"] > 0
+    assert row["same_tokens"] and row["same_log_probs"]
+
+
 def test_tma_needs_aligned_operands():
     """A base or row stride off 16 bytes is named; the launch then loads with pointers."""
     if tlin.TensorDescriptor is None:
@@ -575,6 +615,15 @@ def test_cuda_engine_with_the_decode_gemms(compile):
         row = engines_with_and_without(tmp, device="cuda", compile=compile)
     assert row["routed"] == row["fused"] == 4 and row["launches_with"] > 0 and row["compile_fallback"] is None
     assert row["same_tokens"] and row["log_prob_diff_max"] < 0.05
+
+
+@pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("compile", ["none", "full"])
+def test_cuda_engine_with_tma_gives_the_same_bits(compile):
+    with tempfile.TemporaryDirectory() as tmp:
+        row = engines_tma(tmp, device="cuda", compile=compile)
+    assert row["tma_launches_off"] == 0 and row["tma_launches_on"] > 0 and row["compile_fallback"] is None
+    assert row["same_tokens"] and row["same_log_probs"]
 
 
 @pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs CUDA and Triton")

@@ -214,6 +214,13 @@ def test_quantized_linears_join_the_pdl_chain(monkeypatch):
         monkeypatch.setattr(qlinear, "run_gemm_path", lambda *a, **k: prefetches.append(k["pdl_prefetch"]) or original(*a, **k))
         linear(torch.randn(3, linear.in_features, dtype=torch.bfloat16))
         assert prefetches == [2048]
+        assert not any(m.tma for m in registered)  # KernelOptions.tma: off unless asked
+        assert set_quantized_pdl(engine.model, True, tma=True) == len(registered) + 2 * layers
+        assert all(m.tma for m in registered)
+        asked: list[bool] = []
+        monkeypatch.setattr(qlinear, "run_gemm_path", lambda *a, **k: asked.append(k["tma"]) or original(*a, **k))
+        linear(torch.randn(3, linear.in_features, dtype=torch.bfloat16))
+        assert asked == [True]
 
 
 def test_pdl_prefetch_reaches_every_decode_gemm_and_bad_values_are_refused(monkeypatch):

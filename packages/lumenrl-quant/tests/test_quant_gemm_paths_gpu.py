@@ -128,3 +128,33 @@ def test_rowwise_gemm_with_pdl_equals_without_in_a_graph_and_under_compile():
         assert torch.equal(compiled(True), compiled(False))
         assert previous is None or not torch.equal(plain, previous)  # the inputs did change
         previous = plain
+
+
+def test_fp8_row_linear_with_tma_gives_the_same_bits_in_a_graph():
+    """``QuantizedLinear.tma`` (the engine's ``KernelOptions.tma``): the rowwise decode GEMM copies its tiles with the
+    tensor memory accelerator; the same bits as pointer loads, eager and replayed from a CUDA graph with PDL."""
+    from torch import nn
+
+    from lumenrl_quant import QuantizedLinear
+    from lumenrl_quant import triton_gemm as tg
+
+    if not tg.pdl_supported(torch.device("cuda")):
+        pytest.skip("TMA and PDL need compute capability 9.0+")
+    torch.manual_seed(17)
+    lin = nn.Linear(4096, 6144, bias=False).cuda()
+    with torch.no_grad():
+        lin.weight.normal_(0.0, 0.02)
+    q = QuantizedLinear.from_linear(lin, "fp8_row")
+    assert q.gemm_path_for(64) == "triton_rowwise"
+    x = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
+    q.pdl = True
+    plain = q(x)
+    q.tma = True
+    assert torch.equal(q(x), plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = q(x)
+    x.copy_(torch.randn(64, 4096, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    q.tma = False
+    assert torch.equal(captured, q(x)) and not torch.equal(captured, plain)

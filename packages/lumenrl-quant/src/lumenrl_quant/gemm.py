@@ -401,6 +401,7 @@ def run_gemm_path(
     unit_scale: torch.Tensor | None = None,
     pdl: bool = False,
     pdl_prefetch: int = 512,
+    tma: bool = False,
 ) -> torch.Tensor:
     """Run ``path`` (from :func:`gemm_path`) as is: no checks, no fallback, traceable by dynamo.
 
@@ -408,7 +409,8 @@ def run_gemm_path(
     (a cached one is used when None; pass a module-held one inside ``torch.compile``).
     ``pdl``: the ``triton_rowwise`` path launches with programmatic dependent launch where supported
     (:func:`lumenrl_quant.triton_gemm.fp8_rowwise_gemm`), prefetching ``pdl_prefetch`` bytes of each weight
-    row; the other paths ignore both.
+    row; ``tma``: its tiles are copied by the tensor memory accelerator (launch option ``tma``, sm90+); the other
+    paths ignore these three.
     """
     if path == "triton_blockwise":
         from lumenrl_quant import triton_kernels as tk
@@ -419,6 +421,7 @@ def run_gemm_path(
         from lumenrl_quant import triton_gemm as tg
 
         config = TRITON_ROWWISE_CONFIGS[tuple(b_q.shape)]
+        config = {**config, "tma": 1} if tma else config
         return tg.fp8_rowwise_gemm(a_q, a_scale, b_q, b_scale, out_dtype=out_dtype, bias=bias, config=config, pdl=pdl,
                                    prefetch=pdl_prefetch)
     if path == "scaled_mm_rowwise_epilogue":

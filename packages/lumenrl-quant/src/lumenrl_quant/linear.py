@@ -139,6 +139,7 @@ class QuantizedLinear(nn.Module):
         # PDL kernels sets it): see lumenrl_quant.triton_gemm.fp8_rowwise_gemm. Plain attribute, not state.
         self.pdl = False
         self.pdl_prefetch = 512  # bytes of each weight row prefetched to L2 before the PDL wait
+        self.tma = False  # that GEMM copies its tiles with the tensor memory accelerator (sm90+; the same bits)
         self._select_paths()
 
     @classmethod
@@ -286,7 +287,7 @@ class QuantizedLinear(nn.Module):
         path = self._paths.get(key, "emulated")
         kw = {"out_dtype": out_dtype, "bias": self.bias, "a_block_size": a_block, "b_block_size": w_block,
               "unit_scale": self._unit, "pdl": getattr(self, "pdl", False),
-              "pdl_prefetch": getattr(self, "pdl_prefetch", 512)}
+              "pdl_prefetch": getattr(self, "pdl_prefetch", 512), "tma": getattr(self, "tma", False)}
         if torch.compiler.is_compiling():
             return run_gemm_path(path, a_q, a_scale, self.weight, self.weight_scale, **kw)
         if gemm._FAILED and path != "emulated":  # a fast path failed somewhere: re-check (slow, rare, correct)

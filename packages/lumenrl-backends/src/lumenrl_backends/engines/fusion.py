@@ -285,6 +285,7 @@ class _DecodeLinears:
     min_m: int  # rows the kernel takes: min_m..max_m (auto: triton_linear.auto_rows, on: 1..MAX_M)
     max_m: int
     prefetch: tuple[int, int]  # with pdl: weight columns of each row prefetched to L2 before the wait (first, second)
+    tma: bool = False  # tiles copied by the tensor memory accelerator (KernelOptions.tma)
 
 
 def _both_decode(decode: _DecodeLinears | None, second: nn.Module, other_path: Any) -> bool:
@@ -299,7 +300,7 @@ def _decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
     return decode_linear(x, weight, bias, swiglu=swiglu, pdl=decode.pdl, prefetch=decode.prefetch[1 if second else 0],
                          min_m=decode.min_m, max_m=decode.max_m, norm_weight=None if norm is None else norm[0],
-                         eps=1e-6 if norm is None else norm[1], residual=residual)
+                         eps=1e-6 if norm is None else norm[1], residual=residual, tma=decode.tma)
 
 
 def _swiglu_fp8_reason(module: nn.Module, fused: Any, tokenwise: bool = False) -> str | None:
@@ -348,7 +349,7 @@ def fuse_projections(
     model: nn.Module, *, attention: bool = True, mlp: bool = True, fp8_mlp: bool = False, fp8_act_kernel: bool = True,
     fp8_attn_out: bool = True, fp8_norm_quant: bool = True, fused_qk_rope: bool = True, decode_linear: str = "off",
     pdl: bool = False, pdl_prefetch: int | tuple[int | None, int | None] | None = None, fused_norm: bool = False,
-    rope_in_attention: bool = False,
+    rope_in_attention: bool = False, tma: bool = False,
 ) -> FusionReport:
     """Fuse q/k/v and gate/up projections of ``model`` in place (see module doc); returns a report.
 
@@ -390,7 +391,8 @@ def fuse_projections(
     the shape has measured launch parameters for the device, ``on`` wherever the kernel takes the weight
     (``decode_linear_skipped`` says where not and why); ``pdl``: they, and the attentions' decode RoPE
     and attention kernels, launch with programmatic dependent launch (CUDA sm90+,
-    :mod:`~lumenrl_backends.engines.triton_pdl`).
+    :mod:`~lumenrl_backends.engines.triton_pdl`); ``tma``: those GEMMs copy their tiles with the tensor memory
+    accelerator (sm90+; the same bits).
 
     Call after the model is on its device (and after quantization, if any): the fused storage is
     allocated where the members live, and later ``.to()`` calls would not move it.
@@ -413,7 +415,7 @@ def fuse_projections(
                 _set_qk_rope(module, name, fused_qk_rope, report, rope_in_attention)
                 module.__dict__[_PDL_ATTR] = pdl
             _set_decode_linear(module, name, "mlp" if cls.forward is _mlp_forward else "attention", decode_linear,
-                               pdl, report, pdl_prefetch)
+                               pdl, report, pdl_prefetch, tma)
             continue
         kind = ("attention" if attention and cls.__name__ in ATTENTION_CLASSES
                 else "mlp" if mlp and cls.__name__ in MLP_CLASSES else None)
@@ -440,7 +442,7 @@ def fuse_projections(
             _set_fp8_out(module, name, fp8_attn_out, report)
             _set_qk_rope(module, name, fused_qk_rope, report, rope_in_attention)
             module.__dict__[_PDL_ATTR] = pdl
-        _set_decode_linear(module, name, kind, decode_linear, pdl, report, pdl_prefetch)
+        _set_decode_linear(module, name, kind, decode_linear, pdl, report, pdl_prefetch, tma)
     for name, module in model.named_modules():
         if type(module).__name__ in DECODER_CLASSES:
             set_layer_fusion(module, name, fp8_norm=fp8_norm_quant and attention and mlp,
@@ -472,7 +474,7 @@ def _set_qk_rope(module: nn.Module, name: str, wanted: bool, report: FusionRepor
 
 
 def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: bool, report: FusionReport,
-                       prefetch_bytes: int | tuple[int | None, int | None] | None = None) -> None:
+                       prefetch_bytes: int | tuple[int | None, int | None] | None = None, tma: bool = False) -> None:
     """Route the module's decode GEMMs (M <= 128 rows) to the Triton decode kernel where it takes the weights:
     plain (unquantized) 16-bit weights of the tile's multiples; the MLP's gate/up only with a SiLU
     activation (its epilogue is SwiGLU) and not on a lumenrl-quant FP8 SwiGLU path; ``mode`` ``auto`` only
@@ -505,7 +507,7 @@ def _set_decode_linear(module: nn.Module, name: str, kind: str, mode: str, pdl: 
                   ] * (first_reason is None) + [triton_linear.auto_rows(*second.weight.shape)] * (second_reason is None)
         rows = (max(r[0] for r in ranges), min(r[1] for r in ranges)) if mode == "auto" else (1, triton_linear.MAX_M)
         module.__dict__[_DECODE_ATTR] = _DecodeLinears(first_reason is None, second_reason is None, pdl, *rows,
-                                                       prefetch=prefetch)
+                                                       prefetch=prefetch, tma=tma)
         report.decode_linear.append(name)
     if first_reason is not None or second_reason is not None:
         report.decode_linear_skipped[name] = "; ".join(r for r in (first_reason, second_reason) if r is not None)

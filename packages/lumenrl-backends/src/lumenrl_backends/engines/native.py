@@ -182,13 +182,13 @@ class NativeEngine:
             self.model, fp8_mlp=k.fuse_fp8_mlp, fp8_act_kernel=k.fp8_act_kernel, fp8_attn_out=k.fp8_attn_out,
             fp8_norm_quant=k.fp8_norm_quant and engine_quant.norm_quant_pays(compile, self.device),
             fused_qk_rope=k.fused_qk_rope, pdl=self._pdl, pdl_prefetch=k.prefetches(), fused_norm=k.fused_norm,
-            rope_in_attention=k.rope_in_attention,
+            rope_in_attention=k.rope_in_attention, tma=k.tma,
             decode_linear=k.decode_linear if self.device.type == "cuda" or triton_linear.INTERPRETED else "off",
         ) if fuse_projections else None
         if not fuse_projections:
             unfuse_projections(self.model)  # a model fused by an earlier engine runs its original modules
         if self.quant_report is not None:  # lumenrl-quant's Triton rowwise decode GEMMs join the PDL chain
-            engine_quant.set_quantized_pdl(self.model, self._pdl, k.prefetches())
+            engine_quant.set_quantized_pdl(self.model, self._pdl, k.prefetches(), tma=k.tma)
         # MoE experts on the fused Triton kernel (FP8 experts with fp8_block), or HF's implementation
         self.moe = install_fused_experts(self.model, "off" if exact_logprobs else k.fused_moe, self.device, quant_scheme)
         self.tokenizer = tokenizer

@@ -58,12 +58,14 @@ def norm_quant_pays(compile: str, device: torch.device) -> bool:
     return compile == "full" or device.type != "cuda"
 
 
-def set_quantized_pdl(model: nn.Module, pdl: bool, prefetch: int | tuple[int | None, int | None] | None = None) -> int:
+def set_quantized_pdl(model: nn.Module, pdl: bool, prefetch: int | tuple[int | None, int | None] | None = None, *,
+                      tma: bool = False) -> int:
     """Set lumenrl-quant's ``QuantizedLinear.pdl`` (its Triton rowwise decode GEMM launches with programmatic
     dependent launch) on every quantized linear of ``model``, the fused q/k/v and gate/up ones included
     (held by their modules, not registered as submodules), and, unless None, ``pdl_prefetch`` (bytes of each
     weight row prefetched to L2 before the wait; a pair: for the GEMMs after a norm, and for ``o_proj`` and
-    ``down_proj``, which follow attention and gate/up); returns how many were set."""
+    ``down_proj``, which follow attention and gate/up), and ``tma`` (its tiles copied by the tensor memory
+    accelerator); returns how many were set."""
     from lumenrl_backends.engines.fusion import _FUSED_ATTR
     from lumenrl_quant import QuantizedLinear
 
@@ -73,6 +75,7 @@ def set_quantized_pdl(model: nn.Module, pdl: bool, prefetch: int | tuple[int | N
         for linear in (module, getattr(module.__dict__.get(_FUSED_ATTR), "linear", None)):
             if isinstance(linear, QuantizedLinear):
                 linear.pdl = bool(pdl)
+                linear.tma = bool(tma)
                 after_long = linear is module and name.rsplit(".", 1)[-1] in ("o_proj", "down_proj")
                 if (second if after_long else first) is not None:
                     linear.pdl_prefetch = int(second if after_long else first)

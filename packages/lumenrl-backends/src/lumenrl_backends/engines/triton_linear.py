@@ -163,7 +163,7 @@ if triton is not None:
         stride_xm, stride_wn, stride_rm, stride_om, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
         RESIDUAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
-        EMULATED: tl.constexpr, TMA: tl.constexpr,
+        EMULATED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
     ):
         # row tiles of one weight tile are neighbours in launch order: they run side by side and the second
         # finds the weight in L2 (one HBM read of the weight for up to MAX_M rows); then the K splits
@@ -189,7 +189,7 @@ if triton is not None:
             u_ptrs = w_ptr + (offs_n + HALF).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         if NORM:  # RMSNorm of x: the row's sum of squares gathered along K, x * g as the operand, rstd at the end
             g_ptrs = g_ptr + offs_k
-        for k_off in range(0, K // SPLIT, BLOCK_K):
+        for k_off in tl.range(0, K // SPLIT, BLOCK_K, warp_specialize=WS):
             kk = k_start + k_off
             if TMA:  # tensor-memory-accelerator copies of the tiles (rows past M read as zeros)
                 x = x_desc.load([pid_m * BLOCK_M, kk])
@@ -359,9 +359,10 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
             prefetch: int, config: dict[str, int] | None = None, norm_weight: torch.Tensor | None = None,
-            eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+            eps: float = 0.0, residual: torch.Tensor | None = None, tma: bool | None = None) -> torch.Tensor:
     """One launch (no checks: :func:`supported` first); ``config`` overrides :func:`config_for` (the
-    benchmark's sweep)."""
+    benchmark's sweep; its ``"tma"`` and ``"ws"`` keys: tiles copied by TMA, the K loop warp-specialized);
+    ``tma`` (not None) overrides the configuration's ``"tma"``."""
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     cfg = config or config_for(n, k, x.device, swiglu=swiglu)
@@ -381,7 +382,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
     else:
         parts = counts = out
     x_desc = w_desc = None
-    if cfg.get("tma") and tma_reason(x, weight) is None:
+    if (cfg.get("tma") if tma is None else tma) and tma_reason(x, weight) is None:
         x_desc = TensorDescriptor.from_tensor(x, [block_m, cfg["block_k"]])
         w_desc = TensorDescriptor.from_tensor(weight, [cfg["block_n"], cfg["block_k"]])
     _decode_linear_kernel[(tiles * split,)](
@@ -391,7 +392,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT=split, HAS_BIAS=bias is not None,
         SWIGLU=swiglu, NORM=norm_weight is not None, RESIDUAL=residual is not None, PDL=pdl,
         PREFETCH=prefetch if prefetch <= k else 0, LINE=line, EMULATED=INTERPRETED, TMA=w_desc is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
+        WS=bool(cfg.get("ws")), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
     return out
 
@@ -429,16 +430,17 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _op_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
              prefetch: int, min_m: int, max_m: int = MAX_M, norm_weight: torch.Tensor | None = None,
-             eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+             eps: float = 0.0, residual: torch.Tensor | None = None, tma: bool = False) -> torch.Tensor:
     # the row-count choice is made here, outside the traced graph: no guard on the batch, no recompile
     if min_m <= x.shape[0] <= max_m and supported(x, weight, bias, swiglu, norm_weight, residual) is None:
-        return _launch(x, weight, bias, swiglu, pdl, prefetch, norm_weight=norm_weight, eps=eps, residual=residual)
+        return _launch(x, weight, bias, swiglu, pdl, prefetch, norm_weight=norm_weight, eps=eps, residual=residual,
+                       tma=tma)
     return torch_linear(x, weight, bias, swiglu, norm_weight, eps, residual)
 
 
 def _op_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
              prefetch: int, min_m: int, max_m: int = MAX_M, norm_weight: torch.Tensor | None = None,
-             eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+             eps: float = 0.0, residual: torch.Tensor | None = None, tma: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 
@@ -458,7 +460,7 @@ _OP = _register()
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, swiglu: bool = False,
                   pdl: bool = False, prefetch: int = PDL_PREFETCH, min_m: int = 1, max_m: int = MAX_M,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, tma: bool = False) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x`` (M, K); with ``swiglu``, ``weight`` = ``cat([gate, up])`` (2I, K)
     and the result is ``silu(gate) * up`` (M, I). The kernel runs for ``min_m`` <= M <= ``max_m`` (at most
     :data:`MAX_M`: rows beyond one :data:`TILE_M` tile take a second program per weight tile) on
@@ -471,7 +473,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     norm before q/k/v or gate/up): the kernel gathers each row's sum of squares while it streams K and scales the
     sum at the end (:func:`reference_decode_linear`), so no separate norm kernel runs. ``residual`` (M, N): the
     result is ``residual + (x @ weight.T)`` (the layer's residual add after o or down), rounded as the unfused
-    add is."""
+    add is. ``tma``: the kernel copies its tiles with the tensor memory accelerator where :func:`tma_reason`
+    allows (sm90+; the same bits as pointer loads)."""
     if swiglu and weight.shape[0] % 2:
         raise ValueError(f"swiglu=True needs weight = cat([gate, up]) with an even row count; got {tuple(weight.shape)}")
     if prefetch < 0:
@@ -487,4 +490,4 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out_shape = (x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0])
     if residual is not None and tuple(residual.shape) != out_shape:
         raise ValueError(f"residual shape {tuple(residual.shape)}; allowed: {out_shape}, the output's shape")
-    return _OP(x, weight, bias, swiglu, pdl, prefetch, min_m, max_m, norm_weight, float(eps), residual)
+    return _OP(x, weight, bias, swiglu, pdl, prefetch, min_m, max_m, norm_weight, float(eps), residual, bool(tma))
