@@ -56,18 +56,17 @@ def _cublas(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> torch.Tensor:
     return out
 
 
-def _sweep(n: int, k: int, swiglu: bool, splits: tuple[int, ...] = (1,), tmas: tuple[int, ...] = (0,),
-           wss: tuple[int, ...] = (0,)) -> list[dict[str, int]]:
+def _sweep(n: int, k: int, swiglu: bool, splits: tuple[int, ...] = (1,), tmas: tuple[int, ...] = (0,)) -> list[dict[str, int]]:
     out = []
-    for bn, bk, stages, warps, split, tma, ws in itertools.product((32, 64, 128), (64, 128, 256), (3, 4, 5, 6), (4, 8),
-                                                                   splits, tmas, wss):
+    for bn, bk, stages, warps, split, tma in itertools.product((32, 64, 128), (64, 128, 256), (3, 4, 5, 6), (4, 8),
+                                                               splits, tmas):
         operands = 2 if swiglu else 1
         if (n // 2 if swiglu else n) % bn or k % (bk * split) or stages * (tlin.TILE_M + operands * bn) * bk * 2 > 220_000:
             continue
         if (warps == 8) != (bn * operands >= 128) or k // split < stages * bk:  # a split shorter than the pipeline
             continue
         out.append({"block_n": bn, "block_k": bk, "num_stages": stages, "num_warps": warps, "split": split,
-                    **({"tma": 1} if tma else {}), **({"ws": 1} if ws else {})})
+                    **({"tma": 1} if tma else {})})
     return out
 
 
@@ -80,7 +79,7 @@ def _ints(flag: str, value: str, low: int, high: int | None) -> tuple[int, ...]:
 
 
 def bench_shape(name: str, n: int, k: int, swiglu: bool, m: int, tune: bool,
-                splits: tuple[int, ...] = (1,), tmas: tuple[int, ...] = (0,), wss: tuple[int, ...] = (0,)) -> list[dict]:
+                splits: tuple[int, ...] = (1,), tmas: tuple[int, ...] = (0,)) -> list[dict]:
     dev = C.DEVICE
     copies = max(2, math.ceil(400e6 / (n * k * 2))) if dev == "cuda" else 2
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -90,7 +89,7 @@ def bench_shape(name: str, n: int, k: int, swiglu: bool, m: int, tune: bool,
     rows = []
     ms, how = C.time_graph_ms([lambda w=w: _cublas(x, w, swiglu) for w in weights])
     rows.append({"shape": name, "path": "cublas", "us": ms * 1e3, "gbs": gb / ms * 1e3, "timing": how})
-    configs = [None] + (_sweep(n, k, swiglu, splits, tmas, wss) if tune and dev == "cuda" else [])
+    configs = [None] + (_sweep(n, k, swiglu, splits, tmas) if tune and dev == "cuda" else [])
     best = None
     for cfg in configs:
         if dev == "cuda":
@@ -194,7 +193,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--splits", default="1", help="K splits the sweep tries, comma-separated (1: no split-K)")
     ap.add_argument("--tma", default="0", help="tile loads the sweep tries: 0 pointers, 1 tensor descriptors (TMA)")
-    ap.add_argument("--ws", default="0", help="K loops the sweep tries: 0 plain, 1 warp-specialized (Triton tl.range)")
     ap.add_argument("--ab-tma", type=int, default=0, help="rounds of the chain with pointer loads vs TMA copies")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--smoke", action="store_true")
@@ -202,12 +200,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if not 1 <= args.m <= tlin.MAX_M:
         raise SystemExit(f"--m {args.m}: allowed 1..{tlin.MAX_M} (the kernel's row range)")
-    splits, tmas, wss = _ints("--splits", args.splits, 1, None), _ints("--tma", args.tma, 0, 1), _ints("--ws", args.ws, 0, 1)
+    splits, tmas = _ints("--splits", args.splits, 1, None), _ints("--tma", args.tma, 0, 1)
     shapes = dict(TINY if args.smoke else PRESETS[args.shapes])
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args), "rows": []}
     best = {}
     for name, (n, k, swiglu) in shapes.items():
-        result["rows"] += bench_shape(name, n, k, swiglu, args.m, args.tune, splits, tmas, wss)
+        result["rows"] += bench_shape(name, n, k, swiglu, args.m, args.tune, splits, tmas)
         tuned = [r for r in result["rows"] if r["shape"] == name and r["path"] == "triton-tuned" and "us" in r]
         if tuned:
             best[(n // 2 if swiglu else n, k, swiglu)] = tuned[-1]["config"]

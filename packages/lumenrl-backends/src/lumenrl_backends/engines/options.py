@@ -36,8 +36,8 @@ class KernelOptions:
     # the decode kernel: the RMSNorms inside q/k/v and gate/up, the residual adds in o and down's epilogues
     pdl_prefetch_second: int | None = None  # the same for the GEMMs after a long kernel (o_proj after attention,
     # down_proj after gate/up), whose tails leave more time to prefetch; None: as pdl_prefetch
-    tma: bool = False  # CUDA sm90+: the decode GEMMs (16-bit decode kernel, FP8 rowwise) copy their tiles with the
-    # tensor memory accelerator instead of pointer loads (the same tiles, the same bits)
+    tma: bool = False  # experiment, measured level (decision 0023), CUDA sm90+: the decode GEMMs (16-bit decode
+    # kernel, FP8 rowwise) copy their tiles with the tensor memory accelerator instead of pointer loads (same bits)
 
     def __post_init__(self) -> None:  # refused when built, before any engine touches a model
         if self.decode_linear not in ("auto", "on", "off"):

@@ -26,6 +26,10 @@ things about it:
   second program takes the next 64 rows of the same weight tile, launched right after the first, so the
   pair runs side by side and the weight streams from HBM once (the second read hits L2).
 
+``tma=True`` (or a launch configuration's ``"tma": 1``; sm90+) copies the x and weight tiles with the tensor
+memory accelerator through host tensor descriptors instead of pointer loads: the same tiles in the same order, so
+the same bits; measured level with pointer loads on an H100 (decision 0023), so off by default.
+
 Numerics: float32 accumulation (``tl.dot`` of bf16/fp16 operands), the bias added in float32, one
 rounding to the output dtype; with ``swiglu`` gate and up are first rounded to the model dtype (as the
 unfused GEMM's outputs are), then ``silu(gate) * up`` is taken in float32 and rounded once (what
@@ -163,7 +167,7 @@ if triton is not None:
         stride_xm, stride_wn, stride_rm, stride_om, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
         RESIDUAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
-        EMULATED: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+        EMULATED: tl.constexpr, TMA: tl.constexpr,
     ):
         # row tiles of one weight tile are neighbours in launch order: they run side by side and the second
         # finds the weight in L2 (one HBM read of the weight for up to MAX_M rows); then the K splits
@@ -189,7 +193,7 @@ if triton is not None:
             u_ptrs = w_ptr + (offs_n + HALF).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         if NORM:  # RMSNorm of x: the row's sum of squares gathered along K, x * g as the operand, rstd at the end
             g_ptrs = g_ptr + offs_k
-        for k_off in tl.range(0, K // SPLIT, BLOCK_K, warp_specialize=WS):
+        for k_off in range(0, K // SPLIT, BLOCK_K):
             kk = k_start + k_off
             if TMA:  # tensor-memory-accelerator copies of the tiles (rows past M read as zeros)
                 x = x_desc.load([pid_m * BLOCK_M, kk])
@@ -361,8 +365,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
             prefetch: int, config: dict[str, int] | None = None, norm_weight: torch.Tensor | None = None,
             eps: float = 0.0, residual: torch.Tensor | None = None, tma: bool | None = None) -> torch.Tensor:
     """One launch (no checks: :func:`supported` first); ``config`` overrides :func:`config_for` (the
-    benchmark's sweep; its ``"tma"`` and ``"ws"`` keys: tiles copied by TMA, the K loop warp-specialized);
-    ``tma`` (not None) overrides the configuration's ``"tma"``."""
+    benchmark's sweep; its ``"tma"`` key: tiles copied by TMA); ``tma`` (not None) overrides the configuration's
+    ``"tma"``."""
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     cfg = config or config_for(n, k, x.device, swiglu=swiglu)
@@ -392,7 +396,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT=split, HAS_BIAS=bias is not None,
         SWIGLU=swiglu, NORM=norm_weight is not None, RESIDUAL=residual is not None, PDL=pdl,
         PREFETCH=prefetch if prefetch <= k else 0, LINE=line, EMULATED=INTERPRETED, TMA=w_desc is not None,
-        WS=bool(cfg.get("ws")), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
     return out
 
