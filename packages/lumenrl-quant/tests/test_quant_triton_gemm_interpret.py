@@ -72,6 +72,9 @@ SCRIPT = textwrap.dedent(
     compiled = torch.compile(lambda a, s: tg.fp8_rowwise_gemm(a, s, b_q, b_s, out_dtype=torch.float32, config=cfg,
                                                               pdl=True), fullgraph=True)
     assert torch.equal(compiled(a_q, a_s), plain)
+    with_tma = torch.compile(lambda a, s: tg.fp8_rowwise_gemm(a, s, b_q, b_s, out_dtype=torch.float32,
+                                                              config={**cfg, "tma": 1}), fullgraph=True)
+    assert torch.equal(with_tma(a_q, a_s), plain)  # TMA runs in the opaque op, with or without PDL
     # one activation scale for every row (a per-tensor scale, e.g. the FP8 cache's V scale for o_proj), given as
     # one element or as a broadcast view of one: read as it is, the same result as the materialized (M, 1) column
     one = a_s[:1].reshape(1, 1) * 1.5

@@ -193,7 +193,10 @@ def _launch(
     grid = (triton.cdiv(n, cfg["block_n"]), split, triton.cdiv(m, cfg["block_m"]))
     prefetch = min(prefetch, k // split) if pdl and b_q.element_size() == 1 else 0  # bytes (= FP8 columns) per row
     prefetch = 1 << (prefetch.bit_length() - 1) if prefetch >= 128 else 0  # a power of two within the row
-    descs = {}
+    descs = {"a_desc": a, "b_desc": b_q, "TMA": False}  # unused without TMA; passed so every launch names them all
+    if cfg["tma"] and torch.compiler.is_compiling():
+        raise ValueError(f"config tma=1 with split_k={split} under torch.compile: TMA launches run in the opaque "
+                         "op lumenrl_quant::fp8_rowwise_gemm_pdl, which takes split_k 1")
     if cfg["tma"] and tma_reason(a, b_q) is None:
         descs = {"a_desc": TensorDescriptor.from_tensor(a, [cfg["block_m"], block_k]),
                  "b_desc": TensorDescriptor.from_tensor(b_q, [cfg["block_n"], block_k]), "TMA": True}
@@ -225,22 +228,23 @@ def tma_reason(*tensors: torch.Tensor) -> str | None:
 
 def _pdl_op_impl(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
                  block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-                 prefetch: int = PDL_PREFETCH, tma: int = 0) -> torch.Tensor:
+                 prefetch: int = PDL_PREFETCH, tma: int = 0, pdl: bool = True) -> torch.Tensor:
     config = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "split_k": 1, "num_warps": num_warps,
               "num_stages": num_stages, "tma": tma}
-    return _launch(a_q, b_q, sa, sb, out_dtype, config, pdl=pdl_supported(a_q.device),  # decided here, not traced
+    return _launch(a_q, b_q, sa, sb, out_dtype, config, pdl=pdl and pdl_supported(a_q.device),  # decided here
                    prefetch=prefetch)
 
 
 def _pdl_op_fake(a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
                  block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-                 prefetch: int = PDL_PREFETCH, tma: int = 0) -> torch.Tensor:
+                 prefetch: int = PDL_PREFETCH, tma: int = 0, pdl: bool = True) -> torch.Tensor:
     return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
 
 
 def _register_pdl_op():  # noqa: ANN202 - a torch.library CustomOpDef
-    """``lumenrl_quant::fp8_rowwise_gemm_pdl``: the PDL launch as an op opaque to ``torch.compile`` (dynamo's
-    tracing of user Triton kernels takes no ``launch_pdl``); registered at import, once per process."""
+    """``lumenrl_quant::fp8_rowwise_gemm_pdl``: the PDL and TMA launches as an op opaque to ``torch.compile``
+    (dynamo's tracing of user Triton kernels takes no ``launch_pdl`` and no host tensor descriptors); registered at
+    import, once per process."""
     if triton is None:
         return None
     op = getattr(torch.ops.lumenrl_quant, "fp8_rowwise_gemm_pdl", None)
@@ -275,7 +279,8 @@ def fp8_rowwise_gemm(
     0: none), waits for that kernel (``griddepcontrol.wait``: it reads ``a_q`` and
     ``a_scale`` only after it), then lets the next PDL kernel launch. Same result as without; runs as the
     op ``lumenrl_quant::fp8_rowwise_gemm_pdl`` (opaque to ``torch.compile``), which decides at run time;
-    elsewhere the same kernel launches plainly."""
+    elsewhere the same kernel launches plainly. A ``config`` with ``"tma": 1`` and ``split_k`` 1 runs in that op
+    too (under ``torch.compile`` a TMA launch with ``split_k`` > 1 is refused)."""
     from lumenrl_quant.gemm import rowwise_epilogue
 
     sa, sb = a_scale.float().reshape(-1), b_scale.float().reshape(-1).contiguous()
@@ -285,10 +290,10 @@ def fp8_rowwise_gemm(
     cfg = _config(config)
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}; allowed: an int >= 0 (bytes of each weight row)")
-    if pdl and cfg["split_k"] == 1 and _PDL_OP is not None:
+    if (pdl or cfg["tma"]) and cfg["split_k"] == 1 and _PDL_OP is not None:  # the launch options run in the op
         _launch_checks(a_q, b_q, cfg)
         c = _PDL_OP(a_q.contiguous(), b_q.contiguous(), sa, sb, out_dtype, cfg["block_m"], cfg["block_n"],
-                    cfg["block_k"], cfg["num_warps"], cfg["num_stages"], prefetch, cfg["tma"])
+                    cfg["block_k"], cfg["num_warps"], cfg["num_stages"], prefetch, cfg["tma"], bool(pdl))
         return c if bias is None else c + bias.to(out_dtype)
     c = _launch(a_q, b_q, sa, sb, out_dtype, config)
     if c.dim() == 2:
