@@ -158,6 +158,8 @@ def test_fp8_row_linear_with_tma_gives_the_same_bits_in_a_graph():
     graph.replay()
     q.tma = False
     assert torch.equal(captured, q(x)) and not torch.equal(captured, plain)
-    want = q(x)
-    q.tma = True  # under fullgraph compile: the TMA launch runs in the opaque op
+    # under fullgraph compile the TMA launch runs in the opaque op; inductor's activation quantization may round
+    # differently from eager's, so compiled is compared with compiled
+    want = torch.compile(lambda t: q(t), fullgraph=True)(x)
+    q.tma = True
     assert torch.equal(torch.compile(lambda t: q(t), fullgraph=True)(x), want)
