@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import tempfile
+from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -312,71 +314,61 @@ def routed_mlps_against_original(tmp: str, family: str) -> dict:
     return {"routed_mlps": len([n for n in report.decode_linear if n in mlps]), "mlps": len(mlps), "worst": worst}
 
 
-def engines_with_and_without(tmp: str, device: str = "cpu", compile: str = "none", family: str = "qwen3") -> dict:
-    """Greedy generation of a tiny bf16 ``family`` model by an engine without and then with the decode
-    GEMMs: how far apart tokens and log-probs are, how often the kernel ran, and how many fused modules
-    the engine has and routes to it."""
+def generate_pair(tmp: str, device: str, compile: str, family: str, variants: list[dict],
+                  count: Callable[[dict], dict[str, int]]) -> tuple[list[dict], list[dict[str, int]], NativeEngine]:
+    """Greedy generation of a tiny bf16 ``family`` model by one engine per ``variants`` entry (its KernelOptions
+    overrides): the batches, and per engine ``count``'s tallies summed over its decode-kernel launches (``count``
+    gets each launch's keyword arguments); also the last engine. Interpreted (CPU): RoPE in torch, the decode GEMMs
+    are what differs; the interpreted RoPE kernel costs seconds a step and has its own engine tests
+    (test_backends_engine_rope.py)."""
     path = build_tiny_model(family, tmp, seed=0, initializer_range=0.2)
     model, tokenizer = load_model_and_tokenizer(path, dtype="bfloat16")
     enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
     batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
-    # interpreted (CPU): RoPE in torch, the decode GEMMs are what differs; the interpreted RoPE kernel costs seconds
-    # a step and has its own engine tests (test_backends_engine_rope.py)
-    outs, launches, routed, fused = [], [], 0, 0
-    launch = tlin._launch
-    for on in (False, True):
-        count = [0]
+    outs, tallies, launch = [], [], tlin._launch
+    for options in variants:
+        tally: dict[str, int] = defaultdict(int)
 
-        def counted(*args, _count=count, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            _count[0] += 1
+        def counted(*args, _tally=tally, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            for key, value in count(kwargs).items():
+                _tally[key] += value
             return launch(*args, **kwargs)
 
         tlin._launch = counted
         try:
             engine = NativeEngine(model, tokenizer, device=device, max_batch_size=8, max_seq_len=40, compile=compile,
-                                  kernels=KernelOptions(decode_linear="on" if on else "off", fused_qk_rope=device != "cpu"))
+                                  kernels=KernelOptions(fused_qk_rope=device != "cpu", **options))
             outs.append(engine.generate(batch, GREEDY).batch)
         finally:
             tlin._launch = launch
-        launches.append(count[0])
-        if on:
-            routed, fused = len(engine.fusion_report.decode_linear), engine.fusion_report.fused
-    plain, fast = outs
+        tallies.append(dict(tally))
+    return outs, tallies, engine
+
+
+def engines_with_and_without(tmp: str, device: str = "cpu", compile: str = "none", family: str = "qwen3") -> dict:
+    """Greedy generation of a tiny bf16 ``family`` model by an engine without and then with the decode
+    GEMMs: how far apart tokens and log-probs are, how often the kernel ran, and how many fused modules
+    the engine has and routes to it."""
+    (plain, fast), (off, on), engine = generate_pair(tmp, device, compile, family, [{"decode_linear": "off"},
+                                                                                   {"decode_linear": "on"}],
+                                                     lambda kwargs: {"launches": 1})
     return {"same_tokens": bool(torch.equal(plain["responses"], fast["responses"])),
             "compile_fallback": getattr(engine._model_forward, "fallback", None),  # compile="full": one graph
             "log_prob_diff_max": float((plain["rollout_log_probs"] - fast["rollout_log_probs"]).abs().max()),
-            "launches_without": launches[0], "launches_with": launches[1], "routed": routed, "fused": fused}
+            "launches_without": off.get("launches", 0), "launches_with": on.get("launches", 0),
+            "routed": len(engine.fusion_report.decode_linear), "fused": engine.fusion_report.fused}
 
 
 def engines_tma(tmp: str, device: str = "cpu", compile: str = "none", family: str = "qwen3") -> dict:
     """Greedy generation of a tiny bf16 ``family`` model with every decode GEMM on the kernel, by engines with
     ``KernelOptions.tma`` off and on: whether tokens and log-probs are the same bits, and the kernel launches
     that asked for TMA tile copies."""
-    path = build_tiny_model(family, tmp, seed=0, initializer_range=0.2)
-    model, tokenizer = load_model_and_tokenizer(path, dtype="bfloat16")
-    enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
-    batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
-    outs, asked = [], []
-    launch = tlin._launch
-    for tma in (False, True):
-        count = [0]
-
-        def counted(*args, _count=count, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            _count[0] += bool(kwargs.get("tma"))
-            return launch(*args, **kwargs)
-
-        tlin._launch = counted
-        try:
-            engine = NativeEngine(model, tokenizer, device=device, max_batch_size=8, max_seq_len=40, compile=compile,
-                                  kernels=KernelOptions(decode_linear="on", tma=tma, fused_qk_rope=device != "cpu"))
-            outs.append(engine.generate(batch, GREEDY).batch)
-        finally:
-            tlin._launch = launch
-        asked.append(count[0])
-    plain, tma = outs
+    (plain, tma), (off, on), engine = generate_pair(
+        tmp, device, compile, family, [{"decode_linear": "on", "tma": False}, {"decode_linear": "on", "tma": True}],
+        lambda kwargs: {"tma": int(bool(kwargs.get("tma")))})
     return {"same_tokens": bool(torch.equal(plain["responses"], tma["responses"])),
             "same_log_probs": bool(torch.equal(plain["rollout_log_probs"], tma["rollout_log_probs"])),
-            "tma_launches_off": asked[0], "tma_launches_on": asked[1],
+            "tma_launches_off": off.get("tma", 0), "tma_launches_on": on.get("tma", 0),
             "compile_fallback": getattr(engine._model_forward, "fallback", None)}
 
 
@@ -384,31 +376,16 @@ def engines_fused_norm(tmp: str, device: str = "cpu", compile: str = "none", fam
     """Greedy generation of a tiny bf16 ``family`` model with every decode GEMM on the kernel, without and then with
     ``fused_norm``: how far apart the log-probs are, the layers that fused their norms, and the kernel launches
     that carried a norm and a residual add."""
-    path = build_tiny_model(family, tmp, seed=0, initializer_range=0.2)
-    model, tokenizer = load_model_and_tokenizer(path, dtype="bfloat16")
-    enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
-    batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
-    # interpreted (CPU): RoPE in torch, as in engines_with_and_without
-    outs, launch, seen, layers = [], tlin._launch, {"norm": 0, "residual": 0}, 0
-    for on in (False, True):
-        def counted(*args, _on=on, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            for key in seen:
-                seen[key] += _on and kwargs.get(key if key == "residual" else "norm_weight") is not None
-            return launch(*args, **kwargs)
-
-        tlin._launch = counted
-        try:
-            engine = NativeEngine(model, tokenizer, device=device, max_batch_size=8, max_seq_len=40, compile=compile,
-                                  kernels=KernelOptions(decode_linear="on", fused_norm=on, fused_qk_rope=device != "cpu"))
-            outs.append(engine.generate(batch, GREEDY).batch)
-        finally:
-            tlin._launch = launch
-        layers = len(engine.fusion_report.layers_fused_norm) if on else layers
-    plain, fused = outs
+    (plain, fused), (_, seen), engine = generate_pair(
+        tmp, device, compile, family, [{"decode_linear": "on", "fused_norm": False},
+                                       {"decode_linear": "on", "fused_norm": True}],
+        lambda kwargs: {"norm": int(kwargs.get("norm_weight") is not None),
+                        "residual": int(kwargs.get("residual") is not None)})
     same = plain["responses"] == fused["responses"]
     agree = same.cumprod(dim=1).bool()  # positions before a row's first different token: same context
-    return {"layers": layers, "norm_launches": seen["norm"], "residual_launches": seen["residual"],
-            "tokens_same_frac": float(same.float().mean()), "compile_fallback": getattr(engine._model_forward, "fallback", None),
+    return {"layers": len(engine.fusion_report.layers_fused_norm), "norm_launches": seen.get("norm", 0),
+            "residual_launches": seen.get("residual", 0), "tokens_same_frac": float(same.float().mean()),
+            "compile_fallback": getattr(engine._model_forward, "fallback", None),
             "log_prob_diff_max": float((plain["rollout_log_probs"] - fused["rollout_log_probs"])[agree].abs().max())}
 
 

@@ -38,7 +38,7 @@ import torch
 
 __all__ = [
     "DEFAULT_CONFIG", "SWIGLU_DEFAULT_CONFIG", "fp8_group_act_gemm", "fp8_rowwise_gemm", "fp8_swiglu_quant",
-    "fp8_weight_only_gemm", "pdl_supported", "supports",
+    "fp8_weight_only_gemm", "pdl_supported", "supports", "tma_reason",
 ]
 
 try:

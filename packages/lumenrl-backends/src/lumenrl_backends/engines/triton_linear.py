@@ -59,13 +59,10 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU environments without Triton
     triton = None
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - no Triton, or one without host tensor descriptors
-    TensorDescriptor = None
 
 from lumenrl_backends.engines.triton_pdl import launch_options, pdl_supported
 from lumenrl_backends.engines.triton_rope import rms_norm  # transformers' RMSNorm (the torch path's norm)
+from lumenrl_quant.triton_gemm import TensorDescriptor, tma_reason  # TMA copies: the FP8 GEMM's checks
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # read once, as Triton does at import
 TILE_M = 64  # rows per program: the tile measured at M = 64 (the benchmark's decode batch)
@@ -400,20 +397,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
     )
     return out
 
-
-def tma_reason(*tensors: torch.Tensor) -> str | None:
-    """None when the tensor memory accelerator can copy tiles of these 2-D operands (a launch configuration's
-    ``"tma": 1``: CUDA sm90+ or Triton's interpreter, 16-byte aligned base and row stride, unit last stride), else
-    why not; where it cannot, the launch loads the tiles with pointers (the same sums)."""
-    if TensorDescriptor is None:
-        return "this Triton has no host tensor descriptors (triton.tools.tensor_descriptor)"
-    for t in tensors:
-        if t.device.type == "cuda" and torch.cuda.get_device_capability(t.device) < (9, 0):
-            return f"device capability {torch.cuda.get_device_capability(t.device)}; TMA needs (9, 0) or newer"
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            return (f"operand {tuple(t.shape)} stride {tuple(t.stride())} at {t.data_ptr() % 16} bytes past 16: "
-                    "TMA needs a 16-byte aligned base and row stride, unit last stride")
-    return None
 
 
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
