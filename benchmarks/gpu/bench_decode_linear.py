@@ -20,6 +20,7 @@ GB/s counts weight bytes. Checked first: the kernel against cuBLAS (relative err
     python benchmarks/gpu/bench_decode_linear.py --tune
     python benchmarks/gpu/bench_decode_linear.py --tune --splits 1,2,4   # also split-K (the chain A/Bs the best)
     python benchmarks/gpu/bench_decode_linear.py --tune --tma 0,1        # also tiles copied by TMA descriptors
+    python benchmarks/gpu/bench_decode_linear.py --tune --tune-chain 3   # parameters chosen inside the chain
 
 ``--shapes 0.6b --m 128``: Qwen3-0.6B's shapes at the GRPO benchmark's rollout batch (two 64-row tiles
 per weight tile; ``--layers 28``).
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +92,7 @@ def bench_shape(name: str, n: int, k: int, swiglu: bool, m: int, tune: bool,
     ms, how = C.time_graph_ms([lambda w=w: _cublas(x, w, swiglu) for w in weights])
     rows.append({"shape": name, "path": "cublas", "us": ms * 1e3, "gbs": gb / ms * 1e3, "timing": how})
     configs = [None] + (_sweep(n, k, swiglu, splits, tmas) if tune and dev == "cuda" else [])
-    best = None
+    best, ranked = None, []
     for cfg in configs:
         if dev == "cuda":
             calls = [lambda w=w, c=cfg: tlin._launch(x, w, None, swiglu, False, 0, c) for w in weights]
@@ -108,82 +110,151 @@ def bench_shape(name: str, n: int, k: int, swiglu: bool, m: int, tune: bool,
                "us": ms * 1e3, "gbs": gb / ms * 1e3, "rel_err": err, "timing": how}
         if cfg is None:
             rows.append(row)
-        elif best is None or row["us"] < best["us"]:
+            continue
+        ranked.append((row["us"], cfg))
+        if best is None or row["us"] < best["us"]:
             best = row
-    if best is not None:
+    if best is not None:  # the sweep's fastest, with its next fastest (the chain tuner's candidates)
+        best["ranked"] = [{"us": us, "config": cfg} for us, cfg in sorted(ranked, key=lambda t: t[0])[:8]]
         rows.append(best)
     return rows
 
 
-def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma_rounds: int = 0) -> dict:
-    """One decode step's GEMMs (q/k/v -> o -> gate/up+SwiGLU -> down, each reading the previous output)
-    over ``layers`` layers of distinct weights: ms per step by cuBLAS, the kernel, the kernel with PDL; ``best``
-    ({(N, K, swiglu): launch parameters}, a sweep's best): also the kernel with PDL at those parameters
-    (``triton_pdl_best``), then at the table's again (``triton_pdl_again``); ``tma_rounds``: that many rounds of the
-    kernel with PDL at the table's parameters by pointer loads and by TMA copies (lists of ms, alternating)."""
-    dev = C.DEVICE
-    weights = [{name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
-                for name, (n, k, _) in shapes.items()} for _ in range(layers)]
-    hidden = shapes["qkv"][1]  # the model width: q/k/v's K, o's N
-    q_width = shapes["o"][1]  # the attention output o reads: the q heads (stands in for attention here)
-    x = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
+TWO_PER_SM = 113_000  # shared memory per program that leaves room for a second one (H100 / H200: 228 KB per SM)
 
-    def step(kind: str, tma: bool = False) -> torch.Tensor:
-        h = x
-        for w in weights:
+
+def smem_bytes(cfg: dict[str, int], swiglu: bool) -> int:
+    """The pipeline's shared memory: ``num_stages`` x (x tile + weight tile(s)) of 16-bit elements."""
+    return cfg["num_stages"] * (tlin.TILE_M + (2 if swiglu else 1) * cfg["block_n"]) * cfg["block_k"] * 2
+
+
+def chain_candidates(table: dict[str, int], ranked: list[dict], swiglu: bool, top: int = 4) -> list[dict[str, int]]:
+    """Configurations of one shape worth timing inside the chain: the table's, the isolated sweep's ``top``
+    fastest (``ranked``: rows of {"us", "config"}, fastest first), and each of those with as many stages as leave
+    room for a second program per multiprocessor (:data:`TWO_PER_SM`), where that keeps 2 or more. In the chain a
+    PDL launch's programs start, prefetch and wait on multiprocessors the previous kernel still runs on only where
+    its shared memory leaves room; the isolated sweep, one kernel after another without PDL, cannot see that."""
+    out: list[dict[str, int]] = []
+    for cfg in [dict(table)] + [dict(r["config"]) for r in ranked[:top]]:
+        lean = dict(cfg)
+        while smem_bytes(lean, swiglu) > TWO_PER_SM and lean["num_stages"] > 2:
+            lean["num_stages"] -= 1
+        for c in (cfg, lean):
+            if c not in out and (c is cfg or smem_bytes(c, swiglu) <= TWO_PER_SM):
+                out.append(c)
+    return out
+
+
+class Chain:
+    """One decode step's GEMMs over ``layers`` layers of distinct weights (q/k/v -> o -> gate/up+SwiGLU -> down,
+    each reading the previous output): :meth:`step` alone, :meth:`with_norms` with the layer's residual adds and
+    RMSNorms between them as compiled kernels (the engine's layer) or inside them (``fused``)."""
+
+    def __init__(self, shapes: dict, m: int, layers: int) -> None:
+        dev = C.DEVICE
+        self.weights = [{name: torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+                         for name, (n, k, _) in shapes.items()} for _ in range(layers)]
+        hidden = shapes["qkv"][1]  # the model width: q/k/v's K, o's N
+        self.q_width = shapes["o"][1]  # the attention output o reads: the q heads (stands in for attention here)
+        self.x = torch.randn(m, hidden, device=dev, dtype=torch.bfloat16)
+        self.norms = [(torch.rand(hidden, device=dev) + 0.5).to(torch.bfloat16) for _ in range(2)]
+        options = tlin.inductor_pdl_options(dev == "cuda" and tlin.pdl_supported(torch.device(dev)))
+        self.add_norm = torch.compile(lambda r, h, g: (r + h, tlin.rms_norm(r + h, g, 1e-6)), options=options)
+
+    def step(self, kind: str, tma: bool = False) -> torch.Tensor:
+        h, qw = self.x, self.q_width
+        for w in self.weights:
             if kind == "cublas":
-                h = F.linear(_cublas(F.linear(F.linear(h, w["qkv"])[:, :q_width], w["o"]), w["gate_up"], True), w["down"])
+                h = F.linear(_cublas(F.linear(F.linear(h, w["qkv"])[:, :qw], w["o"]), w["gate_up"], True), w["down"])
             else:
                 pdl = kind == "triton_pdl"
-                h = tlin.decode_linear(tlin.decode_linear(tlin.decode_linear(h, w["qkv"], pdl=pdl, tma=tma)[:, :q_width],
+                h = tlin.decode_linear(tlin.decode_linear(tlin.decode_linear(h, w["qkv"], pdl=pdl, tma=tma)[:, :qw],
                                                           w["o"], pdl=pdl, tma=tma), w["gate_up"], swiglu=True, pdl=pdl,
                                        tma=tma)
                 h = tlin.decode_linear(h, w["down"], pdl=pdl, tma=tma)
         return h
 
-    norms = [(torch.rand(hidden, device=dev) + 0.5).to(torch.bfloat16) for _ in range(2)]
-    options = tlin.inductor_pdl_options(dev == "cuda" and tlin.pdl_supported(torch.device(dev)))
-    add_norm = torch.compile(lambda r, h, g: (r + h, tlin.rms_norm(r + h, g, 1e-6)), options=options)
-
-    def layers_with_norms(fused: bool) -> torch.Tensor:
-        h, d = x, torch.zeros_like(x)  # d: the last down output, added to the residual before the next norm
-        for w in weights:
+    def with_norms(self, fused: bool = False) -> torch.Tensor:
+        h, d, qw, g0, g1 = self.x, torch.zeros_like(self.x), self.q_width, *self.norms  # d: the last down output
+        for w in self.weights:
             if fused:
-                a = tlin.decode_linear(h, w["qkv"], pdl=True, norm_weight=norms[0])[:, :q_width]
+                a = tlin.decode_linear(h, w["qkv"], pdl=True, norm_weight=g0)[:, :qw]
                 h = tlin.decode_linear(a, w["o"], pdl=True, residual=h)
-                g = tlin.decode_linear(h, w["gate_up"], swiglu=True, pdl=True, norm_weight=norms[1])
+                g = tlin.decode_linear(h, w["gate_up"], swiglu=True, pdl=True, norm_weight=g1)
                 h = tlin.decode_linear(g, w["down"], pdl=True, residual=h)
             else:  # each residual add with the norm after it: one compiled kernel, as in the engine's layer
-                h, n = add_norm(h, d, norms[0])
-                a = tlin.decode_linear(n, w["qkv"], pdl=True)[:, :q_width]
-                h, n = add_norm(h, tlin.decode_linear(a, w["o"], pdl=True), norms[1])
+                h, n = self.add_norm(h, d, g0)
+                a = tlin.decode_linear(n, w["qkv"], pdl=True)[:, :qw]
+                h, n = self.add_norm(h, tlin.decode_linear(a, w["o"], pdl=True), g1)
                 d = tlin.decode_linear(tlin.decode_linear(n, w["gate_up"], swiglu=True, pdl=True), w["down"], pdl=True)
         return h if fused else h + d
 
-    out = {}
-    for kind in ("cublas", "triton", "triton_pdl"):
-        ms, _ = C.time_graph_ms([lambda k=kind: step(k)], iters=10)
-        out[kind] = ms
-    if best:  # the sweep's best launch parameters in place of the table's, side by side with the table's
-        table = dict(tlin.TUNED)
+    def time(self, fn: Callable[[], torch.Tensor], table: dict | None = None) -> float:
+        """ms of ``fn`` replayed in a CUDA graph, with ``table`` ({(N, K, swiglu): launch parameters}) in place of
+        the measured table's entries for that time."""
+        saved = dict(tlin.TUNED)
         try:
-            tlin.TUNED.update(best)
-            step("triton_pdl")  # compile outside the capture
-            out["triton_pdl_best"], _ = C.time_graph_ms([lambda: step("triton_pdl")], iters=10)
+            tlin.TUNED.update(table or {})
+            fn()  # compile outside the capture
+            ms, _ = C.time_graph_ms([fn], iters=10)
         finally:
             tlin.TUNED.clear()
-            tlin.TUNED.update(table)
-        out["triton_pdl_again"], _ = C.time_graph_ms([lambda: step("triton_pdl")], iters=10)
+            tlin.TUNED.update(saved)
+        return ms
+
+
+def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma_rounds: int = 0) -> dict:
+    """The :class:`Chain` of one decode step: ms per step by cuBLAS, the kernel, the kernel with PDL; ``best``
+    ({(N, K, swiglu): launch parameters}, a sweep's best): also the kernel with PDL at those parameters
+    (``triton_pdl_best``), then at the table's again (``triton_pdl_again``); ``tma_rounds``: that many rounds of the
+    kernel with PDL at the table's parameters by pointer loads and by TMA copies (lists of ms, alternating); then
+    the layers with their norms between the GEMMs (``triton_pdl_norms``) and inside them (``triton_pdl_fused``)."""
+    chain = Chain(shapes, m, layers)
+    out = {kind: chain.time(lambda k=kind: chain.step(k)) for kind in ("cublas", "triton", "triton_pdl")}
+    if best:  # the sweep's best launch parameters in place of the table's, side by side with the table's
+        out["triton_pdl_best"] = chain.time(lambda: chain.step("triton_pdl"), best)
+        out["triton_pdl_again"] = chain.time(lambda: chain.step("triton_pdl"))
     for _ in range(tma_rounds):  # the table's launch parameters with pointer loads, then TMA copies, alternating
         for tma in (False, True):
-            step("triton_pdl", tma)  # compile outside the capture
-            ms, _ = C.time_graph_ms([lambda t=tma: step("triton_pdl", t)], iters=10)
+            ms = chain.time(lambda t=tma: chain.step("triton_pdl", t))
             out.setdefault("triton_pdl_tma" if tma else "triton_pdl_pointers", []).append(ms)
-    for kind, fused in (("triton_pdl_norms", False), ("triton_pdl_fused", True)):
-        layers_with_norms(fused)  # compile outside the capture
-        ms, _ = C.time_graph_ms([lambda f=fused: layers_with_norms(f)], iters=10)
-        out[kind] = ms
+    out["triton_pdl_norms"] = chain.time(lambda: chain.with_norms(False))
+    out["triton_pdl_fused"] = chain.time(lambda: chain.with_norms(True))
     return out
+
+
+def tune_chain(shapes: dict, m: int, layers: int, ranked: dict, top: int = 4, passes: int = 2,
+               rounds: int = 3) -> dict:
+    """Launch parameters chosen inside the engine-like chain (:meth:`Chain.with_norms`, PDL) instead of one GEMM at a
+    time: per shape the :func:`chain_candidates` of its sweep (``ranked``: {(N, K, swiglu): ranked rows}), one
+    shape at a time, ``passes`` times over the shapes, keeping a change where the chain got faster; then the
+    table's and the chosen parameters alternate for ``rounds`` timings each (the A/B that decides)."""
+    chain = Chain(shapes, m, layers)
+    run = lambda: chain.with_norms(False)  # noqa: E731 - the timed callable
+    keys = [(n // 2 if swiglu else n, k, swiglu) for n, k, swiglu in shapes.values()]
+    table = {key: tlin.config_for(key[0], key[1], torch.device(C.DEVICE), swiglu=key[2]) for key in keys}
+    current, trials = dict(table), []
+    best_ms = chain.time(run, current)
+    for _ in range(passes):
+        for key in keys:
+            for cand in chain_candidates(table[key], ranked.get(key, []), key[2], top):
+                if cand == current[key]:
+                    continue
+                trial = {**current, key: cand}
+                try:
+                    ms = chain.time(run, trial)
+                except Exception as exc:  # noqa: BLE001 - a candidate that does not compile or fit: skip it
+                    trials.append({"shape": list(key), "config": cand, "error": f"{type(exc).__name__}: {exc}"[:160]})
+                    continue
+                trials.append({"shape": list(key), "config": cand, "ms": ms})
+                if ms < best_ms:
+                    best_ms, current = ms, trial
+    ab: dict[str, list[float]] = {"table_ms": [], "tuned_ms": []}
+    for _ in range(rounds):
+        ab["table_ms"].append(chain.time(run, table))
+        ab["tuned_ms"].append(chain.time(run, current))
+    changed = {str(key): cfg for key, cfg in current.items() if cfg != table[key]}
+    return {**ab, "changed": changed, "trials": trials}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -194,6 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--splits", default="1", help="K splits the sweep tries, comma-separated (1: no split-K)")
     ap.add_argument("--tma", default="0", help="tile loads the sweep tries: 0 pointers, 1 tensor descriptors (TMA)")
     ap.add_argument("--ab-tma", type=int, default=0, help="rounds of the chain with pointer loads vs TMA copies")
+    ap.add_argument("--tune-chain", type=int, default=0, metavar="ROUNDS",
+                    help="with --tune: choose the launch parameters inside the chain with norms, then ROUNDS A/B rounds")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="decode_linear.json")
@@ -203,16 +276,21 @@ def main(argv: list[str] | None = None) -> dict:
     splits, tmas = _ints("--splits", args.splits, 1, None), _ints("--tma", args.tma, 0, 1)
     shapes = dict(TINY if args.smoke else PRESETS[args.shapes])
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args), "rows": []}
-    best = {}
+    best, ranked = {}, {}
     for name, (n, k, swiglu) in shapes.items():
         result["rows"] += bench_shape(name, n, k, swiglu, args.m, args.tune, splits, tmas)
         tuned = [r for r in result["rows"] if r["shape"] == name and r["path"] == "triton-tuned" and "us" in r]
         if tuned:
             best[(n // 2 if swiglu else n, k, swiglu)] = tuned[-1]["config"]
+            ranked[(n // 2 if swiglu else n, k, swiglu)] = tuned[-1]["ranked"]
         C.write_json(args.out, result)
     C.print_table(result["rows"], ["shape", "path", "config", "us", "gbs", "rel_err", "error"])
     result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers, best, args.ab_tma)
     print("chain (ms per step):", result["chain_ms"])
+    if args.tune_chain and C.DEVICE == "cuda":
+        result["chain_tune"] = tune_chain(shapes, args.m, args.layers, ranked, rounds=args.tune_chain)
+        print("chain with norms, table vs chosen in the chain (ms):", {k: v for k, v in result["chain_tune"].items()
+                                                                     if k != "trials"})
     C.write_json(args.out, result)
     return result
 
