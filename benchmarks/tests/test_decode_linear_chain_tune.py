@@ -38,6 +38,7 @@ def test_the_tuner_runs_and_reports_its_ab_rounds(monkeypatch, tmp_path):
 
 def test_lean_tables_fit_two_programs_per_multiprocessor_and_are_restored_after_the_engine(monkeypatch, tmp_path):
     from benchmarks.gpu import bench_fp8_rollout as fp8
+
     from lumenrl_backends.engines import triton_linear as tlin
     from lumenrl_quant import gemm
 
