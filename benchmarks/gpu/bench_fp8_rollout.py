@@ -69,6 +69,7 @@ from pathlib import Path
 import torch
 
 import benchmarks.gpu._common as C  # noqa: E402
+from benchmarks.gpu.bench_decode_linear import TWO_PER_SM, smem_bytes  # noqa: E402
 from lumenrl_backends.engines import KernelOptions, NativeEngine  # noqa: E402
 from lumenrl_backends.engines import triton_linear as tlin  # noqa: E402
 from lumenrl_quant import gemm, get_quant_scheme  # noqa: E402
@@ -119,7 +120,6 @@ SCHEME_ALIASES = {"fp8": "fp8_block"}
 # +cublasod: the fused Qwen3-8B o (4096 x 4096) and down (4096 x 12288) shapes back on cuBLAS tensorwise + scale
 # epilogue (the path before lumenrl-quant gave them Triton rowwise launch parameters)
 CUBLAS_OD = ((4096, 4096), (4096, 12288))
-TWO_PER_SM = 113_000  # shared memory per program that leaves room for a second one (H100 / H200: 228 KB per SM)
 
 
 def lean_tables() -> tuple[dict, dict]:
@@ -133,8 +133,7 @@ def lean_tables() -> tuple[dict, dict]:
             stages -= 1
         return {**cfg, "num_stages": stages} if stages != cfg["num_stages"] else None
 
-    bf16 = {key: fit(cfg, (tlin.TILE_M + (2 if key[2] else 1) * cfg["block_n"]) * cfg["block_k"] * 2)
-            for key, cfg in tlin.TUNED.items()}
+    bf16 = {key: fit(cfg, smem_bytes({**cfg, "num_stages": 1}, key[2])) for key, cfg in tlin.TUNED.items()}
     fp8 = {key: fit(cfg, (cfg.get("block_m", 64) + cfg["block_n"]) * cfg["block_k"])
            for key, cfg in gemm.TRITON_ROWWISE_CONFIGS.items()}
     return {k: v for k, v in bf16.items() if v}, {k: v for k, v in fp8.items() if v}
