@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tma", default="0", choices=("0", "1", "0,1"), help="tile loads: pointers (0), TMA copies (1)")
     ap.add_argument("--no-w8a16", action="store_true", help="leave out the weight-only FP8 kernel")
     ap.add_argument("--space", choices=("default", "wide", "table"), default="default",
-                    help="--tune space of the rowwise kernel: default (tiles, split-K) or wide (longer K tiles, deeper "
-                         "pipelines, 4 or 8 warps)")
+                    help="--tune space of the rowwise kernel: default (tiles, split-K), wide (longer K tiles, deeper "
+                         "pipelines, 4 or 8 warps) or table (the default and the engine's configurations)")
     ap.add_argument("--iters", type=int, default=20, help="timed replays per path")
     ap.add_argument("--out", default="quant_decode_gemm", help="detail JSON name (under $LUMENRL_BENCH_OUT)")
     args = ap.parse_args(argv)
