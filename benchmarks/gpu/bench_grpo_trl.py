@@ -101,8 +101,9 @@ def run(smoke: bool) -> dict:
     workload = SMOKE_ARGS if smoke else []
     lumenrl = bench_grpo_step.run(smoke)
     lumenrl_s = lumenrl["step_s"]
-    # where LumenRL's step goes (phase medians, GPU idle per phase; CUDA: the rollout's decode-step profile), its spread
-    detail = {k: v for k, v in lumenrl.items() if k.startswith(("rollout_profile/", "phase/", "step_trace/"))}
+    # where LumenRL's step goes (phase medians, GPU idle per phase, the collector's pauses; CUDA: the rollout's
+    # decode-step profile), its spread
+    detail = {k: v for k, v in lumenrl.items() if k.startswith(("rollout_profile/", "phase/", "step_trace/", "gc/"))}
     detail.update(lumenrl_step_s_min=lumenrl["step_s_min"], lumenrl_step_s_max=lumenrl["step_s_max"])
     if smoke and importlib.util.find_spec("trl") is None:
         return {"lumenrl_step_s": lumenrl_s, "trl": "not installed", **detail}

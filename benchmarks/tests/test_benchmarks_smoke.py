@@ -235,3 +235,12 @@ def test_host_profile_ranks_a_steps_functions_by_own_time():
     rows = host_profile(Trainer(), 7, top=3)
     assert len(rows) == 3 and rows[0]["function"].endswith("(<built-in method time.sleep>)")
     assert rows[0]["calls"] == 3 and rows[0]["own_ms"] >= 25.0
+
+
+def test_grpo_entry_records_the_collectors_pauses():
+    """``grpo_step_vs_trl`` keeps LumenRL's garbage-collector pauses per timed step beside its phases (a host stall
+    no profiler range names), so the history says whether they are part of the step's idle time."""
+    from benchmarks.gpu import bench_grpo_trl
+
+    numbers = bench_grpo_trl.run(True)
+    assert numbers["gc/ms_per_step"] >= 0 and numbers["gc/max_ms"] >= 0 and "gc/full_per_step" in numbers
