@@ -13,9 +13,7 @@ several times the L2, every rotation inside one CUDA graph (as in a decode step)
   and by the kernel with PDL (``pdl=True``): what the launches cost between kernels; then the same
   chain with the layer's two residual adds and RMSNorms, as compiled kernels between the PDL GEMMs
   (``triton_pdl_norms``: the engine's default layer) and inside them (``triton_pdl_fused``:
-  ``KernelOptions.fused_norm``, norm in q/k/v and gate/up, residual in o and down), and with o and down handing
-  the next GEMM its norm's operand and sums of squares (``triton_pdl_pack``: ``decode_linear(norm_next=...)``),
-  alternating with the norm kernels (``--ab-pack`` rounds).
+  ``KernelOptions.fused_norm``, norm in q/k/v and gate/up, residual in o and down).
 
 GB/s counts weight bytes. Checked first: the kernel against cuBLAS (relative error <= 1e-2).
 
@@ -35,7 +33,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -177,18 +174,10 @@ class Chain:
                 h = tlin.decode_linear(h, w["down"], pdl=pdl, tma=tma)
         return h
 
-    def with_norms(self, fused: bool | str = False) -> torch.Tensor:
+    def with_norms(self, fused: bool = False) -> torch.Tensor:
         h, d, qw, g0, g1 = self.x, torch.zeros_like(self.x), self.q_width, *self.norms  # d: the last down output
-        pack, width = None, h.shape[1]
         for w in self.weights:
-            if fused == "pack":  # o and down hand the next GEMM its operand x * g and the sums of squares
-                a = tlin.decode_linear(h, w["qkv"], pdl=True, norm_weight=g0, norm_pack=pack)[:, :qw]
-                pack = tlin.decode_linear(a, w["o"], pdl=True, residual=h, norm_next=g1)
-                h = pack[:, :width]
-                g = tlin.decode_linear(h, w["gate_up"], swiglu=True, pdl=True, norm_weight=g1, norm_pack=pack)
-                pack = tlin.decode_linear(g, w["down"], pdl=True, residual=h, norm_next=g0)
-                h = pack[:, :width]
-            elif fused:
+            if fused:
                 a = tlin.decode_linear(h, w["qkv"], pdl=True, norm_weight=g0)[:, :qw]
                 h = tlin.decode_linear(a, w["o"], pdl=True, residual=h)
                 g = tlin.decode_linear(h, w["gate_up"], swiglu=True, pdl=True, norm_weight=g1)
@@ -198,7 +187,7 @@ class Chain:
                 a = tlin.decode_linear(n, w["qkv"], pdl=True)[:, :qw]
                 h, n = self.add_norm(h, tlin.decode_linear(a, w["o"], pdl=True), g1)
                 d = tlin.decode_linear(tlin.decode_linear(n, w["gate_up"], swiglu=True, pdl=True), w["down"], pdl=True)
-        return h.contiguous() if fused else h + d
+        return h if fused else h + d
 
     def time(self, fn: Callable[[], torch.Tensor], table: dict | None = None) -> float:
         """ms of ``fn`` replayed in a CUDA graph, with ``table`` ({(N, K, swiglu): launch parameters}) in place of
@@ -214,15 +203,12 @@ class Chain:
         return ms
 
 
-def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma_rounds: int = 0,
-                pack_rounds: int = 1) -> dict:
+def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma_rounds: int = 0) -> dict:
     """The :class:`Chain` of one decode step: ms per step by cuBLAS, the kernel, the kernel with PDL; ``best``
     ({(N, K, swiglu): launch parameters}, a sweep's best): also the kernel with PDL at those parameters
     (``triton_pdl_best``), then at the table's again (``triton_pdl_again``); ``tma_rounds``: that many rounds of the
     kernel with PDL at the table's parameters by pointer loads and by TMA copies (lists of ms, alternating); then
-    the layers with their norms between the GEMMs (``triton_pdl_norms``) and inside them (``triton_pdl_fused``);
-    ``pack_rounds``: that many rounds of the norms' operand and sums handed over by o and down
-    (``triton_pdl_pack``: ``decode_linear(norm_next=...)``), alternating with ``triton_pdl_norms_ab``."""
+    the layers with their norms between the GEMMs (``triton_pdl_norms``) and inside them (``triton_pdl_fused``)."""
     chain = Chain(shapes, m, layers)
     out = {kind: chain.time(lambda k=kind: chain.step(k)) for kind in ("cublas", "triton", "triton_pdl")}
     if best:  # the sweep's best launch parameters in place of the table's, side by side with the table's
@@ -234,9 +220,6 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
             out.setdefault("triton_pdl_tma" if tma else "triton_pdl_pointers", []).append(ms)
     out["triton_pdl_norms"] = chain.time(lambda: chain.with_norms(False))
     out["triton_pdl_fused"] = chain.time(lambda: chain.with_norms(True))
-    for _ in range(pack_rounds):  # the norms' operand and sums handed over by o and down, against norm kernels
-        out.setdefault("triton_pdl_pack", []).append(chain.time(lambda: chain.with_norms("pack")))
-        out.setdefault("triton_pdl_norms_ab", []).append(chain.time(lambda: chain.with_norms(False)))
     return out
 
 
@@ -284,7 +267,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ab-tma", type=int, default=0, help="rounds of the chain with pointer loads vs TMA copies")
     ap.add_argument("--tune-chain", type=int, default=0, metavar="ROUNDS",
                     help="with --tune: choose the launch parameters inside the chain with norms, then ROUNDS A/B rounds")
-    ap.add_argument("--ab-pack", type=int, default=1, help="rounds of the chain with norm kernels vs norm packs")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="decode_linear.json")
@@ -303,8 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
             ranked[(n // 2 if swiglu else n, k, swiglu)] = tuned[-1]["ranked"]
         C.write_json(args.out, result)
     C.print_table(result["rows"], ["shape", "path", "config", "us", "gbs", "rel_err", "error"])
-    result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers, best, args.ab_tma,
-                                     args.ab_pack)
+    result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers, best, args.ab_tma)
     print("chain (ms per step):", result["chain_ms"])
     if args.tune_chain and C.DEVICE == "cuda":
         result["chain_tune"] = tune_chain(shapes, args.m, args.layers, ranked, rounds=args.tune_chain)
@@ -324,11 +305,10 @@ def run(smoke: bool) -> dict:
         if "us" in row:
             out[f"{row['shape']}_{row['path']}_gbs"] = row["gbs"]
     chain = res["chain_ms"]
-    out.update({f"chain_{k}_ms": statistics.median(v) if isinstance(v, list) else v for k, v in chain.items()})
+    out.update({f"chain_{k}_ms": v for k, v in chain.items()})
     out["chain_triton_over_cublas"] = chain["cublas"] / chain["triton"]
     out["chain_triton_pdl_over_cublas"] = chain["cublas"] / chain["triton_pdl"]
     out["chain_fused_norm_over_norms"] = chain["triton_pdl_norms"] / chain["triton_pdl_fused"]
-    out["chain_pack_over_norms"] = out["chain_triton_pdl_norms_ab_ms"] / out["chain_triton_pdl_pack_ms"]
     return out
 
 

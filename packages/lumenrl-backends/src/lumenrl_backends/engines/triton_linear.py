@@ -52,7 +52,7 @@ import threading
 
 import torch
 
-__all__ = ["AUTO_MAX_M", "AUTO_MIN_M", "INTERPRETED", "MAX_M", "PDL_PREFETCH", "TILE_M", "TUNED", "TUNED_ROWS", "auto_rows", "config_for", "decode_linear", "inductor_pdl_options", "norm_parts", "pdl_supported", "reference_decode_linear", "rms_norm", "supported", "torch_linear", "tuned", "unpack_norm", "weight_reason"]
+__all__ = ["AUTO_MAX_M", "AUTO_MIN_M", "INTERPRETED", "MAX_M", "PDL_PREFETCH", "TILE_M", "TUNED", "TUNED_ROWS", "auto_rows", "config_for", "decode_linear", "inductor_pdl_options", "pdl_supported", "reference_decode_linear", "rms_norm", "supported", "torch_linear", "tuned", "weight_reason"]
 
 try:
     import triton
@@ -164,8 +164,7 @@ if triton is not None:
         stride_xm, stride_wn, stride_rm, stride_om, eps, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
         RESIDUAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
-        EMULATED: tl.constexpr, TMA: tl.constexpr, ss_ptr, stride_ssm, gn_ptr, so_ptr, stride_som,
-        SUMS: tl.constexpr, SUMS_P2: tl.constexpr, PACK: tl.constexpr,
+        EMULATED: tl.constexpr, TMA: tl.constexpr,
     ):
         # row tiles of one weight tile are neighbours in launch order: they run side by side and the second
         # finds the weight in L2 (one HBM read of the weight for up to MAX_M rows); then the K splits
@@ -183,12 +182,7 @@ if triton is not None:
         wait_then_release(PDL)  # the previous kernel's writes (x) are visible from here (triton_pdl)
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-        tl.static_assert(SPLIT == 1 or not (NORM or PACK), "the norm needs the row's whole sum of squares: no split-K")
-        if SUMS > 0:  # x is the operand x * g already: the row's sum of squares from the producer's partials,
-            # loaded now, added up after the loop (the load's latency hides behind the K loop)
-            offs_p = tl.arange(0, SUMS_P2)
-            ss_parts = tl.load(ss_ptr + offs_m[:, None] * stride_ssm + offs_p[None, :],
-                               mask=mmask[:, None] & (offs_p < SUMS)[None, :], other=0.0)
+        tl.static_assert(SPLIT == 1 or not NORM, "the norm needs the row's whole sum of squares: no split-K")
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SwiGLU's up half (unused otherwise)
         ss = tl.zeros((BLOCK_M,), dtype=tl.float32)  # the norm's sums of squares (unused otherwise)
@@ -202,7 +196,7 @@ if triton is not None:
                 x = x_desc.load([pid_m * BLOCK_M, kk])
             else:
                 x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
-            if NORM and SUMS == 0:
+            if NORM:
                 xf = x.to(tl.float32)
                 ss += tl.sum(xf * xf, axis=1)
                 x = _round(xf * tl.load(g_ptrs).to(tl.float32)[None, :], x_ptr.dtype.element_ty, EMULATED)
@@ -222,19 +216,15 @@ if triton is not None:
                 u_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        if SUMS > 0:
-            ss = tl.sum(ss_parts, axis=1)
         if SPLIT > 1:  # every split leaves its float32 sums; the last to arrive adds them in split order
             acc, acc_u, last = _split_reduce(acc, acc_u, part_ptr, count_ptr,
                                              pid_n * M_TILES + pid_m, pid_s, SPLIT, BLOCK_M, BLOCK_N, SWIGLU)
             if last:
                 _epilogue(acc, acc_u, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mmask, HALF,
-                          stride_rm, stride_om, eps, K, HAS_BIAS, SWIGLU, NORM, RESIDUAL, EMULATED, pid_n, gn_ptr,
-                          so_ptr, stride_som, PACK)
+                          stride_rm, stride_om, eps, K, HAS_BIAS, SWIGLU, NORM, RESIDUAL, EMULATED)
         else:
             _epilogue(acc, acc_u, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mmask, HALF,
-                      stride_rm, stride_om, eps, K, HAS_BIAS, SWIGLU, NORM, RESIDUAL, EMULATED, pid_n, gn_ptr, so_ptr,
-                      stride_som, PACK)
+                      stride_rm, stride_om, eps, K, HAS_BIAS, SWIGLU, NORM, RESIDUAL, EMULATED)
 
     @triton.jit
     def _split_reduce(acc, acc_u, part_ptr, count_ptr, tile, pid_s, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -266,8 +256,7 @@ if triton is not None:
     @triton.jit
     def _epilogue(acc, acc_u, ss, b_ptr, r_ptr, out_ptr, offs_m, offs_n, mmask, HALF, stride_rm, stride_om, eps,
                   K: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
-                  RESIDUAL: tl.constexpr, EMULATED: tl.constexpr, pid_n, gn_ptr, so_ptr, stride_som,
-                  PACK: tl.constexpr):
+                  RESIDUAL: tl.constexpr, EMULATED: tl.constexpr):
         dt = out_ptr.dtype.element_ty
         if NORM:  # (x * rstd * g) @ w.T = rstd * ((x * g) @ w.T): the row's scale after the sum
             rstd = tl.math.rsqrt(ss / K + eps)[:, None]
@@ -286,13 +275,7 @@ if triton is not None:
             res = tl.load(r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mmask[:, None], other=0.0)
             acc = _round(acc, dt, EMULATED).to(tl.float32) + res.to(tl.float32)
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        out = _round(acc, dt, EMULATED)
-        tl.store(out_ptrs, out, mask=mmask[:, None])
-        if PACK:  # for the next norm: its operand out * g (columns N..2N) and this tile's row sums of squares
-            of = out.to(tl.float32)
-            g = tl.load(gn_ptr + offs_n).to(tl.float32)
-            tl.store(out_ptrs + HALF, _round(of * g[None, :], dt, EMULATED), mask=mmask[:, None])
-            tl.store(so_ptr + offs_m * stride_som + pid_n, tl.sum(of * of, axis=1), mask=mmask)
+        tl.store(out_ptrs, _round(acc, dt, EMULATED), mask=mmask[:, None])
 
 
 def reference_decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -377,25 +360,14 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
             prefetch: int, config: dict[str, int] | None = None, norm_weight: torch.Tensor | None = None,
-            eps: float = 0.0, residual: torch.Tensor | None = None, tma: bool | None = None,
-            norm_pack: torch.Tensor | None = None, norm_next: torch.Tensor | None = None) -> torch.Tensor:
+            eps: float = 0.0, residual: torch.Tensor | None = None, tma: bool | None = None) -> torch.Tensor:
     """One launch (no checks: :func:`supported` first); ``config`` overrides :func:`config_for` (the
     benchmark's sweep; its ``"tma"`` key: tiles copied by TMA); ``tma`` (not None) overrides the configuration's
-    ``"tma"``; ``norm_pack`` / ``norm_next``: see :func:`decode_linear` (the pack's partial count is this launch's
-    weight tiles)."""
+    ``"tma"``."""
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     cfg = config or config_for(n, k, x.device, swiglu=swiglu)
-    sums = None
-    if norm_pack is not None:  # the operand x * g and the row's partial sums of squares, from the GEMM before
-        _, x, sums = unpack_norm(norm_pack, k)
-    if norm_next is not None:  # the pack: out, out * g, the tiles' sums of squares
-        parts = n // cfg["block_n"]
-        pack = torch.empty((m, 2 * n + 2 * parts), dtype=x.dtype, device=x.device)
-        out, _, sums_out = unpack_norm(pack, n)
-    else:
-        pack = sums_out = None
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     pdl, extra = launch_options(pdl, x.device)
     line = 128 // weight.element_size()
     prefetch = min(prefetch, k) // line * line if pdl else 0
@@ -403,7 +375,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
     block_m = max(16, triton.next_power_of_2(min(m, TILE_M)))
     m_tiles = triton.cdiv(m, block_m)
     tiles = n // cfg["block_n"] * m_tiles
-    split = 1 if norm_weight is not None or pack is not None else cfg.get("split", 1)  # norms need whole rows
+    split = 1 if norm_weight is not None else cfg.get("split", 1)  # the norm needs whole rows: no split
     if split > 1:  # the splits' float32 partial sums (stay in L2) and the per-tile arrival counters
         parts = torch.empty(tiles * split * (2 if swiglu else 1) * block_m * cfg["block_n"], dtype=torch.float32,
                             device=x.device)
@@ -421,32 +393,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT=split, HAS_BIAS=bias is not None,
         SWIGLU=swiglu, NORM=norm_weight is not None, RESIDUAL=residual is not None, PDL=pdl,
         PREFETCH=prefetch if prefetch <= k else 0, LINE=line, EMULATED=INTERPRETED, TMA=w_desc is not None,
-        ss_ptr=sums if sums is not None else out, stride_ssm=sums.stride(0) if sums is not None else 0,
-        gn_ptr=norm_next if norm_next is not None else out, so_ptr=sums_out if sums_out is not None else out,
-        stride_som=sums_out.stride(0) if sums_out is not None else 0, SUMS=0 if sums is None else sums.shape[1],
-        SUMS_P2=1 if sums is None else triton.next_power_of_2(sums.shape[1]), PACK=pack is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra,
     )
-    return out if pack is None else pack
-
-
-def norm_parts(n: int, k: int, device: torch.device) -> int:
-    """How many partial sums of squares per row a ``norm_next`` launch of an (N, K) weight writes: its weight tiles."""
-    return n // config_for(n, k, device)["block_n"]
-
-
-def unpack_norm(pack: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views of a norm pack (M, 2N + 2P) (:func:`decode_linear`'s ``norm_next``): the output (M, N), the next
-    norm's operand ``output * g`` rounded (M, N), and the float32 partial row sums of squares of the output (M, P)."""
-    return pack[:, :n], pack[:, n : 2 * n], pack[:, 2 * n :].view(torch.float32)
-
-
-def _pack_torch(out: torch.Tensor, norm_next: torch.Tensor, parts: int) -> torch.Tensor:
-    """The norm pack of ``out`` in torch (the op's path off the kernel): the same layout and roundings."""
-    m, n = out.shape
-    of = out.float()
-    sums = of.pow(2).reshape(m, parts, n // parts).sum(-1)
-    return torch.cat([out, (of * norm_next.float()).to(out.dtype), sums.view(out.dtype)], dim=-1)
+    return out
 
 
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -467,24 +416,18 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _op_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
              prefetch: int, min_m: int, max_m: int = MAX_M, norm_weight: torch.Tensor | None = None,
-             eps: float = 0.0, residual: torch.Tensor | None = None, tma: bool = False,
-             norm_pack: torch.Tensor | None = None, norm_next: torch.Tensor | None = None) -> torch.Tensor:
+             eps: float = 0.0, residual: torch.Tensor | None = None, tma: bool = False) -> torch.Tensor:
     # the row-count choice is made here, outside the traced graph: no guard on the batch, no recompile
     if min_m <= x.shape[0] <= max_m and supported(x, weight, bias, swiglu, norm_weight, residual) is None:
         return _launch(x, weight, bias, swiglu, pdl, prefetch, norm_weight=norm_weight, eps=eps, residual=residual,
-                       tma=tma, norm_pack=norm_pack if norm_weight is not None else None, norm_next=norm_next)
-    out = torch_linear(x, weight, bias, swiglu, norm_weight, eps, residual)  # the norm from x itself: no pack read
-    return out if norm_next is None else _pack_torch(out, norm_next, norm_parts(out.shape[1], x.shape[1], x.device))
+                       tma=tma)
+    return torch_linear(x, weight, bias, swiglu, norm_weight, eps, residual)
 
 
 def _op_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool, pdl: bool,
              prefetch: int, min_m: int, max_m: int = MAX_M, norm_weight: torch.Tensor | None = None,
-             eps: float = 0.0, residual: torch.Tensor | None = None, tma: bool = False,
-             norm_pack: torch.Tensor | None = None, norm_next: torch.Tensor | None = None) -> torch.Tensor:
-    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    if norm_next is not None:
-        n = 2 * n + 2 * norm_parts(n, x.shape[1], weight.device)
-    return x.new_empty((x.shape[0], n))
+             eps: float = 0.0, residual: torch.Tensor | None = None, tma: bool = False) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0]))
 
 
 def _register():  # noqa: ANN202 - a torch.library CustomOpDef
@@ -503,8 +446,7 @@ _OP = _register()
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, swiglu: bool = False,
                   pdl: bool = False, prefetch: int = PDL_PREFETCH, min_m: int = 1, max_m: int = MAX_M,
                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                  residual: torch.Tensor | None = None, tma: bool = False, norm_pack: torch.Tensor | None = None,
-                  norm_next: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, tma: bool = False) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x`` (M, K); with ``swiglu``, ``weight`` = ``cat([gate, up])`` (2I, K)
     and the result is ``silu(gate) * up`` (M, I). The kernel runs for ``min_m`` <= M <= ``max_m`` (at most
     :data:`MAX_M`: rows beyond one :data:`TILE_M` tile take a second program per weight tile) on
@@ -518,16 +460,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     sum at the end (:func:`reference_decode_linear`), so no separate norm kernel runs. ``residual`` (M, N): the
     result is ``residual + (x @ weight.T)`` (the layer's residual add after o or down), rounded as the unfused
     add is. ``tma``: the kernel copies its tiles with the tensor memory accelerator where :func:`tma_reason`
-    allows (sm90+; the same bits as pointer loads).
-
-    The norm without reading x twice: ``norm_next`` (N,), the next RMSNorm's weight, makes the result a *norm
-    pack* (M, 2N + 2P) of x's dtype (:func:`unpack_norm`): the output (columns 0..N), ``output * norm_next``
-    rounded (N..2N: the next GEMM's operand) and each weight tile's float32 row sums of squares of the output
-    (past 2N: P partials, :func:`norm_parts`), all written by this GEMM's epilogue. The next GEMM takes
-    ``norm_weight`` with ``norm_pack`` (x being the pack's first K columns): it streams the operand as it is
-    (no rescaling of x tiles, which takes the loads off the software pipeline) and gets each row's sum of
-    squares by adding the P partials in order, so no norm kernel runs between the two GEMMs. The numerics are
-    ``norm_weight``'s (:func:`reference_decode_linear`); off the kernel the op norms x itself."""
+    allows (sm90+; the same bits as pointer loads)."""
     if swiglu and weight.shape[0] % 2:
         raise ValueError(f"swiglu=True needs weight = cat([gate, up]) with an even row count; got {tuple(weight.shape)}")
     if prefetch < 0:
@@ -543,17 +476,4 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out_shape = (x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0])
     if residual is not None and tuple(residual.shape) != out_shape:
         raise ValueError(f"residual shape {tuple(residual.shape)}; allowed: {out_shape}, the output's shape")
-    if norm_pack is not None:
-        k = weight.shape[-1]
-        if norm_weight is None:
-            raise ValueError("norm_pack needs norm_weight (the norm whose operand and sums the pack holds)")
-        if (norm_pack.dim() != 2 or norm_pack.shape[0] != x.shape[0] or norm_pack.shape[1] <= 2 * k
-                or (norm_pack.shape[1] - 2 * k) % 2 or norm_pack.dtype != x.dtype):
-            raise ValueError(f"norm_pack {tuple(norm_pack.shape)} {norm_pack.dtype}; allowed: (M, 2K + 2P) with "
-                             f"M={x.shape[0]}, K={k}, P >= 1, x's dtype {x.dtype} (a norm_next result)")
-    if norm_next is not None and swiglu:
-        raise ValueError("norm_next with swiglu=True; allowed: norm_next on a plain GEMM (o, down: before a norm)")
-    if norm_next is not None and tuple(norm_next.shape) != (out_shape[1],):
-        raise ValueError(f"norm_next shape {tuple(norm_next.shape)}; allowed: ({out_shape[1]},), the output's features")
-    return _OP(x, weight, bias, swiglu, pdl, prefetch, min_m, max_m, norm_weight, float(eps), residual, bool(tma),
-               norm_pack, norm_next)
+    return _OP(x, weight, bias, swiglu, pdl, prefetch, min_m, max_m, norm_weight, float(eps), residual, bool(tma))
