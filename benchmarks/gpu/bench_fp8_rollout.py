@@ -30,8 +30,7 @@ projections on cuBLAS tensorwise + the scale epilogue (the path before they join
 ``+ropeattn`` runs the q/k norms, RoPE and K/V write inside the attention kernel
 (``KernelOptions(rope_in_attention=True)``), ``+fusednorm`` the norms inside the decode GEMMs (bf16 layers only:
 ``bf16+fusednorm``), ``+tma`` copies the decode GEMMs' tiles with the tensor memory accelerator
-(``KernelOptions(tma=True)``; any base), ``+lean`` runs the decode GEMMs with fewer pipeline stages where that leaves
-room for two programs per multiprocessor (:func:`lean_tables`; any base). ``--persistent-rnumel N`` lets inductor
+(``KernelOptions(tma=True)``; any base). ``--persistent-rnumel N`` lets inductor
 hold reductions of up to N columns in registers (persistent) instead of looping (its default limit is
 1024; the FP8 engine's RMSNorm + quantize kernels reduce 4096). ``--attn-fp8-config`` overrides the FP8-cache attention launch
 configuration, ``--mlp-config`` the fused MLP's (a ``bench_fused_mlp.py --tune`` JSON).
@@ -69,9 +68,7 @@ from pathlib import Path
 import torch
 
 import benchmarks.gpu._common as C  # noqa: E402
-from benchmarks.gpu.bench_decode_linear import TWO_PER_SM, smem_bytes  # noqa: E402
 from lumenrl_backends.engines import KernelOptions, NativeEngine  # noqa: E402
-from lumenrl_backends.engines import triton_linear as tlin  # noqa: E402
 from lumenrl_quant import gemm, get_quant_scheme  # noqa: E402
 
 TIS_CAP = 2.0
@@ -122,23 +119,6 @@ SCHEME_ALIASES = {"fp8": "fp8_block"}
 CUBLAS_OD = ((4096, 4096), (4096, 12288))
 
 
-def lean_tables() -> tuple[dict, dict]:
-    """``+lean``: the measured launch parameters of the 16-bit decode kernel (``triton_linear.TUNED``) and of the FP8
-    rowwise kernel (``gemm.TRITON_ROWWISE_CONFIGS``) with as many pipeline stages as leave room for a second program
-    per multiprocessor (at least 2), so that under PDL the next kernel's programs can start and prefetch next to
-    the running ones; entries that already fit are left out."""
-    def fit(cfg: dict, stage_bytes: int) -> dict | None:
-        stages = cfg["num_stages"]
-        while stages > 2 and stages * stage_bytes > TWO_PER_SM:
-            stages -= 1
-        return {**cfg, "num_stages": stages} if stages != cfg["num_stages"] else None
-
-    bf16 = {key: fit(cfg, smem_bytes({**cfg, "num_stages": 1}, key[2])) for key, cfg in tlin.TUNED.items()}
-    fp8 = {key: fit(cfg, (cfg.get("block_m", 64) + cfg["block_n"]) * cfg["block_k"])
-           for key, cfg in gemm.TRITON_ROWWISE_CONFIGS.items()}
-    return {k: v for k, v in bf16.items() if v}, {k: v for k, v in fp8.items() if v}
-
-
 def prefetch_bytes(flags: frozenset[str], prefix: str = "pf") -> int | None:
     """``+pf4096`` -> ``KernelOptions.pdl_prefetch`` 4096 (bytes of each weight row a PDL GEMM prefetches); None
     without the suffix (each kernel's default). ``prefix="pfs"``: ``+pfs8192`` -> ``pdl_prefetch_second`` (o and down)."""
@@ -150,11 +130,11 @@ def variant(name: str) -> tuple[str, frozenset[str]]:
     (the output head quantized too, ``quantize_lm_head``)."""
     base, *flags = name.split("+")
     unknown = {f for f in flags if not (f.startswith(("pf", "pfs")) and f.lstrip("pfs").isdigit())} - {"kv", "head", "fusedmlp", "tokmlp", "inductmlp", "tokattn", "tokln", "qkrope", "unfusedrope",
-                            "vrows", "vtiles", "nopdl", "cublasod", "ropeattn", "fusednorm", "tma", "lean"}
+                            "vrows", "vtiles", "nopdl", "cublasod", "ropeattn", "fusednorm", "tma"}
     if unknown:
         raise SystemExit(f"--engines {name!r}: unknown suffix(es) {sorted(unknown)}; allowed: +kv, +head, +fusedmlp, "
                          "+tokmlp, +inductmlp, +tokattn, +tokln, +qkrope, +unfusedrope, +vrows, +vtiles, +nopdl, +cublasod, +ropeattn, "
-                         "+fusednorm, +tma, +lean, +pf<bytes>, +pfs<bytes>")
+                         "+fusednorm, +tma, +pf<bytes>, +pfs<bytes>")
     if len({"fusedmlp", "tokmlp", "inductmlp"} & set(flags)) > 1:
         raise SystemExit(f"--engines {name!r}: +fusedmlp, +tokmlp and +inductmlp exclude each other")
     if {"qkrope", "unfusedrope"} <= set(flags):
@@ -235,7 +215,7 @@ def check_linear(model) -> dict:
 def measure(name: str, mode: str, train_model, batch, params: dict, args, with_kl: bool) -> dict:
     row = {"engine": name, "mode": mode}
     scheme = scheme_of(name)
-    engine, removed, saved = None, {}, None
+    engine, removed = None, {}
     try:
         # every engine gets its own copy: the trainer model stays untouched (engines attach fusion state
         # to the model they run, which deepcopy cannot copy), and all variants start from identical weights
@@ -248,12 +228,6 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         # built, and the parameters are read at each call): removed while this engine runs, restored after it
         removed = {shape: gemm.TRITON_ROWWISE_CONFIGS.pop(shape) for shape in CUBLAS_OD
                    if shape in gemm.TRITON_ROWWISE_CONFIGS} if "cublasod" in flags else {}
-        if "lean" in flags:  # +lean: the lean launch parameters while this engine runs (read at each launch)
-            saved = (dict(tlin.TUNED), dict(gemm.TRITON_ROWWISE_CONFIGS))
-            lean16, lean8 = lean_tables()
-            tlin.TUNED.update(lean16)
-            gemm.TRITON_ROWWISE_CONFIGS.update(lean8)
-            row["lean"] = {"bf16": {str(k): v for k, v in lean16.items()}, "fp8": {str(k): v for k, v in lean8.items()}}
         engine = NativeEngine(model, C.StubTokenizer(), device=C.DEVICE, max_batch_size=args.batch,
                               max_seq_len=args.prompt + args.new, compile="full" if mode == "full" else "none",
                               quant_scheme=quant, kv_cache_dtype="fp8" if "kv" in flags else "auto",
@@ -304,10 +278,6 @@ def measure(name: str, mode: str, train_model, batch, params: dict, args, with_k
         print(f"ERROR {name}/{mode}: {row['error']}", flush=True)
     finally:
         gemm.TRITON_ROWWISE_CONFIGS.update(removed)  # +cublasod: back for the next engine
-        if saved is not None:  # +lean: the measured tables back for the next engine
-            for table, kept in zip((tlin.TUNED, gemm.TRITON_ROWWISE_CONFIGS), saved, strict=True):
-                table.clear()
-                table.update(kept)
     engine = None  # free the engine (and its model copy) before the next variant
     return row
 

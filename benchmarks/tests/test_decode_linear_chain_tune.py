@@ -34,26 +34,3 @@ def test_the_tuner_runs_and_reports_its_ab_rounds(monkeypatch, tmp_path):
     assert len(out["table_ms"]) == len(out["tuned_ms"]) == 2 and all(ms > 0 for ms in out["table_ms"])
     assert any(t["shape"] == list(key) for t in out["trials"])  # the ranked candidate was timed in the chain
     assert set(out["changed"]) <= {str(key)}
-
-
-def test_lean_tables_fit_two_programs_per_multiprocessor_and_are_restored_after_the_engine(monkeypatch, tmp_path):
-    from benchmarks.gpu import bench_fp8_rollout as fp8
-
-    from lumenrl_backends.engines import triton_linear as tlin
-    from lumenrl_quant import gemm
-
-    lean16, lean8 = fp8.lean_tables()
-    assert lean16 and lean8  # the 8B tables hold deeper pipelines than two programs per multiprocessor allow
-    for key, cfg in lean16.items():
-        assert cfg["num_stages"] < tlin.TUNED[key]["num_stages"]
-        assert bench.smem_bytes(cfg, key[2]) <= fp8.TWO_PER_SM or cfg["num_stages"] == 2
-    for key, cfg in lean8.items():
-        assert cfg["num_stages"] < gemm.TRITON_ROWWISE_CONFIGS[key]["num_stages"]
-        assert cfg["num_stages"] * (cfg["block_m"] + cfg["block_n"]) * cfg["block_k"] <= fp8.TWO_PER_SM
-    monkeypatch.setenv("LUMENRL_BENCH_OUT", str(tmp_path))  # detail JSON into the test's folder
-    before = (dict(tlin.TUNED), dict(gemm.TRITON_ROWWISE_CONFIGS))
-    rows = fp8.main(["--model", "tiny", "--batch", "2", "--prompt", "8", "--new", "6", "--engines", "bf16,bf16+lean",
-                     "--modes", "graph", "--no-exact-kl", "--out", "fp8_rollout_lean_test.json"])["rows"]
-    lean = next(r for r in rows if r["engine"] == "bf16+lean")
-    assert "error" not in lean and lean["lean"]["bf16"] and "decode_tok_s" in lean
-    assert (dict(tlin.TUNED), dict(gemm.TRITON_ROWWISE_CONFIGS)) == before
