@@ -140,9 +140,16 @@ def chain_candidates(table: dict[str, int], ranked: list[dict], swiglu: bool, to
         while smem_bytes(lean, swiglu) > TWO_PER_SM and lean["num_stages"] > 2:
             lean["num_stages"] -= 1
         for c in (cfg, lean):
-            if c not in out and (c is cfg or smem_bytes(c, swiglu) <= TWO_PER_SM):
+            if not any(same_config(c, o) for o in out) and (c is cfg or smem_bytes(c, swiglu) <= TWO_PER_SM):
                 out.append(c)
     return out
+
+
+def same_config(a: dict[str, int], b: dict[str, int]) -> bool:
+    """Whether two launch configurations are the same launch: the table's leave ``split`` (1) and ``tma`` (0) out,
+    the sweep's name ``split`` always."""
+    defaults = {"split": 1, "tma": 0}
+    return {**defaults, **a} == {**defaults, **b}
 
 
 class Chain:
@@ -238,7 +245,7 @@ def tune_chain(shapes: dict, m: int, layers: int, ranked: dict, top: int = 4, pa
     for _ in range(passes):
         for key in keys:
             for cand in chain_candidates(table[key], ranked.get(key, []), key[2], top):
-                if cand == current[key]:
+                if same_config(cand, current[key]):
                     continue
                 trial = {**current, key: cand}
                 try:
@@ -253,7 +260,7 @@ def tune_chain(shapes: dict, m: int, layers: int, ranked: dict, top: int = 4, pa
     for _ in range(rounds):
         ab["table_ms"].append(chain.time(run, table))
         ab["tuned_ms"].append(chain.time(run, current))
-    changed = {str(key): cfg for key, cfg in current.items() if cfg != table[key]}
+    changed = {str(key): cfg for key, cfg in current.items() if not same_config(cfg, table[key])}
     return {**ab, "changed": changed, "trials": trials}
 
 
