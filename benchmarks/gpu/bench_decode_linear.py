@@ -21,6 +21,7 @@ GB/s counts weight bytes. Checked first: the kernel against cuBLAS (relative err
     python benchmarks/gpu/bench_decode_linear.py --tune --splits 1,2,4   # also split-K (the chain A/Bs the best)
     python benchmarks/gpu/bench_decode_linear.py --tune --tma 0,1        # also tiles copied by TMA descriptors
     python benchmarks/gpu/bench_decode_linear.py --tune --tune-chain 3   # parameters chosen inside the chain
+    python benchmarks/gpu/bench_decode_linear.py --persistent 3          # the chain as one persistent launch
 
 ``--shapes 0.6b --m 128``: Qwen3-0.6B's shapes at the GRPO benchmark's rollout batch (two 64-row tiles
 per weight tile; ``--layers 28``).
@@ -196,6 +197,22 @@ class Chain:
                 d = tlin.decode_linear(tlin.decode_linear(n, w["gate_up"], swiglu=True, pdl=True), w["down"], pdl=True)
         return h if fused else h + d
 
+    def persistent(self, prefetch: int = tlin.PDL_PREFETCH) -> dict:
+        """The chain of :meth:`step` as one persistent launch (:mod:`benchmarks.gpu.persistent_chain`): ms per step,
+        checked first against the per-GEMM chain (``equal``: the same bits; else the relative error)."""
+        from benchmarks.gpu.persistent_chain import PersistentChain
+
+        chain = PersistentChain(self.weights, self.q_width, prefetch=prefetch)
+        ref, out = self.step("triton"), chain(self.x)
+        # bits compared as integers: 36 layers of random weights without norms may overflow to inf / NaN, alike
+        equal = torch.equal(out.view(torch.int16), ref.view(torch.int16))
+        finite = ref.isfinite()
+        err = 0.0 if equal else float((out.float() - ref.float())[finite].norm() / ref.float()[finite].norm())
+        if not equal and not (err <= 1e-2 and torch.equal(out.isfinite(), finite)):
+            raise AssertionError(f"persistent chain: relative error {err:.3g} against the per-GEMM chain")
+        return {"ms": self.time(lambda: chain(self.x)), "equal": equal, "rel_err": err, "programs": chain.programs,
+                "prefetch": prefetch}
+
     def time(self, fn: Callable[[], torch.Tensor], table: dict | None = None) -> float:
         """ms of ``fn`` replayed in a CUDA graph, with ``table`` ({(N, K, swiglu): launch parameters}) in place of
         the measured table's entries for that time."""
@@ -210,12 +227,15 @@ class Chain:
         return ms
 
 
-def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma_rounds: int = 0) -> dict:
+def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma_rounds: int = 0,
+                persistent_rounds: int = 0) -> dict:
     """The :class:`Chain` of one decode step: ms per step by cuBLAS, the kernel, the kernel with PDL; ``best``
     ({(N, K, swiglu): launch parameters}, a sweep's best): also the kernel with PDL at those parameters
     (``triton_pdl_best``), then at the table's again (``triton_pdl_again``); ``tma_rounds``: that many rounds of the
     kernel with PDL at the table's parameters by pointer loads and by TMA copies (lists of ms, alternating); then
-    the layers with their norms between the GEMMs (``triton_pdl_norms``) and inside them (``triton_pdl_fused``)."""
+    the layers with their norms between the GEMMs (``triton_pdl_norms``) and inside them (``triton_pdl_fused``);
+    ``persistent_rounds``: that many rounds of the chain as one persistent launch (``persistent_pf<bytes>``: with
+    and without the next GEMM's L2 prefetch before each grid barrier) and of the PDL chain (``triton_pdl_ab``)."""
     chain = Chain(shapes, m, layers)
     out = {kind: chain.time(lambda k=kind: chain.step(k)) for kind in ("cublas", "triton", "triton_pdl")}
     if best:  # the sweep's best launch parameters in place of the table's, side by side with the table's
@@ -227,6 +247,12 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
             out.setdefault("triton_pdl_tma" if tma else "triton_pdl_pointers", []).append(ms)
     out["triton_pdl_norms"] = chain.time(lambda: chain.with_norms(False))
     out["triton_pdl_fused"] = chain.time(lambda: chain.with_norms(True))
+    for _ in range(persistent_rounds):  # the chain as one persistent launch, against the PDL chain, alternating
+        for prefetch in (tlin.PDL_PREFETCH, 0):
+            row = chain.persistent(prefetch)
+            out.setdefault(f"persistent_pf{prefetch}", []).append(row["ms"])
+            out.setdefault("persistent_equal", []).append(row["equal"])
+        out.setdefault("triton_pdl_ab", []).append(chain.time(lambda: chain.step("triton_pdl")))
     return out
 
 
@@ -274,6 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ab-tma", type=int, default=0, help="rounds of the chain with pointer loads vs TMA copies")
     ap.add_argument("--tune-chain", type=int, default=0, metavar="ROUNDS",
                     help="with --tune: choose the launch parameters inside the chain with norms, then ROUNDS A/B rounds")
+    ap.add_argument("--persistent", type=int, default=0, metavar="ROUNDS",
+                    help="rounds of the chain as one persistent launch (persistent_chain.py) vs the PDL chain")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="decode_linear.json")
@@ -292,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict:
             ranked[(n // 2 if swiglu else n, k, swiglu)] = tuned[-1]["ranked"]
         C.write_json(args.out, result)
     C.print_table(result["rows"], ["shape", "path", "config", "us", "gbs", "rel_err", "error"])
-    result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers, best, args.ab_tma)
+    result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers, best, args.ab_tma,
+                                     args.persistent)
     print("chain (ms per step):", result["chain_ms"])
     if args.tune_chain and C.DEVICE == "cuda":
         result["chain_tune"] = tune_chain(shapes, args.m, args.layers, ranked, rounds=args.tune_chain)

@@ -1,0 +1,227 @@
+"""A measurement prototype for the persistent layer kernel (decision 0023, "What is left for 85%"): the decode
+step's GEMM chain (q/k/v -> o -> gate/up + SwiGLU -> down over every layer, as ``bench_decode_linear``'s
+:class:`Chain`) as ONE kernel launch.
+
+One program per multiprocessor walks the chain. In each GEMM it takes the weight tiles ``pid, pid + P, ...``
+(the decode kernel's launch parameters per shape: ``triton_linear.config_for``), then all programs meet at a
+grid-wide barrier (an arrival counter: a CTA barrier, a release add, acquire polls) before the next GEMM reads
+what this one wrote. Before it waits, each program prefetches to L2 the head of its first weight tile of the
+next GEMM: the weights do not depend on the activations, so the next GEMM's fill overlaps this one's tail, which
+is what the kernel boundaries of the PDL chain cost. The question it answers: how much of the gap between the
+PDL chain and the copy bandwidth a persistent kernel closes, before anyone builds attention, RoPE and the norms
+into one.
+
+Not an engine path: the grid barrier needs every program resident at once (one per multiprocessor, nothing else
+on the GPU), activations are read through L2 (``.cg``: other multiprocessors wrote them), and the counter is
+zeroed before each launch. Same tiles and the same K order as the decode kernel, so the output equals the
+per-GEMM chain's (checked before timing). In Triton's CPU interpreter it runs as one program (the barrier passes
+at once), which the CPU test uses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lumenrl_backends.engines import triton_linear as tlin
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU environments without Triton
+    triton = None
+
+ROWS = 64  # one row tile: the decode batch
+
+if triton is not None:
+    from lumenrl_backends.engines.triton_linear import _operand, _prefetch_rows
+    from lumenrl_backends.engines.triton_rope import _round
+
+    @triton.jit
+    def _grid_sync(counter, target, EMULATED: tl.constexpr):
+        """Every program's writes so far visible to every program after it (a grid-wide barrier; the interpreter's
+        single program passes)."""
+        if EMULATED:
+            return
+        tl.debug_barrier()
+        tl.atomic_add(counter, 1, sem="release", scope="gpu")
+        # poll with plain L2 loads (an atomic per poll from every program serializes at the counter's L2 slice,
+        # in front of the arrivals), then one acquire for the ordering
+        while tl.load(counter, volatile=True) < target:
+            pass
+        tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+
+    @triton.jit
+    def _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, N: tl.constexpr, K: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SWIGLU: tl.constexpr,
+              EMULATED: tl.constexpr, X_CG: tl.constexpr):
+        """One weight tile of out = x @ w.T (SWIGLU: w = cat([gate, up]) of 2N rows, out = silu(gate) * up, rounded
+        as the decode kernel's epilogue)."""
+        offs_m = tl.arange(0, 64)
+        mmask = offs_m < M
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        x_ptrs = x_ptr + offs_m[:, None] * stride_x + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+        acc = tl.zeros((64, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((64, BLOCK_N), dtype=tl.float32)
+        for _ in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            if X_CG:
+                x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0, cache_modifier=".cg")
+            else:
+                x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
+            x = _operand(x, EMULATED)
+            acc = tl.dot(x, tl.trans(_operand(tl.load(w_ptrs), EMULATED)), acc)
+            if SWIGLU:
+                acc_u = tl.dot(x, tl.trans(_operand(tl.load(w_ptrs + N * K), EMULATED)), acc_u)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        dt = out_ptr.dtype.element_ty
+        if SWIGLU:
+            gate = _round(acc, dt, EMULATED).to(tl.float32)
+            up = _round(acc_u, dt, EMULATED).to(tl.float32)
+            acc = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], _round(acc, dt, EMULATED), mask=mmask[:, None])
+
+    @triton.jit
+    def _gemm(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, pid, nprog, N: tl.constexpr, K: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SWIGLU: tl.constexpr,
+              EMULATED: tl.constexpr, X_CG: tl.constexpr):
+        """The weight tiles pid, pid + nprog, ... of one GEMM (the interpreter's single program: every tile; it
+        takes no run-time loop bounds)."""
+        if EMULATED:
+            for tile in range(0, N // BLOCK_N):
+                _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, N, K, BLOCK_N, BLOCK_K, STAGES, SWIGLU,
+                      EMULATED, X_CG)
+        else:
+            for tile in range(pid, N // BLOCK_N, nprog):
+                _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, N, K, BLOCK_N, BLOCK_K, STAGES, SWIGLU,
+                      EMULATED, X_CG)
+
+    @triton.jit
+    def _weight(table, idx):
+        """The bf16 weight whose address is ``table[idx]`` (16-byte aligned: torch's allocations are)."""
+        return tl.multiple_of(tl.load(table + idx), 16).to(tl.pointer_type(tl.bfloat16))
+
+    @triton.jit
+    def _next(table, idx, pid, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+              LINE: tl.constexpr):
+        """L2 prefetch of the head of this program's first weight tile of GEMM ``idx`` (rows ``pid * BLOCK_N``...)."""
+        if PREFETCH > 0:
+            w = _weight(table, idx)
+            if pid < N // BLOCK_N:
+                _prefetch_rows(w, pid * BLOCK_N + tl.arange(0, BLOCK_N), K, PREFETCH, LINE)
+
+    @triton.jit
+    def _chain_kernel(
+        x0, table, y1, y2, y3, out, counter, M, LAYERS: tl.constexpr,
+        H: tl.constexpr, QKV: tl.constexpr, QW: tl.constexpr, INTER: tl.constexpr,
+        BN1: tl.constexpr, BK1: tl.constexpr, S1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
+        S2: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, S3: tl.constexpr, BN4: tl.constexpr,
+        BK4: tl.constexpr, S4: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, EMULATED: tl.constexpr,
+        X_CG: tl.constexpr,
+    ):
+        pid, nprog = tl.program_id(0), tl.num_programs(0)
+        phase = 0
+        for layer in range(0, LAYERS):
+            base = layer * 4
+            w_qkv = _weight(table, base)
+            w_o = _weight(table, base + 1)
+            w_gu = _weight(table, base + 2)
+            w_d = _weight(table, base + 3)
+            if layer == 0:
+                _gemm(x0, H, w_qkv, y1, QKV, M, pid, nprog, QKV, H, BN1, BK1, S1, False, EMULATED, X_CG)
+            else:
+                _gemm(out, H, w_qkv, y1, QKV, M, pid, nprog, QKV, H, BN1, BK1, S1, False, EMULATED, X_CG)
+            _next(table, base + 1, pid, H, QW, BN2, PREFETCH, LINE)
+            phase += 1
+            _grid_sync(counter, phase * nprog, EMULATED)
+            _gemm(y1, QKV, w_o, y2, H, M, pid, nprog, H, QW, BN2, BK2, S2, False, EMULATED, X_CG)  # o reads the q columns
+            _next(table, base + 2, pid, INTER, H, BN3, PREFETCH, LINE)
+            phase += 1
+            _grid_sync(counter, phase * nprog, EMULATED)
+            _gemm(y2, H, w_gu, y3, INTER, M, pid, nprog, INTER, H, BN3, BK3, S3, True, EMULATED, X_CG)
+            _next(table, base + 3, pid, H, INTER, BN4, PREFETCH, LINE)
+            phase += 1
+            _grid_sync(counter, phase * nprog, EMULATED)
+            _gemm(y3, INTER, w_d, out, H, M, pid, nprog, H, INTER, BN4, BK4, S4, False, EMULATED, X_CG)
+            if layer + 1 < LAYERS:
+                _next(table, base + 4, pid, QKV, H, BN1, PREFETCH, LINE)
+            phase += 1
+            _grid_sync(counter, phase * nprog, EMULATED)
+
+
+class PersistentChain:
+    """The chain of ``weights`` (a list per layer of {"qkv", "o", "gate_up", "down"} bf16 (N, K) weights, o reading
+    the first ``q_width`` columns of q/k/v's output) as one launch over ``x`` (M <= 64, K = the model width)."""
+
+    def __init__(self, weights: list[dict[str, torch.Tensor]], q_width: int, programs: int | None = None,
+                 prefetch: int = tlin.PDL_PREFETCH, x_cg: bool = True, num_warps: int = 4) -> None:
+        if triton is None:
+            raise RuntimeError("the persistent chain needs Triton")
+        first = weights[0]
+        self.qkv, self.hidden = first["qkv"].shape
+        self.inter = first["gate_up"].shape[0] // 2
+        self.q_width, self.layers = q_width, len(weights)
+        device = first["qkv"].device
+        for w in weights:
+            for name, t in w.items():
+                if t.dtype != torch.bfloat16 or not t.is_contiguous():
+                    raise ValueError(f"weight {name} {t.dtype}, contiguous={t.is_contiguous()}; need contiguous bf16")
+        if any(t.data_ptr() % 16 for w in weights for t in w.values()):
+            raise ValueError("weights must be 16-byte aligned (the kernel vectorizes its loads)")
+        self.weights = weights  # keeps the tensors the table points at alive
+        self.table = torch.tensor([[w[n].data_ptr() for n in ("qkv", "o", "gate_up", "down")] for w in weights],
+                                  dtype=torch.int64, device=device)
+        shapes = ((self.qkv, self.hidden, False), (self.hidden, q_width, False), (self.inter, self.hidden, True),
+                  (self.hidden, self.inter, False))
+        self.configs = [tlin.config_for(n, k, device, swiglu=s) for n, k, s in shapes]
+        if tlin.INTERPRETED or device.type != "cuda":
+            self.programs = 1  # the interpreter runs programs one after another: one program, every tile
+        else:
+            self.programs = programs or torch.cuda.get_device_properties(device).multi_processor_count
+        self.prefetch = 0 if tlin.INTERPRETED else prefetch
+        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
+        self.x_cg = x_cg  # activations loaded with .cg (L2 only: other multiprocessors wrote them)
+        self.num_warps = num_warps
+        self.compiled = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m > ROWS or x.shape[1] != self.hidden or x.dtype != torch.bfloat16:
+            raise ValueError(f"x {tuple(x.shape)} {x.dtype}; need (M <= {ROWS}, {self.hidden}) bfloat16")
+        y1 = x.new_empty((m, self.qkv))
+        y2 = x.new_empty((m, self.hidden))
+        y3 = x.new_empty((m, self.inter))
+        out = x.new_empty((m, self.hidden))
+        self.counter.zero_()
+        c1, c2, c3, c4 = self.configs
+        self.compiled = _chain_kernel[(self.programs,)](
+            x, self.table, y1, y2, y3, out, self.counter, m, self.layers,
+            H=self.hidden, QKV=self.qkv, QW=self.q_width, INTER=self.inter,
+            BN1=c1["block_n"], BK1=c1["block_k"], S1=c1["num_stages"], BN2=c2["block_n"], BK2=c2["block_k"],
+            S2=c2["num_stages"], BN3=c3["block_n"], BK3=c3["block_k"], S3=c3["num_stages"], BN4=c4["block_n"],
+            BK4=c4["block_k"], S4=c4["num_stages"], PREFETCH=self.prefetch, LINE=64, EMULATED=tlin.INTERPRETED,
+            X_CG=self.x_cg, num_warps=self.num_warps,
+        )
+        return out
+
+
+def interpreted_check() -> dict:
+    """Two tiny layers through :class:`PersistentChain` and through the per-GEMM decode kernel, under Triton's CPU
+    interpreter (:func:`benchmarks.quant._common.run_interpreted`): whether the bits agree."""
+    gen = torch.Generator().manual_seed(7)
+    hidden, qkv, inter = 64, 128, 128
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+
+    weights = [{"qkv": weight(qkv, hidden), "o": weight(hidden, hidden), "gate_up": weight(2 * inter, hidden),
+                "down": weight(hidden, inter)} for _ in range(2)]
+    x = torch.randn(5, hidden, generator=gen).to(torch.bfloat16)
+    out = PersistentChain(weights, q_width=hidden)(x)
+    h = x
+    for w in weights:
+        h = tlin.decode_linear(tlin.decode_linear(h, w["qkv"])[:, :hidden], w["o"])
+        h = tlin.decode_linear(tlin.decode_linear(h, w["gate_up"], swiglu=True), w["down"])
+    return {"equal": torch.equal(out, h), "max_abs": float((out.float() - h.float()).abs().max())}
