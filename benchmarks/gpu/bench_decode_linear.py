@@ -197,12 +197,15 @@ class Chain:
                 d = tlin.decode_linear(tlin.decode_linear(n, w["gate_up"], swiglu=True, pdl=True), w["down"], pdl=True)
         return h if fused else h + d
 
-    def persistent(self, prefetch: int = tlin.PDL_PREFETCH) -> dict:
+    def persistent(self, prefetch: int = tlin.PDL_PREFETCH, num_warps: int = 4) -> dict:
         """The chain of :meth:`step` as one persistent launch (:mod:`benchmarks.gpu.persistent_chain`): ms per step,
         checked first against the per-GEMM chain (``equal``: the same bits; else the relative error)."""
         from benchmarks.gpu.persistent_chain import PersistentChain
 
-        chain = PersistentChain(self.weights, self.q_width, prefetch=prefetch)
+        if getattr(self, "_persistent", None) is None:  # its stacked copy of the weights is made once
+            self._persistent = PersistentChain(self.weights, self.q_width)
+        chain = self._persistent
+        chain.prefetch, chain.num_warps = prefetch, num_warps
         ref, out = self.step("triton"), chain(self.x)
         # bits compared as integers: 36 layers of random weights without norms may overflow to inf / NaN, alike
         equal = torch.equal(out.view(torch.int16), ref.view(torch.int16))
@@ -211,7 +214,7 @@ class Chain:
         if not equal and not (err <= 1e-2 and torch.equal(out.isfinite(), finite)):
             raise AssertionError(f"persistent chain: relative error {err:.3g} against the per-GEMM chain")
         return {"ms": self.time(lambda: chain(self.x)), "equal": equal, "rel_err": err, "programs": chain.programs,
-                "prefetch": prefetch}
+                "prefetch": prefetch, "num_warps": num_warps}
 
     def time(self, fn: Callable[[], torch.Tensor], table: dict | None = None) -> float:
         """ms of ``fn`` replayed in a CUDA graph, with ``table`` ({(N, K, swiglu): launch parameters}) in place of
@@ -234,8 +237,9 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
     (``triton_pdl_best``), then at the table's again (``triton_pdl_again``); ``tma_rounds``: that many rounds of the
     kernel with PDL at the table's parameters by pointer loads and by TMA copies (lists of ms, alternating); then
     the layers with their norms between the GEMMs (``triton_pdl_norms``) and inside them (``triton_pdl_fused``);
-    ``persistent_rounds``: that many rounds of the chain as one persistent launch (``persistent_pf<bytes>``: with
-    and without the next GEMM's L2 prefetch before each grid barrier) and of the PDL chain (``triton_pdl_ab``)."""
+    ``persistent_rounds``: that many rounds of the chain as one persistent launch (``persistent_pf<bytes>_w<warps>``:
+    with and without the next GEMM's L2 prefetch before each grid barrier, 4 and 8 warps) and of the PDL chain
+    (``triton_pdl_ab``)."""
     chain = Chain(shapes, m, layers)
     out = {kind: chain.time(lambda k=kind: chain.step(k)) for kind in ("cublas", "triton", "triton_pdl")}
     if best:  # the sweep's best launch parameters in place of the table's, side by side with the table's
@@ -248,9 +252,9 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
     out["triton_pdl_norms"] = chain.time(lambda: chain.with_norms(False))
     out["triton_pdl_fused"] = chain.time(lambda: chain.with_norms(True))
     for _ in range(persistent_rounds):  # the chain as one persistent launch, against the PDL chain, alternating
-        for prefetch in (tlin.PDL_PREFETCH, 0):
-            row = chain.persistent(prefetch)
-            out.setdefault(f"persistent_pf{prefetch}", []).append(row["ms"])
+        for prefetch, warps in ((tlin.PDL_PREFETCH, 4), (0, 4), (tlin.PDL_PREFETCH, 8)):
+            row = chain.persistent(prefetch, warps)
+            out.setdefault(f"persistent_pf{prefetch}_w{warps}", []).append(row["ms"])
             out.setdefault("persistent_equal", []).append(row["equal"])
         out.setdefault("triton_pdl_ab", []).append(chain.time(lambda: chain.step("triton_pdl")))
     return out

@@ -99,54 +99,47 @@ if triton is not None:
                       EMULATED, X_CG)
 
     @triton.jit
-    def _weight(table, idx):
-        """The bf16 weight whose address is ``table[idx]`` (16-byte aligned: torch's allocations are)."""
-        return tl.multiple_of(tl.load(table + idx), 16).to(tl.pointer_type(tl.bfloat16))
-
-    @triton.jit
-    def _next(table, idx, pid, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+    def _next(w, pid, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
               LINE: tl.constexpr):
-        """L2 prefetch of the head of this program's first weight tile of GEMM ``idx`` (rows ``pid * BLOCK_N``...)."""
-        if PREFETCH > 0:
-            w = _weight(table, idx)
+        """L2 prefetch of the head of this program's first weight tile of the next GEMM (rows ``pid * BLOCK_N``...)."""
+        if PREFETCH > 0:  # noqa: SIM102 - a compile-time branch around a run-time one
             if pid < N // BLOCK_N:
                 _prefetch_rows(w, pid * BLOCK_N + tl.arange(0, BLOCK_N), K, PREFETCH, LINE)
 
     @triton.jit
     def _chain_kernel(
-        x0, table, y1, y2, y3, out, counter, M, LAYERS: tl.constexpr,
+        x0, wq, wo, wgu, wd, y1, y2, y3, out, counter, M, LAYERS: tl.constexpr,
         H: tl.constexpr, QKV: tl.constexpr, QW: tl.constexpr, INTER: tl.constexpr,
         BN1: tl.constexpr, BK1: tl.constexpr, S1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
         S2: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, S3: tl.constexpr, BN4: tl.constexpr,
         BK4: tl.constexpr, S4: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, EMULATED: tl.constexpr,
         X_CG: tl.constexpr,
     ):
+        # the weights: one (LAYERS, N, K) tensor per GEMM, so the compiler knows each layer's tile alignment (an
+        # address loaded from a table is opaque to it: the weight loads then leave the software pipeline)
         pid, nprog = tl.program_id(0), tl.num_programs(0)
         phase = 0
         for layer in range(0, LAYERS):
-            base = layer * 4
-            w_qkv = _weight(table, base)
-            w_o = _weight(table, base + 1)
-            w_gu = _weight(table, base + 2)
-            w_d = _weight(table, base + 3)
+            at = tl.cast(layer, tl.int64)  # the gate/up stack passes 2**31 elements
+            w_qkv, w_o, w_gu, w_d = wq + at * (QKV * H), wo + at * (H * QW), wgu + at * (2 * INTER * H), wd + at * (H * INTER)
             if layer == 0:
                 _gemm(x0, H, w_qkv, y1, QKV, M, pid, nprog, QKV, H, BN1, BK1, S1, False, EMULATED, X_CG)
             else:
                 _gemm(out, H, w_qkv, y1, QKV, M, pid, nprog, QKV, H, BN1, BK1, S1, False, EMULATED, X_CG)
-            _next(table, base + 1, pid, H, QW, BN2, PREFETCH, LINE)
+            _next(w_o, pid, H, QW, BN2, PREFETCH, LINE)
             phase += 1
             _grid_sync(counter, phase * nprog, EMULATED)
             _gemm(y1, QKV, w_o, y2, H, M, pid, nprog, H, QW, BN2, BK2, S2, False, EMULATED, X_CG)  # o reads the q columns
-            _next(table, base + 2, pid, INTER, H, BN3, PREFETCH, LINE)
+            _next(w_gu, pid, INTER, H, BN3, PREFETCH, LINE)
             phase += 1
             _grid_sync(counter, phase * nprog, EMULATED)
             _gemm(y2, H, w_gu, y3, INTER, M, pid, nprog, INTER, H, BN3, BK3, S3, True, EMULATED, X_CG)
-            _next(table, base + 3, pid, H, INTER, BN4, PREFETCH, LINE)
+            _next(w_d, pid, H, INTER, BN4, PREFETCH, LINE)
             phase += 1
             _grid_sync(counter, phase * nprog, EMULATED)
             _gemm(y3, INTER, w_d, out, H, M, pid, nprog, H, INTER, BN4, BK4, S4, False, EMULATED, X_CG)
             if layer + 1 < LAYERS:
-                _next(table, base + 4, pid, QKV, H, BN1, PREFETCH, LINE)
+                _next(w_qkv + QKV * H, pid, QKV, H, BN1, PREFETCH, LINE)
             phase += 1
             _grid_sync(counter, phase * nprog, EMULATED)
 
@@ -168,11 +161,8 @@ class PersistentChain:
             for name, t in w.items():
                 if t.dtype != torch.bfloat16 or not t.is_contiguous():
                     raise ValueError(f"weight {name} {t.dtype}, contiguous={t.is_contiguous()}; need contiguous bf16")
-        if any(t.data_ptr() % 16 for w in weights for t in w.values()):
-            raise ValueError("weights must be 16-byte aligned (the kernel vectorizes its loads)")
-        self.weights = weights  # keeps the tensors the table points at alive
-        self.table = torch.tensor([[w[n].data_ptr() for n in ("qkv", "o", "gate_up", "down")] for w in weights],
-                                  dtype=torch.int64, device=device)
+        # one (layers, N, K) tensor per GEMM (a copy: the chain's weights stay as they are)
+        self.stacked = [torch.stack([w[n] for w in weights]) for n in ("qkv", "o", "gate_up", "down")]
         shapes = ((self.qkv, self.hidden, False), (self.hidden, q_width, False), (self.inter, self.hidden, True),
                   (self.hidden, self.inter, False))
         self.configs = [tlin.config_for(n, k, device, swiglu=s) for n, k, s in shapes]
@@ -197,7 +187,7 @@ class PersistentChain:
         self.counter.zero_()
         c1, c2, c3, c4 = self.configs
         self.compiled = _chain_kernel[(self.programs,)](
-            x, self.table, y1, y2, y3, out, self.counter, m, self.layers,
+            x, *self.stacked, y1, y2, y3, out, self.counter, m, self.layers,
             H=self.hidden, QKV=self.qkv, QW=self.q_width, INTER=self.inter,
             BN1=c1["block_n"], BK1=c1["block_k"], S1=c1["num_stages"], BN2=c2["block_n"], BK2=c2["block_k"],
             S2=c2["num_stages"], BN3=c3["block_n"], BK3=c3["block_k"], S3=c3["num_stages"], BN4=c4["block_n"],
