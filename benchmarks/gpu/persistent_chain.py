@@ -54,7 +54,7 @@ if triton is not None:
     @triton.jit
     def _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, N: tl.constexpr, K: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SWIGLU: tl.constexpr,
-              EMULATED: tl.constexpr, X_CG: tl.constexpr):
+              EMULATED: tl.constexpr):
         """One weight tile of out = x @ w.T (SWIGLU: w = cat([gate, up]) of 2N rows, out = silu(gate) * up, rounded
         as the decode kernel's epilogue)."""
         offs_m = tl.arange(0, 64)
@@ -66,11 +66,7 @@ if triton is not None:
         acc = tl.zeros((64, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((64, BLOCK_N), dtype=tl.float32)
         for _ in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            if X_CG:
-                x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0, cache_modifier=".cg")
-            else:
-                x = tl.load(x_ptrs, mask=mmask[:, None], other=0.0)
-            x = _operand(x, EMULATED)
+            x = _operand(tl.load(x_ptrs, mask=mmask[:, None], other=0.0, cache_modifier=".cg"), EMULATED)
             acc = tl.dot(x, tl.trans(_operand(tl.load(w_ptrs), EMULATED)), acc)
             if SWIGLU:
                 acc_u = tl.dot(x, tl.trans(_operand(tl.load(w_ptrs + N * K), EMULATED)), acc_u)
@@ -86,17 +82,17 @@ if triton is not None:
     @triton.jit
     def _gemm(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, pid, nprog, N: tl.constexpr, K: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SWIGLU: tl.constexpr,
-              EMULATED: tl.constexpr, X_CG: tl.constexpr):
+              EMULATED: tl.constexpr):
         """The weight tiles pid, pid + nprog, ... of one GEMM (the interpreter's single program: every tile; it
         takes no run-time loop bounds)."""
         if EMULATED:
             for tile in range(0, N // BLOCK_N):
                 _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, N, K, BLOCK_N, BLOCK_K, STAGES, SWIGLU,
-                      EMULATED, X_CG)
+                      EMULATED)
         else:
             for tile in range(pid, N // BLOCK_N, nprog):
                 _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, N, K, BLOCK_N, BLOCK_K, STAGES, SWIGLU,
-                      EMULATED, X_CG)
+                      EMULATED)
 
     @triton.jit
     def _next(w, pid, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
@@ -113,7 +109,6 @@ if triton is not None:
         BN1: tl.constexpr, BK1: tl.constexpr, S1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
         S2: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, S3: tl.constexpr, BN4: tl.constexpr,
         BK4: tl.constexpr, S4: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, EMULATED: tl.constexpr,
-        X_CG: tl.constexpr,
     ):
         # the weights: one (LAYERS, N, K) tensor per GEMM, so the compiler knows each layer's tile alignment (an
         # address loaded from a table is opaque to it: the weight loads then leave the software pipeline)
@@ -123,21 +118,21 @@ if triton is not None:
             at = tl.cast(layer, tl.int64)  # the gate/up stack passes 2**31 elements
             w_qkv, w_o, w_gu, w_d = wq + at * (QKV * H), wo + at * (H * QW), wgu + at * (2 * INTER * H), wd + at * (H * INTER)
             if layer == 0:
-                _gemm(x0, H, w_qkv, y1, QKV, M, pid, nprog, QKV, H, BN1, BK1, S1, False, EMULATED, X_CG)
+                _gemm(x0, H, w_qkv, y1, QKV, M, pid, nprog, QKV, H, BN1, BK1, S1, False, EMULATED)
             else:
-                _gemm(out, H, w_qkv, y1, QKV, M, pid, nprog, QKV, H, BN1, BK1, S1, False, EMULATED, X_CG)
+                _gemm(out, H, w_qkv, y1, QKV, M, pid, nprog, QKV, H, BN1, BK1, S1, False, EMULATED)
             _next(w_o, pid, H, QW, BN2, PREFETCH, LINE)
             phase += 1
             _grid_sync(counter, phase * nprog, EMULATED)
-            _gemm(y1, QKV, w_o, y2, H, M, pid, nprog, H, QW, BN2, BK2, S2, False, EMULATED, X_CG)  # o reads the q columns
+            _gemm(y1, QKV, w_o, y2, H, M, pid, nprog, H, QW, BN2, BK2, S2, False, EMULATED)  # o reads the q columns
             _next(w_gu, pid, INTER, H, BN3, PREFETCH, LINE)
             phase += 1
             _grid_sync(counter, phase * nprog, EMULATED)
-            _gemm(y2, H, w_gu, y3, INTER, M, pid, nprog, INTER, H, BN3, BK3, S3, True, EMULATED, X_CG)
+            _gemm(y2, H, w_gu, y3, INTER, M, pid, nprog, INTER, H, BN3, BK3, S3, True, EMULATED)
             _next(w_d, pid, H, INTER, BN4, PREFETCH, LINE)
             phase += 1
             _grid_sync(counter, phase * nprog, EMULATED)
-            _gemm(y3, INTER, w_d, out, H, M, pid, nprog, H, INTER, BN4, BK4, S4, False, EMULATED, X_CG)
+            _gemm(y3, INTER, w_d, out, H, M, pid, nprog, H, INTER, BN4, BK4, S4, False, EMULATED)
             if layer + 1 < LAYERS:
                 _next(w_qkv + QKV * H, pid, QKV, H, BN1, PREFETCH, LINE)
             phase += 1
@@ -149,7 +144,7 @@ class PersistentChain:
     the first ``q_width`` columns of q/k/v's output) as one launch over ``x`` (M <= 64, K = the model width)."""
 
     def __init__(self, weights: list[dict[str, torch.Tensor]], q_width: int, programs: int | None = None,
-                 prefetch: int = tlin.PDL_PREFETCH, x_cg: bool = True, num_warps: int = 4) -> None:
+                 prefetch: int = tlin.PDL_PREFETCH, num_warps: int = 4) -> None:
         if triton is None:
             raise RuntimeError("the persistent chain needs Triton")
         first = weights[0]
@@ -172,9 +167,7 @@ class PersistentChain:
             self.programs = programs or torch.cuda.get_device_properties(device).multi_processor_count
         self.prefetch = 0 if tlin.INTERPRETED else prefetch
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
-        self.x_cg = x_cg  # activations loaded with .cg (L2 only: other multiprocessors wrote them)
         self.num_warps = num_warps
-        self.compiled = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
@@ -186,13 +179,13 @@ class PersistentChain:
         out = x.new_empty((m, self.hidden))
         self.counter.zero_()
         c1, c2, c3, c4 = self.configs
-        self.compiled = _chain_kernel[(self.programs,)](
+        _chain_kernel[(self.programs,)](
             x, *self.stacked, y1, y2, y3, out, self.counter, m, self.layers,
             H=self.hidden, QKV=self.qkv, QW=self.q_width, INTER=self.inter,
             BN1=c1["block_n"], BK1=c1["block_k"], S1=c1["num_stages"], BN2=c2["block_n"], BK2=c2["block_k"],
             S2=c2["num_stages"], BN3=c3["block_n"], BK3=c3["block_k"], S3=c3["num_stages"], BN4=c4["block_n"],
             BK4=c4["block_k"], S4=c4["num_stages"], PREFETCH=self.prefetch, LINE=64, EMULATED=tlin.INTERPRETED,
-            X_CG=self.x_cg, num_warps=self.num_warps,
+            num_warps=self.num_warps,
         )
         return out
 
