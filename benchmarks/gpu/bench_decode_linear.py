@@ -257,6 +257,10 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
             out.setdefault(f"persistent_pf{prefetch}_w{warps}", []).append(row["ms"])
             out.setdefault("persistent_equal", []).append(row["equal"])
         out.setdefault("triton_pdl_ab", []).append(chain.time(lambda: chain.step("triton_pdl")))
+    if persistent_rounds:
+        from benchmarks.gpu.persistent_chain import barrier_us
+
+        out["grid_barrier_us"] = barrier_us(torch.device(C.DEVICE))
     return out
 
 

@@ -44,12 +44,24 @@ if triton is not None:
             return
         tl.debug_barrier()
         tl.atomic_add(counter, 1, sem="release", scope="gpu")
-        # poll with plain L2 loads (an atomic per poll from every program serializes at the counter's L2 slice,
-        # in front of the arrivals), then one acquire for the ordering
-        while tl.load(counter, volatile=True) < target:
+        # poll with acquire loads (an atomic per poll from every program serializes at the counter's L2 slice, in
+        # front of the arrivals); the load that sees the target orders what follows after every arrival's writes
+        while _load_acquire(counter) < target:
             pass
-        tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
+
+    @triton.jit
+    def _load_acquire(ptr):
+        """``ld.acquire.gpu`` of one int32."""
+        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def _barriers_kernel(counter, COUNT: tl.constexpr):
+        """``COUNT`` grid barriers and nothing else: what one costs."""
+        nprog = tl.num_programs(0)
+        for phase in range(1, COUNT + 1):
+            _grid_sync(counter, phase * nprog, False)
 
     @triton.jit
     def _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, N: tl.constexpr, K: tl.constexpr,
@@ -208,3 +220,21 @@ def interpreted_check() -> dict:
         h = tlin.decode_linear(tlin.decode_linear(h, w["qkv"])[:, :hidden], w["o"])
         h = tlin.decode_linear(tlin.decode_linear(h, w["gate_up"], swiglu=True), w["down"])
     return {"equal": torch.equal(out, h), "max_abs": float((out.float() - h.float()).abs().max())}
+
+
+def barrier_us(device: torch.device, count: int = 144, programs: int | None = None) -> float:
+    """Microseconds per grid barrier of :func:`_grid_sync` on ``device``: ``count`` barriers of one program per
+    multiprocessor in one launch, in a CUDA graph (the counter zeroed in it), per barrier."""
+    from benchmarks.gpu._common import time_graph_ms
+
+    programs = programs or torch.cuda.get_device_properties(device).multi_processor_count
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def run() -> torch.Tensor:
+        counter.zero_()
+        _barriers_kernel[(programs,)](counter, COUNT=count, num_warps=4)
+        return counter
+
+    run()
+    ms, _ = time_graph_ms([run])
+    return ms * 1e3 / count
