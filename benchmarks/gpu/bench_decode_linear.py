@@ -121,6 +121,9 @@ def bench_shape(name: str, n: int, k: int, swiglu: bool, m: int, tune: bool,
     return rows
 
 
+# the persistent chain's deeper pipelines (q/k/v, o, gate/up, down at the 8B shapes: 192-216 KB each, one program
+# per multiprocessor); the decode kernel's table gives gate/up 4 stages (64 KB), as three of its programs share one
+DEEP_STAGES = (6, 8, 12, 8)
 TWO_PER_SM = 113_000  # shared memory per program that leaves room for a second one (H100 / H200: 228 KB per SM)
 
 
@@ -197,7 +200,8 @@ class Chain:
                 d = tlin.decode_linear(tlin.decode_linear(n, w["gate_up"], swiglu=True, pdl=True), w["down"], pdl=True)
         return h if fused else h + d
 
-    def persistent(self, prefetch: int = tlin.PDL_PREFETCH, num_warps: int = 4) -> dict:
+    def persistent(self, prefetch: int = tlin.PDL_PREFETCH, num_warps: int = 4,
+                   stages: tuple[int, int, int, int] | None = None) -> dict:
         """The chain of :meth:`step` as one persistent launch (:mod:`benchmarks.gpu.persistent_chain`): ms per step,
         checked first against the per-GEMM chain (``equal``: the same bits; else the relative error)."""
         from benchmarks.gpu.persistent_chain import PersistentChain
@@ -206,6 +210,7 @@ class Chain:
             self._persistent = PersistentChain(self.weights, self.q_width)
         chain = self._persistent
         chain.prefetch, chain.num_warps = prefetch, num_warps
+        chain.set_stages(stages)
         ref, out = self.step("triton"), chain(self.x)
         # bits compared as integers: 36 layers of random weights without norms may overflow to inf / NaN, alike
         equal = torch.equal(out.view(torch.int16), ref.view(torch.int16))
@@ -238,8 +243,8 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
     kernel with PDL at the table's parameters by pointer loads and by TMA copies (lists of ms, alternating); then
     the layers with their norms between the GEMMs (``triton_pdl_norms``) and inside them (``triton_pdl_fused``);
     ``persistent_rounds``: that many rounds of the chain as one persistent launch (``persistent_pf<bytes>_w<warps>``:
-    with and without the next GEMM's L2 prefetch before each grid barrier, 4 and 8 warps) and of the PDL chain
-    (``triton_pdl_ab``)."""
+    with and without the next GEMM's L2 prefetch before each grid barrier, 4 and 8 warps, ``_deep``: the pipelines of
+    :data:`DEEP_STAGES`) and of the PDL chain (``triton_pdl_ab``), then the cost of one grid barrier alone."""
     chain = Chain(shapes, m, layers)
     out = {kind: chain.time(lambda k=kind: chain.step(k)) for kind in ("cublas", "triton", "triton_pdl")}
     if best:  # the sweep's best launch parameters in place of the table's, side by side with the table's
@@ -252,9 +257,11 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
     out["triton_pdl_norms"] = chain.time(lambda: chain.with_norms(False))
     out["triton_pdl_fused"] = chain.time(lambda: chain.with_norms(True))
     for _ in range(persistent_rounds):  # the chain as one persistent launch, against the PDL chain, alternating
-        for prefetch, warps in ((tlin.PDL_PREFETCH, 4), (0, 4), (tlin.PDL_PREFETCH, 8)):
-            row = chain.persistent(prefetch, warps)
-            out.setdefault(f"persistent_pf{prefetch}_w{warps}", []).append(row["ms"])
+        for prefetch, warps, stages in ((tlin.PDL_PREFETCH, 4, None), (0, 4, None), (tlin.PDL_PREFETCH, 8, None),
+                                        (tlin.PDL_PREFETCH, 4, DEEP_STAGES)):
+            row = chain.persistent(prefetch, warps, stages)
+            deep = "_deep" if stages else ""
+            out.setdefault(f"persistent_pf{prefetch}_w{warps}{deep}", []).append(row["ms"])
             out.setdefault("persistent_equal", []).append(row["equal"])
         out.setdefault("triton_pdl_ab", []).append(chain.time(lambda: chain.step("triton_pdl")))
     if persistent_rounds:

@@ -173,6 +173,7 @@ class PersistentChain:
         shapes = ((self.qkv, self.hidden, False), (self.hidden, q_width, False), (self.inter, self.hidden, True),
                   (self.hidden, self.inter, False))
         self.configs = [tlin.config_for(n, k, device, swiglu=s) for n, k, s in shapes]
+        self.table_stages = tuple(c["num_stages"] for c in self.configs)
         if tlin.INTERPRETED or device.type != "cuda":
             self.programs = 1  # the interpreter runs programs one after another: one program, every tile
         else:
@@ -180,6 +181,12 @@ class PersistentChain:
         self.prefetch = 0 if tlin.INTERPRETED else prefetch
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.num_warps = num_warps
+
+    def set_stages(self, stages: tuple[int, int, int, int] | None) -> None:
+        """Pipeline stages per GEMM (q/k/v, o, gate/up, down); None: the decode kernel's table. One program per
+        multiprocessor holds the largest GEMM's buffers anyway, so the smaller ones may use deeper pipelines."""
+        for cfg, n in zip(self.configs, stages or self.table_stages, strict=True):
+            cfg["num_stages"] = n
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
