@@ -201,7 +201,7 @@ class Chain:
         return h if fused else h + d
 
     def persistent(self, prefetch: int = tlin.PDL_PREFETCH, num_warps: int = 4,
-                   stages: tuple[int, int, int, int] | None = None) -> dict:
+                   stages: tuple[int, int, int, int] | None = None, dataflow: bool = False) -> dict:
         """The chain of :meth:`step` as one persistent launch (:mod:`benchmarks.gpu.persistent_chain`): ms per step,
         checked first against the per-GEMM chain (``equal``: the same bits; else the relative error)."""
         from benchmarks.gpu.persistent_chain import PersistentChain
@@ -209,7 +209,7 @@ class Chain:
         if getattr(self, "_persistent", None) is None:  # its stacked copy of the weights is made once
             self._persistent = PersistentChain(self.weights, self.q_width)
         chain = self._persistent
-        chain.prefetch, chain.num_warps = prefetch, num_warps
+        chain.prefetch, chain.num_warps, chain.dataflow = prefetch, num_warps, dataflow
         chain.set_stages(stages)
         ref, out = self.step("triton"), chain(self.x)
         # bits compared as integers: 36 layers of random weights without norms may overflow to inf / NaN, alike
@@ -244,7 +244,8 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
     the layers with their norms between the GEMMs (``triton_pdl_norms``) and inside them (``triton_pdl_fused``);
     ``persistent_rounds``: that many rounds of the chain as one persistent launch (``persistent_pf<bytes>_w<warps>``:
     with and without the next GEMM's L2 prefetch before each grid barrier, 4 and 8 warps, ``_deep``: the pipelines of
-    :data:`DEEP_STAGES`) and of the PDL chain (``triton_pdl_ab``), then the cost of one grid barrier alone."""
+    :data:`DEEP_STAGES`, ``_flow``: per-tile flags instead of grid barriers) and of the PDL chain (``triton_pdl_ab``),
+    then the cost of one grid barrier alone."""
     chain = Chain(shapes, m, layers)
     out = {kind: chain.time(lambda k=kind: chain.step(k)) for kind in ("cublas", "triton", "triton_pdl")}
     if best:  # the sweep's best launch parameters in place of the table's, side by side with the table's
@@ -257,11 +258,13 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
     out["triton_pdl_norms"] = chain.time(lambda: chain.with_norms(False))
     out["triton_pdl_fused"] = chain.time(lambda: chain.with_norms(True))
     for _ in range(persistent_rounds):  # the chain as one persistent launch, against the PDL chain, alternating
-        for prefetch, warps, stages in ((tlin.PDL_PREFETCH, 4, None), (0, 4, None), (tlin.PDL_PREFETCH, 8, None),
-                                        (tlin.PDL_PREFETCH, 4, DEEP_STAGES)):
-            row = chain.persistent(prefetch, warps, stages)
-            deep = "_deep" if stages else ""
-            out.setdefault(f"persistent_pf{prefetch}_w{warps}{deep}", []).append(row["ms"])
+        for prefetch, warps, stages, flow in ((tlin.PDL_PREFETCH, 4, None, False), (0, 4, None, False),
+                                              (tlin.PDL_PREFETCH, 8, None, False),
+                                              (tlin.PDL_PREFETCH, 4, DEEP_STAGES, False),
+                                              (tlin.PDL_PREFETCH, 4, DEEP_STAGES, True)):
+            row = chain.persistent(prefetch, warps, stages, flow)
+            name = f"persistent_pf{prefetch}_w{warps}{'_deep' if stages else ''}{'_flow' if flow else ''}"
+            out.setdefault(name, []).append(row["ms"])
             out.setdefault("persistent_equal", []).append(row["equal"])
         out.setdefault("triton_pdl_ab", []).append(chain.time(lambda: chain.step("triton_pdl")))
     if persistent_rounds:

@@ -11,11 +11,17 @@ is what the kernel boundaries of the PDL chain cost. The question it answers: ho
 PDL chain and the copy bandwidth a persistent kernel closes, before anyone builds attention, RoPE and the norms
 into one.
 
+``dataflow`` replaces the barriers with one flag per producer tile: a GEMM walks its K in segments (as many as
+its producer has waves of tiles over the programs), each a software-pipelined loop that starts once the producer
+tiles of its columns have set their flags (release after the tile's stores; acquire polls), so a consumer starts
+on the columns of the producer's first wave while later waves still run. Every tile still waits for all of its K,
+so each overwrite of an activation buffer waits, through that chain of flags, for every read of it.
+
 Not an engine path: the grid barrier needs every program resident at once (one per multiprocessor, nothing else
-on the GPU), activations are read through L2 (``.cg``: other multiprocessors wrote them), and the counter is
-zeroed before each launch. Same tiles and the same K order as the decode kernel, so the output equals the
-per-GEMM chain's (checked before timing). In Triton's CPU interpreter it runs as one program (the barrier passes
-at once), which the CPU test uses.
+on the GPU), activations are read through L2 (``.cg``: other multiprocessors wrote them), and the counter and
+the flags are zeroed before each launch. Same tiles and the same K order as the decode kernel, so the output
+equals the per-GEMM chain's (checked before timing). In Triton's CPU interpreter it runs as one program (barriers
+and flags pass at once), which the CPU test uses.
 """
 
 from __future__ import annotations
@@ -64,11 +70,22 @@ if triton is not None:
             _grid_sync(counter, phase * nprog, False)
 
     @triton.jit
-    def _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, N: tl.constexpr, K: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SWIGLU: tl.constexpr,
-              EMULATED: tl.constexpr):
+    def _wait_tiles(flags, first, COUNT: tl.constexpr):
+        """Wait until tiles ``first .. first + COUNT`` of a producer GEMM have set their flags (acquire loads)."""
+        offs = first + tl.arange(0, COUNT)
+        while tl.min(_load_acquire(flags + offs), axis=0) == 0:
+            pass
+        tl.debug_barrier()
+
+    @triton.jit
+    def _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, flag_in, flag_out, N: tl.constexpr,
+              K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+              SWIGLU: tl.constexpr, EMULATED: tl.constexpr, SEG: tl.constexpr, BN_IN: tl.constexpr,
+              FLOW: tl.constexpr):
         """One weight tile of out = x @ w.T (SWIGLU: w = cat([gate, up]) of 2N rows, out = silu(gate) * up, rounded
-        as the decode kernel's epilogue)."""
+        as the decode kernel's epilogue). FLOW (dataflow instead of grid barriers): K is walked in segments of SEG
+        columns, each a pipelined loop of its own that starts once the producer tiles (BN_IN columns each) of its
+        columns have set their flags (BN_IN = 0: the input has no producer); the tile then sets its own flag."""
         offs_m = tl.arange(0, 64)
         mmask = offs_m < M
         offs_k = tl.arange(0, BLOCK_K)
@@ -77,34 +94,41 @@ if triton is not None:
         w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
         acc = tl.zeros((64, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((64, BLOCK_N), dtype=tl.float32)
-        for _ in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            x = _operand(tl.load(x_ptrs, mask=mmask[:, None], other=0.0, cache_modifier=".cg"), EMULATED)
-            acc = tl.dot(x, tl.trans(_operand(tl.load(w_ptrs), EMULATED)), acc)
-            if SWIGLU:
-                acc_u = tl.dot(x, tl.trans(_operand(tl.load(w_ptrs + N * K), EMULATED)), acc_u)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+        for seg in tl.static_range(0, K, SEG):
+            if FLOW and BN_IN > 0 and not EMULATED:  # the wait comes before the segment's first copy is issued
+                _wait_tiles(flag_in, seg // BN_IN, SEG // BN_IN)
+            for _ in tl.range(0, SEG, BLOCK_K, num_stages=STAGES):
+                x = _operand(tl.load(x_ptrs, mask=mmask[:, None], other=0.0, cache_modifier=".cg"), EMULATED)
+                acc = tl.dot(x, tl.trans(_operand(tl.load(w_ptrs), EMULATED)), acc)
+                if SWIGLU:
+                    acc_u = tl.dot(x, tl.trans(_operand(tl.load(w_ptrs + N * K), EMULATED)), acc_u)
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
         dt = out_ptr.dtype.element_ty
         if SWIGLU:
             gate = _round(acc, dt, EMULATED).to(tl.float32)
             up = _round(acc_u, dt, EMULATED).to(tl.float32)
             acc = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + offs_m[:, None] * stride_o + offs_n[None, :], _round(acc, dt, EMULATED), mask=mmask[:, None])
+        if FLOW and not EMULATED:  # every thread's stores, then one release
+            tl.debug_barrier()
+            tl.atomic_xchg(flag_out + tile, 1, sem="release", scope="gpu")
 
     @triton.jit
-    def _gemm(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, pid, nprog, N: tl.constexpr, K: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SWIGLU: tl.constexpr,
-              EMULATED: tl.constexpr):
+    def _gemm(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, pid, nprog, flag_in, flag_out, N: tl.constexpr,
+              K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+              SWIGLU: tl.constexpr, EMULATED: tl.constexpr, SEG: tl.constexpr, BN_IN: tl.constexpr,
+              FLOW: tl.constexpr):
         """The weight tiles pid, pid + nprog, ... of one GEMM (the interpreter's single program: every tile; it
         takes no run-time loop bounds)."""
         if EMULATED:
             for tile in range(0, N // BLOCK_N):
-                _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, N, K, BLOCK_N, BLOCK_K, STAGES, SWIGLU,
-                      EMULATED)
+                _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, flag_in, flag_out, N, K, BLOCK_N, BLOCK_K,
+                      STAGES, SWIGLU, EMULATED, SEG, BN_IN, FLOW)
         else:
             for tile in range(pid, N // BLOCK_N, nprog):
-                _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, N, K, BLOCK_N, BLOCK_K, STAGES, SWIGLU,
-                      EMULATED)
+                _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, flag_in, flag_out, N, K, BLOCK_N, BLOCK_K,
+                      STAGES, SWIGLU, EMULATED, SEG, BN_IN, FLOW)
 
     @triton.jit
     def _next(w, pid, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
@@ -116,39 +140,51 @@ if triton is not None:
 
     @triton.jit
     def _chain_kernel(
-        x0, wq, wo, wgu, wd, y1, y2, y3, out, counter, M, LAYERS: tl.constexpr,
+        x0, wq, wo, wgu, wd, y1, y2, y3, out, counter, flags, M, LAYERS: tl.constexpr,
         H: tl.constexpr, QKV: tl.constexpr, QW: tl.constexpr, INTER: tl.constexpr,
         BN1: tl.constexpr, BK1: tl.constexpr, S1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
         S2: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, S3: tl.constexpr, BN4: tl.constexpr,
         BK4: tl.constexpr, S4: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, EMULATED: tl.constexpr,
+        FLOW: tl.constexpr, SEG1: tl.constexpr, SEG2: tl.constexpr, SEG3: tl.constexpr, SEG4: tl.constexpr,
+        MAXT: tl.constexpr,
     ):
         # the weights: one (LAYERS, N, K) tensor per GEMM, so the compiler knows each layer's tile alignment (an
-        # address loaded from a table is opaque to it: the weight loads then leave the software pipeline)
+        # address loaded from a table is opaque to it: the weight loads then leave the software pipeline).
+        # FLOW: no grid barriers; GEMM g of layer l sets flags[(4 l + g) * MAXT + tile] (zeroed before the launch)
         pid, nprog = tl.program_id(0), tl.num_programs(0)
         phase = 0
         for layer in range(0, LAYERS):
             at = tl.cast(layer, tl.int64)  # the gate/up stack passes 2**31 elements
             w_qkv, w_o, w_gu, w_d = wq + at * (QKV * H), wo + at * (H * QW), wgu + at * (2 * INTER * H), wd + at * (H * INTER)
+            f = flags + layer * 4 * MAXT  # this layer's q/k/v, o, gate/up, down flags: f, f + MAXT, ...
             if layer == 0:
-                _gemm(x0, H, w_qkv, y1, QKV, M, pid, nprog, QKV, H, BN1, BK1, S1, False, EMULATED)
+                _gemm(x0, H, w_qkv, y1, QKV, M, pid, nprog, f, f, QKV, H, BN1, BK1, S1, False, EMULATED, H, 0, FLOW)
             else:
-                _gemm(out, H, w_qkv, y1, QKV, M, pid, nprog, QKV, H, BN1, BK1, S1, False, EMULATED)
+                _gemm(out, H, w_qkv, y1, QKV, M, pid, nprog, f - MAXT, f, QKV, H, BN1, BK1, S1, False, EMULATED, SEG1,
+                      BN4, FLOW)
             _next(w_o, pid, H, QW, BN2, PREFETCH, LINE)
             phase += 1
-            _grid_sync(counter, phase * nprog, EMULATED)
-            _gemm(y1, QKV, w_o, y2, H, M, pid, nprog, H, QW, BN2, BK2, S2, False, EMULATED)  # o reads the q columns
+            if not FLOW:
+                _grid_sync(counter, phase * nprog, EMULATED)
+            _gemm(y1, QKV, w_o, y2, H, M, pid, nprog, f, f + MAXT, H, QW, BN2, BK2, S2, False, EMULATED, SEG2, BN1,
+                  FLOW)  # o reads the q columns
             _next(w_gu, pid, INTER, H, BN3, PREFETCH, LINE)
             phase += 1
-            _grid_sync(counter, phase * nprog, EMULATED)
-            _gemm(y2, H, w_gu, y3, INTER, M, pid, nprog, INTER, H, BN3, BK3, S3, True, EMULATED)
+            if not FLOW:
+                _grid_sync(counter, phase * nprog, EMULATED)
+            _gemm(y2, H, w_gu, y3, INTER, M, pid, nprog, f + MAXT, f + 2 * MAXT, INTER, H, BN3, BK3, S3, True,
+                  EMULATED, SEG3, BN2, FLOW)
             _next(w_d, pid, H, INTER, BN4, PREFETCH, LINE)
             phase += 1
-            _grid_sync(counter, phase * nprog, EMULATED)
-            _gemm(y3, INTER, w_d, out, H, M, pid, nprog, H, INTER, BN4, BK4, S4, False, EMULATED)
+            if not FLOW:
+                _grid_sync(counter, phase * nprog, EMULATED)
+            _gemm(y3, INTER, w_d, out, H, M, pid, nprog, f + 2 * MAXT, f + 3 * MAXT, H, INTER, BN4, BK4, S4, False,
+                  EMULATED, SEG4, BN3, FLOW)
             if layer + 1 < LAYERS:
                 _next(w_qkv + QKV * H, pid, QKV, H, BN1, PREFETCH, LINE)
             phase += 1
-            _grid_sync(counter, phase * nprog, EMULATED)
+            if not FLOW:
+                _grid_sync(counter, phase * nprog, EMULATED)
 
 
 class PersistentChain:
@@ -181,6 +217,27 @@ class PersistentChain:
         self.prefetch = 0 if tlin.INTERPRETED else prefetch
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.num_warps = num_warps
+        self.dataflow = False  # flags per producer tile instead of grid barriers (set it to time that)
+        self.wave_programs = self.programs  # the program count segments() splits producer tiles into waves by
+        self.max_tiles = max(n // c["block_n"] for (n, _, _), c in zip(shapes, self.configs, strict=True))
+        self.flags = torch.zeros(self.layers * 4 * self.max_tiles, dtype=torch.int32, device=device)
+
+    def segments(self) -> tuple[int, int, int, int]:
+        """Columns of K each GEMM walks per flag wait under dataflow: as many segments as its producer has waves
+        of tiles over the programs (the first segment's tiles are all in the first wave), where the segment is a
+        whole number of K steps and a power-of-two count of producer tiles; else one segment, the whole K."""
+        ks = (self.hidden, self.q_width, self.hidden, self.inter)  # each GEMM's K
+        producers = (self.configs[3], self.configs[0], self.configs[1], self.configs[2])  # who writes its input
+        n_out = (self.hidden, self.qkv, self.hidden, self.inter)  # the producers' N
+        out = []
+        for k, cfg, prod, n in zip(ks, self.configs, producers, n_out, strict=True):
+            waves = -(-(n // prod["block_n"]) // self.wave_programs)
+            seg = k // waves if k % waves == 0 else k
+            tiles = seg // prod["block_n"]
+            if seg % cfg["block_k"] or seg % prod["block_n"] or tiles & (tiles - 1):
+                seg = k
+            out.append(seg)
+        return tuple(out)
 
     def set_stages(self, stages: tuple[int, int, int, int] | None) -> None:
         """Pipeline stages per GEMM (q/k/v, o, gate/up, down); None: the decode kernel's table. One program per
@@ -197,13 +254,17 @@ class PersistentChain:
         y3 = x.new_empty((m, self.inter))
         out = x.new_empty((m, self.hidden))
         self.counter.zero_()
+        self.flags.zero_()
         c1, c2, c3, c4 = self.configs
+        seg1, seg2, seg3, seg4 = self.segments() if self.dataflow else (self.hidden, self.q_width, self.hidden,
+                                                                        self.inter)
         _chain_kernel[(self.programs,)](
-            x, *self.stacked, y1, y2, y3, out, self.counter, m, self.layers,
+            x, *self.stacked, y1, y2, y3, out, self.counter, self.flags, m, self.layers,
             H=self.hidden, QKV=self.qkv, QW=self.q_width, INTER=self.inter,
             BN1=c1["block_n"], BK1=c1["block_k"], S1=c1["num_stages"], BN2=c2["block_n"], BK2=c2["block_k"],
             S2=c2["num_stages"], BN3=c3["block_n"], BK3=c3["block_k"], S3=c3["num_stages"], BN4=c4["block_n"],
             BK4=c4["block_k"], S4=c4["num_stages"], PREFETCH=self.prefetch, LINE=64, EMULATED=tlin.INTERPRETED,
+            FLOW=self.dataflow, SEG1=seg1, SEG2=seg2, SEG3=seg3, SEG4=seg4, MAXT=self.max_tiles,
             num_warps=self.num_warps,
         )
         return out
@@ -213,7 +274,7 @@ def interpreted_check() -> dict:
     """Two tiny layers through :class:`PersistentChain` and through the per-GEMM decode kernel, under Triton's CPU
     interpreter (:func:`benchmarks.quant._common.run_interpreted`): whether the bits agree."""
     gen = torch.Generator().manual_seed(7)
-    hidden, qkv, inter = 64, 128, 128
+    hidden, qkv, inter = 64, 128, 256
 
     def weight(n: int, k: int) -> torch.Tensor:
         return (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
@@ -221,12 +282,17 @@ def interpreted_check() -> dict:
     weights = [{"qkv": weight(qkv, hidden), "o": weight(hidden, hidden), "gate_up": weight(2 * inter, hidden),
                 "down": weight(hidden, inter)} for _ in range(2)]
     x = torch.randn(5, hidden, generator=gen).to(torch.bfloat16)
-    out = PersistentChain(weights, q_width=hidden)(x)
+    chain = PersistentChain(weights, q_width=hidden)
+    out = chain(x)
+    chain.dataflow = True  # the K loops in segments (the interpreter's one program needs no flag waits)
+    chain.wave_programs = 4  # segments as 4 programs would wave: down walks its 256 columns in two
+    flow = chain(x)
     h = x
     for w in weights:
         h = tlin.decode_linear(tlin.decode_linear(h, w["qkv"])[:, :hidden], w["o"])
         h = tlin.decode_linear(tlin.decode_linear(h, w["gate_up"], swiglu=True), w["down"])
-    return {"equal": torch.equal(out, h), "max_abs": float((out.float() - h.float()).abs().max())}
+    return {"equal": torch.equal(out, h), "max_abs": float((out.float() - h.float()).abs().max()),
+            "dataflow_equal": torch.equal(flow, h), "segments": chain.segments()}
 
 
 def barrier_us(device: torch.device, count: int = 144, programs: int | None = None) -> float:
