@@ -22,6 +22,7 @@ GB/s counts weight bytes. Checked first: the kernel against cuBLAS (relative err
     python benchmarks/gpu/bench_decode_linear.py --tune --tma 0,1        # also tiles copied by TMA descriptors
     python benchmarks/gpu/bench_decode_linear.py --tune --tune-chain 3   # parameters chosen inside the chain
     python benchmarks/gpu/bench_decode_linear.py --persistent 3          # the chain as one persistent launch
+    python benchmarks/gpu/bench_decode_linear.py --persistent 1 --persistent-stages "6,8,12,8;5,6,8,6"
 
 ``--shapes 0.6b --m 128``: Qwen3-0.6B's shapes at the GRPO benchmark's rollout batch (two 64-row tiles
 per weight tile; ``--layers 28``).
@@ -236,7 +237,7 @@ class Chain:
 
 
 def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma_rounds: int = 0,
-                persistent_rounds: int = 0) -> dict:
+                persistent_rounds: int = 0, persistent_stages: tuple[tuple[int, int, int, int], ...] = ()) -> dict:
     """The :class:`Chain` of one decode step: ms per step by cuBLAS, the kernel, the kernel with PDL; ``best``
     ({(N, K, swiglu): launch parameters}, a sweep's best): also the kernel with PDL at those parameters
     (``triton_pdl_best``), then at the table's again (``triton_pdl_again``); ``tma_rounds``: that many rounds of the
@@ -245,7 +246,8 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
     ``persistent_rounds``: that many rounds of the chain as one persistent launch (``persistent_pf<bytes>_w<warps>``:
     with and without the next GEMM's L2 prefetch before each grid barrier, 4 and 8 warps, ``_deep``: the pipelines of
     :data:`DEEP_STAGES`, ``_flow``: per-tile flags instead of grid barriers) and of the PDL chain (``triton_pdl_ab``),
-    then the cost of one grid barrier alone."""
+    then the cost of one grid barrier alone; ``persistent_stages``: the dataflow chain at each of these pipeline
+    depths (q/k/v, o, gate/up, down), one timing each (``persistent_flow_stages``)."""
     chain = Chain(shapes, m, layers)
     out = {kind: chain.time(lambda k=kind: chain.step(k)) for kind in ("cublas", "triton", "triton_pdl")}
     if best:  # the sweep's best launch parameters in place of the table's, side by side with the table's
@@ -271,6 +273,12 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
         from benchmarks.gpu.persistent_chain import barrier_us
 
         out["grid_barrier_us"] = barrier_us(torch.device(C.DEVICE))
+    for stages in persistent_stages:  # the dataflow chain at other pipeline depths (one timing each)
+        try:
+            out.setdefault("persistent_flow_stages", {})[",".join(map(str, stages))] = chain.persistent(
+                tlin.PDL_PREFETCH, 4, stages, True)["ms"]
+        except Exception as exc:  # noqa: BLE001 - stages that do not fit the shared memory: report, go on
+            out.setdefault("persistent_flow_stages", {})[",".join(map(str, stages))] = f"{type(exc).__name__}: {exc}"[:160]
     return out
 
 
@@ -320,6 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="with --tune: choose the launch parameters inside the chain with norms, then ROUNDS A/B rounds")
     ap.add_argument("--persistent", type=int, default=0, metavar="ROUNDS",
                     help="rounds of the chain as one persistent launch (persistent_chain.py) vs the PDL chain")
+    ap.add_argument("--persistent-stages", default="", metavar="S1,S2,S3,S4;...",
+                    help="pipeline depths (q/k/v, o, gate/up, down) to time the dataflow persistent chain at")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="decode_linear.json")
@@ -327,6 +337,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not 1 <= args.m <= tlin.MAX_M:
         raise SystemExit(f"--m {args.m}: allowed 1..{tlin.MAX_M} (the kernel's row range)")
     splits, tmas = _ints("--splits", args.splits, 1, None), _ints("--tma", args.tma, 0, 1)
+    stages = tuple(_ints("--persistent-stages", group, 2, 16) for group in args.persistent_stages.split(";") if group)
+    if any(len(group) != 4 for group in stages):
+        raise SystemExit(f"--persistent-stages {args.persistent_stages!r}: allowed groups of 4 ints in 2..16 "
+                         "(q/k/v, o, gate/up, down), separated by ';'")
     shapes = dict(TINY if args.smoke else PRESETS[args.shapes])
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args), "rows": []}
     best, ranked = {}, {}
@@ -339,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
         C.write_json(args.out, result)
     C.print_table(result["rows"], ["shape", "path", "config", "us", "gbs", "rel_err", "error"])
     result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers, best, args.ab_tma,
-                                     args.persistent)
+                                     args.persistent, stages)
     print("chain (ms per step):", result["chain_ms"])
     if args.tune_chain and C.DEVICE == "cuda":
         result["chain_tune"] = tune_chain(shapes, args.m, args.layers, ranked, rounds=args.tune_chain)
