@@ -71,10 +71,13 @@ if triton is not None:
 
     @triton.jit
     def _wait_tiles(flags, first, COUNT: tl.constexpr):
-        """Wait until tiles ``first .. first + COUNT`` of a producer GEMM have set their flags (acquire loads)."""
-        offs = first + tl.arange(0, COUNT)
-        while tl.min(_load_acquire(flags + offs), axis=0) == 0:
-            pass
+        """Wait until tiles ``first .. first + COUNT`` of a producer GEMM have set their flags (acquire loads, in
+        power-of-two chunks of up to 128 flags)."""
+        CHUNK: tl.constexpr = COUNT if COUNT < 128 else 128
+        for c in tl.static_range(0, COUNT, CHUNK):
+            offs = first + c + tl.arange(0, CHUNK)
+            while tl.min(_load_acquire(flags + offs), axis=0) == 0:
+                pass
         tl.debug_barrier()
 
     @triton.jit
@@ -94,7 +97,7 @@ if triton is not None:
         w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
         acc = tl.zeros((64, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((64, BLOCK_N), dtype=tl.float32)
-        for seg in tl.static_range(0, K, SEG):
+        for seg in range(0, K, SEG):  # a loop, not unrolled: one copy of the pipelined K loop and its registers
             if FLOW and BN_IN > 0 and not EMULATED:  # the wait comes before the segment's first copy is issued
                 _wait_tiles(flag_in, seg // BN_IN, SEG // BN_IN)
             for _ in tl.range(0, SEG, BLOCK_K, num_stages=STAGES):
@@ -151,34 +154,40 @@ if triton is not None:
         # the weights: one (LAYERS, N, K) tensor per GEMM, so the compiler knows each layer's tile alignment (an
         # address loaded from a table is opaque to it: the weight loads then leave the software pipeline).
         # FLOW: no grid barriers; GEMM g of layer l sets flags[(4 l + g) * MAXT + tile] (zeroed before the launch)
+        # the activations: two buffers each of 64 rows, by layer parity. Pointers that depend on the layer are
+        # computed in each layer; pointers into one buffer would be loop invariants, hoisted out of the layer loop
+        # (64-bit pointer tensors of every GEMM's x tile held across the loop: past 255 registers under FLOW).
         pid, nprog = tl.program_id(0), tl.num_programs(0)
         phase = 0
         for layer in range(0, LAYERS):
             at = tl.cast(layer, tl.int64)  # the gate/up stack passes 2**31 elements
             w_qkv, w_o, w_gu, w_d = wq + at * (QKV * H), wo + at * (H * QW), wgu + at * (2 * INTER * H), wd + at * (H * INTER)
             f = flags + layer * 4 * MAXT  # this layer's q/k/v, o, gate/up, down flags: f, f + MAXT, ...
+            par = layer % 2
+            a1, a2, a3 = y1 + par * (64 * QKV), y2 + par * (64 * H), y3 + par * (64 * INTER)
+            a_in, a_out = out + (1 - par) * (64 * H), out + par * (64 * H)
             if layer == 0:
-                _gemm(x0, H, w_qkv, y1, QKV, M, pid, nprog, f, f, QKV, H, BN1, BK1, S1, False, EMULATED, H, 0, FLOW)
+                _gemm(x0, H, w_qkv, a1, QKV, M, pid, nprog, f, f, QKV, H, BN1, BK1, S1, False, EMULATED, H, 0, FLOW)
             else:
-                _gemm(out, H, w_qkv, y1, QKV, M, pid, nprog, f - MAXT, f, QKV, H, BN1, BK1, S1, False, EMULATED, SEG1,
-                      BN4, FLOW)
+                _gemm(a_in, H, w_qkv, a1, QKV, M, pid, nprog, f - MAXT, f, QKV, H, BN1, BK1, S1, False, EMULATED,
+                      SEG1, BN4, FLOW)
             _next(w_o, pid, H, QW, BN2, PREFETCH, LINE)
             phase += 1
             if not FLOW:
                 _grid_sync(counter, phase * nprog, EMULATED)
-            _gemm(y1, QKV, w_o, y2, H, M, pid, nprog, f, f + MAXT, H, QW, BN2, BK2, S2, False, EMULATED, SEG2, BN1,
+            _gemm(a1, QKV, w_o, a2, H, M, pid, nprog, f, f + MAXT, H, QW, BN2, BK2, S2, False, EMULATED, SEG2, BN1,
                   FLOW)  # o reads the q columns
             _next(w_gu, pid, INTER, H, BN3, PREFETCH, LINE)
             phase += 1
             if not FLOW:
                 _grid_sync(counter, phase * nprog, EMULATED)
-            _gemm(y2, H, w_gu, y3, INTER, M, pid, nprog, f + MAXT, f + 2 * MAXT, INTER, H, BN3, BK3, S3, True,
+            _gemm(a2, H, w_gu, a3, INTER, M, pid, nprog, f + MAXT, f + 2 * MAXT, INTER, H, BN3, BK3, S3, True,
                   EMULATED, SEG3, BN2, FLOW)
             _next(w_d, pid, H, INTER, BN4, PREFETCH, LINE)
             phase += 1
             if not FLOW:
                 _grid_sync(counter, phase * nprog, EMULATED)
-            _gemm(y3, INTER, w_d, out, H, M, pid, nprog, f + 2 * MAXT, f + 3 * MAXT, H, INTER, BN4, BK4, S4, False,
+            _gemm(a3, INTER, w_d, a_out, H, M, pid, nprog, f + 2 * MAXT, f + 3 * MAXT, H, INTER, BN4, BK4, S4, False,
                   EMULATED, SEG4, BN3, FLOW)
             if layer + 1 < LAYERS:
                 _next(w_qkv + QKV * H, pid, QKV, H, BN1, PREFETCH, LINE)
@@ -249,10 +258,10 @@ class PersistentChain:
         m = x.shape[0]
         if m > ROWS or x.shape[1] != self.hidden or x.dtype != torch.bfloat16:
             raise ValueError(f"x {tuple(x.shape)} {x.dtype}; need (M <= {ROWS}, {self.hidden}) bfloat16")
-        y1 = x.new_empty((m, self.qkv))
-        y2 = x.new_empty((m, self.hidden))
-        y3 = x.new_empty((m, self.inter))
-        out = x.new_empty((m, self.hidden))
+        y1 = x.new_empty((2, ROWS, self.qkv))  # by layer parity, 64 rows each (the kernel's fixed offsets)
+        y2 = x.new_empty((2, ROWS, self.hidden))
+        y3 = x.new_empty((2, ROWS, self.inter))
+        out = x.new_empty((2, ROWS, self.hidden))
         self.counter.zero_()
         self.flags.zero_()
         c1, c2, c3, c4 = self.configs
@@ -267,7 +276,7 @@ class PersistentChain:
             FLOW=self.dataflow, SEG1=seg1, SEG2=seg2, SEG3=seg3, SEG4=seg4, MAXT=self.max_tiles,
             num_warps=self.num_warps,
         )
-        return out
+        return out[(self.layers - 1) % 2, :m]
 
 
 def interpreted_check() -> dict:
