@@ -202,15 +202,18 @@ class Chain:
         return h if fused else h + d
 
     def persistent(self, prefetch: int = tlin.PDL_PREFETCH, num_warps: int = 4,
-                   stages: tuple[int, int, int, int] | None = None, dataflow: bool = False) -> dict:
+                   stages: tuple[int, int, int, int] | None = None, dataflow: bool = False, segments: bool = True,
+                   trace: bool = False) -> dict:
         """The chain of :meth:`step` as one persistent launch (:mod:`benchmarks.gpu.persistent_chain`): ms per step,
-        checked first against the per-GEMM chain (``equal``: the same bits; else the relative error)."""
-        from benchmarks.gpu.persistent_chain import PersistentChain
+        checked first against the per-GEMM chain (``equal``: the same bits; else the relative error). ``segments``:
+        under dataflow, K in segments by the producer's waves (else one flag wait per tile); ``trace``: also where
+        the launch spends its time (``timeline``: :func:`persistent_chain.timeline`)."""
+        from benchmarks.gpu.persistent_chain import PersistentChain, timeline
 
         if getattr(self, "_persistent", None) is None:  # its stacked copy of the weights is made once
             self._persistent = PersistentChain(self.weights, self.q_width)
         chain = self._persistent
-        chain.prefetch, chain.num_warps, chain.dataflow = prefetch, num_warps, dataflow
+        chain.prefetch, chain.num_warps, chain.dataflow, chain.flow_segments = prefetch, num_warps, dataflow, segments
         chain.set_stages(stages)
         ref, out = self.step("triton"), chain(self.x)
         # bits compared as integers: 36 layers of random weights without norms may overflow to inf / NaN, alike
@@ -219,8 +222,11 @@ class Chain:
         err = 0.0 if equal else float((out.float() - ref.float())[finite].norm() / ref.float()[finite].norm())
         if not equal and not (err <= 1e-2 and torch.equal(out.isfinite(), finite)):
             raise AssertionError(f"persistent chain: relative error {err:.3g} against the per-GEMM chain")
-        return {"ms": self.time(lambda: chain(self.x)), "equal": equal, "rel_err": err, "programs": chain.programs,
-                "prefetch": prefetch, "num_warps": num_warps}
+        row = {"ms": self.time(lambda: chain(self.x)), "equal": equal, "rel_err": err, "programs": chain.programs,
+               "prefetch": prefetch, "num_warps": num_warps}
+        if trace:
+            row["timeline"] = timeline(chain, self.x)
+        return row
 
     def time(self, fn: Callable[[], torch.Tensor], table: dict | None = None) -> float:
         """ms of ``fn`` replayed in a CUDA graph, with ``table`` ({(N, K, swiglu): launch parameters}) in place of
@@ -237,7 +243,8 @@ class Chain:
 
 
 def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma_rounds: int = 0,
-                persistent_rounds: int = 0, persistent_stages: tuple[tuple[int, int, int, int], ...] = ()) -> dict:
+                persistent_rounds: int = 0, persistent_stages: tuple[tuple[int, int, int, int], ...] = (),
+                persistent_trace: bool = False) -> dict:
     """The :class:`Chain` of one decode step: ms per step by cuBLAS, the kernel, the kernel with PDL; ``best``
     ({(N, K, swiglu): launch parameters}, a sweep's best): also the kernel with PDL at those parameters
     (``triton_pdl_best``), then at the table's again (``triton_pdl_again``); ``tma_rounds``: that many rounds of the
@@ -247,7 +254,9 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
     with and without the next GEMM's L2 prefetch before each grid barrier, 4 and 8 warps, ``_deep``: the pipelines of
     :data:`DEEP_STAGES`, ``_flow``: per-tile flags instead of grid barriers) and of the PDL chain (``triton_pdl_ab``),
     then the cost of one grid barrier alone; ``persistent_stages``: the dataflow chain at each of these pipeline
-    depths (q/k/v, o, gate/up, down), one timing each (``persistent_flow_stages``)."""
+    depths (q/k/v, o, gate/up, down), one timing each (``persistent_flow_stages``); ``persistent_trace``: the
+    timelines of the deep-pipelined chain with barriers, with flags and K segments, and with one flag wait per tile
+    (``persistent_timeline``: each variant's ms and :func:`persistent_chain.timeline`)."""
     chain = Chain(shapes, m, layers)
     out = {kind: chain.time(lambda k=kind: chain.step(k)) for kind in ("cublas", "triton", "triton_pdl")}
     if best:  # the sweep's best launch parameters in place of the table's, side by side with the table's
@@ -277,6 +286,11 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
         from benchmarks.gpu.persistent_chain import barrier_us
 
         out["grid_barrier_us"] = barrier_us(torch.device(C.DEVICE))
+    if persistent_trace:
+        for name, flow, segments in (("barrier", False, True), ("flow", True, True), ("flow_one_wait", True, False)):
+            row = chain.persistent(tlin.PDL_PREFETCH, 4, DEEP_STAGES, flow, segments, trace=True)
+            out.setdefault("persistent_timeline", {})[name] = {"ms": row["ms"], "equal": row["equal"],
+                                                                **row["timeline"]}
     for stages in persistent_stages:  # the dataflow chain at other pipeline depths (one timing each)
         try:
             out.setdefault("persistent_flow_stages", {})[",".join(map(str, stages))] = chain.persistent(
@@ -334,6 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="rounds of the chain as one persistent launch (persistent_chain.py) vs the PDL chain")
     ap.add_argument("--persistent-stages", default="", metavar="S1,S2,S3,S4;...",
                     help="pipeline depths (q/k/v, o, gate/up, down) to time the dataflow persistent chain at")
+    ap.add_argument("--persistent-trace", action="store_true",
+                    help="timelines of the persistent chain (barriers, flags, flags without K segments)")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="decode_linear.json")
@@ -357,8 +373,10 @@ def main(argv: list[str] | None = None) -> dict:
         C.write_json(args.out, result)
     C.print_table(result["rows"], ["shape", "path", "config", "us", "gbs", "rel_err", "error"])
     result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers, best, args.ab_tma,
-                                     args.persistent, stages)
-    print("chain (ms per step):", result["chain_ms"])
+                                     args.persistent, stages, args.persistent_trace)
+    print("chain (ms per step):", {k: v for k, v in result["chain_ms"].items() if k != "persistent_timeline"})
+    for name, row in result["chain_ms"].get("persistent_timeline", {}).items():
+        print(f"persistent timeline, {name}:", row)
     if args.tune_chain and C.DEVICE == "cuda":
         result["chain_tune"] = tune_chain(shapes, args.m, args.layers, ranked, rounds=args.tune_chain)
         print("chain with norms, table vs chosen in the chain (ms):", {k: v for k, v in result["chain_tune"].items()

@@ -63,6 +63,12 @@ if triton is not None:
                                          is_pure=False, pack=1)
 
     @triton.jit
+    def _now(pid):
+        """The GPU's global nanosecond timer (``%globaltimer``; ``pid`` is an unused operand)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
     def _barriers_kernel(counter, COUNT: tl.constexpr):
         """``COUNT`` grid barriers and nothing else: what one costs."""
         nprog = tl.num_programs(0)
@@ -84,11 +90,13 @@ if triton is not None:
     def _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, flag_in, flag_out, N: tl.constexpr,
               K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
               SWIGLU: tl.constexpr, EMULATED: tl.constexpr, SEG: tl.constexpr, BN_IN: tl.constexpr,
-              FLOW: tl.constexpr):
+              FLOW: tl.constexpr, TRACE: tl.constexpr):
         """One weight tile of out = x @ w.T (SWIGLU: w = cat([gate, up]) of 2N rows, out = silu(gate) * up, rounded
         as the decode kernel's epilogue). FLOW (dataflow instead of grid barriers): K is walked in segments of SEG
         columns, each a pipelined loop of its own that starts once the producer tiles (BN_IN columns each) of its
-        columns have set their flags (BN_IN = 0: the input has no producer); the tile then sets its own flag."""
+        columns have set their flags (BN_IN = 0: the input has no producer); the tile then sets its own flag.
+        Returns the nanoseconds spent in flag waits (TRACE; else 0)."""
+        waited = tl.zeros((), dtype=tl.int64)
         offs_m = tl.arange(0, 64)
         mmask = offs_m < M
         offs_k = tl.arange(0, BLOCK_K)
@@ -99,7 +107,11 @@ if triton is not None:
         acc_u = tl.zeros((64, BLOCK_N), dtype=tl.float32)
         for seg in range(0, K, SEG):  # a loop, not unrolled: one copy of the pipelined K loop and its registers
             if FLOW and BN_IN > 0 and not EMULATED:  # the wait comes before the segment's first copy is issued
+                if TRACE:
+                    t0 = _now(tile)
                 _wait_tiles(flag_in, seg // BN_IN, SEG // BN_IN)
+                if TRACE:
+                    waited += _now(tile) - t0
             for _ in tl.range(0, SEG, BLOCK_K, num_stages=STAGES):
                 x = _operand(tl.load(x_ptrs, mask=mmask[:, None], other=0.0, cache_modifier=".cg"), EMULATED)
                 acc = tl.dot(x, tl.trans(_operand(tl.load(w_ptrs), EMULATED)), acc)
@@ -116,22 +128,30 @@ if triton is not None:
         if FLOW and not EMULATED:  # every thread's stores, then one release
             tl.debug_barrier()
             tl.atomic_xchg(flag_out + tile, 1, sem="release", scope="gpu")
+        return waited
 
     @triton.jit
     def _gemm(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, pid, nprog, flag_in, flag_out, N: tl.constexpr,
               K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
               SWIGLU: tl.constexpr, EMULATED: tl.constexpr, SEG: tl.constexpr, BN_IN: tl.constexpr,
-              FLOW: tl.constexpr):
+              FLOW: tl.constexpr, trace, TRACE: tl.constexpr):
         """The weight tiles pid, pid + nprog, ... of one GEMM (the interpreter's single program: every tile; it
-        takes no run-time loop bounds)."""
+        takes no run-time loop bounds). TRACE: ``trace[0:3]`` = the time it began, the nanoseconds of its flag waits,
+        the time it ended."""
         if EMULATED:
             for tile in range(0, N // BLOCK_N):
                 _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, flag_in, flag_out, N, K, BLOCK_N, BLOCK_K,
-                      STAGES, SWIGLU, EMULATED, SEG, BN_IN, FLOW)
+                      STAGES, SWIGLU, EMULATED, SEG, BN_IN, FLOW, False)
         else:
+            if TRACE:
+                tl.store(trace, _now(pid))
+            waited = tl.zeros((), dtype=tl.int64)
             for tile in range(pid, N // BLOCK_N, nprog):
-                _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, flag_in, flag_out, N, K, BLOCK_N, BLOCK_K,
-                      STAGES, SWIGLU, EMULATED, SEG, BN_IN, FLOW)
+                waited += _tile(x_ptr, stride_x, w_ptr, out_ptr, stride_o, M, tile, flag_in, flag_out, N, K, BLOCK_N,
+                                BLOCK_K, STAGES, SWIGLU, EMULATED, SEG, BN_IN, FLOW, TRACE)
+            if TRACE:
+                tl.store(trace + 1, waited)
+                tl.store(trace + 2, _now(pid))
 
     @triton.jit
     def _next(w, pid, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
@@ -143,13 +163,13 @@ if triton is not None:
 
     @triton.jit
     def _chain_kernel(
-        x0, wq, wo, wgu, wd, y1, y2, y3, out, counter, flags, M, LAYERS: tl.constexpr,
+        x0, wq, wo, wgu, wd, y1, y2, y3, out, counter, flags, trace, M, LAYERS: tl.constexpr,
         H: tl.constexpr, QKV: tl.constexpr, QW: tl.constexpr, INTER: tl.constexpr,
         BN1: tl.constexpr, BK1: tl.constexpr, S1: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr,
         S2: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr, S3: tl.constexpr, BN4: tl.constexpr,
         BK4: tl.constexpr, S4: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, EMULATED: tl.constexpr,
         FLOW: tl.constexpr, SEG1: tl.constexpr, SEG2: tl.constexpr, SEG3: tl.constexpr, SEG4: tl.constexpr,
-        MAXT: tl.constexpr,
+        MAXT: tl.constexpr, TRACE: tl.constexpr,
     ):
         # the weights: one (LAYERS, N, K) tensor per GEMM, so the compiler knows each layer's tile alignment (an
         # address loaded from a table is opaque to it: the weight loads then leave the software pipeline).
@@ -166,29 +186,31 @@ if triton is not None:
             par = layer % 2
             a1, a2, a3 = y1 + par * (64 * QKV), y2 + par * (64 * H), y3 + par * (64 * INTER)
             a_in, a_out = out + (1 - par) * (64 * H), out + par * (64 * H)
+            tr = trace + (pid * LAYERS + layer) * 12  # TRACE: 3 numbers per GEMM of this program and layer
             if layer == 0:
-                _gemm(x0, H, w_qkv, a1, QKV, M, pid, nprog, f, f, QKV, H, BN1, BK1, S1, False, EMULATED, H, 0, FLOW)
+                _gemm(x0, H, w_qkv, a1, QKV, M, pid, nprog, f, f, QKV, H, BN1, BK1, S1, False, EMULATED, H, 0, FLOW,
+                      tr, TRACE)
             else:
                 _gemm(a_in, H, w_qkv, a1, QKV, M, pid, nprog, f - MAXT, f, QKV, H, BN1, BK1, S1, False, EMULATED,
-                      SEG1, BN4, FLOW)
+                      SEG1, BN4, FLOW, tr, TRACE)
             _next(w_o, pid, H, QW, BN2, PREFETCH, LINE)
             phase += 1
             if not FLOW:
                 _grid_sync(counter, phase * nprog, EMULATED)
             _gemm(a1, QKV, w_o, a2, H, M, pid, nprog, f, f + MAXT, H, QW, BN2, BK2, S2, False, EMULATED, SEG2, BN1,
-                  FLOW)  # o reads the q columns
+                  FLOW, tr + 3, TRACE)  # o reads the q columns
             _next(w_gu, pid, INTER, H, BN3, PREFETCH, LINE)
             phase += 1
             if not FLOW:
                 _grid_sync(counter, phase * nprog, EMULATED)
             _gemm(a2, H, w_gu, a3, INTER, M, pid, nprog, f + MAXT, f + 2 * MAXT, INTER, H, BN3, BK3, S3, True,
-                  EMULATED, SEG3, BN2, FLOW)
+                  EMULATED, SEG3, BN2, FLOW, tr + 6, TRACE)
             _next(w_d, pid, H, INTER, BN4, PREFETCH, LINE)
             phase += 1
             if not FLOW:
                 _grid_sync(counter, phase * nprog, EMULATED)
             _gemm(a3, INTER, w_d, a_out, H, M, pid, nprog, f + 2 * MAXT, f + 3 * MAXT, H, INTER, BN4, BK4, S4, False,
-                  EMULATED, SEG4, BN3, FLOW)
+                  EMULATED, SEG4, BN3, FLOW, tr + 9, TRACE)
             if layer + 1 < LAYERS:
                 _next(w_qkv + QKV * H, pid, QKV, H, BN1, PREFETCH, LINE)
             phase += 1
@@ -227,6 +249,8 @@ class PersistentChain:
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.num_warps = num_warps
         self.dataflow = False  # flags per producer tile instead of grid barriers (set it to time that)
+        self.flow_segments = True  # under dataflow, K in segments by the producer's waves (False: one wait per tile)
+        self.trace: torch.Tensor | None = None  # (programs, layers, 4 GEMMs, 3) timestamps: see timeline()
         self.wave_programs = self.programs  # the program count segments() splits producer tiles into waves by
         self.max_tiles = max(n // c["block_n"] for (n, _, _), c in zip(shapes, self.configs, strict=True))
         self.flags = torch.zeros(self.layers * 4 * self.max_tiles, dtype=torch.int32, device=device)
@@ -265,18 +289,54 @@ class PersistentChain:
         self.counter.zero_()
         self.flags.zero_()
         c1, c2, c3, c4 = self.configs
-        seg1, seg2, seg3, seg4 = self.segments() if self.dataflow else (self.hidden, self.q_width, self.hidden,
-                                                                        self.inter)
+        whole = (self.hidden, self.q_width, self.hidden, self.inter)
+        seg1, seg2, seg3, seg4 = self.segments() if self.dataflow and self.flow_segments else whole
+        trace = self.trace if self.trace is not None else self.counter
         _chain_kernel[(self.programs,)](
-            x, *self.stacked, y1, y2, y3, out, self.counter, self.flags, m, self.layers,
+            x, *self.stacked, y1, y2, y3, out, self.counter, self.flags, trace, m, self.layers,
             H=self.hidden, QKV=self.qkv, QW=self.q_width, INTER=self.inter,
             BN1=c1["block_n"], BK1=c1["block_k"], S1=c1["num_stages"], BN2=c2["block_n"], BK2=c2["block_k"],
             S2=c2["num_stages"], BN3=c3["block_n"], BK3=c3["block_k"], S3=c3["num_stages"], BN4=c4["block_n"],
             BK4=c4["block_k"], S4=c4["num_stages"], PREFETCH=self.prefetch, LINE=64, EMULATED=tlin.INTERPRETED,
             FLOW=self.dataflow, SEG1=seg1, SEG2=seg2, SEG3=seg3, SEG4=seg4, MAXT=self.max_tiles,
-            num_warps=self.num_warps,
+            TRACE=self.trace is not None and not tlin.INTERPRETED, num_warps=self.num_warps,
         )
         return out[(self.layers - 1) % 2, :m]
+
+
+def timeline(chain: PersistentChain, x: torch.Tensor) -> dict:
+    """Where one launch of ``chain`` spends its time, from timestamps each program takes (``%globaltimer``) as it
+    enters and leaves each GEMM, and the nanoseconds it spends in flag waits (dataflow). Microseconds, averaged
+    over layers 1 .. L-1 and over the programs that have tiles of that GEMM:
+
+    * ``layer_us``: from one layer's first q/k/v entry to the next's (the chain's steady time per layer);
+    * per GEMM (``qkv``, ``o``, ``gate_up``, ``down``): ``busy`` (in the GEMM, not waiting for flags), ``flag_wait``,
+      ``gap`` (from leaving the previous GEMM to entering this one: the L2 prefetch and, with barriers, the barrier),
+      ``span`` (first entry to last exit) and ``tail`` (last exit minus the median exit)."""
+    chain.trace = torch.zeros((chain.programs, chain.layers, 4, 3), dtype=torch.int64, device=x.device)
+    try:
+        chain(x)
+        torch.cuda.synchronize(x.device)
+        t = chain.trace.double().cpu()
+    finally:
+        chain.trace = None
+    p, layers = chain.programs, chain.layers
+    n = (chain.qkv, chain.hidden, chain.inter, chain.hidden)
+    working = [torch.tensor([pid < n_g // cfg["block_n"] for pid in range(p)]) for n_g, cfg in zip(n, chain.configs,
+                                                                                                      strict=True)]
+    out = {"layer_us": float((t[:, 1:, 0, 0].min(0).values.diff()).mean() / 1e3) if layers > 2 else None}
+    for g, name in enumerate(("qkv", "o", "gate_up", "down")):
+        w = working[g]
+        enter, waited, leave = t[w, 1:, g, 0], t[w, 1:, g, 1], t[w, 1:, g, 2]
+        prev = t[w, 1:, g - 1, 2] if g else t[w, :-1, 3, 2]  # leaving the GEMM before (q/k/v: the last layer's down)
+        out[name] = {
+            "busy": round(float((leave - enter - waited).mean()) / 1e3, 2),
+            "flag_wait": round(float(waited.mean()) / 1e3, 2),
+            "gap": round(float((enter - prev).mean()) / 1e3, 2),
+            "span": round(float((leave.max(0).values - enter.min(0).values).mean()) / 1e3, 2),
+            "tail": round(float((leave.max(0).values - leave.median(0).values).mean()) / 1e3, 2),
+        }
+    return out
 
 
 def interpreted_check() -> dict:

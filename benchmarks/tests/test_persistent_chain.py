@@ -30,9 +30,9 @@ def test_the_dataflow_chain_compiles_for_sm90_with_every_operand_on_the_pipeline
     s1, s2, s3, s4 = DEEP_STAGES
     constexprs = dict(LAYERS=2, H=4096, QKV=6144, QW=4096, INTER=12288, BN1=64, BK1=128, S1=s1, BN2=32, BK2=128, S2=s2,
                       BN3=32, BK3=64, S3=s3, BN4=32, BK4=128, S4=s4, PREFETCH=512, LINE=64, EMULATED=False, FLOW=True,
-                      SEG1=4096, SEG2=4096, SEG3=4096, SEG4=4096, MAXT=384)
+                      SEG1=4096, SEG2=4096, SEG3=4096, SEG4=4096, MAXT=384, TRACE=False)
     signature = {name: "*bf16" if name in pointers else "*i32" if name in ("counter", "flags") else
-                 "constexpr" if name in constexprs else "i32" for name in fn.arg_names}
+                 "*i64" if name == "trace" else "constexpr" if name in constexprs else "i32" for name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in (*pointers, "counter", "flags")}
     kernel = triton.compile(compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=backends.GPUTarget("cuda", 90, 32), options={"num_warps": 4})
