@@ -244,7 +244,7 @@ class Chain:
 
 def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma_rounds: int = 0,
                 persistent_rounds: int = 0, persistent_stages: tuple[tuple[int, int, int, int], ...] = (),
-                persistent_trace: bool = False) -> dict:
+                persistent_trace: bool = False, persistent_prefetch: tuple[int, ...] = ()) -> dict:
     """The :class:`Chain` of one decode step: ms per step by cuBLAS, the kernel, the kernel with PDL; ``best``
     ({(N, K, swiglu): launch parameters}, a sweep's best): also the kernel with PDL at those parameters
     (``triton_pdl_best``), then at the table's again (``triton_pdl_again``); ``tma_rounds``: that many rounds of the
@@ -256,7 +256,9 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
     then the cost of one grid barrier alone; ``persistent_stages``: the dataflow chain at each of these pipeline
     depths (q/k/v, o, gate/up, down), one timing each (``persistent_flow_stages``); ``persistent_trace``: the
     timelines of the deep-pipelined chain with barriers, with flags and K segments, and with one flag wait per tile
-    (``persistent_timeline``: each variant's ms and :func:`persistent_chain.timeline`)."""
+    (``persistent_timeline``: each variant's ms and :func:`persistent_chain.timeline`); ``persistent_prefetch``: the
+    deep-pipelined chain with barriers at each of these L2 prefetches (weight columns per row of the next GEMM's
+    first tile, before each barrier), each with its timeline (``persistent_timeline``, ``barrier_pf<columns>``)."""
     chain = Chain(shapes, m, layers)
     out = {kind: chain.time(lambda k=kind: chain.step(k)) for kind in ("cublas", "triton", "triton_pdl")}
     if best:  # the sweep's best launch parameters in place of the table's, side by side with the table's
@@ -291,6 +293,10 @@ def bench_chain(shapes: dict, m: int, layers: int, best: dict | None = None, tma
             row = chain.persistent(tlin.PDL_PREFETCH, 4, DEEP_STAGES, flow, segments, trace=True)
             out.setdefault("persistent_timeline", {})[name] = {"ms": row["ms"], "equal": row["equal"],
                                                                 **row["timeline"]}
+    for prefetch in persistent_prefetch:
+        row = chain.persistent(prefetch, 4, DEEP_STAGES, False, trace=True)
+        out.setdefault("persistent_timeline", {})[f"barrier_pf{prefetch}"] = {"ms": row["ms"], "equal": row["equal"],
+                                                                               **row["timeline"]}
     for stages in persistent_stages:  # the dataflow chain at other pipeline depths (one timing each)
         try:
             out.setdefault("persistent_flow_stages", {})[",".join(map(str, stages))] = chain.persistent(
@@ -350,6 +356,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="pipeline depths (q/k/v, o, gate/up, down) to time the dataflow persistent chain at")
     ap.add_argument("--persistent-trace", action="store_true",
                     help="timelines of the persistent chain (barriers, flags, flags without K segments)")
+    ap.add_argument("--persistent-prefetch", default="", metavar="COLS,...",
+                    help="L2 prefetches (weight columns per row, 0: none) to time the persistent chain with barriers at")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="decode_linear.json")
@@ -361,6 +369,9 @@ def main(argv: list[str] | None = None) -> dict:
     if any(len(group) != 4 for group in stages):
         raise SystemExit(f"--persistent-stages {args.persistent_stages!r}: allowed groups of 4 ints in 2..16 "
                          "(q/k/v, o, gate/up, down), separated by ';'")
+    prefetches = _ints("--persistent-prefetch", args.persistent_prefetch, 0, 4096) if args.persistent_prefetch else ()
+    if any(p & (p - 1) or (p and p < 64) for p in prefetches):
+        raise SystemExit(f"--persistent-prefetch {args.persistent_prefetch!r}: allowed 0 or powers of two 64..4096 (the smallest K)")
     shapes = dict(TINY if args.smoke else PRESETS[args.shapes])
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args), "rows": []}
     best, ranked = {}, {}
@@ -373,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
         C.write_json(args.out, result)
     C.print_table(result["rows"], ["shape", "path", "config", "us", "gbs", "rel_err", "error"])
     result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers, best, args.ab_tma,
-                                     args.persistent, stages, args.persistent_trace)
+                                     args.persistent, stages, args.persistent_trace, prefetches)
     print("chain (ms per step):", {k: v for k, v in result["chain_ms"].items() if k != "persistent_timeline"})
     for name, row in result["chain_ms"].get("persistent_timeline", {}).items():
         print(f"persistent timeline, {name}:", row)
