@@ -37,7 +37,10 @@ per-step host work of a small model then serializes the two. The engine holds tw
 (``max_batch_size`` = 2 x prompts x n: what the async modes keep in flight), not more.
 
 GPU shape (one H200, the ``async_long_tail_gpu`` entry): 20 steps x 8 prompts x 8 samples,
-median 32 tokens (cap 256). What a full run costs besides the timed steps is per mode (engine
+median 32 tokens (cap 256), the pair of modes run three times in turn (sync, partial, sync, ...). A run this
+short moves by tens of percent from one time to the next (the sync rate alone did: 169-256 samples/s on one
+H100; a partial run whose long samples went stale and were dropped lost to sync), so the speed-ups are each
+round's side-by-side ratio, reported as the median of the three with the lowest and highest beside it. What a full run costs besides the timed steps is per mode (engine
 and two FSDP2 backends built, CUDA graphs captured per (batch bucket, KV length) key) and once
 per process (Triton kernels compiled at their first shape): the cap sets the number of KV-length
 keys (cap / 64 + 1) and the decode steps per call, rows x cap the prefill after each interrupt,
@@ -156,8 +159,11 @@ def run_metrics(records: list[dict]) -> dict[str, float]:
 
 
 def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = None,
-          shape_override: dict[str, int] | None = None, async_overrides: tuple[str, ...] = ()) -> dict:
-    """``fn(smoke) -> dict``: samples/s and time to N steps per mode, and each speed-up vs sync."""
+          shape_override: dict[str, int] | None = None, async_overrides: tuple[str, ...] = (),
+          rounds: int | None = None) -> dict:
+    """``fn(smoke) -> dict``: samples/s and time to N steps per mode, and each speed-up vs sync. ``rounds``
+    (default: 3 for the full GPU run, else 1): the modes run that many times in turn (sync, partial, sync,
+    partial, ...); see :func:`combine_rounds` for what is reported."""
     if gpu and not smoke:  # one H200 within ~240 s (module docstring)
         shape = {"steps": 20, "prompts": 8, "n": 8, "median": 32}
         extra: tuple[str, ...] = ("cluster.device=cuda", "trainer.warm_start_sft_steps=20")
@@ -169,10 +175,13 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     else:
         shape, extra = {"steps": 6, "prompts": 8, "n": 4, "median": 8}, ("trainer.warm_start_sft_steps=0",)
     shape.update(shape_override or {})
+    rounds = (3 if gpu and not smoke else 1) if rounds is None else rounds
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: allowed >= 1")
     modes = modes or (("sync", "partial") if smoke or gpu else tuple(MODES))  # GPU: the goal's pair (time)
     if modes[0] != "sync":
         modes = ("sync", *[m for m in modes if m != "sync"])
-    results: dict[str, Any] = {"shape": " ".join(f"{k}={v}" for k, v in shape.items())}
+    results: dict[str, Any] = {"shape": " ".join(f"{k}={v}" for k, v in shape.items()), "rounds": rounds}
     if async_overrides:
         results["async_overrides"] = " ".join(async_overrides)
     if not any("weight_sync.method=inprocess" in o for o in async_overrides) and (gpu or async_overrides):
@@ -181,36 +190,62 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
         # as `lumenrl train` does at its start: the rollouter server imports while this process goes on
         results["rollouter_server"] = "forkserver" if prestart() else "spawn"
     start = time.perf_counter()
+    per_round: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("LUMENRL_CACHE", str(Path(tmp) / "cache"))
         if gpu and not smoke:  # process-wide compiles (Triton, CUDA context) charged to no mode
             run_mode("sync", out=Path(tmp) / "warmup", extra=extra, **{**shape, "steps": 1})
-        for mode in modes:
-            more = async_overrides if mode != "sync" else ()  # e.g. weight_sync.method=cuda_ipc: a rollouter process
-            got = run_mode(mode, out=Path(tmp) / mode, extra=(*extra, *more), **shape)
-            results[f"{mode}/samples_per_s"] = round(got["samples_per_s"], 3)
-            results[f"{mode}/steady_samples_per_s"] = round(got["steady_samples_per_s"], 3)
-            results[f"{mode}/first_step_s"] = round(got["first_step_s"], 3)
-            results[f"{mode}/time_to_n_steps_s"] = round(got["wall_s"], 3)
-            results[f"{mode}/build_s"] = round(got["build_s"], 3)
-            results[f"{mode}/reward_last"] = got["reward"][-1]
-            results[f"{mode}/reward_curve"] = " ".join(f"{r:.3f}" for r in got["reward"])
-            results[f"{mode}/staleness_max"] = got["staleness_max"]
-            results[f"{mode}/response_length_mean"] = round(got["response_length_mean"], 2)
-            results[f"{mode}/dropped_stale"] = got["dropped_stale"]
-            results[f"{mode}/partial_rollouts"] = got["partial_rollouts"]
-            results[f"{mode}/samples_per_s_incl_build"] = round(got["samples_per_s_incl_build"], 3)
-            for key in ("rollouter_idle_ratio", "trainer_wait_s_per_step", "first_step_wait_s", *STARTUP):
-                if key in got:
-                    results[f"{mode}/{key}"] = round(got[key], 4)
-    for mode in modes[1:]:
-        results[f"{mode}/speedup_vs_sync"] = round(results[f"{mode}/samples_per_s"] / results["sync/samples_per_s"], 3)
-        results[f"{mode}/steady_speedup_vs_sync"] = round(
-            results[f"{mode}/steady_samples_per_s"] / results["sync/steady_samples_per_s"], 3)
-        results[f"{mode}/speedup_incl_build_vs_sync"] = round(
-            results[f"{mode}/samples_per_s_incl_build"] / results["sync/samples_per_s_incl_build"], 3)
+        for r in range(rounds):
+            got: dict[str, dict] = {}
+            for mode in modes:
+                more = async_overrides if mode != "sync" else ()  # e.g. weight_sync.method=cuda_ipc: a rollouter process
+                got[mode] = run_mode(mode, out=Path(tmp) / f"{mode}{r}", extra=(*extra, *more), **shape)
+            per_round.append(got)
+    results.update(combine_rounds(per_round, modes))
     results["total_s"] = round(time.perf_counter() - start, 1)
     return results
+
+
+RATES = ("samples_per_s", "steady_samples_per_s", "samples_per_s_incl_build")
+
+
+def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> dict[str, Any]:
+    """One result from rounds of :func:`run_mode` results ({mode: result} per round, sync first):
+
+    * the speed-ups vs sync are taken within each round (side by side) and reported as their median over the
+      rounds (``{mode}/speedup_vs_sync``, ``steady_...``, ``..._incl_build``), with the lowest and highest
+      (``..._min``, ``..._max``);
+    * rates and times: the median over the rounds;
+    * ``dropped_stale``: the sum over the rounds (a drop in any round shows);
+    * the rest (reward curve, staleness, lengths, the rollouter's start-up and wait figures): the last round's.
+    """
+    out: dict[str, Any] = {}
+    last = per_round[-1]
+    for mode in modes:
+        runs = [got[mode] for got in per_round]
+        for key in RATES:
+            out[f"{mode}/{key}"] = round(float(np.median([g[key] for g in runs])), 3)
+        out[f"{mode}/first_step_s"] = round(float(np.median([g["first_step_s"] for g in runs])), 3)
+        out[f"{mode}/time_to_n_steps_s"] = round(float(np.median([g["wall_s"] for g in runs])), 3)
+        out[f"{mode}/build_s"] = round(float(np.median([g["build_s"] for g in runs])), 3)
+        out[f"{mode}/dropped_stale"] = float(sum(g["dropped_stale"] for g in runs))
+        g = last[mode]
+        out[f"{mode}/reward_last"] = g["reward"][-1]
+        out[f"{mode}/reward_curve"] = " ".join(f"{r:.3f}" for r in g["reward"])
+        out[f"{mode}/staleness_max"] = g["staleness_max"]
+        out[f"{mode}/response_length_mean"] = round(g["response_length_mean"], 2)
+        out[f"{mode}/partial_rollouts"] = g["partial_rollouts"]
+        for key in ("rollouter_idle_ratio", "trainer_wait_s_per_step", "first_step_wait_s", *STARTUP):
+            if key in g:
+                out[f"{mode}/{key}"] = round(g[key], 4)
+    for mode in modes[1:]:
+        for name, key in (("speedup_vs_sync", "samples_per_s"), ("steady_speedup_vs_sync", "steady_samples_per_s"),
+                          ("speedup_incl_build_vs_sync", "samples_per_s_incl_build")):
+            ratios = [got[mode][key] / got["sync"][key] for got in per_round]
+            out[f"{mode}/{name}"] = round(float(np.median(ratios)), 3)
+            out[f"{mode}/{name}_min"] = round(min(ratios), 3)
+            out[f"{mode}/{name}_max"] = round(max(ratios), 3)
+    return out
 
 
 def bench_gpu(smoke: bool) -> dict:
@@ -222,13 +257,17 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--modes", default="", help="comma-separated subset of: " + ", ".join(MODES))
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="times the modes run in turn (default: 3 on the GPU, else 1); speed-ups: the median")
     parser.add_argument("--shape", default="", help="override the shape, e.g. steps=8,prompts=16,n=8,median=64")
     parser.add_argument("--async-override", action="append", default=[],
                         help="a config override for the async modes only, e.g. weight_sync.method=cuda_ipc")
     args = parser.parse_args()
     shape = {k: int(v) for k, v in (item.split("=") for item in args.shape.split(",") if item)}
+    if args.rounds is not None and args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: allowed >= 1")
     results = bench(args.smoke, gpu=args.gpu, modes=tuple(args.modes.split(",")) if args.modes else None,
-                    shape_override=shape, async_overrides=tuple(args.async_override))
+                    shape_override=shape, async_overrides=tuple(args.async_override), rounds=args.rounds)
     print(f"{'mode':<10}{'samples/s':>12}{'time to N (s)':>15}{'speed-up':>10}{'steady x':>10}{'resp len':>10}"
           f"{'stale drop':>11}{'partial':>9}  reward curve")
     for mode in MODES:

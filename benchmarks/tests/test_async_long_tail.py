@@ -1,0 +1,45 @@
+"""The async long-tail benchmark's rounds: speed-ups taken side by side within each round, reported as the median
+over the rounds with the lowest and highest, rates as medians, stale drops summed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from benchmarks.async_rl.long_tail import bench, combine_rounds
+
+
+def _run(rate: float, steady: float, stale: float = 0.0, reward: float = 0.5) -> dict:
+    return {"samples_per_s": rate, "steady_samples_per_s": steady, "samples_per_s_incl_build": rate / 2,
+            "first_step_s": 1.0, "wall_s": 100.0 / rate, "build_s": 0.5, "dropped_stale": stale,
+            "reward": [0.1, reward], "staleness_max": 1.0, "response_length_mean": 40.0, "partial_rollouts": 3.0,
+            "trainer_wait_s_per_step": 0.1}
+
+
+def test_speedups_are_medians_of_per_round_ratios():
+    rng = random.Random()
+    syncs = [rng.uniform(100, 300) for _ in range(3)]
+    ratios = [rng.uniform(0.5, 3.0) for _ in range(3)]
+    steady = [rng.uniform(0.5, 3.0) for _ in range(3)]
+    rounds = [{"sync": _run(s, s), "partial": _run(s * r, s * q, stale=8.0 * i, reward=0.1 * i)}
+              for i, (s, r, q) in enumerate(zip(syncs, ratios, steady, strict=True))]
+    out = combine_rounds(rounds, ("sync", "partial"))
+    # the ratio of each round's own pair, not a ratio of medians
+    assert out["partial/speedup_vs_sync"] == pytest.approx(sorted(ratios)[1], abs=1e-3)
+    assert out["partial/speedup_vs_sync_min"] == pytest.approx(min(ratios), abs=1e-3)
+    assert out["partial/speedup_vs_sync_max"] == pytest.approx(max(ratios), abs=1e-3)
+    assert out["partial/steady_speedup_vs_sync"] == pytest.approx(sorted(steady)[1], abs=1e-3)
+    assert out["sync/samples_per_s"] == pytest.approx(sorted(syncs)[1], abs=1e-3)
+    assert out["partial/dropped_stale"] == 0.0 + 8.0 + 16.0  # a drop in any round shows
+    assert out["partial/reward_last"] == pytest.approx(0.2)  # details: the last round's
+
+
+def test_one_round_is_the_plain_ratio():
+    out = combine_rounds([{"sync": _run(100.0, 120.0), "partial": _run(180.0, 300.0)}], ("sync", "partial"))
+    assert out["partial/speedup_vs_sync"] == out["partial/speedup_vs_sync_min"] == 1.8
+    assert out["partial/steady_speedup_vs_sync"] == out["partial/steady_speedup_vs_sync_max"] == 2.5
+
+
+def test_rounds_below_one_are_refused():
+    with pytest.raises(ValueError, match="rounds=0: allowed >= 1"):
+        bench(True, rounds=0)
