@@ -80,6 +80,7 @@ if triton is not None:
         """Wait until tiles ``first .. first + COUNT`` of a producer GEMM have set their flags (acquire loads, in
         power-of-two chunks of up to 128 flags)."""
         CHUNK: tl.constexpr = COUNT if COUNT < 128 else 128
+        tl.static_assert(COUNT % CHUNK == 0, "a flag wait covers whole chunks (else it would wait on unset flags)")
         for c in tl.static_range(0, COUNT, CHUNK):
             offs = first + c + tl.arange(0, CHUNK)
             while tl.min(_load_acquire(flags + offs), axis=0) == 0:
