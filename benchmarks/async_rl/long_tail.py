@@ -206,7 +206,10 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     return results
 
 
-RATES = ("samples_per_s", "steady_samples_per_s", "samples_per_s_incl_build")
+# reported name: run_mode's key, each the median over the rounds
+MEDIANS = {"samples_per_s": "samples_per_s", "steady_samples_per_s": "steady_samples_per_s",
+           "samples_per_s_incl_build": "samples_per_s_incl_build", "first_step_s": "first_step_s",
+           "time_to_n_steps_s": "wall_s", "build_s": "build_s"}
 
 
 def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> dict[str, Any]:
@@ -223,11 +226,8 @@ def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> 
     last = per_round[-1]
     for mode in modes:
         runs = [got[mode] for got in per_round]
-        for key in RATES:
-            out[f"{mode}/{key}"] = round(float(np.median([g[key] for g in runs])), 3)
-        out[f"{mode}/first_step_s"] = round(float(np.median([g["first_step_s"] for g in runs])), 3)
-        out[f"{mode}/time_to_n_steps_s"] = round(float(np.median([g["wall_s"] for g in runs])), 3)
-        out[f"{mode}/build_s"] = round(float(np.median([g["build_s"] for g in runs])), 3)
+        for name, key in MEDIANS.items():
+            out[f"{mode}/{name}"] = round(float(np.median([g[key] for g in runs])), 3)
         out[f"{mode}/dropped_stale"] = float(sum(g["dropped_stale"] for g in runs))
         g = last[mode]
         out[f"{mode}/reward_last"] = g["reward"][-1]
