@@ -59,7 +59,8 @@ def _run(out: Path) -> tuple[list[dict], dict[int, dict], Path]:
         published[version] = writer.latest()[1]
 
     def capture(batch, timer):
-        trained.append({k: batch.batch[k].clone() for k in KEYS})
+        trained.append({**{k: batch.batch[k].clone() for k in KEYS}, "uid": batch.non_tensor_batch["uid"].copy(),
+                        "published": trainer.published})
         return update(batch, timer)
 
     writer_publish, writer.publish, trainer._update = writer.publish, publish, capture
@@ -90,11 +91,31 @@ def _rows(batch: dict):
                batch["rollout_log_probs"][b][keep], batch["token_versions"][b][keep], len(prompt))
 
 
+def _lags(batch: dict) -> tuple[list[int], list[int]]:
+    """Per trained sample: syncs (one per step here) behind the trainer from the version that finished its
+    group (its newest token's, over the group's rows) and from its own oldest token."""
+    finish, oldest = [], []
+    mask = batch["response_mask"].bool()
+    for uid in dict.fromkeys(batch["uid"]):
+        rows = torch.as_tensor(batch["uid"] == uid)
+        tv = batch["token_versions"][rows]
+        newest = int(tv[mask[rows]].max())
+        finish += [batch["published"] - newest] * int(rows.sum())
+        oldest += [batch["published"] - int(t[m].min()) for t, m in zip(tv, mask[rows])]
+    return finish, oldest
+
+
 def test_partial_rollout_keeps_r3_routes_aligned_and_replayable(tmp_path):
     trained, published, path = _run(tmp_path / "run")
     records = read_metrics(tmp_path / "run")
     assert len(records) == 6 and records[-1]["async/partial_rollouts_total"] > 0  # interrupts really happened
     assert records[-1]["async/interrupts_total"] > 0
+    # staleness_from=finish (the default): the bound (1 sync) holds from the weights that finished each group;
+    # the metrics report that lag and each sample's oldest token's, as recomputed from the trained tokens
+    for batch, record in zip(trained, records):
+        finish, oldest = _lags(batch)
+        assert max(finish) <= 1 and all(o >= f for o, f in zip(oldest, finish))
+        assert (record["async/staleness_max"], record["async/staleness_oldest_max"]) == (max(finish), max(oldest))
     models = {v: _model(path, w) for v, w in published.items()}
     resumed = flips = fed = 0
     lp_err_same, lp_err_older = [], []

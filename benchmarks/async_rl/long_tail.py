@@ -132,6 +132,7 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
             "first_step_s": records[0]["perf/step_s"],
             "reward": [round(r["reward/mean"], 4) for r in records],
             "staleness_max": max((r.get("async/staleness_max", 0.0) for r in records), default=0.0),
+            "staleness_oldest_max": max((r.get("async/staleness_oldest_max", 0.0) for r in records), default=0.0),
             "response_length_mean": sum(r["response_length/mean"] for r in records) / len(records),
             "dropped_stale": records[-1].get("async/dropped_stale", 0.0),
             "partial_rollouts": records[-1].get("async/partial_rollouts_total", 0.0),
@@ -219,8 +220,9 @@ def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> 
       rounds (``{mode}/speedup_vs_sync``, ``steady_...``, ``..._incl_build``), with the lowest and highest
       (``..._min``, ``..._max``);
     * rates and times: the median over the rounds;
-    * ``dropped_stale``: the sum over the rounds (a drop in any round shows);
-    * the rest (reward curve, staleness, lengths, the rollouter's start-up and wait figures): the last round's.
+    * ``dropped_stale``: the sum over the rounds (a drop in any round shows); ``staleness_max`` (the lag the
+      bound applies to) and ``staleness_oldest_max`` (a trained sample's oldest token's): the highest of any round;
+    * the rest (reward curve, lengths, the rollouter's start-up and wait figures): the last round's.
     """
     out: dict[str, Any] = {}
     last = per_round[-1]
@@ -232,7 +234,8 @@ def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> 
         g = last[mode]
         out[f"{mode}/reward_last"] = g["reward"][-1]
         out[f"{mode}/reward_curve"] = " ".join(f"{r:.3f}" for r in g["reward"])
-        out[f"{mode}/staleness_max"] = g["staleness_max"]
+        out[f"{mode}/staleness_max"] = max(g["staleness_max"] for g in runs)
+        out[f"{mode}/staleness_oldest_max"] = max(g.get("staleness_oldest_max", 0.0) for g in runs)
         out[f"{mode}/response_length_mean"] = round(g["response_length_mean"], 2)
         out[f"{mode}/partial_rollouts"] = g["partial_rollouts"]
         for key in ("rollouter_idle_ratio", "trainer_wait_s_per_step", "first_step_wait_s", *STARTUP):
@@ -269,13 +272,14 @@ def main() -> None:
     results = bench(args.smoke, gpu=args.gpu, modes=tuple(args.modes.split(",")) if args.modes else None,
                     shape_override=shape, async_overrides=tuple(args.async_override), rounds=args.rounds)
     print(f"{'mode':<10}{'samples/s':>12}{'time to N (s)':>15}{'speed-up':>10}{'steady x':>10}{'resp len':>10}"
-          f"{'stale drop':>11}{'partial':>9}  reward curve")
+          f"{'stale drop':>11}{'partial':>9}{'lag/oldest':>11}  reward curve")
     for mode in MODES:
         if f"{mode}/samples_per_s" in results:
             print(f"{mode:<10}{results[f'{mode}/samples_per_s']:>12.2f}{results[f'{mode}/time_to_n_steps_s']:>15.2f}"
                   f"{results.get(f'{mode}/speedup_vs_sync', 1.0):>10.2f}"
                   f"{results.get(f'{mode}/steady_speedup_vs_sync', 1.0):>10.2f}{results[f'{mode}/response_length_mean']:>10.1f}"
                   f"{results[f'{mode}/dropped_stale']:>11.0f}{results[f'{mode}/partial_rollouts']:>9.0f}"
+                  f"{results[f'{mode}/staleness_max']:>7.0f}/{results[f'{mode}/staleness_oldest_max']:<3.0f}"
                   f"  {results[f'{mode}/reward_curve']}")
     print(f"{results['shape']}; total {results['total_s']} s (warm-up and builds included)")
 

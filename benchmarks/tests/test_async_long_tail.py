@@ -9,11 +9,11 @@ import pytest
 from benchmarks.async_rl.long_tail import bench, combine_rounds
 
 
-def _run(rate: float, steady: float, stale: float = 0.0, reward: float = 0.5) -> dict:
+def _run(rate: float, steady: float, stale: float = 0.0, reward: float = 0.5, oldest: float = 1.0) -> dict:
     return {"samples_per_s": rate, "steady_samples_per_s": steady, "samples_per_s_incl_build": rate / 2,
             "first_step_s": 1.0, "wall_s": 100.0 / rate, "build_s": 0.5, "dropped_stale": stale,
-            "reward": [0.1, reward], "staleness_max": 1.0, "response_length_mean": 40.0, "partial_rollouts": 3.0,
-            "trainer_wait_s_per_step": 0.1}
+            "reward": [0.1, reward], "staleness_max": 1.0, "staleness_oldest_max": oldest,
+            "response_length_mean": 40.0, "partial_rollouts": 3.0, "trainer_wait_s_per_step": 0.1}
 
 
 def test_speedups_are_medians_of_per_round_ratios():
@@ -21,7 +21,7 @@ def test_speedups_are_medians_of_per_round_ratios():
     syncs = [rng.uniform(100, 300) for _ in range(3)]
     ratios = [rng.uniform(0.5, 3.0) for _ in range(3)]
     steady = [rng.uniform(0.5, 3.0) for _ in range(3)]
-    rounds = [{"sync": _run(s, s), "partial": _run(s * r, s * q, stale=8.0 * i, reward=0.1 * i)}
+    rounds = [{"sync": _run(s, s), "partial": _run(s * r, s * q, stale=8.0 * i, reward=0.1 * i, oldest=3 - i)}
               for i, (s, r, q) in enumerate(zip(syncs, ratios, steady, strict=True))]
     out = combine_rounds(rounds, ("sync", "partial"))
     # the ratio of each round's own pair, not a ratio of medians
@@ -31,6 +31,7 @@ def test_speedups_are_medians_of_per_round_ratios():
     assert out["partial/steady_speedup_vs_sync"] == pytest.approx(sorted(steady)[1], abs=1e-3)
     assert out["sync/samples_per_s"] == pytest.approx(sorted(syncs)[1], abs=1e-3)
     assert out["partial/dropped_stale"] == 0.0 + 8.0 + 16.0  # a drop in any round shows
+    assert out["partial/staleness_oldest_max"] == 3  # the oldest trained token of any round
     assert out["partial/reward_last"] == pytest.approx(0.2)  # details: the last round's
 
 

@@ -41,6 +41,35 @@ def test_groups_are_taken_whole_fifo_and_stale_ones_are_dropped_with_a_reason():
     assert q.metrics()["async/dropped_stale"] == 4.0
 
 
+def test_a_resumed_group_lags_from_the_weights_that_finished_it_or_from_its_oldest_token():
+    """Partial rollout: at version 6 (a sync every 2 steps), a group started under v0 and finished under v6
+    is 3 syncs behind by its oldest token and 0 by its finish: ``start`` drops it, ``finish`` trains it. A
+    group generated under one version lags the same either way."""
+    def groups():
+        return [SampleGroup(uid="resumed", payload=b"r", versions=(0, 4), newest_version=6),
+                SampleGroup(uid="old", payload=b"o", versions=(2, 2), newest_version=2),
+                SampleGroup(uid="fresh", payload=b"f", versions=(6, 6), newest_version=6)]
+
+    resumed, old, fresh = groups()
+    assert (resumed.oldest, resumed.finished) == (0, 6) and old.finished == 2
+    assert [resumed.lag(6, 2, f) for f in ("start", "finish")] == [3, 0]
+    assert [old.lag(6, 2, f) for f in ("start", "finish")] == [2, 2]
+    legacy = SampleGroup(uid="x", payload=b"", versions=(3, 5))  # no newest recorded: its newest sample's version
+    assert legacy.finished == 5
+    taken = {}
+    for lag_from in ("start", "finish"):
+        q = SampleQueue(sync_step=2)
+        for g in groups():
+            q.put(g)
+        got = q.get(1, current_version=6, max_lag=1, lag_from=lag_from)
+        taken[lag_from] = ([g.uid for g in got], dict(q.dropped))
+        q.check()
+    assert taken["start"] == (["fresh"], {"stale": 4})  # the resumed group and the old one dropped
+    assert taken["finish"] == (["resumed"], {})  # the first in line, trained
+    with pytest.raises(ValueError, match="lag_from='newest'.*start, finish"):
+        SampleQueue().get(1, current_version=0, lag_from="newest")
+
+
 def test_bounded_queue_blocks_the_producer_until_the_trainer_takes():
     q = SampleQueue(capacity=4)
     assert q.put(_group("a", 0)) and q.put(_group("b", 0))

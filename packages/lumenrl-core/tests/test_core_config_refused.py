@@ -82,6 +82,10 @@ SILENT = [
     (["policy.train.mini_batch_size=3"], "policy.train.mini_batch_size"),
     (["async_training.enabled=true"], "async_training.enabled"),
     (["async_training.queue_size=4"], "async_training.queue_size"),
+    (["async_training.staleness_from=start"], "async_training.staleness_from"),
+    (["trainer.name=async_rl", "async_training.enabled=true", "async_training.staleness_from=start"],
+     "async_training.staleness_from"),  # without partial_rollout: one version per group, nothing to choose
+    (["async_training.staleness_from=newest"], "async_training.staleness_from"),
     (["weight_sync.method=collective"], "weight_sync.method"),
     (["weight_sync.snapshot_dir=/tmp/snap"], "weight_sync.snapshot_dir"),
     (["critic.cliprange_value=0"], "critic.cliprange_value"),

@@ -11,7 +11,7 @@ from lumenrl_core.lazy import lazy_exports
 
 _EXPORTS: dict[str, tuple[str, ...]] = {  # submodule -> the public names it defines
     "weight_sync": ("InProcessWeightSync", "FilesystemWeightSync", "SnapshotError"),
-    "queue": ("AccountingError", "SampleGroup", "SampleQueue", "lag_of", "versions_metrics"),
+    "queue": ("AccountingError", "LAG_FROM", "SampleGroup", "SampleQueue", "lag_of", "versions_metrics"),
     "channel": ("ProcessChannel", "Outbox", "deliver"),
     "collective": ("CollectiveWeightSync", "CollectiveReader", "WeightReceiveError"),
     "staleness": ("StalenessConfig", "StalenessController"),

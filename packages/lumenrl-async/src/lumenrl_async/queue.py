@@ -2,8 +2,16 @@
 
 Unit: a :class:`SampleGroup` is one GRPO group (the ``n`` responses of one prompt), queued and
 taken whole, so the trainer never sees a partial group. Each group carries, per sample, the
-oldest policy version any of its tokens was generated under (``versions``); a partial rollout
-that spanned a weight sync carries its per-token versions in the payload (``token_versions``).
+oldest policy version any of its tokens was generated under (``versions``) and the newest version
+among its tokens (``newest_version``: the weights that finished it); a partial rollout that spanned
+a weight sync carries its per-token versions in the payload (``token_versions``).
+
+A group's lag (weight syncs behind the consumer's version) counts from one of two versions
+(``lag_from`` of :meth:`SampleQueue.get`): ``"start"``, its oldest token (the strict measure: a
+group resumed across more syncs than the bound allows is dropped however fresh its last tokens
+are), or ``"finish"``, the version that finished it (a resumed group is as fresh as the weights
+that completed it; its older tokens stay off-policy, recorded per token). The two agree for a
+group generated under one version.
 
 Accounting (samples = sequences), checked by :meth:`SampleQueue.check` and asserted by the
 trainer at every step::
@@ -27,7 +35,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SampleGroup", "SampleQueue", "AccountingError", "lag_of", "versions_metrics"]
+__all__ = ["LAG_FROM", "SampleGroup", "SampleQueue", "AccountingError", "lag_of", "versions_metrics"]
+
+LAG_FROM = ("start", "finish")  # a group's lag counts from its oldest token's version, or the version that finished it
 
 
 class AccountingError(AssertionError):
@@ -56,6 +66,17 @@ class SampleGroup:
     @property
     def oldest(self) -> int:
         return min(self.versions)
+
+    @property
+    def finished(self) -> int:
+        """The version that finished the group: its newest token's (its oldest, when not recorded)."""
+        return max(self.newest_version, max(self.versions))
+
+    def lag(self, current_version: int, sync_step: int = 1, lag_from: str = "start") -> int:
+        """Weight syncs between the group's ``lag_from`` version (see :data:`LAG_FROM`) and ``current_version``."""
+        if lag_from not in LAG_FROM:
+            raise ValueError(f"lag_from={lag_from!r} is not allowed; allowed: {', '.join(LAG_FROM)}")
+        return lag_of(current_version, self.oldest if lag_from == "start" else self.finished, sync_step)
 
 
 class SampleQueue:
@@ -105,11 +126,14 @@ class SampleQueue:
     # ------------------------------------------------------------------ consumer side
     def get(
         self, num_groups: int, *, current_version: int, max_lag: int | None = None, timeout: float | None = None,
-        alive: Any = None,
+        alive: Any = None, lag_from: str = "start",
     ) -> list[SampleGroup] | None:
         """Take ``num_groups`` whole groups, FIFO; groups more than ``max_lag`` syncs behind
-        ``current_version`` are dropped as ``stale`` on the way. None if closed/timed out first
-        (groups already taken stay taken: they are returned on a later call)."""
+        ``current_version`` (counted from their ``lag_from`` version, :data:`LAG_FROM`) are dropped as
+        ``stale`` on the way. None if closed/timed out first (groups already taken stay taken: they are
+        returned on a later call)."""
+        if lag_from not in LAG_FROM:
+            raise ValueError(f"lag_from={lag_from!r} is not allowed; allowed: {', '.join(LAG_FROM)}")
         deadline = None if timeout is None else time.monotonic() + timeout
         taken: list[SampleGroup] = []
         with self._cond:
@@ -117,7 +141,7 @@ class SampleQueue:
                 while self._groups and len(taken) < num_groups:
                     group = self._groups.popleft()
                     self.queued -= group.size
-                    if max_lag is not None and lag_of(current_version, group.oldest, self.sync_step) > max_lag:
+                    if max_lag is not None and group.lag(current_version, self.sync_step, lag_from) > max_lag:
                         self.dropped["stale"] += group.size
                     else:
                         taken.append(group)

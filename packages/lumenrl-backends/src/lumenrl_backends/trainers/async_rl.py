@@ -18,8 +18,11 @@ whole groups, scores them, recomputes log-probs and updates exactly as the synch
   their ``RoleHost`` actors; ``collective`` or ``filesystem`` weight sync.
 
 Staleness (``async_training.staleness_threshold`` s): the rollouter's production per window is
-bounded by the StalenessController; a sample more than ``ceil(s)`` syncs behind the trainer
-when taken is dropped as ``stale`` (counted, never trained). Off-policy: ``rollout_log_probs``
+bounded by the StalenessController; a group more than ``ceil(s)`` syncs behind the trainer
+when taken is dropped as ``stale`` (counted, never trained). With ``partial_rollout`` the lag counts
+from the weights that finished the group (``staleness_from=finish``, the default) or from its oldest
+token (``start``); ``async/staleness_*`` is the lag the bound applies to, ``async/staleness_oldest_*``
+each trained sample's oldest token's. Off-policy: ``rollout_log_probs``
 are the behaviour policy; with ``recompute_proximal_log_probs`` (default) ``old_log_probs`` are
 the current policy's before the update (decoupled PPO: clip on pi/pi_prox, and the run's rollout
 correction weights pi_prox/pi_behav), otherwise ``old_log_probs = rollout_log_probs``.
@@ -87,6 +90,7 @@ class AsyncRLTrainer(RLTrainer):
         self.staleness = StalenessController.from_config(cfg)
         sc = self.staleness.config
         self.sync_step, self.max_lag = a.trigger_parameter_sync_step, math.ceil(a.staleness_threshold)
+        self.lag_from = a.staleness_from if a.partial_rollout else "start"  # one version per group without it
         self.groups_per_step = a.require_batches * sc.mini_batch_size // cfg.policy.rollout.n
         capacity = a.queue_size or sc.window_capacity() + sc.window_samples()
         self.queue = SampleQueue(capacity, sync_step=self.sync_step)
@@ -256,7 +260,7 @@ class AsyncRLTrainer(RLTrainer):
     def _take(self) -> list[Any]:
         start = time.perf_counter()
         groups = self.queue.get(self.groups_per_step, current_version=self.published, max_lag=self.max_lag,
-                                alive=self._alive)
+                                alive=self._alive, lag_from=self.lag_from)
         self.trainer_wait_s += time.perf_counter() - start
         if groups is None:
             self._rollouter_stopped()
@@ -275,12 +279,14 @@ class AsyncRLTrainer(RLTrainer):
     def train_step(self, step: int) -> dict[str, float]:
         timer, cfg = PhaseTimer(), self.config
         groups = self._take()
-        lags = [lag_of(self.published, v, self.sync_step) for g in groups for v in g.versions]
+        lags = [g.lag(self.published, self.sync_step, self.lag_from) for g in groups for _ in g.versions]
         if max(lags) > self.max_lag:
             raise AssertionError(f"staleness bound broken: lag {max(lags)} > {self.max_lag}")
+        oldest = [lag_of(self.published, v, self.sync_step) for g in groups for v in g.versions]
         batch = concat_rounds([g.payload for g in groups], pad_token_id=int(self.parts.tokenizer.pad_token_id or 0))
         metrics = dict(self.parts.scorer(batch))
         metrics.update(versions_metrics(lags))
+        metrics.update(versions_metrics(oldest, prefix="async/staleness_oldest"))  # each sample's oldest token
         metrics.update(batch_metrics(batch, cfg.policy.rollout.max_new_tokens))
         self._log_probs(batch, timer)
         metrics.update(_mismatch_metrics(batch))

@@ -324,6 +324,10 @@ class AsyncTrainingConfig:
     trigger_parameter_sync_step: int = field(default=1, metadata={"ge": 1})  # local updates per weight sync
     require_batches: int = field(default=1, metadata={"ge": 1})  # mini-batches per local update
     partial_rollout: bool = False  # interrupt in-flight sequences at a sync, resume under the new weights
+    # with partial_rollout, the version a group's lag counts from: "finish", the weights that finished it (its
+    # older tokens stay off-policy, weighed by the rollout correction), or "start", its oldest token (strict:
+    # a group resumed across more than ceil(staleness_threshold) syncs is dropped as stale)
+    staleness_from: str = field(default="finish", metadata=choices("finish", "start"))
     queue_size: int = field(default=0, metadata={"ge": 0})  # samples; 0: window capacity + one window
     recompute_proximal_log_probs: bool = True  # decoupled PPO: old_log_probs = current policy before update
 

@@ -184,7 +184,7 @@ def _device(cfg: RunConfig, src: Source) -> list[ConfigError]:
 
 
 _ASYNC_KEYS = ("staleness_threshold", "trigger_parameter_sync_step", "require_batches", "partial_rollout",
-               "queue_size", "recompute_proximal_log_probs")
+               "staleness_from", "queue_size", "recompute_proximal_log_probs")
 
 
 def _weight_sync(cfg: RunConfig, src: Source) -> list[ConfigError]:
@@ -208,9 +208,13 @@ def _async(cfg: RunConfig, src: Source) -> list[ConfigError]:
                      "ignore it", "false, or trainer.name=async_rl")]
     if trainer == "async_rl" and not a.enabled:
         return [_err(src, "trainer.name", trainer, "async_rl needs async_training.enabled=true", "true")]
-    if a.enabled:
-        return []
     default = type(a)()
+    if a.enabled:
+        if not a.partial_rollout and a.staleness_from != default.staleness_from:
+            return [_err(src, "async_training.staleness_from", a.staleness_from, "has no effect without "
+                         "async_training.partial_rollout=true (a group generated under one version starts and "
+                         "finishes under it)", f"{default.staleness_from!r} (the default), or partial_rollout=true")]
+        return []
     return [_err(src, f"async_training.{k}", getattr(a, k), "has no effect unless async_training.enabled=true "
                  "(trainer.name=async_rl)", f"{getattr(default, k)!r} (the default)")
             for k in _ASYNC_KEYS if getattr(a, k) != getattr(default, k)]
