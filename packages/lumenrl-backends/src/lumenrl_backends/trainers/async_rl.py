@@ -279,10 +279,11 @@ class AsyncRLTrainer(RLTrainer):
     def train_step(self, step: int) -> dict[str, float]:
         timer, cfg = PhaseTimer(), self.config
         groups = self._take()
-        lags = [g.lag(self.published, self.sync_step, self.lag_from) for g in groups for _ in g.versions]
+        oldest = [lag_of(self.published, v, self.sync_step) for g in groups for v in g.versions]  # per sample
+        lags = oldest if self.lag_from == "start" else [g.lag(self.published, self.sync_step, self.lag_from)
+                                                        for g in groups for _ in g.versions]
         if max(lags) > self.max_lag:
             raise AssertionError(f"staleness bound broken: lag {max(lags)} > {self.max_lag}")
-        oldest = [lag_of(self.published, v, self.sync_step) for g in groups for v in g.versions]
         batch = concat_rounds([g.payload for g in groups], pad_token_id=int(self.parts.tokenizer.pad_token_id or 0))
         metrics = dict(self.parts.scorer(batch))
         metrics.update(versions_metrics(lags))
