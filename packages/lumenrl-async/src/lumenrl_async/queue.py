@@ -40,6 +40,12 @@ __all__ = ["LAG_FROM", "SampleGroup", "SampleQueue", "AccountingError", "lag_of"
 LAG_FROM = ("start", "finish")  # a group's lag counts from its oldest token's version, or the version that finished it
 
 
+def _checked(lag_from: str) -> str:
+    if lag_from not in LAG_FROM:
+        raise ValueError(f"lag_from={lag_from!r} is not allowed; allowed: {', '.join(LAG_FROM)}")
+    return lag_from
+
+
 class AccountingError(AssertionError):
     """The queue's ledger does not balance: a sample was lost or counted twice."""
 
@@ -74,9 +80,7 @@ class SampleGroup:
 
     def lag(self, current_version: int, sync_step: int = 1, lag_from: str = "start") -> int:
         """Weight syncs between the group's ``lag_from`` version (see :data:`LAG_FROM`) and ``current_version``."""
-        if lag_from not in LAG_FROM:
-            raise ValueError(f"lag_from={lag_from!r} is not allowed; allowed: {', '.join(LAG_FROM)}")
-        return lag_of(current_version, self.oldest if lag_from == "start" else self.finished, sync_step)
+        return lag_of(current_version, self.oldest if _checked(lag_from) == "start" else self.finished, sync_step)
 
 
 class SampleQueue:
@@ -132,8 +136,7 @@ class SampleQueue:
         ``current_version`` (counted from their ``lag_from`` version, :data:`LAG_FROM`) are dropped as
         ``stale`` on the way. None if closed/timed out first (groups already taken stay taken: they are
         returned on a later call)."""
-        if lag_from not in LAG_FROM:
-            raise ValueError(f"lag_from={lag_from!r} is not allowed; allowed: {', '.join(LAG_FROM)}")
+        _checked(lag_from)
         deadline = None if timeout is None else time.monotonic() + timeout
         taken: list[SampleGroup] = []
         with self._cond:
