@@ -21,6 +21,9 @@ passes them (``--batch-on-device``: already on the GPU):
   ``+mix_order`` / ``+mix_split64``: the single-device compiled step with the decoder layers' Inductor options
   (``training.modeling.LAYER_INDUCTOR_OPTIONS``) changed for that variant: Inductor's mix-order reduction back
   on (its own default, which the layers turn off), or on with a 64-row split, to time against the default.
+  ``+cdt``: the same with Inductor's coordinate-descent tuning of the compiled kernels' launch parameters.
+  ``+cudnn`` / ``+efficient``: the compiled step (single-device or fully_shard) with that SDPA backend tried
+  first (torch's order starts with FlashAttention-2), compile and steps alike.
   Before timing any ``+single`` variant, :func:`check_single_vs_sharded` runs one step of both
   paths on a small Qwen3 on the GPU and requires equal losses, grad norms and master updates
   (within bf16 tolerance); its result is in the JSON (``numerics_check``).
@@ -100,7 +103,31 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
        for tag, patch in (("mix_order", {"triton.mix_order_reduction": True}),
                           ("mix_split64", {"triton.mix_order_reduction": True,
                                            "triton.mix_order_reduction_split_size": 64}))},
+    # Inductor's coordinate-descent tuning of the layers' compiled (elementwise/reduction) kernels' launch parameters
+    "1.7b/bf16+compile+single+cdt": ("1.7b", "full", {**COMPILE, **ON, "inductor": {"coordinate_descent_tuning": True}},
+                                     None, False),
+    # SDPA backend priority for the whole variant (compile and steps): torch's default order tries FlashAttention-2
+    # first; these put cuDNN's fused attention (or the memory-efficient kernel) first, for the side-by-side timing
+    **{f"1.7b/bf16+compile{mode}+{tag}": ("1.7b", "full", {**COMPILE, **flags, "sdpa": tag}, None, False)
+       for tag in ("cudnn", "efficient") for mode, flags in (("+single", ON), ("", OFF))},
 }
+
+# the SDPA backends a "sdpa" variant key puts first (the rest keep torch's order behind them)
+SDPA_FIRST = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION"}
+
+
+def sdpa_priority(tag: str | None):
+    """A context with the SDPA backend ``tag`` tried first (``contextlib.nullcontext`` for None)."""
+    import contextlib
+
+    if tag is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    first = getattr(SDPBackend, SDPA_FIRST[tag])
+    order = [first] + [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                   SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH) if b != first]
+    return sdpa_kernel(order, set_priority=True)
 
 
 def build_model(shape: str, device: torch.device) -> torch.nn.Module:
@@ -208,6 +235,7 @@ def run_variant(
     micro = kwargs.pop("micro", rows)
     flat = kwargs.pop("flat_optimizer", None)
     kwargs.pop("inductor", None)  # the layers' Inductor options: set around this call by main
+    kwargs.pop("sdpa", None)  # the SDPA backend order: likewise
     model = build_model(shape, device)
     params = sum(p.numel() for p in model.parameters())  # unique (tied counted once)
     vocab = model.config.vocab_size
@@ -406,7 +434,8 @@ def main(argv: list[str] | None = None) -> dict:
         signal.alarm(args.variant_timeout_s)
         try:
             # a variant's layer Inductor options hold while its first step compiles the layers
-            with mock.patch.dict(LAYER_INDUCTOR_OPTIONS, VARIANTS[name][2].get("inductor", {})):
+            with mock.patch.dict(LAYER_INDUCTOR_OPTIONS, VARIANTS[name][2].get("inductor", {})), \
+                    sdpa_priority(VARIANTS[name][2].get("sdpa")):
                 r = run_variant(name, args.steps, args.warmup, device, rows, seq, name in args.profile.split(","),
                                 args.batch_on_device)
         except Exception as exc:  # report and go on: one broken variant must not lose the others
