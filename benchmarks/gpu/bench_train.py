@@ -22,8 +22,8 @@ passes them (``--batch-on-device``: already on the GPU):
   (``training.modeling.LAYER_INDUCTOR_OPTIONS``) changed for that variant: Inductor's mix-order reduction back
   on (its own default, which the layers turn off), or on with a 64-row split, to time against the default.
   ``+cdt``: the same with Inductor's coordinate-descent tuning of the compiled kernels' launch parameters.
-  ``+cudnn`` / ``+efficient``: the compiled step (single-device or fully_shard) with that SDPA backend tried
-  first (torch's order starts with FlashAttention-2), compile and steps alike.
+  ``+flash`` / ``+cudnn`` / ``+efficient``: the compiled step (single-device or fully_shard) with that SDPA
+  backend tried first, compile and steps alike, against torch's own choice.
   Before timing any ``+single`` variant, :func:`check_single_vs_sharded` runs one step of both
   paths on a small Qwen3 on the GPU and requires equal losses, grad norms and master updates
   (within bf16 tolerance); its result is in the JSON (``numerics_check``).
@@ -106,10 +106,10 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
     # Inductor's coordinate-descent tuning of the layers' compiled (elementwise/reduction) kernels' launch parameters
     "1.7b/bf16+compile+single+cdt": ("1.7b", "full", {**COMPILE, **ON, "inductor": {"coordinate_descent_tuning": True}},
                                      None, False),
-    # SDPA backend priority for the whole variant (compile and steps): torch's default order tries FlashAttention-2
-    # first; these put cuDNN's fused attention (or the memory-efficient kernel) first, for the side-by-side timing
+    # SDPA backend priority for the whole variant (compile and steps): one backend tried first, for the
+    # side-by-side timing against torch's own choice (cuDNN's fused attention on the GPU image's torch 2.11, H100/H200)
     **{f"1.7b/bf16+compile{mode}+{tag}": ("1.7b", "full", {**COMPILE, **flags, "sdpa": tag}, None, False)
-       for tag in ("cudnn", "efficient") for mode, flags in (("+single", ON), ("", OFF))},
+       for tag in ("flash", "cudnn", "efficient") for mode, flags in (("+single", ON), ("", OFF))},
 }
 
 # the SDPA backends a "sdpa" variant key puts first (the rest keep torch's order behind them)
