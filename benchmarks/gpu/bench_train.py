@@ -22,6 +22,7 @@ passes them (``--batch-on-device``: already on the GPU):
   (``training.modeling.LAYER_INDUCTOR_OPTIONS``) changed for that variant: Inductor's mix-order reduction back
   on (its own default, which the layers turn off), or on with a 64-row split, to time against the default.
   ``+cdt``: the same with Inductor's coordinate-descent tuning of the compiled kernels' launch parameters.
+  ``+grouped``: the single-device step with q/k/v and gate/up as one GEMM each (``group_projections``).
   ``+flash`` / ``+cudnn`` / ``+efficient``: the compiled step (single-device or fully_shard) with that SDPA
   backend tried first, compile and steps alike, against torch's own choice.
   Before timing any ``+single`` variant, :func:`check_single_vs_sharded` runs one step of both
@@ -106,6 +107,8 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
     # Inductor's coordinate-descent tuning of the layers' compiled (elementwise/reduction) kernels' launch parameters
     "1.7b/bf16+compile+single+cdt": ("1.7b", "full", {**COMPILE, **ON, "inductor": {"coordinate_descent_tuning": True}},
                                      None, False),
+    # q/k/v and gate/up as one GEMM each over the single-device path's adjacent weights (training/grouped_linear.py)
+    "1.7b/bf16+compile+single+grouped": ("1.7b", "full", {**COMPILE, **ON, "group_projections": True}, None, False),
     # SDPA backend priority for the whole variant (compile and steps): one backend tried first, for the
     # side-by-side timing against torch's own choice (cuDNN's fused attention on the GPU image's torch 2.11, H100/H200)
     **{f"1.7b/bf16+compile{mode}+{tag}": ("1.7b", "full", {**COMPILE, **flags, "sdpa": tag}, None, False)

@@ -68,6 +68,8 @@ from lumenrl_backends.training.batching import (
     split_rows,
 )
 from lumenrl_backends.training.context_parallel import context_parallel_forward
+from lumenrl_backends.training.grouped_linear import GroupReport
+from lumenrl_backends.training.grouped_linear import group_projections as group_model_projections
 from lumenrl_backends.training.logprobs import logprob_backend
 from lumenrl_backends.training.lora import apply_lora
 from lumenrl_backends.training.modeling import (
@@ -140,7 +142,7 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         packing: str | None = None,
         compile_layers: bool | str | None = None,
         single_device: str | None = None, exact_logprobs: bool = False, r3: Any | None = None,
-        tp: int = 1, cp: int = 1, ep: int = 1,
+        tp: int = 1, cp: int = 1, ep: int = 1, group_projections: bool | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -167,9 +169,12 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         self.mesh = build_mesh(self.dims, self.device.type)
         self.dp_group = self.mesh.get_group("dp_shard")
         self.single: SingleDeviceWeights | None = None  # the one-rank fast path (single_device.py)
+        self.grouping: GroupReport | None = None  # q/k/v and gate/up as one GEMM each (grouped_linear.py)
         if self._use_single_device(single_device if single_device is not None else train.single_device):
             self.single = SingleDeviceWeights(model, compute_dtype(train.mixed_precision, self.device))
             self.model = model
+            if group_projections and not self.exact:  # adjacent flat-buffer weights: one GEMM per group
+                self.grouping = group_model_projections(model)
         else:  # on one rank keep the unsharded parameters after forward: nothing to save, backward reuses them
             self.model = parallelize(model, self.mesh, ep=ep, reshard_after_forward=self.world_size > 1,
                                      mp_policy=mixed_precision(train.mixed_precision, self.device))
