@@ -46,6 +46,7 @@ Writes ``train.json`` (to $LUMENRL_BENCH_OUT or benchmarks/results) and prints a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import signal
 import statistics
@@ -110,7 +111,8 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
     # q/k/v and gate/up as one GEMM each over the single-device path's adjacent weights (training/grouped_linear.py)
     "1.7b/bf16+compile+single+grouped": ("1.7b", "full", {**COMPILE, **ON, "group_projections": True}, None, False),
     # SDPA backend priority for the whole variant (compile and steps): one backend tried first, for the
-    # side-by-side timing against torch's own choice (cuDNN's fused attention on the GPU image's torch 2.11, H100/H200)
+    # side-by-side timing against torch's own choice (cuDNN's fused attention on the GPU image's torch 2.11, H100/H200;
+    # FlashAttention-2 measured 3.5% slower per step there, decision 0006)
     **{f"1.7b/bf16+compile{mode}+{tag}": ("1.7b", "full", {**COMPILE, **flags, "sdpa": tag}, None, False)
        for tag in ("flash", "cudnn", "efficient") for mode, flags in (("+single", ON), ("", OFF))},
 }
@@ -119,18 +121,29 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
 SDPA_FIRST = {"cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION"}
 
 
+@contextlib.contextmanager
 def sdpa_priority(tag: str | None):
-    """A context with the SDPA backend ``tag`` tried first (``contextlib.nullcontext`` for None)."""
-    import contextlib
+    """The SDPA backend ``tag`` tried first while the block runs (nothing for None).
 
+    The backend is chosen when a layer is traced and is not part of dynamo's guards or the compile caches' keys, so
+    a layer compiled earlier in the process (or on this machine) would run its old choice silently: the block runs
+    with dynamo reset and the on-disk caches off, and resets dynamo again after it."""
     if tag is None:
-        return contextlib.nullcontext()
+        yield
+        return
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     first = getattr(SDPBackend, SDPA_FIRST[tag])
     order = [first] + [b for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                    SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH) if b != first]
-    return sdpa_kernel(order, set_priority=True)
+    torch._dynamo.reset()
+    try:
+        with sdpa_kernel(order, set_priority=True), inductor_config.patch(force_disable_caches=True):
+            yield
+    finally:
+        torch._dynamo.reset()
 
 
 def build_model(shape: str, device: torch.device) -> torch.nn.Module:
