@@ -34,7 +34,7 @@ passes them (``--batch-on-device``: already on the GPU):
   decoder layers and a 4096-token vocabulary (so the decoder linears dominate), BF16 vs FP8
   (tensorwise and blockwise recipes), measured side by side in this run.
 
-    python benchmarks/gpu/bench_train.py [--steps 5] [--variants a,b] [--smoke]
+    python benchmarks/gpu/bench_train.py [--steps 5] [--variants a,b] [--smoke] [--gemm-groups 2]
     # fast path vs fully_shard (about 2 min on one H200, compile included):
     python benchmarks/gpu/bench_train.py --steps 4 --warmup 2 --budget-s 150 --variant-timeout-s 90 \
         --profile 1.7b/bf16+compile+single \
@@ -364,6 +364,74 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def gemm_groups(shape: str, tokens: int, device: torch.device, rounds: int = 2, iters: int = 10) -> list[dict[str, Any]]:
+    """Forward + backward of a layer's q/k/v and gate/up projections at ``tokens`` rows: each member's own
+    ``F.linear`` against one :class:`~lumenrl_backends.training.grouped_linear.GroupedLinear` GEMM over the
+    stacked weights (the ``+grouped`` variant's op), alternating ``rounds`` times; microseconds per call. Raises if
+    the two disagree beyond the compute dtype's rounding."""
+    hidden, inter, _, heads, kv, _, _ = SHAPES[shape]
+    head_dim = 128 if shape != "smoke" else 32
+    rows: list[dict[str, Any]] = []
+    for name, outs in (("qkv", (heads * head_dim, kv * head_dim, kv * head_dim)), ("gate_up", (inter, inter))):
+        rows += _time_group(name, outs, hidden, tokens, device, rounds, iters)
+    print_table(rows, ["group", "mode", "round", "us"])
+    return rows
+
+
+def _time_group(name: str, outs: tuple[int, ...], hidden: int, tokens: int, device: torch.device, rounds: int,
+                iters: int) -> list[dict[str, Any]]:
+    import torch.nn.functional as F
+
+    from lumenrl_backends.training.grouped_linear import GroupedLinear
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    flat = torch.randn(sum(outs) * hidden, generator=g, device=device, dtype=dtype) * hidden**-0.5
+    bounds = [sum(outs[:i]) for i in range(len(outs) + 1)]
+    weights = [torch.nn.Parameter(flat[a * hidden : b * hidden].view(b - a, hidden)) for a, b in zip(bounds, bounds[1:])]
+    fused = flat.view(sum(outs), hidden)
+    x = torch.randn(tokens, hidden, generator=g, device=device, dtype=dtype).requires_grad_()
+    grad = torch.randn(tokens, sum(outs), generator=g, device=device, dtype=dtype)
+
+    def separate() -> torch.Tensor:
+        ys = [F.linear(x, w) for w in weights]
+        torch.autograd.backward(ys, list(grad.split(list(outs), -1)))
+        return torch.cat(ys, -1)
+
+    def grouped() -> torch.Tensor:
+        y = GroupedLinear.apply(x, fused, *weights)
+        y.backward(grad)
+        return y
+
+    def clear() -> None:
+        x.grad = None
+        for w in weights:
+            w.grad = None
+
+    modes = (("separate", separate), ("grouped", grouped))
+    results = {}
+    for mode, fn in modes:
+        clear()
+        y = fn()
+        results[mode] = (y.detach().float(), x.grad.float(), torch.cat([w.grad for w in weights]).float())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for a, b in zip(results["separate"], results["grouped"], strict=True):
+        if (a - b).norm() > tol * b.norm():
+            raise AssertionError(f"{name}: grouped GEMM output or gradient differs from the separate GEMMs")
+    rows = []
+    for r in range(rounds):
+        for mode, fn in modes:
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(iters):
+                clear()
+                fn()
+            sync(device)
+            rows.append({"group": name, "mode": mode, "round": r,
+                         "us": round((time.perf_counter() - start) / iters * 1e6, 1)})
+    return rows
+
+
 def matmul_tflops(n: int = 8192, iters: int = 10) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -420,6 +488,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--variant-timeout-s", type=int, default=120, help="abort one variant after this")
     ap.add_argument("--profile", default="1.7b/bf16", help="variants to profile one step of")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run of the code paths")
+    ap.add_argument("--gemm-groups", type=int, default=0, metavar="ROUNDS",
+                    help="first time the 1.7B projections' separate against grouped GEMMs (forward + backward at "
+                         "rows x seq tokens), alternating ROUNDS times")
     ap.add_argument("--batch-on-device", action="store_true",
                     help="hand train_step rows already on the GPU (default: on the host, as the RL trainer does)")
     args = ap.parse_args(argv)
@@ -435,6 +506,9 @@ def main(argv: list[str] | None = None) -> dict:
     env = environment()
     if device.type == "cuda":
         env["bf16_matmul_tflops_8192"] = round(matmul_tflops(), 1)
+    if args.gemm_groups:
+        env["gemm_groups"] = gemm_groups("smoke" if args.smoke else "1.7b", rows * seq, device, args.gemm_groups,
+                                         iters=1 if args.smoke else 10)
     results: list[dict[str, Any]] = []
     start = time.perf_counter()
     if any("+single" in v for v in args.variants.split(",")):

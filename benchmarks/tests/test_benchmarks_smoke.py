@@ -244,3 +244,27 @@ def test_grpo_entry_records_the_collectors_pauses():
 
     numbers = bench_grpo_trl.run(True)
     assert numbers["gc/ms_per_step"] >= 0 and numbers["gc/max_ms"] >= 0 and "gc/full_per_step" in numbers
+
+
+def test_train_gemm_groups_time_both_ways_and_check_equal_results():
+    import torch
+    from benchmarks.gpu.bench_train import gemm_groups
+
+    rows = gemm_groups("smoke", 64, torch.device("cpu"), rounds=2, iters=1)
+    assert {(r["group"], r["mode"], r["round"]) for r in rows} == {
+        (g, m, r) for g in ("qkv", "gate_up") for m in ("separate", "grouped") for r in (0, 1)}
+    assert all(r["us"] > 0 for r in rows)
+
+
+def test_train_sdpa_variant_compiles_under_its_backend():
+    import torch
+    from benchmarks.gpu.bench_train import VARIANTS, sdpa_priority
+    from torch.nn.attention import SDPBackend
+
+    assert VARIANTS["1.7b/bf16+compile+single+flash"][2]["sdpa"] == "flash"
+    with sdpa_priority("efficient"):
+        assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.EFFICIENT_ATTENTION)
+        assert torch._inductor.config.force_disable_caches  # no graph compiled under another backend is reused
+    assert not torch._inductor.config.force_disable_caches
+    with sdpa_priority(None):
+        assert not torch._inductor.config.force_disable_caches
