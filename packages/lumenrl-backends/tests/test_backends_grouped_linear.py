@@ -137,8 +137,11 @@ def test_backend_train_steps_match_ungrouped(tiny_qwen3_lm):
         assert (w0[name] - w1[name]).norm() <= 1e-4 * w0[name].norm() + 1e-7, name
 
 
-def test_backend_exact_mode_keeps_module_gemms(tiny_qwen3_lm):
-    backend = FSDP2Backend(tiny_qwen3_lm(), role="actor", optim=OptimConfig(lr=1e-3),
-                           train=PolicyTrainConfig(single_device="on"), num_training_steps=1, device=CPU,
-                           group_projections=True, exact_logprobs=True)
-    assert backend.grouping is None
+@pytest.mark.parametrize("kw", [{"exact_logprobs": True, "single_device": "on"}, {"single_device": "off"}],
+                         ids=["exact", "fully_shard"])
+def test_backend_refuses_grouping_off_the_single_device_path(tiny_qwen3_lm, kw):
+    single = kw.pop("single_device")
+    with pytest.raises(ValueError, match=r"group_projections=True needs the single-device path .*exact_logprobs"):
+        FSDP2Backend(tiny_qwen3_lm(), role="actor", optim=OptimConfig(lr=1e-3),
+                     train=PolicyTrainConfig(single_device=single), num_training_steps=1, device=CPU,
+                     group_projections=True, **kw)

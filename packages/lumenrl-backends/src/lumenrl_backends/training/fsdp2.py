@@ -142,7 +142,7 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         packing: str | None = None,
         compile_layers: bool | str | None = None,
         single_device: str | None = None, exact_logprobs: bool = False, r3: Any | None = None,
-        tp: int = 1, cp: int = 1, ep: int = 1, group_projections: bool | None = None,
+        tp: int = 1, cp: int = 1, ep: int = 1, group_projections: bool = False,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -170,10 +170,15 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         self.dp_group = self.mesh.get_group("dp_shard")
         self.single: SingleDeviceWeights | None = None  # the one-rank fast path (single_device.py)
         self.grouping: GroupReport | None = None  # q/k/v and gate/up as one GEMM each (grouped_linear.py)
-        if self._use_single_device(single_device if single_device is not None else train.single_device):
+        single = self._use_single_device(single_device if single_device is not None else train.single_device)
+        if group_projections and (not single or self.exact):
+            raise ValueError(
+                "group_projections=True needs the single-device path (one rank, no FP8 training, single_device not "
+                f"'off') and exact_logprobs off; here single-device is {single}, exact_logprobs {self.exact}")
+        if single:
             self.single = SingleDeviceWeights(model, compute_dtype(train.mixed_precision, self.device))
             self.model = model
-            if group_projections and not self.exact:  # adjacent flat-buffer weights: one GEMM per group
+            if group_projections:  # adjacent flat-buffer weights: one GEMM per group
                 self.grouping = group_model_projections(model)
         else:  # on one rank keep the unsharded parameters after forward: nothing to save, backward reuses them
             self.model = parallelize(model, self.mesh, ep=ep, reshard_after_forward=self.world_size > 1,
