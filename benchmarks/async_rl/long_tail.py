@@ -129,7 +129,7 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
     return {"wall_s": wall, "build_s": build, "samples_per_s": samples / wall,
             "samples_per_s_incl_build": samples / (build + wall), **run_metrics(records),
             "steady_samples_per_s": ((steps - 1) * prompts * n - held) / steady if steps > 1 else float("nan"),
-            "first_step_s": records[0]["perf/step_s"],
+            "first_step_s": records[0]["perf/step_s"], "phases": step_phases(records[1:]),
             "reward": [round(r["reward/mean"], 4) for r in records],
             "staleness_max": max((r.get("async/staleness_max", 0.0) for r in records), default=0.0),
             "staleness_oldest_max": max((r.get("async/staleness_oldest_max", 0.0) for r in records), default=0.0),
@@ -137,6 +137,21 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
             "dropped_stale": records[-1].get("async/dropped_stale", 0.0),
             "partial_rollouts": records[-1].get("async/partial_rollouts_total", 0.0),
             "trainer_idle": records[-1].get("async/trainer_idle_ratio", float("nan"))}
+
+
+# where a step's time goes (steps 2..N, seconds per step): sync generates, then trains; an async trainer waits
+# for samples (async/trainer_wait_s, a running total), computes the old log-probs and updates, then publishes
+PHASES = ("generate", "old_log_prob", "update_actor", "sync")
+
+
+def step_phases(records: list[dict]) -> dict[str, float]:
+    """Mean seconds per step of each ``timing/{phase}_s`` the steps report (absent phases left out), and for an
+    async run the trainer's wait for samples per step (``wait``)."""
+    out = {p: sum(r[f"timing/{p}_s"] for r in records) / len(records)
+           for p in PHASES if records and all(f"timing/{p}_s" in r for r in records)}
+    if len(records) > 1 and "async/trainer_wait_s" in records[-1]:
+        out["wait"] = (records[-1]["async/trainer_wait_s"] - records[0]["async/trainer_wait_s"]) / (len(records) - 1)
+    return out
 
 
 STARTUP = ("rollouter_ready_s", "startup_overlap_s", "rollouter_boot_s", "rollouter_first_group_s",
@@ -222,6 +237,10 @@ def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> 
     * rates and times: the median over the rounds;
     * ``dropped_stale``: the sum over the rounds (a drop in any round shows); ``staleness_max`` (the lag the
       bound applies to) and ``staleness_oldest_max`` (a trained sample's oldest token's): the highest of any round;
+    * ``{mode}/rounds_steady_samples_per_s`` and ``{mode}/rounds_samples_per_s``: each round's rate in turn (a
+      text), so a record shows whether a mode's rate moved between rounds;
+    * ``{mode}/step_{phase}_s``: the median over the rounds of the seconds per step (steps 2..N) of each phase
+      (:func:`step_phases`);
     * the rest (reward curve, lengths, the rollouter's start-up and wait figures): the last round's.
     """
     out: dict[str, Any] = {}
@@ -230,6 +249,11 @@ def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> 
         runs = [got[mode] for got in per_round]
         for name, key in MEDIANS.items():
             out[f"{mode}/{name}"] = round(float(np.median([g[key] for g in runs])), 3)
+        for name in ("steady_samples_per_s", "samples_per_s"):
+            out[f"{mode}/rounds_{name}"] = " ".join(f"{g[name]:.1f}" for g in runs)
+        for phase in sorted(set().union(*(g.get("phases", {}) for g in runs))):
+            values = [g["phases"][phase] for g in runs if phase in g.get("phases", {})]
+            out[f"{mode}/step_{phase}_s"] = round(float(np.median(values)), 4)
         out[f"{mode}/dropped_stale"] = float(sum(g["dropped_stale"] for g in runs))
         g = last[mode]
         out[f"{mode}/reward_last"] = g["reward"][-1]

@@ -6,11 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from benchmarks.async_rl.long_tail import bench, combine_rounds
+from benchmarks.async_rl.long_tail import bench, combine_rounds, step_phases
 
 
-def _run(rate: float, steady: float, stale: float = 0.0, reward: float = 0.5, oldest: float = 1.0) -> dict:
-    return {"samples_per_s": rate, "steady_samples_per_s": steady, "samples_per_s_incl_build": rate / 2,
+def _run(rate: float, steady: float, stale: float = 0.0, reward: float = 0.5, oldest: float = 1.0,
+         phases: dict | None = None) -> dict:
+    return {"phases": phases or {}, "samples_per_s": rate, "steady_samples_per_s": steady, "samples_per_s_incl_build": rate / 2,
             "first_step_s": 1.0, "wall_s": 100.0 / rate, "build_s": 0.5, "dropped_stale": stale,
             "reward": [0.1, reward], "staleness_max": 1.0, "staleness_oldest_max": oldest,
             "response_length_mean": 40.0, "partial_rollouts": 3.0, "trainer_wait_s_per_step": 0.1}
@@ -44,3 +45,29 @@ def test_one_round_is_the_plain_ratio():
 def test_rounds_below_one_are_refused():
     with pytest.raises(ValueError, match="rounds=0: allowed >= 1"):
         bench(True, rounds=0)
+
+
+def test_rounds_show_each_rate_and_the_median_phase_times():
+    rng = random.Random()
+    updates = [rng.uniform(0.01, 0.2) for _ in range(3)]
+    rounds = [{"sync": _run(100.0 + i, 110.0 + i, phases={"generate": 0.05, "update_actor": u}),
+               "partial": _run(150.0, 160.0 + i, phases={"update_actor": 2 * u, "wait": 0.01 * i})}
+              for i, u in enumerate(updates)]
+    out = combine_rounds(rounds, ("sync", "partial"))
+    assert out["sync/rounds_steady_samples_per_s"] == "110.0 111.0 112.0"
+    assert out["partial/rounds_samples_per_s"] == "150.0 150.0 150.0"
+    assert out["sync/step_update_actor_s"] == pytest.approx(sorted(updates)[1], abs=1e-4)
+    assert out["partial/step_update_actor_s"] == pytest.approx(2 * sorted(updates)[1], abs=1e-4)
+    assert out["sync/step_generate_s"] == pytest.approx(0.05)
+    assert out["partial/step_wait_s"] == pytest.approx(0.01, abs=1e-4)
+    assert "partial/step_generate_s" not in out  # an async trainer does not generate
+
+
+def test_step_phases_from_a_runs_metrics():
+    steps = [{"timing/generate_s": 0.2, "timing/update_actor_s": 0.1 * (i + 1), "async/trainer_wait_s": 0.5 + 0.25 * i}
+             for i in range(3)]
+    got = step_phases(steps)
+    assert got["generate"] == pytest.approx(0.2)
+    assert got["update_actor"] == pytest.approx(0.2)
+    assert got["wait"] == pytest.approx(0.25)  # a running total: its growth per step
+    assert "sync" not in got  # a phase some step does not report is left out
