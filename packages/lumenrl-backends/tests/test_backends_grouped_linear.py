@@ -28,7 +28,9 @@ def test_grouped_linear_against_float64():
     weights = [nn.Parameter(flat[a * 48 : b * 48].view(b - a, 48)) for a, b in ((0, 16), (16, 24), (24, 40))]
     fused = flat.view(40, 48)
     xg = x.clone().requires_grad_()
-    y = GroupedLinear.apply(xg, fused, *weights)
+    outs = GroupedLinear.apply(xg, fused, *weights)
+    assert [o.shape[-1] for o in outs] == [16, 8, 16]  # one output per member
+    y = torch.cat(outs, -1)
     grad = torch.randn(y.shape, generator=g)
     y.backward(grad)
     x64 = x.double().requires_grad_()
@@ -41,6 +43,20 @@ def test_grouped_linear_against_float64():
     for w, ref in zip(weights, w64, strict=True):
         assert w.grad.shape == w.shape
         assert (w.grad.double() - ref.grad).abs().max() < 10 * bound  # sum over 21 rows
+
+
+def test_grouped_linear_with_an_unused_member_output():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = torch.randn(5, 32, generator=g, dtype=torch.float64)
+    flat = torch.randn(24 * 32, generator=g, dtype=torch.float64)
+    weights = [nn.Parameter(flat[a * 32 : b * 32].view(b - a, 32)) for a, b in ((0, 8), (8, 24))]
+    xg = x.clone().requires_grad_()
+    _, second = GroupedLinear.apply(xg, flat.view(24, 32), *weights)
+    grad = torch.randn(second.shape, generator=g, dtype=torch.float64)
+    second.backward(grad)
+    assert torch.equal(weights[0].grad, torch.zeros_like(weights[0]))  # no gradient reached the unused output
+    torch.testing.assert_close(weights[1].grad, grad.t() @ x, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(xg.grad, grad @ weights[1].detach(), rtol=1e-12, atol=1e-12)
 
 
 def _flat_model(tiny_qwen3_lm, dtype=torch.float32):
