@@ -4,6 +4,7 @@ single-device backend, and where a group is refused."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -89,6 +90,28 @@ def test_grouped_model_matches_unfused(tiny_qwen3_lm, compiled):
             p.grad = q.grad = None
     assert ungroup_projections(model) == 5 * layers
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_compiled_backward_writes_gate_and_up_gradients_into_the_concatenation(tiny_qwen3_lm):
+    """Inductor's backward of a grouped layer: the SwiGLU backward is one kernel over the intermediate width that
+    writes gate's and up's gradient blocks, not a kernel over the grouped width summing zero-padded slices (which
+    reads the SwiGLU inputs once per half)."""
+    from torch._inductor.utils import fresh_inductor_cache, run_and_get_code
+
+    model, _ = _flat_model(tiny_qwen3_lm)
+    group_projections(model)
+    model.model.layers[0].compile(fullgraph=True)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+
+    def step():
+        model(ids).logits.float().square().mean().backward()
+
+    with fresh_inductor_cache():
+        _, codes = run_and_get_code(step)
+    kernels = {name for code in codes for name in re.findall(r"\b(\w*fused\w*)\(", code)}
+    swiglu = [k for k in kernels if "silu_backward" in k]
+    assert swiglu, sorted(kernels)  # the backward graph was captured
+    assert not [k for k in swiglu if "slice_backward" in k], swiglu
 
 
 def test_member_called_with_another_input_runs_its_own_gemm(tiny_qwen3_lm):
