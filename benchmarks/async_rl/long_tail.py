@@ -45,9 +45,9 @@ and two FSDP2 backends built, CUDA graphs captured per (batch bucket, KV length)
 per process (Triton kernels compiled at their first shape): the cap sets the number of KV-length
 keys (cap / 64 + 1) and the decode steps per call, rows x cap the prefill after each interrupt,
 so halving both (from 16 prompts, median 64) cuts generation about fourfold. Before the timed
-modes an untimed ``sync`` warm-up of ``WARMUP_STEPS`` steps pays the process-wide compiles, so they are charged
-to no mode (on the CPU there are none: no warm-up). A one-step warm-up left one-time costs in the first round's
-timed sync steps, which flattered the async mode (decision 0012). A rollouter process loads those Triton kernels
+modes an untimed ``sync`` run of the same shape pays the process-wide compiles, so they are charged
+to no mode (on the CPU there are none: no warm-up). A one-step or three-step warm-up left one-time costs in the
+first round's timed sync steps, which flattered the async mode (decision 0012). A rollouter process loads those Triton kernels
 from the same disk cache (it inherits the environment), but captures its own CUDA graphs. The CPU smoke of the GPU entry runs its rollouter
 as a process too (``weight_sync.method=filesystem``, the CPU stand-in for ``cuda_ipc``).
 
@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-WARMUP_STEPS = 3  # the untimed sync steps before the timed rounds on the GPU (module doc)
+WARMUP_STEPS = None  # the untimed sync steps before the timed rounds on the GPU: None, a whole run (module doc)
 MODES = {
     "sync": "grpo_dense_bf16.yaml",
     "onpolicy": "grpo_async_onpolicy.yaml",
@@ -212,8 +212,9 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("LUMENRL_CACHE", str(Path(tmp) / "cache"))
         if gpu and not smoke:  # process-wide compiles (Triton, CUDA context) charged to no mode
-            run_mode("sync", out=Path(tmp) / "warmup", extra=extra, **{**shape, "steps": WARMUP_STEPS})
-            results["warmup_steps"] = WARMUP_STEPS
+            warmup = WARMUP_STEPS or shape["steps"]
+            run_mode("sync", out=Path(tmp) / "warmup", extra=extra, **{**shape, "steps": warmup})
+            results["warmup_steps"] = warmup
         for r in range(rounds):
             got: dict[str, dict] = {}
             for mode in modes:
