@@ -554,18 +554,24 @@ def main(argv: list[str] | None = None) -> dict:
 def run(smoke: bool) -> dict:
     """Suite entry: MFU and tokens/s of the 1.7B one-rank compiled train step, through the single-device
     path (``mfu``) and through ``fully_shard`` on a one-rank mesh (``mfu_fsdp2``), side by side, each
-    step profiled once (smoke: a tiny model on CPU, eager)."""
+    step profiled once (smoke: a tiny model on CPU, eager). After them the single-device step with grouped
+    projections (``+grouped``, opt-in), between two more single-device runs, for ``mfu_grouped`` and
+    ``grouped_speedup`` (the mean single-device step of the runs around it over its step)."""
     sharded, single = ("1.7b/bf16", "1.7b/bf16+single") if smoke else ("1.7b/bf16+compile", "1.7b/bf16+compile+single")
-    args = ["--smoke", "--steps", "1", "--warmup", "1", "--profile", "", "--variants", f"{sharded},{single}"] if smoke \
-        else ["--steps", "4", "--warmup", "2", "--budget-s", "240", "--variant-timeout-s", "110",
-              "--profile", f"{sharded},{single}", "--variants", f"{sharded},{single}"]
-    results = {r["variant"]: r for r in main(args)["results"]}
-    for name in (sharded, single):
-        if "error" in results[name] or "skipped" in results[name]:
-            raise RuntimeError(f"{name}: {results[name].get('error') or results[name].get('skipped')}")
-    r, f = results[single], results[sharded]
+    grouped = "1.7b/bf16+compile+single+grouped"  # eager in the smoke, as every variant there
+    order = f"{sharded},{single},{grouped},{single}"
+    args = ["--smoke", "--steps", "1", "--warmup", "1", "--profile", "", "--variants", order] if smoke \
+        else ["--steps", "4", "--warmup", "2", "--budget-s", "300", "--variant-timeout-s", "110",
+              "--profile", f"{sharded},{single}", "--variants", order]
+    runs = main(args)["results"]
+    for r in runs:
+        if "error" in r or "skipped" in r:
+            raise RuntimeError(f"{r['variant']}: {r.get('error') or r.get('skipped')}")
+    f, r, g, again = runs
     return {"mfu": r["mfu"], "tokens_per_s": r["tokens_per_s"], "step_s": r["step_s"], "mfu_fsdp2": f["mfu"],
             "fsdp2_step_s": f["step_s"], "fsdp2_over_single_step": f["step_s"] / r["step_s"],
+            "mfu_grouped": g["mfu"], "grouped_step_s": g["step_s"],
+            "grouped_speedup": (r["step_s"] + again["step_s"]) / 2 / g["step_s"],
             **{f"profile/{k}": v for k, v in r.get("profile", {}).items()},  # where each step's GPU time goes
             **{f"profile_fsdp2/{k}": v for k, v in f.get("profile", {}).items()},
             **_gpu_numbers("single", r), **_gpu_numbers("fsdp2", f),
