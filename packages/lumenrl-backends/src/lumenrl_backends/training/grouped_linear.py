@@ -19,8 +19,8 @@ A SwiGLU MLP (``down_proj(silu(gate_proj(x)) * up_proj(x))``, checked on a probe
 gate/up GEMM and the activation as one function instead (:class:`GroupedSwiGLU`), whose backward writes the
 gradient of the grouped GEMM's output, gate's half and up's half, in one pass (:func:`swiglu_backward`: the
 activation's inputs and output gradient read once). With the members' gradients concatenated by the generic path,
-Inductor lowers the concatenation as one masked kernel over the grouped width that reads the activation's inputs
-once per half (measured on an H100: 238-243 us per layer against 161-163 us for the ungrouped layer's kernel).
+Inductor on CUDA lowers the concatenation as one masked kernel over the grouped width that reads the activation's
+inputs once per half, slower than the ungrouped layer's kernel (decision 0006).
 
 Same math as the separate GEMMs (each output column is the same dot product); cuBLAS may pick another tile for
 the wider GEMM, so results differ by accumulation order only (tested against float64 and the unfused module).
@@ -56,10 +56,11 @@ class GroupedLinear(torch.autograd.Function):
     by rows; the weight gradient goes to ``weights`` (row blocks of one GEMM), none to ``fused``.
 
     The members' outputs are separate outputs of the function (column slices of one GEMM's result), so backward
-    receives each member's output gradient on its own and concatenates them: under Inductor each gradient's
-    producer then writes its block of the concatenation directly (gate's and up's from one SwiGLU-backward kernel,
-    as without grouping). Slicing one output instead gives the concatenation as a sum of zero-padded slices, a
-    kernel over the whole width that reads the SwiGLU inputs once per half (1.5x the bytes, measured on an H100).
+    receives each member's output gradient on its own and concatenates them. Slicing one output instead made the
+    concatenation a sum of zero-padded slices, which Inductor computed over the whole width and which cost more
+    for q/k/v (decision 0006). Inductor on CUDA may still lower the concatenation as one masked kernel that
+    recomputes each block's producer; the SwiGLU MLP's gate/up, where that re-reads the activation's inputs, goes
+    through :class:`GroupedSwiGLU` instead.
     """
 
     @staticmethod
