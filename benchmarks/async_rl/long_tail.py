@@ -141,16 +141,15 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
             "trainer_idle": records[-1].get("async/trainer_idle_ratio", float("nan"))}
 
 
-# where a step's time goes (steps 2..N, seconds per step): sync generates, then trains; an async trainer waits
-# for samples (async/trainer_wait_s, a running total), computes the old log-probs and updates, then publishes
-PHASES = ("generate", "old_log_prob", "update_actor", "sync")
-
-
 def step_phases(records: list[dict]) -> dict[str, float]:
-    """Mean seconds per step of each ``timing/{phase}_s`` the steps report (absent phases left out), and for an
-    async run the trainer's wait for samples per step (``wait``)."""
+    """Where a step's time goes (steps 2..N, seconds per step): the mean of each ``timing/{phase}_s`` that every
+    step reports (sync generates, then scores, computes reference and old log-probs and updates; an async trainer
+    does the same without generating), and for an async run the trainer's wait for samples per step (``wait``,
+    from the running total ``async/trainer_wait_s``)."""
+    phases = [k[len("timing/"):-len("_s")] for k in (records[0] if records else {})
+              if k.startswith("timing/") and k.endswith("_s")]
     out = {p: sum(r[f"timing/{p}_s"] for r in records) / len(records)
-           for p in PHASES if records and all(f"timing/{p}_s" in r for r in records)}
+           for p in phases if all(f"timing/{p}_s" in r for r in records)}
     if len(records) > 1 and "async/trainer_wait_s" in records[-1]:
         out["wait"] = (records[-1]["async/trainer_wait_s"] - records[0]["async/trainer_wait_s"]) / (len(records) - 1)
     return out
