@@ -69,7 +69,6 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
-WARMUP_STEPS = None  # the untimed sync steps before the timed rounds on the GPU: None, a whole run (module doc)
 MODES = {
     "sync": "grpo_dense_bf16.yaml",
     "onpolicy": "grpo_async_onpolicy.yaml",
@@ -211,9 +210,8 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("LUMENRL_CACHE", str(Path(tmp) / "cache"))
         if gpu and not smoke:  # process-wide compiles (Triton, CUDA context) charged to no mode
-            warmup = WARMUP_STEPS or shape["steps"]
-            run_mode("sync", out=Path(tmp) / "warmup", extra=extra, **{**shape, "steps": warmup})
-            results["warmup_steps"] = warmup
+            run_mode("sync", out=Path(tmp) / "warmup", extra=extra, **shape)  # a whole run (module doc)
+            results["warmup_steps"] = shape["steps"]
         for r in range(rounds):
             got: dict[str, dict] = {}
             for mode in modes:

@@ -368,8 +368,8 @@ def gemm_groups(shape: str, tokens: int, device: torch.device, rounds: int = 2, 
     """Forward + backward of a layer's q/k/v and gate/up projections at ``tokens`` rows: each member's own
     ``F.linear`` against one :class:`~lumenrl_backends.training.grouped_linear.GroupedLinear` GEMM over the
     stacked weights (the ``+grouped`` variant's op), alternating ``rounds`` times; microseconds per call. Raises if
-    the two disagree beyond the compute dtype's rounding. Both run eagerly: the grouped backward's concatenation of
-    the members' output gradients is a copy here, which a compiled layer's producers write in place."""
+    the two disagree beyond the compute dtype's rounding. Both run eagerly, so the grouped backward's concatenation
+    of the members' output gradients is a copy here."""
     hidden, inter, _, heads, kv, _, _ = SHAPES[shape]
     head_dim = 128 if shape != "smoke" else 32
     rows: list[dict[str, Any]] = []
@@ -399,7 +399,7 @@ def _time_group(name: str, outs: tuple[int, ...], hidden: int, tokens: int, devi
         torch.autograd.backward(ys, list(grad.split(list(outs), -1)))
         return ys
 
-    def grouped() -> list[torch.Tensor]:  # eager: its backward's concatenation of the gradients is a copy here
+    def grouped() -> list[torch.Tensor]:
         ys = list(GroupedLinear.apply(x, fused, *weights))
         torch.autograd.backward(ys, list(grad.split(list(outs), -1)))
         return ys
