@@ -176,3 +176,22 @@ def test_bf16_log_probs_and_train_step_match_fsdp2_on_gpu(tiny_model_dir):
     assert (lp_ref - lp_meg).abs().max() < 0.1  # both bf16 compute: rounding differs, math does not
     m_ref, m_meg = ref.train_step(batch, pg_loss), meg.train_step(batch, pg_loss)
     assert abs(m_ref["actor/loss"] - m_meg["actor/loss"]) < 0.05 * max(1.0, abs(m_ref["actor/loss"]))
+
+
+
+@pytest.mark.parametrize(("config", "override"), [
+    ("grpo_dense_bf16", "policy.train.compile_layers=true"), ("grpo_dense_bf16", "policy.train.gradient_checkpointing=true"),
+    ("grpo_dense_bf16", "policy.train.single_device=on"), ("grpo_dense_bf16", "policy.rollout.exact_logprobs=true"),
+    ("ppo_dense_bf16", "critic.enabled=true")])
+def test_keys_megatron_does_not_read_are_refused_at_assembly(config, override):
+    """The shipped manifest: keys the Megatron backend would skip are refused by assembly, before any model
+    loads; the FSDP2 backend declares them."""
+    from pathlib import Path
+
+    from lumenrl_core.assembly import AssemblyError, plan_run
+    from lumenrl_core.config import load_config
+
+    path = str(Path(__file__).resolve().parents[3] / "configs" / f"{config}.yaml")
+    with pytest.raises(AssemblyError, match=f"training backend lacks capability .* required by {override.split('=')[0]}="):
+        plan_run(load_config(path, [override, "policy.training_backend=megatron"]))
+    assert plan_run(load_config(path, [override])).training_backend_cls.__name__ == "FSDP2Backend"

@@ -26,6 +26,10 @@ ALL_ENGINE_CAPS = {"fp8_weights", "mx_weights", "fp8_kv_cache", "route_recording
                    "hidden_state_capture", "logprobs"}
 
 
+# what a backend declares to read the policy.train keys, critic.enabled and the exact log-probs' trainer side
+TRAIN_KEY_CAPS = {"values", "gradient_checkpointing", "compile_layers", "single_device", "exact_logprobs"}
+
+
 def plugin(name: str, caps=(), reason: str | None = None, **attrs) -> type:
     """A test plugin class with ``capabilities`` and a ``probe()`` returning ``reason``."""
     body = {"capabilities": frozenset(caps), "probe": classmethod(lambda cls: reason), **attrs}
@@ -71,7 +75,7 @@ def _moe_layout_transformers(monkeypatch):
 def reg() -> PluginRegistry:
     r = PluginRegistry(discover=False)
     add = r.register
-    add("training_backends", "fsdp2", plugin("FSDP2"), distribution="lumenrl-backends", version="0.1.0")
+    add("training_backends", "fsdp2", plugin("FSDP2", TRAIN_KEY_CAPS), distribution="lumenrl-backends", version="0.1.0")
     add("training_backends", "megatron", plugin("Megatron", {"expert_parallel", "route_replay", "fp8_training"}))
     add("rollout_engines", "native", plugin("Native", ALL_ENGINE_CAPS))
     add("rollout_engines", "hf", plugin("HF", {"logprobs"}))
@@ -606,3 +610,25 @@ def test_r3_distribution_mode_needs_recorded_router_probabilities():
     cfg = load_config(None, ["moe.r3.enabled=true", "moe.r3.replay_mode=distribution",
                              "moe.r3.record_router_logits=true"])
     assert cfg.moe.r3.replay_mode == "distribution"
+
+
+@pytest.mark.parametrize(("key", "value", "capability"), [
+    ("critic.enabled", True, "values"),
+    ("policy.train.gradient_checkpointing", True, "gradient_checkpointing"),
+    ("policy.train.compile_layers", True, "compile_layers"),
+    ("policy.train.single_device", "on", "single_device"),
+    ("policy.train.single_device", "off", "single_device"),
+    ("policy.rollout.exact_logprobs", True, "exact_logprobs"),
+])
+def test_training_keys_need_a_backend_that_reads_them(cfg, reg, key, value, capability):
+    """A backend without the capability would skip the key: refused before any model loads, naming it."""
+    section, name = key.rsplit(".", 1)
+    target = cfg
+    for part in section.split("."):
+        target = getattr(target, part)
+    setattr(target, name, value)
+    cfg.policy.training_backend, cfg.policy.rollout_engine = "megatron", "native"
+    assert only(cfg, reg) == (f"policy.training_backend='megatron': training backend lacks capability "
+                              f"'{capability}' required by {key}={value!r}; choose a training backend that declares it")
+    cfg.policy.training_backend = "fsdp2"
+    assert capability in plan_run(cfg, registry=reg).required_capabilities["training_backend"]
