@@ -150,16 +150,14 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
     # training keys a backend must read, not skip: value estimates, layer recompute and compile, the one-rank
     # path choice, and the batch-invariant trainer side of exact log-probs (the engine side: _check_exact_logprobs)
     train = cfg.policy.train
-    for capability, key, value, needed in (
-        ("values", "critic.enabled", cfg.critic.enabled, cfg.critic.enabled),
-        ("gradient_checkpointing", "policy.train.gradient_checkpointing", train.gradient_checkpointing,
-         train.gradient_checkpointing),
-        ("compile_layers", "policy.train.compile_layers", train.compile_layers, bool(train.compile_layers)),
-        ("single_device", "policy.train.single_device", train.single_device, train.single_device != "auto"),
-        ("exact_logprobs", "policy.rollout.exact_logprobs", cfg.policy.rollout.exact_logprobs,
-         cfg.policy.rollout.exact_logprobs),
+    for capability, key, value in (
+        ("values", "critic.enabled", cfg.critic.enabled),
+        ("gradient_checkpointing", "policy.train.gradient_checkpointing", train.gradient_checkpointing),
+        ("compile_layers", "policy.train.compile_layers", train.compile_layers),
+        ("single_device", "policy.train.single_device", train.single_device),
+        ("exact_logprobs", "policy.rollout.exact_logprobs", cfg.policy.rollout.exact_logprobs),
     ):
-        if needed:
+        if value and value != "auto":  # on, or a non-default choice
             needs.append(Need("training_backend", capability, key, value))
     if cfg.policy.lora.rank > 0:
         needs.append(Need("training_backend", "lora", "policy.lora.rank", cfg.policy.lora.rank))
