@@ -1,6 +1,8 @@
 """The sddd trainer through assemble(config): online mode end to end (checkpoint, resume, metrics, export),
-and disaggregated mode (teacher process -> transfer engine -> trainer) moving bit-identical captures
-through shared memory, TCP over loopback and Mooncake (skipped with the reason where it cannot run)."""
+``checkpointing.enabled: false`` writing no checkpoint, the teacher loaded with ``policy.tokenizer_name`` and
+``policy.trust_remote_code``, and disaggregated mode (teacher process -> transfer engine -> trainer) moving
+bit-identical captures through shared memory, TCP over loopback and Mooncake (skipped with the reason where
+it cannot run)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import json
 import pytest
 import torch
 
-from lumenrl_backends.trainers.sddd_teacher import aux_layer_ids, publish
+from lumenrl_backends.models import build_char_tokenizer
+from lumenrl_backends.trainers import sddd_teacher
+from lumenrl_backends.trainers.checkpoint import CheckpointManager
+from lumenrl_backends.trainers.sddd_teacher import aux_layer_ids, load_teacher, publish
 from lumenrl_core.assembly import assemble
 from lumenrl_core.config import config_from_dict
 from lumenrl_sddd import InProcessTransferEngine, MooncakeTransferEngine
@@ -19,14 +24,14 @@ torch.set_num_threads(1)
 
 
 def _config(qwen3_dir, out, **sddd):
+    eagle3 = {} if sddd.get("draft") == "dflash" else {"draft_vocab_size": 30, "ttt_steps": 3, "num_draft_tokens": 3}
     return config_from_dict({
         "seed": 3, "num_training_steps": 4,
         "policy": {"model_name": str(qwen3_dir), "dtype": "float32",
                    "rollout": {"max_batch_size": 8, "cuda_graphs": False}},
         "algorithm": {"name": "sddd"},
         "trainer": {"name": "sddd", "output_dir": str(out), "experiment_name": out.name, "cpu_threads": 1},
-        "sddd": {"num_prompts": 8, "batch_size": 4, "response_tokens": 6, "eval_prompts": 2, "draft_vocab_size": 30,
-                 "ttt_steps": 3, "num_draft_tokens": 3, **sddd},
+        "sddd": {"num_prompts": 8, "batch_size": 4, "response_tokens": 6, "eval_prompts": 2, **eagle3, **sddd},
         "checkpointing": {"save_every": 2, "keep_last": 1},
         "logger": {"backends": ["jsonl"], "progress_bar": False},
         "eval": {"every": 0},
@@ -54,6 +59,45 @@ def _more_steps(qwen3_dir, out, draft, extra):
     cfg.num_training_steps = 6
     cfg.checkpointing.resume = True
     return cfg
+
+
+def test_checkpointing_disabled_writes_no_checkpoint(qwen3_dir, tmp_path):
+    out = tmp_path / "off"
+    cfg = _config(qwen3_dir, out)
+    cfg.num_training_steps = 2
+    cfg.checkpointing.save_every = 1  # every step, and the last, were checkpointing on
+    cfg.checkpointing.enabled = False
+    summary = assemble(cfg).fit()
+    assert summary["steps"] == 2 and (out / "final").is_dir()
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert CheckpointManager(root=out / "checkpoints").latest() is None  # what a resume would find
+
+
+def test_teacher_reads_tokenizer_name_and_trust_remote_code(qwen3_dir, tmp_path, monkeypatch):
+    tok_dir = tmp_path / "other-tokenizer"  # not the model's directory (qwen3_dir holds a tokenizer too)
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<teacher-tok>"]})
+    tokenizer.save_pretrained(tok_dir)
+    cfg = _config(qwen3_dir, tmp_path / "run")
+    cfg.policy.tokenizer_name, cfg.policy.trust_remote_code = str(tok_dir), True
+    calls = []
+    real = sddd_teacher.load_model_and_tokenizer
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sddd_teacher, "load_model_and_tokenizer", spy)
+    model, tok = load_teacher(cfg)
+    assert tok.name_or_path == str(tok_dir) and "<teacher-tok>" in tok.get_vocab()
+    assert calls[-1]["trust_remote_code"] is True and calls[-1]["tokenizer_name"] == str(tok_dir)
+    # disaggregated mode: the trainer saves the teacher, the teacher process loads it (tokenizer included) from there
+    saved = tmp_path / "teacher"
+    model.save_pretrained(saved)
+    tok.save_pretrained(saved)
+    _, reloaded = load_teacher(cfg, str(saved))
+    assert reloaded.name_or_path == str(saved) and "<teacher-tok>" in reloaded.get_vocab()
+    assert calls[-1]["trust_remote_code"] is True
 
 
 ENGINES = ["shm", "tcp", pytest.param("mooncake", marks=pytest.mark.skipif(

@@ -23,11 +23,12 @@ from lumenrl_core.config.schema import RunConfig
 from lumenrl_core.plugins import PluginLoadError, PluginRegistry, PluginSpec
 
 ALL_ENGINE_CAPS = {"fp8_weights", "mx_weights", "fp8_kv_cache", "route_recording", "interrupt_resume",
-                   "hidden_state_capture", "logprobs"}
+                   "hidden_state_capture", "logprobs", "router_probs", "cuda_graphs", "compile", "fuse_projections",
+                   "overlap_sync", "gpu_memory_utilization"}
 
 
 # what a backend declares to read the policy.train keys, critic.enabled and the exact log-probs' trainer side
-TRAIN_KEY_CAPS = {"values", "gradient_checkpointing", "compile_layers", "single_device", "exact_logprobs"}
+TRAIN_KEY_CAPS = {"values", "gradient_checkpointing", "compile_layers", "single_device", "packing", "exact_logprobs"}
 
 
 def plugin(name: str, caps=(), reason: str | None = None, **attrs) -> type:
@@ -37,7 +38,7 @@ def plugin(name: str, caps=(), reason: str | None = None, **attrs) -> type:
 
 
 class Trainer:
-    capabilities = frozenset()
+    capabilities = frozenset({"grpo", "dapo", "ppo", "exact_logprobs", "online_sddd"})
 
     def __init__(self, plan):
         self.plan = plan
@@ -82,12 +83,12 @@ def reg() -> PluginRegistry:
     add("rollout_engines", "vllm", plugin("VLLM", ALL_ENGINE_CAPS, reason="module 'vllm' is not installed"))
     add("advantage_estimators", "grpo", plugin("GRPO"))
     add("advantage_estimators", "gae", plugin("GAE", requires=frozenset({"critic"})))  # as the shipped spec
-    add("policy_losses", "ppo_clip", plugin("PPOClip"))
+    add("policy_losses", "ppo_clip", plugin("PPOClip", __init__=lambda self, **keywords: None))  # takes them all
     add("rewards", "math", plugin("Math"))
     add("controllers", "local", plugin("Local", {"in_process", "dispatch_modes"}))
     add("trainers", "rl", Trainer)
-    add("trainers", "sddd", plugin("SDDDTrainer"))
-    add("trainers", "async_rl", plugin("AsyncRL", {"async"}))
+    add("trainers", "sddd", plugin("SDDDTrainer", {"sddd"}))
+    add("trainers", "async_rl", plugin("AsyncRL", {"async", "grpo", "dapo", "ppo"}))
     add("weight_syncs", "inprocess", plugin("InProc"))
     add("loggers", "jsonl", plugin("Jsonl"))
     add("quant_schemes", "fp8_block", plugin("Fp8Block"))
@@ -278,7 +279,8 @@ def test_r3_needs_recording_replay_and_moe_model(cfg, reg, tmp_path):
     cfg.policy.model_name = str(tmp_path)
     plan = plan_run(cfg, registry=reg)
     assert plan.model_is_moe is True
-    assert plan.required_capabilities == {"rollout_engine": {"route_recording"}, "training_backend": {"route_replay"}}
+    assert plan.required_capabilities == {"rollout_engine": {"route_recording"}, "training_backend": {"route_replay"},
+                                          "trainer": {"grpo"}}
     cfg.policy.rollout.speculative.draft_path = str(tmp_path / "draft")  # spec decoding records no routes
     assert any(p.startswith("moe.r3.enabled=True: speculative decoding (policy.rollout.speculative.draft_path) does "
                             "not record routes") for p in problems(cfg, reg))
@@ -617,7 +619,7 @@ def test_r3_distribution_mode_needs_recorded_router_probabilities():
     ("policy.train.gradient_checkpointing", True, "gradient_checkpointing"),
     ("policy.train.compile_layers", True, "compile_layers"),
     ("policy.train.single_device", "on", "single_device"),
-    ("policy.train.single_device", "off", "single_device"),
+    ("policy.train.packing", "trim", "packing"),
     ("policy.rollout.exact_logprobs", True, "exact_logprobs"),
 ])
 def test_training_keys_need_a_backend_that_reads_them(cfg, reg, key, value, capability):
@@ -632,3 +634,70 @@ def test_training_keys_need_a_backend_that_reads_them(cfg, reg, key, value, capa
                               f"'{capability}' required by {key}={value!r}; choose a training backend that declares it")
     cfg.policy.training_backend = "fsdp2"
     assert capability in plan_run(cfg, registry=reg).required_capabilities["training_backend"]
+
+
+def test_choices_a_backend_honours_without_reading_them_are_not_refused(cfg, reg):
+    """single_device=off and packing=auto/none: a backend with no one-rank path or packing does what they ask."""
+    cfg.policy.training_backend = "megatron"
+    for single, packing in (("off", "none"), ("auto", "auto")):
+        cfg.policy.train.single_device, cfg.policy.train.packing = single, packing
+        assert "single_device" not in plan_run(cfg, registry=reg).required_capabilities.get("training_backend", ())
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("cuda_graphs", False), ("compile", "full"), ("fuse_projections", False), ("overlap_sync", False),
+    ("gpu_memory_utilization", 0.8),
+])
+def test_engine_keys_need_an_engine_that_reads_them(cfg, reg, key, value):
+    """Engine knobs away from their defaults: an engine that does not declare them (hf here) would ignore them."""
+    setattr(cfg.policy.rollout, key, value)
+    cfg.policy.rollout_engine = "hf"
+    assert only(cfg, reg) == (f"policy.rollout_engine='hf': rollout engine lacks capability '{key}' required by "
+                              f"policy.rollout.{key}={value!r}; choose a rollout engine that declares it")
+    cfg.policy.rollout_engine = "native"
+    assert key in plan_run(cfg, registry=reg).required_capabilities["rollout_engine"]
+
+
+def test_trainer_must_run_the_algorithm_and_the_per_step_checks(cfg, reg):
+    cfg.algorithm.name = "grpo"
+    assert plan_run(cfg, registry=reg).required_capabilities["trainer"] == {"grpo"}
+    reg.register("trainers", "grpo_only", plugin("GRPOOnly", {"grpo"}))
+    cfg.trainer.name, cfg.algorithm.name = "grpo_only", "dapo"
+    cfg.algorithm.dynamic_sampling, cfg.algorithm.clip_ratio_high = True, 0.28
+    assert only(cfg, reg) == ("trainer.name='grpo_only': trainer lacks capability 'dapo' required by "
+                              "algorithm.name='dapo'; choose a trainer that declares it")
+    cfg.algorithm.name = "grpo"
+    cfg.policy.rollout.speculative.draft_path, cfg.policy.rollout.speculative.online_sddd_steps = "/d", 2
+    assert any("trainer.name='grpo_only': trainer lacks capability 'online_sddd' required by "
+               "policy.rollout.speculative.online_sddd_steps=2" in p for p in problems(cfg, reg))
+
+
+def test_dapo_needs_dynamic_sampling_and_clip_higher(cfg, reg):
+    cfg.algorithm.name = "dapo"
+    found = problems(cfg, reg)
+    assert [f.split(":")[0] for f in found] == ["algorithm.dynamic_sampling=False", "algorithm.clip_ratio_high=0.2"]
+    cfg.algorithm.dynamic_sampling, cfg.algorithm.clip_ratio_high = True, 0.28
+    assert plan_run(cfg, registry=reg).required_capabilities["trainer"] == {"dapo"}
+
+
+def test_config_values_a_plugin_does_not_take_are_refused(cfg, reg):
+    """build_with_keywords passes only what a constructor takes: a set value it drops is refused at planning."""
+    cfg.algorithm.gamma = 0.9  # the fake grpo estimator takes no gamma
+    assert only(cfg, reg) == ("algorithm.gamma=0.9: has no effect: the adv estimator plugin 'grpo' takes no 'gamma'; "
+                              "allowed: 1.0 (the default), or a plugin that takes it")
+    cfg.algorithm.gamma = 1.0
+    cfg.policy.rollout.max_new_tokens = 7  # read by the engine whatever the loss takes
+    plan_run(cfg, registry=reg)
+
+    class Banded(Correction):
+        config_keywords = frozenset({"mask_low", "mask_high"})  # declared: the clip field is shared but unused
+
+    reg.register("rollout_corrections", "banded", Banded)
+    rc = cfg.quantization.rollout_correction
+    rc.enabled, rc.mode, rc.clip = True, "banded", 3.0
+    assert only(cfg, reg).startswith("quantization.rollout_correction.clip=3.0: has no effect: the rollout "
+                                      "correction plugin 'banded' takes no 'clip'")
+    rc.mode = "tis_token"  # Correction(clip=...) takes it
+    plan_run(cfg, registry=reg)
+    rc.mask_low = 0.5  # not a constructor parameter of Correction
+    assert only(cfg, reg).startswith("quantization.rollout_correction.mask_low=0.5: has no effect")

@@ -77,7 +77,7 @@ def test_empty_file_and_empty_section_keep_defaults(tmp_path):
 
 
 def test_section_default_factories_survive_partial_sections(tmp_path):
-    cfg = load_config(None, ["critic.optim.weight_decay=0.1"])
+    cfg = load_config(None, ["critic.enabled=true", "critic.optim.weight_decay=0.1"])
     assert cfg.critic.optim.lr == 1e-5 and cfg.critic.optim.weight_decay == 0.1
 
 

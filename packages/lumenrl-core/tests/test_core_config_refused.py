@@ -116,6 +116,36 @@ SILENT = [
     (["policy.rollout.pdl=false", "policy.rollout_engine=hf"], "policy.rollout.pdl"),
     (["policy.rollout.decode_linear=on", "policy.rollout.fuse_projections=false"], "policy.rollout.decode_linear"),
     (["policy.rollout.decode_linear=always"], "policy.rollout.decode_linear"),
+    # config/scope.py: set while nothing reads them
+    (["sddd.lr=0.1"], "sddd.lr"),
+    (["trainer.name=sddd", "algorithm.name=sddd", "policy.optim.lr=0.1"], "policy.optim.lr"),
+    (["trainer.name=sddd", "algorithm.name=sddd", "dataset.train_batch_size=4"], "dataset.train_batch_size"),
+    (["trainer.name=sddd", "algorithm.name=sddd", "sddd.draft=dflash", "sddd.ttt_steps=3"], "sddd.ttt_steps"),
+    (["trainer.name=sddd", "algorithm.name=sddd", "sddd.block_size=4"], "sddd.block_size"),
+    (["trainer.name=sddd", "algorithm.name=sddd", "sddd.tcp_port=9000"], "sddd.tcp_port"),
+    (["critic.value_loss_coef=1.0"], "critic.value_loss_coef"),
+    (["policy.lora.alpha=8"], "policy.lora.alpha"),
+    (["moe.r3.record_router_logits=true"], "moe.r3.record_router_logits"),
+    (["quantization.training.recipe=rowwise"], "quantization.training.recipe"),
+    (["quantization.rollout.fuse_mlp=true"], "quantization.rollout.fuse_mlp"),
+    (["quantization.rollout.kv_scale_recalibration=false"], "quantization.rollout.kv_scale_recalibration"),
+    (["quantization.rollout_correction.clip=3"], "quantization.rollout_correction.clip"),
+    (["policy.rollout.speculative.num_draft_tokens=3"], "policy.rollout.speculative.num_draft_tokens"),
+    (["algorithm.kl_loss_coef=0.01"], "algorithm.kl_loss_coef"),
+    (["algorithm.kl_reward_coef=0.1"], "algorithm.kl_reward_coef"),
+    (["algorithm.max_num_gen_batches=2"], "algorithm.max_num_gen_batches"),
+    (["algorithm.overlong_penalty_factor=2"], "algorithm.overlong_penalty_factor"),
+    (["reward.function=my_rewards:score", "reward.format_score=0.1"], "reward.format_score"),
+    (["eval.every=5", "trainer.test_freq=3"], "trainer.test_freq"),
+    (["eval.enabled=false", "eval.every=5"], "eval.every"),
+    (["dataset.path=data/train.jsonl"], "dataset.path"),
+    (["dataset.name=jsonl", "dataset.difficulty=3"], "dataset.difficulty"),
+    (["controller.ray.num_workers=2"], "controller.ray.num_workers"),
+    (["controller.name=ray", "controller.ray.rollout_workers=2"], "controller.ray.rollout_workers"),
+    (["logger.backends=[jsonl]", "logger.log_every=5"], "logger.log_every"),
+    (["logger.wandb_project=mine"], "logger.wandb_project"),
+    (["quantization.rollout.precision=fp16"], "quantization.rollout.precision"),
+    (["quantization.training.precision=fp32"], "quantization.training.precision"),
 ]
 
 
@@ -150,7 +180,7 @@ def test_accepted_neighbours_of_refused_values():
     cfg = load_config(None, ["algorithm.clip_ratio_c=null", "eval.temperature=0", "policy.train.mini_batch_size=16",
                              "dataset.prompt_template={prompt}", "assembly.use_new_assembler=true"])
     assert cfg.algorithm.clip_ratio_c is None and cfg.dataset.prompt_template == "{prompt}"
-    assert load_config(None, ["dataset.prompt_key='null'"]).dataset.prompt_key == "null"
+    assert load_config(None, ["dataset.name=jsonl", "dataset.prompt_key='null'"]).dataset.prompt_key == "null"
     async_rl = ["trainer.name=async_rl", "async_training.enabled=true"]
     assert load_config(None, [*async_rl, "weight_sync.method=collective"]).weight_sync.method == "collective"
     load_config(None, [*async_rl, "weight_sync.method=filesystem", "weight_sync.snapshot_dir=/tmp/snap"])
@@ -211,10 +241,17 @@ def test_every_original_key_has_a_case():
     assert {text.partition("=")[0] for text, _ in ORIGINAL} >= set(LEGACY) - {"quantization.rollout.use_deep_gemm"}
 
 
+# the switch an original key's setting needs to be read (config/scope.py refuses it otherwise)
+ORIGINAL_CONTEXT = {"quantization.rollout.num_first_layers_in_bf16": ["quantization.rollout.precision=fp8"],
+                    "quantization.rollout.num_last_layers_in_bf16": ["quantization.rollout.precision=fp8"],
+                    "quantization.training.fp8_recipe": ["quantization.training.precision=fp8"],
+                    "quantization.training.fp8_weight_cache": ["quantization.training.precision=fp8"]}
+
+
 @pytest.mark.parametrize(("text", "expected"), ORIGINAL, ids=[t for t, _ in ORIGINAL])
 def test_original_key_read_as_current(text, expected, caplog):
     with caplog.at_level("WARNING", logger="lumenrl.config"):
-        cfg = load_config(None, [text])
+        cfg = load_config(None, [*ORIGINAL_CONTEXT.get(text.partition("=")[0], []), text])
     for key, value in expected.items():
         assert _get(cfg, key) == value
     key = text.partition("=")[0]
@@ -286,3 +323,32 @@ def test_moe_features_refused_on_transformers_before_the_moe_layout():
     assert len(_moe_layout_violations(cfg, installed="5.12.0")) == 3  # DeepSeek-V3/GLM-4-MoE route in the block
     assert _moe_layout_violations(cfg, installed="5.13.0") == []
     assert moe_layout_supported("5.24.0") and not moe_layout_supported("4.57.6")
+
+
+def test_settings_read_once_their_switch_is_on():
+    load_config(None, ["trainer.name=sddd", "algorithm.name=sddd", "sddd.draft=dflash", "sddd.block_size=4"])
+    load_config(None, ["critic.enabled=true", "critic.value_loss_coef=1.0", "quantization.training.precision=fp8",
+                       "quantization.training.recipe=rowwise", "policy.dtype=float16",
+                       "quantization.rollout.precision=fp16"])
+    load_config(None, ["quantization.training.precision=fp32", "policy.train.mixed_precision=fp32"])
+    load_config(None, ["dataset.name=jsonl", "dataset.path=data/train.jsonl", "logger.backends=[jsonl, wandb]",
+                       "logger.wandb_project=mine", "eval.every=5"])
+
+
+def test_a_later_layer_may_switch_a_feature_off(tmp_path, caplog):
+    """A base file's critic settings under an override critic.enabled=false: switched off on purpose, logged."""
+    base = tmp_path / "base.yaml"
+    base.write_text("critic:\n  enabled: true\n  value_loss_coef: 1.0\ndataset:\n  difficulty: 1\n")
+    run = tmp_path / "run.yaml"
+    run.write_text("defaults: [base.yaml]\ndataset:\n  name: jsonl\n  path: data/train.jsonl\n")
+    with caplog.at_level("WARNING", logger="lumenrl.config"):
+        cfg = load_config(run, ["critic.enabled=false"])
+    assert not cfg.critic.enabled and cfg.dataset.difficulty == 1
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "critic.value_loss_coef" in logged and "dataset.difficulty" in logged and "switched its reader off" in logged
+    # the same setting in the layer that switches it off (or later) is refused
+    assert [e.key for e in _problems(["critic.enabled=false", "critic.value_loss_coef=2.0"], run)] == [
+        "critic.value_loss_coef"]
+    same = tmp_path / "same.yaml"
+    same.write_text("critic:\n  value_loss_coef: 1.0\n")
+    assert [e.key for e in _problems([], same)] == ["critic.value_loss_coef"]

@@ -179,7 +179,8 @@ class TensorBoardLogger:
 
 
 class WandbLogger:
-    """Weights & Biases run named ``trainer.experiment_name`` in ``logger.wandb_project``."""
+    """Weights & Biases run named ``trainer.experiment_name`` in ``logger.wandb_project`` (empty: the run's
+    ``trainer.project_name``)."""
 
     capabilities = manifest.WANDB.capabilities
 
@@ -196,7 +197,7 @@ class WandbLogger:
     def from_config(cls, config: Any, **_: Any) -> WandbLogger:
         as_dict = asdict(config) if is_dataclass(config) else {}
         return cls(
-            project=config.logger.wandb_project,
+            project=config.logger.wandb_project or config.trainer.project_name,
             name=config.trainer.experiment_name,
             run_config=as_dict,
             output_dir=config.trainer.output_dir,

@@ -122,7 +122,7 @@ _TRAINING, _ENGINES = "lumenrl_backends.training", "lumenrl_backends.engines"
 FSDP2 = PluginSpec(f"{_TRAINING}.fsdp2:FSDP2Backend", {
     "logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint", "lora", "route_replay",
     "tensor_parallel", "context_parallel", "expert_parallel",  # training/parallelize.py (decision 0016)
-    "compile_layers", "single_device", "exact_logprobs"},  # policy.train.*, the trainer side of exact log-probs
+    "compile_layers", "single_device", "packing", "exact_logprobs"},  # policy.train.*, exact log-probs' trainer side
     probe=_fsdp2_reason)
 MEGATRON = PluginSpec(f"{_TRAINING}.megatron:MegatronBackend", {  # training/megatron (decision 0017)
     "logprobs", "checkpoint", "tensor_parallel", "pipeline_parallel", "expert_parallel"}, probe=megatron_missing_api)
@@ -133,11 +133,17 @@ NATIVE = PluginSpec(f"{_ENGINES}.native:NativeEngine", {
     "fp8_kv_cache", "hidden_state_capture", "speculative_decoding",  # the last two: engines/speculative.py
     "route_recording",  # engines/routes.py (R3)
     "row_max_new_tokens",  # an input column max_new_tokens caps a row's response (engines/requests.py)
+    "router_probs",  # moe.r3.record_router_logits: the routers' probabilities recorded with the routes
+    # policy.rollout.* keys it reads (another engine refuses them away from their defaults)
+    "cuda_graphs", "compile", "fuse_projections", "overlap_sync", "gpu_memory_utilization",
 })
 HF = PluginSpec(f"{_ENGINES}.hf:HFEngine", {"logprobs", "interrupt_resume", "weight_update", "route_recording"})
-VLLM = PluginSpec(f"{_ENGINES}.adapters:VLLMEngine", {"logprobs", "weight_update"}, probe=_vllm_reason)
-SGLANG = PluginSpec(f"{_ENGINES}.adapters:SGLangEngine", {"logprobs", "weight_update"}, probe=_sglang_reason)
-ATOM = PluginSpec(f"{_ENGINES}.adapters:AtomEngine", probe=_atom_reason)  # no log-probs from its offline API
+VLLM = PluginSpec(f"{_ENGINES}.adapters:VLLMEngine", {"logprobs", "weight_update", "gpu_memory_utilization"},
+                  probe=_vllm_reason)
+SGLANG = PluginSpec(f"{_ENGINES}.adapters:SGLangEngine", {"logprobs", "weight_update", "gpu_memory_utilization"},
+                    probe=_sglang_reason)
+ATOM = PluginSpec(f"{_ENGINES}.adapters:AtomEngine", {"gpu_memory_utilization"},  # no log-probs from its offline API
+                  probe=_atom_reason)
 
 # lumenrl.controllers
 LOCAL = PluginSpec("lumenrl_backends.controllers.local:LocalController", {"in_process", "dispatch_modes"})
@@ -145,7 +151,8 @@ RAY = PluginSpec("lumenrl_backends.controllers.ray:RayController",
                  {"dispatch_modes", "multi_node", "placement_groups", "colocated", "disaggregated"}, probe=_ray_reason)
 
 # lumenrl.trainers
-RL = PluginSpec("lumenrl_backends.trainers:RLTrainer", {"grpo", "dapo", "ppo", "checkpoint", "resume"})
+RL = PluginSpec("lumenrl_backends.trainers:RLTrainer",  # exact_logprobs, online_sddd: checks and draft steps per step
+                {"grpo", "dapo", "ppo", "checkpoint", "resume", "exact_logprobs", "online_sddd"})
 SDDD = PluginSpec("lumenrl_backends.trainers.sddd:SDDDTrainer", {"sddd", "checkpoint", "resume"})
 ASYNC_RL = PluginSpec("lumenrl_backends.trainers.async_rl:AsyncRLTrainer",
                       {"grpo", "dapo", "ppo", "checkpoint", "resume", "async"})

@@ -12,6 +12,15 @@ library's public offline API and returns the same rollout layout as ``native``. 
 * interrupt/resume is not offered (no ``interrupt_resume`` capability); the methods raise.
 * weight updates use each library's public hook (vLLM ``LLM.apply_model`` +
   ``load_weights``, SGLang ``Engine.update_weights_from_tensor``); ATOM has none.
+
+Keys passed to the library (``from_config``): the model and tokenizer (``policy.model_name``,
+``policy.tokenizer_name``, empty = the model's), ``policy.trust_remote_code``,
+``policy.rollout.max_batch_size`` (vLLM/ATOM ``max_num_seqs``, SGLang ``max_running_requests``),
+``policy.rollout.gpu_memory_utilization`` (vLLM/ATOM ``gpu_memory_utilization``, SGLang
+``mem_fraction_static``), ``policy.rollout.tensor_parallel_size`` (vLLM/SGLang) and ``policy.dtype`` (vLLM/SGLang
+``dtype``, the same names, ``auto`` included). ATOM's ``Config`` has no dtype argument (its dtype is the
+checkpoint's) and its ``SamplingParams`` no ``stop_token_ids``: its responses are cut after the first stop
+token here (the tokens before it are the ones a stopping engine would have produced).
 """
 
 from __future__ import annotations
@@ -58,6 +67,11 @@ def _rollout(
     )
 
 
+def _top_k(params: SamplingParams) -> int:
+    """LumenRL's top_k <= 0 (disabled) as the libraries' -1 (their "disabled"; ATOM and older vLLM refuse 0)."""
+    return params.top_k if params.top_k > 0 else -1
+
+
 def _prompt_ids(batch: Any) -> list[list[int]]:
     ids, mask = batch.batch["input_ids"].cpu(), batch.batch["attention_mask"].cpu()
     return [row[m.bool()].tolist() for row, m in zip(ids, mask)]
@@ -81,10 +95,18 @@ class _NoInterrupt:
         )
 
 
-def _load_tokenizer(path: str) -> Any:
+def _load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def _model_and_tokenizer_paths(policy: Any) -> tuple[str, str]:
+    """``policy.model_name`` and ``policy.tokenizer_name`` (empty: the model's) as local paths or hub ids."""
+    from lumenrl_backends.models import resolve_model_path
+
+    model = resolve_model_path(policy.model_name)
+    return model, resolve_model_path(policy.tokenizer_name) if policy.tokenizer_name else model
 
 
 class VLLMEngine(_NoInterrupt):
@@ -105,11 +127,14 @@ class VLLMEngine(_NoInterrupt):
 
     @classmethod
     def from_config(cls, run_config: Any, model: Any = None, tokenizer: Any = None) -> VLLMEngine:
-        from lumenrl_backends.models import resolve_model_path
-
         policy = run_config.policy
+        model_path, tokenizer_path = _model_and_tokenizer_paths(policy)
         return cls(
-            resolve_model_path(policy.model_name),
+            model_path,
+            tokenizer=tokenizer_path,
+            dtype=policy.dtype,  # auto, float32, bfloat16, float16: vLLM's own names
+            trust_remote_code=policy.trust_remote_code,
+            max_num_seqs=policy.rollout.max_batch_size,
             gpu_memory_utilization=policy.rollout.gpu_memory_utilization,
             max_model_len=policy.max_prompt_length + policy.rollout.max_new_tokens,
             tensor_parallel_size=policy.rollout.tensor_parallel_size,
@@ -124,7 +149,7 @@ class VLLMEngine(_NoInterrupt):
             sp = vllm.SamplingParams(
                 temperature=params.temperature,
                 top_p=params.top_p,
-                top_k=params.top_k,
+                top_k=_top_k(params),
                 max_tokens=params.max_new_tokens,
                 stop_token_ids=params.stop_token_ids,
                 ignore_eos=params.ignore_eos,
@@ -154,7 +179,8 @@ class SGLangEngine(_NoInterrupt):
         import sglang
 
         self.engine = sglang.Engine(model_path=model_path, **engine_kwargs)
-        self.tokenizer = _load_tokenizer(model_path)
+        self.tokenizer = _load_tokenizer(engine_kwargs.get("tokenizer_path") or model_path,
+                                         bool(engine_kwargs.get("trust_remote_code", False)))
         self.weight_version = 0
 
     @classmethod
@@ -163,11 +189,14 @@ class SGLangEngine(_NoInterrupt):
 
     @classmethod
     def from_config(cls, run_config: Any, model: Any = None, tokenizer: Any = None) -> SGLangEngine:
-        from lumenrl_backends.models import resolve_model_path
-
         policy = run_config.policy
+        model_path, tokenizer_path = _model_and_tokenizer_paths(policy)
         return cls(
-            resolve_model_path(policy.model_name),
+            model_path,
+            tokenizer_path=tokenizer_path,
+            dtype=policy.dtype,  # auto, float32, bfloat16, float16: SGLang's own names
+            trust_remote_code=policy.trust_remote_code,
+            max_running_requests=policy.rollout.max_batch_size,
             mem_fraction_static=policy.rollout.gpu_memory_utilization,
             tp_size=policy.rollout.tensor_parallel_size,
         )
@@ -177,7 +206,7 @@ class SGLangEngine(_NoInterrupt):
         sp = {
             "temperature": params.temperature,
             "top_p": params.top_p,
-            "top_k": params.top_k,
+            "top_k": _top_k(params),
             "max_new_tokens": params.max_new_tokens,
             "stop_token_ids": params.stop_token_ids,
             "ignore_eos": params.ignore_eos,
@@ -202,6 +231,31 @@ class SGLangEngine(_NoInterrupt):
         self.weight_version = int(version)
 
 
+def _atom_would_drop(atom: Any, engine_kwargs: Mapping[str, Any]) -> list[str]:
+    """ATOM's ``LLMEngine(model, tokenizer=None, **kwargs)`` keeps only the ``kwargs`` that are fields of
+    ``atom.config.Config`` and drops the rest without a word: the names of ``engine_kwargs`` it would drop."""
+    import dataclasses
+    import importlib
+    import inspect
+
+    config = importlib.import_module("atom.config").Config
+    taken = {f.name for f in dataclasses.fields(config) if f.init}
+    taken |= {name for name, p in inspect.signature(atom.LLMEngine).parameters.items()
+              if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return sorted(set(engine_kwargs) - taken)
+
+
+def _cut_at_stop(tokens: list[int], stop_token_ids: list[int], reason: str | None) -> tuple[list[int], str | None]:
+    """The response up to and including its first ``stop_token_ids`` token (finish reason stop), as an engine that
+    stops there returns it (ATOM's SamplingParams take no stop token ids). ATOM's own reasons ``eos``,
+    ``stop_sequence`` and ``stop_<token id>`` (its generation config's EOS ids) are a stop too."""
+    stops = set(stop_token_ids)
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: i + 1], "stop"
+    return tokens, "stop" if reason and (reason == "eos" or reason.startswith("stop")) else reason
+
+
 class AtomEngine(_NoInterrupt):
     """AMD ATOM (ROCm/ATOM, built on AITER) ``LLMEngine`` (untested here).
 
@@ -215,6 +269,11 @@ class AtomEngine(_NoInterrupt):
     def __init__(self, model_path: str, **engine_kwargs: Any) -> None:
         import atom
 
+        dropped = _atom_would_drop(atom, engine_kwargs)
+        if dropped:
+            raise ValueError(f"this ATOM's LLMEngine would silently drop {dropped} (not fields of atom.config.Config "
+                             "nor LLMEngine arguments): upgrade ATOM, or leave the LumenRL keys that set them at "
+                             "their defaults")
         self.llm = atom.LLMEngine(model_path, **engine_kwargs)
         self.tokenizer = self.llm.tokenizer
         self.weight_version = 0
@@ -225,21 +284,34 @@ class AtomEngine(_NoInterrupt):
 
     @classmethod
     def from_config(cls, run_config: Any, model: Any = None, tokenizer: Any = None) -> AtomEngine:
-        from lumenrl_backends.models import resolve_model_path
-
-        return cls(resolve_model_path(run_config.policy.model_name))
+        policy = run_config.policy
+        model_path, tokenizer_path = _model_and_tokenizer_paths(policy)
+        kwargs: dict[str, Any] = {
+            "max_num_seqs": policy.rollout.max_batch_size,
+            "gpu_memory_utilization": policy.rollout.gpu_memory_utilization,
+        }
+        if policy.trust_remote_code:  # a Config field since ATOM 2026-02; false is every ATOM's behaviour
+            kwargs["trust_remote_code"] = True
+        if policy.tokenizer_name:  # LLMEngine takes a tokenizer object (since 2026-03), no tokenizer path
+            kwargs["tokenizer"] = _load_tokenizer(tokenizer_path, policy.trust_remote_code)
+        return cls(model_path, **kwargs)
 
     def generate(self, batch: Any, sampling: Any = None) -> Any:
         import atom
 
         params = coerce_sampling(sampling)
         sp = atom.SamplingParams(
-            temperature=params.temperature, max_tokens=params.max_new_tokens, ignore_eos=params.ignore_eos
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=_top_k(params),
+            max_tokens=params.max_new_tokens,
+            ignore_eos=params.ignore_eos,
         )
         results = self.llm.generate(_prompt_ids(batch), sp)
-        outputs = [
-            (list(r["token_ids"]), [math.nan] * len(r["token_ids"]), r.get("finish_reason")) for r in results
-        ]
+        outputs = []
+        for r in results:
+            tokens, reason = _cut_at_stop(list(r["token_ids"]), params.stop_token_ids, r.get("finish_reason"))
+            outputs.append((tokens, [math.nan] * len(tokens), reason))
         pad = self.tokenizer.pad_token_id or 0
         return _rollout(batch, params, outputs, self.tokenizer, pad, self.weight_version)
 

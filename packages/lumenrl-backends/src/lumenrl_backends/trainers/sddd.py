@@ -78,6 +78,15 @@ def measure_tau(engine: Any, draft: Any, prompts: list[list[int]], *, k: int, ma
     return float(out.meta_info["speculative"]["tau"])
 
 
+def _checkpoint_due(ckpt: Any, step: int, last: int) -> bool:
+    """The RL loop's rule (``loop._due``; importing it here would be circular): none while
+    ``checkpointing.enabled`` is false, else every ``save_every`` steps and the last step (``save_every: 0``:
+    the last step only)."""
+    if not ckpt.enabled:
+        return False
+    return step == last or (ckpt.save_every > 0 and step % ckpt.save_every == 0)
+
+
 class _DraftCheckpoint:
     """The draft and its optimizer as a checkpoint role (CheckpointManager's backend interface)."""
 
@@ -192,7 +201,7 @@ class SDDDTrainer:
                 for logger in self.loggers:
                     logger.log(metrics, step)
                 self.step = step
-                if cfg.checkpointing.save_every and step % cfg.checkpointing.save_every == 0:
+                if _checkpoint_due(cfg.checkpointing, step, cfg.num_training_steps):
                     self.checkpoints.save(step, backends={"draft": _DraftCheckpoint(self.draft, self.optimizer)},
                                           dataloader_state={}, trainer_state={"chunks": self.chunks})
             tau_after = self._tau()

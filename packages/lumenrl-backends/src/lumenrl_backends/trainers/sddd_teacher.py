@@ -27,8 +27,16 @@ __all__ = ["load_teacher", "aux_layer_ids", "publish", "teacher_process", "corpu
 
 
 def load_teacher(cfg: Any, path: str | None = None) -> tuple[Any, Any]:
-    """The policy model as teacher; ``sddd.teacher_train_steps`` > 0 first trains it on the corpus."""
-    model, tokenizer = load_model_and_tokenizer(path or resolve_model_path(cfg.policy.model_name), dtype=cfg.policy.dtype)
+    """The policy model as teacher (``policy.model_name``, its tokenizer ``policy.tokenizer_name`` or the model's,
+    ``policy.dtype``, ``policy.trust_remote_code``), loaded as the RL path loads its policy;
+    ``sddd.teacher_train_steps`` > 0 first trains it on the corpus.
+
+    ``path``: the teacher the trainer process saved (disaggregated mode's teacher process), model and tokenizer
+    both from there (the tokenizer saved is the one ``policy.tokenizer_name`` named), not trained again."""
+    policy = cfg.policy
+    model, tokenizer = load_model_and_tokenizer(
+        path or resolve_model_path(policy.model_name), dtype=policy.dtype,
+        tokenizer_name="" if path else policy.tokenizer_name, trust_remote_code=policy.trust_remote_code)
     if path is None and cfg.sddd.teacher_train_steps:
         ids = encode_lines(tokenizer, corpus_lines(2048, seed=cfg.seed), 64)
         with torch.random.fork_rng(devices=[]):

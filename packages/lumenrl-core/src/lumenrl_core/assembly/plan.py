@@ -7,11 +7,27 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lumenrl_core.assembly.requirements import Violation
+from lumenrl_core.assembly.requirements import Violation, config_value
 from lumenrl_core.config.schema import RunConfig
 from lumenrl_core.rewards import load_reward_function
 
-__all__ = ["AssemblyError", "AssemblyWarning", "RunPlan", "build_with_keywords"]
+__all__ = ["AssemblyError", "AssemblyWarning", "RunPlan", "build_with_keywords", "PLUGIN_KEYWORDS",
+           "unread_keywords"]
+
+# role -> constructor keyword -> the config key that gives it (RunPlan.build_* pass these to pure-math plugins)
+PLUGIN_KEYWORDS: dict[str, dict[str, str]] = {
+    "adv_estimator": {"norm_adv_by_std": "algorithm.norm_adv_by_std", "gamma": "algorithm.gamma",
+                      "lam": "algorithm.lam"},
+    "policy_loss": {"clip_ratio_low": "algorithm.clip_ratio_low", "clip_ratio_high": "algorithm.clip_ratio_high",
+                    "clip_ratio_c": "algorithm.clip_ratio_c", "loss_agg_mode": "algorithm.loss_agg_mode",
+                    "max_len": "policy.rollout.max_new_tokens"},
+    "rollout_correction": {"clip": "quantization.rollout_correction.clip",
+                           "extreme_tau": "quantization.rollout_correction.extreme_tau",
+                           "mask_low": "quantization.rollout_correction.mask_low",
+                           "mask_high": "quantization.rollout_correction.mask_high"},
+    "reward": {"format_score": "reward.format_score"},
+}
+_READ_ELSEWHERE = frozenset({"policy.rollout.max_new_tokens"})  # the engine reads it whatever the loss takes
 
 
 class AssemblyError(ValueError):
@@ -37,6 +53,44 @@ def build_with_keywords(cls: Any, candidates: Mapping[str, Any]) -> Any:
         return cls(**candidates)
     accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return cls(**{k: v for k, v in candidates.items() if k in accepted})
+
+
+def _accepted(cls: Any) -> frozenset[str] | None:
+    """The keywords ``cls`` uses: its ``config_keywords`` if it declares them (a class whose fields are shared
+    by modes that read different ones), else its constructor's parameters; None: any (``**kwargs``)."""
+    declared = getattr(cls, "config_keywords", None)
+    if declared is not None:
+        return frozenset(declared)
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def unread_keywords(cfg: RunConfig, role: str, name: str, cls: Any) -> list[Violation]:
+    """A violation per config key of :data:`PLUGIN_KEYWORDS` set away from its default that the plugin filling
+    ``role`` does not take: built with :func:`build_with_keywords`, it would drop the value silently."""
+    accepted = _accepted(cls)
+    if accepted is None or role not in PLUGIN_KEYWORDS:
+        return []
+    default, out = RunConfig(), []
+    for keyword, key in PLUGIN_KEYWORDS[role].items():
+        value = config_value(cfg, key)
+        if keyword in accepted or key in _READ_ELSEWHERE or value == config_value(default, key):
+            continue
+        out.append(Violation(key, value, f"has no effect: the {role.replace('_', ' ')} plugin {name!r} takes no "
+                                         f"{keyword!r}; allowed: {config_value(default, key)!r} (the default), or "
+                                         "a plugin that takes it"))
+    return out
+
+
+def _keywords(cfg: RunConfig, role: str, drop_none: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``PLUGIN_KEYWORDS[role]`` with the config's values (those in ``drop_none`` left out while unset)."""
+    values = {kw: config_value(cfg, key) for kw, key in PLUGIN_KEYWORDS[role].items()}
+    return {kw: v for kw, v in values.items() if not (kw in drop_none and v is None)}
 
 
 class _RoleClass:
@@ -106,30 +160,23 @@ class RunPlan:
         return self.plugin_versions[f"{self.plugin_kinds[role]}/{self.plugin_names[role]}"]
 
     def build_adv_estimator(self) -> Any:
-        a = self.config.algorithm
-        return build_with_keywords(self.adv_estimator_cls, {
-            "norm_adv_by_std": a.norm_adv_by_std, "gamma": a.gamma, "lam": a.lam})
+        return build_with_keywords(self.adv_estimator_cls, _keywords(self.config, "adv_estimator"))
 
     def build_policy_loss(self) -> Any:
-        a = self.config.algorithm
-        return build_with_keywords(self.policy_loss_cls, {
-            "clip_ratio_low": a.clip_ratio_low, "clip_ratio_high": a.clip_ratio_high,
-            "clip_ratio_c": a.clip_ratio_c, "loss_agg_mode": a.loss_agg_mode,
-            "max_len": self.config.policy.rollout.max_new_tokens})
+        return build_with_keywords(self.policy_loss_cls, _keywords(self.config, "policy_loss"))
 
     def build_rollout_correction(self) -> Any | None:
         if self.rollout_correction_cls is None:
             return None
-        c = self.config.quantization.rollout_correction
-        band = {k: v for k, v in (("mask_low", c.mask_low), ("mask_high", c.mask_high)) if v is not None}
-        return build_with_keywords(self.rollout_correction_cls, {
-            "clip": c.clip, "extreme_tau": c.extreme_tau, **band})  # unset band: the mode's own default
+        # an unset band: the mode's own default
+        return build_with_keywords(self.rollout_correction_cls,
+                                   _keywords(self.config, "rollout_correction", drop_none=("mask_low", "mask_high")))
 
     def build_reward(self) -> Any:
         """The reward callable: the user's function, or the named reward plugin instance."""
         if self.config.reward.function:
             return load_reward_function(self.config.reward.function)
-        return build_with_keywords(self.reward_cls, {"format_score": self.config.reward.format_score})
+        return build_with_keywords(self.reward_cls, _keywords(self.config, "reward"))
 
     def describe(self) -> dict[str, Any]:
         """JSON-friendly summary for run records: plugin per role with versions."""

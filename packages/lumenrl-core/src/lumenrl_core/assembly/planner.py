@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lumenrl_core.assembly.model_kind import is_moe_model, model_type_of, ties_word_embeddings
-from lumenrl_core.assembly.plan import AssemblyError, AssemblyWarning, RunPlan
+from lumenrl_core.assembly.plan import AssemblyError, AssemblyWarning, RunPlan, unread_keywords
 from lumenrl_core.assembly.requirements import (
     ROLLOUT_SCHEME_BY_PRECISION,
     Violation,
@@ -100,6 +100,11 @@ class _Planner:
         self.caps[role] = info.capabilities
         self.violations.extend(unmet_requirements(self.cfg, kind=kind, name=name, key=key, requires=info.requires,
                                                   package=f"{dist} {version}"))
+
+    def check_keywords(self) -> None:
+        """Config values a loaded pure-math plugin would drop (not checked before its class is imported)."""
+        for role, cls in self.classes.items():
+            self.violations.extend(unread_keywords(self.cfg, role, self.names[role], cls))
 
     def _check_allow_list(self, role: str, key: str, name: str) -> None:
         allow_key = _ALLOW_LISTS.get(role)
@@ -220,6 +225,7 @@ def plan_run(cfg: RunConfig, *, registry: PluginRegistry | None = None, load_cla
         p.resolve(role, kind, key, name)
     p.resolve_router_by_model_type()
     required = p.check_capabilities()
+    p.check_keywords()
     p.check_lm_head()
     p.check_fuse_mlp()
     is_moe = p.check_model()

@@ -134,6 +134,10 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
     if cfg.moe.r3.enabled:
         needs.append(Need("rollout_engine", "route_recording", "moe.r3.enabled", True))
         needs.append(Need("training_backend", "route_replay", "moe.r3.enabled", True))
+        if cfg.moe.r3.record_router_logits:
+            needs.append(Need("rollout_engine", "router_probs", "moe.r3.record_router_logits", True))
+    if (cfg.algorithm.name == "sddd") == (cfg.trainer.name == "sddd"):  # else _algorithm_violations says so
+        needs.append(Need("trainer", cfg.algorithm.name, "algorithm.name", cfg.algorithm.name))  # the trainer runs it
     if cfg.async_training.enabled:
         needs.append(Need("trainer", "async", "async_training.enabled", True))
     if cfg.async_training.partial_rollout:
@@ -148,17 +152,34 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
     if q.training.precision == "fp8":
         needs.append(Need("training_backend", "fp8_training", "quantization.training.precision", "fp8"))
     # training keys a backend must read, not skip: value estimates, layer recompute and compile, the one-rank
-    # path choice, and the batch-invariant trainer side of exact log-probs (the engine side: _check_exact_logprobs)
-    train = cfg.policy.train
-    for capability, key, value in (
-        ("values", "critic.enabled", cfg.critic.enabled),
-        ("gradient_checkpointing", "policy.train.gradient_checkpointing", train.gradient_checkpointing),
-        ("compile_layers", "policy.train.compile_layers", train.compile_layers),
-        ("single_device", "policy.train.single_device", train.single_device),
-        ("exact_logprobs", "policy.rollout.exact_logprobs", cfg.policy.rollout.exact_logprobs),
+    # path (a backend without one honours single_device=off anyway), trimmed packing, and the batch-invariant
+    # trainer side of exact log-probs (the engine side: _check_exact_logprobs)
+    train, rollout = cfg.policy.train, cfg.policy.rollout
+    for capability, key, value, needed in (
+        ("values", "critic.enabled", cfg.critic.enabled, cfg.critic.enabled),
+        ("gradient_checkpointing", "policy.train.gradient_checkpointing", train.gradient_checkpointing,
+         train.gradient_checkpointing),
+        ("compile_layers", "policy.train.compile_layers", train.compile_layers, train.compile_layers),
+        ("single_device", "policy.train.single_device", train.single_device, train.single_device == "on"),
+        ("packing", "policy.train.packing", train.packing, train.packing == "trim"),
+        ("exact_logprobs", "policy.rollout.exact_logprobs", rollout.exact_logprobs, rollout.exact_logprobs),
     ):
-        if value and value != "auto":  # on, or a non-default choice
+        if needed:
             needs.append(Need("training_backend", capability, key, value))
+    # the trainer runs the exact-log-probs check (policy.rollout.exact_logprobs_check) and online draft steps
+    if rollout.exact_logprobs:
+        needs.append(Need("trainer", "exact_logprobs", "policy.rollout.exact_logprobs", True))
+    if rollout.speculative.draft_path and rollout.speculative.online_sddd_steps:
+        needs.append(Need("trainer", "online_sddd", "policy.rollout.speculative.online_sddd_steps",
+                          rollout.speculative.online_sddd_steps))
+    # engine keys away from their defaults: the engine must read them (the native engine's own knobs; the KV
+    # memory share, which vLLM and SGLang take too)
+    defaults = type(rollout)()
+    for capability, key in (("cuda_graphs", "cuda_graphs"), ("compile", "compile"),
+                            ("fuse_projections", "fuse_projections"), ("overlap_sync", "overlap_sync"),
+                            ("gpu_memory_utilization", "gpu_memory_utilization")):
+        if getattr(rollout, key) != getattr(defaults, key):
+            needs.append(Need("rollout_engine", capability, f"policy.rollout.{key}", getattr(rollout, key)))
     if cfg.policy.lora.rank > 0:
         needs.append(Need("training_backend", "lora", "policy.lora.rank", cfg.policy.lora.rank))
     if cfg.moe.expert_parallel_size > 1:
@@ -243,6 +264,14 @@ def _algorithm_violations(cfg: RunConfig) -> list[Violation]:
             out.append(Violation("algorithm.adv_estimator", algo.adv_estimator,
                                  "algorithm.name='ppo' uses value-based advantages; allowed: 'gae'"))
     # an estimator that needs the critic's values (gae) says so in its spec: requires={"critic"}
+    if algo.name == "dapo":  # DAPO is GRPO with decoupled clipping and dynamic sampling: the name alone is not it
+        if not algo.dynamic_sampling:
+            out.append(Violation("algorithm.dynamic_sampling", False, "algorithm.name='dapo' samples dynamically "
+                                 "(groups with equal rewards dropped and refilled); set it true, or algorithm.name=grpo"))
+        if not algo.clip_ratio_high > algo.clip_ratio_low:
+            out.append(Violation("algorithm.clip_ratio_high", algo.clip_ratio_high, "algorithm.name='dapo' clips "
+                                 f"higher than low (clip_ratio_low={algo.clip_ratio_low}); allowed: a float > "
+                                 f"{algo.clip_ratio_low} (the paper: 0.28), or algorithm.name=grpo"))
     if (algo.name == "sddd") != (cfg.trainer.name == "sddd"):
         key, value = ("trainer.name", cfg.trainer.name) if algo.name == "sddd" else ("algorithm.name", algo.name)
         out.append(Violation(key, value, "algorithm.name='sddd' and trainer.name='sddd' go together (draft "

@@ -71,7 +71,9 @@ def _num_mini_batches(value: Any, get: Getter) -> dict[str, Any]:
 def _kl_coeff(value: Any, get: Getter) -> dict[str, Any]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _Bad("not a number", "float >= 0")
-    return {"algorithm.kl_loss_coef": float(value), "algorithm.use_kl_loss": value > 0}
+    if value == 0:  # no KL term: the coefficient of a term that is off would be refused
+        return {"algorithm.use_kl_loss": False}
+    return {"algorithm.kl_loss_coef": float(value), "algorithm.use_kl_loss": True}
 
 
 def _clip_ratio(value: Any, get: Getter) -> dict[str, Any]:

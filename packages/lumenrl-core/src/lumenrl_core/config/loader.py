@@ -165,7 +165,13 @@ def _build(layers: list[Layer], *, machine: bool = True, bad_overrides: list[Con
         found = exc.errors if isinstance(exc, ConfigProblems) else [exc]
         _raise_all([*bad_overrides, *found])
     _raise_all(list(bad_overrides))
-    _raise_all(refusal_errors(cfg, default, builder.source) + semantic_errors(cfg, builder.source, machine=machine))
+    order = {source: i for i, (_, source) in enumerate(layers)}  # later layers rank higher; unset keys -1
+
+    def rank(key: str) -> int:
+        return order.get(sources.get(key, ""), -1)
+
+    _raise_all(refusal_errors(cfg, default, builder.source)
+               + semantic_errors(cfg, builder.source, machine=machine, rank=rank))
     return cfg
 
 

@@ -304,8 +304,8 @@ class CheckpointingConfig:
 class LoggerConfig:
     backends: list[str] = field(default_factory=lambda: ["jsonl", "console"])  # lumenrl.loggers names
     progress_bar: bool = True
-    wandb_project: str = "lumenrl"
-    log_every: int = 1
+    wandb_project: str = ""  # empty: trainer.project_name
+    log_every: int = 1  # console lines every N steps (jsonl, tensorboard and wandb keep every step)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -365,7 +365,7 @@ class AssemblyConfig:
 class TrainerConfig:
     name: str = "rl"  # lumenrl.trainers plugin name
     output_dir: str = "runs/default"
-    project_name: str = "lumenrl"
+    project_name: str = "lumenrl"  # the wandb project (unless logger.wandb_project); SDDD transfer namespaces
     experiment_name: str = "default"
     test_freq: int = 0  # evaluate every N steps; 0 = never during training
     total_epochs: int = 0  # 0 = bounded by num_training_steps only

@@ -6,7 +6,8 @@ with several mistakes reports every one at once. Two groups:
 - meaning (pure functions of the config): non-finite numbers, batch sizes that skip or trim rows,
   GRPO-style group size < 2, sampling temperature, dual-clip constant, rollout precision vs scheme,
   overlong buffer vs max_new_tokens, an engine that is not installed, async_training keys outside
-  the async_rl trainer, a weight_sync.method (or snapshot_dir) the trainer would not use;
+  the async_rl trainer, a weight_sync.method (or snapshot_dir) the trainer would not use, and every key
+  set while nothing reads it (:mod:`.scope`: a switched-off feature's settings, another trainer's keys);
 - machine (``machine=True``): model/tokenizer names that resolve to nothing here (no network is
   tried: a local directory, a built-in ``lumenrl:`` name, or a Hugging Face id already in the local
   HF cache), and a device the machine lacks (CUDA probed through the driver library, no torch).
@@ -27,6 +28,7 @@ from typing import Any
 from lumenrl_core.builtins import BUILTIN_MODELS, BUILTIN_PREFIX, is_builtin_name
 from lumenrl_core.config.errors import ConfigError
 from lumenrl_core.config.schema import RunConfig
+from lumenrl_core.config.scope import scope_errors
 
 __all__ = ["semantic_errors", "cuda_device_count", "hf_cache_has", "GROUP_ESTIMATORS"]
 
@@ -96,6 +98,17 @@ def _quant(cfg: RunConfig, src: Source) -> list[ConfigError]:
         schemes = ", ".join(s for s, p in _SCHEME_PRECISION.items() if p == r.precision)
         return [_err(src, "quantization.rollout.scheme", r.scheme, f"is a {family} scheme but "
                      f"quantization.rollout.precision={r.precision!r}", f"{schemes}, or empty (derived)")]
+    # 16/32-bit precisions pick no scheme: the engine computes in policy.dtype, the trainer in mixed_precision
+    want = {"fp16": "float16", "fp32": "float32"}.get(r.precision)
+    if want is not None and cfg.policy.dtype != want:
+        return [_err(src, "quantization.rollout.precision", r.precision, f"the engine computes in policy.dtype="
+                     f"{cfg.policy.dtype!r}; this key picks low-precision weights only",
+                     f"bf16 (the default), fp8, mxfp8, mxfp4, or policy.dtype={want}")]
+    t = cfg.quantization.training
+    if t.precision == "fp32" and cfg.policy.train.mixed_precision != "fp32":
+        return [_err(src, "quantization.training.precision", "fp32", "training computes in "
+                     f"policy.train.mixed_precision={cfg.policy.train.mixed_precision!r}; this key picks FP8 GEMMs only",
+                     "bf16 (the default), fp8, or policy.train.mixed_precision=fp32")]
     return []
 
 
@@ -224,11 +237,15 @@ MEANING_CHECKS = (_non_finite, _batches, _sampling, _quant, _engine, _async, _we
 MACHINE_CHECKS = (_models, _device)
 
 
-def semantic_errors(cfg: RunConfig, source: Source, *, machine: bool = True) -> list[ConfigError]:
-    """Every semantic problem of ``cfg`` (``source(key)``: where a key was set); machine checks optional."""
+def semantic_errors(cfg: RunConfig, source: Source, *, machine: bool = True,
+                    rank: Callable[[str], int] | None = None) -> list[ConfigError]:
+    """Every semantic problem of ``cfg`` (``source(key)``: where a key was set; ``rank(key)``: the layer that
+    set it, later layers higher, for :func:`~.scope.scope_errors`); machine checks optional."""
     checks = MEANING_CHECKS + (MACHINE_CHECKS if machine else ())
     out: dict[str | None, ConfigError] = {}
     for check in checks:
         for err in check(cfg, source):
             out.setdefault(err.key, err)  # one line per key (temperature=inf: the first reason)
+    for err in scope_errors(cfg, source, rank):
+        out.setdefault(err.key, err)
     return list(out.values())

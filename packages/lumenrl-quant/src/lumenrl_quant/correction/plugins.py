@@ -8,7 +8,8 @@ never imports core): ``capabilities`` and a classmethod ``probe()`` (both from t
 
 All classes take the same keywords (the fields of core's ``RolloutCorrectionConfig`` minus
 ``enabled`` / ``mode``, plus optional KL rejection) so an assembler can build any of them from one
-config; a keyword a mode does not use is validated and ignored:
+config; ``config_keywords`` names those a mode uses (an assembler refuses a set value of another one,
+which the mode would validate and ignore):
 
 - ``clip``: TIS cap C (``tis_token``, ``tis_seq``);
 - ``mask_low`` / ``mask_high``: MIS band (``mis_*``, ``seq_mis``);
@@ -58,6 +59,7 @@ class _RolloutCorrectionBase:
 
     plugin_spec: ClassVar[manifest.Spec]  # each mode's spec in lumenrl_quant.plugin_manifest
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    config_keywords: ClassVar[frozenset[str]] = frozenset({"extreme_tau", "reject_kl", "reject_kl_threshold"})
 
     def __post_init__(self) -> None:
         if not self.clip > 0:
@@ -119,6 +121,7 @@ class TISToken(_RolloutCorrectionBase):
 
     plugin_spec: ClassVar[manifest.Spec] = manifest.TIS_TOKEN
     capabilities: ClassVar[frozenset[str]] = manifest.TIS_TOKEN.capabilities
+    config_keywords: ClassVar[frozenset[str]] = _RolloutCorrectionBase.config_keywords | {"clip"}
 
     def _correct(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Parts:
         weights = tis_token_weights(old, rollout, mask, clip=self.clip)
@@ -132,6 +135,7 @@ class TISSequence(_RolloutCorrectionBase):
 
     plugin_spec: ClassVar[manifest.Spec] = manifest.TIS_SEQ
     capabilities: ClassVar[frozenset[str]] = manifest.TIS_SEQ.capabilities
+    config_keywords: ClassVar[frozenset[str]] = _RolloutCorrectionBase.config_keywords | {"clip"}
 
     def _correct(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Parts:
         weights = tis_sequence_weights(old, rollout, mask, clip=self.clip)
@@ -144,6 +148,7 @@ class MISToken(_RolloutCorrectionBase):
 
     plugin_spec: ClassVar[manifest.Spec] = manifest.MIS_TOKEN
     capabilities: ClassVar[frozenset[str]] = manifest.MIS_TOKEN.capabilities
+    config_keywords: ClassVar[frozenset[str]] = _RolloutCorrectionBase.config_keywords | {"mask_low", "mask_high"}
 
     def _correct(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Parts:
         return None, mis_token_mask(old, rollout, mask, low=self.mask_low, high=self.mask_high), None
@@ -155,6 +160,7 @@ class MISSequence(_RolloutCorrectionBase):
 
     plugin_spec: ClassVar[manifest.Spec] = manifest.MIS_SEQ
     capabilities: ClassVar[frozenset[str]] = manifest.MIS_SEQ.capabilities
+    config_keywords: ClassVar[frozenset[str]] = _RolloutCorrectionBase.config_keywords | {"mask_low", "mask_high"}
 
     def _correct(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Parts:
         return None, mis_sequence_mask(old, rollout, mask, low=self.mask_low, high=self.mask_high), None
@@ -166,6 +172,7 @@ class MISGeometric(_RolloutCorrectionBase):
 
     plugin_spec: ClassVar[manifest.Spec] = manifest.MIS_GEO
     capabilities: ClassVar[frozenset[str]] = manifest.MIS_GEO.capabilities
+    config_keywords: ClassVar[frozenset[str]] = _RolloutCorrectionBase.config_keywords | {"mask_low", "mask_high"}
 
     mask_low: float = 0.999
     mask_high: float = 1.001
@@ -180,6 +187,7 @@ class SeqMIS(_RolloutCorrectionBase):
 
     plugin_spec: ClassVar[manifest.Spec] = manifest.SEQ_MIS
     capabilities: ClassVar[frozenset[str]] = manifest.SEQ_MIS.capabilities
+    config_keywords: ClassVar[frozenset[str]] = _RolloutCorrectionBase.config_keywords | {"mask_low", "mask_high"}
 
     def _correct(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> _Parts:
         weights, keep = seq_mis(old, rollout, mask, low=self.mask_low, high=self.mask_high)
