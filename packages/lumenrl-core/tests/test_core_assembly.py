@@ -693,6 +693,7 @@ def test_config_values_a_plugin_does_not_take_are_refused(cfg, reg):
         config_keywords = frozenset({"mask_low", "mask_high"})  # declared: the clip field is shared but unused
 
     reg.register("rollout_corrections", "banded", Banded)
+    assert build_with_keywords(Banded, {"clip": 3.0}).clip == 1.0  # declared keywords only: its own default kept
     rc = cfg.quantization.rollout_correction
     rc.enabled, rc.mode, rc.clip = True, "banded", 3.0
     assert only(cfg, reg).startswith("quantization.rollout_correction.clip=3.0: has no effect: the rollout "

@@ -44,15 +44,11 @@ class AssemblyWarning(UserWarning):
 
 
 def build_with_keywords(cls: Any, candidates: Mapping[str, Any]) -> Any:
-    """``cls(**kw)`` with the ``candidates`` its constructor accepts (all of them if it takes ``**kwargs``)."""
-    try:
-        params = inspect.signature(cls).parameters.values()
-    except (TypeError, ValueError):
-        return cls(**candidates)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return cls(**candidates)
-    accepted = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return cls(**{k: v for k, v in candidates.items() if k in accepted})
+    """``cls(**kw)`` with the ``candidates`` it uses: its ``config_keywords`` if declared, else those its
+    constructor accepts (all of them if it takes ``**kwargs``). A set value it drops is refused at planning
+    (:func:`unread_keywords`)."""
+    accepted = _accepted(cls)
+    return cls(**{k: v for k, v in candidates.items() if accepted is None or k in accepted})
 
 
 def _accepted(cls: Any) -> frozenset[str] | None:
