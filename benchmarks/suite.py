@@ -180,13 +180,15 @@ ENTRIES: tuple[Entry, ...] = (
 
 def entries(suite: str, only: tuple[str, ...] = ()) -> list[Entry]:
     """Entries of ``suite`` (``smoke`` and ``all``: every entry), restricted to ``only`` names if given."""
-    known = {e.name for e in ENTRIES}
-    unknown = sorted(set(only) - known)
-    if unknown:
-        raise SystemExit(f"unknown entries {unknown}; known: {sorted(known)}")
     if suite not in suite_names():
         raise SystemExit(f"unknown suite {suite!r}; known: {suite_names()}")
     chosen = [e for e in ENTRIES if suite in ("smoke", "all") or suite in e.suites]
+    names = [e.name for e in chosen]
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+        others = {e.name: e.suites for e in ENTRIES if e.name in unknown}
+        where = "".join(f"; {n!r} is in suites {list(s)}" for n, s in others.items())
+        raise SystemExit(f"--only {unknown}: not entries of suite {suite!r} (its entries: {names}){where}")
     return [e for e in chosen if not only or e.name in only]
 
 

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from lumenrl_backends.loggers import read_metrics
+from lumenrl_backends.trainers import rollouter_process
 from lumenrl_core.config import ConfigError
 
 FAST = ("eval.enabled=false", "dataset.train_batch_size=4", "policy.rollout.n=4", "trainer.warm_start_sft_steps=0",
@@ -52,7 +53,7 @@ def test_async_run_resumes_with_its_ledger_and_never_trains_a_group_twice(train,
 
 @pytest.mark.slow  # the spawned child imports torch/transformers and plans the run: ~20 s idle, minutes when loaded
 def test_rollouter_process_crash_is_accounted_and_raised(train, tmp_path, monkeypatch):
-    monkeypatch.setenv("LUMENRL_ASYNC_CRASH_AFTER", "6")  # the child exits abruptly after 6 groups
+    monkeypatch.setattr(rollouter_process.FAULTS, "crash_after", 6)  # the child exits abruptly after 6 groups
     with pytest.raises(RuntimeError, match="rollouter stopped") as info:
         train("grpo_async_stale.yaml", tmp_path, "num_training_steps=3", "weight_sync.method=filesystem", *FAST)
     assert "exit 3" in str(info.value)

@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--iters", type=int, default=20, help="timed replays per configuration")
     ap.add_argument("--out", default="attention_tune.json")
     args = ap.parse_args(argv)
+    if args.space != ap.get_default("space") and not args.tune:
+        ap.error(f"--space={args.space!r}: a sweep space, used only with --tune (without it the kernel's "
+                 "default configuration runs); add --tune or drop --space")
     kv_heads, groups, dim = HEADS[args.shape]
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
     copy_gbs = C.copy_bandwidth_gbs()

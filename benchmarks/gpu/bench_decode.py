@@ -226,6 +226,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default="decode.json")
     args = ap.parse_args(argv)
+    for flag, value, allowed in (("--modes", args.modes, ("eager", "graph", "full")),
+                                 ("--hf", "" if args.hf == "none" else args.hf, ("dynamic", "static"))):
+        bad = [v for v in value.split(",") if v not in allowed and (v or flag == "--modes")]
+        if bad:
+            ap.error(f"{flag}={value!r}: {bad} not known; give a comma-separated subset of {', '.join(allowed)}"
+                     + (" ('' or none: no HF)" if flag == "--hf" else ""))
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args)}
     bandwidth = C.copy_bandwidth_gbs()
     result["copy_bandwidth_gbs"] = bandwidth
@@ -272,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
                     gc.collect()
                     torch.cuda.empty_cache()
             if batch_size in hf_batches:
-                for cache in (c for c in args.hf.split(",") if c and c != "none"):
+                for cache in (c for c in args.hf.split(",") if c and c != "none"):  # dynamic / static (checked)
                     try:
                         found.append(run_hf(model, batch_size, args, cache))
                     except Exception as err:  # noqa: BLE001 - report and keep measuring the rest

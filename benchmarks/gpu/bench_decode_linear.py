@@ -48,8 +48,8 @@ SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (2457
 # Qwen3-0.6B (hidden 1024, 16 + 8 + 8 heads of 128, intermediate 3072): the GRPO benchmark's rollout, batch 128
 SHAPES_06B = {"qkv": (4096, 1024, False), "o": (1024, 2048, False), "gate_up": (6144, 1024, True),
               "down": (1024, 3072, False)}
-PRESETS = {"8b": SHAPES, "0.6b": SHAPES_06B}
 TINY = {"qkv": (128, 64, False), "o": (64, 64, False), "gate_up": (256, 64, True), "down": (64, 128, False)}
+PRESETS = {"8b": SHAPES, "0.6b": SHAPES_06B, "tiny": TINY}
 
 
 def _cublas(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> torch.Tensor:
@@ -343,10 +343,12 @@ def tune_chain(shapes: dict, m: int, layers: int, ranked: dict, top: int = 4, pa
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, default=64, help=f"rows (1..{tlin.MAX_M}; past {tlin.TILE_M}: two row tiles)")
-    ap.add_argument("--shapes", choices=sorted(PRESETS), default="8b", help="fused decode shapes of this model")
-    ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--splits", default="1", help="K splits the sweep tries, comma-separated (1: no split-K)")
-    ap.add_argument("--tma", default="0", help="tile loads the sweep tries: 0 pointers, 1 tensor descriptors (TMA)")
+    ap.add_argument("--shapes", choices=sorted(PRESETS), default=None,
+                    help="fused decode shapes of this model (default 8b; with --smoke: tiny)")
+    ap.add_argument("--tune", action="store_true", help="also sweep the kernel's launch configurations (CUDA)")
+    ap.add_argument("--splits", default="1", help="with --tune: K splits the sweep tries, comma-separated (1: no split-K)")
+    ap.add_argument("--tma", default="0",
+                    help="with --tune: tile loads the sweep tries: 0 pointers, 1 tensor descriptors (TMA)")
     ap.add_argument("--ab-tma", type=int, default=0, help="rounds of the chain with pointer loads vs TMA copies")
     ap.add_argument("--tune-chain", type=int, default=0, metavar="ROUNDS",
                     help="with --tune: choose the launch parameters inside the chain with norms, then ROUNDS A/B rounds")
@@ -358,10 +360,24 @@ def main(argv: list[str] | None = None) -> dict:
                     help="timelines of the persistent chain (barriers, flags, flags without K segments)")
     ap.add_argument("--persistent-prefetch", default="", metavar="COLS,...",
                     help="L2 prefetches (weight columns per row, 0: none) to time the persistent chain with barriers at")
-    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--layers", type=int, default=None, help="layers of the chain (default 36; with --smoke: 2)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="decode_linear.json")
     args = ap.parse_args(argv)
+    if args.shapes is None:  # --smoke's values only where the flag was left out
+        args.shapes = "tiny" if args.smoke else "8b"
+    if args.layers is None:
+        args.layers = 2 if args.smoke else 36
+    if args.layers < 1:
+        ap.error(f"--layers {args.layers}: allowed 1 or more")
+    for flag, value, default in (("--splits", args.splits, "1"), ("--tma", args.tma, "0")):
+        if value != default and not args.tune:
+            ap.error(f"{flag} {value!r}: sets what the --tune sweep tries; add --tune or drop {flag}")
+    if args.tune_chain and not args.tune:
+        ap.error(f"--tune-chain {args.tune_chain}: chooses among the --tune sweep's fastest; add --tune")
+    if (args.tune or args.tune_chain) and C.DEVICE != "cuda":
+        ap.error(f"--tune{'/--tune-chain' if args.tune_chain else ''}: times Triton launch configurations and needs "
+                 "CUDA (on the CPU only the op's torch path runs); drop it here")
     if not 1 <= args.m <= tlin.MAX_M:
         raise SystemExit(f"--m {args.m}: allowed 1..{tlin.MAX_M} (the kernel's row range)")
     splits, tmas = _ints("--splits", args.splits, 1, None), _ints("--tma", args.tma, 0, 1)
@@ -372,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
     prefetches = _ints("--persistent-prefetch", args.persistent_prefetch, 0, 4096) if args.persistent_prefetch else ()
     if any(p & (p - 1) or (p and p < 64) for p in prefetches):
         raise SystemExit(f"--persistent-prefetch {args.persistent_prefetch!r}: allowed 0 or powers of two 64..4096 (the smallest K)")
-    shapes = dict(TINY if args.smoke else PRESETS[args.shapes])
+    shapes = dict(PRESETS[args.shapes])
     result = {"command": C.command_line(), "env": C.environment(), "args": vars(args), "rows": []}
     best, ranked = {}, {}
     for name, (n, k, swiglu) in shapes.items():
@@ -383,12 +399,12 @@ def main(argv: list[str] | None = None) -> dict:
             ranked[(n // 2 if swiglu else n, k, swiglu)] = tuned[-1]["ranked"]
         C.write_json(args.out, result)
     C.print_table(result["rows"], ["shape", "path", "config", "us", "gbs", "rel_err", "error"])
-    result["chain_ms"] = bench_chain(shapes, args.m, 2 if args.smoke else args.layers, best, args.ab_tma,
+    result["chain_ms"] = bench_chain(shapes, args.m, args.layers, best, args.ab_tma,
                                      args.persistent, stages, args.persistent_trace, prefetches)
     print("chain (ms per step):", {k: v for k, v in result["chain_ms"].items() if k != "persistent_timeline"})
     for name, row in result["chain_ms"].get("persistent_timeline", {}).items():
         print(f"persistent timeline, {name}:", row)
-    if args.tune_chain and C.DEVICE == "cuda":
+    if args.tune_chain:  # (checked above: with --tune, on CUDA)
         result["chain_tune"] = tune_chain(shapes, args.m, args.layers, ranked, rounds=args.tune_chain)
         print("chain with norms, table vs chosen in the chain (ms):", {k: v for k, v in result["chain_tune"].items()
                                                                      if k != "trials"})

@@ -100,12 +100,16 @@ def _bench_shape(shape: str, sweep: bool, iters: int, copy_gbs: float) -> list[d
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="train,grpo")
+    ap.add_argument("--shapes", default=None, help="comma separated, of train, grpo (default train,grpo; not with "
+                    "--smoke, which runs its tiny shape)")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
-    shapes = ["smoke"] if args.smoke else [s for s in args.shapes.split(",") if s]
+    if args.smoke and args.shapes is not None:
+        ap.error(f"--shapes {args.shapes!r} with --smoke: the smoke run times only its tiny shape in Triton's CPU "
+                 "interpreter; drop one of them")
+    shapes = ["smoke"] if args.smoke else [s for s in (args.shapes or "train,grpo").split(",") if s]
     unknown = sorted(set(shapes) - set(SHAPES))
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; allowed: {', '.join(k for k in SHAPES if k != 'smoke')}")

@@ -145,17 +145,21 @@ def bench_case(batch: int, vocab: int, mode: str, copies: int, sweep: bool, copy
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="16,64,256")
-    parser.add_argument("--vocab", type=int, default=VOCAB)
-    parser.add_argument("--modes", default="plain,greedy")
+    parser.add_argument("--batches", default=None, help="comma separated (default 16,64,256; with --smoke: 2,5)")
+    parser.add_argument("--vocab", type=int, default=None, help=f"default {VOCAB}; with --smoke: 3000")
+    parser.add_argument("--modes", default="plain,greedy", help="plain, greedy or plain,greedy")
     parser.add_argument("--sweep", action="store_true", help="also time a few chunk/block_v/num_warps settings")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in Triton's CPU interpreter")
     parser.add_argument("--out", default="sampler.json")
     args = parser.parse_args(argv)
-    if args.smoke:  # never overwrite a GPU result with interpreter timings
-        args.batches, args.vocab = "2,5", 3000
-        if args.out == "sampler.json":
-            args.out = "sampler_smoke.json"
+    bad = [m for m in args.modes.split(",") if m not in ("plain", "greedy")]
+    if bad:
+        parser.error(f"--modes {args.modes!r}: {bad} not known; give plain, greedy or plain,greedy")
+    # --smoke's tiny shapes only where the flag was left out
+    args.batches = args.batches or ("2,5" if args.smoke else "16,64,256")
+    args.vocab = args.vocab or (3000 if args.smoke else VOCAB)
+    if args.smoke and args.out == "sampler.json":  # never overwrite a GPU result with interpreter timings
+        args.out = "sampler_smoke.json"
     cuda = torch.cuda.is_available()
     copy_gbs = copy_bandwidth_gbs() if cuda else 0.0
     rows = []

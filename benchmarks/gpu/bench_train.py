@@ -499,6 +499,15 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         ap.error(f"--variants: {unknown} unknown; allowed: {', '.join(VARIANTS)}")
     device = torch.device("cuda:0" if torch.cuda.is_available() and not args.smoke else "cpu")
+    profiled = [v for v in args.profile.split(",") if v]
+    if args.profile != ap.get_default("profile"):  # the default profiles 1.7b/bf16 where it runs, on CUDA
+        not_run = [v for v in profiled if v not in args.variants.split(",")]
+        if not_run:
+            ap.error(f"--profile={args.profile!r}: {not_run} not among --variants "
+                     f"({args.variants}); profile only variants that run")
+        if profiled and device.type != "cuda":
+            ap.error(f"--profile={args.profile!r}: the step profile needs CUDA (this run is on the CPU"
+                     f"{', --smoke' if args.smoke else ''}); give --profile ''")
     rows, seq = (ROWS, SEQ) if not args.smoke else (2, 64)
     if args.smoke:
         for name, (_, kind, kwargs, recipe, ac) in list(VARIANTS.items()):

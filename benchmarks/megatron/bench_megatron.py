@@ -62,10 +62,14 @@ def _time_steps(backend: Any, batch: Any, warmup: int, steps: int) -> list[float
     return times
 
 
-def run(smoke: bool = False, steps: int = 4, warmup: int = 2) -> dict[str, Any]:
+def run(smoke: bool = False, steps: int | None = None, warmup: int | None = None) -> dict[str, Any]:
+    """Timed ``steps`` after ``warmup`` (defaults 4 and 2; smoke: 1 and 0, where not given)."""
     device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
     shape, rows, seq = ("smoke", 2, 64) if smoke else ("1.7b", BT.ROWS, BT.SEQ)
-    steps, warmup = (1, 0) if smoke else (steps, warmup)
+    steps = steps if steps is not None else 1 if smoke else 4
+    warmup = warmup if warmup is not None else 0 if smoke else 2
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps={steps}, warmup={warmup}: allowed steps >= 1, warmup >= 0")
     vocab = BT.SHAPES[shape][5]
     batch = BT.make_batch("full", vocab, rows, seq, device)
     out: dict[str, Any] = {"shape": shape, "tokens_per_step": rows * seq, "device": device.type}
@@ -95,8 +99,10 @@ def run(smoke: bool = False, steps: int = 4, warmup: int = 2) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 4; with --smoke: 1)")
     args = parser.parse_args()
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps {args.steps}: allowed 1 or more")
     result = run(smoke=args.smoke, steps=args.steps)
     width = max(len(k) for k in result)
     for key, value in result.items():

@@ -183,12 +183,10 @@ def table(title: str, rows: list[dict], cols: list[str]) -> str:
 
 
 def write_json(name: str, payload: dict) -> Path:
-    """Write ``$LUMENRL_BENCH_OUT/<name>.json`` (default ``benchmarks/results/``, git-ignored; a copy under ``$OUT``)."""
+    """Write ``$LUMENRL_BENCH_OUT/<name>.json`` (default ``benchmarks/results/``, git-ignored; on the GPU machine
+    ``benchmarks/gpu_env.sh`` points ``LUMENRL_BENCH_OUT`` at the device tool's ``$OUT``)."""
     payload = {"environment": environment(), **payload}
-    paths = [Path(os.environ.get("LUMENRL_BENCH_OUT") or RESULTS_DIR) / f"{name}.json"]
-    if os.environ.get("OUT"):
-        paths.append(Path(os.environ["OUT"]) / f"{name}.json")
-    for p in paths:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(payload, indent=1, default=str))
-    return paths[0]
+    path = Path(os.environ.get("LUMENRL_BENCH_OUT") or RESULTS_DIR) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    return path

@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--iters", type=int, default=20, help="timed replays per path")
     ap.add_argument("--out", default="quant_decode_gemm", help="detail JSON name (under $LUMENRL_BENCH_OUT)")
     args = ap.parse_args(argv)
+    if args.space != ap.get_default("space") and not args.tune:
+        ap.error(f"--space={args.space!r}: a sweep space, used only with --tune (without it the default "
+                 "configuration runs); add --tune or drop --space")
     configs = ({"default": _sweep, "wide": _sweep_wide, "table": _sweep_table}[args.space]() if args.tune
                else [dict(tg.DEFAULT_CONFIG)])
     configs = with_tma(configs, tuple(int(t) for t in args.tma.split(",")))

@@ -373,7 +373,7 @@ def _out_path(name: str) -> Path:
     path = Path(name)
     if path.is_absolute():
         return path
-    base = os.environ.get("LUMENRL_BENCH_OUT") or os.environ.get("OUT")
+    base = os.environ.get("LUMENRL_BENCH_OUT")  # on the GPU machine: $OUT (benchmarks/gpu_env.sh)
     return (Path(base) if base else Path(__file__).resolve().parents[1] / "results") / path
 
 
@@ -398,6 +398,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
     parser.add_argument("--linear", action="store_true", help="per-linear forward+backward table instead")
     args = parser.parse_args(argv)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.linear:  # the per-linear table runs no training step: refuse the step options
+        step_flags = [f"--{k.replace('_', '-')}={getattr(args, k)!r}" for k in ("variants", "steps", "warmup",
+                                                                                "budget_s", "profile")
+                      if getattr(args, k) != parser.get_default(k)]
+        if step_flags:
+            parser.error(f"{', '.join(step_flags)}: --linear times single linears and the quantize kernel, no "
+                         "training step; drop these (allowed with --linear: --smoke, --out)")
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; allowed: {list(VARIANTS)}")
+    profiled = {v.strip() for v in args.profile.split(",") if v.strip()}
+    if profiled - set(names):
+        parser.error(f"--profile={args.profile!r}: {sorted(profiled - set(names))} not among --variants "
+                     f"({','.join(names)}); profile only variants that run")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = _out_path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -412,11 +427,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     shape = "smoke" if args.smoke else "8b-layers"
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown:
-        parser.error(f"--variants: unknown {unknown}; allowed: {list(VARIANTS)}")
-    profiled = {v.strip() for v in args.profile.split(",") if v.strip()}
     errors = kernel_checks(dev)
     for e in errors:
         print(f"ERROR {e}", flush=True)

@@ -204,17 +204,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="8b")
     ap.add_argument("--m", default="64", help="decode batch sizes (comma separated)")
-    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="sweep the two kernels' launch configurations (only at --m 64)")
     ap.add_argument("--eager", action="store_true", help="no torch.compile (smoke runs on the CPU)")
     ap.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),
                     help="the fused and tokenwise MLPs' kernel backend")
     ap.add_argument("--iters", type=int, default=20, help="timed replays per variant")
     ap.add_argument("--out", default="fused_mlp.json")
     args = ap.parse_args(argv)
+    if args.tune and args.m != "64":  # the engine's table is per shape, not per M (mlp_override installs it so)
+        ap.error(f"--m {args.m!r} with --tune: the sweep tunes the decode MLP at M = 64 only (the engine's launch "
+                 "configurations are per shape, tuned at decode batch 64); give --m 64 or drop --tune")
     rows, best_by = [], {}
     for model in args.models.split(","):
         for m in (int(v) for v in args.m.split(",")):
-            found, best = bench(model, m, args.tune and m == 64, None, compiled=not args.eager, backend=args.backend,
+            found, best = bench(model, m, args.tune, None, compiled=not args.eager, backend=args.backend,
                                 iters=args.iters)
             rows.extend(found)
             if best:

@@ -146,7 +146,7 @@ def tune(x: torch.Tensor, copy_gbs: float, kernels: list[str] | None = None) -> 
     spaces = _sweep_space()
     unknown = set(kernels or ()) - set(spaces)
     if unknown:
-        raise SystemExit(f"--kernels {sorted(unknown)}: unknown; allowed: {sorted(spaces)}")
+        raise ValueError(f"--kernels {sorted(unknown)}: unknown; allowed: {sorted(spaces)}")
     for kernel, space in spaces.items():
         if kernels and kernel not in kernels:
             continue
@@ -174,8 +174,21 @@ def tune(x: torch.Tensor, copy_gbs: float, kernels: list[str] | None = None) -> 
     return payload
 
 
+def check_options(tune_configs: bool, kernels: list[str] | None, dev: torch.device) -> None:
+    """Refuse (ValueError) ``--kernels`` without ``--tune``, unknown kernels, and ``--tune`` without CUDA."""
+    if kernels and not tune_configs:
+        raise ValueError(f"--kernels {','.join(kernels)}: picks the kernels --tune sweeps; add --tune or drop it")
+    unknown = sorted(set(kernels or ()) - set(_sweep_space()))
+    if unknown:
+        raise ValueError(f"--kernels {unknown}: unknown; allowed: {sorted(_sweep_space())}")
+    if tune_configs and dev.type != "cuda":
+        raise ValueError("--tune: sweeps Triton launch configurations and needs CUDA (this machine has none; "
+                         "without it only the torch path runs)")
+
+
 def run(smoke: bool = False, tune_configs: bool = False, kernels: list[str] | None = None) -> dict:
     dev = device()
+    check_options(tune_configs, kernels, dev)
     m, k = (256, 1024) if smoke else (8192, 8192)
     copy_gbs = copy_bandwidth(m * k * (1 if smoke else 4), dev)
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -208,7 +221,7 @@ def run(smoke: bool = False, tune_configs: bool = False, kernels: list[str] | No
         if len(outs) == 2:
             a, b = outs["triton"], outs["torch"]
             rows[-1]["bit_identical_to_torch"] = _bit_equal((a.data, a.scale), (b.data, b.scale))
-    if tune_configs and has_triton:
+    if tune_configs:  # (checked above: on CUDA)
         tune(x, copy_gbs, kernels)
     payload = {"shape": [m, k], "input_dtype": "bfloat16", "copy_GBps": copy_gbs, "rows": rows}
     cols = ["kernel", "backend", "ms", "GB/s", "pct_copy", "moved_pct_copy", "eager_ms", "bit_identical_to_torch"]
@@ -230,10 +243,20 @@ def bench(smoke: bool) -> dict:
     return {"min_pct_copy": min(best.values()), **{f"pct_copy_{k}": v for k, v in best.items()}}
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU sanity run)")
-    parser.add_argument("--tune", action="store_true", help="also sweep Triton launch configurations")
-    parser.add_argument("--kernels", default="", help="--tune only these kernels (comma separated)")
-    args = parser.parse_args()
-    run(args.smoke, args.tune, [k for k in args.kernels.split(",") if k])
+    parser.add_argument("--tune", action="store_true", help="also sweep Triton launch configurations (CUDA)")
+    parser.add_argument("--kernels", default="", help=f"with --tune: only these kernels (comma separated, of "
+                        f"{', '.join(_sweep_space())})")
+    args = parser.parse_args(argv)
+    kernels = [k for k in args.kernels.split(",") if k]
+    try:
+        check_options(args.tune, kernels, device())
+    except ValueError as err:
+        parser.error(str(err))
+    return run(args.smoke, args.tune, kernels)
+
+
+if __name__ == "__main__":
+    main()

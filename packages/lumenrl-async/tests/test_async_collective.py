@@ -5,6 +5,7 @@ and the writer's stream survives idle stretches (readers wait on the store, not 
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -173,3 +174,35 @@ def test_waiting_for_a_reader_that_died_fails_fast():
     with pytest.raises(RuntimeError, match="reader ended before joining"):
         writer.wait_for_readers(reader_alive)
     assert len(polls) == 1
+
+
+def test_timeout_reaches_the_nccl_group(monkeypatch):
+    """``timeout_s`` bounds the NCCL group as it does the gloo one: the writer's first publish and a
+    reader (``handle["timeout_s"]``) build ``ProcessGroupNCCL`` with ``Options._timeout`` set (a
+    stand-in class here: this CPU build of torch has no NCCL)."""
+    import torch.distributed as dist
+
+    from lumenrl_async import collective
+
+    made = []
+
+    class Formed(Exception):
+        pass
+
+    class FakeNCCL:
+        class Options:
+            def __init__(self) -> None:
+                self._timeout = None
+
+        def __init__(self, store, member, size, options=None) -> None:
+            made.append((member, size, None if options is None else options._timeout))
+            raise Formed  # stop the publish here: no CUDA tensors on this machine
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    writer = CollectiveWeightSync(device="cuda", timeout_s=7.5)
+    assert writer.backend == "nccl" and writer.reader_handle()["timeout_s"] == 7.5
+    with pytest.raises(Formed):
+        writer.publish({}, 0)
+    with pytest.raises(Formed):  # the reader side opens its group the same way
+        collective._open_group(dist.HashStore(), 1, 2, torch.device("cuda"), 3.0)
+    assert made == [(0, 2, timedelta(seconds=7.5)), (1, 2, timedelta(seconds=3.0))]

@@ -151,7 +151,7 @@ def test_the_servers_imports_leave_cuda_alone():
 @needs_forkserver
 @pytest.mark.slow  # the spawned replacement imports torch/transformers afresh: ~20 s on 2 loaded cores
 def test_a_forked_rollouter_without_cuda_is_replaced_by_a_spawned_one(tmp_path, monkeypatch):
-    monkeypatch.setenv("LUMENRL_ASYNC_FORKED_CUDA_FAILS", "1")  # the failure a CUDA-initializing import causes
+    monkeypatch.setattr(rp.FAULTS, "forked_cuda_fails", True)  # the failure a CUDA-initializing import causes
     children = []
     real = rp.ProcessRollouter.__init__
     monkeypatch.setattr(rp.ProcessRollouter, "__init__", lambda self, *a, **k: real(self, *a, **k) or children.append(self))

@@ -189,3 +189,65 @@ def test_routing_in_the_block_is_refused_naming_the_transformers_floor():
     model.config = type("Config", (), {"model_type": "deepseek_v3"})()
     with pytest.raises(ValueError, match=r"deepseek_v3.*routes in its MoE block.*transformers >= 5.13"):
         install_routing(model)
+
+
+def _tiny_qwen3_moe():
+    from torch import nn
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 8))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.experts = Gate(), nn.Linear(8, 8)
+
+    model = nn.Sequential(Block())
+    model.config = type("C", (), {"model_type": "qwen3_moe", "num_experts_per_tok": 2, "norm_topk_prob": True})()
+    return model
+
+
+def test_install_routing_validates_replay_mode_on_every_path():
+    from lumenrl_moe import install_routing
+
+    model = _tiny_qwen3_moe()
+    with pytest.raises(ValueError, match=r"replay_mode='bogus'; allowed: hard_assignment, distribution"):
+        install_routing(model, replay_mode="bogus")  # fresh model
+    assert not hasattr(model, "lumenrl_routes")
+    ctl = install_routing(model, replay_mode="distribution")
+    with pytest.raises(ValueError, match=r"replay_mode='bogus'; allowed: hard_assignment, distribution"):
+        install_routing(model, replay_mode="bogus")  # already patched: refused too, the controller unchanged
+    assert ctl.replay_mode == "distribution"
+    assert install_routing(model, replay_mode="hard_assignment") is ctl and ctl.replay_mode == "hard_assignment"
+
+
+def test_install_routing_on_a_patched_model_refuses_another_router_class():
+    from lumenrl_moe import install_routing, uninstall_routing
+
+    model = _tiny_qwen3_moe()
+    ctl = install_routing(model)  # by model type: SoftmaxTopKRouter
+    assert ctl.router_cls is SoftmaxTopKRouter
+    # the installed class, by class or plugin name, or None: the same controller
+    assert install_routing(model, router_cls=SoftmaxTopKRouter) is ctl
+    assert install_routing(model, router_cls="qwen3_moe") is ctl
+    assert install_routing(model, router_cls=None) is ctl
+    with pytest.raises(ValueError, match=r"router_cls=lumenrl_moe\.routers\.SigmoidGroupTopKRouter on a model "
+                                         r"already patched with lumenrl_moe\.routers\.SoftmaxTopKRouter"):
+        install_routing(model, router_cls=SigmoidGroupTopKRouter)
+    with pytest.raises(ValueError, match=r"router_cls=.*SigmoidGroupTopKRouter"):
+        install_routing(model, router_cls="deepseek_v3")
+    assert model.lumenrl_routes is ctl and ctl.router_cls is SoftmaxTopKRouter
+
+    class PluginRouter(SoftmaxTopKRouter):  # a third-party router plugin
+        @classmethod
+        def from_model_config(cls, config):
+            return SoftmaxTopKRouter.from_model_config(config)
+
+    assert uninstall_routing(model)
+    plugged = install_routing(model, router_cls=PluginRouter)
+    assert plugged.router_cls is PluginRouter and install_routing(model, router_cls=PluginRouter) is plugged
+    with pytest.raises(ValueError, match=r"router_cls=.*\.SoftmaxTopKRouter on a model already patched with "
+                                         r".*PluginRouter"):
+        install_routing(model, router_cls=SoftmaxTopKRouter)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import statistics
@@ -295,7 +296,8 @@ def test_keep_mask_keeps_the_mask_dtype():
 @pytest.mark.parametrize("name", sorted(CLASSES))
 def test_plugins_compose_functions_and_kl_rejection(name):
     old, rollout, mask = make_batch(11, spread=0.3)
-    plugin = CLASSES[name](clip=1.5, mask_low=0.6, mask_high=1.6, reject_kl="k2", reject_kl_threshold=0.05)
+    given = {"clip": 1.5, "mask_low": 0.6, "mask_high": 1.6, "reject_kl": "k2", "reject_kl_threshold": 0.05}
+    plugin = CLASSES[name](**{k: v for k, v in given.items() if k in CLASSES[name].config_keywords})
     weights, keep, _ = plugin(old, rollout, mask)
     kl_keep = kl_rejection_mask(old, rollout, mask, estimator="k2", threshold=0.05)
     geo_band = {"low": 0.6, "high": 1.6}
@@ -340,6 +342,32 @@ def test_plugins_are_registered_and_follow_the_contract(name):
 def test_bad_keywords_are_named(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         TISToken(**kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(CLASSES))
+def test_a_keyword_the_mode_does_not_read_is_refused_unless_at_its_default(name):
+    cls = CLASSES[name]
+    unread = {"clip": 3.0, "mask_low": 0.1, "mask_high": 5.0}
+    for keyword, value in unread.items():
+        if keyword in cls.config_keywords:
+            assert getattr(cls(**{keyword: value}), keyword) == value  # read: taken
+        else:
+            with pytest.raises(ValueError, match=rf"^{keyword}={value!r} has no effect on {cls.__name__}"):
+                cls(**{keyword: value})
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    assert cls(**{k: defaults[k] for k in unread})  # each class's own defaults (mis_geo's band) are accepted
+    with pytest.raises(ValueError, match=r"^reject_kl_threshold=0\.1 has no effect with reject_kl=None"):
+        cls(reject_kl_threshold=0.1)
+    assert cls(reject_kl="k1", reject_kl_threshold=0.1).reject_kl_threshold == 0.1
+
+
+def test_unread_keyword_examples_name_the_argument():
+    with pytest.raises(ValueError, match="clip=3.0"):
+        MISToken(clip=3.0)
+    with pytest.raises(ValueError, match="mask_low=0.1"):
+        TISToken(mask_low=0.1)
+    assert TISToken(mask_low=0.5, mask_high=2.0).clip == 2.0  # the base defaults: nothing set
+    assert MISGeometric(mask_low=0.5, mask_high=2.0).mask_low == 0.5  # its own keyword, away from its 0.999
 
 
 def test_shape_mismatch_is_refused():

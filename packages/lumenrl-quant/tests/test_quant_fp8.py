@@ -137,6 +137,15 @@ def test_bad_arguments_name_the_argument():
         dequantize_fp8(q, s)
 
 
+def test_triton_backend_refuses_power_of_two_scales():
+    x = fresh(4, 256)
+    with pytest.raises(ValueError, match="backend='triton' with power_of_two_scale=True"):
+        quantize_fp8(x, granularity="rowwise", power_of_two_scale=True, backend="triton")
+    for backend in ("torch", "auto"):  # the neighbours: the torch path rounds the scales
+        _, scale = quantize_fp8(x, granularity="rowwise", power_of_two_scale=True, backend=backend)
+        assert torch.equal(scale, round_scale_to_power_of_two(scale))
+
+
 def _operands(mode, m=96, n=256, k=512, a_dtype=torch.float8_e4m3fn, b_dtype=torch.float8_e4m3fn):
     a, b = fresh(m, k), fresh(n, k)
     ga, ba, gb, bb = {

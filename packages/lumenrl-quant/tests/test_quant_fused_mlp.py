@@ -105,6 +105,24 @@ def test_unsupported_layers_and_bad_arguments_are_named():
         triton_gemm._swiglu_config({"split": 2})
 
 
+def test_launch_configs_are_refused_where_the_torch_path_runs(monkeypatch):
+    import lumenrl_quant.fused_mlp as fused_mlp
+
+    monkeypatch.setattr(fused_mlp, "_triton_ok", lambda *args: False)  # auto: the torch path (as on the CPU)
+    (wg, wu, wd), gate_up, down = _mlp(128, 256, seed=7)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(8))
+    cfgs = ({"block_m": 16}, None)
+    for backend in ("torch", "auto"):
+        with pytest.raises(ValueError, match=rf"^configs=.* but backend='{backend}' runs the torch path"):
+            swiglu_mlp_fp8(x, gate_up, down, backend=backend, configs=cfgs)
+    with pytest.raises(ValueError, match=r"^configs=\{'block_m': 16\}; allowed: None or \(gate/up config"):
+        swiglu_mlp_fp8(x, gate_up, down, backend="torch", configs={"block_m": 16})
+    ref = swiglu_mlp_fp8(x, gate_up, down, backend="torch")
+    for unset in (None, (None, None), ({}, {})):  # the neighbours: no launch setting given
+        assert torch.equal(swiglu_mlp_fp8(x, gate_up, down, backend="auto", configs=unset), ref)
+    assert sqnr_db(_reference(x, wg, wu, wd), ref.double()) >= 20.0  # E4M3 (measured 24.5 dB)
+
+
 def test_silu_mul_quantize_per_token_against_float64():
     gen = torch.Generator().manual_seed(11)
     gu = torch.randn(2, 9, 2 * 160, generator=gen, dtype=torch.float64) * 2.0

@@ -196,6 +196,35 @@ def test_fp8_needs_k_tiles_inside_one_scale_block_and_inputs_are_checked():
         fused_moe(x, w1, w2, ids, tw, activation="gelu")
 
 
+def test_launch_config_is_refused_where_the_torch_path_runs(monkeypatch):
+    import lumenrl_quant.moe as moe
+
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    x, w1, w2, ids, tw = _inputs(5, torch.float32, gen)
+    cfg = FusedMoEConfig(block_m=16)
+    monkeypatch.setattr(moe, "triton_moe_available", lambda device: False)  # auto: the torch path (CPU)
+    for backend in ("torch", "auto"):
+        with pytest.raises(ValueError, match=rf"^config=FusedMoEConfig.* but backend='{backend}' runs the torch"):
+            fused_moe(x, w1, w2, ids, tw, config=cfg, backend=backend)
+    ref = fused_moe_reference(x.double(), w1.double(), w2.double(), ids, tw.double())
+    assert _rel(fused_moe(x, w1, w2, ids, tw, backend="auto"), ref) < 1e-6  # the neighbour: no config
+
+
+def test_quantize_experts_into_out_refuses_another_dtype():
+    w = torch.randn(2, 130, 128, generator=torch.Generator().manual_seed(3))
+    q, s = quantize_experts_fp8(w, dtype=torch.float8_e5m2)
+    assert q.dtype == torch.float8_e5m2
+    out = (torch.empty_like(q), torch.empty_like(s))
+    with pytest.raises(ValueError, match=r"^dtype=torch\.float8_e4m3fn differs from out's codes dtype "
+                                         r"torch\.float8_e5m2"):
+        quantize_experts_fp8(w, dtype=torch.float8_e4m3fn, out=out)
+    for dtype in (None, torch.float8_e5m2):  # the neighbours: unset, or out's own dtype
+        codes, scales = quantize_experts_fp8(w, dtype=dtype, out=out)
+        assert codes is out[0] and torch.equal(codes.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scales, s)
+    with pytest.raises(ValueError, match=r"out shapes .* allowed: codes \(2, 130, 128\), scales \(2, 2, 1\)"):
+        quantize_experts_fp8(w, out=(out[0], torch.empty(2, 1, 1)))
+
+
 def test_config_heuristic_uses_16_row_blocks_at_decode():
     from lumenrl_quant.moe import DEFAULT_CONFIGS
 

@@ -93,6 +93,20 @@ def test_unknown_scheme_lists_allowed():
         QuantizedLinear.from_linear(nn.Linear(32, 32), "int4")
 
 
+@pytest.mark.parametrize("scheme", ["mxfp8", "mxfp4"])
+def test_mx_schemes_refuse_an_fp8_dtype(scheme):
+    lin = fresh_linear(64, 32)
+    with pytest.raises(ValueError, match=rf"^fp8_dtype=torch\.float8_e4m3fn has no effect with scheme='{scheme}'"):
+        QuantizedLinear.from_linear(lin, scheme, fp8_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="fp8_dtype=torch.float8_e5m2"):
+        QuantizedLinear(64, 32, scheme=scheme, fp8_dtype=torch.float8_e5m2)
+    q = QuantizedLinear.from_linear(lin, scheme, fp8_dtype=None)  # unset: the MX layer has no FP8 dtype
+    x = torch.randn(5, 64)
+    assert q.fp8_dtype is None and sqnr_db(reference(lin, x), q(x)) >= BARS[scheme]
+    fp8 = QuantizedLinear.from_linear(lin, "fp8_row", fp8_dtype=torch.float8_e5m2)  # FP8 schemes read it
+    assert fp8.fp8_dtype == fp8.weight.dtype == torch.float8_e5m2
+
+
 @pytest.mark.parametrize("scheme", LINEAR_SCHEMES)
 def test_bf16_activations_with_fp32_bias(scheme):
     lin = fresh_linear(256, 64)

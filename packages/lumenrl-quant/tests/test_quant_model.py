@@ -159,6 +159,25 @@ def test_scheme_plugins_registered_and_usable(qwen3):
         get_quant_scheme("fp8_rows")
 
 
+@pytest.mark.parametrize("scheme", ["mxfp8", "mxfp4"])
+def test_mx_schemes_refuse_an_fp8_dtype_before_swapping_anything(qwen3, scheme):
+    model = copy.deepcopy(qwen3)
+    with pytest.raises(ValueError, match=f"fp8_dtype=torch.float8_e4m3fn has no effect with scheme='{scheme}'"):
+        quantize_model(model, scheme, fp8_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="fp8_dtype"):  # nothing to swap: refused all the same
+        quantize_model(nn.Sequential(), scheme, fp8_dtype=torch.float8_e4m3fn)
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    with pytest.raises(ValueError, match="fp8_dtype=torch.float8_e5m2"):
+        QUANT_SCHEMES[scheme](fp8_dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        get_quant_scheme(scheme, fp8_dtype=torch.float8_e4m3fn)
+    report = QUANT_SCHEMES[scheme]().quantize_model(model)  # unset: quantized as before
+    assert len(report.quantized) == 4 * 7 and all(model.get_submodule(n).fp8_dtype is None for n in report.quantized)
+    fp8_model = copy.deepcopy(qwen3)
+    fp8 = get_quant_scheme("fp8_row", fp8_dtype=torch.float8_e5m2).quantize_model(fp8_model)
+    assert {fp8_model.get_submodule(n).weight.dtype for n in fp8.quantized} == {torch.float8_e5m2}  # FP8 reads it
+
+
 def test_quantize_lm_head_untied_swaps_the_head_and_reloads_it_in_place(qwen3):
     from lumenrl_quant.error import sqnr_db
 

@@ -120,6 +120,53 @@ def test_tcp_engine_moves_tensors_bit_exactly():
         producer.close()
 
 
+def test_tcp_engine_refuses_contradictory_arguments():
+    producer = TCPTransferEngine(host="127.0.0.1", port=0)  # explicit bind address: a producer
+    try:
+        addr = producer.address
+        for kwargs, match in [({"host": "0.0.0.0"}, r"host='0\.0\.0\.0' with connect="),
+                              ({"port": 9000}, r"port=9000 with connect="),
+                              ({"serve": True}, r"serve=True with connect=")]:
+            with pytest.raises(ValueError, match=match):
+                TCPTransferEngine(connect=addr, **kwargs)
+        for kwargs, match in [({"host": "127.0.0.1"}, r"host='127\.0\.0\.1' with serve=False"),
+                              ({"port": 0}, r"port=0 with serve=False")]:
+            with pytest.raises(ValueError, match=match):
+                TCPTransferEngine(serve=False, **kwargs)
+        for bad in (0, -1.0, None):
+            with pytest.raises(ValueError, match=rf"timeout={bad!r}; expected seconds > 0"):
+                TCPTransferEngine(connect=addr, timeout=bad)
+        producer.put("k", {"x": torch.arange(3)})
+        consumer = TCPTransferEngine(connect=addr, serve=False)  # consistent: still a consumer
+        assert torch.equal(consumer.get("k")["x"], torch.arange(3))
+    finally:
+        producer.close()
+    local = TCPTransferEngine(serve=False)  # neither serves nor connects: a local store
+    assert local.address is None
+    local.put("k", {"x": torch.ones(2)})
+    assert torch.equal(local.pop("k")["x"], torch.ones(2)) and local.keys() == []
+
+
+def test_tcp_engine_timeout_is_read_on_both_sides():
+    import socket
+    import time
+
+    producer = TCPTransferEngine(timeout=0.3)
+    try:  # a consumer that connects and never sends its request: the producer drops it after ``timeout``
+        with socket.create_connection(producer.address, timeout=30) as stalled:
+            start = time.monotonic()
+            assert stalled.recv(1) == b""  # closed by the producer, not held open
+            assert time.monotonic() - start < 20
+        producer.put("k", {"x": torch.arange(4)})  # the producer still serves
+        assert torch.equal(TCPTransferEngine(connect=producer.address).get("k")["x"], torch.arange(4))
+    finally:
+        producer.close()
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never answers
+        consumer = TCPTransferEngine(connect=silent.getsockname()[:2], timeout=0.2)
+        with pytest.raises(TimeoutError):
+            consumer.get("k")
+
+
 def test_mori_registered_and_unavailable_with_reason():
     from lumenrl_core.plugins import get_registry
 

@@ -119,6 +119,80 @@ def test_mooncake_probe_reports_reason_or_none(monkeypatch):
         MooncakeTransferEngine()
 
 
+class _FakeMooncake:
+    """Stand-in for ``mooncake.engine.TransferEngine`` (one address space for every engine of the
+    process): exercises the index logic where Mooncake is not installed."""
+
+    memory: dict[int, bytearray] = {}
+    _next = [4096]
+
+    def initialize(self, hostname, metadata_server, protocol, device_name):
+        return 0
+
+    def get_rpc_port(self):
+        return 12345
+
+    def allocate_managed_buffer(self, length):
+        addr, self._next[0] = self._next[0], self._next[0] + length + 64
+        self.memory[addr] = bytearray(length)
+        return addr
+
+    def write_bytes_to_buffer(self, addr, payload, length):
+        self.memory[addr][:length] = payload
+        return 0
+
+    def transfer_sync_read(self, session, local, remote, length):
+        self.memory[local][:length] = self.memory[remote][:length]
+        return 0
+
+    def read_bytes_from_buffer(self, addr, length):
+        return bytes(self.memory[addr][:length])
+
+    def free_managed_buffer(self, addr, length):
+        del self.memory[addr]
+
+
+@pytest.fixture
+def fake_mooncake(monkeypatch):
+    import types
+
+    package, engine = types.ModuleType("mooncake"), types.ModuleType("mooncake.engine")
+    engine.TransferEngine, package.engine = _FakeMooncake, engine
+    monkeypatch.setitem(sys.modules, "mooncake", package)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", engine)
+    monkeypatch.setattr(MooncakeTransferEngine, "probe", classmethod(lambda cls: None))
+
+
+def test_mooncake_namespace_counts_with_index_dir(tmp_path, fake_mooncake):
+    """Two runs sharing one ``index_dir`` under different namespaces never read each other's keys."""
+    run_a = MooncakeTransferEngine(index_dir=tmp_path, namespace="run_a")
+    run_b = MooncakeTransferEngine(index_dir=tmp_path, namespace="run-b.2")
+    try:
+        assert run_a.index_dir == tmp_path / "run_a" and run_b.index_dir == tmp_path / "run-b.2"
+        run_a.put("hs", hidden_states(6))
+        run_b.put("hs", hidden_states(7))
+        assert_same(MooncakeTransferEngine(index_dir=tmp_path, namespace="run_a").get("hs"), hidden_states(6))
+        assert_same(MooncakeTransferEngine(index_dir=tmp_path, namespace="run-b.2").pop("hs"), hidden_states(7))
+        assert_same(run_a.get("hs"), hidden_states(6))  # run_b's pop left run_a's key alone
+        with pytest.raises(KeyError, match="'hs' not found in mooncake index"):
+            MooncakeTransferEngine(index_dir=tmp_path).get("hs")  # the default namespace: its own directory
+    finally:
+        run_a.close()
+        run_b.close()
+    cfg = RunConfig()
+    cfg.trainer.output_dir, cfg.trainer.experiment_name = str(tmp_path / "out"), "exp 1"
+    engine = MooncakeTransferEngine.from_config(cfg)
+    assert engine.namespace == namespace_of(cfg) and engine.index_dir == tmp_path / "out" / "mooncake_index" / namespace_of(cfg)
+    assert MooncakeTransferEngine.index_path(None, "run_a").name == "lumenrl_mooncake_run_a"  # no index_dir: as before
+
+
+@pytest.mark.parametrize("namespace", ["", "../escape", "a/b", ".", "..", ".hidden", "x" * 129])
+def test_mooncake_namespace_is_one_path_component(tmp_path, namespace):
+    """Refused before Mooncake's availability is checked: no index outside ``index_dir``."""
+    with pytest.raises(ValueError, match=r"namespace=.*expected 1-128 characters from \[A-Za-z0-9_.-\]"):
+        MooncakeTransferEngine(index_dir=tmp_path, namespace=namespace)
+
+
 needs_mooncake = pytest.mark.skipif(MooncakeTransferEngine.probe() is not None,
                                     reason=f"mooncake unavailable: {MooncakeTransferEngine.probe()}")
 

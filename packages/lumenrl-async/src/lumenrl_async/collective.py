@@ -70,10 +70,15 @@ class WeightReceiveError(RuntimeError):
 
 
 def _open_group(store: Any, member: int, size: int, device: torch.device, timeout_s: float) -> Any:
+    """The broadcast group over ``store``; ``timeout_s`` bounds its collectives on either backend
+    (NCCL through ``ProcessGroupNCCL.Options._timeout``, as ``torch.distributed.new_group`` sets it)."""
     prefixed = dist.PrefixStore("lumenrl_weights/", store)
+    timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
-        return dist.ProcessGroupNCCL(prefixed, member, size)
-    return dist.ProcessGroupGloo(prefixed, member, size, timedelta(seconds=timeout_s))
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, member, size, options)
+    return dist.ProcessGroupGloo(prefixed, member, size, timeout)
 
 
 def _broadcast(group: Any, tensor: torch.Tensor) -> torch.Tensor:

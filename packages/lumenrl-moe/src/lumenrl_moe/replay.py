@@ -103,6 +103,7 @@ class RouteController:
             raise ValueError(f"moe.r3.replay_mode={replay_mode!r}; allowed: {', '.join(REPLAY_MODES)}")
         self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
         self.replay_mode = replay_mode
+        self.router_cls: type | None = None  # the router class install_routing patched in (None: built directly)
         self.mode = "off"
         self.target: RecordTarget | None = None
         self.replay_routes: torch.Tensor | None = None  # (N, L_moe, k)
@@ -196,11 +197,21 @@ def install_routing(model: nn.Module, *, replay_mode: str = "hard_assignment", r
     """Patch every MoE router of ``model`` (an HF causal LM); returns its controller (also at
     ``model.lumenrl_routes``). ``router_cls``: a router class or ``lumenrl.moe_routers`` name
     overriding the choice by ``model_type``. Raises ValueError naming the model type if no MoE
-    block is found or the family has no router math."""
+    block is found or the family has no router math.
+
+    On a model already patched the existing controller is returned with ``replay_mode`` set;
+    ``router_cls`` must then be None (keep the installed routers) or the class already installed:
+    another one raises ValueError (:func:`uninstall_routing` first to change it)."""
+    if replay_mode not in REPLAY_MODES:
+        raise ValueError(f"install_routing: replay_mode={replay_mode!r}; allowed: {', '.join(REPLAY_MODES)}")
     if isinstance(router_cls, str):
         router_cls = router_class(router_cls)
     existing = getattr(model, "lumenrl_routes", None)
     if isinstance(existing, RouteController):
+        if router_cls is not None and router_cls is not existing.router_cls:
+            raise ValueError(f"install_routing: router_cls={_qualname(router_cls)} on a model already patched with "
+                             f"{_qualname(existing.router_cls)}; allowed: None or that class "
+                             "(uninstall_routing(model) first to change it)")
         existing.replay_mode = replay_mode
         return existing
     config = model.config
@@ -219,12 +230,17 @@ def install_routing(model: nn.Module, *, replay_mode: str = "hard_assignment", r
     num_experts = int(blocks[0].gate.weight.shape[0])
     ctl = RouteController(num_layers=len(blocks), top_k=router.top_k, num_experts=num_experts,
                           replay_mode=replay_mode)
+    ctl.router_cls = router_cls if router_cls is not None else type(router)
     sigmoid = isinstance(router, SigmoidGroupTopKRouter)
     for j, block in enumerate(blocks):
         layer_router = _router_for(model_type, config, block.gate, router_cls) if sigmoid else router
         _patch(block, j, ctl, layer_router, float_logits=sigmoid, cast=model_type in _CAST_WEIGHTS)
     object.__setattr__(model, "lumenrl_routes", ctl)  # not a submodule: no state_dict entry
     return ctl
+
+
+def _qualname(cls: type | None) -> str:
+    return "None" if cls is None else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def uninstall_routing(model: nn.Module) -> bool:

@@ -122,10 +122,15 @@ def quantize_fp8(
     ``block_size`` applies to ``granularity="block"`` only (default ``(1, 128)``).
     ``backend``: ``"auto"`` (fused Triton kernel on GPU when available and the shape divides,
     else torch), ``"torch"``, or ``"triton"`` (raises if the Triton kernel cannot run).
+    ``power_of_two_scale`` runs the torch path (``"auto"`` picks it); ``"triton"`` refuses it (the
+    kernels compute ``amax / fp8_max`` scales).
     """
     fp8_max(dtype)  # validates dtype
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend={backend!r} is not supported; allowed: ['auto', 'torch', 'triton']")
+    if backend == "triton" and power_of_two_scale:
+        raise ValueError("backend='triton' with power_of_two_scale=True: the Triton kernels do not round scales "
+                         "to powers of two; allowed: backend='torch' or 'auto' with it, or power_of_two_scale=False")
     if backend != "torch" and not power_of_two_scale:
         out = _try_triton(x, dtype, granularity, block_size, strict=backend == "triton")
         if out is not None:

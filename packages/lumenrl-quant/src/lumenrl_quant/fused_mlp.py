@@ -202,10 +202,13 @@ def swiglu_mlp_fp8(
     """``down(silu(gate) * up)`` with ``gate, up = gate_up(x).chunk(2, -1)``, both ``fp8_row``
     :class:`~lumenrl_quant.QuantizedLinear` (see module doc). ``x`` (..., K) in bf16/fp16/fp32;
     ``backend``: ``auto``, ``triton`` or ``torch``; ``configs``: launch configurations of the two
-    kernels (benchmarks), else the tuned ones of this shape; ``group``: features per scale of the down
+    kernels (benchmarks), else the tuned ones of this shape (Triton only: a non-empty entry is refused
+    where the torch path runs, ``auto`` included); ``group``: features per scale of the down
     input, else the tuned one of this shape (``SWIGLU_CONFIGS``) or ``SWIGLU_GROUP``, on every backend."""
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend={backend!r}; allowed: auto, triton, torch")
+    if configs is not None and (not isinstance(configs, (tuple, list)) or len(configs) != 2):
+        raise ValueError(f"configs={configs!r}; allowed: None or (gate/up config, down config), each a dict or None")
     k, inter = x.shape[-1], down.in_features
     group = group or SWIGLU_CONFIGS.get((inter, k), {}).get("group", SWIGLU_GROUP)
     reason = swiglu_mlp_fp8_supported(gate_up, down, group=group)
@@ -213,8 +216,13 @@ def swiglu_mlp_fp8(
         raise ValueError(f"swiglu_mlp_fp8: {reason}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
+    asked = backend
     if backend == "auto":
         backend = "triton" if _triton_ok(x2, k, inter, group) else "torch"
+    if backend == "torch" and configs is not None and any(configs):
+        raise ValueError(f"configs={configs!r} sets the Triton kernels' launch, but backend={asked!r} runs the torch "
+                         "path here; allowed: configs=None, or backend='triton' (CUDA sm_89+ with Triton, K and I "
+                         "multiples of 128)")
     compiling = torch.compiler.is_compiling()
     a_q, a_scale = quantize_fp8(x2, dtype=gate_up.fp8_dtype, granularity="rowwise",
                                 backend="torch" if compiling or backend == "torch" else "auto")

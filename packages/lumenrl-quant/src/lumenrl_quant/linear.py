@@ -108,6 +108,14 @@ def _scheme_name(scheme: object) -> str:
     return name
 
 
+def _check_fp8_dtype(scheme: str, fp8_dtype: torch.dtype | None) -> None:
+    """Refuse an ``fp8_dtype`` for the MX schemes: their elements are fixed by the scheme (E4M3 / E2M1 with
+    E8M0 block scales), so the dtype would be accepted and ignored."""
+    if scheme in _MX_ELEMS and fp8_dtype is not None:
+        raise ValueError(f"fp8_dtype={fp8_dtype} has no effect with scheme={scheme!r} (MX elements are "
+                         f"{_MX_ELEMS[scheme]}); allowed: fp8_dtype=None, or an FP8 scheme {list(_FP8_LAYOUTS)}")
+
+
 class QuantizedLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` stored quantized (see module doc for the schemes)."""
 
@@ -122,12 +130,17 @@ class QuantizedLinear(nn.Module):
         device: torch.device | str | None = None,
         weight: torch.Tensor | None = None,
     ) -> None:
-        """``weight``: the high-precision ``(N, K)`` weight to start from (zeros when None)."""
+        """``weight``: the high-precision ``(N, K)`` weight to start from (zeros when None). ``fp8_dtype``: the
+        FP8 schemes' element dtype (default E4M3, fnuz on MI300); the MX schemes refuse one, and their
+        ``fp8_dtype`` attribute is None."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.scheme = _scheme_name(scheme)
-        self.fp8_dtype = fp8_dtype if fp8_dtype is not None else fp8_dtypes_for(device).e4m3
-        fp8_format(self.fp8_dtype)  # validates
+        _check_fp8_dtype(self.scheme, fp8_dtype)
+        self.fp8_dtype: torch.dtype | None = None
+        if self.scheme in _FP8_LAYOUTS:
+            self.fp8_dtype = fp8_dtype if fp8_dtype is not None else fp8_dtypes_for(device).e4m3
+            fp8_format(self.fp8_dtype)  # validates
         if weight is None:
             weight = torch.zeros(out_features, in_features, device=device)
         self._check_weight_shape(weight)

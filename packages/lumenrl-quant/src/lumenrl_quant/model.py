@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lumenrl_quant.linear import QuantizedLinear
+from lumenrl_quant.linear import QuantizedLinear, _check_fp8_dtype, _scheme_name
 
 __all__ = ["QuantizationReport", "ReloadReport", "find_decoder_layers", "quantize_model", "reload_quantized_weights_"]
 
@@ -135,6 +135,7 @@ def quantize_model(
     if skip_first_n_layers < 0 or skip_last_n_layers < 0:
         raise ValueError(f"skip_first_n_layers={skip_first_n_layers} and skip_last_n_layers={skip_last_n_layers} "
                          "must be >= 0")
+    _check_fp8_dtype(_scheme_name(scheme), fp8_dtype)  # before anything is swapped (and with nothing to swap)
     head_name = _output_head_name(model) if quantize_lm_head else None  # checked before anything is swapped
     path, layers = find_decoder_layers(model)
     n = len(layers)

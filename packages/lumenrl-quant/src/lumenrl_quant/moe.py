@@ -192,19 +192,28 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 def quantize_experts_fp8(
-    w: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    w: torch.Tensor, *, dtype: torch.dtype | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert weights (E, rows, cols) -> float8 codes (E, rows, cols) and dequant scales (E, ⌈rows/128⌉,
     ⌈cols/128⌉) in 128 x 128 blocks (:func:`~lumenrl_quant.quantize_fp8`, one expert at a time: the
-    float32 working copy is one expert's). ``out``: write into these (codes, scales) in place."""
+    float32 working copy is one expert's). ``dtype``: the codes' FP8 dtype (default ``float8_e4m3fn``, or
+    ``out``'s codes dtype). ``out``: write into these (codes, scales) in place; their shapes must be
+    those this call returns, and a ``dtype`` other than the codes' is refused."""
     if w.dim() != 3:
         raise ValueError(f"expert weights need shape (E, rows, cols); got {tuple(w.shape)}")
     e, rows, cols = w.shape
+    scale_shape = (e, -(-rows // EXPERT_BLOCK[0]), -(-cols // EXPERT_BLOCK[1]))
     if out is None:
+        dtype = torch.float8_e4m3fn if dtype is None else dtype
         out = (torch.empty(w.shape, dtype=dtype, device=w.device),
-               torch.empty((e, -(-rows // EXPERT_BLOCK[0]), -(-cols // EXPERT_BLOCK[1])), dtype=torch.float32,
-                           device=w.device))
+               torch.empty(scale_shape, dtype=torch.float32, device=w.device))
     codes, scales = out
+    if dtype is not None and codes.dtype != dtype:
+        raise ValueError(f"dtype={dtype} differs from out's codes dtype {codes.dtype}; allowed: dtype=None or "
+                         f"dtype={codes.dtype} with this out")
+    if tuple(codes.shape) != tuple(w.shape) or tuple(scales.shape) != scale_shape:
+        raise ValueError(f"out shapes (codes {tuple(codes.shape)}, scales {tuple(scales.shape)}) do not fit w "
+                         f"{tuple(w.shape)}; allowed: codes {tuple(w.shape)}, scales {scale_shape}")
     for i in range(e):
         q, s = quantize_fp8(w[i], dtype=codes.dtype, granularity="block", block_size=EXPERT_BLOCK)
         codes[i].copy_(q)
@@ -375,7 +384,8 @@ def fused_moe(
     """The MoE experts layer (see module doc): ``hidden`` (N, H), ``w_gate_up`` (E, 2I, H), ``w_down``
     (E, H, I), ``topk_ids`` / ``topk_weights`` (N, k) -> (N, H) in ``hidden``'s dtype. FP8 weights
     (float8 codes) need ``w_gate_up_scale`` / ``w_down_scale`` from :func:`quantize_experts_fp8`.
-    ``config``: launch configuration (default :func:`fused_moe_config`); ``backend``: ``auto`` (Triton
+    ``config``: launch configuration of the Triton kernels (default :func:`fused_moe_config`; refused where
+    the torch path runs, ``auto`` included); ``backend``: ``auto`` (Triton
     where :func:`triton_moe_available`, else torch), ``triton`` or ``torch``. ``fp8_activations``: with
     FP8 weights, W8A8 (both GEMM inputs in 1 x 128 FP8 groups, FP8 dots; module doc)."""
     _check_activation(activation)
@@ -387,8 +397,12 @@ def fused_moe(
                          "weights: fp8_activations=False")
     if config is not None:
         config.check(fp8=fp8, fp8_activations=fp8_activations)
+    asked = backend
     if backend == "auto":
         backend = "triton" if triton_moe_available(hidden.device) else "torch"
+    if backend == "torch" and config is not None:
+        raise ValueError(f"config={config!r} sets the Triton kernels' launch, but backend={asked!r} runs the torch "
+                         "path here; allowed: config=None, or backend='triton' (where triton_moe_available)")
     if hidden.shape[0] == 0:
         return torch.zeros_like(hidden)
     if backend == "torch":

@@ -22,7 +22,7 @@ from torch import nn
 from lumenrl_quant import plugin_manifest as manifest
 from lumenrl_quant.fp8 import quantize_fp8
 from lumenrl_quant.gemm import gemm_path
-from lumenrl_quant.linear import _FP8_LAYOUTS
+from lumenrl_quant.linear import _FP8_LAYOUTS, _check_fp8_dtype
 from lumenrl_quant.model import QuantizationReport, ReloadReport, quantize_model, reload_quantized_weights_
 
 __all__ = ["QUANT_SCHEMES", "Fp8Block", "Fp8Row", "Fp8Tensor", "Fp8W8A16", "MXFP4", "MXFP8", "get_quant_scheme"]
@@ -46,7 +46,7 @@ class _RolloutScheme:
 
     skip_first_n_layers / skip_last_n_layers: decoder layers kept in high precision at each end.
     skip_modules: module names (dotted component or full name) never quantized.
-    fp8_dtype: FP8 element dtype override (default: E4M3, fnuz on MI300).
+    fp8_dtype: FP8 element dtype override (default: E4M3, fnuz on MI300); FP8 schemes only (MX refuses one).
     quantize_lm_head: also quantize the (untied) output head; off by default (logit accuracy).
     """
 
@@ -58,6 +58,9 @@ class _RolloutScheme:
     skip_modules: tuple[str, ...] = ("lm_head",)
     fp8_dtype: torch.dtype | None = None
     quantize_lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        _check_fp8_dtype(self.name, self.fp8_dtype)
 
     @classmethod
     def probe(cls) -> str | None:

@@ -11,12 +11,17 @@ Pull model over Mooncake's public ``mooncake.engine.TransferEngine`` API:
 
 The producer's buffers stay alive until ``delete`` / a new ``put`` of the same key / ``close``.
 With ``metadata_server="P2PHANDSHAKE"`` no etcd or metadata service is needed.
+
+Index directory: ``index_dir / namespace`` (no ``index_dir``: ``lumenrl_mooncake_<namespace>`` in the
+system temp dir), so runs sharing an ``index_dir`` under different namespaces never see each other's
+keys; producer and consumer pass the same pair (:meth:`MooncakeTransferEngine.index_path`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -34,9 +39,12 @@ from lumenrl_sddd.plugin_manifest import MOONCAKE_API
 
 __all__ = ["MooncakeTransferEngine", "MOONCAKE_API"]
 
+_NAMESPACE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+
 
 class MooncakeTransferEngine:
-    """Key -> tensors through Mooncake; producer and consumer each create one (same ``index_dir``)."""
+    """Key -> tensors through Mooncake; producer and consumer each create one (same ``index_dir`` and
+    ``namespace``)."""
 
     capabilities = manifest.MOONCAKE.capabilities
 
@@ -50,12 +58,14 @@ class MooncakeTransferEngine:
         protocol: str = "tcp",
         device_name: str = "",
     ) -> None:
+        index = self.index_path(index_dir, namespace)  # arguments checked before the availability
         reason = self.probe()
         if reason:
             raise RuntimeError(f"MooncakeTransferEngine unavailable: {reason}")
         from mooncake.engine import TransferEngine
 
-        self.index_dir = Path(index_dir or Path(tempfile.gettempdir()) / f"lumenrl_mooncake_{namespace}")
+        self.namespace = namespace
+        self.index_dir = index
         self.index_dir.mkdir(parents=True, exist_ok=True)
         self._engine = TransferEngine()
         rc = self._engine.initialize(local_hostname, metadata_server, protocol, device_name)
@@ -70,8 +80,20 @@ class MooncakeTransferEngine:
     def probe(cls) -> str | None:
         return manifest.MOONCAKE.unavailable_reason()
 
+    @staticmethod
+    def index_path(index_dir: str | Path | None, namespace: str) -> Path:
+        """Where the key index of ``namespace`` lives: ``index_dir / namespace``; with no ``index_dir``,
+        ``lumenrl_mooncake_<namespace>`` in the system temp dir. ``namespace`` is one path component."""
+        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+            raise ValueError(f"MooncakeTransferEngine: namespace={namespace!r}; expected 1-128 characters from "
+                             "[A-Za-z0-9_.-], not starting with '.'")
+        if index_dir is None:
+            return Path(tempfile.gettempdir()) / f"lumenrl_mooncake_{namespace}"
+        return Path(index_dir) / namespace
+
     @classmethod
     def from_config(cls, run_config: Any) -> MooncakeTransferEngine:
+        """Index at ``trainer.output_dir/mooncake_index/<namespace_of(run_config)>``."""
         namespace = namespace_of(run_config)
         return cls(index_dir=Path(run_config.trainer.output_dir) / "mooncake_index", namespace=namespace)
 

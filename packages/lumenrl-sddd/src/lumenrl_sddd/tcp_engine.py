@@ -3,13 +3,17 @@
 Wire format (one request per connection, no pickle): the client sends ``op`` (1 byte: ``G`` get,
 ``P`` pop, ``D`` delete), a 4-byte big-endian key length and the UTF-8 key; the server answers an
 8-byte big-endian payload length (``2**64 - 1``: key missing) and the payload, the tensors in
-safetensors format. The producer (``TCPTransferEngine(serve=True)``) binds ``host:port`` (port 0:
-any free port; ``address`` says which) in a daemon thread; a consumer
+safetensors format. The producer (``TCPTransferEngine(host=, port=)``, serving by default) binds
+``host:port`` (port 0: any free port; ``address`` says which) in a daemon thread; a consumer
 (``TCPTransferEngine(connect=(host, port))``) reads from it. On one machine use loopback.
+``serve=False`` without ``connect``: a local store only (nothing bound). ``timeout`` (seconds) bounds
+every socket operation on both sides: a consumer's connect and reads, and the producer's reads and
+writes on each accepted connection (a stalled consumer's connection is dropped, not held forever).
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -44,15 +48,32 @@ class TCPTransferEngine:
 
     capabilities = manifest.TCP.capabilities
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, serve: bool = True,
+    def __init__(self, *, host: str | None = None, port: int | None = None, serve: bool | None = None,
                  connect: tuple[str, int] | None = None, timeout: float = 60.0) -> None:
+        """``host`` / ``port``: the producer's bind address (default ``127.0.0.1:0``); ``serve``:
+        default true without ``connect``; ``connect``: the producer's address (a consumer)."""
+        if connect is not None:
+            for name, value in (("host", host), ("port", port)):
+                if value is not None:
+                    raise ValueError(f"TCPTransferEngine: {name}={value!r} with connect={connect!r}; a consumer "
+                                     "binds nothing: pass the producer's address as connect only")
+            if serve:
+                raise ValueError(f"TCPTransferEngine: serve=True with connect={connect!r}; allowed: a producer "
+                                 "(serve) or a consumer (connect), not both")
+        elif serve is False:
+            for name, value in (("host", host), ("port", port)):
+                if value is not None:
+                    raise ValueError(f"TCPTransferEngine: {name}={value!r} with serve=False; nothing is bound: "
+                                     "drop it or serve")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"TCPTransferEngine: timeout={timeout!r}; expected seconds > 0")
         self._store: dict[str, bytes] = {}
         self._lock = threading.Lock()
-        self._connect, self._timeout = connect, timeout
+        self._connect, self._timeout = connect, float(timeout)
         self._server: socket.socket | None = None
         self.address: tuple[str, int] | None = connect
-        if serve and connect is None:
-            self._server = socket.create_server((host, port))
+        if connect is None and serve is not False:
+            self._server = socket.create_server(("127.0.0.1" if host is None else host, 0 if port is None else port))
             self.address = self._server.getsockname()[:2]
             threading.Thread(target=self._serve, daemon=True, name="lumenrl-tcp-transfer").start()
 
@@ -76,7 +97,8 @@ class TCPTransferEngine:
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
-        with conn:
+        conn.settimeout(self._timeout)
+        with conn, contextlib.suppress(OSError):  # a stalled or broken consumer: drop its connection
             op = _recv_exact(conn, 1)
             (size,) = struct.unpack(">I", _recv_exact(conn, 4))
             key = _recv_exact(conn, size).decode()

@@ -37,7 +37,7 @@ bytes; ``bench_attention.py``). fp16 holds every E4M3/E5M2 value exactly and has
 V may also be stored transposed, ``(D, L)`` per head (a view with ``stride(-2) == 1``), read as is.
 Tried for the FP8 cache (the p.v dot reduces over L, and ``ldmatrix.trans`` cannot transpose 8-bit
 tiles): on the H200 the strided column loads cost far more than they save (FP8 80 us vs 27 us per
-call at the 8B shape, ``bench_attention.py --space layouts``), so the engine does not use it.
+call at the 8B shape, ``bench_attention.py --tune --space layouts``), so the engine does not use it.
 What does pay in the kernel: V in (D, T) tiles, a 5-D ``(B, H_kv, L / T, D, T)`` tensor (the engine's
 opt-in ``kv_v_tiles``, :mod:`~lumenrl_backends.engines.kv_cache`): within a tile the columns are
 contiguous, so the p.v operand is K-major (what the MMA's B operand wants, no 8-bit transpose) and

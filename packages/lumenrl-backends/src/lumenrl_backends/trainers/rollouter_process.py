@@ -25,6 +25,11 @@ forkserver that has imported torch, transformers and LumenRL, started early by `
 it starts with those imports done; it takes the trainer's environment and ``sys.path`` at its
 creation, as a spawned child would. Compiled kernels are shared through the disk caches: with the
 trainer's environment, Triton's and inductor's cache directories are the trainer's.
+
+Test-only fault injection: :data:`FAULTS` (a :class:`Faults`; no config key or environment variable sets it)
+makes a child crash after some groups or find CUDA unusable after its fork. Tests in the trainer's process set
+it (``monkeypatch.setattr(rollouter_process.FAULTS, "crash_after", 6)``); :class:`ProcessRollouter` reads it
+when it creates a child and passes it on in the child's boot arguments.
 """
 
 from __future__ import annotations
@@ -46,11 +51,24 @@ from lumenrl_backends.trainers.rollouter import graph_stats
 from lumenrl_core.config import ConfigError
 from lumenrl_core.data_proto import DataProto
 
-__all__ = ["PHASES", "Built", "ProcessRollouter", "Startup", "attach_rollouter", "boot_args", "build_before_start",
+__all__ = ["FAULTS", "PHASES", "Built", "Faults", "ProcessRollouter", "Startup", "attach_rollouter", "boot_args", "build_before_start",
            "build_rollouter", "engine_waits_for_start", "rollouter_main", "start_args"]
 
 # a rollouter process's start-up; "attached": engine (if not built before), weight reader and rollouter ready to run
 PHASES = ("spawned", "running", "ready", "started", "attached", "first_group")
+
+
+@dataclass(slots=True)
+class Faults:
+    """Faults a test injects into the rollouter children :class:`ProcessRollouter` creates from then on (test-only;
+    a run never sets them)."""
+
+    crash_after: int = 0  # the child exits abruptly (``os._exit(3)``, no cleanup) after sending this many groups; 0: never
+    forked_cuda_fails: bool = False  # a child forked from the rollouter server finds CUDA unusable (as after a
+    # CUDA-initializing import in the server), so the trainer replaces it by a spawned one
+
+
+FAULTS = Faults()  # tests: monkeypatch.setattr(FAULTS, "crash_after", 6)
 
 
 def boot_args(cfg: Any, model_path: str, device: str | None) -> dict[str, Any]:
@@ -192,7 +210,7 @@ def _check_cuda_after_fork(cfg: Any, boot: dict[str, Any], startup: Startup) -> 
 
     device = torch.device(boot["device"]) if boot.get("device") else dist_utils.resolve_device(cfg.cluster.device)
     try:
-        if boot.get("forked_cuda_fails"):  # injected (tests): what a CUDA-initializing import in the server causes
+        if boot.get("forked_cuda_fails"):  # injected (tests, FAULTS): what a CUDA-initializing import in the server causes
             raise RuntimeError("CUDA error: initialization error (injected)")
         if device.type != "cuda":
             return
@@ -240,7 +258,7 @@ def _main(cfg: Any, channel: ProcessChannel, boot: dict[str, Any], startup: Star
             startup.mark("first_group")
             profiled()
         if boot.get("crash_after") and sent[0] >= boot["crash_after"]:
-            os._exit(3)  # injected crash (tests): no cleanup, messages may be lost
+            os._exit(3)  # injected crash (tests, FAULTS): no cleanup, messages may be lost
 
     startup.mark("running")
     built = build_before_start(cfg, boot)
@@ -298,8 +316,7 @@ class ProcessRollouter:
         The caller does not wait for the rollouter server to finish its imports: the child is asked for from a
         thread (:attr:`proc` waits for it)."""
         self._cfg = copy.deepcopy(cfg)  # pickled by the launching thread while the trainer builds
-        self._boot = {**boot, "crash_after": int(os.environ.get("LUMENRL_ASYNC_CRASH_AFTER", "0")),
-                      "forked_cuda_fails": os.environ.get("LUMENRL_ASYNC_FORKED_CUDA_FAILS") == "1"}
+        self._boot = {**boot, "crash_after": FAULTS.crash_after, "forked_cuda_fails": FAULTS.forked_cuda_fails}
         self._pump: threading.Thread | None = None
         self._done = threading.Event()
         self.fell_back_to_spawn = False

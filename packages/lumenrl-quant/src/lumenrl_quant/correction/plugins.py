@@ -8,8 +8,8 @@ never imports core): ``capabilities`` and a classmethod ``probe()`` (both from t
 
 All classes take the same keywords (the fields of core's ``RolloutCorrectionConfig`` minus
 ``enabled`` / ``mode``, plus optional KL rejection) so an assembler can build any of them from one
-config; ``config_keywords`` names those a mode uses (an assembler refuses a set value of another one,
-which the mode would validate and ignore):
+config; ``config_keywords`` names those a mode uses, and a class refuses (``ValueError``) one of the others
+set away from its default, as well as ``reject_kl_threshold`` set while ``reject_kl`` is None:
 
 - ``clip``: TIS cap C (``tis_token``, ``tis_seq``);
 - ``mask_low`` / ``mask_high``: MIS band (``mis_*``, ``seq_mis``);
@@ -22,6 +22,7 @@ Rejected tokens get weight 0 and keep 0; padding is always 0 in both.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -72,6 +73,17 @@ class _RolloutCorrectionBase:
             raise ValueError(f"extreme_tau must be >= 1; got {self.extreme_tau!r}")
         if self.reject_kl is not None and self.reject_kl not in KL_ESTIMATORS:
             raise ValueError(f"reject_kl must be None or one of {KL_ESTIMATORS}; got {self.reject_kl!r}")
+        # a field set away from this class's default that its mode does not read would be validated and ignored
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            if name not in self.config_keywords and value != default:
+                raise ValueError(f"{name}={value!r} has no effect on {type(self).__name__}; allowed: {default!r} (the "
+                                 f"default), or a mode that reads it (this one reads {sorted(self.config_keywords)})")
+        if self.reject_kl is None and self.reject_kl_threshold != defaults["reject_kl_threshold"]:
+            raise ValueError(f"reject_kl_threshold={self.reject_kl_threshold!r} has no effect with reject_kl=None; "
+                             f"allowed: {defaults['reject_kl_threshold']!r} (the default), or reject_kl one of "
+                             f"{KL_ESTIMATORS}")
 
     @classmethod
     def probe(cls) -> str | None:
