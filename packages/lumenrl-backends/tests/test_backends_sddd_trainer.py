@@ -106,7 +106,11 @@ ENGINES = ["shm", "tcp", pytest.param("mooncake", marks=pytest.mark.skipif(
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_disaggregated_moves_identical_hidden_states(qwen3_dir, tmp_path, engine):
-    trainer = assemble(_config(qwen3_dir, tmp_path / engine, mode="disaggregated", transfer_engine=engine))
+    cfg = _config(qwen3_dir, tmp_path / engine, mode="disaggregated", transfer_engine=engine)
+    # a key the SDDD trainer does not read, as a layered load leaves a base file's (logged, not refused): the
+    # teacher process gets this RunConfig itself, not a one-layer rebuild that would refuse it
+    cfg.dataset.difficulty = 3
+    trainer = assemble(cfg)
     try:
         local = InProcessTransferEngine()  # the same teacher (saved weights) publishing in this process
         chunks = publish(trainer.config, trainer.engine, trainer.tokenizer, local,

@@ -295,7 +295,11 @@ def test_warm_start_applies_to_builtin_demo_models_only(tmp_path):
     from lumenrl_backends.trainers.build import _policy_path
     from lumenrl_core.config import load_config
 
-    cfg = load_config(None, [f"policy.model_name={tmp_path}", "trainer.warm_start_sft_steps=5"])
+    base = tmp_path / "demo.yaml"  # a demo file's warm start under a later real-model override: reset (logged)
+    base.write_text("trainer:\n  warm_start_sft_steps: 5\n")
+    cfg = load_config(base, [f"policy.model_name={tmp_path}"])
+    assert cfg.trainer.warm_start_sft_steps == 0
+    cfg.trainer.warm_start_sft_steps = 5  # a RunConfig built in code is not checked at load: the trainer still skips
     logged: list[str] = []
 
     class _NeverBuilt:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lumenrl_core.config import ConfigError, ConfigProblems, legacy, load_config
+from lumenrl_core.config import ConfigError, ConfigProblems, dump_config, legacy, load_config
 from lumenrl_core.config.legacy import LEGACY
 from lumenrl_core.config.refusals import NOT_YET_BUILT
 from lumenrl_core.config.schema import RunConfig
@@ -344,12 +344,23 @@ def test_a_later_layer_may_switch_a_feature_off(tmp_path, caplog):
     run.write_text("defaults: [base.yaml]\ndataset:\n  name: jsonl\n  path: data/train.jsonl\n")
     with caplog.at_level("WARNING", logger="lumenrl.config"):
         cfg = load_config(run, ["critic.enabled=false"])
-    assert not cfg.critic.enabled and cfg.dataset.difficulty == 1
+    # the dead settings are reset to their defaults: the resolved config (output_dir/config.yaml) loads as one layer
+    assert not cfg.critic.enabled and cfg.critic.value_loss_coef == 0.5 and cfg.dataset.difficulty == 2
     logged = " ".join(r.getMessage() for r in caplog.records)
-    assert "critic.value_loss_coef" in logged and "dataset.difficulty" in logged and "switched its reader off" in logged
+    assert "critic.value_loss_coef" in logged and "dataset.difficulty" in logged and "reset to its default" in logged
+    dumped = tmp_path / "resolved.yaml"
+    dumped.write_text(dump_config(cfg))
+    assert load_config(dumped) == cfg
     # the same setting in the layer that switches it off (or later) is refused
     assert [e.key for e in _problems(["critic.enabled=false", "critic.value_loss_coef=2.0"], run)] == [
         "critic.value_loss_coef"]
     same = tmp_path / "same.yaml"
     same.write_text("critic:\n  value_loss_coef: 1.0\n")
     assert [e.key for e in _problems([], same)] == ["critic.value_loss_coef"]
+
+
+def test_warm_start_is_for_builtin_demo_models(tmp_path):
+    """The warm-start SFT runs on built-in lumenrl: models only: set in the same layer as a real model, refused."""
+    errors = _problems([f"policy.model_name={tmp_path}", "trainer.warm_start_sft_steps=5"])
+    assert [e.key for e in errors] == ["trainer.warm_start_sft_steps"] and "real checkpoint" in errors[0].problem
+    assert load_config(None, ["trainer.warm_start_sft_steps=5"]).trainer.warm_start_sft_steps == 5  # built-in default

@@ -87,13 +87,14 @@ def teacher_engine(cfg: Any, model: Any, tokenizer: Any) -> NativeEngine:
     return NativeEngine.from_config(cfg, model, tokenizer)
 
 
-def teacher_process(config_dict: dict, teacher_dir: str, transfer_name: str, channel: Any, stop: Any) -> None:
-    """Disaggregated mode: the teacher in its own process; publishes, reports, serves until ``stop``."""
-    from lumenrl_core.config import config_from_dict
+def teacher_process(cfg: Any, teacher_dir: str, transfer_name: str, channel: Any, stop: Any) -> None:
+    """Disaggregated mode: the teacher in its own process; publishes, reports, serves until ``stop``.
+
+    ``cfg``: the trainer's RunConfig itself (pickled), not rebuilt from a dict: a rebuild is one config layer, so
+    it would refuse a setting the trainer's layered load accepted (a base file's key its override switched off)."""
     from lumenrl_core.plugins import get_registry
 
     torch.set_num_threads(1)
-    cfg = config_from_dict(config_dict)
     try:
         model, tokenizer = load_teacher(cfg, teacher_dir)
         engine = teacher_engine(cfg, model, tokenizer)
@@ -109,11 +110,8 @@ def teacher_process(config_dict: dict, teacher_dir: str, transfer_name: str, cha
 
 
 def start_teacher_process(cfg: Any, teacher_dir: Path, transfer_name: str) -> tuple[Any, Any, Any]:
-    from lumenrl_core.config import config_to_dict
-
     ctx = mp.get_context("spawn")
     channel, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=teacher_process, args=(config_to_dict(cfg), str(teacher_dir), transfer_name, channel, stop),
-                       daemon=True)
+    proc = ctx.Process(target=teacher_process, args=(cfg, str(teacher_dir), transfer_name, channel, stop), daemon=True)
     proc.start()
     return proc, channel, stop

@@ -6,7 +6,7 @@ in the draft-distillation trainer, ``controller.ray.*`` only with the Ray contro
 every key under it) and the condition under which they are read. A key set to anything but its schema
 default while its scope's condition is false fails at load with one line: the key, its value, who reads
 it, and what would make it count (its default, or the switch), unless a later config layer than the one that
-set it switched its reader off (then it is logged: see :func:`scope_errors`). ``async_training.*`` has its own check
+set it switched its reader off (then it is reset to its default and logged: see :func:`scope_errors`). ``async_training.*`` has its own check
 (:mod:`.semantic`), as do plugin-specific keywords (assembly, :mod:`lumenrl_core.assembly.plan`) and the
 engine/backend keys a plugin must declare a capability for (:mod:`lumenrl_core.assembly.requirements`).
 """
@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from lumenrl_core.builtins import is_builtin_name
 from lumenrl_core.config.errors import ConfigError
 from lumenrl_core.config.schema import RunConfig
 
@@ -120,6 +121,11 @@ SCOPES: tuple[Scope, ...] = (
     Scope(("eval.every", "eval.num_examples", "eval.temperature", "trainer.test_freq"),
           lambda c: c.eval.enabled or _sddd(c), lambda c: "evaluation is off (eval.enabled=false)",
           "eval.enabled=true", ("eval.enabled", "trainer.name")),
+    Scope(("trainer.warm_start_sft_steps", "trainer.warm_start_sft_lr", "trainer.warm_start_sft_batch_size"),
+          lambda c: is_builtin_name(c.policy.model_name),
+          lambda c: f"the warm-start SFT teaches a built-in lumenrl: demo model its task; policy.model_name="
+                    f"{c.policy.model_name!r} is a real checkpoint, which RL starts from as it is",
+          "a built-in policy.model_name (lumenrl:...)", ("policy.model_name",)),
     # --- which reader is chosen
     Scope(("dataset.path", "dataset.prompt_key", "dataset.answer_key"),
           lambda c: c.dataset.name in _FILE_DATASETS,
@@ -160,15 +166,17 @@ def _leaves(obj: Any, key: str) -> Iterator[str]:
         yield key
 
 
-def scope_errors(cfg: RunConfig, source: Callable[[str], str | None],
-                 rank: Callable[[str], int] | None = None) -> list[ConfigError]:
-    """One ConfigError per key set away from its default while no reader of it is switched on.
+def _set(obj: Any, key: str, value: Any) -> None:
+    *parents, name = key.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, name, value)
 
-    ``rank(key)``: the config layer that set ``key`` (later layers higher, -1 unset; None: every key counts as
-    set last). A key set in an earlier layer than the switch that turned its reader off (a base file's
-    ``critic.*`` under an override ``critic.enabled=false``) is not refused: switching a feature off is what
-    that later layer asked for. It is logged instead."""
-    default, out, seen = RunConfig(), [], set()
+
+def _pass(cfg: RunConfig, default: RunConfig, source: Callable[[str], str | None],
+          rank: Callable[[str], int] | None) -> tuple[list[ConfigError], list[str]]:
+    """One pass over :data:`SCOPES`: the errors, and the keys reset to their defaults (messages)."""
+    out, reset, seen = [], [], set()
     for scope in SCOPES:
         if scope.read(cfg):
             continue
@@ -182,9 +190,30 @@ def scope_errors(cfg: RunConfig, source: Callable[[str], str | None],
             seen.add(key)
             problem = f"has no effect: {scope.why(cfg)}"
             if rank is not None and rank(key) < switched:
-                _log.warning("config key %r = %r (%s) %s; a later layer switched its reader off",
-                             key, value, source(key), problem)
+                _set(cfg, key, base)
+                reset.append(f"config key {key!r} = {value!r} ({source(key)}) {problem}; a later layer switched its "
+                             f"reader off, so it is reset to its default {base!r}")
                 continue
             out.append(ConfigError(key, value, problem=problem, allowed=f"{base!r} (the default), or {scope.switch}",
                                    source=source(key)))
-    return out
+    return out, reset
+
+
+def scope_errors(cfg: RunConfig, source: Callable[[str], str | None],
+                 rank: Callable[[str], int] | None = None) -> list[ConfigError]:
+    """One ConfigError per key set away from its default while no reader of it is switched on.
+
+    ``rank(key)``: the config layer that set ``key`` (later layers higher, -1 unset; None: every key counts as
+    set last). A key set in an earlier layer than the switch that turned its reader off (a base file's
+    ``critic.*`` under an override ``critic.enabled=false``) is not refused: switching a feature off is what
+    that later layer asked for. Its value is reset to the default in ``cfg`` (logged), so the resolved config
+    holds no dead setting: its dump (``output_dir/config.yaml``) loads again as one layer, and a process that
+    rebuilds it from a dict gets the same config. A reset may turn off another scope's reader, hence passes
+    until nothing changes."""
+    default = RunConfig()
+    while True:
+        errors, reset = _pass(cfg, default, source, rank)
+        for message in reset:
+            _log.warning(message)
+        if not reset:
+            return errors
