@@ -37,18 +37,6 @@ def test_acquire_release_within_window():
     assert ctl.start_window(1) == 4 and ctl.remaining == 4
 
 
-def test_top_up_grants_the_shortfall_of_a_window_left_short_by_stale_drops():
-    """s = 1, 8 samples per update: 16 stale queued at the window start leave it no budget; the trainer then drops
-    12 of them as too old and holds 4: it cannot finish its update, which would open the next window."""
-    ctl = StalenessController(StalenessConfig(staleness_threshold=1.0, mini_batch_size=8))
-    assert ctl.start_window(5, [4] * 16) == 0 and ctl.acquire(8) == 0
-    assert ctl.top_up(outstanding=8) == 0  # one update's samples outstanding: the trainer can go on
-    assert ctl.top_up(outstanding=4) == 4 and ctl.acquire(8) == 4 and ctl.remaining == 0
-    assert ctl.top_up(outstanding=8) == 0
-    ctl.start_window(6)
-    assert ctl.top_up(outstanding=0) == 0  # budget left: nothing to add
-
-
 @pytest.mark.parametrize(("field", "value"), [("staleness_threshold", -0.1), ("require_batches", 0),
                                               ("mini_batch_size", 0), ("trigger_parameter_sync_step", 0)])
 def test_invalid_config_names_field(field, value):

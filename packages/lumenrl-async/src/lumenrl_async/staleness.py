@@ -94,21 +94,6 @@ class StalenessController:
         with self._lock:
             self._granted = max(0, self._granted - n)
 
-    def top_up(self, outstanding: int) -> int:
-        """Grant the shortfall of one update when the window's budget is spent and fewer than one update's samples
-        are ``outstanding`` (produced, not yet taken: queued or in the trainer's hands); returns the samples added.
-
-        Samples queued at :meth:`start_window` are charged to the window as stale; one the trainer then drops as
-        too old leaves the window short. Without more samples the trainer cannot finish the update whose weight
-        sync would open the next window, so both sides would wait for each other. What is granted is generated
-        under the live version: it adds no staleness."""
-        need = self.config.require_batches * self.config.mini_batch_size
-        with self._lock:
-            if self._budget - self._granted > 0 or outstanding >= need:
-                return 0
-            self._budget += need - outstanding
-            return need - outstanding
-
     @property
     def remaining(self) -> int:
         with self._lock:

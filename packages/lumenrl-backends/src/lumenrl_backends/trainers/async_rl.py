@@ -331,7 +331,6 @@ class AsyncRLTrainer(RLTrainer):
             "async/partial_rollouts_total": stats.get("partial_rollouts", 0.0),
             "async/interrupts_total": stats.get("interrupts", 0.0),
             "async/refills_total": stats.get("refills", 0.0),
-            "async/budget_top_ups_total": stats.get("top_ups", 0.0),  # samples granted to a window left short
             "async/policy_version": float(self.published),
             "perf/samples_per_s": self._samples_trained / wall,
             "perf/rollout_tokens_per_s": stats.get("tokens", 0.0) / max(stats.get("busy_s", 0.0), 1e-9),

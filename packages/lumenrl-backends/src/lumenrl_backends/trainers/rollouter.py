@@ -139,7 +139,7 @@ class Rollouter:
         self._granted = 0  # samples granted by the budget, not yet started
         self.window_version = -1
         self.stats = {"idle_s": 0.0, "busy_s": 0.0, "partial_rollouts": 0, "interrupts": 0, "refills": 0,
-                      "samples": 0, "tokens": 0, "top_ups": 0}
+                      "samples": 0, "tokens": 0}
         self._call_rows = 0
         self._interrupt_reason: str | None = None
         self.lock = threading.Lock()  # held while this rollouter uses the engine (others: interrupt, then take it)
@@ -159,12 +159,10 @@ class Rollouter:
         self._granted = 0
         self.window_version = version
 
-    def _take_fresh(self, rows: int, *, in_flight: bool) -> DataProto | None:
+    def _take_fresh(self, rows: int) -> DataProto | None:
         groups = rows // self.n
         if groups <= 0:
             return None
-        if not in_flight:  # nothing being generated: a window left short by stale drops gets its shortfall
-            self.stats["top_ups"] += self.budget.top_up(self.hooks.outstanding())
         groups = self.budget.acquire(groups * self.n) // self.n
         if groups <= 0:
             return None
@@ -193,7 +191,7 @@ class Rollouter:
     def _call_batch(self) -> DataProto | None:
         left = self._leftover
         room = self.max_rows - (len(left) if left is not None else 0)
-        fresh = self._take_fresh(room, in_flight=left is not None)
+        fresh = self._take_fresh(room)
         self._leftover = None
         if left is None:
             return fresh
