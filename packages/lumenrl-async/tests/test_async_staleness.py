@@ -37,6 +37,17 @@ def test_acquire_release_within_window():
     assert ctl.start_window(1) == 4 and ctl.remaining == 4
 
 
+def test_refund_gives_back_dropped_stale_samples_up_to_the_window_capacity():
+    ctl = StalenessController(StalenessConfig(staleness_threshold=1.0, mini_batch_size=4))  # capacity 8
+    assert ctl.start_window(3, [2] * 8) == 0 and ctl.acquire(2) == 0  # the stale queue used the whole budget
+    assert ctl.refund(6) == 6 and ctl.acquire(8) == 6 and ctl.acquire(1) == 0  # 6 of them dropped: 6 replacements
+    assert ctl.refund(5) == 2 and ctl.remaining == 2  # never beyond the capacity of a window with nothing stale
+    assert ctl.refunded == 8 and ctl.refund(0) == 0
+    assert ctl.start_window(4) == 8 and ctl.refunded == 8  # a new window starts from the formula
+    with pytest.raises(ValueError, match="n=-1"):
+        ctl.refund(-1)
+
+
 @pytest.mark.parametrize(("field", "value"), [("staleness_threshold", -0.1), ("require_batches", 0),
                                               ("mini_batch_size", 0), ("trigger_parameter_sync_step", 0)])
 def test_invalid_config_names_field(field, value):

@@ -37,17 +37,17 @@ class _Prompts:
                                    {"raw_prompt": texts})
 
 
-def _rollouter(engine, groups: list, *, budget_samples: int, new_weights=None) -> Rollouter:
-    state = {"version": 0}
+def _rollouter(engine, groups: list, *, budget_samples: int, new_weights=None, staleness: float = 0.0) -> Rollouter:
+    state = {"version": 0, "outstanding": 0, "stale": 0}  # the trainer's side of the queue, set by a test
 
     def load(eng):
         if new_weights is not None and state["version"] == 1 and eng.weight_version == 0:
             eng.update_weights(new_weights, 1)
         return eng.weight_version
 
-    hooks = RolloutHooks(sink=groups.append, outstanding=lambda: 0, newest_version=lambda: state["version"],
-                         load_weights=load)
-    ctl = StalenessController(StalenessConfig(mini_batch_size=budget_samples))
+    hooks = RolloutHooks(sink=groups.append, ledger=lambda: (state["outstanding"], state["stale"]),
+                         newest_version=lambda: state["version"], load_weights=load)
+    ctl = StalenessController(StalenessConfig(staleness_threshold=staleness, mini_batch_size=budget_samples))
     r = Rollouter(engine=engine, next_prompts=_Prompts(engine.tokenizer), n=N, run_seed=3, budget=ctl, hooks=hooks,
                   sampling={"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True}, partial_rollout=True,
                   max_rows=8)
@@ -131,6 +131,28 @@ def test_a_sequence_spanning_a_weight_update_records_per_token_versions(qwen3_di
     assert r.stats["partial_rollouts"] == 4
     # each window's budget (4 samples) was honoured: no group started after it ran out
     assert not r.step() and sum(g.size for g in groups) == 8
+
+
+def test_stale_drops_after_a_window_starts_are_replaced_exactly(qwen3_dir):
+    """A window starts with the queue full of stale samples (budget 0); the trainer then drops
+    them as too old. The rollouter must replace exactly those (else trainer and rollouter wait on
+    each other forever), and drops seen while a newer version waits are left to that window."""
+    groups: list = []
+    r = _rollouter(_engine(qwen3_dir), groups, budget_samples=4, staleness=1.0)  # window capacity 8
+    r._state.update(version=1, outstanding=8)
+    assert not r.step() and not groups  # all 8 queued samples charged as stale: nothing may start
+    r._state.update(outstanding=2, stale=6)  # the trainer took them: 6 dropped as stale, 2 consumed
+    while r.step():
+        pass
+    assert sum(g.size for g in groups) == 6 and r.stats["budget_refunds"] == 6
+    r._state.update(version=2, stale=10)  # a newer version is published but not loaded yet...
+    r._refund_stale_drops()
+    assert r.budget.refunded == 6  # ...its drops are not refunded to the old window
+    r._state.update(outstanding=4)
+    assert r.step() and r.window_version == 2  # the new window charges only the 4 still outstanding
+    while r.step():
+        pass
+    assert sum(g.size for g in groups) == 6 + 4 and r.stats["budget_refunds"] == 6
 
 
 def _uneven_lengths(r: Rollouter) -> None:

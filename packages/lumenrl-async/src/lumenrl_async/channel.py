@@ -6,16 +6,17 @@ A group travels as one message ``("group", uid, versions, newest_version, meta, 
 counters make the cross-process ledger exact: the producer adds a group's samples to
 ``produced`` *before* sending it, and the trainer's pump reads ``produced`` only *after*
 receiving a message, so ``produced - received`` (in transit) is never negative. The trainer
-writes ``taken`` (samples consumed or dropped) back so the rollouter can charge outstanding
-stale samples to its staleness budget. If the producer dies, whatever it counted but never
+writes its ledger back (``taken``: samples consumed or dropped, and how many of those were
+dropped as ``stale``, written together) so the rollouter can charge outstanding stale samples to
+its staleness budget and replace the ones the trainer dropped. If the producer dies, whatever it counted but never
 delivered is dropped with reason ``rollouter_crash`` (:meth:`settle`). The parent closes its
 copy of the pipe's sending end once the child started (:meth:`started`), so a producer that dies
 mid-message gives the reader an end-of-file instead of a hang; a torn message is never decoded.
 
 An :class:`Outbox` is the same protocol for a transport the consumer polls (an RPC): the producer
-counts a group in ``produced`` when it queues it; one ``poll(taken)`` returns the queued messages
+counts a group in ``produced`` when it queues it; one ``poll(ledger)`` returns the queued messages
 and ``produced`` read under the same lock (so again never fewer produced than delivered) and
-records the consumer's ``taken``. :func:`deliver` is the consumer's side of both.
+records the consumer's ledger (:meth:`SampleQueue.ledger`). :func:`deliver` is the consumer's side of both.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from lumenrl_async.queue import SampleGroup, SampleQueue
 
 __all__ = ["ProcessChannel", "Outbox", "STAT_KEYS", "deliver", "encode"]
 
-STAT_KEYS = ("idle_s", "busy_s", "partial_rollouts", "interrupts", "refills", "samples", "tokens", "round",
-             "graph_captures", "graph_capture_s")  # the last two: the producer engine's CUDA graphs (0 without)
+STAT_KEYS = ("idle_s", "busy_s", "partial_rollouts", "interrupts", "refills", "budget_refunds", "samples", "tokens",
+             "round", "graph_captures", "graph_capture_s")  # the last two: the producer engine's CUDA graphs (0 without)
 
 
 def encode(group: SampleGroup) -> tuple[Any, ...]:
@@ -61,6 +62,7 @@ class Outbox:
         self._messages: list[tuple[Any, ...]] = []
         self.produced = 0
         self.taken = 0
+        self.stale = 0
 
     def send(self, group: SampleGroup) -> None:
         msg = encode(group)
@@ -69,13 +71,16 @@ class Outbox:
             self._messages.append(msg)
             self._lock.notify_all()
 
-    def outstanding(self) -> int:
-        return self.produced - self.taken
-
-    def poll(self, taken: int, wait_s: float = 0.0) -> tuple[list[tuple[Any, ...]], int]:
-        """``(messages, produced)``: everything queued (waiting up to ``wait_s`` for something)."""
+    def ledger(self) -> tuple[int, int]:
+        """``(outstanding, stale)``: samples sent and not yet taken, and the consumer's stale drops so far."""
         with self._lock:
-            self.taken = int(taken)
+            return self.produced - self.taken, self.stale
+
+    def poll(self, ledger: tuple[int, int], wait_s: float = 0.0) -> tuple[list[tuple[Any, ...]], int]:
+        """``(messages, produced)``: everything queued (waiting up to ``wait_s`` for something);
+        ``ledger``: the consumer's :meth:`SampleQueue.ledger`."""
+        with self._lock:
+            self.taken, self.stale = (int(x) for x in ledger)
             if not self._messages and wait_s > 0:
                 self._lock.wait(wait_s)
             messages, self._messages = self._messages, []
@@ -89,7 +94,7 @@ class ProcessChannel:
         self.reader, self.writer = ctx.Pipe(duplex=False)
         self.eof = False
         self.produced = ctx.Value("q", 0)
-        self.taken = ctx.Value("q", 0)
+        self.consumer_ledger = ctx.Array("q", 2)  # (taken, stale), written and read under its lock
         self.stats = ctx.Array("d", len(STAT_KEYS))
         self._stop = ctx.Value("b", 0)  # a flag, not an Event: a waiter dying inside Event.wait hangs set()
 
@@ -106,8 +111,11 @@ class ProcessChannel:
             self.produced.value += group.size
         self.writer.send(msg)
 
-    def outstanding(self) -> int:
-        return int(self.produced.value) - int(self.taken.value)
+    def ledger(self) -> tuple[int, int]:
+        """``(outstanding, stale)``: samples sent and not yet taken, and the consumer's stale drops so far."""
+        with self.consumer_ledger.get_lock():
+            taken, stale = int(self.consumer_ledger[0]), int(self.consumer_ledger[1])
+        return int(self.produced.value) - taken, stale
 
     def set_stats(self, stats: dict[str, float]) -> None:
         for i, key in enumerate(STAT_KEYS):
@@ -136,12 +144,14 @@ class ProcessChannel:
         return True
 
     def pump(self, sample_queue: SampleQueue, decode: Any, done: threading.Event) -> threading.Thread:
-        """A thread moving messages into ``sample_queue`` until ``done``; also mirrors ``taken``."""
+        """A thread moving messages into ``sample_queue`` until ``done``; also mirrors its ledger."""
 
         def loop() -> None:
             while not done.is_set():
                 self._receive(sample_queue, decode, 0.02)
-                self.taken.value = sample_queue.taken
+                taken, stale = sample_queue.ledger()
+                with self.consumer_ledger.get_lock():
+                    self.consumer_ledger[0], self.consumer_ledger[1] = taken, stale
 
         thread = threading.Thread(target=loop, daemon=True, name="async-pump")
         thread.start()

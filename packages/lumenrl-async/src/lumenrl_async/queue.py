@@ -221,6 +221,12 @@ class SampleQueue:
         with self._cond:
             return self.consumed + sum(self.dropped.values())
 
+    def ledger(self) -> tuple[int, int]:
+        """``(taken, stale)`` read together: samples that left the queue, and how many of them were
+        dropped as ``stale`` (what a producer needs to keep its staleness budget exact)."""
+        with self._cond:
+            return self.consumed + sum(self.dropped.values()), self.dropped["stale"]
+
     def queued_versions(self) -> list[int]:
         with self._cond:
             return [v for g in self._groups for v in g.versions]

@@ -8,6 +8,10 @@ Per sync window (the updates between two weight syncs) the rollouter may produce
 samples, where ``s = staleness_threshold``. ``s = 0`` with ``trigger_parameter_sync_step = 1``
 is on-policy; ``s = 0`` with a larger sync step streams off-policy; ``s > 0`` lets samples up to
 one window older than the policy be trained on. Samples are sequences (responses).
+
+A stale sample charged to a window and then dropped by the consumer (older than its lag bound
+when taken) is refunded (:meth:`StalenessController.refund`): the trainer still needs a sample
+in its place, and only this window can produce it.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class StalenessController:
         self.version = 0
         self._budget = config.window_capacity()
         self._granted = 0
+        self.refunded = 0  # samples refunded over the run (stale drops replaced)
 
     @classmethod
     def from_config(cls, run_config: Any) -> StalenessController:
@@ -93,6 +98,21 @@ class StalenessController:
         """Return ``n`` granted samples that were not produced (aborted or filtered)."""
         with self._lock:
             self._granted = max(0, self._granted - n)
+
+    def refund(self, n: int) -> int:
+        """``n`` samples charged to this window as stale were dropped by the consumer, never trained:
+        the window may generate replacements (up to its full capacity). Returns the samples refunded.
+
+        Without this a window whose budget the stale queue used up waits for a sync that needs
+        exactly the samples it cannot grant."""
+        if n < 0:
+            raise ValueError(f"n={n}: expected >= 0")
+        with self._lock:
+            room = self.config.window_capacity() - self._budget
+            added = min(n, max(0, room))
+            self._budget += added
+            self.refunded += added
+            return added
 
     @property
     def remaining(self) -> int:

@@ -163,7 +163,7 @@ class AsyncRLTrainer(RLTrainer):
             return
         sync = self.publisher.writer  # InProcessWeightSync: the thread reads what the trainer publishes
         self._publish(self.step)
-        hooks = RolloutHooks(sink=lambda g: self.queue.put(g), outstanding=lambda: self.queue.produced - self.queue.taken,
+        hooks = RolloutHooks(sink=lambda g: self.queue.put(g), ledger=self._thread_ledger,
                              newest_version=sync.latest_version, load_weights=sync.load_into)
         self._rollouter = make_rollouter(self.config, self.parts.engine, self.parts.train_loader, hooks,
                                          start_round=self.start_round)
@@ -257,6 +257,12 @@ class AsyncRLTrainer(RLTrainer):
         return {**self._rollouter.stats, **graph_stats(self.parts.engine)} if self._rollouter is not None else {}
 
     # ------------------------------------------------------------------ one step
+    def _thread_ledger(self) -> tuple[int, int]:
+        """The rollouter thread's view of the queue: (outstanding, stale drops); only that thread
+        adds to ``produced``, so reading it after the snapshot is consistent."""
+        taken, stale = self.queue.ledger()
+        return self.queue.produced - taken, stale
+
     def _take(self) -> list[Any]:
         start = time.perf_counter()
         groups = self.queue.get(self.groups_per_step, current_version=self.published, max_lag=self.max_lag,
@@ -331,6 +337,7 @@ class AsyncRLTrainer(RLTrainer):
             "async/partial_rollouts_total": stats.get("partial_rollouts", 0.0),
             "async/interrupts_total": stats.get("interrupts", 0.0),
             "async/refills_total": stats.get("refills", 0.0),
+            "async/budget_refunds_total": stats.get("budget_refunds", 0.0),
             "async/policy_version": float(self.published),
             "perf/samples_per_s": self._samples_trained / wall,
             "perf/rollout_tokens_per_s": stats.get("tokens", 0.0) / max(stats.get("busy_s", 0.0), 1e-9),

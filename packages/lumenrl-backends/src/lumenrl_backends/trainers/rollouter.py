@@ -17,7 +17,9 @@ next call together with fresh rows; without a weight change the continuation is 
 Without ``partial_rollout`` weights change only between calls and no call is cut short.
 
 Staleness: :class:`lumenrl_async.StalenessController` grants samples per sync window; stale
-samples still outstanding (produced, not yet taken by the trainer) are charged to the window.
+samples still outstanding (produced, not yet taken by the trainer) are charged to the window, and
+those the trainer then drops as too stale are refunded to it (the trainer needs replacements, and
+only this window can grant them: without the refund both sides wait for each other).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class RolloutHooks:
     """How a rollouter talks to its trainer (thread: direct calls; process: a channel)."""
 
     sink: Callable[[SampleGroup], None]  # a finished group -> the queue
-    outstanding: Callable[[], int]  # samples produced but not yet taken by the trainer
+    ledger: Callable[[], tuple[int, int]]  # (samples produced, not yet taken; the trainer's stale drops so far), read together
     newest_version: Callable[[], int | None]  # newest published policy version (cheap)
     load_weights: Callable[[Any], int | None]  # apply the newest weights to the engine; its version
     stop: threading.Event = field(default_factory=threading.Event)
@@ -138,8 +140,9 @@ class Rollouter:
         self._leftover: DataProto | None = None  # rows of groups with unfinished sequences
         self._granted = 0  # samples granted by the budget, not yet started
         self.window_version = -1
+        self._stale_seen = 0  # the trainer's stale drops already accounted for in this window
         self.stats = {"idle_s": 0.0, "busy_s": 0.0, "partial_rollouts": 0, "interrupts": 0, "refills": 0,
-                      "samples": 0, "tokens": 0}
+                      "samples": 0, "tokens": 0, "budget_refunds": 0}
         self._call_rows = 0
         self._interrupt_reason: str | None = None
         self.lock = threading.Lock()  # held while this rollouter uses the engine (others: interrupt, then take it)
@@ -154,15 +157,28 @@ class Rollouter:
         version = self.hooks.load_weights(self.engine)
         if version is None:
             return
-        outstanding = self.hooks.outstanding()
+        outstanding, self._stale_seen = self.hooks.ledger()
         self.budget.start_window(version, [version - 1] * outstanding)  # every outstanding sample is stale
         self._granted = 0
         self.window_version = version
+
+    def _refund_stale_drops(self) -> None:
+        """Samples charged to this window that the trainer has since dropped as stale go back to its budget.
+        Drops seen while a newer version waits to be loaded are left to that window's start, which
+        charges only what is still outstanding then."""
+        newest = self.hooks.newest_version()
+        if self.window_version < 0 or (newest is not None and newest > self.window_version):
+            return
+        _, stale = self.hooks.ledger()
+        if stale > self._stale_seen:
+            self.stats["budget_refunds"] += self.budget.refund(stale - self._stale_seen)
+            self._stale_seen = stale
 
     def _take_fresh(self, rows: int) -> DataProto | None:
         groups = rows // self.n
         if groups <= 0:
             return None
+        self._refund_stale_drops()
         groups = self.budget.acquire(groups * self.n) // self.n
         if groups <= 0:
             return None

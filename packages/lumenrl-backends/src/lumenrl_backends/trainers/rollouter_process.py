@@ -138,7 +138,7 @@ def _engine(cfg: Any, built: Built) -> Any:
 
 
 def attach_rollouter(cfg: Any, built: Built, start: dict[str, Any], *, sink: Callable[[Any], None],
-                     outstanding: Callable[[], int], stop: threading.Event) -> tuple[Any, Any, Any]:
+                     ledger: Callable[[], tuple[int, int]], stop: threading.Event) -> tuple[Any, Any, Any]:
     """The built engine at the trainer's resume point, reading the run's weight sync: ``(rollouter, engine, reader)``."""
     from lumenrl_backends.trainers.async_rl import make_rollouter
     from lumenrl_backends.trainers.rollouter import RolloutHooks
@@ -146,15 +146,15 @@ def attach_rollouter(cfg: Any, built: Built, start: dict[str, Any], *, sink: Cal
     engine = built.engine if built.engine is not None else _engine(cfg, built)
     built.loader.load_state_dict(start["loader_state"])
     reader = built.plan.weight_sync_cls.reader(start["reader"], device=built.device)
-    hooks = RolloutHooks(sink=sink, outstanding=outstanding, newest_version=reader.latest_version,
+    hooks = RolloutHooks(sink=sink, ledger=ledger, newest_version=reader.latest_version,
                          load_weights=reader.load_into, stop=stop)
     return make_rollouter(cfg, engine, built.loader, hooks, start_round=start["round"]), engine, reader
 
 
-def build_rollouter(cfg: Any, start: dict[str, Any], *, sink: Callable[[Any], None], outstanding: Callable[[], int],
+def build_rollouter(cfg: Any, start: dict[str, Any], *, sink: Callable[[Any], None], ledger: Callable[[], tuple[int, int]],
                     stop: threading.Event) -> tuple[Any, Any, Any]:
     """In the rollouter's process, in one go: ``(rollouter, engine, weight reader)`` (module docstring)."""
-    return attach_rollouter(cfg, build_before_start(cfg, start), start, sink=sink, outstanding=outstanding, stop=stop)
+    return attach_rollouter(cfg, build_before_start(cfg, start), start, sink=sink, ledger=ledger, stop=stop)
 
 
 class Startup:
@@ -267,7 +267,7 @@ def _main(cfg: Any, channel: ProcessChannel, boot: dict[str, Any], startup: Star
     if start is None:
         return
     startup.mark("started")
-    rollouter, engine, reader = attach_rollouter(cfg, built, start, sink=sink, outstanding=channel.outstanding,
+    rollouter, engine, reader = attach_rollouter(cfg, built, start, sink=sink, ledger=channel.ledger,
                                                  stop=stop)
     startup.engine_s.value = built.engine_s
     startup.mark("attached")

@@ -10,9 +10,10 @@ CPUs and ``num_gpus_per_worker`` GPUs: its own device) holding the role ``rollou
 trainer loop (queue, scoring, phase calls).
 
 Samples: the worker's sink puts each finished group into a :class:`lumenrl_async.Outbox`
-(``produced`` counted first); the driver's pump thread calls ``poll(taken)`` and gets the queued
-messages, ``produced`` and the rollouter's stats in one reply, so in transit is never negative and
-``taken`` tells the rollouter how many of its samples are outstanding (the staleness budget).
+(``produced`` counted first); the driver's pump thread calls ``poll(ledger)`` and gets the queued
+messages, ``produced`` and the rollouter's stats in one reply, so in transit is never negative; the
+queue's ledger (taken, stale drops) tells the rollouter which samples are outstanding and which the
+trainer dropped as stale (its staleness budget).
 A dead actor (``WorkerDiedError``) or a failed rollout thread (its error string) ends the run the
 way a dead rollouter process does: what was counted but never delivered is dropped as
 ``rollouter_crash``.
@@ -43,7 +44,7 @@ class RollouterWorker:
 
         self.outbox, self.stop_event = Outbox(), threading.Event()
         self.rollouter, self.engine, self.reader = build_rollouter(
-            cfg, start, sink=self.outbox.send, outstanding=self.outbox.outstanding, stop=self.stop_event)
+            cfg, start, sink=self.outbox.send, ledger=self.outbox.ledger, stop=self.stop_event)
         self._thread: threading.Thread | None = None
         self.error: str | None = None
 
@@ -64,9 +65,9 @@ class RollouterWorker:
     def _stats(self) -> dict[str, float]:
         return {**self.rollouter.stats, "round": self.rollouter.round}
 
-    def poll(self, taken: int, wait_s: float = 0.05) -> dict[str, Any]:
+    def poll(self, ledger: tuple[int, int], wait_s: float = 0.05) -> dict[str, Any]:
         """Finished groups since the last poll, ``produced`` (read with them), stats, health."""
-        messages, produced = self.outbox.poll(taken, wait_s)
+        messages, produced = self.outbox.poll(ledger, wait_s)
         running = self._thread is not None and self._thread.is_alive()
         return {"messages": messages, "produced": produced, "stats": self._stats(), "running": running,
                 "error": self.error}
@@ -119,7 +120,7 @@ class RayRollouter:
         from lumenrl_backends.controllers.ray import WorkerDiedError
 
         try:
-            reply = self._call("poll", sample_queue.taken, wait_s)
+            reply = self._call("poll", sample_queue.ledger(), wait_s)
         except WorkerDiedError as exc:
             self._running, self._error = False, str(exc)
             return False
