@@ -41,7 +41,9 @@ def _rollouter(engine, groups: list, *, budget_samples: int, new_weights=None, s
     state = {"version": 0, "outstanding": 0, "stale": 0}  # the trainer's side of the queue, set by a test
 
     def load(eng):
-        if new_weights is not None and state["version"] == 1 and eng.weight_version == 0:
+        if new_weights is None:
+            return state["version"]  # the weights are unchanged; the version is what was published
+        if state["version"] == 1 and eng.weight_version == 0:
             eng.update_weights(new_weights, 1)
         return eng.weight_version
 
@@ -153,6 +155,19 @@ def test_stale_drops_after_a_window_starts_are_replaced_exactly(qwen3_dir):
     while r.step():
         pass
     assert sum(g.size for g in groups) == 6 + 4 and r.stats["budget_refunds"] == 6
+
+
+def test_a_load_that_brings_nothing_newer_keeps_the_window(qwen3_dir):
+    """A sync is announced but the weights loaded are still the window's version: the window and its
+    spent budget go on (restarting it would grant a fresh budget at every step, without end)."""
+    groups: list = []
+    r = _rollouter(_engine(qwen3_dir), groups, budget_samples=4)  # on-policy: 4 samples per window
+    while r.step():
+        pass
+    assert sum(g.size for g in groups) == 4 and r.window_version == 0
+    r.hooks.load_weights = lambda engine: 0
+    r._state["version"] = 1
+    assert not r.step() and r.window_version == 0 and sum(g.size for g in groups) == 4
 
 
 def _uneven_lengths(r: Rollouter) -> None:

@@ -155,8 +155,8 @@ class Rollouter:
         if self._leftover is not None and not self.partial_rollout:
             return  # without partial rollout, unfinished sequences finish under their weights first
         version = self.hooks.load_weights(self.engine)
-        if version is None:
-            return
+        if version is None or version <= self.window_version:
+            return  # nothing newer was loaded: the window (and its budget) goes on
         outstanding, self._stale_seen = self.hooks.ledger()
         self.budget.start_window(version, [version - 1] * outstanding)  # every outstanding sample is stale
         self._granted = 0
