@@ -31,6 +31,10 @@ def test_on_policy_mode_reproduces_the_synchronous_trainer(train, tmp_path):
         for key in ("reward/mean", "actor/loss", "actor/pg_loss", "actor/grad_norm", "response_length/mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
         assert b["async/staleness_max"] == 0 and _balanced(b)
+        # the async step's phases (its wait for samples, scoring, updates, the remainder) cover the whole step
+        timed = {k: v for k, v in b.items() if k.startswith("timing/")}
+        assert {"timing/wait_s", "timing/score_s", "timing/update_actor_s", "timing/other_s"} <= set(timed)
+        assert -1e-6 <= b["perf/step_s"] - sum(timed.values()) <= 0.01 + 0.02 * b["perf/step_s"]
 
 
 def test_async_run_resumes_with_its_ledger_and_never_trains_a_group_twice(train, tmp_path):

@@ -141,15 +141,18 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
 
 
 def step_phases(records: list[dict]) -> dict[str, float]:
-    """Where a step's time goes (steps 2..N, seconds per step): the mean of each ``timing/{phase}_s`` that every
-    step reports (sync generates, then scores, computes reference and old log-probs and updates; an async trainer
-    does the same without generating), and for an async run the trainer's wait for samples per step (``wait``,
-    from the running total ``async/trainer_wait_s``)."""
-    phases = [k[len("timing/"):-len("_s")] for k in (records[0] if records else {})
-              if k.startswith("timing/") and k.endswith("_s")]
-    out = {p: sum(r[f"timing/{p}_s"] for r in records) / len(records)
-           for p in phases if all(f"timing/{p}_s" in r for r in records)}
-    if len(records) > 1 and "async/trainer_wait_s" in records[-1]:
+    """Where a step's time goes (steps 2..N, seconds per step): the mean per step of each ``timing/{phase}_s``
+    (sync generates, then scores, computes reference and old log-probs and updates; an async trainer waits for
+    its batch, scores it and does the same without generating; ``other`` is what no phase covers; a phase only
+    some steps run, such as a weight sync every ``trigger_parameter_sync_step`` steps, counts 0 in the others).
+    A run whose steps do not time their wait for samples gets ``wait`` from the running total
+    ``async/trainer_wait_s``."""
+    if not records:
+        return {}
+    phases = sorted({k[len("timing/"):-len("_s")] for r in records for k in r
+                     if k.startswith("timing/") and k.endswith("_s")})
+    out = {p: sum(r.get(f"timing/{p}_s", 0.0) for r in records) / len(records) for p in phases}
+    if "wait" not in out and len(records) > 1 and "async/trainer_wait_s" in records[-1]:
         out["wait"] = (records[-1]["async/trainer_wait_s"] - records[0]["async/trainer_wait_s"]) / (len(records) - 1)
     return out
 

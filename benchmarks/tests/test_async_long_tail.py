@@ -66,9 +66,13 @@ def test_rounds_show_each_rate_and_the_median_phase_times():
 def test_step_phases_from_a_runs_metrics():
     steps = [{"timing/generate_s": 0.2, "timing/update_actor_s": 0.1 * (i + 1), "async/trainer_wait_s": 0.5 + 0.25 * i,
               "reward/mean": 0.5} for i in range(3)]
-    steps[0]["timing/sync_s"] = 0.01
+    steps[0]["timing/sync_s"] = 0.03
     got = step_phases(steps)
     assert got["generate"] == pytest.approx(0.2)
     assert got["update_actor"] == pytest.approx(0.2)
-    assert got["wait"] == pytest.approx(0.25)  # a running total: its growth per step
-    assert set(got) == {"generate", "update_actor", "wait"}  # a phase some step does not report is left out
+    assert got["sync"] == pytest.approx(0.01)  # run by one step of three: its cost per step
+    assert got["wait"] == pytest.approx(0.25)  # not timed per step: the running total's growth per step
+    assert set(got) == {"generate", "update_actor", "sync", "wait"}
+    timed = [{**r, "timing/wait_s": 0.1} for r in steps]
+    assert step_phases(timed)["wait"] == pytest.approx(0.1)  # a step's own timing wins
+    assert step_phases([]) == {}

@@ -284,14 +284,16 @@ class AsyncRLTrainer(RLTrainer):
 
     def train_step(self, step: int) -> dict[str, float]:
         timer, cfg = PhaseTimer(), self.config
-        groups = self._take()
+        with timer("wait"):
+            groups = self._take()
         oldest = [lag_of(self.published, v, self.sync_step) for g in groups for v in g.versions]  # per sample
         lags = oldest if self.lag_from == "start" else [g.lag(self.published, self.sync_step, self.lag_from)
                                                         for g in groups for _ in g.versions]
         if max(lags) > self.max_lag:
             raise AssertionError(f"staleness bound broken: lag {max(lags)} > {self.max_lag}")
-        batch = concat_rounds([g.payload for g in groups], pad_token_id=int(self.parts.tokenizer.pad_token_id or 0))
-        metrics = dict(self.parts.scorer(batch))
+        with timer("score"):  # as the synchronous trainer's phase of that name, plus joining the groups
+            batch = concat_rounds([g.payload for g in groups], pad_token_id=int(self.parts.tokenizer.pad_token_id or 0))
+            metrics = dict(self.parts.scorer(batch))
         metrics.update(versions_metrics(lags))
         metrics.update(versions_metrics(oldest, prefix="async/staleness_oldest"))  # each sample's oldest token
         metrics.update(batch_metrics(batch, cfg.policy.rollout.max_new_tokens))
@@ -303,7 +305,7 @@ class AsyncRLTrainer(RLTrainer):
         self.queue.check()
         self._samples_trained += len(batch)
         metrics.setdefault("actor/kl", math.nan)
-        metrics.update(timer.metrics())
+        metrics.update(timer.metrics(metrics))  # with timing/other_s: what no phase covers
         metrics.update(throughput_metrics(
             generated_tokens=int(batch.batch["response_mask"].sum()), generate_s=0.0,
             train_tokens=train_tokens(batch, cfg.policy.train.ppo_epochs),
