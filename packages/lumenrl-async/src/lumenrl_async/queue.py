@@ -218,8 +218,7 @@ class SampleQueue:
     @property
     def taken(self) -> int:
         """Samples that left the queue (consumed or dropped)."""
-        with self._cond:
-            return self.consumed + sum(self.dropped.values())
+        return self.ledger()[0]
 
     def ledger(self) -> tuple[int, int]:
         """``(taken, stale)`` read together: samples that left the queue, and how many of them were
