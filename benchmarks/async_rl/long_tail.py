@@ -131,6 +131,7 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
             "samples_per_s_incl_build": samples / (build + wall), **run_metrics(records),
             "steady_samples_per_s": ((steps - 1) * prompts * n - held) / steady if steps > 1 else float("nan"),
             "first_step_s": records[0]["perf/step_s"], "phases": step_phases(records[1:]),
+            "step_s": steady / (steps - 1) if steps > 1 else float("nan"),
             "reward": [round(r["reward/mean"], 4) for r in records],
             "staleness_max": max((r.get("async/staleness_max", 0.0) for r in records), default=0.0),
             "staleness_oldest_max": max((r.get("async/staleness_oldest_max", 0.0) for r in records), default=0.0),
@@ -244,7 +245,7 @@ def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> 
     * ``{mode}/rounds_steady_samples_per_s`` and ``{mode}/rounds_samples_per_s``: each round's rate in turn (a
       text), so a record shows whether a mode's rate moved between rounds;
     * ``{mode}/step_{phase}_s``: the median over the rounds of the seconds per step (steps 2..N) of each phase
-      (:func:`step_phases`);
+      (:func:`step_phases`); for a generating mode, ``{mode}/overlap_bound`` (:func:`overlap_bound`);
     * the rest (reward curve, lengths, the rollouter's start-up and wait figures): the last round's.
     """
     out: dict[str, Any] = {}
@@ -258,6 +259,9 @@ def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> 
         for phase in sorted(set().union(*(g.get("phases", {}) for g in runs))):
             values = [g["phases"][phase] for g in runs if phase in g.get("phases", {})]
             out[f"{mode}/step_{phase}_s"] = round(float(np.median(values)), 4)
+        bounds = [overlap_bound(g) for g in runs if "step_s" in g and "generate" in g.get("phases", {})]
+        if bounds:
+            out[f"{mode}/overlap_bound"] = round(float(np.median(bounds)), 3)
         out[f"{mode}/dropped_stale"] = float(sum(g["dropped_stale"] for g in runs))
         g = last[mode]
         out[f"{mode}/reward_last"] = g["reward"][-1]
@@ -277,6 +281,16 @@ def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> 
             out[f"{mode}/{name}_min"] = round(min(ratios), 3)
             out[f"{mode}/{name}_max"] = round(max(ratios), 3)
     return out
+
+
+def overlap_bound(run: dict) -> float:
+    """The most an async run of this shape on the same device could gain over a synchronous run in the steady
+    state: the synchronous step time over its time outside generation (``step_s / (step_s - generate)``), that is,
+    generation hidden entirely while the trainer's own work costs what it costs the synchronous trainer. Reported
+    as ``sync/overlap_bound`` (the median over the rounds): a steady goal above it needs a faster trainer step,
+    not more overlap."""
+    rest = run["step_s"] - run["phases"]["generate"]
+    return run["step_s"] / rest if rest > 0 else float("inf")
 
 
 def bench_gpu(smoke: bool) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from benchmarks.async_rl.long_tail import bench, combine_rounds, step_phases
+from benchmarks.async_rl.long_tail import bench, combine_rounds, overlap_bound, step_phases
 
 
 def _run(rate: float, steady: float, stale: float = 0.0, reward: float = 0.5, oldest: float = 1.0,
@@ -76,3 +76,17 @@ def test_step_phases_from_a_runs_metrics():
     timed = [{**r, "timing/wait_s": 0.1} for r in steps]
     assert step_phases(timed)["wait"] == pytest.approx(0.1)  # a step's own timing wins
     assert step_phases([]) == {}
+
+
+def test_overlap_bound_is_the_sync_step_over_its_time_outside_generation():
+    rng = random.Random()
+    rounds = []
+    for _ in range(3):
+        generate, rest = rng.uniform(0.01, 0.1), rng.uniform(0.01, 0.1)
+        sync = {**_run(100.0, 110.0, phases={"generate": generate, "update_actor": rest}), "step_s": generate + rest}
+        rounds.append({"sync": sync, "partial": {**_run(150.0, 160.0, phases={"wait": 0.01}), "step_s": 0.05}})
+    bounds = sorted((r["sync"]["step_s"]) / (r["sync"]["step_s"] - r["sync"]["phases"]["generate"]) for r in rounds)
+    out = combine_rounds(rounds, ("sync", "partial"))
+    assert out["sync/overlap_bound"] == pytest.approx(bounds[1], abs=1e-3)
+    assert "partial/overlap_bound" not in out  # an async trainer does not generate
+    assert overlap_bound({"step_s": 0.1, "phases": {"generate": 0.1}}) == float("inf")
