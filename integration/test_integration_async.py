@@ -37,6 +37,22 @@ def test_on_policy_mode_reproduces_the_synchronous_trainer(train, tmp_path):
         assert -1e-6 <= b["perf/step_s"] - sum(timed.values()) <= 0.01 + 0.02 * b["perf/step_s"]
 
 
+def test_on_policy_mode_reuses_the_updates_log_probs_as_the_synchronous_trainer_does(train, tmp_path):
+    """``algorithm.old_log_probs=reuse``: the proximal log-probs come from the update's forward, no separate pass;
+    the steps equal the synchronous trainer's with reuse, and the async run's own steps with a separate pass."""
+    reuse = ("num_training_steps=2", "algorithm.old_log_probs=reuse", *FAST)
+    train("grpo_dense_bf16.yaml", tmp_path / "sync", *reuse)
+    train("grpo_async_onpolicy.yaml", tmp_path / "async", *reuse)
+    train("grpo_async_onpolicy.yaml", tmp_path / "recompute", "num_training_steps=2", *FAST)
+    sync, async_, recompute = (read_metrics(tmp_path / name) for name in ("sync", "async", "recompute"))
+    for a, b, c in zip(sync, async_, recompute, strict=True):
+        assert "timing/old_log_prob_s" not in b and "timing/old_log_prob_s" in c
+        for key in ("reward/mean", "actor/loss", "actor/pg_loss", "actor/grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+            assert b[key] == pytest.approx(c[key], rel=1e-4, abs=1e-6), key
+        assert b["actor/clip_frac"] == 0.0 and _balanced(b)
+
+
 def test_async_run_resumes_with_its_ledger_and_never_trains_a_group_twice(train, tmp_path):
     args = ("checkpointing.save_every=1", "async_training.staleness_threshold=1.0", *FAST)
     train("grpo_async_stale.yaml", tmp_path, "num_training_steps=2", *args)

@@ -29,6 +29,11 @@ rate, and the whole ``fit()`` rate at 20 steps. A rollouter process is forked fr
 own start, as ``lumenrl train`` does at the CLI's start, so its imports overlap this process's work
 (``rollouter_forked`` = 1: the child was forked from it, its imports done).
 
+Every mode makes one optimizer step per step and runs with ``algorithm.old_log_probs=reuse``: the
+synchronous trainer's old log-probs and the async trainer's proximal ones (the policy before its update)
+are the update's own forward, as TRL's GRPO does with one iteration, so no mode spends a forward pass on
+them (the records before 2026-12-07 ran a separate pass in every mode).
+
 Modes: ``sync`` (trainer.name=rl) and the four async presets (on-policy, stream off-policy,
 stale, partial rollout). On the CPU the rollouter shares the trainer's process and device
 (``weight_sync.method=inprocess``, a thread). On the GPU it is a process of its own on the same device
@@ -78,6 +83,11 @@ MODES = {
 }
 
 
+# every mode: one optimizer step per step, so the old (sync) / proximal (async) log-probs come from the update's own
+# forward, not a pass of their own (module docstring)
+OLD_LOG_PROBS = "reuse"
+
+
 def long_tail_lengths(rng: np.random.Generator, rows: int, median: int, sigma: float = 1.0) -> np.ndarray:
     """Lognormal lengths with the given median, clipped to [1, 8 * median]."""
     lengths = np.exp(np.log(median) + sigma * rng.standard_normal(rows))
@@ -113,7 +123,7 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
                  f"num_training_steps={steps}", f"dataset.train_batch_size={prompts}", f"policy.rollout.n={n}",
                  f"policy.rollout.max_new_tokens={8 * median}", "policy.rollout.ignore_eos=true",
                  f"policy.rollout.max_batch_size={2 * prompts * n}", "dataset.name=jsonl", f"dataset.path={data}",
-                 *extra]
+                 f"algorithm.old_log_probs={OLD_LOG_PROBS}", *extra]
     start = time.perf_counter()
     plan = plan_run(load_config(REPO / "configs" / MODES[mode], overrides))
     trainer = plan.trainer_cls.from_plan(plan)
@@ -201,7 +211,8 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     modes = modes or (("sync", "partial") if smoke or gpu else tuple(MODES))  # GPU: the goal's pair (time)
     if modes[0] != "sync":
         modes = ("sync", *[m for m in modes if m != "sync"])
-    results: dict[str, Any] = {"shape": " ".join(f"{k}={v}" for k, v in shape.items()), "rounds": rounds}
+    results: dict[str, Any] = {"shape": " ".join(f"{k}={v}" for k, v in shape.items()), "rounds": rounds,
+                               "old_log_probs": OLD_LOG_PROBS}
     if async_overrides:
         results["async_overrides"] = " ".join(async_overrides)
     if not any("weight_sync.method=inprocess" in o for o in async_overrides) and (gpu or async_overrides):

@@ -28,13 +28,20 @@ ARGS = ("num_training_steps=1", "trainer.warm_start_sft_steps=0", "dataset.train
     ("algorithm.use_kl_in_reward=true", "use_kl_in_reward"),
     ("quantization.rollout_correction.enabled=true", "rollout_correction.enabled"),
     ("moe.r3.enabled=true", "moe.r3.enabled"),
-    ("trainer.name=async_rl", "trainer.name='async_rl'"),
+    ("trainer.name=sddd", "trainer.name='sddd'"),
+    ("trainer.name=async_rl async_training.enabled=true async_training.recompute_proximal_log_probs=false",
+     "recompute_proximal_log_probs=false"),
+    ("trainer.name=async_rl async_training.enabled=true async_training.require_batches=2 policy.train.mini_batch_size=16",
+     "require_batches=2 mini-batches"),
 ])
 def test_reuse_is_refused_where_the_log_probs_are_read_before_the_update(override, reason):
     base = ["dataset.train_batch_size=4", "policy.rollout.n=4", "algorithm.old_log_probs=reuse"]
     with pytest.raises(ConfigError, match=rf"algorithm\.old_log_probs.*{reason}"):
-        load_config(None, [*base, override])
+        load_config(None, [*base, *override.split()])
     assert load_config(None, base).algorithm.old_log_probs == "reuse"
+    async_ = [*base, "trainer.name=async_rl", "async_training.enabled=true"]  # its proximal policy: the update's forward
+    assert load_config(None, async_).algorithm.old_log_probs == "reuse"
+    assert load_config(None, [*async_, "async_training.require_batches=2"]).algorithm.old_log_probs == "reuse"
     assert load_config(None, [*base, "policy.train.mini_batch_size=16"]).algorithm.old_log_probs == "reuse"
     with pytest.raises(ConfigError, match="old_log_probs.*recompute, reuse"):
         load_config(None, ["algorithm.old_log_probs=never"])

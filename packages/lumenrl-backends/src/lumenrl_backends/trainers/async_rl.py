@@ -25,7 +25,10 @@ token (``start``); ``async/staleness_*`` is the lag the bound applies to, ``asyn
 each trained sample's oldest token's. Off-policy: ``rollout_log_probs``
 are the behaviour policy; with ``recompute_proximal_log_probs`` (default) ``old_log_probs`` are
 the current policy's before the update (decoupled PPO: clip on pi/pi_prox, and the run's rollout
-correction weights pi_prox/pi_behav), otherwise ``old_log_probs = rollout_log_probs``.
+correction weights pi_prox/pi_behav), otherwise ``old_log_probs = rollout_log_probs``. With one
+optimizer step per step and nothing that reads them before it, ``algorithm.old_log_probs=reuse``
+takes the proximal log-probs from the update's own forward (that is the policy before the update)
+instead of a separate forward pass.
 """
 
 from __future__ import annotations

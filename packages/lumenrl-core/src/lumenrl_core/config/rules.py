@@ -273,13 +273,21 @@ def _check_native_kernels(cfg: s.RunConfig, key: str, source: Callable[[str], st
 
 
 def _check_old_log_probs(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
-    """algorithm.old_log_probs='reuse': valid only where the update's forward is the first to need them."""
+    """algorithm.old_log_probs='reuse': valid only where the update's forward is the first to need them (the
+    async trainer's proximal policy, the policy before its one update, is that forward's too)."""
     if cfg.algorithm.old_log_probs != "reuse":
         return
     k = join_key(key, "algorithm.old_log_probs")
     train, rows = cfg.policy.train, cfg.dataset.train_batch_size * cfg.policy.rollout.n
     problems = [
-        (cfg.trainer.name != "rl", f"trainer.name={cfg.trainer.name!r}: only the synchronous 'rl' trainer reuses them"),
+        (cfg.trainer.name not in ("rl", "async_rl"),
+         f"trainer.name={cfg.trainer.name!r}: only the 'rl' and 'async_rl' trainers reuse them"),
+        (cfg.trainer.name == "async_rl" and not cfg.async_training.recompute_proximal_log_probs,
+         "async_training.recompute_proximal_log_probs=false: the old log-probs are then the rollout's"),
+        (cfg.trainer.name == "async_rl" and train.mini_batch_size > 0 and cfg.async_training.require_batches > 1,
+         f"async_training.require_batches={cfg.async_training.require_batches} mini-batches of "
+         f"policy.train.mini_batch_size={train.mini_batch_size} per step: later mini-batches need the log-probs before "
+         "the first update"),
         (train.ppo_epochs != 1, f"policy.train.ppo_epochs={train.ppo_epochs}: later epochs need the log-probs "
                                 "before the first update"),
         (0 < train.mini_batch_size < rows, f"policy.train.mini_batch_size={train.mini_batch_size} < {rows} rows per "

@@ -193,8 +193,9 @@ class AlgorithmConfig:
     kl_reward_coef: float = 1e-3
     entropy_coef: float = 0.0
     # recompute: a forward pass before the update gives old_log_probs; reuse: one optimizer step per
-    # rollout batch (on-policy), so old_log_probs are the update forward's own log-probs, detached
-    # (ratio 1, TRL's default): one forward pass less per step; refused where something reads them earlier
+    # rollout batch (on-policy; async_rl: the proximal policy), so old_log_probs are the update forward's own
+    # log-probs, detached (ratio 1, TRL's default): one forward pass less per step; refused where something
+    # reads them earlier
     old_log_probs: str = field(default="recompute", metadata=choices("recompute", "reuse"))
     # DAPO
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal
