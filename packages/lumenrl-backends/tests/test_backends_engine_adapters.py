@@ -133,10 +133,15 @@ def test_vllm_gets_model_tokenizer_dtype_and_batch_keys(monkeypatch):
         def get_tokenizer(self):
             return _Tokenizer()
 
-        def generate(self, prompt, sp, use_tqdm=False):
-            steps = [{3: types.SimpleNamespace(logprob=-0.5)}, {42: types.SimpleNamespace(logprob=-0.25)}]
-            out = types.SimpleNamespace(token_ids=[3, 42], logprobs=steps, finish_reason="stop")
-            return [types.SimpleNamespace(outputs=[out])]
+        def generate(self, prompts, sp, use_tqdm=False):  # one reply per prompt, in the prompts' order
+            seen.setdefault("calls", []).append((prompts, sp))
+            replies = []
+            for prompt in prompts:
+                last = prompt["prompt_token_ids"][-1]  # the reply tells which prompt it answers
+                steps = [{last: types.SimpleNamespace(logprob=-0.5)}, {42: types.SimpleNamespace(logprob=-0.25)}]
+                out = types.SimpleNamespace(token_ids=[last, 42], logprobs=steps, finish_reason="stop")
+                replies.append(types.SimpleNamespace(outputs=[out]))
+            return replies
 
     def sampling_params(**kwargs):
         seen.setdefault("sampling", []).append(kwargs)
@@ -148,9 +153,15 @@ def test_vllm_gets_model_tokenizer_dtype_and_batch_keys(monkeypatch):
                            "trust_remote_code": True, "max_num_seqs": 24, "gpu_memory_utilization": 0.3,
                            "max_model_len": 24, "tensor_parallel_size": 2, "logprobs_mode": "processed_logprobs"}
     out = engine.generate(_batch(), SAMPLING)
+    (prompts, per_row), = seen["calls"]  # the whole batch in one call: vLLM batches the rows itself
+    assert prompts == [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8, 9]}]
+    assert per_row == seen["sampling"]
     assert seen["sampling"][1] == {"temperature": 0.7, "top_p": 0.9, "top_k": -1, "max_tokens": 8,
                                    "stop_token_ids": [42], "ignore_eos": True, "logprobs": 0, "seed": 6}
     assert list(out.non_tensor_batch["finish_reason"]) == ["stop", "stop"]
+    responses = out.batch["responses"]
+    assert responses[:, :2].tolist() == [[6, 42], [9, 42]]  # each row its own prompt's reply
+    assert out.batch["rollout_log_probs"][:, :2].tolist() == [[-0.5, -0.25], [-0.5, -0.25]]
     VLLMEngine.from_config(_run_config(tokenizer_name="", dtype="auto", trust_remote_code=False))
     assert (seen["llm"]["tokenizer"], seen["llm"]["dtype"], seen["llm"]["trust_remote_code"]) == ("/models/m", "auto",
                                                                                                    False)

@@ -53,7 +53,7 @@ def _rollout(
     version: int,
 ) -> Any:
     requests, prompts, prompt_mask = requests_from_batch(batch, params)
-    for request, (tokens, log_probs, reason) in zip(requests, outputs):
+    for request, (tokens, log_probs, reason) in zip(requests, outputs, strict=True):  # one reply per row
         _finish(request, tokens, log_probs, reason)
     meta = {"interrupted": False, "weight_version": version, "temperature": float(params.temperature)}
     return build_rollout_batch(
@@ -144,19 +144,22 @@ class VLLMEngine(_NoInterrupt):
         import vllm
 
         params = coerce_sampling(sampling)
+        prompts = [{"prompt_token_ids": ids} for ids in _prompt_ids(batch)]
+        per_row = [vllm.SamplingParams(  # a seed per row: row i's draw does not depend on the batch around it
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=_top_k(params),
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+            logprobs=0,
+            seed=None if params.seed is None else params.seed + index,
+        ) for index in range(len(prompts))]
+        # one call for the whole batch, so vLLM schedules the rows together (continuous batching); its outputs
+        # come back in the order of the prompts
         outputs = []
-        for index, ids in enumerate(_prompt_ids(batch)):
-            sp = vllm.SamplingParams(
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=_top_k(params),
-                max_tokens=params.max_new_tokens,
-                stop_token_ids=params.stop_token_ids,
-                ignore_eos=params.ignore_eos,
-                logprobs=0,
-                seed=None if params.seed is None else params.seed + index,
-            )
-            result = self.llm.generate({"prompt_token_ids": ids}, sp, use_tqdm=False)[0].outputs[0]
+        for request in self.llm.generate(prompts, per_row, use_tqdm=False):
+            result = request.outputs[0]
             log_probs = [step[token].logprob for step, token in zip(result.logprobs or [], result.token_ids)]
             outputs.append((list(result.token_ids), log_probs, result.finish_reason))
         pad = self.tokenizer.pad_token_id or 0
