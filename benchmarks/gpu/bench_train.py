@@ -22,7 +22,9 @@ passes them (``--batch-on-device``: already on the GPU):
   (``training.modeling.LAYER_INDUCTOR_OPTIONS``) changed for that variant: Inductor's mix-order reduction back
   on (its own default, which the layers turn off), or on with a 64-row split, to time against the default.
   ``+cdt``: the same with Inductor's coordinate-descent tuning of the compiled kernels' launch parameters.
-  ``+grouped``: the single-device step with q/k/v and gate/up as one GEMM each (``group_projections``).
+  ``+ungrouped``: the single-device step with a GEMM per projection (``group_projections="off"``); every other
+  single-device variant runs q/k/v and gate/up as one GEMM each on CUDA (``policy.train.group_projections``
+  ``auto``, the default there).
   ``+flash`` / ``+cudnn`` / ``+efficient``: the compiled step (single-device or fully_shard) with that SDPA
   backend tried first, compile and steps alike, against torch's own choice.
   Before timing any ``+single`` variant, :func:`check_single_vs_sharded` runs one step of both
@@ -108,8 +110,8 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
     # Inductor's coordinate-descent tuning of the layers' compiled (elementwise/reduction) kernels' launch parameters
     "1.7b/bf16+compile+single+cdt": ("1.7b", "full", {**COMPILE, **ON, "inductor": {"coordinate_descent_tuning": True}},
                                      None, False),
-    # q/k/v and gate/up as one GEMM each over the single-device path's adjacent weights (training/grouped_linear.py)
-    "1.7b/bf16+compile+single+grouped": ("1.7b", "full", {**COMPILE, **ON, "group_projections": True}, None, False),
+    # a GEMM per projection: the default groups q/k/v and gate/up on CUDA (training/grouped_linear.py)
+    "1.7b/bf16+compile+single+ungrouped": ("1.7b", "full", {**COMPILE, **ON, "group_projections": "off"}, None, False),
     # SDPA backend priority for the whole variant (compile and steps): one backend tried first, for the
     # side-by-side timing against torch's own choice (cuDNN's fused attention on the GPU image's torch 2.11, H100/H200;
     # FlashAttention-2 measured 3.5% slower per step there, decision 0006)
@@ -367,7 +369,7 @@ def sync(device: torch.device) -> None:
 def gemm_groups(shape: str, tokens: int, device: torch.device, rounds: int = 2, iters: int = 10) -> list[dict[str, Any]]:
     """Forward + backward of a layer's q/k/v and gate/up projections at ``tokens`` rows: each member's own
     ``F.linear`` against one :class:`~lumenrl_backends.training.grouped_linear.GroupedLinear` GEMM over the
-    stacked weights (the ``+grouped`` variant's op), alternating ``rounds`` times; microseconds per call. Raises if
+    stacked weights (the grouped single-device step's op), alternating ``rounds`` times; microseconds per call. Raises if
     the two disagree beyond the compute dtype's rounding. Both run eagerly, so the grouped backward's concatenation
     of the members' output gradients is a copy here."""
     hidden, inter, _, heads, kv, _, _ = SHAPES[shape]
@@ -563,12 +565,12 @@ def main(argv: list[str] | None = None) -> dict:
 def run(smoke: bool) -> dict:
     """Suite entry: MFU and tokens/s of the 1.7B one-rank compiled train step, through the single-device
     path (``mfu``) and through ``fully_shard`` on a one-rank mesh (``mfu_fsdp2``), side by side, each
-    step profiled once (smoke: a tiny model on CPU, eager). After them the single-device step with grouped
-    projections (``+grouped``, opt-in), between two more single-device runs, for ``mfu_grouped`` and
-    ``grouped_speedup`` (the mean single-device step of the runs around it over its step)."""
+    step profiled once (smoke: a tiny model on CPU, eager). After them the single-device step with a GEMM per
+    projection (``+ungrouped``: the default groups q/k/v and gate/up on CUDA), between two more single-device runs,
+    for ``mfu_ungrouped`` and ``grouped_speedup`` (its step over the mean default step of the runs around it)."""
     sharded, single = ("1.7b/bf16", "1.7b/bf16+single") if smoke else ("1.7b/bf16+compile", "1.7b/bf16+compile+single")
-    grouped = "1.7b/bf16+compile+single+grouped"  # eager in the smoke, as every variant there
-    order = f"{sharded},{single},{grouped},{single}"
+    ungrouped = "1.7b/bf16+compile+single+ungrouped"  # eager in the smoke, as every variant there
+    order = f"{sharded},{single},{ungrouped},{single}"
     args = ["--smoke", "--steps", "1", "--warmup", "1", "--profile", "", "--variants", order] if smoke \
         else ["--steps", "4", "--warmup", "2", "--budget-s", "300", "--variant-timeout-s", "110",
               "--profile", f"{sharded},{single}", "--variants", order]
@@ -576,11 +578,11 @@ def run(smoke: bool) -> dict:
     for r in runs:
         if "error" in r or "skipped" in r:
             raise RuntimeError(f"{r['variant']}: {r.get('error') or r.get('skipped')}")
-    f, r, g, again = runs
+    f, r, u, again = runs
     return {"mfu": r["mfu"], "tokens_per_s": r["tokens_per_s"], "step_s": r["step_s"], "mfu_fsdp2": f["mfu"],
             "fsdp2_step_s": f["step_s"], "fsdp2_over_single_step": f["step_s"] / r["step_s"],
-            "mfu_grouped": g["mfu"], "grouped_step_s": g["step_s"],
-            "grouped_speedup": (r["step_s"] + again["step_s"]) / 2 / g["step_s"],
+            "mfu_ungrouped": u["mfu"], "ungrouped_step_s": u["step_s"],
+            "grouped_speedup": u["step_s"] / ((r["step_s"] + again["step_s"]) / 2),
             **{f"profile/{k}": v for k, v in r.get("profile", {}).items()},  # where each step's GPU time goes
             **{f"profile_fsdp2/{k}": v for k, v in f.get("profile", {}).items()},
             **_gpu_numbers("single", r), **_gpu_numbers("fsdp2", f),

@@ -265,7 +265,45 @@ def test_backend_train_steps_match_ungrouped(tiny_qwen3_lm):
                          ids=["exact", "fully_shard"])
 def test_backend_refuses_grouping_off_the_single_device_path(tiny_qwen3_lm, kw):
     single = kw.pop("single_device")
-    with pytest.raises(ValueError, match=r"group_projections=True needs the single-device path .*exact_logprobs"):
-        FSDP2Backend(tiny_qwen3_lm(), role="actor", optim=OptimConfig(lr=1e-3),
-                     train=PolicyTrainConfig(single_device=single), num_training_steps=1, device=CPU,
-                     group_projections=True, **kw)
+    for how in ({"group_projections": True}, {}):  # the argument, or the config key
+        train = PolicyTrainConfig(single_device=single, group_projections="off" if how else "on")
+        with pytest.raises(ValueError, match=r"group_projections='on' needs the one-rank path and exact_logprobs off"):
+            FSDP2Backend(tiny_qwen3_lm(), role="actor", optim=OptimConfig(lr=1e-3), train=train,
+                         num_training_steps=1, device=CPU, **how, **kw)
+    # auto: where grouping cannot run, the backend builds without it
+    backend = FSDP2Backend(tiny_qwen3_lm(), role="actor", optim=OptimConfig(lr=1e-3),
+                           train=PolicyTrainConfig(single_device=single), num_training_steps=1, device=CPU, **kw)
+    assert backend.grouping is None
+
+
+def test_the_config_key_chooses_grouping_and_auto_groups_on_cuda_only(tiny_qwen3_lm, monkeypatch):
+    """policy.train.group_projections: on groups (CPU too), off does not, auto groups where the one-rank path
+    runs on CUDA (measured there, decision 0006); a bad value is named."""
+    def build(mode):
+        return FSDP2Backend(tiny_qwen3_lm(), role="actor", optim=OptimConfig(lr=1e-3),
+                            train=PolicyTrainConfig(group_projections=mode), num_training_steps=1, device=CPU)
+
+    assert build("on").grouping.grouped and build("off").grouping is None and build("auto").grouping is None
+    # the rule itself, on a device that reports CUDA (nothing runs on it)
+    backend = build("off")
+    backend.exact, backend.device = False, torch.device("cuda", 0)
+    assert backend._use_grouping("auto", single=True)
+    assert not backend._use_grouping("auto", single=False) and not backend._use_grouping("off", single=True)
+    backend.exact = True
+    assert not backend._use_grouping("auto", single=True)
+    with pytest.raises(ValueError, match=r"policy\.train\.group_projections='sometimes' is not allowed; allowed: auto, on, off"):
+        build("sometimes")
+
+
+@pytest.mark.parametrize("override, reason", [
+    ("policy.train.single_device=off", "single_device='off'"),
+    ("quantization.training.precision=fp8", "precision='fp8'"),
+    ("policy.rollout.exact_logprobs=true", "exact_logprobs"),
+])
+def test_the_config_refuses_on_where_the_one_rank_path_cannot_group(override, reason):
+    from lumenrl_core.config import load_config
+    from lumenrl_core.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"policy\.train\.group_projections.*{reason}.*allowed: auto, off"):
+        load_config(None, ["policy.train.group_projections=on", override])
+    assert load_config(None, ["policy.train.group_projections=auto", override]).policy.train.group_projections == "auto"

@@ -181,7 +181,8 @@ def test_bf16_log_probs_and_train_step_match_fsdp2_on_gpu(tiny_model_dir):
 
 @pytest.mark.parametrize(("config", "override"), [
     ("grpo_dense_bf16", "policy.train.compile_layers=true"), ("grpo_dense_bf16", "policy.train.gradient_checkpointing=true"),
-    ("grpo_dense_bf16", "policy.train.single_device=on"), ("grpo_dense_bf16", "policy.rollout.exact_logprobs=true"),
+    ("grpo_dense_bf16", "policy.train.single_device=on"), ("grpo_dense_bf16", "policy.train.group_projections=on"),
+    ("grpo_dense_bf16", "policy.rollout.exact_logprobs=true"),
     ("ppo_dense_bf16", "critic.enabled=true")])
 def test_keys_megatron_does_not_read_are_refused_at_assembly(config, override):
     """The shipped manifest: keys the Megatron backend would skip are refused by assembly, before any model

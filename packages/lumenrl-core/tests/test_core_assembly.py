@@ -28,7 +28,8 @@ ALL_ENGINE_CAPS = {"fp8_weights", "mx_weights", "fp8_kv_cache", "route_recording
 
 
 # what a backend declares to read the policy.train keys, critic.enabled and the exact log-probs' trainer side
-TRAIN_KEY_CAPS = {"values", "gradient_checkpointing", "compile_layers", "single_device", "packing", "exact_logprobs"}
+TRAIN_KEY_CAPS = {"values", "gradient_checkpointing", "compile_layers", "single_device", "group_projections", "packing",
+                  "exact_logprobs"}
 
 
 def plugin(name: str, caps=(), reason: str | None = None, **attrs) -> type:
@@ -619,6 +620,7 @@ def test_r3_distribution_mode_needs_recorded_router_probabilities():
     ("policy.train.gradient_checkpointing", True, "gradient_checkpointing"),
     ("policy.train.compile_layers", True, "compile_layers"),
     ("policy.train.single_device", "on", "single_device"),
+    ("policy.train.group_projections", "on", "group_projections"),
     ("policy.train.packing", "trim", "packing"),
     ("policy.rollout.exact_logprobs", True, "exact_logprobs"),
 ])
@@ -637,11 +639,14 @@ def test_training_keys_need_a_backend_that_reads_them(cfg, reg, key, value, capa
 
 
 def test_choices_a_backend_honours_without_reading_them_are_not_refused(cfg, reg):
-    """single_device=off and packing=auto/none: a backend with no one-rank path or packing does what they ask."""
+    """single_device=off, group_projections=auto/off and packing=auto/none: a backend with no one-rank path,
+    grouped projections or packing does what they ask."""
     cfg.policy.training_backend = "megatron"
-    for single, packing in (("off", "none"), ("auto", "auto")):
+    for single, grouping, packing in (("off", "off", "none"), ("auto", "auto", "auto")):
         cfg.policy.train.single_device, cfg.policy.train.packing = single, packing
-        assert "single_device" not in plan_run(cfg, registry=reg).required_capabilities.get("training_backend", ())
+        cfg.policy.train.group_projections = grouping
+        needed = plan_run(cfg, registry=reg).required_capabilities.get("training_backend", ())
+        assert "single_device" not in needed and "group_projections" not in needed
 
 
 @pytest.mark.parametrize(("key", "value"), [

@@ -122,7 +122,8 @@ _TRAINING, _ENGINES = "lumenrl_backends.training", "lumenrl_backends.engines"
 FSDP2 = PluginSpec(f"{_TRAINING}.fsdp2:FSDP2Backend", {
     "logprobs", "values", "fp8_training", "gradient_checkpointing", "checkpoint", "lora", "route_replay",
     "tensor_parallel", "context_parallel", "expert_parallel",  # training/parallelize.py (decision 0016)
-    "compile_layers", "single_device", "packing", "exact_logprobs"},  # policy.train.*, exact log-probs' trainer side
+    "compile_layers", "single_device", "group_projections", "packing",  # policy.train.*
+    "exact_logprobs"},  # exact log-probs' trainer side
     probe=_fsdp2_reason)
 MEGATRON = PluginSpec(f"{_TRAINING}.megatron:MegatronBackend", {  # training/megatron (decision 0017)
     "logprobs", "checkpoint", "tensor_parallel", "pipeline_parallel", "expert_parallel"}, probe=megatron_missing_api)

@@ -68,7 +68,7 @@ from lumenrl_backends.training.batching import (
     split_rows,
 )
 from lumenrl_backends.training.context_parallel import context_parallel_forward
-from lumenrl_backends.training.grouped_linear import GroupReport
+from lumenrl_backends.training.grouped_linear import GROUPING_MODES, GroupReport
 from lumenrl_backends.training.grouped_linear import group_projections as group_model_projections
 from lumenrl_backends.training.logprobs import logprob_backend
 from lumenrl_backends.training.lora import apply_lora
@@ -142,7 +142,7 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         packing: str | None = None,
         compile_layers: bool | str | None = None,
         single_device: str | None = None, exact_logprobs: bool = False, r3: Any | None = None,
-        tp: int = 1, cp: int = 1, ep: int = 1, group_projections: bool = False,
+        tp: int = 1, cp: int = 1, ep: int = 1, group_projections: bool | str | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role={role!r} is not allowed; allowed: {', '.join(ROLES)}")
@@ -171,14 +171,12 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         self.single: SingleDeviceWeights | None = None  # the one-rank fast path (single_device.py)
         self.grouping: GroupReport | None = None  # q/k/v and gate/up as one GEMM each (grouped_linear.py)
         single = self._use_single_device(single_device if single_device is not None else train.single_device)
-        if group_projections and (not single or self.exact):
-            raise ValueError(
-                "group_projections=True needs the single-device path (one rank, no FP8 training, single_device not "
-                f"'off') and exact_logprobs off; here single-device is {single}, exact_logprobs {self.exact}")
+        grouping = self._use_grouping(getattr(train, "group_projections", "auto") if group_projections is None
+                                      else group_projections, single)
         if single:
             self.single = SingleDeviceWeights(model, compute_dtype(train.mixed_precision, self.device))
             self.model = model
-            if group_projections:  # adjacent flat-buffer weights: one GEMM per group
+            if grouping:  # adjacent flat-buffer weights: one GEMM per group
                 self.grouping = group_model_projections(model)
         else:  # on one rank keep the unsharded parameters after forward: nothing to save, backward reuses them
             self.model = parallelize(model, self.mesh, ep=ep, reshard_after_forward=self.world_size > 1,
@@ -251,6 +249,25 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         if problem is not None and mode == "on":
             raise ValueError(f"policy.train.single_device='on' needs one rank and no FP8 training: {problem}")
         return problem is None
+
+    def _use_grouping(self, mode: bool | str, single: bool) -> bool:
+        """``policy.train.group_projections`` (a bool: ``on`` / ``off``): ``auto`` groups where the one-rank path
+        runs on CUDA without exact log-probs (measured there: decision 0006); ``on`` insists (CPU included)."""
+        mode = {True: "on", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
+        if mode not in GROUPING_MODES:
+            raise ValueError(f"policy.train.group_projections={mode!r} is not allowed; allowed: "
+                             f"{', '.join(GROUPING_MODES)}")
+        if mode == "off":
+            return False
+        problem = None
+        if not single:
+            problem = "the one-rank path is off here (several ranks, FP8 training or policy.train.single_device='off')"
+        elif self.exact:
+            problem = "exact_logprobs is on (its batch-invariant GEMMs run per module)"
+        if problem is not None and mode == "on":
+            raise ValueError(f"policy.train.group_projections='on' needs the one-rank path and exact_logprobs off: "
+                             f"{problem}")
+        return problem is None and (mode == "on" or self.device.type == "cuda")
 
     def _build_optimizer(self, lr: float) -> torch.optim.Optimizer:
         o = self.optim_cfg

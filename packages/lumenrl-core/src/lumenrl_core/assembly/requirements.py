@@ -161,6 +161,8 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
          train.gradient_checkpointing),
         ("compile_layers", "policy.train.compile_layers", train.compile_layers, train.compile_layers),
         ("single_device", "policy.train.single_device", train.single_device, train.single_device == "on"),
+        ("group_projections", "policy.train.group_projections", train.group_projections,
+         train.group_projections == "on"),
         ("packing", "policy.train.packing", train.packing, train.packing == "trim"),
         ("exact_logprobs", "policy.rollout.exact_logprobs", rollout.exact_logprobs, rollout.exact_logprobs),
     ):

@@ -304,11 +304,30 @@ def _check_old_log_probs(cfg: s.RunConfig, key: str, source: Callable[[str], str
                               source=source(k))
 
 
+def _check_group_projections(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
+    """policy.train.group_projections='on' runs on the one-rank path without exact log-probs; what the config
+    already rules out is refused here (the rank count is the backend's to check)."""
+    if cfg.policy.train.group_projections != "on":
+        return
+    k = join_key(key, "policy.train.group_projections")
+    problems = [
+        (cfg.policy.train.single_device == "off", "policy.train.single_device='off': the groups need the one-rank path"),
+        (cfg.quantization.training.precision in ("fp8", "mxfp8", "mxfp4"),
+         f"quantization.training.precision={cfg.quantization.training.precision!r}: FP8 training runs through fully_shard"),
+        (cfg.policy.rollout.exact_logprobs, "policy.rollout.exact_logprobs: its batch-invariant GEMMs run per module"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ConfigError(k, "on", problem=f"cannot be combined with {why}", allowed="auto, off, or change that key",
+                              source=source(k))
+
+
 def _check_run(cfg: s.RunConfig, key: str, source: Callable[[str], str | None]) -> None:
     _check_exact_logprobs(cfg, key, source)
     _check_fused_moe(cfg, key, source)
     _check_native_kernels(cfg, key, source)
     _check_old_log_probs(cfg, key, source)
+    _check_group_projections(cfg, key, source)
 
 
 CROSS_CHECKS: dict[type, Callable[[Any, str, Callable[[str], str | None]], None]] = {

@@ -82,6 +82,10 @@ class PolicyTrainConfig:
     # optimizer fp32 master weights (flat buffers, foreach/fused ops). auto = on when world_size == 1 and
     # no FP8 training; on = required (error otherwise); off = always fully_shard
     single_device: str = field(default="auto", metadata=choices("auto", "on", "off"))
+    # on the one-rank path, q/k/v and gate/up as one GEMM each over their adjacent weights (same math up to
+    # accumulation order; not in the bitwise mode). auto = on where the one-rank path runs on CUDA and
+    # exact_logprobs is off; on = required (error otherwise, CPU included); off = a GEMM per projection
+    group_projections: str = field(default="auto", metadata=choices("auto", "on", "off"))
     # optimizer steps whose loss or grad norm is non-finite are skipped (no update, counted in
     # actor/nonfinite_skipped); this many in a row stop the run with an error
     max_consecutive_nonfinite_steps: int = 3
