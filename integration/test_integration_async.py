@@ -5,8 +5,10 @@ a group twice; the rollouter as its own process, including a crash that is accou
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from lumenrl_backends.loggers import read_metrics
 from lumenrl_backends.trainers import rollouter_process
@@ -51,6 +53,26 @@ def test_on_policy_mode_reuses_the_updates_log_probs_as_the_synchronous_trainer_
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
             assert b[key] == pytest.approx(c[key], rel=1e-4, abs=1e-6), key
         assert b["actor/clip_frac"] == 0.0 and _balanced(b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rollouter_thread_on_its_own_cuda_stream_reproduces_the_synchronous_trainer(train, tmp_path):
+    """On CUDA the rollouter thread's engine runs on a stream of its own (``rollouter_stream``) while the trainer
+    computes on the default one: the on-policy mode still makes the synchronous trainer's steps, and a partial
+    rollout run, where generation overlaps training, keeps its ledger, finite metrics and fresh enough samples."""
+    cuda = ("cluster.device=cuda", *FAST)
+    train("grpo_dense_bf16.yaml", tmp_path / "sync", "num_training_steps=3", *cuda)
+    train("grpo_async_onpolicy.yaml", tmp_path / "async", "num_training_steps=3", *cuda)
+    for a, b in zip(read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "async"), strict=True):
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "response_length/mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        assert _balanced(b)
+    train("grpo_async_partial.yaml", tmp_path / "partial", "num_training_steps=6", *cuda)
+    records = read_metrics(tmp_path / "partial")
+    assert [r["step"] for r in records] == list(range(1, 7)) and all(_balanced(r) for r in records)
+    assert all(math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"]) for r in records)
+    assert records[-1]["async/consumed"] == 6 * 16 and all(r["async/staleness_max"] <= 1 for r in records)
 
 
 def test_async_run_resumes_with_its_ledger_and_never_trains_a_group_twice(train, tmp_path):

@@ -35,14 +35,17 @@ are the update's own forward, as TRL's GRPO does with one iteration, so no mode 
 them (the records before 2026-12-07 ran a separate pass in every mode).
 
 Modes: ``sync`` (trainer.name=rl) and the four async presets (on-policy, stream off-policy,
-stale, partial rollout). On the CPU the rollouter shares the trainer's process and device
+stale, partial rollout), and ``partial_thread``, partial rollout with the rollouter a thread of the trainer's
+process. On the CPU the rollouter shares the trainer's process and device
 (``weight_sync.method=inprocess``, a thread). On the GPU it is a process of its own on the same device
-(``weight_sync.method=cuda_ipc``): a rollouter thread shares the GIL with the trainer, and the
-per-step host work of a small model then serializes the two. The engine holds two steps of rows
+(``weight_sync.method=cuda_ipc``): two processes on one GPU take turns on it (time slices), and the H100 records
+of 2026-12-07 show the trainer's reference and update phases taking twice as long beside a busy rollouter
+process. ``partial_thread`` runs beside it: a rollouter thread whose engine has a CUDA stream of its own, so the
+GPU can run its kernels alongside the trainer's, at the cost of sharing the GIL. The engine holds two steps of rows
 (``max_batch_size`` = 2 x prompts x n: what the async modes keep in flight), not more.
 
 GPU shape (one H200, the ``async_long_tail_gpu`` entry): 20 steps x 8 prompts x 8 samples,
-median 32 tokens (cap 256), the pair of modes run three times in turn (sync, partial, sync, ...). A run this
+median 32 tokens (cap 256), the modes (sync, partial, partial_thread) run three times in turn. A run this
 short moves by tens of percent from one time to the next (the sync rate alone did: 169-256 samples/s on one
 H100; a partial run whose long samples went stale and were dropped lost to sync), so the speed-ups are each
 round's side-by-side ratio, reported as the median of the three with the lowest and highest beside it. What a full run costs besides the timed steps is per mode (engine
@@ -80,7 +83,11 @@ MODES = {
     "stream": "grpo_async_stream.yaml",
     "stale": "grpo_async_stale.yaml",
     "partial": "grpo_async_partial.yaml",
+    "partial_thread": "grpo_async_partial.yaml",
 }
+# a mode's own overrides, after the run's async overrides: partial rollout with the rollouter a thread of the
+# trainer's process (its engine on a CUDA stream of its own), beside the rollouter process of `partial` on the GPU
+MODE_OVERRIDES = {"partial_thread": ("weight_sync.method=inprocess",)}
 
 
 # every mode: one optimizer step per step, so the old (sync) / proximal (async) log-probs come from the update's own
@@ -208,7 +215,8 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     rounds = (3 if gpu and not smoke else 1) if rounds is None else rounds
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: allowed >= 1")
-    modes = modes or (("sync", "partial") if smoke or gpu else tuple(MODES))  # GPU: the goal's pair (time)
+    # GPU: the goal's pair and the rollouter thread beside it (time)
+    modes = modes or (("sync", "partial", "partial_thread") if smoke or gpu else tuple(MODES))
     if modes[0] != "sync":
         modes = ("sync", *[m for m in modes if m != "sync"])
     results: dict[str, Any] = {"shape": " ".join(f"{k}={v}" for k, v in shape.items()), "rounds": rounds,
@@ -231,6 +239,7 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
             got: dict[str, dict] = {}
             for mode in modes:
                 more = async_overrides if mode != "sync" else ()  # e.g. weight_sync.method=cuda_ipc: a rollouter process
+                more = (*more, *MODE_OVERRIDES.get(mode, ()))
                 got[mode] = run_mode(mode, out=Path(tmp) / f"{mode}{r}", extra=(*extra, *more), **shape)
             per_round.append(got)
     results.update(combine_rounds(per_round, modes))

@@ -328,8 +328,8 @@ class NativeEngine:
         start, before = time.perf_counter(), generated_tokens(requests)
         self._prefill_seconds = 0.0
         self._run([r for r in requests if not r.done], params, stops)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":  # this thread's stream: a rollouter thread's own, not the trainer's work
+            torch.cuda.current_stream(self.device).synchronize()
         meta = rollout_meta(requests, params, weight_version=self.weight_version,
                             tokens=generated_tokens(requests) - before, seconds=time.perf_counter() - start,
                             prefill_seconds=self._prefill_seconds,

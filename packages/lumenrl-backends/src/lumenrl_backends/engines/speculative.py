@@ -321,8 +321,8 @@ def speculative_generate(engine: Any, batch: Any, params: SamplingParams) -> Any
     stats = {"rounds": 0, "emitted": 0, "prefill_s": 0.0}
     for first in range(0, len(requests), engine.max_batch_size):
         _run_chunk(engine, rounds, requests[first:first + engine.max_batch_size], params, stops, stats)
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    if engine.device.type == "cuda":  # this thread's stream (as NativeEngine.generate)
+        torch.cuda.current_stream(engine.device).synchronize()
     meta = rollout_meta(requests, params, weight_version=engine.weight_version, tokens=generated_tokens(requests),
                         seconds=time.perf_counter() - start, prefill_seconds=stats["prefill_s"],
                         cuda_graphs=bool(rounds.graphs.graphs) and rounds.graphs.error is None)

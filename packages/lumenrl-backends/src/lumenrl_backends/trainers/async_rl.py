@@ -33,6 +33,7 @@ instead of a separate forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -212,7 +213,8 @@ class AsyncRLTrainer(RLTrainer):
 
     def _guarded_run(self) -> None:
         try:
-            self._rollouter.run()
+            with rollouter_stream(self.parts.engine):
+                self._rollouter.run()
         except BaseException as exc:  # surfaced by the trainer's next get()
             self._rollouter_error = exc
             raise
@@ -404,6 +406,18 @@ class AsyncRLTrainer(RLTrainer):
 
     def _loader_state(self) -> dict[str, Any]:
         return self.queue.last_meta.get("loader_state") or self.parts.train_loader.state_dict()
+
+
+def rollouter_stream(engine: Any) -> Any:
+    """The rollouter thread's CUDA stream: the engine's work goes to a stream of its own, so the GPU can run it
+    beside the trainer's (default stream) instead of after it. A context of the thread that enters it (PyTorch's
+    current stream is per thread); a no-op off CUDA. Safe without events between the two: every generate call
+    ends by waiting for this stream, the engine is used by one thread at a time (eval holds the rollouter's
+    lock), its outputs are host tensors, and the in-process weight sync hands over host copies."""
+    device = getattr(engine, "device", None)
+    if device is None or torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.Stream(torch.device(device)))
 
 
 class _EarlyStart:
