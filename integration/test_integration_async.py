@@ -68,8 +68,12 @@ def test_rollouter_thread_on_its_own_cuda_stream_reproduces_the_synchronous_trai
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "response_length/mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
         assert _balanced(b)
-    train("grpo_async_partial.yaml", tmp_path / "partial", "num_training_steps=6", *cuda)
-    records = read_metrics(tmp_path / "partial")
+    # eval every 3 steps: the trainer thread takes the engine on its own stream, joined to the rollouter's
+    train("grpo_async_partial.yaml", tmp_path / "partial", "num_training_steps=6", *cuda, "eval.enabled=true",
+          "eval.every=3", "eval.num_examples=16")
+    logged = read_metrics(tmp_path / "partial")
+    assert [r["step"] for r in logged if "eval/accuracy" in r] == [0, 3, 6]  # before training, then every 3 steps
+    records = [r for r in logged if "actor/loss" in r]
     assert [r["step"] for r in records] == list(range(1, 7)) and all(_balanced(r) for r in records)
     assert all(math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"]) for r in records)
     assert records[-1]["async/consumed"] == 6 * 16 and all(r["async/staleness_max"] <= 1 for r in records)

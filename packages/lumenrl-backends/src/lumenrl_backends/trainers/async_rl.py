@@ -171,6 +171,7 @@ class AsyncRLTrainer(RLTrainer):
                              newest_version=sync.latest_version, load_weights=sync.load_into)
         self._rollouter = make_rollouter(self.config, self.parts.engine, self.parts.train_loader, hooks,
                                          start_round=self.start_round)
+        self._stream = rollouter_stream(self.parts.engine)
         self._worker = threading.Thread(target=self._guarded_run, daemon=True, name="rollouter")
         self._worker.start()
 
@@ -213,13 +214,14 @@ class AsyncRLTrainer(RLTrainer):
 
     def _guarded_run(self) -> None:
         try:
-            with rollouter_stream(self.parts.engine):
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
                 self._rollouter.run()
         except BaseException as exc:  # surfaced by the trainer's next get()
             self._rollouter_error = exc
             raise
 
     _rollouter_error: BaseException | None = None
+    _stream: Any = None  # thread mode on CUDA: the rollouter's stream (rollouter_stream)
 
     def _alive(self) -> bool:
         if self._remote is not None:
@@ -251,7 +253,7 @@ class AsyncRLTrainer(RLTrainer):
                 self.parts.sync(self.published)
             return super()._evaluate()
         engine.interrupt()
-        with self._rollouter.lock:
+        with self._rollouter.lock, joined_streams(self._stream):
             engine.resume()
             self.publisher.writer.load_into(engine)
             return super()._evaluate()
@@ -408,16 +410,31 @@ class AsyncRLTrainer(RLTrainer):
         return self.queue.last_meta.get("loader_state") or self.parts.train_loader.state_dict()
 
 
-def rollouter_stream(engine: Any) -> Any:
-    """The rollouter thread's CUDA stream: the engine's work goes to a stream of its own, so the GPU can run it
-    beside the trainer's (default stream) instead of after it. A context of the thread that enters it (PyTorch's
-    current stream is per thread); a no-op off CUDA. Safe without events between the two: every generate call
-    ends by waiting for this stream, the engine is used by one thread at a time (eval holds the rollouter's
-    lock), its outputs are host tensors, and the in-process weight sync hands over host copies."""
+def rollouter_stream(engine: Any) -> torch.cuda.Stream | None:
+    """The rollouter thread's CUDA stream (None off CUDA): the engine's work goes to a stream of its own, so the
+    GPU can run it beside the trainer's (default stream) instead of after it. The thread enters it as its current
+    stream (PyTorch's current stream is per thread). No events are needed between the two in the loop: every
+    generate call ends by waiting for its stream, the engine's outputs are host tensors, and the in-process weight
+    sync hands over host copies. The one other user of the engine, eval, holds the rollouter's lock and joins the
+    two streams (:func:`joined_streams`): a weight load the rollouter queued before it may still be copying."""
     device = getattr(engine, "device", None)
     if device is None or torch.device(device).type != "cuda":
-        return contextlib.nullcontext()
-    return torch.cuda.stream(torch.cuda.Stream(torch.device(device)))
+        return None
+    return torch.cuda.Stream(torch.device(device))
+
+
+@contextlib.contextmanager
+def joined_streams(stream: torch.cuda.Stream | None) -> Any:
+    """This thread's work on the engine waits for what ``stream`` queued before it, and ``stream``'s later work
+    waits for this thread's (a no-op for None)."""
+    if stream is None:
+        yield
+        return
+    torch.cuda.current_stream(stream.device).wait_stream(stream)
+    try:
+        yield
+    finally:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
 
 
 class _EarlyStart:
