@@ -39,7 +39,7 @@ stale, partial rollout), and ``partial_thread``, partial rollout with the rollou
 process. On the CPU the rollouter shares the trainer's process and device
 (``weight_sync.method=inprocess``, a thread). On the GPU it is a process of its own on the same device
 (``weight_sync.method=cuda_ipc``): two processes on one GPU take turns on it (time slices), and the H100 records
-of 2026-12-07 show the trainer's reference and update phases taking twice as long beside a busy rollouter
+of 2026-12-07 show the trainer's reference and update phases taking up to twice as long beside a busy rollouter
 process. ``partial_thread`` runs beside it: a rollouter thread whose engine has a CUDA stream of its own, so the
 GPU can run its kernels alongside the trainer's, at the cost of sharing the GIL. The engine holds two steps of rows
 (``max_batch_size`` = 2 x prompts x n: what the async modes keep in flight), not more.
