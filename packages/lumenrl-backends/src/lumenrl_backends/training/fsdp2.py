@@ -253,7 +253,7 @@ class FSDP2Backend(SFTSteps, BackendWeights):
     def _use_grouping(self, mode: bool | str, single: bool) -> bool:
         """``policy.train.group_projections`` (a bool: ``on`` / ``off``): ``auto`` groups where the one-rank path
         runs on CUDA without exact log-probs (measured there: decision 0006); ``on`` insists (CPU included)."""
-        mode = {True: "on", False: "off"}.get(mode, mode) if isinstance(mode, bool) else mode
+        mode = ("on" if mode else "off") if isinstance(mode, bool) else mode
         if mode not in GROUPING_MODES:
             raise ValueError(f"policy.train.group_projections={mode!r} is not allowed; allowed: "
                              f"{', '.join(GROUPING_MODES)}")

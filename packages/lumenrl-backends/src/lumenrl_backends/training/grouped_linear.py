@@ -43,8 +43,8 @@ try:
 except ImportError:  # pragma: no cover - no Triton: swiglu_backward runs its torch formula
     triton = None
 
-__all__ = ["GROUPING_MODES", "GROUPS", "GroupReport", "GroupedLinear", "GroupedSwiGLU", "group_projections", "swiglu_backward",
-           "ungroup_projections"]
+__all__ = ["GROUPING_MODES", "GROUPS", "GroupReport", "GroupedLinear", "GroupedSwiGLU", "group_projections",
+           "swiglu_backward", "ungroup_projections"]
 
 # (parent attribute names run on one input, in the order transformers calls them)
 GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
