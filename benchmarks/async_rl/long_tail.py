@@ -235,14 +235,22 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
         if gpu and not smoke:  # process-wide compiles (Triton, CUDA context) charged to no mode
             run_mode("sync", out=Path(tmp) / "warmup", extra=extra, **shape)  # a whole run (module doc)
             results["warmup_steps"] = shape["steps"]
+        failed: dict[str, str] = {}
         for r in range(rounds):
             got: dict[str, dict] = {}
-            for mode in modes:
+            for mode in (m for m in modes if m not in failed):
                 more = async_overrides if mode != "sync" else ()  # e.g. weight_sync.method=cuda_ipc: a rollouter process
                 more = (*more, *MODE_OVERRIDES.get(mode, ()))
-                got[mode] = run_mode(mode, out=Path(tmp) / f"{mode}{r}", extra=(*extra, *more), **shape)
+                try:
+                    got[mode] = run_mode(mode, out=Path(tmp) / f"{mode}{r}", extra=(*extra, *more), **shape)
+                except Exception as err:  # noqa: BLE001 - an extra mode's failure is recorded; the goal's pair stands
+                    if mode not in MODE_OVERRIDES:
+                        raise
+                    failed[mode] = f"{type(err).__name__}: {err}"[:300]
             per_round.append(got)
-    results.update(combine_rounds(per_round, modes))
+    modes = tuple(m for m in modes if m not in failed)
+    results.update({f"{mode}/error": why for mode, why in failed.items()})
+    results.update(combine_rounds([{m: got[m] for m in modes} for got in per_round], modes))
     results["total_s"] = round(time.perf_counter() - start, 1)
     return results
 

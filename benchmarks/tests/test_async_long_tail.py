@@ -90,3 +90,31 @@ def test_overlap_bound_is_the_sync_step_over_its_time_outside_generation():
     assert out["sync/overlap_bound"] == pytest.approx(bounds[1], abs=1e-3)
     assert "partial/overlap_bound" not in out  # an async trainer does not generate
     assert overlap_bound({"step_s": 0.1, "phases": {"generate": 0.1}}) == float("inf")
+
+
+def test_a_failing_extra_mode_is_recorded_and_the_goals_pair_still_reported(monkeypatch):
+    """``partial_thread`` (a mode with its own overrides) failing in round 1 is not run again; its error is in the
+    result and the sync / partial pair is combined as usual. A failure of the goal's pair is raised."""
+    from benchmarks.async_rl import long_tail
+
+    calls = []
+
+    def fake_run_mode(mode, **kw):
+        calls.append(mode)
+        if mode == "partial_thread":
+            raise RuntimeError("rollouter thread died")
+        return {**_run(100.0 if mode == "sync" else 150.0, 120.0 if mode == "sync" else 180.0), "step_s": 0.1}
+
+    monkeypatch.setattr(long_tail, "run_mode", fake_run_mode)
+    out = long_tail.bench(True, modes=("sync", "partial", "partial_thread"), rounds=2)
+    assert calls == ["sync", "partial", "partial_thread", "sync", "partial"]
+    assert out["partial_thread/error"] == "RuntimeError: rollouter thread died"
+    assert out["partial/steady_speedup_vs_sync"] == 1.5
+    assert [k for k in out if k.startswith("partial_thread/")] == ["partial_thread/error"]
+
+    def broken_pair(mode, **kw):
+        raise RuntimeError("partial died")
+
+    monkeypatch.setattr(long_tail, "run_mode", broken_pair)
+    with pytest.raises(RuntimeError, match="partial died"):
+        long_tail.bench(True, modes=("sync", "partial"), rounds=1)
