@@ -22,6 +22,7 @@ from lumenrl_backends.training.grouped_linear import (
     group_projections,
     swiglu_backward,
     ungroup_projections,
+    use_grouping,
 )
 from lumenrl_backends.training.single_device import SingleDeviceWeights
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
@@ -284,13 +285,14 @@ def test_the_config_key_chooses_grouping_and_auto_groups_on_cuda_only(tiny_qwen3
                             train=PolicyTrainConfig(group_projections=mode), num_training_steps=1, device=CPU)
 
     assert build("on").grouping.grouped and build("off").grouping is None and build("auto").grouping is None
-    # the rule itself, on a device that reports CUDA (nothing runs on it)
-    backend = build("off")
-    backend.exact, backend.device = False, torch.device("cuda", 0)
-    assert backend._use_grouping("auto", single=True)
-    assert not backend._use_grouping("auto", single=False) and not backend._use_grouping("off", single=True)
-    backend.exact = True
-    assert not backend._use_grouping("auto", single=True)
+    # the rule itself for a CUDA device (nothing runs on it)
+    cuda = torch.device("cuda", 0)
+    assert use_grouping("auto", single=True, exact=False, device=cuda)
+    assert not use_grouping("auto", single=False, exact=False, device=cuda)
+    assert not use_grouping("auto", single=True, exact=True, device=cuda)
+    assert not use_grouping("off", single=True, exact=False, device=cuda)
+    assert use_grouping(True, single=True, exact=False, device=CPU) and not use_grouping(False, single=True,
+                                                                                         exact=False, device=cuda)
     with pytest.raises(ValueError, match=r"policy\.train\.group_projections='sometimes' is not allowed; allowed: auto, on, off"):
         build("sometimes")
 

@@ -68,7 +68,7 @@ from lumenrl_backends.training.batching import (
     split_rows,
 )
 from lumenrl_backends.training.context_parallel import context_parallel_forward
-from lumenrl_backends.training.grouped_linear import GROUPING_MODES, GroupReport
+from lumenrl_backends.training.grouped_linear import GroupReport, use_grouping
 from lumenrl_backends.training.grouped_linear import group_projections as group_model_projections
 from lumenrl_backends.training.logprobs import logprob_backend
 from lumenrl_backends.training.lora import apply_lora
@@ -171,8 +171,8 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         self.single: SingleDeviceWeights | None = None  # the one-rank fast path (single_device.py)
         self.grouping: GroupReport | None = None  # q/k/v and gate/up as one GEMM each (grouped_linear.py)
         single = self._use_single_device(single_device if single_device is not None else train.single_device)
-        grouping = self._use_grouping(getattr(train, "group_projections", "auto") if group_projections is None
-                                      else group_projections, single)
+        grouping = use_grouping(getattr(train, "group_projections", "auto") if group_projections is None
+                                else group_projections, single=single, exact=self.exact, device=self.device)
         if single:
             self.single = SingleDeviceWeights(model, compute_dtype(train.mixed_precision, self.device))
             self.model = model
@@ -249,25 +249,6 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         if problem is not None and mode == "on":
             raise ValueError(f"policy.train.single_device='on' needs one rank and no FP8 training: {problem}")
         return problem is None
-
-    def _use_grouping(self, mode: bool | str, single: bool) -> bool:
-        """``policy.train.group_projections`` (a bool: ``on`` / ``off``): ``auto`` groups where the one-rank path
-        runs on CUDA without exact log-probs (measured there: decision 0006); ``on`` insists (CPU included)."""
-        mode = ("on" if mode else "off") if isinstance(mode, bool) else mode
-        if mode not in GROUPING_MODES:
-            raise ValueError(f"policy.train.group_projections={mode!r} is not allowed; allowed: "
-                             f"{', '.join(GROUPING_MODES)}")
-        if mode == "off":
-            return False
-        problem = None
-        if not single:
-            problem = "the one-rank path is off here (several ranks, FP8 training or policy.train.single_device='off')"
-        elif self.exact:
-            problem = "exact_logprobs is on (its batch-invariant GEMMs run per module)"
-        if problem is not None and mode == "on":
-            raise ValueError(f"policy.train.group_projections='on' needs the one-rank path and exact_logprobs off: "
-                             f"{problem}")
-        return problem is None and (mode == "on" or self.device.type == "cuda")
 
     def _build_optimizer(self, lr: float) -> torch.optim.Optimizer:
         o = self.optim_cfg

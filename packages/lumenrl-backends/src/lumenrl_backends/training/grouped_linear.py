@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - no Triton: swiglu_backward runs its to
     triton = None
 
 __all__ = ["GROUPING_MODES", "GROUPS", "GroupReport", "GroupedLinear", "GroupedSwiGLU", "group_projections",
-           "swiglu_backward", "ungroup_projections"]
+           "swiglu_backward", "ungroup_projections", "use_grouping"]
 
 # (parent attribute names run on one input, in the order transformers calls them)
 GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -254,6 +254,27 @@ def _fused_view(members: list[nn.Linear]) -> torch.Tensor | str:
     rows = sum(m.out_features for m in members)
     view = torch.empty(0, dtype=first.dtype, device=first.device)
     return view.set_(first.untyped_storage(), first.storage_offset(), (rows, first.shape[1]), (first.shape[1], 1))
+
+
+def use_grouping(mode: bool | str, *, single: bool, exact: bool, device: torch.device) -> bool:
+    """Whether a training backend groups (``policy.train.group_projections``; a bool means ``on`` / ``off``):
+    ``auto`` where the one-rank path (``single``) runs on CUDA without exact log-probs (measured there: decision
+    0006); ``on`` insists, CPU included, and raises where it cannot; ``off`` never."""
+    mode = ("on" if mode else "off") if isinstance(mode, bool) else mode
+    if mode not in GROUPING_MODES:
+        raise ValueError(f"policy.train.group_projections={mode!r} is not allowed; allowed: "
+                         f"{', '.join(GROUPING_MODES)}")
+    if mode == "off":
+        return False
+    problem = None
+    if not single:
+        problem = "the one-rank path is off here (several ranks, FP8 training or policy.train.single_device='off')"
+    elif exact:
+        problem = "exact_logprobs is on (its batch-invariant GEMMs run per module)"
+    if problem is not None and mode == "on":
+        raise ValueError(f"policy.train.group_projections='on' needs the one-rank path and exact_logprobs off: "
+                         f"{problem}")
+    return problem is None and (mode == "on" or torch.device(device).type == "cuda")
 
 
 def group_projections(model: nn.Module) -> GroupReport:
