@@ -22,9 +22,8 @@ passes them (``--batch-on-device``: already on the GPU):
   (``training.modeling.LAYER_INDUCTOR_OPTIONS``) changed for that variant: Inductor's mix-order reduction back
   on (its own default, which the layers turn off), or on with a 64-row split, to time against the default.
   ``+cdt``: the same with Inductor's coordinate-descent tuning of the compiled kernels' launch parameters.
-  ``+ungrouped``: the single-device step with a GEMM per projection (``group_projections="off"``); every other
-  single-device variant runs q/k/v and gate/up as one GEMM each on CUDA (``policy.train.group_projections``
-  ``auto``, the default there).
+  ``+ungrouped``: the single-device step with a GEMM per projection; the other single-device variants run q/k/v
+  and gate/up as one GEMM each on CUDA (``policy.train.group_projections: auto``, the default).
   ``+flash`` / ``+cudnn`` / ``+efficient``: the compiled step (single-device or fully_shard) with that SDPA
   backend tried first, compile and steps alike, against torch's own choice.
   Before timing any ``+single`` variant, :func:`check_single_vs_sharded` runs one step of both
