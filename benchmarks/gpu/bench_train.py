@@ -16,8 +16,8 @@ passes them (``--batch-on-device``: already on the GPU):
   AdamW); the variants without it pin ``single_device="off"`` (fully_shard on one rank), so both
   are measured side by side. ``+16x1024``: 16 rows per optimizer step in 2 micro-batches of 8
   (twice the tokens per optimizer step; the optimizer cost is amortized over them).
-  ``+torch_adamw``: the single-device path with torch's fused AdamW instead of its flat Triton
-  AdamW (``training/flat_adamw.py``, the CUDA default), for the side-by-side optimizer cost.
+  ``+torch_adamw``: torch's fused AdamW instead of the flat Triton AdamW (``training/flat_adamw.py``, the CUDA
+  default of both paths), for the side-by-side optimizer cost.
   ``+mix_order`` / ``+mix_split64``: the single-device compiled step with the decoder layers' Inductor options
   (``training.modeling.LAYER_INDUCTOR_OPTIONS``) changed for that variant: Inductor's mix-order reduction back
   on (its own default, which the layers turn off), or on with a 64-row split, to time against the default.
@@ -36,10 +36,6 @@ passes them (``--batch-on-device``: already on the GPU):
   (tensorwise and blockwise recipes), measured side by side in this run.
 
     python benchmarks/gpu/bench_train.py [--steps 5] [--variants a,b] [--smoke] [--gemm-groups 2]
-    # fast path vs fully_shard (about 2 min on one H200, compile included):
-    python benchmarks/gpu/bench_train.py --steps 4 --warmup 2 --budget-s 150 --variant-timeout-s 90 \
-        --profile 1.7b/bf16+compile+single \
-        --variants 1.7b/bf16+compile,1.7b/bf16+compile+single,1.7b/bf16+compile+single+16x1024
 
 Writes ``train.json`` (to $LUMENRL_BENCH_OUT or benchmarks/results) and prints a table last.
 """
@@ -62,6 +58,7 @@ from benchmarks.gpu._common import OUT_DIR, command_line, environment, print_tab
 from benchmarks.gpu.trace_gaps import format_gaps, profile_gaps  # noqa: E402
 from benchmarks.telemetry import GpuSampler  # noqa: E402
 from lumenrl_backends.training.fsdp2 import FSDP2Backend  # noqa: E402
+from lumenrl_backends.training.local_shards import flat_steps  # noqa: E402
 from lumenrl_backends.training.modeling import LAYER_INDUCTOR_OPTIONS  # noqa: E402
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, TrainingQuantConfig  # noqa: E402
 from lumenrl_core.data_proto import DataProto  # noqa: E402
@@ -93,6 +90,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any], str | None, bool]] = {
     "1.7b/bf16+compile": ("1.7b", "full", {**COMPILE, **OFF}, None, False),
     "1.7b/bf16+compile+single": ("1.7b", "full", {**COMPILE, **ON}, None, False),
     "1.7b/bf16+compile+single+torch_adamw": ("1.7b", "full", {**COMPILE, **ON, "flat_optimizer": False}, None, False),
+    "1.7b/bf16+compile+torch_adamw": ("1.7b", "full", {**COMPILE, **OFF, "flat_optimizer": False}, None, False),
     "1.7b/bf16+compile+single+16x1024": ("1.7b", "full", {**COMPILE, **ON, "rows": 16, "micro": 8}, None, False),
     "1.7b-ragged/packed+compile+single": ("1.7b", "ragged", {"packing": "auto", **COMPILE, **ON}, None, False),
     "8b-layers/bf16+compile": ("8b-layers", "full", {**COMPILE, **OFF}, None, False),
@@ -262,8 +260,8 @@ def run_variant(
         train=PolicyTrainConfig(micro_batch_size=micro, gradient_checkpointing=ac),
         num_training_steps=100, device=device, fp8=fp8, **kwargs,
     )
-    if flat is not None and backend.single is not None:
-        backend.single.flat_optimizer = flat
+    if flat is not None:  # the single-device path's flat AdamW, or fully_shard's over the local shards
+        (backend.single or backend).flat_optimizer = flat
     # the rows on the host, as the RL trainer hands them to train_step (its rollout batches live there); the
     # backend copies them each step. batch_on_device: already on the GPU (the counts and the packing plan then
     # read them back, a wait for the queued work at each step's start)
@@ -293,7 +291,7 @@ def run_variant(
     out = {
         "variant": name, "shape": shape, "params": params, "tokens": tokens, "rows": rows, "micro": micro,
         "single_device": backend.single is not None, "batch_on_device": batch_on_device, "step_s": step,
-        "flat_adamw": backend.single is not None and backend.single.flat_active,
+        "flat_adamw": backend.single.flat_active if backend.single is not None else flat_steps(backend.optimizer) > 0,
         "step_s_min": min(times), "step_s_max": max(times), "first_step_s": first,
         "tokens_per_s": tokens / step, "tflops_6n": 6 * params * tokens / step / 1e12,
         "mfu": 6 * params * tokens / step / PEAK_FLOPS, "loss": metrics["actor/loss"],
@@ -580,7 +578,7 @@ def run(smoke: bool) -> dict:
     f, r, u, again = runs
     return {"mfu": r["mfu"], "tokens_per_s": r["tokens_per_s"], "step_s": r["step_s"], "mfu_fsdp2": f["mfu"],
             "fsdp2_step_s": f["step_s"], "fsdp2_over_single_step": f["step_s"] / r["step_s"],
-            "mfu_ungrouped": u["mfu"], "ungrouped_step_s": u["step_s"],
+            "mfu_ungrouped": u["mfu"], "ungrouped_step_s": u["step_s"], "fsdp2_flat_adamw": float(f["flat_adamw"]),
             "grouped_speedup": u["step_s"] / ((r["step_s"] + again["step_s"]) / 2),
             **{f"profile/{k}": v for k, v in r.get("profile", {}).items()},  # where each step's GPU time goes
             **{f"profile_fsdp2/{k}": v for k, v in f.get("profile", {}).items()},

@@ -70,7 +70,7 @@ def test_step_on_local_shards_equals_dtensor_step_bit_for_bit(device, monkeypatc
             _backward(model, seed=step, scale=3.0)
             params = [p for p in model.parameters() if p.grad is not None]
             loss = float("nan") if step == 3 else 1.0
-            norm, skipped = dist_utils.fused_clip_and_step(opt, params, max_norm=0.5, loss=loss)
+            norm, skipped = dist_utils.fused_clip_and_step(opt, params, max_norm=0.5, loss=loss, flat=False)
             norms.append((norm.clone(), skipped.clone()))
             sched.step()
         state = [(p.full_tensor(), s["exp_avg"].full_tensor(), s["exp_avg_sq"].full_tensor(), s["step"])
@@ -152,3 +152,173 @@ def test_sharded_grad_norm_sums_over_ranks(spawn_ranks):
     """Two gloo ranks, gradients sharded over both: the norm of the local shards summed over the mesh equals
     the float64 norm of the whole gradients and DTensor's own reduction."""
     spawn_ranks(_two_rank_norm, lambda port: (2, port), nprocs=2)
+
+
+# The flat AdamW kernels over FSDP2's local shards (Triton's interpreter on the CPU), against torch's fused AdamW
+# on the same shards and a float64 norm, on one rank and on two (uneven shards: one rank holds none of a (1, 5)
+# weight). Each rank is a forked child of the interpreted script (the script's process keeps no process group).
+_FLAT_SHARDS = r"""
+import json, math, multiprocessing, os, socket, tempfile
+import torch
+import torch.distributed as dist
+
+
+def port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_on(mesh):
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 400), torch.nn.GELU(), torch.nn.Linear(400, 24),
+                                torch.nn.LayerNorm(24), torch.nn.Linear(24, 5), torch.nn.Linear(5, 1))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def backward(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    (model(torch.randn(7, 12, generator=g)).square().sum() * 3.0).backward()
+
+
+def worker(rank, world, addr, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from lumenrl_backends.training import distributed as dist_utils, local_shards
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(addr))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    runs = {}
+    for name, flat, reload in (("flat", True, False), ("fused", False, False), ("reloaded", True, True)):
+        model = model_on(mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1, fused=True)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        rows = {"norm": [], "skipped": [], "flat": []}
+        ref = [p.full_tensor().double() for p in model.parameters()]  # float64 AdamW on the whole tensors
+        m64, v64, t64 = [torch.zeros_like(r) for r in ref], [torch.zeros_like(r) for r in ref], 0
+        for step in range(5):
+            if reload and step == 3:  # state replaced by load_state_dict: the flat stepper copies it back in
+                saved = opt.state_dict()
+                saved["state"] = {k: {n: t.clone() for n, t in s.items()} for k, s in saved["state"].items()}
+                opt.load_state_dict(saved)
+            opt.zero_grad(set_to_none=True)
+            backward(model, seed=10 * step + rank)  # different data per rank
+            params = [p for p in model.parameters() if p.grad is not None]
+            norm64 = math.sqrt(sum(float(p.grad.full_tensor().double().square().sum()) for p in params))
+            loss = float("nan") if step == 2 else 1.0
+            if step != 2:
+                lr, (b1, b2), t64 = opt.param_groups[0]["lr"], (0.9, 0.999), t64 + 1
+                coef = min(0.5 / (norm64 + 1e-6), 1.0)
+                for r, m, v, p in zip(ref, m64, v64, model.parameters()):
+                    g = p.grad.full_tensor().double() * coef
+                    r.mul_(1 - lr * 0.1)
+                    m.mul_(b1).add_(g, alpha=1 - b1)
+                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                    r.sub_(lr / (1 - b1 ** t64) * m / ((v / (1 - b2 ** t64)).sqrt() + 1e-8))
+            norm, skipped = dist_utils.fused_clip_and_step(opt, params, 0.5, loss, flat=flat)
+            entry = local_shards._FLAT.get(opt)
+            rows["flat"].append(local_shards.flat_steps(opt) == step + 1)
+            rows["norm"].append(abs(float(norm) - norm64) / norm64)
+            rows["skipped"].append(float(skipped))
+            sched.step()
+        rows["params"] = [p.full_tensor() for p in model.parameters()]
+        rows["ref"], rows["ref_moments"] = ref, [t for pair in zip(m64, v64) for t in pair]
+        rows["moments"] = [opt.state[p][k].full_tensor() for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
+        rows["steps"] = sorted({float(opt.state[p]["step"]) for p in model.parameters()})
+        if flat:
+            stepper = local_shards._FLAT[opt][1]
+            lo, hi = stepper.exp_avg.data_ptr(), stepper.exp_avg.data_ptr() + 4 * stepper.exp_avg.numel()
+            state = opt.state[next(iter(model.parameters()))]["exp_avg"]
+            rows["dtensor_views"] = hasattr(state, "device_mesh") and lo <= state._local_tensor.data_ptr() < hi
+            fewest = torch.tensor([min(p._local_tensor.numel() for p in model.parameters())])
+            dist.all_reduce(fewest, op=dist.ReduceOp.MIN)  # some rank holds no element of some parameter
+            rows["empty_shard"] = int(fewest) == 0
+            rows["unaligned"] = any(p.grad._local_tensor.data_ptr() % 16 for p in model.parameters()
+                                    if p.grad._local_tensor.numel())
+        runs[name] = rows
+    if rank == 0:
+        def rel(a, b):
+            return max(float((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-30))
+                       for x, y in zip(a, b))
+        f, t, r = runs["flat"], runs["fused"], runs["reloaded"]
+        row = {"case": f"world{world}", "flat": f["flat"], "fused_flat": t["flat"], "norm": max(f["norm"]),
+               "skipped": f["skipped"], "skipped_fused": t["skipped"], "steps": f["steps"] + t["steps"],
+               "params": rel(f["params"], f["ref"]), "params_fused": rel(t["params"], t["ref"]),
+               "moments": rel(f["moments"], f["ref_moments"]),
+               "reloaded_equal": all(torch.equal(a, b) for a, b in zip(r["params"] + r["moments"],
+                                                                       f["params"] + f["moments"])),
+               "dtensor_views": f["dtensor_views"], "empty_shard": f["empty_shard"], "unaligned": f["unaligned"]}
+        with open(out, "w") as fh:
+            json.dump(row, fh)
+    dist.destroy_process_group()
+
+
+ctx = multiprocessing.get_context("fork")
+with tempfile.TemporaryDirectory() as tmp:
+    for world in (1, 2):
+        out, addr = os.path.join(tmp, f"{world}.json"), port()
+        procs = [ctx.Process(target=worker, args=(r, world, addr, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(300)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        print(open(out).read())
+"""
+
+
+def test_flat_adamw_over_local_shards_matches_fused_adamw(triton_interpreted):
+    """Five clipped steps (weight decay, a scheduler, one skipped for a non-finite loss) through
+    ``fused_clip_and_step(flat=True)``: the flat kernels over the fp32 local shards give torch's fused AdamW's
+    parameters within float32 rounding of a float64 AdamW (as close as torch's fused AdamW is), the float64 norm of the whole gradients (summed
+    over the ranks on two), the same skips; the optimizer state stays DTensors over the stepper's flat buffers, and
+    an optimizer whose state was replaced by ``load_state_dict`` continues bit for bit."""
+    rows = triton_interpreted({"flat": _FLAT_SHARDS}).json_rows("flat")
+    assert set(rows) == {"world1", "world2"}, rows
+    for name, row in rows.items():
+        assert row["flat"] == [True] * 5 and row["fused_flat"] == [False] * 5, (name, row)
+        assert row["skipped"] == row["skipped_fused"] == [0.0, 0.0, 1.0, 0.0, 0.0], (name, row)
+        assert row["steps"] == [4.0, 4.0], (name, row)
+        # float32 arithmetic against float64 over four steps (torch's fused AdamW on the CPU: ~3e-5 on this model)
+        assert row["norm"] < 1e-6 and row["params"] < 1e-5 and row["moments"] < 1e-5, (name, row)
+        assert row["params"] <= row["params_fused"] + 1e-6, (name, row)
+        assert row["reloaded_equal"] and row["dtensor_views"] and row["unaligned"], (name, row)  # (1,) bias: offset 5
+    assert rows["world2"]["empty_shard"] and not rows["world1"]["empty_shard"], rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flat_adamw_over_local_shards_on_cuda():
+    """On a one-rank CUDA mesh (the default there: ``flat=None``), a 151936 x 256 embedding and layers, three
+    clipped steps: the flat kernels ran, and parameters and norms agree with torch's fused AdamW on the same shards
+    and gradients within float32 rounding."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    cuda = torch.device("cuda")
+    dist_utils.ensure_process_group(cuda)
+    mesh = init_device_mesh("cuda", (1,))
+    runs = []
+    for flat in (None, False):
+        torch.manual_seed(0)
+        with cuda:
+            model = torch.nn.Sequential(torch.nn.Embedding(151936, 256), torch.nn.Linear(256, 1000),
+                                        torch.nn.Linear(1000, 256))
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        ids = torch.randint(0, 151936, (16, 64), device=cuda, generator=torch.Generator(cuda).manual_seed(1))
+        norms = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(ids).float().square().mean().backward()
+            params = [p for p in model.parameters() if p.grad is not None]
+            norms.append(float(dist_utils.fused_clip_and_step(opt, params, 0.5, flat=flat)[0]))
+        runs.append((norms, [p.full_tensor().double() for p in model.parameters()], local_shards.flat_steps(opt)))
+    (norms_f, params_f, steps_f), (norms_t, params_t, steps_t) = runs
+    assert steps_f == 3 and steps_t == 0
+    assert norms_f == pytest.approx(norms_t, rel=1e-5)
+    for a, b in zip(params_f, params_t, strict=True):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-5

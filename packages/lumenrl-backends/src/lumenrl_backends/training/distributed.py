@@ -22,7 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lumenrl_backends.training.local_shards import sharded_grad_norm, step_on_local_shards
+from lumenrl_backends.training.local_shards import (
+    flat_grads,
+    flat_stepper,
+    sharded_grad_norm,
+    step_on_local_shards,
+)
 
 __all__ = [
     "ensure_process_group",
@@ -189,7 +194,8 @@ def can_step_without_sync(optimizer: torch.optim.Optimizer, params: list[torch.T
 
 
 def fused_clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float,
-                        loss: torch.Tensor | float = 0.0, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        loss: torch.Tensor | float = 0.0, group=None, flat: bool | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip to total norm ``max_norm`` and step a fused optimizer without a host sync; returns the
     (grad norm, skipped 0/1) device tensors.
 
@@ -198,19 +204,25 @@ def fused_clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Ten
     coefficient) and a non-finite norm or loss (``loss`` summed over ``group``) as its ``found_inf``
     (the kernel skips the update and the step count): the attributes ``torch.amp.GradScaler`` sets
     on fused optimizers. Every rank sees the same norm (made whole) and summed loss, so all skip
-    together."""
+    together.
+
+    ``flat``: step through the flat AdamW kernels over the local shards where they apply
+    (:func:`~.local_shards.flat_stepper`: the same math in two launches); None: on CUDA (on the CPU they run
+    only in Triton's interpreter, the tests').
+    """
     if not max_norm > 0:
         raise ValueError(f"max_norm={max_norm} must be > 0 (float('inf') disables clipping)")
+    if flat is None:
+        flat = bool(params) and params[0].device.type == "cuda"
+    stepper = flat_stepper(optimizer, params) if flat and params else None
+    grads = flat_grads(stepper, params) if stepper is not None else None
+    if grads is not None:
+        return stepper.clip_and_step(grads, max_norm, _summed_loss(loss, stepper.device, group))
     norm = _total_norm(_grad_groups(params))
     if not params:  # nothing to step: a zero norm on the optimizer's device
         first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         norm = torch.zeros((), device=first.device if first is not None else None)
-    device = norm.device
-    total = torch.as_tensor(loss, device=device).detach().float().reshape(())
-    if _size(group) > 1:
-        total = total.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    optimizer.grad_scale, skipped = clip_scale_and_skip(norm, total, max_norm)
+    optimizer.grad_scale, skipped = clip_scale_and_skip(norm, _summed_loss(loss, norm.device, group), max_norm)
     optimizer.found_inf = skipped
     try:
         on_shards = bool(params) and hasattr(params[0], "device_mesh")
@@ -221,6 +233,15 @@ def fused_clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Ten
     finally:
         del optimizer.grad_scale, optimizer.found_inf
     return norm, skipped
+
+
+def _summed_loss(loss: torch.Tensor | float, device: torch.device, group=None) -> torch.Tensor:
+    """``loss`` as a float32 device scalar, summed over the ranks of ``group``."""
+    total = torch.as_tensor(loss, device=device).detach().float().reshape(())
+    if _size(group) > 1:
+        total = total.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total
 
 
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -169,6 +169,7 @@ class FSDP2Backend(SFTSteps, BackendWeights):
         self.mesh = build_mesh(self.dims, self.device.type)
         self.dp_group = self.mesh.get_group("dp_shard")
         self.single: SingleDeviceWeights | None = None  # the one-rank fast path (single_device.py)
+        self.flat_optimizer = self.device.type == "cuda"  # fully_shard: AdamW on the local shards in two launches
         self.grouping: GroupReport | None = None  # q/k/v and gate/up as one GEMM each (grouped_linear.py)
         single = self._use_single_device(single_device if single_device is not None else train.single_device)
         grouping = use_grouping(getattr(train, "group_projections", "auto") if group_projections is None
@@ -554,7 +555,8 @@ class FSDP2Backend(SFTSteps, BackendWeights):
             collected[f"{prefix}/grad_norm"].append(norm)
             collected[f"{prefix}/skipped_steps"].append(skipped)  # zeros are dropped in train_step
         elif params is not None and dist_utils.can_step_without_sync(optimizer, params):
-            norm, skipped = dist_utils.fused_clip_and_step(optimizer, params, clip, loss, self.dp_group)
+            norm, skipped = dist_utils.fused_clip_and_step(optimizer, params, clip, loss, self.dp_group,
+                                                           flat=self.flat_optimizer)
             collected[f"{prefix}/grad_norm"].append(norm)
             collected[f"{prefix}/skipped_steps"].append(skipped)
         else:

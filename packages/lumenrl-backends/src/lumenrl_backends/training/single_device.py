@@ -214,7 +214,7 @@ class SingleDeviceWeights:
             self._dirty.add(id(optimizer))
         self.materialize_grads()
         norm, skipped = dist_utils.fused_clip_and_step(optimizer, [m for m in self.masters if m.grad is not None],
-                                                       max_norm, loss)
+                                                       max_norm, loss, flat=False)  # this path's own stepper refused
         self.copy_back()
         return norm, skipped
 
