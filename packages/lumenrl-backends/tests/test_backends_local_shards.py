@@ -228,6 +228,14 @@ def worker(rank, world, addr, out):
         rows["ref"], rows["ref_moments"] = ref, [t for pair in zip(m64, v64) for t in pair]
         rows["moments"] = [opt.state[p][k].full_tensor() for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
         rows["steps"] = sorted({float(opt.state[p]["step"]) for p in model.parameters()})
+        runs[name] = rows
+        if flat and reload:  # the weak-keyed cache keeps neither the optimizer nor its stepper alive
+            import gc, weakref
+            gone = weakref.ref(opt)
+            model = opt = sched = entry = None
+            gc.collect()
+            rows["released"] = gone() is None and not local_shards._FLAT  # the "flat" run's optimizer went too
+            continue
         if flat:
             stepper = local_shards._FLAT[opt][1]
             lo, hi = stepper.exp_avg.data_ptr(), stepper.exp_avg.data_ptr() + 4 * stepper.exp_avg.numel()
@@ -238,7 +246,6 @@ def worker(rank, world, addr, out):
             rows["empty_shard"] = int(fewest) == 0
             rows["unaligned"] = any(p.grad._local_tensor.data_ptr() % 16 for p in model.parameters()
                                     if p.grad._local_tensor.numel())
-        runs[name] = rows
     if rank == 0:
         def rel(a, b):
             return max(float((x.double() - y.double()).abs().max() / y.double().abs().max().clamp_min(1e-30))
@@ -250,7 +257,7 @@ def worker(rank, world, addr, out):
                "moments": rel(f["moments"], f["ref_moments"]),
                "reloaded_equal": all(torch.equal(a, b) for a, b in zip(r["params"] + r["moments"],
                                                                        f["params"] + f["moments"])),
-               "dtensor_views": f["dtensor_views"], "empty_shard": f["empty_shard"], "unaligned": f["unaligned"]}
+               "released": r["released"], "dtensor_views": f["dtensor_views"], "empty_shard": f["empty_shard"], "unaligned": f["unaligned"]}
         with open(out, "w") as fh:
             json.dump(row, fh)
     dist.destroy_process_group()
@@ -285,7 +292,7 @@ def test_flat_adamw_over_local_shards_matches_fused_adamw(triton_interpreted):
         # float32 arithmetic against float64 over four steps (torch's fused AdamW on the CPU: ~3e-5 on this model)
         assert row["norm"] < 1e-6 and row["params"] < 1e-5 and row["moments"] < 1e-5, (name, row)
         assert row["params"] <= row["params_fused"] + 1e-6, (name, row)
-        assert row["reloaded_equal"] and row["dtensor_views"] and row["unaligned"], (name, row)  # (1,) bias: offset 5
+        assert row["reloaded_equal"] and row["released"] and row["dtensor_views"] and row["unaligned"], (name, row)  # (1,) bias: offset 5
     assert rows["world2"]["empty_shard"] and not rows["world1"]["empty_shard"], rows
 
 

@@ -35,6 +35,8 @@ maximize, tensor learning rates, step hooks, frozen parameters); those keep ``op
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from lumenrl_backends.training.distributed import clip_scale_and_skip
@@ -233,7 +235,9 @@ class FlatAdamW:
     def __init__(self, optimizer: torch.optim.Optimizer, masters: list[torch.nn.Parameter],
                  slices: list[tuple[int, int, torch.Size]] | None = None, master_flat: torch.Tensor | None = None,
                  compute_flat: torch.Tensor | None = None, reduce_groups: tuple = ()):
-        self.optimizer, self.masters = optimizer, masters
+        # a proxy: a stepper kept per optimizer (local_shards' weak-keyed cache) must not keep it alive
+        self.optimizer = optimizer if isinstance(optimizer, weakref.ProxyType) else weakref.proxy(optimizer)
+        self.masters = masters
         self.master_flat, self.compute_flat = master_flat, compute_flat
         self.reduce_groups = tuple(reduce_groups)
         self.locals = [_local(m) for m in masters]  # what the kernels read and write (the masters on one device)
