@@ -112,14 +112,16 @@ if triton is not None:
                      BLOCK: tl.constexpr, SUB: tl.constexpr):
         for s in tl.static_range(0, BLOCK, SUB):
             local = start + s + tl.arange(0, SUB)
-            g = _load(gp, local, n, MASKED) / scale
+            # correctly rounded division and root (Triton's `/` and tl.sqrt are approximate): the kernel is bound
+            # by memory, so these cost nothing and the step rounds as torch's fused AdamW does
+            g = tl.div_rn(_load(gp, local, n, MASKED), scale)
             p = _load(mp, local, n, MASKED)
             m = _load(ep, local, n, MASKED)
             v = _load(vp, local, n, MASKED)
             p = p - lr * weight_decay * p
             m = beta1 * m + (1.0 - beta1) * g
             v = beta2 * v + (1.0 - beta2) * g * g
-            p = p - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
+            p = p - step_size * tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps)
             _store(mp, local, n, p, MASKED)
             _store(ep, local, n, m, MASKED)
             _store(vp, local, n, v, MASKED)
