@@ -210,7 +210,8 @@ def worker(rank, world, addr, out):
             norm64 = math.sqrt(sum(float(p.grad.full_tensor().double().square().sum()) for p in params))
             loss = float("nan") if step == 2 else 1.0
             if step != 2:
-                lr, (b1, b2), t64 = opt.param_groups[0]["lr"], (0.9, 0.999), t64 + 1
+                lr, t64 = opt.param_groups[0]["lr"], t64 + 1
+                b1, b2 = (float(torch.tensor(b, dtype=torch.float32)) for b in (0.9, 0.999))  # as fp32 AdamW holds them
                 coef = min(0.5 / (norm64 + 1e-6), 1.0)
                 for r, m, v, p in zip(ref, m64, v64, model.parameters()):
                     g = p.grad.full_tensor().double() * coef
@@ -300,9 +301,9 @@ def test_flat_adamw_over_local_shards_matches_fused_adamw(triton_interpreted):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flat_adamw_over_local_shards_on_cuda():
     """On a one-rank CUDA mesh (the default there: ``flat=None``), a 151936 x 256 embedding and layers, three
-    clipped steps: the flat kernels ran; against a float64 AdamW on the same gradients their parameters are within
-    float32 rounding and no further off than torch's fused AdamW's (whose bias corrections are float32), and the
-    norms are the float64 norms."""
+    clipped steps: the flat kernels ran; against a float64 AdamW on the same gradients (with the betas rounded to
+    float32, as both AdamWs hold them) their parameters are within float32 rounding and no further off than torch's
+    fused AdamW's (whose bias corrections are float32), and the norms are the float64 norms."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -328,12 +329,13 @@ def test_flat_adamw_over_local_shards_on_cuda():
             norm64 = float(torch.stack([g.norm() for g in grads]).norm())
             norm, skipped = dist_utils.fused_clip_and_step(opt, params, 0.5, flat=flat)
             assert float(skipped) == 0.0 and abs(float(norm) - norm64) <= 1e-5 * norm64
+            b1, b2 = (float(torch.tensor(b, dtype=torch.float32)) for b in (0.9, 0.999))  # as fp32 AdamW holds them
             for r, m, v, g in zip(ref, m64, v64, grads):
                 g = g * min(0.5 / (norm64 + 1e-6), 1.0)
                 r.mul_(1 - 1e-3 * 0.1)
-                m.mul_(0.9).add_(g, alpha=0.1)
-                v.mul_(0.999).addcmul_(g, g, value=0.001)
-                r.sub_(1e-3 / (1 - 0.9**t) * m / ((v / (1 - 0.999**t)).sqrt() + 1e-8))
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                r.sub_(1e-3 / (1 - b1**t) * m / ((v / (1 - b2**t)).sqrt() + 1e-8))
         assert local_shards.flat_steps(opt) == (3 if flat is None else 0)
         errors[flat] = max(float((p.full_tensor().detach().double() - r).abs().max() / r.abs().max())
                            for p, r in zip(model.parameters(), ref))

@@ -112,16 +112,14 @@ if triton is not None:
                      BLOCK: tl.constexpr, SUB: tl.constexpr):
         for s in tl.static_range(0, BLOCK, SUB):
             local = start + s + tl.arange(0, SUB)
-            # correctly rounded division and root (Triton's `/` and tl.sqrt are approximate): the kernel is bound
-            # by memory, so these cost nothing and the step rounds as torch's fused AdamW does
-            g = tl.div_rn(_load(gp, local, n, MASKED), scale)
+            g = _load(gp, local, n, MASKED) / scale
             p = _load(mp, local, n, MASKED)
             m = _load(ep, local, n, MASKED)
             v = _load(vp, local, n, MASKED)
             p = p - lr * weight_decay * p
             m = beta1 * m + (1.0 - beta1) * g
             v = beta2 * v + (1.0 - beta2) * g * g
-            p = p - step_size * tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps)
+            p = p - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
             _store(mp, local, n, p, MASKED)
             _store(ep, local, n, m, MASKED)
             _store(vp, local, n, v, MASKED)
@@ -368,8 +366,9 @@ class FlatAdamW:
 
     def _update(self, addrs: torch.Tensor, bf16: bool, aligned: bool, scale: torch.Tensor, skipped: torch.Tensor) -> None:
         group = self.optimizer.param_groups[0]
-        beta1, beta2 = (float(b) for b in group["betas"])
-        # the bias corrections of this step's count t in float64: 1 - beta^t cancels (1 - 0.999^t is 1e-3 at t = 1)
+        # the betas as the kernel holds them (float32: 0.999 is 0.99900001), so that the bias corrections match the
+        # moments' decay; the corrections of this step's count t in float64: 1 - beta^t cancels (1e-3 at t = 1)
+        beta1, beta2 = (float(torch.tensor(float(b), dtype=torch.float32)) for b in group["betas"])
         t = self.steps[0].double()
         scalars = torch.stack([scale, skipped, (group["lr"] / (1.0 - beta1 ** t)).float(),
                                (1.0 - beta2 ** t).sqrt().float()])
