@@ -24,7 +24,8 @@ The math is torch's fused AdamW (``_fused_adamw_``, AdamW mode) with the clip co
 ``p *= 1 - lr * wd``, ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``,
 ``p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``; a skipped step changes nothing
 (weights, moments, step counts). The bias corrections ``1 - b^t`` are taken in float64 on the device (in
-float32, ``1 - 0.999^t`` loses three of its seven digits to cancellation).
+float32, ``1 - 0.999^t`` loses three of its seven digits to cancellation), of the betas as the kernel holds
+them (float32), so that they match the moments' decay.
 
 The optimizer stays a ``torch.optim.AdamW``: its state entries become views of the flat moment
 buffers and one flat step vector, so ``state_dict``/DCP checkpoints, ``load_state_dict`` (values are
