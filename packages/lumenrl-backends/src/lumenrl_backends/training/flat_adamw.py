@@ -41,6 +41,7 @@ import weakref
 import torch
 
 from lumenrl_backends.training.distributed import clip_scale_and_skip
+from lumenrl_backends.training.local_shards import _local
 
 try:
     import triton
@@ -199,10 +200,6 @@ def unsupported(optimizer: torch.optim.Optimizer, masters: list[torch.nn.Paramet
     if optim_mod._global_optimizer_pre_hooks or optim_mod._global_optimizer_post_hooks:
         return "global optimizer step hooks"
     return None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def _state_tensor(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,8 @@ an H200 host, spent between the end of backward and the optimizer's kernels, whi
   launch for the clip norm and one for the update over every parameter (fused AdamW walks them in dozens of
   multi-tensor chunks and the norm is another foreach pass), the fp32 shards read and written where they lie.
   Same conditions as the single-device path's flat step (one-group AdamW over every parameter, no hooks, no
-  amsgrad or tensor hyper-parameters) plus fp32 shards, 16-byte aligned, all ``Shard`` on one mesh (or plain
-  tensors). The moments move into the stepper's flat buffers; the optimizer's state stays DTensors (views of
+  amsgrad or tensor hyper-parameters) plus fp32 shards, all ``Shard`` on one mesh (or plain tensors); shards at
+  addresses off a 16-byte boundary are read without vector accesses. The moments move into the stepper's flat buffers; the optimizer's state stays DTensors (views of
   them), so checkpoints and a later ``optimizer.step()`` see the same values.
 """
 
