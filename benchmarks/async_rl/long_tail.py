@@ -45,7 +45,9 @@ GPU can run its kernels alongside the trainer's, at the cost of sharing the GIL.
 (``max_batch_size`` = 2 x prompts x n: what the async modes keep in flight), not more.
 
 GPU shape (one H200, the ``async_long_tail_gpu`` entry): 20 steps x 8 prompts x 8 samples,
-median 32 tokens (cap 256), the modes (sync, partial, partial_thread) run three times in turn. A run this
+median 32 tokens (cap 256), a random-init Qwen3-0.6B-shaped checkpoint (``--model``; the records before
+2026-12-07 ran the demo's tiny model, on which both trainers are bound by the host and whose overlap bound sat at
+the 2.0x goal: decision 0012), the modes (sync, partial, partial_thread) run three times in turn. A run this
 short moves by tens of percent from one time to the next (the sync rate alone did: 169-256 samples/s on one
 H100; a partial run whose long samples went stale and were dropped lost to sync), so the speed-ups are each
 round's side-by-side ratio, reported as the median of the three with the lowest and highest beside it. What a full run costs besides the timed steps is per mode (engine
@@ -197,20 +199,33 @@ def run_metrics(records: list[dict]) -> dict[str, float]:
 
 def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = None,
           shape_override: dict[str, int] | None = None, async_overrides: tuple[str, ...] = (),
-          rounds: int | None = None) -> dict:
+          rounds: int | None = None, model: str | None = None) -> dict:
     """``fn(smoke) -> dict``: samples/s and time to N steps per mode, and each speed-up vs sync. ``rounds``
     (default: 3 for the full GPU run, else 1): the modes run that many times in turn (sync, partial, sync,
-    partial, ...); see :func:`combine_rounds` for what is reported."""
-    if gpu and not smoke:  # one H200 within ~240 s (module docstring)
+    partial, ...); see :func:`combine_rounds` for what is reported. ``model``: ``builtin`` (the demo's tiny
+    model, warm-started on the task) or a random-init Qwen3 shape of ``benchmarks.gpu._common.SHAPES`` saved as a
+    checkpoint (default: ``0.6b`` for the full GPU run, ``tiny`` for its smoke, else ``builtin``)."""
+    from benchmarks.gpu._common import SHAPES
+
+    if gpu and not smoke:  # one H200 within ~300 s (module docstring)
         shape = {"steps": 20, "prompts": 8, "n": 8, "median": 32}
-        extra: tuple[str, ...] = ("cluster.device=cuda", "trainer.warm_start_sft_steps=20")
+        extra: tuple[str, ...] = ("cluster.device=cuda",)
         async_overrides = async_overrides or ("weight_sync.method=cuda_ipc",)  # the rollouter: a process of its own
+        model = model or "0.6b"
     elif smoke:
-        shape, extra = {"steps": 2, "prompts": 4, "n": 4, "median": 4}, ("trainer.warm_start_sft_steps=0",)
+        shape, extra = {"steps": 2, "prompts": 4, "n": 4, "median": 4}, ()
         if gpu:  # the GPU entry's path: a rollouter process (filesystem: what the CPU has for cuda_ipc)
             async_overrides = async_overrides or ("weight_sync.method=filesystem",)
+            model = model or "tiny"  # and a saved random-init checkpoint, as the GPU run loads
     else:
-        shape, extra = {"steps": 6, "prompts": 8, "n": 4, "median": 8}, ("trainer.warm_start_sft_steps=0",)
+        shape, extra = {"steps": 6, "prompts": 8, "n": 4, "median": 8}, ()
+    model = model or "builtin"
+    if model != "builtin" and model not in SHAPES:
+        raise ValueError(f"model={model!r}: allowed builtin or one of {', '.join(SHAPES)}")
+    # the built-in model is warm-started on the task (GPU: 20 SFT steps, untimed); a random-init one is not: its
+    # rewards carry no signal, its step costs are what is measured
+    warm = 20 if gpu and not smoke and model == "builtin" else 0
+    extra = (*extra, f"trainer.warm_start_sft_steps={warm}")
     shape.update(shape_override or {})
     rounds = (3 if gpu and not smoke else 1) if rounds is None else rounds
     if rounds < 1:
@@ -220,7 +235,7 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     if modes[0] != "sync":
         modes = ("sync", *[m for m in modes if m != "sync"])
     results: dict[str, Any] = {"shape": " ".join(f"{k}={v}" for k, v in shape.items()), "rounds": rounds,
-                               "old_log_probs": OLD_LOG_PROBS}
+                               "old_log_probs": OLD_LOG_PROBS, "model": model}
     if async_overrides:
         results["async_overrides"] = " ".join(async_overrides)
     if not any("weight_sync.method=inprocess" in o for o in async_overrides) and (gpu or async_overrides):
@@ -232,6 +247,11 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     per_round: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("LUMENRL_CACHE", str(Path(tmp) / "cache"))
+        if model != "builtin":  # every mode loads the same checkpoint, as a user's run loads its model
+            from benchmarks.gpu.bench_grpo_step import save_random_model
+
+            save_random_model(model, Path(tmp) / "model", "cuda" if gpu and not smoke else "cpu")
+            extra = (*extra, f"policy.model_name={Path(tmp) / 'model'}")
         if gpu and not smoke:  # process-wide compiles (Triton, CUDA context) charged to no mode
             run_mode("sync", out=Path(tmp) / "warmup", extra=extra, **shape)  # a whole run (module doc)
             results["warmup_steps"] = shape["steps"]
@@ -333,6 +353,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None,
                         help="times the modes run in turn (default: 3 on the GPU, else 1); speed-ups: the median")
     parser.add_argument("--shape", default="", help="override the shape, e.g. steps=8,prompts=16,n=8,median=64")
+    parser.add_argument("--model", default=None,
+                        help="builtin (the demo's tiny model) or a random-init Qwen3 shape: tiny, 0.6b, 1.7b, 8b "
+                             "(default: 0.6b with --gpu, else builtin)")
     parser.add_argument("--async-override", action="append", default=[],
                         help="a config override for the async modes only, e.g. weight_sync.method=cuda_ipc")
     args = parser.parse_args()
@@ -340,7 +363,8 @@ def main() -> None:
     if args.rounds is not None and args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: allowed >= 1")
     results = bench(args.smoke, gpu=args.gpu, modes=tuple(args.modes.split(",")) if args.modes else None,
-                    shape_override=shape, async_overrides=tuple(args.async_override), rounds=args.rounds)
+                    shape_override=shape, async_overrides=tuple(args.async_override), rounds=args.rounds,
+                    model=args.model)
     print(f"{'mode':<10}{'samples/s':>12}{'time to N (s)':>15}{'speed-up':>10}{'steady x':>10}{'resp len':>10}"
           f"{'stale drop':>11}{'partial':>9}{'lag/oldest':>11}  reward curve")
     for mode in MODES:
@@ -351,7 +375,7 @@ def main() -> None:
                   f"{results[f'{mode}/dropped_stale']:>11.0f}{results[f'{mode}/partial_rollouts']:>9.0f}"
                   f"{results[f'{mode}/staleness_max']:>7.0f}/{results[f'{mode}/staleness_oldest_max']:<3.0f}"
                   f"  {results[f'{mode}/reward_curve']}")
-    print(f"{results['shape']}; total {results['total_s']} s (warm-up and builds included)")
+    print(f"{results['shape']} model={results['model']}; total {results['total_s']} s (warm-up and builds included)")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,11 @@ def test_rounds_below_one_are_refused():
         bench(True, rounds=0)
 
 
+def test_an_unknown_model_is_refused_before_any_run():
+    with pytest.raises(ValueError, match="model='7b': allowed builtin or one of tiny, 0.6b"):
+        bench(True, model="7b")
+
+
 def test_rounds_show_each_rate_and_the_median_phase_times():
     rng = random.Random()
     updates = [rng.uniform(0.01, 0.2) for _ in range(3)]
