@@ -209,3 +209,27 @@ def test_reader_racing_a_writer_process_never_loads_a_torn_snapshot(tmp_path):
     assert proc.exitcode == 0
     read()  # the writer is done: its last snapshot, nothing left to race
     assert seen == sorted(seen) and seen[-1] == 25
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_inprocess_cuda_copies_stay_on_the_device_and_are_ordered_for_a_reader_stream():
+    """A CUDA publish copies on the device in the publisher's stream order; a reader on another stream sees the
+    published values (its stream waits for the copies), not a later in-place update, and a newer publish dropping
+    the copies does not hand their memory to other work while the reader's copies are queued."""
+    sync = InProcessWeightSync()
+    big = torch.randn(4096, 4096, device="cuda")
+    expected = big.clone()
+    sync.publish({"w": big}, 1)
+    big.mul_(3.0)  # the next optimizer step, queued after the publish on the same stream
+    reader = torch.cuda.Stream()
+    with torch.cuda.stream(reader):
+        torch.cuda._sleep(50_000_000)  # the reader's stream is busy: its copy runs well after the publish
+        version, got = sync.latest()
+        assert got["w"].device.type == "cuda" and got["w"].data_ptr() != big.data_ptr()
+        into = torch.empty_like(got["w"]).copy_(got["w"])
+    del got
+    sync.publish({"w": big}, 2)  # drops version 1's copy while the reader's copy may still be queued
+    scratch = [torch.full((4096, 4096), -1.0, device="cuda") for _ in range(4)]  # would reuse a freed block
+    reader.synchronize()
+    assert version == 1 and torch.equal(into, expected)
+    assert torch.equal(sync.latest()[1]["w"], big) and len(scratch) == 4

@@ -415,6 +415,8 @@ def test_interrupt_from_another_thread_with_a_speculative_step_in_flight(qwen3_d
     overlap._decode = original
     overlap.resume()
     assert_same(overlap.generate(partial, params), full, atol=1e-5)
+    # the rows continued in their kept slots, the queued step's state advance undone first
+    assert overlap.kept_slots["reclaimed"] == len(batch)
 
 
 def test_engines_sharing_a_model_apply_their_own_fusion_setting(qwen3_dir, monkeypatch):

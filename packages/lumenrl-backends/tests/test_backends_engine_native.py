@@ -318,10 +318,54 @@ def test_interrupt_then_resume_equals_uninterrupted(loaded):
     assert not engine.generate(partial, params).batch["response_mask"].sum() > lengths.sum()  # still stopped
     engine.resume()
     engine._decode = NativeEngine._decode.__get__(engine)
+    prefilled = _count_prefill_rows(engine)
     done = engine.generate(partial, params)
     assert done.meta_info["interrupted"] is False
     assert torch.equal(done.batch["responses"], full.batch["responses"])
     assert torch.allclose(done.batch["rollout_log_probs"], full.batch["rollout_log_probs"], atol=1e-5)
+    # the 4 started rows continued in their slots (their caches kept): only the never-started rows were prefilled
+    assert engine.kept_slots["reclaimed"] >= 4 and prefilled["rows"] == int((lengths == 0).sum())
+
+
+def _count_prefill_rows(engine: NativeEngine) -> dict[str, int]:
+    original, seen = engine.prefill, {"rows": 0}
+
+    def counted(contexts, *args, **kwargs):
+        seen["rows"] += len(contexts)
+        return original(contexts, *args, **kwargs)
+
+    engine.prefill = counted
+    return seen
+
+
+def test_kept_slots_are_freed_for_other_rows_and_other_sampling(loaded):
+    """Rows that continue no kept row (another batch; the same rows under another sampler) are prefilled, the kept
+    slots freed for them, and the outputs are a fresh engine's."""
+    tokenizer = loaded[1]
+    batch = prompt_batch(tokenizer)
+    params = {"temperature": 1.0, "max_new_tokens": 12, "seed": 5, "ignore_eos": True}
+    engine = engine_for(loaded)
+    _interrupt_after(engine, 3)
+    partial = engine.generate(batch, params)
+    engine._decode = NativeEngine._decode.__get__(engine)
+    engine.resume()
+    kept = engine.kept_slots["kept"]
+    assert kept == len(batch)
+    other = prompt_batch(tokenizer, PROMPTS[::-1])
+    prefilled = _count_prefill_rows(engine)
+    got = engine.generate(other, params)
+    assert engine.kept_slots["freed"] == kept and engine.kept_slots["reclaimed"] == 0
+    assert prefilled["rows"] == len(other)
+    assert torch.equal(got.batch["responses"], engine_for(loaded).generate(other, params).batch["responses"])
+    # the same continuation under another sampler: not reclaimed (its slots' sampler settings differ)
+    _interrupt_after(engine, 3)
+    partial = engine.generate(batch, params)
+    engine._decode = NativeEngine._decode.__get__(engine)
+    engine.resume()
+    greedy = {**params, "temperature": 0.0}
+    engine.generate(partial, greedy)
+    assert engine.kept_slots["reclaimed"] == 0
+    assert sorted(engine.slots.free) == list(range(engine.max_batch_size))  # nothing left kept at the end
 
 
 def test_resume_under_new_weights(loaded):
@@ -334,7 +378,9 @@ def test_resume_under_new_weights(loaded):
     partial = engine.generate(batch, params)
     engine._decode = NativeEngine._decode.__get__(engine)
     gen = torch.Generator().manual_seed(1)
+    freed = engine.kept_slots["freed"]
     engine.update_weights({n: p + 0.3 * torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}, 7)
+    assert engine.kept_slots["freed"] - freed == len(batch)  # their caches hold the old weights' keys and values
     engine.resume()
     done = engine.generate(partial, params)
     kept = partial.batch["response_mask"].bool()

@@ -1,6 +1,9 @@
 """Weight synchronizers: the trainer publishes ``(named_tensors, version)``, rollout reads the latest.
 
-- :class:`InProcessWeightSync` keeps detached copies in memory (trainer and engine in one process).
+- :class:`InProcessWeightSync` keeps detached copies in memory (trainer and engine in one process), each on
+  the device its tensor is on: a CUDA tensor is copied on the device, in the publisher's stream order, so a
+  publish blocks neither thread (a host copy of the weights took both a host wait and a page-locked bounce
+  each way), at the cost of one extra copy of the weights in device memory.
 - :class:`FilesystemWeightSync` writes a safetensors snapshot plus a JSON manifest (version,
   sha256, size) per version under a directory that readers on other processes or nodes can see.
   Every file is written to a temporary name in the same directory, fsync'ed and renamed into
@@ -43,8 +46,27 @@ def _check_version(version: int, last: int | None) -> None:
         raise ValueError(f"version={version} must be greater than the last published version {last}")
 
 
+def _snapshot(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[tuple[Any, Any]]]:
+    """Detached contiguous copies on each tensor's own device, and a CUDA event per device recorded after its
+    copies on the current stream (a reader's stream waits for them, see :meth:`InProcessWeightSync.latest`)."""
+    out, devices = {}, {}
+    for name, t in tensors.items():
+        if t.is_cuda:
+            out[name] = t.detach().clone(memory_format=torch.contiguous_format)
+            devices[t.device] = True
+        else:
+            out[name] = cpu_copies({name: t})[name]
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append((device, event))
+    return out, events
+
+
 class InProcessWeightSync:
-    """Latest weights in memory; ``publish`` copies, so later in-place optimizer steps do not leak."""
+    """Latest weights in memory; ``publish`` copies (on the tensors' own devices), so later in-place optimizer
+    steps do not leak."""
 
     capabilities = manifest.INPROCESS.capabilities
 
@@ -52,6 +74,7 @@ class InProcessWeightSync:
         self.copy = copy
         self._lock = threading.Lock()
         self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._events: list[Any] = []  # CUDA (device, event): recorded after the latest copies, publisher's stream
 
     @classmethod
     def probe(cls) -> str | None:
@@ -62,17 +85,30 @@ class InProcessWeightSync:
         return cls()
 
     def publish(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        tensors = cpu_copies(named_tensors) if self.copy else dict(named_tensors)
+        _check_version(version, self.latest_version())
+        tensors, events = _snapshot(named_tensors) if self.copy else (dict(named_tensors), [])
         with self._lock:
             _check_version(version, self.latest_version())
-            self._latest = (version, tensors)
+            self._latest, self._events = (version, tensors), events
 
     def latest_version(self) -> int | None:
         return None if self._latest is None else self._latest[0]
 
     def latest(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest (version, tensors). CUDA tensors are ready for the caller's current stream (it waits for the
+        publisher's copies, without blocking the host) and stay allocated until that stream's work queued so far
+        is done, even once a newer publish drops them."""
         with self._lock:
-            return None if self._latest is None else (self._latest[0], dict(self._latest[1]))
+            if self._latest is None:
+                return None
+            version, tensors = self._latest[0], dict(self._latest[1])
+            events = list(self._events)
+        for device, event in events:
+            torch.cuda.current_stream(device).wait_event(event)
+        for t in tensors.values():
+            if t.is_cuda:
+                t.record_stream(torch.cuda.current_stream(t.device))
+        return version, tensors
 
     def load_into(self, engine: Any) -> int | None:
         return load_newest(self, engine)

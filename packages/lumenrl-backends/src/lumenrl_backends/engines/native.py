@@ -57,6 +57,15 @@ recalibrated at the first prefill after each update.
 Interrupt/resume: :meth:`interrupt` (thread-safe) makes a running :meth:`generate` return at the next step with
 ``meta_info["interrupted"] = True``, unfinished rows marked "interrupted"; after :meth:`resume`, that batch passed to
 :meth:`generate` continues them (prefilled under the *current* weights; earlier log-probs kept as generated).
+
+Slots kept across an interrupt: an interrupted row keeps its slot, with its KV cache and decode state, until the
+next :meth:`generate` call. A row of that call with the same sampling seed and context (prompt + response so far),
+under the same weights and sampling settings, continues in its slot with no prefill: exactly the uninterrupted
+sequence. Every other kept slot is freed at the start of that call, and all of them at :meth:`update_weights`
+(the cache holds the old weights' keys and values: such rows are prefilled under the new ones, as before). This is
+what makes an async rollouter's refill (interrupt while the batch runs under-full, continue the leftover beside
+fresh rows) cost the fresh rows' prefill only, not the leftover's again. Not with R3 route recording or a
+speculative draft: those calls free every slot at their end as before.
 """
 
 from __future__ import annotations
@@ -119,6 +128,16 @@ from lumenrl_backends.engines.whole_graph import WholeGraph
 from lumenrl_backends.exact import enable_exact, enable_exact_quantized, exact_token_log_probs
 
 __all__ = ["NativeEngine", "sliding_window_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """What an interrupted row left in its slot: the continuation that may reclaim it."""
+
+    seed: int
+    context: tuple[int, ...]  # prompt + response so far; the cache holds all but the last token
+    version: int  # the engine's weights
+    sampling: tuple[float, int, float]  # temperature, top_k, top_p of the slot's sampler
 
 
 @dataclass(slots=True)
@@ -261,6 +280,8 @@ class NativeEngine:
         self._flip = 0
         self._inflight: _Launched | None = None
         self.speculation = {"launched": 0, "rolled_back": 0}  # speculative steps queued / undone (diagnostics)
+        self._kept: dict[int, _Kept] = {}  # slot -> the interrupted row it holds (module doc)
+        self.kept_slots = {"kept": 0, "reclaimed": 0, "freed": 0}  # rows kept / continued in place / freed unused
         # Triton one-pass sampler on CUDA, after a self-check against the torch sampler (None: not checked yet)
         self._fused_ok: bool | None = None if k.fused_sampling and self.device.type == "cuda" else False
         self.draft, self.spec_tokens = None, 0  # speculative decoding: engines/speculative.attach_draft
@@ -310,6 +331,7 @@ class NativeEngine:
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
     ) -> int:
         """Copy weights into the engine model in place (no reallocation); returns tensors copied."""
+        self._free_kept()  # their caches hold the old weights' keys and values
         count = copy_weights_(self.model, named_tensors, self.moe.reloaders)  # requantizes FP8/MX weights in place
         self.weight_version = int(version)
         # FP8 KV scales follow the new policy unless quantization.rollout.kv_scale_recalibration=false
@@ -322,6 +344,7 @@ class NativeEngine:
         """Generate for every row of ``batch``; returns the rollout DataProto (contracts layout)."""
         params = coerce_sampling(sampling)
         if self.draft is not None:  # draft-then-verify (engines/speculative.py)
+            self._free_kept()
             return speculative_generate(self, batch, params)
         requests, prompts, prompt_mask = requests_from_batch(batch, params)
         stops = stop_ids_for(params, self.eos_token_ids)
@@ -339,8 +362,9 @@ class NativeEngine:
                                    tokenizer=self.tokenizer, meta_info=meta)
 
     def _run(self, requests: list[Request], params: SamplingParams, stops: frozenset[int]) -> None:
-        queue: deque[Request] = deque(requests)
-        active: dict[int, Request] = {}
+        active = self._reclaim(requests, params)  # rows an interrupted call left in their slots: no prefill
+        queue: deque[Request] = deque(r for r in requests if all(r is not a for a in active.values()))
+        keep = False
         try:
             while (queue or active) and not self._interrupt.is_set():
                 if queue and self.slots.free:
@@ -352,10 +376,68 @@ class NativeEngine:
                     self._prefill_seconds += time.perf_counter() - tick
                 if active and not self._interrupt.is_set():
                     self._decode(active, params, stops, speculate=self.overlap_sync and not queue)
+            keep = bool(active) and not self.routes.enabled  # interrupted: the unfinished rows keep their slots
         finally:
-            self.routes.take_all(active, self.slots.host_columns, 1 if self._inflight is not None else 0)
-            self._inflight = None  # a speculative step left by an interrupt: dropped (slots are reset below)
-            self.slots.release_all()
+            if keep:
+                self._keep(active, params)
+            else:
+                self.routes.take_all(active, self.slots.host_columns, 1 if self._inflight is not None else 0)
+                self._inflight = None  # a speculative step left by an interrupt: dropped (slots are reset below)
+                self.slots.release_all()
+
+    def _keep(self, active: dict[int, Request], params: SamplingParams) -> None:
+        """An interrupted call's unfinished rows keep their slots (module doc). A step queued past the last recorded
+        one is undone for them first, so each slot's state is that of its row's last recorded token."""
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            rows = [slot for slot in step.slot_ids if slot in active]
+            if rows:
+                self._undo_step(rows, [active[slot].response[-1] for slot in rows])
+        sampling = (float(params.temperature), int(params.top_k), float(params.top_p))
+        for slot, request in active.items():
+            self._kept[slot] = _Kept(seed=int(request.seed), context=tuple(request.context),
+                                     version=int(self.weight_version), sampling=sampling)
+        self.kept_slots["kept"] += len(active)
+
+    def _reclaim(self, requests: list[Request], params: SamplingParams) -> dict[int, Request]:
+        """Slot -> request for the requests that continue a kept row exactly (same seed, context, weights and
+        sampler); every other kept slot is freed."""
+        kept, self._kept = self._kept, {}
+        if not kept:
+            return {}
+        sampling = (float(params.temperature), int(params.top_k), float(params.top_p))
+        waiting = {(k.seed, k.context): slot for slot, k in kept.items()
+                   if k.version == self.weight_version and k.sampling == sampling}
+        active: dict[int, Request] = {}
+        for request in requests:
+            if request.done or not request.response:
+                continue
+            slot = waiting.pop((int(request.seed), tuple(request.context)), None)
+            if slot is not None:
+                active[slot] = request
+        unused = [slot for slot in kept if slot not in active]
+        if unused:
+            self.slots.release_many(unused)
+        self.kept_slots["reclaimed"] += len(active)
+        self.kept_slots["freed"] += len(unused)
+        return active
+
+    def _free_kept(self) -> None:
+        if self._kept:
+            self.kept_slots["freed"] += len(self._kept)
+            self.slots.release_many(list(self._kept))
+            self._kept = {}
+
+    def _undo_step(self, rows: list[int], tokens: list[int]) -> None:
+        """Undo one queued step's state advance for ``rows``: each takes ``tokens`` (its last recorded token) as its
+        next input again, a column, position and counter back (the column is rewritten by the next step)."""
+        s = self.slots
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        for state in (s.columns, s.positions, s.counters):
+            state[index] -= 1
+        s.tokens[index] = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        for slot in rows:
+            s.host_columns[slot] -= 1
 
     def _record(
         self,
@@ -529,12 +611,7 @@ class NativeEngine:
             self._inflight = None  # undo its state advance for the rows that continue; redone next call
             self.speculation["rolled_back"] += 1
             rows = sorted(active)
-            index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-            for state in (s.columns, s.positions, s.counters):
-                state[index] -= 1
-            s.tokens[index] = torch.tensor([int(host[0][i]) for i in rows], dtype=torch.int64, device=self.device)
-            for slot in rows:
-                s.host_columns[slot] -= 1
+            self._undo_step(rows, [int(host[0][i]) for i in rows])
 
     def _decode_step(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward + sampling + state advance over slots 0..batch-1 (what one CUDA graph holds)."""
