@@ -110,6 +110,9 @@ def test_partial_rollout_keeps_r3_routes_aligned_and_replayable(tmp_path):
     records = read_metrics(tmp_path / "run")
     assert len(records) == 6 and records[-1]["async/partial_rollouts_total"] > 0  # interrupts really happened
     assert records[-1]["async/interrupts_total"] > 0
+    last = records[-1]  # the rollouter's calls (each interrupt ends one) and its prefill time within its busy time
+    assert last["async/rollouter_calls_total"] > last["async/interrupts_total"]
+    assert 0 < last["async/rollouter_prefill_s_total"] < last["async/rollouter_busy_s_total"]
     # staleness_from=finish (the default): the bound (1 sync) holds from the weights that finished each group;
     # the metrics report that lag and each sample's oldest token's, as recomputed from the trained tokens
     for batch, record in zip(trained, records):

@@ -27,7 +27,10 @@ and ``rollouter_first_group_s`` (start message to its first finished group). The
 rate, and the whole ``fit()`` rate at 20 steps. A rollouter process is forked from the rollouter server
 (a forkserver that imports torch, transformers and LumenRL once); the benchmark starts that server at its
 own start, as ``lumenrl train`` does at the CLI's start, so its imports overlap this process's work
-(``rollouter_forked`` = 1: the child was forked from it, its imports done).
+(``rollouter_forked`` = 1: the child was forked from it, its imports done). What the rollouter did with its busy
+time: ``rollouter_calls_per_step``, ``rollouter_interrupts_per_step`` and ``rollouter_refills_per_step`` (generate
+calls and interrupts per trained step), ``rollouter_prefill_share`` (its prefill seconds over its generate seconds)
+and ``rollouter_tokens_per_s`` (tokens over generate seconds).
 
 Every mode makes one optimizer step per step and runs with ``algorithm.old_log_probs=reuse``: the
 synchronous trainer's old log-probs and the async trainer's proximal ones (the policy before its update)
@@ -194,6 +197,18 @@ def run_metrics(records: list[dict]) -> dict[str, float]:
     for key in STARTUP:
         if f"async/{key}" in last:
             out[key] = last[f"async/{key}"]
+    # what the rollouter did with its busy time (whole run): generate calls and interrupts per trained step, the
+    # share of its generate time spent in prefill, and its decode rate
+    steps = max(len(records), 1)
+    for key in ("calls", "interrupts", "refills"):
+        name = "rollouter_calls_total" if key == "calls" else f"{key}_total"
+        if f"async/{name}" in last:
+            out[f"rollouter_{key}_per_step"] = round(last[f"async/{name}"] / steps, 3)
+    busy = last.get("async/rollouter_busy_s_total", 0.0)
+    if busy > 0:
+        out["rollouter_prefill_share"] = round(last.get("async/rollouter_prefill_s_total", 0.0) / busy, 4)
+    if "perf/rollout_tokens_per_s" in last:
+        out["rollouter_tokens_per_s"] = round(last["perf/rollout_tokens_per_s"], 1)
     return out
 
 
@@ -276,6 +291,8 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
 
 
 # reported name: run_mode's key, each the median over the rounds
+ROLLOUTER_WORK = ("rollouter_calls_per_step", "rollouter_interrupts_per_step", "rollouter_refills_per_step",
+                  "rollouter_prefill_share", "rollouter_tokens_per_s")  # run_metrics: the last round's
 MEDIANS = {"samples_per_s": "samples_per_s", "steady_samples_per_s": "steady_samples_per_s",
            "samples_per_s_incl_build": "samples_per_s_incl_build", "first_step_s": "first_step_s",
            "time_to_n_steps_s": "wall_s", "build_s": "build_s"}
@@ -318,7 +335,7 @@ def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> 
         out[f"{mode}/staleness_oldest_max"] = max(g.get("staleness_oldest_max", 0.0) for g in runs)
         out[f"{mode}/response_length_mean"] = round(g["response_length_mean"], 2)
         out[f"{mode}/partial_rollouts"] = g["partial_rollouts"]
-        for key in ("rollouter_idle_ratio", "trainer_wait_s_per_step", "first_step_wait_s", *STARTUP):
+        for key in ("rollouter_idle_ratio", "trainer_wait_s_per_step", "first_step_wait_s", *STARTUP, *ROLLOUTER_WORK):
             if key in g:
                 out[f"{mode}/{key}"] = round(g[key], 4)
     for mode in modes[1:]:

@@ -29,7 +29,8 @@ from lumenrl_async.queue import SampleGroup, SampleQueue
 __all__ = ["ProcessChannel", "Outbox", "STAT_KEYS", "deliver", "encode"]
 
 STAT_KEYS = ("idle_s", "busy_s", "partial_rollouts", "interrupts", "refills", "budget_refunds", "samples", "tokens",
-             "round", "graph_captures", "graph_capture_s")  # the last two: the producer engine's CUDA graphs (0 without)
+             "round", "graph_captures", "graph_capture_s",  # these two: the producer engine's CUDA graphs (0 without)
+             "calls", "prefill_s")  # generate calls, and the engine's prefill seconds within them
 
 
 def encode(group: SampleGroup) -> tuple[Any, ...]:

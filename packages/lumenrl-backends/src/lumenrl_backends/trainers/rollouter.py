@@ -142,7 +142,7 @@ class Rollouter:
         self.window_version = -1
         self._stale_seen = 0  # the trainer's stale drops already accounted for in this window
         self.stats = {"idle_s": 0.0, "busy_s": 0.0, "partial_rollouts": 0, "interrupts": 0, "refills": 0,
-                      "samples": 0, "tokens": 0, "budget_refunds": 0}
+                      "samples": 0, "tokens": 0, "budget_refunds": 0, "calls": 0, "prefill_s": 0.0}
         self._call_rows = 0
         self._interrupt_reason: str | None = None
         self.lock = threading.Lock()  # held while this rollouter uses the engine (others: interrupt, then take it)
@@ -240,7 +240,10 @@ class Rollouter:
         if hasattr(self.engine, "resume"):
             self.engine.resume()
         out["token_versions"] = tag_token_versions(batch, out, version)
-        self.stats["tokens"] += int(out.meta_info.get("perf", {}).get("tokens", 0))
+        perf = out.meta_info.get("perf", {})
+        self.stats["tokens"] += int(perf.get("tokens", 0))
+        self.stats["prefill_s"] += float(perf.get("prefill_seconds", 0.0))  # engines that time their prefill
+        self.stats["calls"] += 1
         self._split(out)
         return True
 
