@@ -5,6 +5,7 @@ in place. The decode kernels themselves (attention, sampler): ``test_backends_en
 from __future__ import annotations
 
 import importlib.util
+import random
 import weakref
 
 import pytest
@@ -159,6 +160,13 @@ def test_prefill_chunks_bound_padded_tokens_and_keep_outputs(loaded):
     chunks = engine._prefill_chunks(requests)
     assert sum(len(c) for c in chunks) == 6
     assert all(len(c) == 1 or len(c) * max(len(r.context) for r in c) <= 20 for c in chunks)
+    # rows ordered longest first (as the engine admits them): a group pads to at most twice each row's length
+    lengths = sorted(random.Random().sample(range(1, 300), 40), reverse=True)
+    wide = NativeEngine(model, tokenizer, max_batch_size=16, max_seq_len=64, prefill_chunk_tokens=1 << 20)
+    groups = wide._prefill_chunks([type("R", (), {"context": [0] * n})() for n in lengths])
+    assert [len(r.context) for c in groups for r in c] == lengths
+    assert all(2 * len(r.context) >= len(c[0].context) for c in groups for r in c)
+    assert len(groups) <= 9  # 299 -> 1 halves at most 9 times
     chunked = engine.generate(batch, params)
     assert torch.equal(whole.batch["responses"], chunked.batch["responses"])
     assert torch.allclose(whole.batch["rollout_log_probs"], chunked.batch["rollout_log_probs"], atol=1e-4)

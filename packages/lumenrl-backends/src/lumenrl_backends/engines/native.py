@@ -35,7 +35,9 @@ Kernel paths (the switches in ``backquotes`` below are fields of
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv`` (one pass over
   the cache; :mod:`~lumenrl_backends.engines.attention`); ``kv_v_tiles`` (opt-in): V in (D, 128) tiles;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
-  memory); ``gpu_memory_utilization`` sizes the number of KV slots from free device memory;
+  memory), the admitted requests ordered by context length first (longest first), so that a chunk's rows are
+  left-padded to a length like their own (continued rows beside fresh prompts); ``gpu_memory_utilization`` sizes the number of
+  KV slots from free device memory;
 * small prefills replay CUDA graphs at bucketed shapes (:mod:`~lumenrl_backends.engines.prefill`: an eager
   prefill of a few tokens is all host time);
 * sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with counter-based
@@ -369,6 +371,9 @@ class NativeEngine:
             while (queue or active) and not self._interrupt.is_set():
                 if queue and self.slots.free:
                     admitted = [queue.popleft() for _ in range(min(len(queue), len(self.slots.free)))]
+                    # longest first: chunks of like lengths (little left padding), and the continued long-tail
+                    # rows take the lowest slots, the fresh ones above them (their early finishes shrink the bucket)
+                    admitted.sort(key=lambda r: -len(r.context))
                     tick = time.perf_counter()
                     with record_function("lumenrl/prefill"):  # a range of a torch.profiler trace (trainer phases)
                         for chunk in self._prefill_chunks(admitted):
@@ -510,13 +515,14 @@ class NativeEngine:
         return self._fused_ok
 
     def _prefill_chunks(self, admitted: list[Request]) -> list[list[Request]]:
-        """Consecutive groups whose left-padded size (rows x longest context) fits the token budget."""
+        """Consecutive groups whose left-padded size (rows x longest context) fits the token budget; a row under half
+        its group's width starts a new group (with rows ordered longest first: at most twice the real tokens each)."""
         chunks: list[list[Request]] = []
         current: list[Request] = []
         width = 0
         for request in admitted:
             grown = max(width, len(request.context))
-            if current and grown * (len(current) + 1) > self.prefill_chunk_tokens:
+            if current and (grown * (len(current) + 1) > self.prefill_chunk_tokens or 2 * len(request.context) < width):
                 chunks.append(current)
                 current, grown = [], len(request.context)
             current.append(request)
