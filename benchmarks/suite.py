@@ -130,7 +130,9 @@ ENTRIES: tuple[Entry, ...] = (
                    "partial/trainer_wait_s_per_step", "partial/rollouter_ready_s", "partial/startup_overlap_s",
                    "partial/rollouter_boot_s", "partial/rollouter_forked", "sync/step_update_actor_s",
                    "partial/step_update_actor_s", "partial_thread/steady_speedup_vs_sync",
-                   "partial_thread/speedup_vs_sync", "partial_thread/step_update_actor_s"),
+                   "partial_thread/speedup_vs_sync", "partial_thread/step_update_actor_s",
+                   "partial_keep/steady_speedup_vs_sync", "partial_keep/speedup_vs_sync",
+                   "partial/rollouter_prefill_share", "partial_keep/rollouter_prefill_share"),
           goal="async + partial rollout >= 2.0x synchronous samples/s (one H200, long-tail lengths, steady state; "
                "median of 3 side-by-side pairs since 2026-12-06)",
           metric="partial/steady_speedup_vs_sync", bound=">= 2.0",

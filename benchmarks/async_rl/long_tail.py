@@ -38,8 +38,9 @@ are the update's own forward, as TRL's GRPO does with one iteration, so no mode 
 them (the records before 2026-12-07 ran a separate pass in every mode).
 
 Modes: ``sync`` (trainer.name=rl) and the four async presets (on-policy, stream off-policy,
-stale, partial rollout), and ``partial_thread``, partial rollout with the rollouter a thread of the trainer's
-process. On the CPU the rollouter shares the trainer's process and device
+stale, partial rollout), ``partial_thread``, partial rollout with the rollouter a thread of the trainer's
+process, and ``partial_keep``, partial rollout whose sequences interrupted by a weight update continue on their
+cached keys and values (``async_training.resume_kv=keep``) instead of a prefill under the new weights. On the CPU the rollouter shares the trainer's process and device
 (``weight_sync.method=inprocess``, a thread). On the GPU it is a process of its own on the same device
 (``weight_sync.method=cuda_ipc``): two processes on one GPU take turns on it (time slices), and the H100 records
 of 2026-12-07 show the trainer's reference and update phases taking up to twice as long beside a busy rollouter
@@ -50,7 +51,7 @@ GPU can run its kernels alongside the trainer's, at the cost of sharing the GIL.
 GPU shape (one H200, the ``async_long_tail_gpu`` entry): 20 steps x 8 prompts x 8 samples,
 median 32 tokens (cap 256), a random-init Qwen3-0.6B-shaped checkpoint (``--model``; the records before
 2026-12-07 ran the demo's tiny model, on which both trainers are bound by the host and whose overlap bound sat at
-the 2.0x goal: decision 0012), the modes (sync, partial, partial_thread) run three times in turn. A run this
+the 2.0x goal: decision 0012), the modes (sync, partial, partial_thread, partial_keep) run three times in turn. A run this
 short moves by tens of percent from one time to the next (the sync rate alone did: 169-256 samples/s on one
 H100; a partial run whose long samples went stale and were dropped lost to sync), so the speed-ups are each
 round's side-by-side ratio, reported as the median of the three with the lowest and highest beside it. What a full run costs besides the timed steps is per mode (engine
@@ -89,10 +90,13 @@ MODES = {
     "stale": "grpo_async_stale.yaml",
     "partial": "grpo_async_partial.yaml",
     "partial_thread": "grpo_async_partial.yaml",
+    "partial_keep": "grpo_async_partial.yaml",
 }
 # a mode's own overrides, after the run's async overrides: partial rollout with the rollouter a thread of the
 # trainer's process (its engine on a CUDA stream of its own), beside the rollouter process of `partial` on the GPU
-MODE_OVERRIDES = {"partial_thread": ("weight_sync.method=inprocess",)}
+# partial_keep: partial rollout whose interrupted sequences continue on the keys and values their old weights cached
+# (async_training.resume_kv=keep, an in-flight weight update) instead of being prefilled again under the new ones
+MODE_OVERRIDES = {"partial_thread": ("weight_sync.method=inprocess",), "partial_keep": ("async_training.resume_kv=keep",)}
 
 
 # every mode: one optimizer step per step, so the old (sync) / proximal (async) log-probs come from the update's own
@@ -246,7 +250,7 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: allowed >= 1")
     # GPU: the goal's pair and the rollouter thread beside it (time)
-    modes = modes or (("sync", "partial", "partial_thread") if smoke or gpu else tuple(MODES))
+    modes = modes or (("sync", "partial", "partial_thread", "partial_keep") if smoke or gpu else tuple(MODES))
     if modes[0] != "sync":
         modes = ("sync", *[m for m in modes if m != "sync"])
     results: dict[str, Any] = {"shape": " ".join(f"{k}={v}" for k, v in shape.items()), "rounds": rounds,

@@ -401,6 +401,71 @@ def test_resume_under_new_weights(loaded):
     assert delta.abs().mean() < 1e-4
 
 
+def test_kept_kv_across_a_weight_update_continues_on_the_old_cache(loaded):
+    """keep_kv_on_update (async_training.resume_kv=keep): an interrupted row continues in its slot after
+    update_weights, no prefill; its new tokens are what the new weights predict from the keys and values the old
+    weights cached (float64 reference: HF's cache filled by the old model, continued by the new one)."""
+    import copy
+
+    model, tokenizer = loaded
+    old = copy.deepcopy(model).double()  # before the engine fuses the model's projections
+    batch = prompt_batch(tokenizer)
+    params = {"temperature": 0.0, "max_new_tokens": 14, "ignore_eos": True}
+    engine = engine_for(loaded)
+    engine.keep_kv_on_update = True
+    _interrupt_after(engine, 4)
+    partial = engine.generate(batch, params)
+    engine._decode = NativeEngine._decode.__get__(engine)
+    gen = torch.Generator().manual_seed(3)
+    new_weights = {n: p + 0.3 * torch.randn(p.shape, generator=gen) for n, p in old.named_parameters()}
+    engine.update_weights({n: w.float() for n, w in new_weights.items()}, 2)
+    engine.resume()
+    prefilled = _count_prefill_rows(engine)
+    done = engine.generate(partial, params)
+    assert prefilled["rows"] == 0 and engine.kept_slots["reclaimed"] == len(batch)
+    assert done.meta_info["weight_version"] == 2
+    new = copy.deepcopy(old)
+    new.load_state_dict(new_weights, strict=False)
+    kept = partial.batch["response_mask"].sum(1)
+    for row in range(len(batch)):
+        prompt = batch.batch["input_ids"][row][batch.batch["attention_mask"][row].bool()]
+        response = done.batch["responses"][row][done.batch["response_mask"][row].bool()]
+        k = int(kept[row])
+        with torch.no_grad():
+            cache = old(torch.cat([prompt, response[: k - 1]])[None], use_cache=True).past_key_values
+            ids, want = response[k - 1 : k], []
+            for j in range(k, len(response)):
+                out = new(ids[None], past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logp = torch.log_softmax(out.logits[0, -1], -1)
+                assert int(logp.argmax()) == int(response[j]), (row, j)  # greedy: the reference's choice
+                want.append(float(logp[response[j]]))
+                ids = response[j : j + 1]
+        got = done.batch["rollout_log_probs"][row][k : len(response)]
+        torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-4)
+    mask = partial.batch["response_mask"].bool()  # the old tokens' log-probs are kept as generated
+    assert torch.equal(done.batch["rollout_log_probs"][mask], partial.batch["rollout_log_probs"][mask])
+
+
+def test_kept_kv_is_freed_at_an_update_that_recalibrates_fp8_kv_scales(loaded):
+    """An FP8 KV cache whose scales follow each update would read the kept codes at new scales: freed instead."""
+    model, tokenizer = loaded
+    engine = engine_for(loaded, kv_cache_dtype="fp8")
+    engine.keep_kv_on_update = True
+    _interrupt_after(engine, 3)
+    partial = engine.generate(prompt_batch(tokenizer), {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True})
+    engine._decode = NativeEngine._decode.__get__(engine)
+    engine.update_weights({n: p.detach().clone() for n, p in model.named_parameters()}, 1)
+    assert engine.kept_slots["freed"] == len(partial) and engine.cache.recalibrate
+    engine.kv_scale_recalibration = False
+    _interrupt_after(engine, 3)
+    engine.resume()
+    engine.generate(prompt_batch(tokenizer), {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True})
+    engine._decode = NativeEngine._decode.__get__(engine)
+    engine.update_weights({n: p.detach().clone() for n, p in model.named_parameters()}, 2)
+    assert engine.kept_slots["freed"] == len(partial)  # scales kept: so are the rows' caches
+
+
 def test_interrupt_from_another_thread(loaded):
     tokenizer = loaded[1]
     engine = engine_for(loaded, max_seq_len=256)

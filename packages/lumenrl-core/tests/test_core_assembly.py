@@ -318,6 +318,12 @@ def test_partial_rollout_needs_interrupt_resume_and_async(cfg, reg):
     assert "trainer lacks capability 'async' required by async_training.enabled=True" in only(cfg, reg)
     cfg.trainer.name = "async_rl"
     plan_run(cfg, registry=reg)
+    cfg.async_training.resume_kv = "keep"  # the engine must keep an interrupted row's cache across an update
+    assert only(cfg, reg) == ("policy.rollout_engine='native': rollout engine lacks capability 'kept_kv_across_updates' "
+                              "required by async_training.resume_kv='keep'; choose a rollout engine that declares it")
+    reg.register("rollout_engines", "keeper", plugin("Keeper", ALL_ENGINE_CAPS | {"kept_kv_across_updates"}))
+    cfg.policy.rollout_engine = "keeper"
+    assert "kept_kv_across_updates" in plan_run(cfg, registry=reg).required_capabilities["rollout_engine"]
 
 
 def test_async_rl_on_ray_needs_a_cross_node_weight_sync(cfg, reg):

@@ -86,6 +86,14 @@ SILENT = [
     (["trainer.name=async_rl", "async_training.enabled=true", "async_training.staleness_from=start"],
      "async_training.staleness_from"),  # without partial_rollout: one version per group, nothing to choose
     (["async_training.staleness_from=newest"], "async_training.staleness_from"),
+    (["async_training.resume_kv=keep"], "async_training.resume_kv"),
+    (["trainer.name=async_rl", "async_training.enabled=true", "async_training.resume_kv=keep"],
+     "async_training.resume_kv"),  # without partial_rollout no sequence is interrupted by an update
+    (["trainer.name=async_rl", "async_training.enabled=true", "async_training.partial_rollout=true",
+      "async_training.resume_kv=keep", "quantization.rollout.kv_cache_dtype=fp8"], "async_training.resume_kv"),
+    (["trainer.name=async_rl", "async_training.enabled=true", "async_training.partial_rollout=true",
+      "async_training.resume_kv=keep", "moe.r3.enabled=true"], "async_training.resume_kv"),
+    (["async_training.resume_kv=reuse"], "async_training.resume_kv"),
     (["weight_sync.method=collective"], "weight_sync.method"),
     (["weight_sync.snapshot_dir=/tmp/snap"], "weight_sync.snapshot_dir"),
     (["critic.cliprange_value=0"], "critic.cliprange_value"),

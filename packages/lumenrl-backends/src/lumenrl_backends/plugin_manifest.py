@@ -135,6 +135,7 @@ NATIVE = PluginSpec(f"{_ENGINES}.native:NativeEngine", {
     "route_recording",  # engines/routes.py (R3)
     "row_max_new_tokens",  # an input column max_new_tokens caps a row's response (engines/requests.py)
     "router_probs",  # moe.r3.record_router_logits: the routers' probabilities recorded with the routes
+    "kept_kv_across_updates",  # async_training.resume_kv=keep: engine.keep_kv_on_update (engines/native.py)
     # policy.rollout.* keys it reads (another engine refuses them away from their defaults)
     "cuda_graphs", "compile", "fuse_projections", "overlap_sync", "gpu_memory_utilization",
 })

@@ -64,7 +64,10 @@ Slots kept across an interrupt: an interrupted row keeps its slot, with its KV c
 next :meth:`generate` call. A row of that call with the same sampling seed and context (prompt + response so far),
 under the same weights and sampling settings, continues in its slot with no prefill: exactly the uninterrupted
 sequence. Every other kept slot is freed at the start of that call, and all of them at :meth:`update_weights`
-(the cache holds the old weights' keys and values: such rows are prefilled under the new ones, as before). This is
+(the cache holds the old weights' keys and values: such rows are prefilled under the new ones, as before), unless
+``keep_kv_on_update`` is set (``async_training.resume_kv=keep``, an in-flight weight update): the rows then
+continue on the old weights' cache, their new tokens computed by the new weights (not with an FP8 KV cache whose
+scales are recalibrated at the update: those slots are freed). This is
 what makes an async rollouter's refill (interrupt while the batch runs under-full, continue the leftover beside
 fresh rows) cost the fresh rows' prefill only, not the leftover's again. Not with R3 route recording or a
 speculative draft: those calls free every slot at their end as before.
@@ -283,6 +286,7 @@ class NativeEngine:
         self._inflight: _Launched | None = None
         self.speculation = {"launched": 0, "rolled_back": 0}  # speculative steps queued / undone (diagnostics)
         self._kept: dict[int, _Kept] = {}  # slot -> the interrupted row it holds (module doc)
+        self.keep_kv_on_update = False  # kept slots survive update_weights (module doc)
         self.kept_slots = {"kept": 0, "reclaimed": 0, "freed": 0}  # rows kept / continued in place / freed unused
         # Triton one-pass sampler on CUDA, after a self-check against the torch sampler (None: not checked yet)
         self._fused_ok: bool | None = None if k.fused_sampling and self.device.type == "cuda" else False
@@ -333,11 +337,13 @@ class NativeEngine:
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], version: int
     ) -> int:
         """Copy weights into the engine model in place (no reallocation); returns tensors copied."""
-        self._free_kept()  # their caches hold the old weights' keys and values
+        # FP8 KV scales follow the new policy unless quantization.rollout.kv_scale_recalibration=false
+        recalibrate = self.cache.kv_dtype is not None and self.kv_scale_recalibration
+        if not self.keep_kv_on_update or recalibrate:
+            self._free_kept()  # their caches hold the old weights' keys and values
         count = copy_weights_(self.model, named_tensors, self.moe.reloaders)  # requantizes FP8/MX weights in place
         self.weight_version = int(version)
-        # FP8 KV scales follow the new policy unless quantization.rollout.kv_scale_recalibration=false
-        self.cache.recalibrate = self.cache.kv_dtype is not None and self.kv_scale_recalibration
+        self.cache.recalibrate = recalibrate
         return count
 
     # ------------------------------------------------------------------ generation
@@ -411,8 +417,8 @@ class NativeEngine:
         if not kept:
             return {}
         sampling = (float(params.temperature), int(params.top_k), float(params.top_p))
-        waiting = {(k.seed, k.context): slot for slot, k in kept.items()
-                   if k.version == self.weight_version and k.sampling == sampling}
+        waiting = {(k.seed, k.context): slot for slot, k in kept.items()  # other weights: kept by update_weights
+                   if (k.version == self.weight_version or self.keep_kv_on_update) and k.sampling == sampling}
         active: dict[int, Request] = {}
         for request in requests:
             if request.done or not request.response:

@@ -470,6 +470,8 @@ def _fmt_ledger(m: dict[str, float]) -> str:
 def make_rollouter(cfg: Any, engine: Any, loader: Any, hooks: RolloutHooks, *, start_round: int) -> Rollouter:
     from lumenrl_backends.trainers.build import _sampling
 
+    if cfg.async_training.resume_kv == "keep":  # an engine with kept_kv_across_updates (assembly checked it)
+        engine.keep_kv_on_update = True
     return Rollouter(
         engine=engine, next_prompts=loader.next_batch, sampling=_sampling(cfg), n=cfg.policy.rollout.n,
         run_seed=cfg.seed, budget=StalenessController.from_config(cfg), hooks=hooks,

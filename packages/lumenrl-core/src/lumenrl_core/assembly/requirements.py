@@ -142,6 +142,8 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
         needs.append(Need("trainer", "async", "async_training.enabled", True))
     if cfg.async_training.partial_rollout:
         needs.append(Need("rollout_engine", "interrupt_resume", "async_training.partial_rollout", True))
+        if cfg.async_training.resume_kv == "keep":
+            needs.append(Need("rollout_engine", "kept_kv_across_updates", "async_training.resume_kv", "keep"))
     if cfg.trainer.name == "async_rl" and cfg.controller.name == "ray":  # the rollouter is an actor, maybe elsewhere
         needs.append(Need("weight_sync", "cross_node", "controller.name", "ray"))
     if cfg.trainer.name == "sddd":

@@ -333,6 +333,10 @@ class AsyncTrainingConfig:
     # older tokens stay off-policy, weighed by the rollout correction), or "start", its oldest token (strict:
     # a group resumed across more than ceil(staleness_threshold) syncs is dropped as stale)
     staleness_from: str = field(default="finish", metadata=choices("finish", "start"))
+    # with partial_rollout, what a sequence interrupted by a weight update continues on: "recompute", its context
+    # prefilled again under the new weights (AReaL's interruptible rollout), or "keep", the keys/values its old
+    # weights cached (PipelineRL's in-flight update: only its new tokens see the new weights; no prefill)
+    resume_kv: str = field(default="recompute", metadata=choices("recompute", "keep"))
     queue_size: int = field(default=0, metadata={"ge": 0})  # samples; 0: window capacity + one window
     recompute_proximal_log_probs: bool = True  # decoupled PPO: old_log_probs = current policy before update
 

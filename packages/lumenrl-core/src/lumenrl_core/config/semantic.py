@@ -197,7 +197,7 @@ def _device(cfg: RunConfig, src: Source) -> list[ConfigError]:
 
 
 _ASYNC_KEYS = ("staleness_threshold", "trigger_parameter_sync_step", "require_batches", "partial_rollout",
-               "staleness_from", "queue_size", "recompute_proximal_log_probs")
+               "staleness_from", "resume_kv", "queue_size", "recompute_proximal_log_probs")
 
 
 def _weight_sync(cfg: RunConfig, src: Source) -> list[ConfigError]:
@@ -227,10 +227,32 @@ def _async(cfg: RunConfig, src: Source) -> list[ConfigError]:
             return [_err(src, "async_training.staleness_from", a.staleness_from, "has no effect without "
                          "async_training.partial_rollout=true (a group generated under one version starts and "
                          "finishes under it)", f"{default.staleness_from!r} (the default), or partial_rollout=true")]
+        if a.resume_kv != default.resume_kv:
+            return _resume_kv(cfg, src)
         return []
     return [_err(src, f"async_training.{k}", getattr(a, k), "has no effect unless async_training.enabled=true "
                  "(trainer.name=async_rl)", f"{getattr(default, k)!r} (the default)")
             for k in _ASYNC_KEYS if getattr(a, k) != getattr(default, k)]
+
+
+def _resume_kv(cfg: RunConfig, src: Source) -> list[ConfigError]:
+    """async_training.resume_kv=keep: the engine keeps an interrupted row's cache across a weight update; refused
+    where nothing is interrupted by an update, or where the engine frees those caches at every call's end."""
+    a, q, key = cfg.async_training, cfg.quantization.rollout, "async_training.resume_kv"
+    if not a.partial_rollout:
+        return [_err(src, key, a.resume_kv, "has no effect without async_training.partial_rollout=true (no sequence "
+                     "is interrupted by a weight update)", "'recompute' (the default), or partial_rollout=true")]
+    if q.kv_cache_dtype == "fp8" and q.kv_scale_recalibration:
+        return [_err(src, key, a.resume_kv, "an FP8 KV cache recalibrated at every weight update "
+                     "(quantization.rollout.kv_scale_recalibration=true) would read the kept codes at new scales",
+                     "'recompute', or kv_scale_recalibration=false")]
+    if cfg.moe.r3.enabled:
+        return [_err(src, key, a.resume_kv, "R3 route recording (moe.r3.enabled) ends every engine call with its "
+                     "rows' routes taken and their caches freed", "'recompute', or moe.r3.enabled=false")]
+    if cfg.policy.rollout.speculative.draft_path:
+        return [_err(src, key, a.resume_kv, "speculative decoding (policy.rollout.speculative.draft_path) keeps no "
+                     "cache across engine calls", "'recompute', or no draft")]
+    return []
 
 
 MEANING_CHECKS = (_non_finite, _batches, _sampling, _quant, _engine, _async, _weight_sync)
