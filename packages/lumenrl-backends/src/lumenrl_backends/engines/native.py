@@ -35,9 +35,9 @@ Kernel paths (the switches in ``backquotes`` below are fields of
 * decode attention packs grouped query heads onto their KV head instead of ``repeat_kv`` (one pass over
   the cache; :mod:`~lumenrl_backends.engines.attention`); ``kv_v_tiles`` (opt-in): V in (D, 128) tiles;
 * prefill in chunks of at most ``prefill_chunk_tokens`` padded tokens (bounded activation
-  memory), the admitted requests ordered by context length first (longest first), so that a chunk's rows are
-  left-padded to a length like their own (continued rows beside fresh prompts); ``gpu_memory_utilization`` sizes the number of
-  KV slots from free device memory;
+  memory), the admitted requests ordered by context length (longest first), a row under half its chunk's
+  width starting a new chunk, so that a row is left-padded to at most twice its own length (continued rows
+  beside fresh prompts); ``gpu_memory_utilization`` sizes the number of KV slots from free device memory;
 * small prefills replay CUDA graphs at bucketed shapes (:mod:`~lumenrl_backends.engines.prefill`: an eager
   prefill of a few tokens is all host time);
 * sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with counter-based
@@ -67,9 +67,9 @@ sequence. Every other kept slot is freed at the start of that call, and all of t
 (the cache holds the old weights' keys and values: such rows are prefilled under the new ones, as before), unless
 ``keep_kv_on_update`` is set (``async_training.resume_kv=keep``, an in-flight weight update): the rows then
 continue on the old weights' cache, their new tokens computed by the new weights (not with an FP8 KV cache whose
-scales are recalibrated at the update: those slots are freed). This is
-what makes an async rollouter's refill (interrupt while the batch runs under-full, continue the leftover beside
-fresh rows) cost the fresh rows' prefill only, not the leftover's again. Not with R3 route recording or a
+scales are recalibrated at the update: those slots are freed). This is what makes an async rollouter's refill
+(interrupt while the batch runs under-full, continue the leftover beside fresh rows) cost the fresh rows' prefill
+only, not the leftover's again. Not with R3 route recording or a
 speculative draft: those calls free every slot at their end as before.
 """
 
@@ -371,7 +371,8 @@ class NativeEngine:
 
     def _run(self, requests: list[Request], params: SamplingParams, stops: frozenset[int]) -> None:
         active = self._reclaim(requests, params)  # rows an interrupted call left in their slots: no prefill
-        queue: deque[Request] = deque(r for r in requests if all(r is not a for a in active.values()))
+        resumed = {id(r) for r in active.values()}
+        queue: deque[Request] = deque(r for r in requests if id(r) not in resumed)
         keep = False
         try:
             while (queue or active) and not self._interrupt.is_set():
