@@ -223,7 +223,7 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
     (default: 3 for the full GPU run, else 1): the modes run that many times in turn (sync, partial, sync,
     partial, ...); see :func:`combine_rounds` for what is reported. ``model``: ``builtin`` (the demo's tiny
     model, warm-started on the task) or a random-init Qwen3 shape of ``benchmarks.gpu._common.SHAPES`` saved as a
-    checkpoint (default: ``0.6b`` for the full GPU run, ``tiny`` for its smoke, else ``builtin``)."""
+    checkpoint (default: ``0.6b`` for the full GPU run, else ``builtin``)."""
     from benchmarks.gpu._common import SHAPES
 
     if gpu and not smoke:  # one H200 within ~300 s (module docstring)
@@ -235,7 +235,6 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
         shape, extra = {"steps": 2, "prompts": 4, "n": 4, "median": 4}, ()
         if gpu:  # the GPU entry's path: a rollouter process (filesystem: what the CPU has for cuda_ipc)
             async_overrides = async_overrides or ("weight_sync.method=filesystem",)
-            model = model or "tiny"  # and a saved random-init checkpoint, as the GPU run loads
     else:
         shape, extra = {"steps": 6, "prompts": 8, "n": 4, "median": 8}, ()
     model = model or "builtin"

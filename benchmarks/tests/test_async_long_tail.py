@@ -52,6 +52,26 @@ def test_an_unknown_model_is_refused_before_any_run():
         bench(True, model="7b")
 
 
+def test_a_random_model_is_saved_once_and_loaded_by_every_mode(monkeypatch):
+    """``model``: a random-init Qwen3 shape saved as a checkpoint with a tokenizer, every mode's run pointed at it."""
+    from benchmarks.async_rl import long_tail
+    from transformers import AutoConfig, AutoTokenizer
+
+    seen = []
+
+    def fake_run_mode(mode, *, out, extra, **shape):
+        path = next(e.split("=", 1)[1] for e in extra if e.startswith("policy.model_name="))
+        config = AutoConfig.from_pretrained(path)
+        seen.append((mode, path, config.hidden_size, len(AutoTokenizer.from_pretrained(path)) > 0))
+        assert "trainer.warm_start_sft_steps=0" in extra  # a random model is not warm-started
+        return _run(100.0, 110.0)
+
+    monkeypatch.setattr(long_tail, "run_mode", fake_run_mode)
+    out = long_tail.bench(True, modes=("sync", "partial"), model="tiny")
+    assert out["model"] == "tiny" and [m for m, *_ in seen] == ["sync", "partial"]
+    assert len({p for _, p, *_ in seen}) == 1 and all(h == 64 and tok for *_, h, tok in seen)
+
+
 def test_rounds_show_each_rate_and_the_median_phase_times():
     rng = random.Random()
     updates = [rng.uniform(0.01, 0.2) for _ in range(3)]
