@@ -55,6 +55,23 @@ def test_on_policy_mode_reuses_the_updates_log_probs_as_the_synchronous_trainer_
         assert b["actor/clip_frac"] == 0.0 and _balanced(b)
 
 
+def test_partial_rollout_with_kept_caches_continues_sequences_across_updates(train, tmp_path):
+    """``async_training.resume_kv=keep``: sequences interrupted by a weight update continue in their engine slots on
+    the cached keys and values (no prefill), their new tokens tagged with the new version; the run keeps its ledger
+    and staleness bound. The default (``recompute``) continues none across an update."""
+    args = ("num_training_steps=4", "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1.0",
+            "policy.rollout.ignore_eos=true", "policy.optim.lr=3e-2", *FAST, "policy.rollout.max_new_tokens=48")
+    train("grpo_async_partial.yaml", tmp_path / "keep", *args, "async_training.resume_kv=keep")
+    train("grpo_async_partial.yaml", tmp_path / "recompute", *args)
+    keep, recompute = read_metrics(tmp_path / "keep"), read_metrics(tmp_path / "recompute")
+    for records in (keep, recompute):
+        assert [r["step"] for r in records] == [1, 2, 3, 4] and all(_balanced(r) for r in records)
+        assert all(math.isfinite(r["actor/loss"]) and r["async/staleness_max"] <= 1 for r in records)
+    assert keep[-1]["async/interrupts_total"] > 0 and keep[-1]["async/partial_rollouts_total"] > 0
+    assert keep[-1]["async/rollouter_kept_across_updates"] > 0
+    assert recompute[-1]["async/rollouter_kept_across_updates"] == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_rollouter_thread_on_its_own_cuda_stream_reproduces_the_synchronous_trainer(train, tmp_path):

@@ -422,7 +422,7 @@ def test_kept_kv_across_a_weight_update_continues_on_the_old_cache(loaded):
     engine.resume()
     prefilled = _count_prefill_rows(engine)
     done = engine.generate(partial, params)
-    assert prefilled["rows"] == 0 and engine.kept_slots["reclaimed"] == len(batch)
+    assert prefilled["rows"] == 0 and engine.kept_slots["reclaimed"] == engine.kept_slots["across_updates"] == len(batch)
     assert done.meta_info["weight_version"] == 2
     new = copy.deepcopy(old)
     new.load_state_dict(new_weights, strict=False)

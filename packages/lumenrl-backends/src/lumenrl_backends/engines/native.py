@@ -287,7 +287,8 @@ class NativeEngine:
         self.speculation = {"launched": 0, "rolled_back": 0}  # speculative steps queued / undone (diagnostics)
         self._kept: dict[int, _Kept] = {}  # slot -> the interrupted row it holds (module doc)
         self.keep_kv_on_update = False  # kept slots survive update_weights (module doc)
-        self.kept_slots = {"kept": 0, "reclaimed": 0, "freed": 0}  # rows kept / continued in place / freed unused
+        # rows kept / continued in place (of which after a weight update: keep_kv_on_update) / freed unused
+        self.kept_slots = {"kept": 0, "reclaimed": 0, "across_updates": 0, "freed": 0}
         # Triton one-pass sampler on CUDA, after a self-check against the torch sampler (None: not checked yet)
         self._fused_ok: bool | None = None if k.fused_sampling and self.device.type == "cuda" else False
         self.draft, self.spec_tokens = None, 0  # speculative decoding: engines/speculative.attach_draft
@@ -427,6 +428,7 @@ class NativeEngine:
             slot = waiting.pop((int(request.seed), tuple(request.context)), None)
             if slot is not None:
                 active[slot] = request
+                self.kept_slots["across_updates"] += kept[slot].version != self.weight_version
         unused = [slot for slot in kept if slot not in active]
         if unused:
             self.slots.release_many(unused)

@@ -48,7 +48,7 @@ from lumenrl_backends.trainers.build import build_parts
 from lumenrl_backends.trainers.loop import RLTrainer, _mismatch_metrics
 from lumenrl_backends.trainers.metrics import PhaseTimer, batch_metrics, throughput_metrics, train_tokens
 from lumenrl_backends.trainers.rollout import concat_rounds
-from lumenrl_backends.trainers.rollouter import Rollouter, RolloutHooks, graph_stats
+from lumenrl_backends.trainers.rollouter import Rollouter, RolloutHooks, engine_stats
 from lumenrl_core.config import ConfigError
 from lumenrl_core.data_proto import DataProto
 
@@ -261,7 +261,7 @@ class AsyncRLTrainer(RLTrainer):
     def rollouter_stats(self) -> dict[str, float]:
         if self._remote is not None:
             return self._remote.stats()
-        return {**self._rollouter.stats, **graph_stats(self.parts.engine)} if self._rollouter is not None else {}
+        return {**self._rollouter.stats, **engine_stats(self.parts.engine)} if self._rollouter is not None else {}
 
     # ------------------------------------------------------------------ one step
     def _thread_ledger(self) -> tuple[int, int]:
@@ -355,7 +355,8 @@ class AsyncRLTrainer(RLTrainer):
             "perf/rollout_tokens_per_s": stats.get("tokens", 0.0) / max(stats.get("busy_s", 0.0), 1e-9),
             "async/trainer_wait_s": self.trainer_wait_s,
         })
-        for key in ("graph_captures", "graph_capture_s"):  # the rollouter engine's CUDA graphs (CUDA engines only)
+        for key in ("graph_captures", "graph_capture_s",  # the rollouter engine's CUDA graphs (CUDA engines only)
+                    "kept_reclaimed", "kept_across_updates"):  # rows continued in their kept slots (native engine)
             if key in stats:
                 out[f"async/rollouter_{key}"] = stats[key]
         startup = getattr(self._remote, "startup_metrics", None)  # a rollouter process's start-up

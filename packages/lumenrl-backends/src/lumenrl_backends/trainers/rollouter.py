@@ -37,15 +37,21 @@ from lumenrl_async import SampleGroup, StalenessController
 from lumenrl_backends.trainers.rollout import concat_rounds, expand_groups, generate, sampling_seed
 from lumenrl_core.data_proto import DataProto
 
-__all__ = ["Rollouter", "RolloutHooks", "as_continuation", "carry_token_columns", "graph_stats", "tag_token_versions"]
+__all__ = ["Rollouter", "RolloutHooks", "as_continuation", "carry_token_columns", "engine_stats", "tag_token_versions"]
 
 
-def graph_stats(engine: Any) -> dict[str, float]:
-    """The engine's CUDA graph captures so far and the host seconds they took (empty: an engine without graphs)."""
+def engine_stats(engine: Any) -> dict[str, float]:
+    """The engine's CUDA graph captures so far and the host seconds they took, and the interrupted rows it continued
+    in their kept slots (``kept_reclaimed``; ``kept_across_updates``: after a weight update, on the old weights'
+    cache). Empty for an engine without either."""
+    out: dict[str, float] = {}
     graphs = getattr(engine, "graphs", None)
-    if graphs is None or not hasattr(graphs, "captures"):
-        return {}
-    return {"graph_captures": float(graphs.captures), "graph_capture_s": float(graphs.capture_s)}
+    if graphs is not None and hasattr(graphs, "captures"):
+        out.update(graph_captures=float(graphs.captures), graph_capture_s=float(graphs.capture_s))
+    kept = getattr(engine, "kept_slots", None)
+    if isinstance(kept, dict):
+        out.update(kept_reclaimed=float(kept.get("reclaimed", 0)), kept_across_updates=float(kept.get("across_updates", 0)))
+    return out
 
 
 @dataclass(kw_only=True)

@@ -47,7 +47,7 @@ import torch
 
 from lumenrl_async import ProcessChannel, SampleQueue
 from lumenrl_backends.rollouter_server import adopt_caller_state, caller_state, context
-from lumenrl_backends.trainers.rollouter import graph_stats
+from lumenrl_backends.trainers.rollouter import engine_stats
 from lumenrl_core.config import ConfigError
 from lumenrl_core.data_proto import DataProto
 
@@ -283,14 +283,14 @@ def _main(cfg: Any, channel: ProcessChannel, boot: dict[str, Any], startup: Star
     try:
         rollouter.run()
     finally:
-        channel.set_stats({**rollouter.stats, "round": rollouter.round, **graph_stats(engine)})
+        channel.set_stats({**rollouter.stats, "round": rollouter.round, **engine_stats(engine)})
         if hasattr(reader, "close"):
             reader.close()
 
 
 def _publish_stats(rollouter: Any, engine: Any, channel: ProcessChannel, stop: threading.Event) -> None:
     while not stop.wait(0.05):
-        channel.set_stats({**rollouter.stats, "round": rollouter.round, **graph_stats(engine)})
+        channel.set_stats({**rollouter.stats, "round": rollouter.round, **engine_stats(engine)})
 
 
 def rollouter_device(cfg: Any, weight_sync_cls: Any) -> str | None:
