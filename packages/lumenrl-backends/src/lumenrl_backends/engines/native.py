@@ -60,17 +60,10 @@ Interrupt/resume: :meth:`interrupt` (thread-safe) makes a running :meth:`generat
 ``meta_info["interrupted"] = True``, unfinished rows marked "interrupted"; after :meth:`resume`, that batch passed to
 :meth:`generate` continues them (prefilled under the *current* weights; earlier log-probs kept as generated).
 
-Slots kept across an interrupt: an interrupted row keeps its slot, with its KV cache and decode state, until the
-next :meth:`generate` call. A row of that call with the same sampling seed and context (prompt + response so far),
-under the same weights and sampling settings, continues in its slot with no prefill: exactly the uninterrupted
-sequence. Every other kept slot is freed at the start of that call, and all of them at :meth:`update_weights`
-(the cache holds the old weights' keys and values: such rows are prefilled under the new ones, as before), unless
-``keep_kv_on_update`` is set (``async_training.resume_kv=keep``, an in-flight weight update): the rows then
-continue on the old weights' cache, their new tokens computed by the new weights (not with an FP8 KV cache whose
-scales are recalibrated at the update: those slots are freed). This is what makes an async rollouter's refill
-(interrupt while the batch runs under-full, continue the leftover beside fresh rows) cost the fresh rows' prefill
-only, not the leftover's again. Not with R3 route recording or a
-speculative draft: those calls free every slot at their end as before.
+Slots kept across an interrupt (:mod:`~lumenrl_backends.engines.kept_slots`): an interrupted row keeps its slot
+until the next call, where its exact continuation resumes with no prefill, bit for bit the uninterrupted sequence
+(an async rollouter's refill then prefills only its fresh rows); a weight update frees them unless
+``keep_kv_on_update`` (``async_training.resume_kv=keep``) and no FP8 KV recalibration. Not with R3 or a draft.
 """
 
 from __future__ import annotations
@@ -95,6 +88,7 @@ from lumenrl_backends.engines.attention import engine_attention
 from lumenrl_backends.engines.fusion import fuse_projections as fuse_model_projections
 from lumenrl_backends.engines.fusion import rope_tables, unfuse_projections
 from lumenrl_backends.engines.graphs import DecodeGraphs, graph_blocker, kv_bytes_per_token, slots_for_budget
+from lumenrl_backends.engines.kept_slots import KeptSlots
 from lumenrl_backends.engines.kv_cache import (
     V_TILE,
     CacheView,
@@ -133,16 +127,6 @@ from lumenrl_backends.engines.whole_graph import WholeGraph
 from lumenrl_backends.exact import enable_exact, enable_exact_quantized, exact_token_log_probs
 
 __all__ = ["NativeEngine", "sliding_window_of"]
-
-
-@dataclass(frozen=True, slots=True)
-class _Kept:
-    """What an interrupted row left in its slot: the continuation that may reclaim it."""
-
-    seed: int
-    context: tuple[int, ...]  # prompt + response so far; the cache holds all but the last token
-    version: int  # the engine's weights
-    sampling: tuple[float, int, float]  # temperature, top_k, top_p of the slot's sampler
 
 
 @dataclass(slots=True)
@@ -285,10 +269,8 @@ class NativeEngine:
         self._flip = 0
         self._inflight: _Launched | None = None
         self.speculation = {"launched": 0, "rolled_back": 0}  # speculative steps queued / undone (diagnostics)
-        self._kept: dict[int, _Kept] = {}  # slot -> the interrupted row it holds (module doc)
-        self.keep_kv_on_update = False  # kept slots survive update_weights (module doc)
-        # rows kept / continued in place (of which after a weight update: keep_kv_on_update) / freed unused
-        self.kept_slots = {"kept": 0, "reclaimed": 0, "across_updates": 0, "freed": 0}
+        self._kept = KeptSlots(self.slots)  # interrupted rows' slots, held for their continuation (module doc)
+        self.kept_slots = self._kept.counts  # rows kept / reclaimed (across_updates: after an update) / freed
         # Triton one-pass sampler on CUDA, after a self-check against the torch sampler (None: not checked yet)
         self._fused_ok: bool | None = None if k.fused_sampling and self.device.type == "cuda" else False
         self.draft, self.spec_tokens = None, 0  # speculative decoding: engines/speculative.attach_draft
@@ -341,11 +323,20 @@ class NativeEngine:
         # FP8 KV scales follow the new policy unless quantization.rollout.kv_scale_recalibration=false
         recalibrate = self.cache.kv_dtype is not None and self.kv_scale_recalibration
         if not self.keep_kv_on_update or recalibrate:
-            self._free_kept()  # their caches hold the old weights' keys and values
+            self._kept.free()  # their caches hold the old weights' keys and values
         count = copy_weights_(self.model, named_tensors, self.moe.reloaders)  # requantizes FP8/MX weights in place
         self.weight_version = int(version)
         self.cache.recalibrate = recalibrate
         return count
+
+    @property
+    def keep_kv_on_update(self) -> bool:
+        """Kept slots survive :meth:`update_weights` (``async_training.resume_kv=keep``; module doc)."""
+        return self._kept.keep_on_update
+
+    @keep_kv_on_update.setter
+    def keep_kv_on_update(self, value: bool) -> None:
+        self._kept.keep_on_update = bool(value)
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()  # not inference_mode: the returned tensors feed the trainer's autograd
@@ -353,7 +344,7 @@ class NativeEngine:
         """Generate for every row of ``batch``; returns the rollout DataProto (contracts layout)."""
         params = coerce_sampling(sampling)
         if self.draft is not None:  # draft-then-verify (engines/speculative.py)
-            self._free_kept()
+            self._kept.free()
             return speculative_generate(self, batch, params)
         requests, prompts, prompt_mask = requests_from_batch(batch, params)
         stops = stop_ids_for(params, self.eos_token_ids)
@@ -371,7 +362,7 @@ class NativeEngine:
                                    tokenizer=self.tokenizer, meta_info=meta)
 
     def _run(self, requests: list[Request], params: SamplingParams, stops: frozenset[int]) -> None:
-        active = self._reclaim(requests, params)  # rows an interrupted call left in their slots: no prefill
+        active = self._kept.reclaim(requests, params, self.weight_version)  # rows kept by an interrupted call
         resumed = {id(r) for r in active.values()}
         queue: deque[Request] = deque(r for r in requests if id(r) not in resumed)
         keep = False
@@ -406,41 +397,7 @@ class NativeEngine:
             rows = [slot for slot in step.slot_ids if slot in active]
             if rows:
                 self._undo_step(rows, [active[slot].response[-1] for slot in rows])
-        sampling = (float(params.temperature), int(params.top_k), float(params.top_p))
-        for slot, request in active.items():
-            self._kept[slot] = _Kept(seed=int(request.seed), context=tuple(request.context),
-                                     version=int(self.weight_version), sampling=sampling)
-        self.kept_slots["kept"] += len(active)
-
-    def _reclaim(self, requests: list[Request], params: SamplingParams) -> dict[int, Request]:
-        """Slot -> request for the requests that continue a kept row exactly (same seed, context, weights and
-        sampler); every other kept slot is freed."""
-        kept, self._kept = self._kept, {}
-        if not kept:
-            return {}
-        sampling = (float(params.temperature), int(params.top_k), float(params.top_p))
-        waiting = {(k.seed, k.context): slot for slot, k in kept.items()  # other weights: kept by update_weights
-                   if (k.version == self.weight_version or self.keep_kv_on_update) and k.sampling == sampling}
-        active: dict[int, Request] = {}
-        for request in requests:
-            if request.done or not request.response:
-                continue
-            slot = waiting.pop((int(request.seed), tuple(request.context)), None)
-            if slot is not None:
-                active[slot] = request
-                self.kept_slots["across_updates"] += kept[slot].version != self.weight_version
-        unused = [slot for slot in kept if slot not in active]
-        if unused:
-            self.slots.release_many(unused)
-        self.kept_slots["reclaimed"] += len(active)
-        self.kept_slots["freed"] += len(unused)
-        return active
-
-    def _free_kept(self) -> None:
-        if self._kept:
-            self.kept_slots["freed"] += len(self._kept)
-            self.slots.release_many(list(self._kept))
-            self._kept = {}
+        self._kept.keep(active, params, self.weight_version)
 
     def _undo_step(self, rows: list[int], tokens: list[int]) -> None:
         """Undo one queued step's state advance for ``rows``: each takes ``tokens`` (its last recorded token) as its
