@@ -419,8 +419,9 @@ def rollouter_stream(engine: Any) -> torch.cuda.Stream | None:
     GPU can run it beside the trainer's (default stream) instead of after it. The thread enters it as its current
     stream (PyTorch's current stream is per thread). The loop needs no events of its own: every generate call ends
     by waiting for its stream, the engine's outputs are host tensors, and the in-process weight sync's device copies
-    carry the publisher's event, which the reader's stream waits for (``InProcessWeightSync.latest``). The one other user of the engine, eval, holds the rollouter's lock and joins the
-    two streams (:func:`joined_streams`): a weight load the rollouter queued before it may still be copying."""
+    carry the publisher's event, which the reader's stream waits for (``InProcessWeightSync.latest``). The one
+    other user of the engine, eval, holds the rollouter's lock and joins the two streams (:func:`joined_streams`):
+    a weight load the rollouter queued before it may still be copying."""
     device = getattr(engine, "device", None)
     if device is None or torch.device(device).type != "cuda":
         return None
