@@ -40,8 +40,8 @@ them (the records before 2026-12-07 ran a separate pass in every mode).
 Modes: ``sync`` (trainer.name=rl) and the four async presets (on-policy, stream off-policy,
 stale, partial rollout), ``partial_thread``, partial rollout with the rollouter a thread of the trainer's
 process, and ``partial_keep``, partial rollout whose sequences interrupted by a weight update continue on their
-cached keys and values (``async_training.resume_kv=keep``) instead of a prefill under the new weights. On the CPU the rollouter shares the trainer's process and device
-(``weight_sync.method=inprocess``, a thread). On the GPU it is a process of its own on the same device
+cached keys and values (``async_training.resume_kv=keep``) instead of a prefill under the new weights. On the CPU
+the rollouter shares the trainer's process and device (``weight_sync.method=inprocess``, a thread). On the GPU it is a process of its own on the same device
 (``weight_sync.method=cuda_ipc``): two processes on one GPU take turns on it (time slices), and the H100 records
 of 2026-12-07 show the trainer's reference and update phases taking up to twice as long beside a busy rollouter
 process. ``partial_thread`` runs beside it: a rollouter thread whose engine has a CUDA stream of its own, so the
@@ -51,8 +51,8 @@ GPU can run its kernels alongside the trainer's, at the cost of sharing the GIL.
 GPU shape (one H200, the ``async_long_tail_gpu`` entry): 20 steps x 8 prompts x 8 samples,
 median 32 tokens (cap 256), a random-init Qwen3-0.6B-shaped checkpoint (``--model``; the records before
 2026-12-07 ran the demo's tiny model, on which both trainers are bound by the host and whose overlap bound sat at
-the 2.0x goal: decision 0012), the modes (sync, partial, partial_thread, partial_keep) run three times in turn. A run this
-short moves by tens of percent from one time to the next (the sync rate alone did: 169-256 samples/s on one
+the 2.0x goal: decision 0012), the modes (sync, partial, partial_thread, partial_keep) run three times in turn.
+A run this short moves by tens of percent from one time to the next (the sync rate alone did: 169-256 samples/s on one
 H100; a partial run whose long samples went stale and were dropped lost to sync), so the speed-ups are each
 round's side-by-side ratio, reported as the median of the three with the lowest and highest beside it. What a full run costs besides the timed steps is per mode (engine
 and two FSDP2 backends built, CUDA graphs captured per (batch bucket, KV length) key) and once
