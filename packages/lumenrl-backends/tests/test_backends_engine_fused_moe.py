@@ -132,6 +132,7 @@ def test_every_r3_family_fuses_and_records_the_same_routes(family):
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         eng = engine(model, mode, record_routes=True)
+        assert not eng.share_prefill  # R3 records routes per prefilled row: no shared prefill
         assert len(eng.moe.report.fused) == (eng.routes.ctl.num_layers if mode == "on" else 0)
         outs.append(eng.generate(prompts(eng.tokenizer), GREEDY))
     assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])

@@ -249,6 +249,18 @@ class SlotKVCache(Cache):
     def clear_slots(self, rows: torch.Tensor) -> None:
         self.valid[rows] = False
 
+    def copy_slots(self, sources: torch.Tensor, targets: torch.Tensor, width: int) -> None:
+        """Slots ``targets`` (n,) take the first ``width`` columns of slots ``sources`` (n,): validity and every
+        layer's stored K/V (FP8 codes as stored: the scales are per layer), the rest of each target row invalid.
+        A prefill shared by rows of one context (the native engine's ``share_prefill``)."""
+        self.valid[targets] = False
+        self.valid[targets, :width] = self.valid[sources, :width]
+        tiles = -(-width // self.v_tile) if self.v_tile else width  # V's leading columns, or the tiles holding them
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys[targets, :, :width] = layer.keys[sources, :, :width]
+                layer.values[targets, :, :tiles] = layer.values[sources, :, :tiles]
+
 
 def _window_ok(q_col: torch.Tensor, k_col: torch.Tensor, window: int | None) -> torch.Tensor | bool:
     if window is None:

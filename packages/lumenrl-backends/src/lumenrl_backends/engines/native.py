@@ -38,6 +38,10 @@ Kernel paths (the switches in ``backquotes`` below are fields of
   memory), the admitted requests ordered by context length (longest first), a row under half its chunk's
   width starting a new chunk, so that a row is left-padded to at most twice its own length (continued rows
   beside fresh prompts); ``gpu_memory_utilization`` sizes the number of KV slots from free device memory;
+* shared prefill (``share_prefill``, default on): rows of one context admitted together (a GRPO group's n samples
+  of a prompt) run one prefill; the others take slots of their own with a copy of its cache columns and its last
+  logits, then sample with their own seeds (:meth:`SlotKVCache.copy_slots`; off with R3, which records routes per
+  prefilled row);
 * small prefills replay CUDA graphs at bucketed shapes (:mod:`~lumenrl_backends.engines.prefill`: an eager
   prefill of a few tokens is all host time);
 * sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with counter-based
@@ -164,6 +168,7 @@ class NativeEngine:
         kernels: KernelOptions | None = None,
         record_routes: bool = False, record_router_logits: bool = False, moe_router: str = "",
         exact_logprobs: bool = False,
+        share_prefill: bool = True,
     ) -> None:
         k = self.kernels = kernels or KernelOptions()
         if compile not in ("none", "full"):
@@ -260,6 +265,10 @@ class NativeEngine:
             self.graphs.enabled = False
             warnings.warn(f"native engine: no CUDA graphs ({blocker}); decoding eagerly", stacklevel=2)
         self.prefill = Prefill(self, graphs=self.graphs.enabled)  # small prefills from CUDA graphs (engines/prefill.py)
+        # rows of one context (a group's prompt) admitted together: one prefills, the others copy its K/V (module
+        # doc); not with R3, whose routes are recorded per prefilled row
+        self.share_prefill = share_prefill and not self.routes.enabled
+        self.prefill_rows = {"prefilled": 0, "shared": 0}  # rows admitted by their own prefill / by a copy
         # overlapped host sync: step N's (token, log-prob) pairs go to host buffers (pinned on CUDA,
         # two: N and N+1 in flight) while step N+1 is already queued (see _decode)
         self.overlap_sync = k.overlap_sync
@@ -297,6 +306,7 @@ class NativeEngine:
                                   overlap_sync=rollout.overlap_sync, fuse_fp8_mlp=rollout_quant.fuse_mlp,
                                   decode_linear=rollout.decode_linear, pdl=rollout.pdl),
             exact_logprobs=rollout.exact_logprobs,
+            share_prefill=rollout.share_prefill,
             **r3_engine_kwargs(run_config.moe.r3),
         )
         engine.kv_scale_recalibration = rollout_quant.kv_scale_recalibration
@@ -373,10 +383,11 @@ class NativeEngine:
                     # longest first: chunks of like lengths (little left padding), and the continued long-tail
                     # rows take the lowest slots, the fresh ones above them (their early finishes shrink the bucket)
                     admitted.sort(key=lambda r: -len(r.context))
+                    leads, copies = self._shared_contexts(admitted)
                     tick = time.perf_counter()
                     with record_function("lumenrl/prefill"):  # a range of a torch.profiler trace (trainer phases)
-                        for chunk in self._prefill_chunks(admitted):
-                            self._admit(chunk, params, active, stops)
+                        for chunk in self._prefill_chunks(leads):
+                            self._admit(chunk, params, active, stops, copies)
                     self._prefill_seconds += time.perf_counter() - tick
                 if active and not self._interrupt.is_set():
                     self._decode(active, params, stops, speculate=self.overlap_sync and not queue)
@@ -495,6 +506,19 @@ class NativeEngine:
             width = grown
         return chunks + ([current] if current else [])
 
+    def _shared_contexts(self, admitted: list[Request]) -> tuple[list[Request], dict[int, list[Request]]]:
+        """(the rows to prefill, in order; {id(row): the later rows of its context, which copy its K/V}).
+        Without ``share_prefill``: every row, no copies."""
+        if not self.share_prefill:
+            return admitted, {}
+        first: dict[tuple[int, ...], Request] = {}
+        copies: dict[int, list[Request]] = {}
+        for request in admitted:
+            lead = first.setdefault(tuple(request.context), request)
+            if lead is not request:
+                copies.setdefault(id(lead), []).append(request)
+        return list(first.values()), copies
+
     # ------------------------------------------------------------------ prefill
     def _admit(
         self,
@@ -502,7 +526,10 @@ class NativeEngine:
         params: SamplingParams,
         active: dict[int, Request],
         stops: frozenset[int],
+        copies: dict[int, list[Request]] | None = None,
     ) -> None:
+        """Prefill ``admitted`` into free slots and sample each row's first token; the rows that ``copies`` lists
+        under an admitted one take slots of their own with a copy of its K/V and its last logits (no forward)."""
         contexts = [r.context for r in admitted]
         width = max(len(c) for c in contexts)
         if width >= self.max_seq_len:
@@ -514,6 +541,17 @@ class NativeEngine:
         _, mask, positions, logits, _ = self.prefill(contexts, rows, room=params.max_new_tokens)
         width = mask.shape[1]
         self.cache.recalibrate = False
+        self.prefill_rows["prefilled"] += len(admitted)
+        followers = [(i, r) for i, lead in enumerate(admitted) for r in (copies or {}).get(id(lead), ())]
+        if followers:
+            source = torch.tensor([i for i, _ in followers], dtype=torch.int64, device=self.device)
+            copy_ids = self.slots.take(len(followers))
+            copy_rows = torch.tensor(copy_ids, dtype=torch.int64, device=self.device)
+            self.cache.copy_slots(rows[source], copy_rows, width)
+            admitted, slot_ids = admitted + [r for _, r in followers], slot_ids + copy_ids
+            rows, positions = torch.cat([rows, copy_rows]), torch.cat([positions, positions[source]])
+            logits = torch.cat([logits, logits[source]])
+            self.prefill_rows["shared"] += len(followers)
         self.slots.admit(rows, [r.seed for r in admitted], params)
         self.slots.counters[rows] = torch.tensor([len(r.response) for r in admitted], device=self.device)
         tokens, log_probs = self._sample(logits, rows, self._sampling_mode(params))

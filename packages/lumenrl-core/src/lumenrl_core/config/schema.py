@@ -117,6 +117,9 @@ class SamplingConfig:
     compile: str = field(default="none", metadata=choices("none", "full"))  # full: torch.compile the decode forward (GPU)
     fuse_projections: bool = True  # native engine: one q/k/v and one gate/up GEMM per layer (fused weight views)
     overlap_sync: bool = True  # native engine: read step t's tokens while step t+1 runs (results unchanged)
+    # native engine: rows of one context admitted together (a group's n samples of a prompt) run one prefill; the
+    # others copy its K/V and last logits (vLLM and SGLang share such prefixes through their prefix caches)
+    share_prefill: bool = True
     # native engine, MoE experts on lumenrl-quant's fused Triton kernel (FP8 experts with the fp8_block scheme):
     # auto = on for bf16 experts on CUDA with Triton; on = every recognised experts module on any device
     # (CPU: torch emulation); off = transformers' experts implementation
