@@ -70,6 +70,10 @@ def test_partial_rollout_with_kept_caches_continues_sequences_across_updates(tra
     assert keep[-1]["async/interrupts_total"] > 0 and keep[-1]["async/partial_rollouts_total"] > 0
     assert keep[-1]["async/rollouter_kept_across_updates"] > 0
     assert recompute[-1]["async/rollouter_kept_across_updates"] == 0
+    # a fresh group's first row prefills, its n - 1 = 3 siblings copy it (engines/native.py share_prefill); with
+    # recompute, rows continued after an update prefill their own contexts too, with keep few do
+    assert recompute[-1]["async/rollouter_shared_prefill_rows"] > 0
+    assert keep[-1]["async/rollouter_shared_prefill_rows"] >= 2 * keep[-1]["async/rollouter_prefill_rows"] > 0
 
 
 @pytest.mark.gpu

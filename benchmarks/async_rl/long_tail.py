@@ -29,8 +29,9 @@ rate, and the whole ``fit()`` rate at 20 steps. A rollouter process is forked fr
 own start, as ``lumenrl train`` does at the CLI's start, so its imports overlap this process's work
 (``rollouter_forked`` = 1: the child was forked from it, its imports done). What the rollouter did with its busy
 time: ``rollouter_calls_per_step``, ``rollouter_interrupts_per_step`` and ``rollouter_refills_per_step`` (generate
-calls and interrupts per trained step), ``rollouter_prefill_share`` (its prefill seconds over its generate seconds)
-and ``rollouter_tokens_per_s`` (tokens over generate seconds).
+calls and interrupts per trained step), ``rollouter_prefill_share`` (its prefill seconds over its generate seconds),
+``rollouter_tokens_per_s`` (tokens over generate seconds) and ``rollouter_shared_prefill_frac`` (the admitted rows
+that copied another row's prefill: a group's prompt, the native engine's ``share_prefill``).
 
 Every mode makes one optimizer step per step and runs with ``algorithm.old_log_probs=reuse``: the
 synchronous trainer's old log-probs and the async trainer's proximal ones (the policy before its update)
@@ -213,6 +214,9 @@ def run_metrics(records: list[dict]) -> dict[str, float]:
         out["rollouter_prefill_share"] = round(last.get("async/rollouter_prefill_s_total", 0.0) / busy, 4)
     if "perf/rollout_tokens_per_s" in last:
         out["rollouter_tokens_per_s"] = round(last["perf/rollout_tokens_per_s"], 1)
+    admitted = last.get("async/rollouter_prefill_rows", 0.0) + last.get("async/rollouter_shared_prefill_rows", 0.0)
+    if admitted > 0:  # rows that took another row's prefill (a group's prompt, engines/native.py share_prefill)
+        out["rollouter_shared_prefill_frac"] = round(last["async/rollouter_shared_prefill_rows"] / admitted, 4)
     return out
 
 
@@ -295,7 +299,8 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
 
 # reported name: run_mode's key, each the median over the rounds
 ROLLOUTER_WORK = ("rollouter_calls_per_step", "rollouter_interrupts_per_step", "rollouter_refills_per_step",
-                  "rollouter_prefill_share", "rollouter_tokens_per_s")  # run_metrics: the last round's
+                  "rollouter_prefill_share", "rollouter_tokens_per_s",
+                  "rollouter_shared_prefill_frac")  # run_metrics: the last round's
 MEDIANS = {"samples_per_s": "samples_per_s", "steady_samples_per_s": "steady_samples_per_s",
            "samples_per_s_incl_build": "samples_per_s_incl_build", "first_step_s": "first_step_s",
            "time_to_n_steps_s": "wall_s", "build_s": "build_s"}

@@ -356,7 +356,8 @@ class AsyncRLTrainer(RLTrainer):
             "async/trainer_wait_s": self.trainer_wait_s,
         })
         for key in ("graph_captures", "graph_capture_s",  # the rollouter engine's CUDA graphs (CUDA engines only)
-                    "kept_reclaimed", "kept_across_updates"):  # rows continued in their kept slots (native engine)
+                    "kept_reclaimed", "kept_across_updates",  # rows continued in their kept slots (native engine)
+                    "prefill_rows", "shared_prefill_rows"):  # rows admitted by a prefill / by a shared one's copy
             if key in stats:
                 out[f"async/rollouter_{key}"] = stats[key]
         startup = getattr(self._remote, "startup_metrics", None)  # a rollouter process's start-up

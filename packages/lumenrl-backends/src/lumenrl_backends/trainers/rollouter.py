@@ -43,7 +43,8 @@ __all__ = ["Rollouter", "RolloutHooks", "as_continuation", "carry_token_columns"
 def engine_stats(engine: Any) -> dict[str, float]:
     """The engine's CUDA graph captures so far and the host seconds they took, and the interrupted rows it continued
     in their kept slots (``kept_reclaimed``; ``kept_across_updates``: after a weight update, on the old weights'
-    cache). Empty for an engine without either."""
+    cache), and the rows it admitted by a prefill of their own or by a copy of another row's (``prefill_rows``,
+    ``shared_prefill_rows``). Empty for an engine without any of these."""
     out: dict[str, float] = {}
     graphs = getattr(engine, "graphs", None)
     if graphs is not None and hasattr(graphs, "captures"):
@@ -51,6 +52,9 @@ def engine_stats(engine: Any) -> dict[str, float]:
     kept = getattr(engine, "kept_slots", None)
     if isinstance(kept, dict):
         out.update(kept_reclaimed=float(kept.get("reclaimed", 0)), kept_across_updates=float(kept.get("across_updates", 0)))
+    rows = getattr(engine, "prefill_rows", None)
+    if isinstance(rows, dict):
+        out.update(prefill_rows=float(rows.get("prefilled", 0)), shared_prefill_rows=float(rows.get("shared", 0)))
     return out
 
 
