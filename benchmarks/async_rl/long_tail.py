@@ -31,7 +31,10 @@ own start, as ``lumenrl train`` does at the CLI's start, so its imports overlap 
 time: ``rollouter_calls_per_step``, ``rollouter_interrupts_per_step`` and ``rollouter_refills_per_step`` (generate
 calls and interrupts per trained step), ``rollouter_prefill_share`` (its prefill seconds over its generate seconds),
 ``rollouter_tokens_per_s`` (tokens over generate seconds) and ``rollouter_shared_prefill_frac`` (the admitted rows
-that copied another row's prefill: a group's prompt, the native engine's ``share_prefill``).
+that copied another row's prefill: a group's prompt, the native engine's ``share_prefill``); of the prefill time,
+``rollouter_prefill_eager_share`` (host seconds of prefills at their own shape, no CUDA graph, over the generate
+seconds; ``rollouter_prefill_eager_per_step`` of them per step) and ``rollouter_capture_share`` (CUDA graph
+captures, decode and prefill).
 
 Every mode makes one optimizer step per step and runs with ``algorithm.old_log_probs=reuse``: the
 synchronous trainer's old log-probs and the async trainer's proximal ones (the policy before its update)
@@ -212,6 +215,11 @@ def run_metrics(records: list[dict]) -> dict[str, float]:
     busy = last.get("async/rollouter_busy_s_total", 0.0)
     if busy > 0:
         out["rollouter_prefill_share"] = round(last.get("async/rollouter_prefill_s_total", 0.0) / busy, 4)
+        # of it: prefills at their own shape (no CUDA graph; host seconds) and graph captures (decode and prefill)
+        out["rollouter_prefill_eager_share"] = round(last.get("async/rollouter_prefill_eager_s", 0.0) / busy, 4)
+        out["rollouter_capture_share"] = round(last.get("async/rollouter_graph_capture_s", 0.0) / busy, 4)
+    if "async/rollouter_prefill_eager" in last:
+        out["rollouter_prefill_eager_per_step"] = round(last["async/rollouter_prefill_eager"] / steps, 3)
     if "perf/rollout_tokens_per_s" in last:
         out["rollouter_tokens_per_s"] = round(last["perf/rollout_tokens_per_s"], 1)
     admitted = last.get("async/rollouter_prefill_rows", 0.0) + last.get("async/rollouter_shared_prefill_rows", 0.0)
@@ -300,7 +308,8 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
 # reported name: run_mode's key, each the median over the rounds
 ROLLOUTER_WORK = ("rollouter_calls_per_step", "rollouter_interrupts_per_step", "rollouter_refills_per_step",
                   "rollouter_prefill_share", "rollouter_tokens_per_s",
-                  "rollouter_shared_prefill_frac")  # run_metrics: the last round's
+                  "rollouter_shared_prefill_frac", "rollouter_prefill_eager_share", "rollouter_capture_share",
+                  "rollouter_prefill_eager_per_step")  # run_metrics: the last round's
 MEDIANS = {"samples_per_s": "samples_per_s", "steady_samples_per_s": "steady_samples_per_s",
            "samples_per_s_incl_build": "samples_per_s_incl_build", "first_step_s": "first_step_s",
            "time_to_n_steps_s": "wall_s", "build_s": "build_s"}

@@ -93,6 +93,20 @@ def test_shared_rows_match_the_training_forward_under_continuous_batching(qwen3_
     assert delta.abs().max() < 1e-3, delta.abs().max()
 
 
+def test_engine_stats_count_the_prefills(qwen3_dir):
+    """What the rollouter reports of its engine (``engine_stats``): rows prefilled and shared, and the prefills that
+    ran at their own shape (all of them off CUDA: no graphs), with their host seconds."""
+    from lumenrl_backends.trainers.rollouter import engine_stats
+
+    model, tokenizer = load_model_and_tokenizer(str(qwen3_dir), dtype="float32")
+    engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=64)
+    engine.generate(group_batch(tokenizer), {**SAMPLED, "max_new_tokens": 3})  # 13 rows, 8 slots: two admissions
+    stats = engine_stats(engine)
+    assert stats["prefill_rows"] + stats["shared_prefill_rows"] == 13 and stats["shared_prefill_rows"] >= 6
+    assert stats["prefill_eager"] >= 2 and stats["prefill_eager_s"] > 0
+    assert stats["graph_captures"] == 0
+
+
 def test_continued_rows_with_distinct_responses_prefill_each(qwen3_dir):
     """A continuation (prompt ++ partial response) shares only with a row of the same context: the rows of an
     interrupted group hold different responses, so each prefills."""

@@ -20,6 +20,7 @@ to run the bucketed shapes eagerly (their results equal a prefill at the context
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ class Prefill:
         self.graphs = DecodeGraphs(self._step, enabled=graphs)
         self.buckets = graphs  # bucketed shapes (module doc)
         self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.eager = {"calls": 0, "seconds": 0.0}  # prefills at their own shape (host seconds: what they queue)
 
     def __call__(
         self, contexts: list[list[int]], rows: torch.Tensor, *, room: int, layer_ids: list[int] | None = None
@@ -61,7 +63,10 @@ class Prefill:
         e.routes.prefill(rows, width, [width - len(c) for c in contexts])
         hidden_key = tuple(layer_ids) if layer_ids is not None else None
         if key is None:
+            start = time.perf_counter()
             logits, hidden = self._compute(ids, mask, positions, rows, hidden_key)
+            self.eager["calls"] += 1
+            self.eager["seconds"] += time.perf_counter() - start
         else:
             fresh = {"ids": ids, "mask": mask, "positions": positions, "rows": rows}
             inputs = self._inputs.get(key)

@@ -41,14 +41,20 @@ __all__ = ["Rollouter", "RolloutHooks", "as_continuation", "carry_token_columns"
 
 
 def engine_stats(engine: Any) -> dict[str, float]:
-    """The engine's CUDA graph captures so far and the host seconds they took, and the interrupted rows it continued
+    """The engine's CUDA graph captures so far (decode and prefill) and the host seconds they took, its prefills at
+    their own shape (``prefill_eager``, and their host seconds), and the interrupted rows it continued
     in their kept slots (``kept_reclaimed``; ``kept_across_updates``: after a weight update, on the old weights'
     cache), and the rows it admitted by a prefill of their own or by a copy of another row's (``prefill_rows``,
     ``shared_prefill_rows``). Empty for an engine without any of these."""
     out: dict[str, float] = {}
     graphs = getattr(engine, "graphs", None)
     if graphs is not None and hasattr(graphs, "captures"):
-        out.update(graph_captures=float(graphs.captures), graph_capture_s=float(graphs.capture_s))
+        prefill = getattr(engine, "prefill", None)
+        own = [graphs, *([prefill.graphs] if hasattr(prefill, "graphs") else [])]  # decode's, and the prefill's
+        out.update(graph_captures=float(sum(g.captures for g in own)), graph_capture_s=float(sum(g.capture_s for g in own)))
+    eager = getattr(getattr(engine, "prefill", None), "eager", None)
+    if isinstance(eager, dict):  # prefills at their own shape, not from a graph (engines/prefill.py)
+        out.update(prefill_eager=float(eager["calls"]), prefill_eager_s=float(eager["seconds"]))
     kept = getattr(engine, "kept_slots", None)
     if isinstance(kept, dict):
         out.update(kept_reclaimed=float(kept.get("reclaimed", 0)), kept_across_updates=float(kept.get("across_updates", 0)))
