@@ -33,8 +33,9 @@ calls and interrupts per trained step), ``rollouter_prefill_share`` (its prefill
 ``rollouter_tokens_per_s`` (tokens over generate seconds) and ``rollouter_shared_prefill_frac`` (the admitted rows
 that copied another row's prefill: a group's prompt, the native engine's ``share_prefill``); of the prefill time,
 ``rollouter_prefill_eager_share`` (host seconds of prefills at their own shape, no CUDA graph, over the generate
-seconds; ``rollouter_prefill_eager_per_step`` of them per step) and ``rollouter_capture_share`` (CUDA graph
-captures, decode and prefill).
+seconds; ``rollouter_prefill_eager_per_step`` of them per step), ``rollouter_capture_share`` (CUDA graph
+captures, decode and prefill) and ``rollouter_prefill_wait_share`` (the host's wait for the admitted rows' first
+tokens: the GPU's prefill and whatever runs before it).
 
 Every mode makes one optimizer step per step and runs with ``algorithm.old_log_probs=reuse``: the
 synchronous trainer's old log-probs and the async trainer's proximal ones (the policy before its update)
@@ -218,6 +219,7 @@ def run_metrics(records: list[dict]) -> dict[str, float]:
         # of it: prefills at their own shape (no CUDA graph; host seconds) and graph captures (decode and prefill)
         out["rollouter_prefill_eager_share"] = round(last.get("async/rollouter_prefill_eager_s", 0.0) / busy, 4)
         out["rollouter_capture_share"] = round(last.get("async/rollouter_graph_capture_s", 0.0) / busy, 4)
+        out["rollouter_prefill_wait_share"] = round(last.get("async/rollouter_prefill_wait_s", 0.0) / busy, 4)
     if "async/rollouter_prefill_eager" in last:
         out["rollouter_prefill_eager_per_step"] = round(last["async/rollouter_prefill_eager"] / steps, 3)
     if "perf/rollout_tokens_per_s" in last:
@@ -309,7 +311,7 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
 ROLLOUTER_WORK = ("rollouter_calls_per_step", "rollouter_interrupts_per_step", "rollouter_refills_per_step",
                   "rollouter_prefill_share", "rollouter_tokens_per_s",
                   "rollouter_shared_prefill_frac", "rollouter_prefill_eager_share", "rollouter_capture_share",
-                  "rollouter_prefill_eager_per_step")  # run_metrics: the last round's
+                  "rollouter_prefill_eager_per_step", "rollouter_prefill_wait_share")  # run_metrics: the last round's
 MEDIANS = {"samples_per_s": "samples_per_s", "steady_samples_per_s": "steady_samples_per_s",
            "samples_per_s_incl_build": "samples_per_s_incl_build", "first_step_s": "first_step_s",
            "time_to_n_steps_s": "wall_s", "build_s": "build_s"}

@@ -33,7 +33,8 @@ STAT_KEYS = ("idle_s", "busy_s", "partial_rollouts", "interrupts", "refills", "b
              "calls", "prefill_s",  # generate calls, and the engine's prefill seconds within them
              "kept_reclaimed", "kept_across_updates",  # interrupted rows continued in their kept slots (across updates)
              "prefill_rows", "shared_prefill_rows",  # rows admitted by their own prefill / by a copy of another's
-             "prefill_eager", "prefill_eager_s")  # prefills at their own shape (no CUDA graph), their host seconds
+             "prefill_eager", "prefill_eager_s",  # prefills at their own shape (no CUDA graph), their host seconds
+             "prefill_wait_s")  # the host's wait for admitted rows' first tokens
 
 
 def encode(group: SampleGroup) -> tuple[Any, ...]:

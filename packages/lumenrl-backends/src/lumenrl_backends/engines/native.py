@@ -269,6 +269,7 @@ class NativeEngine:
         # doc); not with R3, whose routes are recorded per prefilled row
         self.share_prefill = share_prefill and not self.routes.enabled
         self.prefill_rows = {"prefilled": 0, "shared": 0}  # rows admitted by their own prefill / by a copy
+        self.prefill_wait_s = 0.0  # host seconds waiting for admissions' first tokens (the GPU's prefill and more)
         # overlapped host sync: step N's (token, log-prob) pairs go to host buffers (pinned on CUDA,
         # two: N and N+1 in flight) while step N+1 is already queued (see _decode)
         self.overlap_sync = k.overlap_sync
@@ -563,7 +564,10 @@ class NativeEngine:
         for slot in slot_ids:
             s.host_columns[slot] = width
         active.update(zip(slot_ids, admitted))
-        self._record(slot_ids, tokens.tolist(), log_probs.tolist(), params, stops, active)
+        tick = time.perf_counter()
+        first_tokens, first_log_probs = tokens.tolist(), log_probs.tolist()  # the host waits for the GPU here
+        self.prefill_wait_s += time.perf_counter() - tick
+        self._record(slot_ids, first_tokens, first_log_probs, params, stops, active)
 
     # ------------------------------------------------------------------ decode
     def _bucket(self, rows_needed: int) -> int:

@@ -42,7 +42,8 @@ __all__ = ["Rollouter", "RolloutHooks", "as_continuation", "carry_token_columns"
 
 def engine_stats(engine: Any) -> dict[str, float]:
     """The engine's CUDA graph captures so far (decode and prefill) and the host seconds they took, its prefills at
-    their own shape (``prefill_eager``, and their host seconds), and the interrupted rows it continued
+    their own shape (``prefill_eager``, and their host seconds), the host's wait for admitted rows' first tokens
+    (``prefill_wait_s``), and the interrupted rows it continued
     in their kept slots (``kept_reclaimed``; ``kept_across_updates``: after a weight update, on the old weights'
     cache), and the rows it admitted by a prefill of their own or by a copy of another row's (``prefill_rows``,
     ``shared_prefill_rows``). Empty for an engine without any of these."""
@@ -55,6 +56,8 @@ def engine_stats(engine: Any) -> dict[str, float]:
     eager = getattr(getattr(engine, "prefill", None), "eager", None)
     if isinstance(eager, dict):  # prefills at their own shape, not from a graph (engines/prefill.py)
         out.update(prefill_eager=float(eager["calls"]), prefill_eager_s=float(eager["seconds"]))
+    if hasattr(engine, "prefill_wait_s"):  # the host's wait for admissions' first tokens (engines/native.py)
+        out["prefill_wait_s"] = float(engine.prefill_wait_s)
     kept = getattr(engine, "kept_slots", None)
     if isinstance(kept, dict):
         out.update(kept_reclaimed=float(kept.get("reclaimed", 0)), kept_across_updates=float(kept.get("across_updates", 0)))
