@@ -248,6 +248,21 @@ def test_bucketed_prefill_equals_own_width(loaded, max_batch_size):
     assert list(out.non_tensor_batch["finish_reason"]) == list(plain.non_tensor_batch["finish_reason"])
 
 
+def test_small_prefills_share_few_shapes(loaded):
+    """A graphed prefill's rows are bucketed up to at least PREFILL_MIN_TOKENS padded tokens: admissions of 1 to 8
+    short prompts are one shape (each shape is a capture), larger ones keep their own bucket."""
+    from lumenrl_backends.engines.prefill import PREFILL_MIN_TOKENS
+
+    engine = engine_for(loaded, max_batch_size=32, max_seq_len=256)
+    engine.prefill.buckets = True
+    assert PREFILL_MIN_TOKENS == 256
+    assert {engine.prefill.key(n, 20, room=16) for n in range(1, 9)} == {(8, 32)}
+    assert engine.prefill.key(9, 20, room=16) == (16, 32)
+    assert {engine.prefill.key(n, 10, room=16) for n in (1, 16)} == {(16, 16)}
+    assert engine.prefill.key(3, 100, room=16) == (4, 128)  # 2 rows would do; 4: 512 tokens at this width
+    assert engine.prefill.key(20, 100, room=16) is None  # 32 x 128 > PREFILL_GRAPH_TOKENS: eager
+
+
 def test_bucketed_prefill_keeps_room_for_the_response(loaded):
     """Where the padded width (32 for the longer prompts) would leave less than max_new_tokens columns, the prefill
     runs at its own width (20) and every row still gets its max_new_tokens."""
@@ -257,7 +272,7 @@ def test_bucketed_prefill_keeps_room_for_the_response(loaded):
     batch = prompt_batch(tokenizer)
     out = engine.generate(batch, {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
     assert all(width + 12 <= engine.max_seq_len for _, width, _ in keys)  # only chunks of shorter prompts
-    assert sum(rows for rows, _, _ in keys) < len(batch)  # the longer ones ran eagerly at their own width
+    assert keys and engine.prefill.eager["calls"] >= 1  # the longer ones ran eagerly at their own width
     assert (out.batch["response_mask"].sum(1) == 12).all()
 
 

@@ -5,7 +5,10 @@ decision 0013), paid once per ``generate`` and per admission under continuous ba
 runs at a bucketed shape and is captured once per shape, in its own graph pool
 (:class:`~lumenrl_backends.engines.graphs.DecodeGraphs`: the first call runs eagerly, then it is captured):
 
-* rows: up to a decode bucket; the extra rows repeat the last row (same slot, same K/V written twice);
+* rows: up to a decode bucket, and to at least :data:`PREFILL_MIN_TOKENS` padded tokens' worth (a prefill that
+  small is bound by its launches, not by its rows, and each shape is a capture, paid inside a run: the asynchronous
+  rollouter's admissions of 1 to 16 prompts are one or two shapes, not five); the extra rows repeat the last row
+  (same slot, same K/V written twice);
 * width: up to a power of two >= 16, by more left padding (masked keys, so the math is unchanged; the
   response then starts at that column). Powers of two bound the number of graphs (a few widths x the row
   buckets) and at most double a prefill that is launch-bound anyway;
@@ -30,9 +33,10 @@ from lumenrl_backends.engines.kv_cache import CacheView, prefill_mask
 from lumenrl_backends.engines.requests import left_pad
 from lumenrl_sddd.capture import select_hidden
 
-__all__ = ["Prefill", "PREFILL_GRAPH_TOKENS"]
+__all__ = ["Prefill", "PREFILL_GRAPH_TOKENS", "PREFILL_MIN_TOKENS"]
 
 PREFILL_GRAPH_TOKENS = 2048  # prefills up to this many padded tokens replay a captured graph (module doc)
+PREFILL_MIN_TOKENS = 256  # a graphed prefill's rows are bucketed up to at least this many padded tokens
 
 
 class Prefill:
@@ -84,7 +88,9 @@ class Prefill:
             e.cache.recalibrate or any(layer.codec.scales is None for layer in e.cache.layers))
         if not self.buckets or e.exact or e.routes.enabled or calibrating:
             return None
-        rows, padded = next(b for b in e.buckets if b >= n), max(16, 1 << (width - 1).bit_length())
+        padded = max(16, 1 << (width - 1).bit_length())
+        least = max(n, PREFILL_MIN_TOKENS // padded)  # n <= the largest bucket, which bounds ``least``'s bucket
+        rows = next((b for b in e.buckets if b >= least), e.buckets[-1])
         if rows * padded > PREFILL_GRAPH_TOKENS or padded + room > e.max_seq_len:
             return None
         return rows, padded
