@@ -64,8 +64,11 @@ and two FSDP2 backends built, CUDA graphs captured per (batch bucket, KV length)
 per process (Triton kernels compiled at their first shape): the cap sets the number of KV-length
 keys (cap / 64 + 1) and the decode steps per call, rows x cap the prefill after each interrupt,
 so halving both (from 16 prompts, median 64) cuts generation about fourfold. Before the timed
-modes an untimed ``sync`` run of the same shape pays the process-wide compiles, so they are charged
-to no mode (on the CPU there are none: no warm-up). A one-step or three-step warm-up left one-time costs in the
+modes an untimed ``sync`` run of the same shape pays the process-wide compiles, and an untimed run of the first
+async mode pays what its rollouter compiles at its own shapes (two steps of rows in the engine: decode buckets the
+synchronous run never reaches) into the disk caches, so they are charged to no mode (on the CPU there are none:
+no warm-up). Without the second warm-up the first rollouter of a run (``partial``'s first round) ran 25-40% below
+that mode's other two rounds (steady samples/s, H100 runs of 2026-12-07), and the async modes after it did not. A one-step or three-step warm-up left one-time costs in the
 first round's timed sync steps, which flattered the async mode (decision 0012). A rollouter process loads those Triton kernels
 from the same disk cache (it inherits the environment), but captures its own CUDA graphs. The CPU smoke of the GPU entry runs its rollouter
 as a process too (``weight_sync.method=filesystem``, the CPU stand-in for ``cuda_ipc``).
@@ -284,9 +287,13 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
 
             save_random_model(model, Path(tmp) / "model", "cuda" if gpu and not smoke else "cpu")
             extra = (*extra, f"policy.model_name={Path(tmp) / 'model'}")
-        if gpu and not smoke:  # process-wide compiles (Triton, CUDA context) charged to no mode
-            run_mode("sync", out=Path(tmp) / "warmup", extra=extra, **shape)  # a whole run (module doc)
+        if gpu and not smoke:  # compiles (Triton, CUDA context) charged to no mode: whole runs (module doc)
+            first_async = next((m for m in modes if m != "sync"), None)
+            for mode in ("sync", *([first_async] if first_async else [])):  # the rollouter's shapes, on disk
+                more = () if mode == "sync" else (*async_overrides, *MODE_OVERRIDES.get(mode, ()))
+                run_mode(mode, out=Path(tmp) / f"warmup_{mode}", extra=(*extra, *more), **shape)
             results["warmup_steps"] = shape["steps"]
+            results["warmup_modes"] = " ".join(("sync", *([first_async] if first_async else [])))
         failed: dict[str, str] = {}
         for r in range(rounds):
             got: dict[str, dict] = {}

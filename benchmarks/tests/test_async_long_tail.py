@@ -143,3 +143,26 @@ def test_a_failing_extra_mode_is_recorded_and_the_goals_pair_still_reported(monk
     monkeypatch.setattr(long_tail, "run_mode", broken_pair)
     with pytest.raises(RuntimeError, match="partial died"):
         long_tail.bench(True, modes=("sync", "partial"), rounds=1)
+
+
+def test_the_gpu_run_warms_up_a_synchronous_and_an_async_run_untimed(monkeypatch):
+    """The full GPU run: before its timed rounds, one untimed run of sync and one of the first async mode (with that
+    mode's overrides: its rollouter's compiles land in the disk caches), neither among the reported rounds."""
+    from benchmarks.async_rl import long_tail
+
+    calls = []
+
+    def fake_run_mode(mode, *, out, extra, **shape):
+        calls.append((mode, out.name, extra))
+        return {**_run(100.0 if mode == "sync" else 150.0, 120.0 if mode == "sync" else 180.0), "step_s": 0.1}
+
+    monkeypatch.setattr(long_tail, "run_mode", fake_run_mode)
+    out = long_tail.bench(False, gpu=True, model="builtin", modes=("sync", "partial_keep", "partial"), rounds=1,
+                          async_overrides=("weight_sync.method=inprocess",))
+    assert [(mode, name) for mode, name, _ in calls] == [
+        ("sync", "warmup_sync"), ("partial_keep", "warmup_partial_keep"),
+        ("sync", "sync0"), ("partial_keep", "partial_keep0"), ("partial", "partial0")]
+    warm_async = calls[1][2]
+    assert "weight_sync.method=inprocess" in warm_async and "async_training.resume_kv=keep" in warm_async
+    assert "weight_sync.method=inprocess" not in calls[0][2]
+    assert out["warmup_modes"] == "sync partial_keep" and out["partial/steady_speedup_vs_sync"] == 1.5
