@@ -23,6 +23,15 @@ its destructors (CUDA graphs, events, pinned buffers) then invalidate that captu
 process). :func:`gc_paused` collects once before an engine's first capture (dead engines free
 their memory outside capture) and disables the collector for the duration of every capture.
 
+Capture cost: ``torch.cuda.graph`` synchronizes the whole device and empties the caching allocator's device and
+pinned-host caches before each capture. A capture needs neither (it records, it does not run), and inside a run
+they are what a capture costs most: the device-wide wait takes in whatever another thread of the process has queued
+(the async trainer's training step, beside a rollouter thread), and the emptied caches make the next steps'
+allocations go back to the driver. The rollouter captures its graphs inside the run (20% of its generate time on an
+H100 in ``async_long_tail_gpu``, 2026-12-07). So only an engine's first capture goes through ``torch.cuda.graph``;
+the later ones begin and end the capture themselves on a side stream (:func:`lean_capture`), as vLLM skips the cache
+emptying after its first capture.
+
 Capture and other threads: the capture mode is ``thread_local``. In the async trainer the rollouter's
 engine captures while the trainer thread of the same process keeps training; under CUDA's default
 (``global``) mode the trainer's host syncs and allocations during that window fail the *trainer*
@@ -52,7 +61,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DecodeGraphs", "gc_paused", "graph_blocker", "kv_bytes_per_token", "slots_for_budget"]
+__all__ = ["DecodeGraphs", "gc_paused", "graph_blocker", "kv_bytes_per_token", "lean_capture", "slots_for_budget"]
 
 
 def graph_blocker(model: torch.nn.Module) -> str | None:
@@ -89,6 +98,20 @@ def gc_paused(collect: bool = False) -> Iterator[None]:
             gc.enable()
 
 
+@contextlib.contextmanager
+def lean_capture(graph: Any, pool: Any, stream: Any) -> Iterator[None]:
+    """Capture into ``graph`` (memory from ``pool``) on ``stream``, thread-local: ``torch.cuda.graph`` without the
+    device-wide ``synchronize`` and the device and pinned-host cache emptying it runs first (module doc)."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool, capture_error_mode="thread_local")
+        try:
+            yield
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 class DecodeGraphs:
     """Lazily captured CUDA graphs of ``step(*key)``; eager when disabled or after a failed capture."""
 
@@ -98,6 +121,7 @@ class DecodeGraphs:
         self.graphs: dict[Hashable, tuple[Any, tuple[torch.Tensor, ...]]] = {}
         self.error: str | None = None
         self._pool: Any = None
+        self._stream: Any = None  # the captures' side stream (after the first: lean_capture)
         self.captures = 0  # graphs captured so far
         self.capture_s = 0.0  # host seconds of their first calls (the eager step and the capture)
 
@@ -124,10 +148,14 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        first = self.captures == 0
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        capture = (torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local") if first
+                   else lean_capture(graph, self._pool, self._stream))  # module doc: capture cost
         try:
             # no destructor of a dead engine may run inside the capture (see module doc)
-            with gc_paused(collect=not self.graphs), torch.cuda.graph(graph, pool=self._pool,
-                                                                   capture_error_mode="thread_local"):
+            with gc_paused(collect=not self.graphs), capture:
                 outputs = self.step(*key)
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to eager decode
             self.error = f"{type(err).__name__}: {err}{_where(err)}"
