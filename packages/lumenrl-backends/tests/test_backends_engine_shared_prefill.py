@@ -107,21 +107,17 @@ def test_engine_stats_count_the_prefills(qwen3_dir):
     assert stats["graph_captures"] == 0 and 0 < stats["prefill_wait_s"] < 60
 
 
-def test_continued_rows_with_distinct_responses_prefill_each(qwen3_dir):
+def test_continued_rows_with_distinct_responses_prefill_each():
     """A continuation (prompt ++ partial response) shares only with a row of the same context: the rows of an
     interrupted group hold different responses, so each prefills."""
-    from lumenrl_backends.engines.requests import Request
+    from lumenrl_backends.engines.requests import Request, group_by_context
 
-    model, tokenizer = load_model_and_tokenizer(str(qwen3_dir), dtype="float32")
-    engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=64)
     rows = [Request(index=i, prompt=[5, 6, 7], seed=i, response=list(r)) for i, r in
             enumerate([[1], [2], [1], [], []])]
-    leads, copies = engine._shared_contexts(rows)
+    leads, copies = group_by_context(rows)
     assert [r.index for r in leads] == [0, 1, 3]
-    assert {engine_lead: [r.index for r in rest] for engine_lead, rest in
-            ((next(r.index for r in rows if id(r) == key), value) for key, value in copies.items())} == {0: [2], 3: [4]}
-    engine.share_prefill = False
-    assert engine._shared_contexts(rows) == (rows, {})
+    by_index = {id(r): r.index for r in rows}
+    assert {by_index[key]: [r.index for r in rest] for key, rest in copies.items()} == {0: [2], 3: [4]}
 
 
 def test_share_prefill_is_read_from_the_config(qwen3_dir):

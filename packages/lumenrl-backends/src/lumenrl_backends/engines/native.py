@@ -116,6 +116,7 @@ from lumenrl_backends.engines.requests import (
     Request,
     build_rollout_batch,
     generated_tokens,
+    group_by_context,
     requests_from_batch,
     rollout_meta,
     stop_ids_for,
@@ -384,7 +385,7 @@ class NativeEngine:
                     # longest first: chunks of like lengths (little left padding), and the continued long-tail
                     # rows take the lowest slots, the fresh ones above them (their early finishes shrink the bucket)
                     admitted.sort(key=lambda r: -len(r.context))
-                    leads, copies = self._shared_contexts(admitted)
+                    leads, copies = group_by_context(admitted) if self.share_prefill else (admitted, {})
                     tick = time.perf_counter()
                     with record_function("lumenrl/prefill"):  # a range of a torch.profiler trace (trainer phases)
                         for chunk in self._prefill_chunks(leads):
@@ -506,19 +507,6 @@ class NativeEngine:
             current.append(request)
             width = grown
         return chunks + ([current] if current else [])
-
-    def _shared_contexts(self, admitted: list[Request]) -> tuple[list[Request], dict[int, list[Request]]]:
-        """(the rows to prefill, in order; {id(row): the later rows of its context, which copy its K/V}).
-        Without ``share_prefill``: every row, no copies."""
-        if not self.share_prefill:
-            return admitted, {}
-        first: dict[tuple[int, ...], Request] = {}
-        copies: dict[int, list[Request]] = {}
-        for request in admitted:
-            lead = first.setdefault(tuple(request.context), request)
-            if lead is not request:
-                copies.setdefault(id(lead), []).append(request)
-        return list(first.values()), copies
 
     # ------------------------------------------------------------------ prefill
     def _admit(

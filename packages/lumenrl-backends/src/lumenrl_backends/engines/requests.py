@@ -32,6 +32,7 @@ __all__ = [
     "build_rollout_batch",
     "decode_texts",
     "generated_tokens",
+    "group_by_context",
     "left_pad",
     "rollout_meta",
     "stop_ids_for",
@@ -70,6 +71,18 @@ def stop_ids_for(params: SamplingParams, eos_token_ids: list[int]) -> frozenset[
     if not params.ignore_eos:
         stops.update(eos_token_ids)
     return frozenset(stops)
+
+
+def group_by_context(requests: list[Request]) -> tuple[list[Request], dict[int, list[Request]]]:
+    """(the first request of each distinct context, in order; {id(first): the later requests of its context}): the
+    rows a shared prefill computes, and the rows that copy each one's cache (the native engine's ``share_prefill``)."""
+    first: dict[tuple[int, ...], Request] = {}
+    copies: dict[int, list[Request]] = {}
+    for request in requests:
+        lead = first.setdefault(tuple(request.context), request)
+        if lead is not request:
+            copies.setdefault(id(lead), []).append(request)
+    return list(first.values()), copies
 
 
 def generated_tokens(requests: list[Request]) -> int:
