@@ -68,7 +68,7 @@ modes an untimed ``sync`` run of the same shape pays the process-wide compiles, 
 async mode pays what its rollouter compiles at its own shapes (two steps of rows in the engine: decode buckets the
 synchronous run never reaches) into the disk caches, so they are charged to no mode (on the CPU there are none:
 no warm-up). Without the second warm-up the first rollouter of a run (``partial``'s first round) ran 25-40% below
-that mode's other two rounds (steady samples/s, H100 runs of 2026-12-07), and the async modes after it did not. A one-step or three-step warm-up left one-time costs in the
+that mode's other two rounds (steady samples/s, four H100 runs of 2026-12-07); the async modes after it mostly did not. A one-step or three-step warm-up left one-time costs in the
 first round's timed sync steps, which flattered the async mode (decision 0012). A rollouter process loads those Triton kernels
 from the same disk cache (it inherits the environment), but captures its own CUDA graphs. The CPU smoke of the GPU entry runs its rollouter
 as a process too (``weight_sync.method=filesystem``, the CPU stand-in for ``cuda_ipc``).
