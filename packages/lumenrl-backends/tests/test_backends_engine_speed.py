@@ -4,8 +4,10 @@ in place. The decode kernels themselves (attention, sampler): ``test_backends_en
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
+import threading
 import weakref
 
 import pytest
@@ -34,7 +36,6 @@ def prompt_batch(tokenizer, prompts=PROMPTS) -> DataProto:
 
 
 def test_two_fp8_engines_in_two_threads_match_their_sequential_runs(qwen3_dir):
-    import threading
 
     runs = []
     for seed in (1, 2):  # two models with different weights, so different FP8 KV scales
@@ -373,13 +374,33 @@ def test_cuda_two_compiled_engines_in_one_process_both_capture(qwen3_dir):
 
 
 
+@contextlib.contextmanager
+def _beside(work):
+    """Run ``work()`` over and over in another thread (a trainer beside the rollouter's engine) while the block
+    runs; yields the list its exceptions are collected in."""
+    stop, errors = threading.Event(), []
+
+    def loop():
+        try:
+            while not stop.is_set():
+                work()
+        except Exception as err:  # noqa: BLE001 - reported by the caller
+            errors.append(err)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        yield errors
+    finally:
+        stop.set()
+        thread.join()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_capture_while_another_thread_syncs():
     """The async trainer trains (host syncs, allocations) while the rollouter's engine captures in another
     thread: the capture mode is thread-local, so neither thread fails and the graph replays correctly."""
-    import threading
-
     x = torch.randn(512, 512, device="cuda")
     out = torch.empty_like(x)
 
@@ -390,26 +411,17 @@ def test_capture_while_another_thread_syncs():
         out.copy_(y)
         return (out,)
 
-    stop, errors, syncs = threading.Event(), [], [0]
+    syncs = [0]
 
     def trainer():
-        try:
-            while not stop.is_set():
-                float(torch.ones(64, device="cuda").sum())  # a host sync and an allocation, as train_step does
-                syncs[0] += 1
-        except Exception as err:  # noqa: BLE001 - reported below
-            errors.append(err)
+        float(torch.ones(64, device="cuda").sum())  # a host sync and an allocation, as train_step does
+        syncs[0] += 1
 
-    thread = threading.Thread(target=trainer)
-    thread.start()
-    try:
+    with _beside(trainer) as errors:
         graphs = DecodeGraphs(step, enabled=True)
         eager = graphs()[0].clone()
         graphs()  # replay
         torch.cuda.synchronize()
-    finally:
-        stop.set()
-        thread.join()
     assert not errors, errors
     assert graphs.error is None and graphs.graphs, graphs.error
     assert graphs.captures == 1 and graphs.capture_s > 0  # one key: one capture, timed; the replay adds none
@@ -423,8 +435,6 @@ def test_later_captures_are_lean_and_replay_what_the_eager_step_gave():
     """An engine's first capture goes through ``torch.cuda.graph``, the later ones through ``lean_capture`` (no
     device-wide sync, no cache emptying) while another thread keeps its own stream busy: every key's replay gives
     its eager step's values, and no capture fails."""
-    import threading
-
     x = torch.randn(256, 256, device="cuda") / 16
     outs = {k: torch.empty_like(x) for k in (1, 2, 3)}
 
@@ -435,29 +445,20 @@ def test_later_captures_are_lean_and_replay_what_the_eager_step_gave():
         outs[k].copy_(y)
         return (outs[k],)
 
-    stop, errors = threading.Event(), []
+    stream, a = torch.cuda.Stream(), torch.randn(2048, 2048, device="cuda")
 
     def busy():  # a trainer's queued work on a stream of its own
-        try:
-            stream, a = torch.cuda.Stream(), torch.randn(2048, 2048, device="cuda")
-            with torch.cuda.stream(stream):
-                while not stop.is_set():
-                    for _ in range(50):
-                        a = torch.tanh(a @ a) * 0.5
-                    stream.synchronize()
-        except Exception as err:  # noqa: BLE001 - reported below
-            errors.append(err)
+        with torch.cuda.stream(stream):
+            b = a
+            for _ in range(50):
+                b = torch.tanh(b @ a) * 0.5
+            stream.synchronize()
 
-    thread = threading.Thread(target=busy)
-    thread.start()
-    try:
+    with _beside(busy) as errors:
         graphs = DecodeGraphs(step, enabled=True)
         eager = {k: graphs(k)[0].clone() for k in (1, 2, 3)}  # captures: the first plain, then two lean
         replayed = {k: graphs(k)[0].clone() for k in (1, 2, 3)}
         torch.cuda.synchronize()
-    finally:
-        stop.set()
-        thread.join()
     assert not errors, errors
     assert graphs.error is None and graphs.captures == 3 and graphs._stream is not None, graphs.error
     for k in (1, 2, 3):
