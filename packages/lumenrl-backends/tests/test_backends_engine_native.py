@@ -349,15 +349,20 @@ def test_interrupt_then_resume_equals_uninterrupted(loaded):
     assert engine.kept_slots["reclaimed"] >= 4 and prefilled["rows"] == int((lengths == 0).sum())
 
 
-def _count_prefill_rows(engine: NativeEngine) -> dict[str, int]:
-    original, seen = engine.prefill, {"rows": 0}
+class _PrefilledRows(dict):
+    """``["rows"]``: the rows the engine has run a prefill forward for since this was made (padded or packed)."""
 
-    def counted(contexts, *args, **kwargs):
-        seen["rows"] += len(contexts)
-        return original(contexts, *args, **kwargs)
+    def __init__(self, engine: NativeEngine) -> None:
+        super().__init__()
+        self.engine, self.start = engine, engine.prefill_rows["prefilled"]
 
-    engine.prefill = counted
-    return seen
+    def __getitem__(self, key: str) -> int:
+        assert key == "rows"
+        return self.engine.prefill_rows["prefilled"] - self.start
+
+
+def _count_prefill_rows(engine: NativeEngine) -> _PrefilledRows:
+    return _PrefilledRows(engine)
 
 
 def test_kept_slots_are_freed_for_other_rows_and_other_sampling(loaded):

@@ -30,11 +30,18 @@ a CUDA-graph capture the lookup happens once, at capture), so a trainer sharing 
 keeps transformers' function; since the math is identical, a leak would change nothing either.
 Engine forwards in different threads take turns (a process-wide re-entrant lock): the installed
 function and the active cache are process-wide state. Graph replays do not enter it.
+
+A packed prefill (sequences back to back in one batch row) whose cache view says ``varlen`` (the engine's choice,
+where :func:`varlen_ok` holds) runs torch's varlen flash attention (``torch.nn.attention.varlen``, causal within each
+sequence, over the view's ``segments``); elsewhere the engine passes a block-diagonal causal mask
+(:func:`~lumenrl_backends.engines.kv_cache.packed_mask`) and this falls back to ``sdpa`` like any prefill.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -45,7 +52,7 @@ import torch.nn.functional as F
 from lumenrl_backends.engines import triton_attention
 from lumenrl_backends.engines.kv_cache import value_rows
 
-__all__ = ["packed_decode_attention", "engine_attention"]
+__all__ = ["packed_decode_attention", "engine_attention", "varlen_ok"]
 
 # The ``sdpa`` entry and the active cache are process-wide, so engine forwards take turns: two engines
 # in two threads would otherwise read each other's FP8 scales and write columns, and the first to
@@ -88,6 +95,9 @@ def packed_decode_attention(
     programmatic dependent launch (:mod:`~lumenrl_backends.engines.triton_pdl`); ignored elsewhere."""
     fp8_out = kwargs.pop("lumenrl_fp8_out", None)
     pdl = kwargs.pop("lumenrl_pdl", False)
+    view = getattr(_ACTIVE_CACHE[0], "view", None)
+    if view is not None and view.varlen:
+        return _varlen_prefill(query, key, value, view.segments, view.longest, scaling), None
     batch, heads, q_len, _ = query.shape
     kv_heads = key.shape[1]
     d_v = value.shape[-2] if value.dim() == 5 else value.shape[-1]  # 5-D: the cache's V tiles (B, H_kv, n, D, T)
@@ -139,6 +149,45 @@ def packed_decode_attention(
     if v_scale is not None and out.dtype != fp8_out:  # dequantized path: the same codes, from the float output
         out = _codes(out, v_scale, fp8_out)
     return out.reshape(batch, heads, q_len, d_v).transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _varlen_kwargs() -> dict[str, Any] | None:
+    """Keywords that make torch's ``varlen_attn`` causal and grouped-query across the torch versions that have it
+    (``window_size=(-1, 0)`` or ``is_causal=True``; ``enable_gqa`` where it exists), or None without it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        causal: dict[str, Any] = {"window_size": (-1, 0)}
+    elif "is_causal" in params:
+        causal = {"is_causal": True}
+    else:
+        return None
+    return {**causal, **({"enable_gqa": True} if "enable_gqa" in params else {})}
+
+
+def varlen_ok(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a packed prefill of this device, dtype and head size runs torch's varlen flash attention (CUDA,
+    16-bit, head size <= 256, a torch that has it); elsewhere it takes a block-diagonal mask through ``sdpa``."""
+    return (torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
+            and head_dim % 8 == 0 and _varlen_kwargs() is not None)
+
+
+def _varlen_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: torch.Tensor,
+                    longest: int, scaling: float | None) -> torch.Tensor:
+    """query (1, H, T, D), key/value (1, H_kv, T, D) of sequences back to back (offsets ``segments`` (n + 1,) int32)
+    -> (1, T, H, D): each token attends causally within its own sequence."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    kwargs = dict(_varlen_kwargs() or {})
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, D)
+    if "enable_gqa" not in kwargs and k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    out = varlen_attn(q, k, v, segments, segments, longest, longest, scale=scaling, **kwargs)
+    return out[None]
 
 
 def _codes(out: torch.Tensor, v_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

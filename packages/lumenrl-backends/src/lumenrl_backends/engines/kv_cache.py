@@ -16,7 +16,9 @@ The model sees this object as a ``transformers.Cache``: attention layers call
 before each forward:
 
 * prefill view (fresh sequences in arbitrary slots): the new K/V are written to their slots and
-  returned as-is, since a fresh prompt attends only to itself (no gather of the cache);
+  returned as-is, since a fresh prompt attends only to itself (no gather of the cache); a packed prefill
+  (one batch row holding the sequences back to back, no padding) gives each token its own slot and column
+  (rows (1, T)) and the sequences' offsets (``segments``), read by the engine's varlen attention;
 * decode view (rows ``0..b-1``, one new token each, or q each in speculative decoding's verify
   forward): the tokens are written at each row's own columns and the layer gets the first ``kv_len``
   columns of rows ``0..b-1`` (a view, no copy).
@@ -55,8 +57,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lumenrl_backends.engines.quant import FP8KVCodec
 
-__all__ = ["CacheView", "DecodeWrite", "SlotKVCache", "V_TILE", "decode_mask", "decode_masks", "prefill_mask", "to_attention_mask",
-           "value_rows", "value_tiles"]
+__all__ = ["CacheView", "DecodeWrite", "SlotKVCache", "V_TILE", "decode_mask", "decode_masks", "packed_mask", "prefill_mask",
+           "to_attention_mask", "value_rows", "value_tiles"]
 
 V_TILE = 128  # columns per V tile where the cache stores V in tiles (a multiple of the kernel's block_n)
 
@@ -85,13 +87,19 @@ def value_rows(values: torch.Tensor, length: int | None = None) -> torch.Tensor:
 class CacheView:
     """Where the next forward writes and what it reads."""
 
-    rows: torch.Tensor  # (b,) int64 slot index of each batch row
+    rows: torch.Tensor  # (b,) int64 slot index of each batch row; a packed prefill: (1, T), each token's slot
     columns: torch.Tensor  # (b, q) int64 cache column of each new token
     decode: bool  # True: read back rows 0..b-1 (rows must be arange(b)); False: fresh prefill
     kv_len: int  # decode: number of cache columns visible to attention
     # decode, compile="full": the step's RoPE (cos, sin), each (b, 1, D), computed once before the forward; the
     # fused q/k-norm + RoPE + KV-write op reads these instead of the forward's position embeddings (engines/fusion.py)
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    # a packed prefill (sequences back to back in one batch row, :mod:`~lumenrl_backends.engines.prefill`): (n + 1,)
+    # int32 offsets of the sequences' tokens, the longest one, and whether attention runs the varlen kernel on them
+    # (else the forward's mask is block-diagonal)
+    segments: torch.Tensor | None = None
+    longest: int = 0
+    varlen: bool = False
 
 
 class DecodeWrite(NamedTuple):
@@ -140,7 +148,7 @@ class _SlotLayer(CacheLayerMixin):
         if view is None:
             raise RuntimeError("SlotKVCache.update called without a view; the engine sets one per forward")
         stored_k, stored_v = self._encode(key_states, value_states, view.decode)
-        rows = view.rows[:, None]  # (b, 1)
+        rows = view.rows[:, None] if view.rows.dim() == 1 else view.rows  # (b, 1), or (1, T) packed
         self.keys[rows, :, view.columns] = stored_k.transpose(1, 2).to(self.keys.dtype)  # (b, q, H, D)
         if self._owner.v_tile:
             tile = self._owner.v_tile
@@ -277,6 +285,15 @@ def prefill_mask(token_mask: torch.Tensor, window: int | None = None) -> torch.T
     allowed = causal[None] & token_mask.bool()[:, None, :]  # (b, P, P)
     allowed = allowed | torch.eye(length, dtype=torch.bool, device=token_mask.device)[None]
     return allowed[:, None]
+
+
+def packed_mask(lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """(n,) lengths of sequences packed back to back in ``total`` tokens -> (1, 1, total, total) bool: causal within
+    each sequence, nothing across (the mask of a packed prefill where no varlen kernel runs)."""
+    segment = torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths, output_size=total)
+    cols = torch.arange(total, device=lengths.device)
+    allowed = (segment[:, None] == segment[None, :]) & (cols[None, :] <= cols[:, None])
+    return allowed[None, None]
 
 
 def decode_mask(

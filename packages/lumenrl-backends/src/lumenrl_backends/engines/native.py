@@ -170,6 +170,7 @@ class NativeEngine:
         record_routes: bool = False, record_router_logits: bool = False, moe_router: str = "",
         exact_logprobs: bool = False,
         share_prefill: bool = True,
+        pack_prefill: bool = True,
     ) -> None:
         k = self.kernels = kernels or KernelOptions()
         if compile not in ("none", "full"):
@@ -266,6 +267,7 @@ class NativeEngine:
             self.graphs.enabled = False
             warnings.warn(f"native engine: no CUDA graphs ({blocker}); decoding eagerly", stacklevel=2)
         self.prefill = Prefill(self, graphs=self.graphs.enabled)  # small prefills from CUDA graphs (engines/prefill.py)
+        self.prefill.pack = pack_prefill  # larger ones back to back, no padding (engines/prefill.py)
         # rows of one context (a group's prompt) admitted together: one prefills, the others copy its K/V (module
         # doc); not with R3, whose routes are recorded per prefilled row
         self.share_prefill = share_prefill and not self.routes.enabled
@@ -388,8 +390,8 @@ class NativeEngine:
                     leads, copies = group_by_context(admitted) if self.share_prefill else (admitted, {})
                     tick = time.perf_counter()
                     with record_function("lumenrl/prefill"):  # a range of a torch.profiler trace (trainer phases)
-                        for chunk in self._prefill_chunks(leads):
-                            self._admit(chunk, params, active, stops, copies)
+                        for chunk, packed in self._prefill_plan(leads, params.max_new_tokens):
+                            self._admit(chunk, params, active, stops, copies, packed=packed)
                     self._prefill_seconds += time.perf_counter() - tick
                 if active and not self._interrupt.is_set():
                     self._decode(active, params, stops, speculate=self.overlap_sync and not queue)
@@ -508,6 +510,24 @@ class NativeEngine:
             width = grown
         return chunks + ([current] if current else [])
 
+    def _prefill_plan(self, admitted: list[Request], room: int) -> list[tuple[list[Request], bool]]:
+        """(chunk, packed) pairs: the left-padded chunks of :meth:`_prefill_chunks`; with ``pack_prefill`` the ones
+        that no graph holds run packed instead, back to back in chunks of at most ``prefill_chunk_tokens`` real
+        tokens (engines/prefill.py)."""
+        chunks = self._prefill_chunks(admitted)
+        if not self.prefill.packable():
+            return [(chunk, False) for chunk in chunks]
+        graphed = [chunk for chunk in chunks if self.prefill.key(len(chunk), max(len(r.context) for r in chunk), room) is not None]
+        packed: list[list[Request]] = []
+        tokens = 0
+        for request in (r for chunk in chunks if not any(chunk is g for g in graphed) for r in chunk):
+            if not packed or tokens + len(request.context) > self.prefill_chunk_tokens:
+                packed.append([])
+                tokens = 0
+            packed[-1].append(request)
+            tokens += len(request.context)
+        return [(chunk, True) for chunk in packed] + [(chunk, False) for chunk in graphed]
+
     # ------------------------------------------------------------------ prefill
     def _admit(
         self,
@@ -516,9 +536,11 @@ class NativeEngine:
         active: dict[int, Request],
         stops: frozenset[int],
         copies: dict[int, list[Request]] | None = None,
+        packed: bool = False,
     ) -> None:
-        """Prefill ``admitted`` into free slots and sample each row's first token; the rows that ``copies`` lists
-        under an admitted one take slots of their own with a copy of its K/V and its last logits (no forward)."""
+        """Prefill ``admitted`` into free slots (``packed``: back to back, engines/prefill.py) and sample each row's
+        first token; the rows that ``copies`` lists under an admitted one take slots of their own with a copy of its
+        K/V and its last logits (no forward)."""
         contexts = [r.context for r in admitted]
         width = max(len(c) for c in contexts)
         if width >= self.max_seq_len:
@@ -527,8 +549,12 @@ class NativeEngine:
             )
         slot_ids = self.slots.take(len(admitted))
         rows = torch.tensor(slot_ids, dtype=torch.int64, device=self.device)
-        _, mask, positions, logits, _ = self.prefill(contexts, rows, room=params.max_new_tokens)
-        width = mask.shape[1]
+        if packed:  # each row at columns 0..len - 1
+            logits = self.prefill.packed(contexts, rows)
+            width = max(len(c) for c in contexts)
+        else:  # left-padded: every row's context ends at column ``width``
+            _, mask, _, logits, _ = self.prefill(contexts, rows, room=params.max_new_tokens)
+            width = mask.shape[1]
         self.cache.recalibrate = False
         self.prefill_rows["prefilled"] += len(admitted)
         followers = [(i, r) for i, lead in enumerate(admitted) for r in (copies or {}).get(id(lead), ())]
@@ -538,8 +564,7 @@ class NativeEngine:
             copy_rows = torch.tensor(copy_ids, dtype=torch.int64, device=self.device)
             self.cache.copy_slots(rows[source], copy_rows, width)
             admitted, slot_ids = admitted + [r for _, r in followers], slot_ids + copy_ids
-            rows, positions = torch.cat([rows, copy_rows]), torch.cat([positions, positions[source]])
-            logits = torch.cat([logits, logits[source]])
+            rows, logits = torch.cat([rows, copy_rows]), torch.cat([logits, logits[source]])
             self.prefill_rows["shared"] += len(followers)
         self.slots.admit(rows, [r.seed for r in admitted], params)
         self.slots.counters[rows] = torch.tensor([len(r.response) for r in admitted], device=self.device)
@@ -547,10 +572,13 @@ class NativeEngine:
         if self.exact:  # the trainer's batch-invariant log-softmax (greedy rows: temperature 1)
             log_probs = exact_token_log_probs(logits, tokens, self.slots.temperature[rows])
         s = self.slots
-        s.tokens[rows], s.columns[rows], s.positions[rows] = tokens, width, positions[:, -1] + 1
+        lengths = [len(r.context) for r in admitted]  # each row's next position; its next column, packed
+        columns = lengths if packed else [width] * len(admitted)
+        s.tokens[rows], s.columns[rows] = tokens, torch.tensor(columns, device=self.device)
+        s.positions[rows] = torch.tensor(lengths, device=self.device)
         s.counters[rows] += 1
-        for slot in slot_ids:
-            s.host_columns[slot] = width
+        for slot, column in zip(slot_ids, columns):
+            s.host_columns[slot] = column
         active.update(zip(slot_ids, admitted))
         tick = time.perf_counter()
         first_tokens, first_log_probs = tokens.tolist(), log_probs.tolist()  # the host waits for the GPU here
@@ -646,9 +674,10 @@ class NativeEngine:
         allowed_full: torch.Tensor,
         forward: Any = None,
         layer_ids: tuple[int, ...] | None = None,
+        logits_to_keep: int | torch.Tensor = 1,
     ) -> Any:
-        """The model's forward through the engine cache and attention -> its output (logits of the last column;
-        with ``layer_ids``, all hidden states too)."""
+        """The model's forward through the engine cache and attention -> its output (logits of the last column, or of
+        the columns ``logits_to_keep`` lists; with ``layer_ids``, all hidden states too)."""
         dtype = next(self.model.parameters()).dtype
         mask: Any = to_attention_mask(allowed, self._attn, dtype)
         if self._mixed_layers:
@@ -662,7 +691,7 @@ class NativeEngine:
                 attention_mask=mask,
                 position_ids=positions,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=logits_to_keep,
                 **({"output_hidden_states": True} if layer_ids is not None else {}),
                 **{self._cache_kwarg: self.cache},
             )

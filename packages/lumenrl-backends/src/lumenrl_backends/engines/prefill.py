@@ -19,6 +19,15 @@ Eager at its own width instead: with R3 route recording (host-side bookkeeping p
 at this prefill (host reads), or where the padded width would leave fewer than ``room`` columns (what the
 caller generates) in ``max_seq_len``. ``Prefill.buckets`` follows the engine's graphs; a CPU test may set it
 to run the bucketed shapes eagerly (their results equal a prefill at the contexts' own width).
+
+Packed (:meth:`Prefill.packed`, the engine's ``pack_prefill``): a prefill too large for a graph, which is all
+device time, runs its contexts back to back in one batch row with no padding, each token written to its own slot
+and column (a row's tokens at columns ``0..len - 1``, its response from column ``len``). Rows continued after a
+weight update are re-prefilled so (partial rollout: contexts from a prompt's length to the response cap): one
+eager forward over their real tokens instead of one per group of like lengths, each left-padded up to twice its
+rows' tokens. Attention is torch's varlen flash attention where :func:`~lumenrl_backends.engines.attention.varlen_ok`
+holds, else ``sdpa`` under a block-diagonal causal mask. Not with the eager cases above (R3, exact log-probs,
+calibration), a sliding window, or draft features (``layer_ids``).
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ from typing import Any
 
 import torch
 
+from lumenrl_backends.engines.attention import varlen_ok
 from lumenrl_backends.engines.graphs import DecodeGraphs
-from lumenrl_backends.engines.kv_cache import CacheView, prefill_mask
+from lumenrl_backends.engines.kv_cache import CacheView, packed_mask, prefill_mask
 from lumenrl_backends.engines.requests import left_pad
 from lumenrl_sddd.capture import select_hidden
 
@@ -48,6 +58,12 @@ class Prefill:
         self.buckets = graphs  # bucketed shapes (module doc)
         self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.eager = {"calls": 0, "seconds": 0.0}  # prefills at their own shape (host seconds: what they queue)
+        self.pack = False  # the engine's ``pack_prefill``
+        self.packed_calls = 0
+        config = engine.model.config
+        same_dims = getattr(config, "v_head_dim", None) is None and getattr(config, "kv_lora_rank", None) is None
+        self._head_dim = (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+                          ) if same_dims else 0  # 0: q/k and v head sizes differ (MLA): no varlen kernel
 
     def __call__(
         self, contexts: list[list[int]], rows: torch.Tensor, *, room: int, layer_ids: list[int] | None = None
@@ -81,12 +97,50 @@ class Prefill:
             logits, hidden = self.graphs(*key, hidden_key)
         return ids[:n], mask[:n], positions[:n], logits[:n], None if hidden is None else hidden[:n]
 
+    def packable(self) -> bool:
+        """Whether prefills too large for a graph may run packed (module doc)."""
+        e = self.engine
+        return self.pack and not (e.exact or e.routes.enabled or self._calibrating() or e.window is not None
+                                  or e._mixed_layers)
+
+    def packed(self, contexts: list[list[int]], rows: torch.Tensor) -> torch.Tensor:
+        """Prefill ``contexts`` back to back into cache slots ``rows`` (n,), each at columns 0..len - 1 -> the
+        logits of each context's last token (n, V) (module doc)."""
+        e, device = self.engine, self.engine.device
+        lengths = torch.tensor([len(c) for c in contexts], dtype=torch.int64)
+        total = int(lengths.sum())
+        ids = torch.tensor([t for c in contexts for t in c], dtype=torch.int64).to(device, non_blocking=True)[None]
+        positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(device, non_blocking=True)[None]
+        lengths = lengths.to(device, non_blocking=True)
+        token_rows = torch.repeat_interleave(rows, lengths, output_size=total)[None]  # (1, T)
+        segments = torch.zeros(len(contexts) + 1, dtype=torch.int32, device=device)
+        segments[1:] = lengths.cumsum(0)
+        e.cache.clear_slots(rows)
+        e.cache.valid[token_rows, positions] = True
+        start = time.perf_counter()
+        dtype = next(e.model.parameters()).dtype
+        varlen = self._head_dim > 0 and varlen_ok(device, dtype, self._head_dim)
+        if varlen:  # the kernel reads the offsets; the mask is a placeholder
+            allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device).expand(1, 1, total, total)
+        else:
+            allowed = packed_mask(lengths, total)
+        e.cache.set_view(CacheView(rows=token_rows, columns=positions, decode=False, kv_len=total, segments=segments,
+                                   longest=max(len(c) for c in contexts), varlen=varlen))
+        out = e._forward(ids, positions, allowed, allowed, logits_to_keep=(segments[1:] - 1).long())
+        self.packed_calls += 1
+        self.eager["calls"] += 1
+        self.eager["seconds"] += time.perf_counter() - start
+        return out.logits[0]
+
+    def _calibrating(self) -> bool:
+        cache = self.engine.cache
+        return cache.kv_dtype is not None and (
+            cache.recalibrate or any(layer.codec.scales is None for layer in cache.layers))
+
     def key(self, n: int, width: int, room: int) -> tuple[int, int] | None:
         """(rows bucket, width bucket) of a graphed prefill, or None: eager at its own shape (module doc)."""
         e = self.engine
-        calibrating = e.cache.kv_dtype is not None and (
-            e.cache.recalibrate or any(layer.codec.scales is None for layer in e.cache.layers))
-        if not self.buckets or e.exact or e.routes.enabled or calibrating:
+        if not self.buckets or e.exact or e.routes.enabled or self._calibrating():
             return None
         padded = max(16, 1 << (width - 1).bit_length())
         least = max(n, PREFILL_MIN_TOKENS // padded)  # n <= the largest bucket, which bounds ``least``'s bucket
