@@ -43,7 +43,9 @@ Kernel paths (the switches in ``backquotes`` below are fields of
   logits, then sample with their own seeds (:meth:`SlotKVCache.copy_slots`; off with R3, which records routes per
   prefilled row);
 * small prefills replay CUDA graphs at bucketed shapes (:mod:`~lumenrl_backends.engines.prefill`: an eager
-  prefill of a few tokens is all host time);
+  prefill of a few tokens is all host time); larger ones run packed (``pack_prefill``, default on): the
+  contexts back to back in one forward with no padding (varlen flash attention on CUDA), each row's tokens
+  at its own columns 0..len - 1 (the rows a partial rollout continues after a weight update: one forward);
 * sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with counter-based
   per-request noise (interrupted sequences resume bit-identically); on CUDA one Triton pass over the logits
   (:mod:`~lumenrl_backends.engines.triton_sampling`), enabled after a self-check against the torch sampler;
