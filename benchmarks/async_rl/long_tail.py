@@ -33,7 +33,8 @@ calls and interrupts per trained step), ``rollouter_prefill_share`` (its prefill
 ``rollouter_tokens_per_s`` (tokens over generate seconds) and ``rollouter_shared_prefill_frac`` (the admitted rows
 that copied another row's prefill: a group's prompt, the native engine's ``share_prefill``); of the prefill time,
 ``rollouter_prefill_eager_share`` (host seconds of prefills at their own shape, no CUDA graph, over the generate
-seconds; ``rollouter_prefill_eager_per_step`` of them per step), ``rollouter_capture_share`` (CUDA graph
+seconds; ``rollouter_prefill_eager_per_step`` of them per step, ``rollouter_prefill_packed_per_step`` of those packed:
+contexts back to back, no padding), ``rollouter_capture_share`` (CUDA graph
 captures, decode and prefill) and ``rollouter_prefill_wait_share`` (the host's wait for the admitted rows' first
 tokens: the GPU's prefill and whatever runs before it).
 
@@ -223,8 +224,9 @@ def run_metrics(records: list[dict]) -> dict[str, float]:
         out["rollouter_prefill_eager_share"] = round(last.get("async/rollouter_prefill_eager_s", 0.0) / busy, 4)
         out["rollouter_capture_share"] = round(last.get("async/rollouter_graph_capture_s", 0.0) / busy, 4)
         out["rollouter_prefill_wait_share"] = round(last.get("async/rollouter_prefill_wait_s", 0.0) / busy, 4)
-    if "async/rollouter_prefill_eager" in last:
-        out["rollouter_prefill_eager_per_step"] = round(last["async/rollouter_prefill_eager"] / steps, 3)
+    for key in ("prefill_eager", "prefill_packed"):
+        if f"async/rollouter_{key}" in last:
+            out[f"rollouter_{key}_per_step"] = round(last[f"async/rollouter_{key}"] / steps, 3)
     if "perf/rollout_tokens_per_s" in last:
         out["rollouter_tokens_per_s"] = round(last["perf/rollout_tokens_per_s"], 1)
     admitted = last.get("async/rollouter_prefill_rows", 0.0) + last.get("async/rollouter_shared_prefill_rows", 0.0)
@@ -318,7 +320,8 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
 ROLLOUTER_WORK = ("rollouter_calls_per_step", "rollouter_interrupts_per_step", "rollouter_refills_per_step",
                   "rollouter_prefill_share", "rollouter_tokens_per_s",
                   "rollouter_shared_prefill_frac", "rollouter_prefill_eager_share", "rollouter_capture_share",
-                  "rollouter_prefill_eager_per_step", "rollouter_prefill_wait_share")  # run_metrics: the last round's
+                  "rollouter_prefill_eager_per_step", "rollouter_prefill_packed_per_step",
+                  "rollouter_prefill_wait_share")  # run_metrics: the last round's
 MEDIANS = {"samples_per_s": "samples_per_s", "steady_samples_per_s": "steady_samples_per_s",
            "samples_per_s_incl_build": "samples_per_s_incl_build", "first_step_s": "first_step_s",
            "time_to_n_steps_s": "wall_s", "build_s": "build_s"}

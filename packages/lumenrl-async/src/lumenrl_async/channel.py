@@ -34,6 +34,7 @@ STAT_KEYS = ("idle_s", "busy_s", "partial_rollouts", "interrupts", "refills", "b
              "kept_reclaimed", "kept_across_updates",  # interrupted rows continued in their kept slots (across updates)
              "prefill_rows", "shared_prefill_rows",  # rows admitted by their own prefill / by a copy of another's
              "prefill_eager", "prefill_eager_s",  # prefills at their own shape (no CUDA graph), their host seconds
+             "prefill_packed",  # of them: packed, contexts back to back
              "prefill_wait_s")  # the host's wait for admitted rows' first tokens
 
 

@@ -357,8 +357,9 @@ class AsyncRLTrainer(RLTrainer):
         })
         for key in ("graph_captures", "graph_capture_s",  # the rollouter engine's CUDA graphs (CUDA engines only)
                     "kept_reclaimed", "kept_across_updates",  # rows continued in their kept slots (native engine)
-                    "prefill_rows", "shared_prefill_rows",
-                    "prefill_eager", "prefill_eager_s", "prefill_wait_s"):  # prefills at their own shape (no graph) and their host s  # rows admitted by a prefill / by a shared one's copy
+                    "prefill_rows", "shared_prefill_rows",  # rows admitted by a prefill / by a shared one's copy
+                    "prefill_eager", "prefill_eager_s", "prefill_packed",  # prefills at their own shape (no graph)
+                    "prefill_wait_s"):  # the host's wait for admitted rows' first tokens
             if key in stats:
                 out[f"async/rollouter_{key}"] = stats[key]
         startup = getattr(self._remote, "startup_metrics", None)  # a rollouter process's start-up

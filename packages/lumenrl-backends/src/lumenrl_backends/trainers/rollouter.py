@@ -42,7 +42,7 @@ __all__ = ["Rollouter", "RolloutHooks", "as_continuation", "carry_token_columns"
 
 def engine_stats(engine: Any) -> dict[str, float]:
     """The engine's CUDA graph captures so far (decode and prefill) and the host seconds they took, its prefills at
-    their own shape (``prefill_eager``, and their host seconds), the host's wait for admitted rows' first tokens
+    their own shape (``prefill_eager``, and their host seconds; ``prefill_packed`` of them packed), the host's wait for admitted rows' first tokens
     (``prefill_wait_s``), and the interrupted rows it continued
     in their kept slots (``kept_reclaimed``; ``kept_across_updates``: after a weight update, on the old weights'
     cache), and the rows it admitted by a prefill of their own or by a copy of another row's (``prefill_rows``,
@@ -56,6 +56,7 @@ def engine_stats(engine: Any) -> dict[str, float]:
     eager = getattr(getattr(engine, "prefill", None), "eager", None)
     if isinstance(eager, dict):  # prefills at their own shape, not from a graph (engines/prefill.py)
         out.update(prefill_eager=float(eager["calls"]), prefill_eager_s=float(eager["seconds"]))
+        out["prefill_packed"] = float(getattr(engine.prefill, "packed_calls", 0))  # of them: packed (no padding)
     if hasattr(engine, "prefill_wait_s"):  # the host's wait for admissions' first tokens (engines/native.py)
         out["prefill_wait_s"] = float(engine.prefill_wait_s)
     kept = getattr(engine, "kept_slots", None)
