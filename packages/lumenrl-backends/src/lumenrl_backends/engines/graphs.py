@@ -151,8 +151,9 @@ class DecodeGraphs:
         first = self.captures == 0
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        capture = (torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local") if first
-                   else lean_capture(graph, self._pool, self._stream))  # module doc: capture cost
+        # every capture on the one side stream: the pool's blocks are reused by later captures of the same stream
+        capture = (torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local")
+                   if first else lean_capture(graph, self._pool, self._stream))  # module doc: capture cost
         try:
             # no destructor of a dead engine may run inside the capture (see module doc)
             with gc_paused(collect=not self.graphs), capture:
