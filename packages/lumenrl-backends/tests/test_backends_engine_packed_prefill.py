@@ -161,6 +161,48 @@ def test_not_packed_where_a_prefill_must_run_its_own_shape(loaded, qwen3_dir):
     assert not windowed.prefill.packable()
 
 
+def test_another_threads_attention_during_an_engine_forward_is_transformers_own():
+    """The engine's attention entry is process-wide while its forward runs: a trainer thread's attention call in that
+    window (here while a packed prefill's varlen view is active, and a decode view whose batch matches) gets
+    transformers' ``sdpa`` result, not the engine's view applied to its tensors."""
+    import threading
+
+    from lumenrl_backends.engines import attention
+    from lumenrl_backends.engines.kv_cache import CacheView, SlotKVCache
+
+    cache = SlotKVCache(num_layers=1, max_slots=2, max_len=16, device=torch.device("cpu"))
+    views = [CacheView(rows=torch.zeros(1, 9, dtype=torch.int64), columns=torch.arange(9)[None], decode=False,
+                       kv_len=9, segments=torch.tensor([0, 4, 9], dtype=torch.int32), longest=5, varlen=True),
+             CacheView(rows=torch.arange(2), columns=torch.tensor([[3], [6]]), decode=True, kv_len=8)]
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for view, q_len in zip(views, (5, 1)):
+        query = torch.randn(2, 4, q_len, 8, generator=gen)
+        key, value = (torch.randn(2, 2, 8, 8, generator=gen) for _ in range(2))
+        mask = torch.rand(2, 1, q_len, 8, generator=gen) < 0.7
+        mask[..., 0] = True
+        want = attention._original_sdpa()(module, query, key, value, mask, scaling=0.3)[0]
+        entered, done = threading.Event(), threading.Event()
+
+        def engine_forward(view=view, entered=entered, done=done):
+            with attention.engine_attention(cache):
+                cache.set_view(view)
+                entered.set()
+                done.wait(30)
+            cache.set_view(None)
+
+        thread = threading.Thread(target=engine_forward)
+        thread.start()
+        assert entered.wait(30)
+        try:
+            got = attention.packed_decode_attention(module, query, key, value, mask, scaling=0.3)[0]
+        finally:
+            done.set()
+            thread.join(30)
+        assert torch.equal(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_varlen_packed_prefill_matches_a_float64_forward_and_the_training_forward(qwen3_dir, monkeypatch):

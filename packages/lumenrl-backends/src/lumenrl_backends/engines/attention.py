@@ -26,8 +26,11 @@ stored, every other path here takes rows (:func:`~lumenrl_backends.engines.kv_ca
 :func:`packed_decode_attention` keeps the signature of transformers' attention functions and
 falls back to the original ``sdpa`` function for everything else (prefill, no GQA, no mask).
 :func:`engine_attention` installs it as ``sdpa`` only around the engine's own forwards (inside
-a CUDA-graph capture the lookup happens once, at capture), so a trainer sharing the process
-keeps transformers' function; since the math is identical, a leak would change nothing either.
+a CUDA-graph capture the lookup happens once, at capture). The entry is process-wide, so a trainer thread's
+forward during that window finds it too: it hands any call from a thread other than the engine forward's
+straight to transformers' function, since the engine's state it reads (the cache's view and FP8 scales, a packed
+prefill's offsets) belongs to the engine's tensors (an async trainer's reference forward beside a rollouter
+thread's packed prefill broke on exactly that, H100, 2026-12-07).
 Engine forwards in different threads take turns (a process-wide re-entrant lock): the installed
 function and the active cache are process-wide state. Graph replays do not enter it.
 
@@ -60,6 +63,7 @@ __all__ = ["packed_decode_attention", "engine_attention", "varlen_ok"]
 # forward inside a forward (same thread) nests and restores the outer one's state.
 _FORWARDS = threading.RLock()
 _ACTIVE_CACHE: list = [None]  # the engine cache of the forward in progress (FP8 decode reads its scales)
+_OWNER: list = [None]  # the thread running that forward: another thread's attention (a trainer's) is not the engine's
 
 
 def _original_sdpa():
@@ -95,6 +99,8 @@ def packed_decode_attention(
     programmatic dependent launch (:mod:`~lumenrl_backends.engines.triton_pdl`); ignored elsewhere."""
     fp8_out = kwargs.pop("lumenrl_fp8_out", None)
     pdl = kwargs.pop("lumenrl_pdl", False)
+    if _OWNER[0] != threading.get_ident():  # another thread's forward while an engine's runs: transformers' own
+        return _original_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     view = getattr(_ACTIVE_CACHE[0], "view", None)
     if view is not None and view.varlen:
         return _varlen_prefill(query, key, value, view.segments, view.longest, scaling), None
@@ -221,11 +227,11 @@ def engine_attention(cache: Any = None) -> Iterator[None]:
 
     mapping = AttentionInterface._global_mapping
     with _FORWARDS:
-        previous, previous_cache = mapping.get("sdpa"), _ACTIVE_CACHE[0]
+        previous, previous_cache, previous_owner = mapping.get("sdpa"), _ACTIVE_CACHE[0], _OWNER[0]
         mapping["sdpa"] = packed_decode_attention
-        _ACTIVE_CACHE[0] = cache
+        _ACTIVE_CACHE[0], _OWNER[0] = cache, threading.get_ident()
         try:
             yield
         finally:
             mapping["sdpa"] = previous if previous is not None else _original_sdpa()
-            _ACTIVE_CACHE[0] = previous_cache
+            _ACTIVE_CACHE[0], _OWNER[0] = previous_cache, previous_owner
