@@ -99,7 +99,7 @@ def packed_decode_attention(
     programmatic dependent launch (:mod:`~lumenrl_backends.engines.triton_pdl`); ignored elsewhere."""
     fp8_out = kwargs.pop("lumenrl_fp8_out", None)
     pdl = kwargs.pop("lumenrl_pdl", False)
-    if _OWNER[0] != threading.get_ident():  # another thread's forward while an engine's runs: transformers' own
+    if _foreign_thread():  # another thread's forward while an engine's runs: transformers' own
         return _original_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     view = getattr(_ACTIVE_CACHE[0], "view", None)
     if view is not None and view.varlen:
@@ -155,6 +155,13 @@ def packed_decode_attention(
     if v_scale is not None and out.dtype != fp8_out:  # dequantized path: the same codes, from the float output
         out = _codes(out, v_scale, fp8_out)
     return out.reshape(batch, heads, q_len, d_v).transpose(1, 2).contiguous(), None
+
+
+def _foreign_thread() -> bool:
+    """Whether this call comes from a thread other than the engine forward's in progress (none in progress: a direct
+    call, the caller's own). Inside a compiled forward (``compile="full"``, traced in the engine's thread) it is not
+    asked: the trace holds no thread check."""
+    return not torch.compiler.is_compiling() and _OWNER[0] is not None and _OWNER[0] != threading.get_ident()
 
 
 @functools.cache
