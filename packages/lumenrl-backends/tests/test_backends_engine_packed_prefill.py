@@ -52,7 +52,7 @@ def test_packed_prefill_logits_and_cache_match_a_float64_forward_per_context(loa
     columns past it are invalid."""
     model, tokenizer = loaded
     reference = copy.deepcopy(model).double()  # before the engine fuses the model's projections
-    engine = NativeEngine(model, tokenizer, max_batch_size=6, max_seq_len=48)
+    engine = NativeEngine(model, tokenizer, max_batch_size=6, max_seq_len=48, pack_prefill="on")
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     lengths = [int(n) for n in torch.randint(1, 38, (4,), generator=gen)]
     contexts = random_contexts(gen, model.config.vocab_size, lengths)
@@ -82,7 +82,7 @@ def test_generations_equal_the_left_padded_prefill(loaded):
     params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
     outs = {}
     for pack in (True, False):
-        engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=64, pack_prefill=pack)
+        engine = NativeEngine(model, tokenizer, max_batch_size=8, max_seq_len=64, pack_prefill="on" if pack else "off")
         outs[pack] = engine.generate(batch, params)
         assert (engine.prefill.packed_calls > 0) == pack
     assert torch.equal(outs[True].batch["responses"], outs[False].batch["responses"])
@@ -101,7 +101,8 @@ def test_rows_continued_after_a_weight_update_prefill_packed_as_the_padded_path_
     new_weights = {n: p.detach() + 0.2 * torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
     outs, packed_calls = {}, {}
     for pack in (True, False):
-        engine = NativeEngine(copy.deepcopy(model), tokenizer, max_batch_size=16, max_seq_len=64, pack_prefill=pack)
+        engine = NativeEngine(copy.deepcopy(model), tokenizer, max_batch_size=16, max_seq_len=64,
+                              pack_prefill="on" if pack else "off")
         steps = {"n": 0}
         decode = engine._decode
 
@@ -129,7 +130,8 @@ def test_the_plan_graphs_small_chunks_and_packs_the_rest(loaded):
     """With graphed shapes (buckets on): chunks a graph holds stay left-padded, every other row goes into packed
     chunks of at most ``prefill_chunk_tokens`` real tokens; each row once."""
     model, tokenizer = loaded
-    engine = NativeEngine(model, tokenizer, max_batch_size=64, max_seq_len=512, prefill_chunk_tokens=700)
+    engine = NativeEngine(model, tokenizer, max_batch_size=64, max_seq_len=512, prefill_chunk_tokens=700,
+                          pack_prefill="on")
     engine.prefill.buckets = True
     gen = torch.Generator().manual_seed(2)
     lengths = sorted((int(n) for n in torch.randint(4, 300, (40,), generator=gen)), reverse=True)
@@ -144,21 +146,26 @@ def test_the_plan_graphs_small_chunks_and_packs_the_rest(loaded):
             assert sum(len(r.context) for r in chunk) <= 700 or len(chunk) == 1
         else:
             assert engine.prefill.key(len(chunk), width, 16) is not None
-    engine.prefill.pack = False
+    engine.prefill.pack = "off"
     assert all(not packed for _, packed in engine._prefill_plan(requests, room=16))
 
 
 def test_not_packed_where_a_prefill_must_run_its_own_shape(loaded, qwen3_dir):
-    """Exact log-probs (the trainer's shapes), R3 (routes per padded row) and a sliding window keep the padded
-    prefill; ``pack_prefill=False`` too."""
+    """``auto`` packs only where the varlen kernel runs (not on the CPU: a (T, T) mask costs more than padding);
+    exact log-probs (the trainer's shapes), R3 (routes per padded row) and a sliding window keep the padded prefill
+    even with ``on``; ``off`` never packs; any other value is refused."""
     model, tokenizer = loaded
-    assert NativeEngine(model, tokenizer, max_batch_size=4).prefill.packable()
-    assert not NativeEngine(model, tokenizer, max_batch_size=4, pack_prefill=False).prefill.packable()
+    assert NativeEngine(model, tokenizer, max_batch_size=4, pack_prefill="on").prefill.packable()
+    assert not NativeEngine(model, tokenizer, max_batch_size=4).prefill.packable()  # auto, CPU
+    assert not NativeEngine(model, tokenizer, max_batch_size=4, pack_prefill="off").prefill.packable()
     exact_model, _ = load_model_and_tokenizer(str(qwen3_dir), dtype="float32")
-    assert not NativeEngine(exact_model, tokenizer, max_batch_size=4, exact_logprobs=True).prefill.packable()
-    windowed = NativeEngine(model, tokenizer, max_batch_size=4)
+    exact = NativeEngine(exact_model, tokenizer, max_batch_size=4, exact_logprobs=True, pack_prefill="on")
+    assert not exact.prefill.packable()
+    windowed = NativeEngine(model, tokenizer, max_batch_size=4, pack_prefill="on")
     windowed.window = 8
     assert not windowed.prefill.packable()
+    with pytest.raises(ValueError, match="pack_prefill=True; allowed: auto"):
+        NativeEngine(model, tokenizer, pack_prefill=True)
 
 
 def test_another_threads_attention_during_an_engine_forward_is_transformers_own():

@@ -43,9 +43,10 @@ Kernel paths (the switches in ``backquotes`` below are fields of
   logits, then sample with their own seeds (:meth:`SlotKVCache.copy_slots`; off with R3, which records routes per
   prefilled row);
 * small prefills replay CUDA graphs at bucketed shapes (:mod:`~lumenrl_backends.engines.prefill`: an eager
-  prefill of a few tokens is all host time); larger ones run packed (``pack_prefill``, default on): the
-  contexts back to back in one forward with no padding (varlen flash attention on CUDA), each row's tokens
-  at its own columns 0..len - 1 (the rows a partial rollout continues after a weight update: one forward);
+  prefill of a few tokens is all host time); larger ones run packed (``pack_prefill``: ``auto``, the default, where
+  torch's varlen flash attention runs, CUDA 16-bit; ``on``; ``off``): the contexts back to back in one forward with no
+  padding, each row's tokens at its own columns 0..len - 1 (the rows a partial rollout continues after a weight
+  update: one forward);
 * sampling fused into one batched call (:mod:`~lumenrl_backends.engines.sampling`) with counter-based
   per-request noise (interrupted sequences resume bit-identically); on CUDA one Triton pass over the logits
   (:mod:`~lumenrl_backends.engines.triton_sampling`), enabled after a self-check against the torch sampler;
@@ -172,7 +173,7 @@ class NativeEngine:
         record_routes: bool = False, record_router_logits: bool = False, moe_router: str = "",
         exact_logprobs: bool = False,
         share_prefill: bool = True,
-        pack_prefill: bool = True,
+        pack_prefill: str = "auto",
     ) -> None:
         k = self.kernels = kernels or KernelOptions()
         if compile not in ("none", "full"):
@@ -183,6 +184,8 @@ class NativeEngine:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         if exact_logprobs and k.fused_moe == "on":
             raise ValueError("fused_moe='on' with exact_logprobs: the exact mode runs the HF modules; allowed: auto, off")
+        if pack_prefill not in ("auto", "on", "off"):
+            raise ValueError(f"pack_prefill={pack_prefill!r}; allowed: auto (where the varlen kernel runs), on, off")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 2 (one prompt token + one new token)")
         self.device = resolve_device(device)

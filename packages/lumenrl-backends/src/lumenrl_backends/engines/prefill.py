@@ -26,8 +26,10 @@ and column (a row's tokens at columns ``0..len - 1``, its response from column `
 weight update are re-prefilled so (partial rollout: contexts from a prompt's length to the response cap): one
 eager forward over their real tokens instead of one per group of like lengths, each left-padded up to twice its
 rows' tokens. Attention is torch's varlen flash attention where :func:`~lumenrl_backends.engines.attention.varlen_ok`
-holds, else ``sdpa`` under a block-diagonal causal mask. Not with the eager cases above (R3, exact log-probs,
-calibration), a sliding window, or draft features (``layer_ids``).
+holds (CUDA, 16-bit), else ``sdpa`` under a block-diagonal causal mask: (T, T) for T packed tokens, which
+costs more than the padded path's per-row (W, W) masks, so ``pack_prefill="auto"`` (the default) packs only
+where the varlen kernel runs, and ``"on"`` everywhere (the CPU tests of the packed path). Not with the eager
+cases above (R3, exact log-probs, calibration), a sliding window, or draft features (``layer_ids``).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class Prefill:
         self.buckets = graphs  # bucketed shapes (module doc)
         self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.eager = {"calls": 0, "seconds": 0.0}  # prefills at their own shape (host seconds: what they queue)
-        self.pack = False  # the engine's ``pack_prefill``
+        self.pack = "off"  # the engine's ``pack_prefill``: auto, on or off
         self.packed_calls = 0
         config = engine.model.config
         same_dims = getattr(config, "v_head_dim", None) is None and getattr(config, "kv_lora_rank", None) is None
@@ -98,10 +100,17 @@ class Prefill:
         return ids[:n], mask[:n], positions[:n], logits[:n], None if hidden is None else hidden[:n]
 
     def packable(self) -> bool:
-        """Whether prefills too large for a graph may run packed (module doc)."""
+        """Whether prefills too large for a graph run packed: ``pack`` on, or auto where the varlen kernel runs, and
+        none of the cases that keep the padded path (module doc)."""
         e = self.engine
-        return self.pack and not (e.exact or e.routes.enabled or self._calibrating() or e.window is not None
-                                  or e._mixed_layers)
+        if self.pack == "off" or e.exact or e.routes.enabled or self._calibrating() or e.window is not None or e._mixed_layers:
+            return False
+        return self.pack == "on" or self._varlen()
+
+    def _varlen(self) -> bool:
+        """Whether a packed prefill's attention runs torch's varlen kernel (else a block-diagonal mask)."""
+        e = self.engine
+        return self._head_dim > 0 and varlen_ok(e.device, next(e.model.parameters()).dtype, self._head_dim)
 
     def packed(self, contexts: list[list[int]], rows: torch.Tensor) -> torch.Tensor:
         """Prefill ``contexts`` back to back into cache slots ``rows`` (n,), each at columns 0..len - 1 -> the
@@ -118,8 +127,7 @@ class Prefill:
         e.cache.clear_slots(rows)
         e.cache.valid[token_rows, positions] = True
         start = time.perf_counter()
-        dtype = next(e.model.parameters()).dtype
-        varlen = self._head_dim > 0 and varlen_ok(device, dtype, self._head_dim)
+        varlen = self._varlen()
         if varlen:  # the kernel reads the offsets; the mask is a placeholder
             allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device).expand(1, 1, total, total)
         else:
