@@ -168,6 +168,17 @@ def test_not_packed_where_a_prefill_must_run_its_own_shape(loaded, qwen3_dir):
         NativeEngine(model, tokenizer, pack_prefill=True)
 
 
+def test_pack_prefill_is_read_from_the_config(qwen3_dir):
+    from lumenrl_core.config.schema import RunConfig
+
+    config = RunConfig()
+    config.policy.model_name = str(qwen3_dir)
+    config.policy.rollout.max_batch_size, config.cluster.device = 4, "cpu"
+    assert NativeEngine.from_config(config).prefill.pack == "auto"
+    config.policy.rollout.pack_prefill = "on"
+    assert NativeEngine.from_config(config).prefill.packable()
+
+
 def test_another_threads_attention_during_an_engine_forward_is_transformers_own():
     """The engine's attention entry is process-wide while its forward runs: a trainer thread's attention call in that
     window (here while a packed prefill's varlen view is active, and a decode view whose batch matches) gets

@@ -315,7 +315,7 @@ class NativeEngine:
                                   overlap_sync=rollout.overlap_sync, fuse_fp8_mlp=rollout_quant.fuse_mlp,
                                   decode_linear=rollout.decode_linear, pdl=rollout.pdl),
             exact_logprobs=rollout.exact_logprobs,
-            share_prefill=rollout.share_prefill,
+            share_prefill=rollout.share_prefill, pack_prefill=rollout.pack_prefill,
             **r3_engine_kwargs(run_config.moe.r3),
         )
         engine.kv_scale_recalibration = rollout_quant.kv_scale_recalibration

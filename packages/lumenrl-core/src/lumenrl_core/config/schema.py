@@ -120,6 +120,10 @@ class SamplingConfig:
     # native engine: rows of one context admitted together (a group's n samples of a prompt) run one prefill; the
     # others copy its K/V and last logits (vLLM and SGLang share such prefixes through their prefix caches)
     share_prefill: bool = True
+    # native engine: prefills too large for a CUDA graph run their contexts back to back, no padding (one forward for
+    # the rows a partial rollout continues after an update); auto = where torch's varlen flash attention runs (CUDA,
+    # 16-bit); on = everywhere (a block-diagonal mask elsewhere); off = left-padded rows
+    pack_prefill: str = field(default="auto", metadata=choices("auto", "on", "off"))
     # native engine, MoE experts on lumenrl-quant's fused Triton kernel (FP8 experts with the fp8_block scheme):
     # auto = on for bf16 experts on CUDA with Triton; on = every recognised experts module on any device
     # (CPU: torch emulation); off = transformers' experts implementation
