@@ -83,6 +83,7 @@ as a process too (``weight_sync.method=filesystem``, the CPU stand-in for ``cuda
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -404,6 +405,7 @@ def main() -> None:
                              "(default: 0.6b with --gpu, else builtin)")
     parser.add_argument("--async-override", action="append", default=[],
                         help="a config override for the async modes only, e.g. weight_sync.method=cuda_ipc")
+    parser.add_argument("--out", default="", help="also write every figure of the result to this JSON file")
     args = parser.parse_args()
     shape = {k: int(v) for k, v in (item.split("=") for item in args.shape.split(",") if item)}
     if args.rounds is not None and args.rounds < 1:
@@ -422,6 +424,18 @@ def main() -> None:
                   f"{results[f'{mode}/staleness_max']:>7.0f}/{results[f'{mode}/staleness_oldest_max']:<3.0f}"
                   f"  {results[f'{mode}/reward_curve']}")
     print(f"{results['shape']} model={results['model']}; total {results['total_s']} s (warm-up and builds included)")
+    work = [mode for mode in MODES if f"{mode}/rollouter_prefill_share" in results]
+    if work:  # what each async mode's rollouter did with its time (the last round's run)
+        columns = {"idle": "rollouter_idle_ratio", "wait/step": "trainer_wait_s_per_step", "tok/s": "rollouter_tokens_per_s",
+                   "prefill": "rollouter_prefill_share", "eager": "rollouter_prefill_eager_share",
+                   "packed/step": "rollouter_prefill_packed_per_step", "capture": "rollouter_capture_share",
+                   "shared": "rollouter_shared_prefill_frac"}
+        print(f"{'rollouter':<15}" + "".join(f"{name:>12}" for name in columns))
+        for mode in work:
+            print(f"{mode:<15}" + "".join(f"{results.get(f'{mode}/{key}', float('nan')):>12.3f}"
+                                          for key in columns.values()))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1, sort_keys=True))
 
 
 if __name__ == "__main__":
