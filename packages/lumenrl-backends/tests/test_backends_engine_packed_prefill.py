@@ -31,6 +31,23 @@ def prompt_batch(tokenizer, prompts=PROMPTS) -> DataProto:
     return DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
 
 
+def generate_interrupted(engine: NativeEngine, batch: DataProto, params: dict, *, steps: int) -> DataProto:
+    """``engine.generate`` interrupted after ``steps`` decode steps (the engine is left interrupted)."""
+    decode, count = engine._decode, {"n": 0}
+
+    def counted(*args, **kwargs):
+        decode(*args, **kwargs)
+        count["n"] += 1
+        if count["n"] == steps:
+            engine.interrupt()
+
+    engine._decode = counted
+    try:
+        return engine.generate(batch, params)
+    finally:
+        engine._decode = decode
+
+
 def random_contexts(gen: torch.Generator, vocab: int, lengths: list[int]) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
@@ -103,18 +120,7 @@ def test_rows_continued_after_a_weight_update_prefill_packed_as_the_padded_path_
     for pack in (True, False):
         engine = NativeEngine(copy.deepcopy(model), tokenizer, max_batch_size=16, max_seq_len=64,
                               pack_prefill="on" if pack else "off")
-        steps = {"n": 0}
-        decode = engine._decode
-
-        def interrupting(*args, engine=engine, decode=decode, steps=steps, **kwargs):
-            decode(*args, **kwargs)
-            steps["n"] += 1
-            if steps["n"] == 5:
-                engine.interrupt()
-
-        engine._decode = interrupting
-        partial = engine.generate(batch, params)
-        engine._decode = decode
+        partial = generate_interrupted(engine, batch, params, steps=5)
         engine.update_weights(new_weights, 2)
         engine.resume()
         calls = engine.prefill.packed_calls
@@ -124,6 +130,31 @@ def test_rows_continued_after_a_weight_update_prefill_packed_as_the_padded_path_
     assert packed_calls == {True: 1, False: 0}  # all continued rows in one forward
     assert torch.equal(outs[True].batch["responses"], outs[False].batch["responses"])
     assert torch.allclose(outs[True].batch["rollout_log_probs"], outs[False].batch["rollout_log_probs"], atol=1e-4)
+
+
+@pytest.mark.parametrize("v_tiles", [False, True])
+def test_an_fp8_cache_after_calibration_prefills_packed_as_the_padded_path_does(loaded, v_tiles):
+    """FP8 KV cache (V in rows or in tiles): the first prefill calibrates the scales (left-padded), the rows continued
+    after an interrupt are prefilled packed into the FP8 slots; the generations equal the padded engine's within
+    the bound of an FP8 code's rounding."""
+    from lumenrl_backends.engines import KernelOptions
+
+    model, tokenizer = loaded
+    batch = prompt_batch(tokenizer, PROMPTS)
+    params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    outs, packed_calls = {}, {}
+    for pack in ("on", "off"):
+        engine = NativeEngine(copy.deepcopy(model), tokenizer, max_batch_size=8, max_seq_len=64, kv_cache_dtype="fp8",
+                              kernels=KernelOptions(kv_v_tiles=v_tiles), pack_prefill=pack)
+        engine.keep_kv_on_update = False
+        partial = generate_interrupted(engine, batch, params, steps=4)
+        engine._kept.free()  # the interrupted rows prefill again, as after a weight update
+        engine.resume()
+        outs[pack] = engine.generate(partial, params)
+        packed_calls[pack] = engine.prefill.packed_calls
+    assert packed_calls == {"on": 1, "off": 0}
+    assert torch.equal(outs["on"].batch["responses"], outs["off"].batch["responses"])
+    assert torch.allclose(outs["on"].batch["rollout_log_probs"], outs["off"].batch["rollout_log_probs"], atol=5e-3)
 
 
 def test_the_plan_graphs_small_chunks_and_packs_the_rest(loaded):
