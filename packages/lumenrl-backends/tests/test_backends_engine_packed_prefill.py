@@ -167,7 +167,7 @@ def test_the_plan_graphs_small_chunks_and_packs_the_rest(loaded):
     gen = torch.Generator().manual_seed(2)
     lengths = sorted((int(n) for n in torch.randint(4, 300, (40,), generator=gen)), reverse=True)
     requests = [Request(index=i, prompt=[1] * n, seed=i) for i, n in enumerate(lengths)]
-    plan = engine._prefill_plan(requests, room=16)
+    plan = engine.prefill.plan(requests, room=16)
     seen = sorted(r.index for chunk, _ in plan for r in chunk)
     assert seen == list(range(40))
     assert any(packed for _, packed in plan) and any(not packed for _, packed in plan)
@@ -178,7 +178,7 @@ def test_the_plan_graphs_small_chunks_and_packs_the_rest(loaded):
         else:
             assert engine.prefill.key(len(chunk), width, 16) is not None
     engine.prefill.pack = "off"
-    assert all(not packed for _, packed in engine._prefill_plan(requests, room=16))
+    assert all(not packed for _, packed in engine.prefill.plan(requests, room=16))
 
 
 def test_not_packed_where_a_prefill_must_run_its_own_shape(loaded, qwen3_dir):

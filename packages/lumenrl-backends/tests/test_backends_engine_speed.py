@@ -158,13 +158,13 @@ def test_prefill_chunks_bound_padded_tokens_and_keep_outputs(loaded):
     whole = NativeEngine(model, tokenizer, max_batch_size=16, max_seq_len=64).generate(batch, params)
     engine = NativeEngine(model, tokenizer, max_batch_size=16, max_seq_len=64, prefill_chunk_tokens=20)
     requests = [type("R", (), {"context": [0] * n})() for n in (5, 5, 9, 3, 12, 12)]
-    chunks = engine._prefill_chunks(requests)
+    chunks = engine.prefill.chunks(requests)
     assert sum(len(c) for c in chunks) == 6
     assert all(len(c) == 1 or len(c) * max(len(r.context) for r in c) <= 20 for c in chunks)
     # rows ordered longest first (as the engine admits them): a group pads to at most twice each row's length
     lengths = sorted(random.Random().sample(range(1, 300), 40), reverse=True)
     wide = NativeEngine(model, tokenizer, max_batch_size=16, max_seq_len=64, prefill_chunk_tokens=1 << 20)
-    groups = wide._prefill_chunks([type("R", (), {"context": [0] * n})() for n in lengths])
+    groups = wide.prefill.chunks([type("R", (), {"context": [0] * n})() for n in lengths])
     assert [len(r.context) for c in groups for r in c] == lengths
     assert all(2 * len(r.context) >= len(c[0].context) for c in groups for r in c)
     assert len(groups) <= 9  # 299 -> 1 halves at most 9 times

@@ -395,7 +395,7 @@ class NativeEngine:
                     leads, copies = group_by_context(admitted) if self.share_prefill else (admitted, {})
                     tick = time.perf_counter()
                     with record_function("lumenrl/prefill"):  # a range of a torch.profiler trace (trainer phases)
-                        for chunk, packed in self._prefill_plan(leads, params.max_new_tokens):
+                        for chunk, packed in self.prefill.plan(leads, params.max_new_tokens):
                             self._admit(chunk, params, active, stops, copies, packed=packed)
                     self._prefill_seconds += time.perf_counter() - tick
                 if active and not self._interrupt.is_set():
@@ -499,39 +499,6 @@ class NativeEngine:
                 return False
             self._fused_ok = fused_sampler_agrees(self.device)
         return self._fused_ok
-
-    def _prefill_chunks(self, admitted: list[Request]) -> list[list[Request]]:
-        """Consecutive groups whose left-padded size (rows x longest context) fits the token budget; a row under half
-        its group's width starts a new group (with rows ordered longest first: at most twice the real tokens each)."""
-        chunks: list[list[Request]] = []
-        current: list[Request] = []
-        width = 0
-        for request in admitted:
-            grown = max(width, len(request.context))
-            if current and (grown * (len(current) + 1) > self.prefill_chunk_tokens or 2 * len(request.context) < width):
-                chunks.append(current)
-                current, grown = [], len(request.context)
-            current.append(request)
-            width = grown
-        return chunks + ([current] if current else [])
-
-    def _prefill_plan(self, admitted: list[Request], room: int) -> list[tuple[list[Request], bool]]:
-        """(chunk, packed) pairs: the left-padded chunks of :meth:`_prefill_chunks`; with ``pack_prefill`` the ones
-        that no graph holds run packed instead, back to back in chunks of at most ``prefill_chunk_tokens`` real
-        tokens (engines/prefill.py)."""
-        chunks = self._prefill_chunks(admitted)
-        if not self.prefill.packable():
-            return [(chunk, False) for chunk in chunks]
-        graphed = [chunk for chunk in chunks if self.prefill.key(len(chunk), max(len(r.context) for r in chunk), room) is not None]
-        packed: list[list[Request]] = []
-        tokens = 0
-        for request in (r for chunk in chunks if not any(chunk is g for g in graphed) for r in chunk):
-            if not packed or tokens + len(request.context) > self.prefill_chunk_tokens:
-                packed.append([])
-                tokens = 0
-            packed[-1].append(request)
-            tokens += len(request.context)
-        return [(chunk, True) for chunk in packed] + [(chunk, False) for chunk in graphed]
 
     # ------------------------------------------------------------------ prefill
     def _admit(

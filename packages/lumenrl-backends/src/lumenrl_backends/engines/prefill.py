@@ -42,7 +42,7 @@ import torch
 from lumenrl_backends.engines.attention import varlen_ok
 from lumenrl_backends.engines.graphs import DecodeGraphs
 from lumenrl_backends.engines.kv_cache import CacheView, packed_mask, prefill_mask
-from lumenrl_backends.engines.requests import left_pad
+from lumenrl_backends.engines.requests import Request, left_pad
 from lumenrl_sddd.capture import select_hidden
 
 __all__ = ["Prefill", "PREFILL_GRAPH_TOKENS", "PREFILL_MIN_TOKENS"]
@@ -98,6 +98,43 @@ class Prefill:
                 inputs[name].copy_(value)
             logits, hidden = self.graphs(*key, hidden_key)
         return ids[:n], mask[:n], positions[:n], logits[:n], None if hidden is None else hidden[:n]
+
+    def chunks(self, admitted: list[Request]) -> list[list[Request]]:
+        """Consecutive groups of requests whose left-padded size (rows x longest context) fits the engine's
+        ``prefill_chunk_tokens``; a row under half its group's width starts a new group (with rows ordered longest
+        first: at most twice the real tokens each)."""
+        budget = self.engine.prefill_chunk_tokens
+        chunks: list[list[Request]] = []
+        current: list[Request] = []
+        width = 0
+        for request in admitted:
+            grown = max(width, len(request.context))
+            if current and (grown * (len(current) + 1) > budget or 2 * len(request.context) < width):
+                chunks.append(current)
+                current, grown = [], len(request.context)
+            current.append(request)
+            width = grown
+        return chunks + ([current] if current else [])
+
+    def plan(self, admitted: list[Request], room: int) -> list[tuple[list[Request], bool]]:
+        """(chunk, packed) pairs: the left-padded chunks of :meth:`chunks`; where :meth:`packable`, the ones that no
+        graph holds run packed instead, back to back in chunks of at most ``prefill_chunk_tokens`` real tokens."""
+        chunks = self.chunks(admitted)
+        if not self.packable():
+            return [(chunk, False) for chunk in chunks]
+        graphed, rest = [], []
+        for chunk in chunks:
+            fits = self.key(len(chunk), max(len(r.context) for r in chunk), room) is not None
+            (graphed if fits else rest).append(chunk)
+        packed: list[list[Request]] = []
+        tokens = 0
+        for request in (r for chunk in rest for r in chunk):
+            if not packed or tokens + len(request.context) > self.engine.prefill_chunk_tokens:
+                packed.append([])
+                tokens = 0
+            packed[-1].append(request)
+            tokens += len(request.context)
+        return [(chunk, True) for chunk in packed] + [(chunk, False) for chunk in graphed]
 
     def packable(self) -> bool:
         """Whether prefills too large for a graph run packed: ``pack`` on, or auto where the varlen kernel runs, and
