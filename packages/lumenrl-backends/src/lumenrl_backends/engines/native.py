@@ -271,8 +271,8 @@ class NativeEngine:
         if blocker:
             self.graphs.enabled = False
             warnings.warn(f"native engine: no CUDA graphs ({blocker}); decoding eagerly", stacklevel=2)
-        self.prefill = Prefill(self, graphs=self.graphs.enabled)  # small prefills from CUDA graphs (engines/prefill.py)
-        self.prefill.pack = pack_prefill  # larger ones back to back, no padding (engines/prefill.py)
+        # small prefills from CUDA graphs, larger ones back to back with no padding (engines/prefill.py)
+        self.prefill = Prefill(self, graphs=self.graphs.enabled, pack=pack_prefill)
         # rows of one context (a group's prompt) admitted together: one prefills, the others copy its K/V (module
         # doc); not with R3, whose routes are recorded per prefilled row
         self.share_prefill = share_prefill and not self.routes.enabled

@@ -54,13 +54,13 @@ PREFILL_MIN_TOKENS = 256  # a graphed prefill's rows are bucketed up to at least
 class Prefill:
     """``prefill(contexts, rows, room=..., layer_ids=...)`` for one :class:`~lumenrl_backends.engines.NativeEngine`."""
 
-    def __init__(self, engine: Any, *, graphs: bool) -> None:
+    def __init__(self, engine: Any, *, graphs: bool, pack: str = "off") -> None:
         self.engine = engine
         self.graphs = DecodeGraphs(self._step, enabled=graphs)
         self.buckets = graphs  # bucketed shapes (module doc)
         self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.eager = {"calls": 0, "seconds": 0.0}  # prefills at their own shape (host seconds: what they queue)
-        self.pack = "off"  # the engine's ``pack_prefill``: auto, on or off
+        self.pack = pack  # the engine's ``pack_prefill``: auto, on or off
         self.packed_calls = 0
         config = engine.model.config
         same_dims = getattr(config, "v_head_dim", None) is None and getattr(config, "kv_lora_rank", None) is None
@@ -165,7 +165,7 @@ class Prefill:
         e.cache.valid[token_rows, positions] = True
         start = time.perf_counter()
         varlen = self._varlen()
-        if varlen:  # the kernel reads the offsets; the mask is a placeholder
+        if varlen:  # the kernel reads the offsets, not the mask: a broadcast view of one value, no memory
             allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device).expand(1, 1, total, total)
         else:
             allowed = packed_mask(lengths, total)
