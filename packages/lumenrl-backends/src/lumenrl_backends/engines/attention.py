@@ -30,7 +30,9 @@ a CUDA-graph capture the lookup happens once, at capture). The entry is process-
 forward during that window finds it too: it hands any call from a thread other than the engine forward's
 straight to transformers' function, since the engine's state it reads (the cache's view and FP8 scales, a packed
 prefill's offsets) belongs to the engine's tensors (an async trainer's reference forward beside a rollouter
-thread's packed prefill broke on exactly that, H100, 2026-12-07).
+thread's packed prefill broke on exactly that, H100, 2026-12-07). The check is not traced (a thread id has no place
+in a graph), so another thread *compiling* its forward inside that window would trace the engine's branch: a
+trainer with ``policy.train.compile_layers`` (off by default) beside a rollouter thread is not covered.
 Engine forwards in different threads take turns (a process-wide re-entrant lock): the installed
 function and the active cache are process-wide state. Graph replays do not enter it.
 
