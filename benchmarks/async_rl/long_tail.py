@@ -136,6 +136,19 @@ def long_tail_dataset(path: Path, *, median: int, seed: int, num_examples: int =
     return path
 
 
+def release_device_memory() -> None:
+    """What a finished mode held goes back to the device: reference cycles collected, then the CUDA caching
+    allocator's cached blocks freed. Without it a mode's engine sizes its KV cache from what the previous
+    modes left free (``gpu_memory_utilization`` x free memory), and a rollouter process can run out."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: Path, extra: tuple[str, ...]) -> dict:
     data = out.parent / f"long_tail_median{median}.jsonl"  # written once per run (bench), read by every mode
     if not data.exists():
@@ -152,11 +165,15 @@ def run_mode(mode: str, *, steps: int, prompts: int, n: int, median: int, out: P
                  f"algorithm.old_log_probs={OLD_LOG_PROBS}", *extra]
     start = time.perf_counter()
     plan = plan_run(load_config(REPO / "configs" / MODES[mode], overrides))
-    trainer = plan.trainer_cls.from_plan(plan)
-    build = time.perf_counter() - start
-    start = time.perf_counter()
-    trainer.fit()
-    wall = time.perf_counter() - start
+    try:
+        trainer = plan.trainer_cls.from_plan(plan)
+        build = time.perf_counter() - start
+        start = time.perf_counter()
+        trainer.fit()
+        wall = time.perf_counter() - start
+    finally:  # the next mode (its rollouter process, or an engine sized from free memory) gets this one's memory
+        trainer = plan = None
+        release_device_memory()
     records = read_metrics(out)
     samples = steps * prompts * n
     # steady state: steps 2..N (past start-up, a rollouter process's included), not counting the samples an
