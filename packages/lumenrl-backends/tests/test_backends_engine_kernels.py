@@ -81,13 +81,47 @@ def test_packed_attention_falls_back_to_sdpa_for_prefill():
     assert torch.allclose(out, ref, atol=1e-6)
 
 
-def test_engine_attention_restores_sdpa():
+def test_engine_attention_routes_only_the_engines_model():
+    """The engine's attention is reached by name from the model it was set on, never through transformers' ``sdpa``
+    entry: a second model (a trainer's) runs ``sdpa`` inside an engine forward too, and the routed model computes
+    what ``sdpa`` does (float64, fresh weights and inputs)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.modeling_utils import AttentionInterface
 
+    from lumenrl_backends.engines import attention
+
+    def tiny():  # each model its own config object, as every loaded checkpoint has
+        return Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            attn_implementation="sdpa")).double().eval()
+
+    engine_model, trainer_model = tiny(), tiny()
+    trainer_model.load_state_dict(engine_model.state_dict())
     before = AttentionInterface._global_mapping["sdpa"]
-    with engine_attention():
-        assert AttentionInterface._global_mapping["sdpa"] is packed_decode_attention
-    assert AttentionInterface._global_mapping["sdpa"] is before
+    assert attention.use_engine_attention(engine_model)
+    assert {m.config._attn_implementation for m in engine_model.modules() if hasattr(m, "config")} == {
+        attention.ENGINE_ATTENTION}
+    assert trainer_model.config._attn_implementation == "sdpa"
+    calls = []
+    original = attention.packed_decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape[2])  # query length
+        return original(*args, **kwargs)
+
+    AttentionInterface.register(attention.ENGINE_ATTENTION, counted)
+    try:
+        ids = torch.randint(0, 64, (3, 7))
+        with torch.no_grad(), engine_attention():
+            assert AttentionInterface._global_mapping["sdpa"] is before
+            theirs = trainer_model(ids).logits
+            assert calls == []  # the trainer's model never reaches the engine's function
+            ours = engine_model(ids).logits
+            assert calls == [7, 7]  # one call per layer of the routed model
+        assert torch.allclose(ours, theirs, atol=1e-12, rtol=0)
+    finally:
+        AttentionInterface.register(attention.ENGINE_ATTENTION, original)
+    assert attention.use_engine_attention(engine_model)  # idempotent: a model an earlier engine routed
 
 
 def test_engine_attention_forwards_take_turns_across_threads_and_nest():

@@ -24,17 +24,15 @@ in tiles (:data:`~lumenrl_backends.engines.kv_cache.V_TILE`) hands them over 5-D
 stored, every other path here takes rows (:func:`~lumenrl_backends.engines.kv_cache.value_rows`).
 
 :func:`packed_decode_attention` keeps the signature of transformers' attention functions and
-falls back to the original ``sdpa`` function for everything else (prefill, no GQA, no mask).
-:func:`engine_attention` installs it as ``sdpa`` only around the engine's own forwards (inside
-a CUDA-graph capture the lookup happens once, at capture). The entry is process-wide, so a trainer thread's
-forward during that window finds it too: it hands any call from a thread other than the engine forward's
-straight to transformers' function, since the engine's state it reads (the cache's view and FP8 scales, a packed
-prefill's offsets) belongs to the engine's tensors (an async trainer's reference forward beside a rollouter
-thread's packed prefill broke on exactly that, H100, 2026-12-07). The check is not traced (a thread id has no place
-in a graph), so another thread *compiling* its forward inside that window would trace the engine's branch: a
-trainer with ``policy.train.compile_layers`` (off by default) beside a rollouter thread is not covered.
-Engine forwards in different threads take turns (a process-wide re-entrant lock): the installed
-function and the active cache are process-wide state. Graph replays do not enter it.
+falls back to the original ``sdpa`` function for everything else (prefill, no GQA, no mask). It is registered with
+transformers under its own name, :data:`ENGINE_ATTENTION`, and :func:`use_engine_attention` sets that name on the
+engine's model only (where it ran ``sdpa``; masks are built as for ``sdpa``): transformers' own ``sdpa`` entry is
+never replaced, so another model in the process (an async trainer's policy or reference model, compiled or not,
+in any thread) never reaches this function. :func:`engine_attention` marks an engine forward in progress: the
+cache whose views and FP8 scales this function reads (inside a CUDA-graph capture, once, at capture). A call from
+a thread other than that forward's goes to transformers' ``sdpa`` (the engine's model driven from two threads at
+once; not traced: a compiled forward is the engine's own). Engine forwards in different threads take turns (a
+process-wide re-entrant lock): the active cache is process-wide state. Graph replays do not enter it.
 
 A packed prefill (sequences back to back in one batch row) whose cache view says ``varlen`` (the engine's choice,
 where :func:`varlen_ok` holds) runs torch's varlen flash attention (``torch.nn.attention.varlen``, causal within each
@@ -57,12 +55,12 @@ import torch.nn.functional as F
 from lumenrl_backends.engines import triton_attention
 from lumenrl_backends.engines.kv_cache import value_rows
 
-__all__ = ["packed_decode_attention", "engine_attention", "varlen_ok"]
+__all__ = ["ENGINE_ATTENTION", "engine_attention", "packed_decode_attention", "use_engine_attention", "varlen_ok"]
 
-# The ``sdpa`` entry and the active cache are process-wide, so engine forwards take turns: two engines
-# in two threads would otherwise read each other's FP8 scales and write columns, and the first to
-# finish would restore transformers' function under the other's remaining layers. Re-entrant: a
-# forward inside a forward (same thread) nests and restores the outer one's state.
+ENGINE_ATTENTION = "lumenrl_engine"  # the attention implementation name of an engine's model (module doc)
+# The active cache is process-wide, so engine forwards take turns: two engines in two threads would otherwise read
+# each other's FP8 scales and write columns. Re-entrant: a forward inside a forward (same thread) nests and
+# restores the outer one's state.
 _FORWARDS = threading.RLock()
 _ACTIVE_CACHE: list = [None]  # the engine cache of the forward in progress (FP8 decode reads its scales)
 _OWNER: list = [None]  # the thread running that forward: another thread's attention (a trainer's) is not the engine's
@@ -228,19 +226,36 @@ def _write_columns(batch: int) -> torch.Tensor | None:
     return None if columns is None else columns[:, -1]
 
 
+def use_engine_attention(model: torch.nn.Module) -> bool:
+    """Route ``model``'s attention through :func:`packed_decode_attention` by name (:data:`ENGINE_ATTENTION`,
+    registered with transformers with ``sdpa``'s mask builder) where it runs ``sdpa``; other implementations
+    (``eager``, exact mode's, a Ulysses exchange) are left as they are. Only this model's configs change; a
+    config object it shares with another model routes that one too, which outside an engine forward computes
+    what ``sdpa`` computes (one-token queries packed, everything else through ``sdpa``). Returns whether the
+    model is routed."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "_attn_implementation", None) in ("sdpa", ENGINE_ATTENTION)}
+    if not configs:
+        return False
+    ALL_ATTENTION_FUNCTIONS.register(ENGINE_ATTENTION, packed_decode_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ENGINE_ATTENTION, sdpa_mask)
+    for config in configs.values():
+        config._attn_implementation = ENGINE_ATTENTION
+    return True
+
+
 @contextlib.contextmanager
 def engine_attention(cache: Any = None) -> Iterator[None]:
-    """Route ``sdpa`` to :func:`packed_decode_attention` for the duration of the block; ``cache`` is
-    the engine's slot cache (its ``current_scales`` dequantize an FP8 cache read as stored)."""
-    from transformers.modeling_utils import AttentionInterface
-
-    mapping = AttentionInterface._global_mapping
+    """An engine forward in progress in this thread over ``cache``, the engine's slot cache (its view and
+    ``current_scales``, read by :func:`packed_decode_attention` in the model that :func:`use_engine_attention`
+    routed). Forwards in other threads wait; a nested one restores the outer one's state."""
     with _FORWARDS:
-        previous, previous_cache, previous_owner = mapping.get("sdpa"), _ACTIVE_CACHE[0], _OWNER[0]
-        mapping["sdpa"] = packed_decode_attention
+        previous_cache, previous_owner = _ACTIVE_CACHE[0], _OWNER[0]
         _ACTIVE_CACHE[0], _OWNER[0] = cache, threading.get_ident()
         try:
             yield
         finally:
-            mapping["sdpa"] = previous if previous is not None else _original_sdpa()
             _ACTIVE_CACHE[0], _OWNER[0] = previous_cache, previous_owner

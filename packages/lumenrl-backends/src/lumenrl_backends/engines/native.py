@@ -91,7 +91,7 @@ from torch.profiler import record_function
 from lumenrl_backends import plugin_manifest as manifest
 from lumenrl_backends.engines import quant as engine_quant
 from lumenrl_backends.engines import triton_linear
-from lumenrl_backends.engines.attention import engine_attention
+from lumenrl_backends.engines.attention import ENGINE_ATTENTION, engine_attention, use_engine_attention
 from lumenrl_backends.engines.fusion import fuse_projections as fuse_model_projections
 from lumenrl_backends.engines.fusion import rope_tables, unfuse_projections
 from lumenrl_backends.engines.graphs import DecodeGraphs, graph_blocker, kv_bytes_per_token, slots_for_budget
@@ -232,6 +232,8 @@ class NativeEngine:
         self.pad_token_id = pad_token_id(tokenizer, self.eos_token_ids)
         self.window, self._mixed_layers = sliding_window_of(model.config)
         self._attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+        if self._attn in ("sdpa", ENGINE_ATTENTION) and use_engine_attention(self.model):
+            self._attn = "sdpa"  # its attention is the engine's (by name, this model only), its masks are sdpa's
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
