@@ -255,8 +255,10 @@ def run_metrics(records: list[dict]) -> dict[str, float]:
 
 def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = None,
           shape_override: dict[str, int] | None = None, async_overrides: tuple[str, ...] = (),
-          rounds: int | None = None, model: str | None = None) -> dict:
-    """``fn(smoke) -> dict``: samples/s and time to N steps per mode, and each speed-up vs sync. ``rounds``
+          rounds: int | None = None, model: str | None = None, overrides: tuple[str, ...] = ()) -> dict:
+    """``fn(smoke) -> dict``: samples/s and time to N steps per mode, and each speed-up vs sync. ``overrides``:
+    config overrides for every mode, sync included (e.g. ``policy.train.compile_layers=true``: the same trainer on
+    both sides; recorded as ``overrides``), after the shape's and before ``async_overrides``. ``rounds``
     (default: 3 for the full GPU run, else 1): the modes run that many times in turn (sync, partial, sync,
     partial, ...); see :func:`combine_rounds` for what is reported. ``model``: ``builtin`` (the demo's tiny
     model, warm-started on the task) or a random-init Qwen3 shape of ``benchmarks.gpu._common.SHAPES`` saved as a
@@ -293,6 +295,9 @@ def bench(smoke: bool, *, gpu: bool = False, modes: tuple[str, ...] | None = Non
                                "old_log_probs": OLD_LOG_PROBS, "model": model}
     if async_overrides:
         results["async_overrides"] = " ".join(async_overrides)
+    if overrides:
+        results["overrides"] = " ".join(overrides)
+        extra = (*extra, *overrides)
     if not any("weight_sync.method=inprocess" in o for o in async_overrides) and (gpu or async_overrides):
         from lumenrl_backends.rollouter_server import prestart
 
@@ -420,6 +425,8 @@ def main() -> None:
     parser.add_argument("--model", default=None,
                         help="builtin (the demo's tiny model) or a random-init Qwen3 shape: tiny, 0.6b, 1.7b, 8b "
                              "(default: 0.6b with --gpu, else builtin)")
+    parser.add_argument("--override", action="append", default=[],
+                        help="a config override for every mode, sync included, e.g. policy.train.compile_layers=true")
     parser.add_argument("--async-override", action="append", default=[],
                         help="a config override for the async modes only, e.g. weight_sync.method=cuda_ipc")
     parser.add_argument("--out", default="", help="also write every figure of the result to this JSON file")
@@ -429,6 +436,7 @@ def main() -> None:
         raise SystemExit(f"--rounds {args.rounds}: allowed >= 1")
     results = bench(args.smoke, gpu=args.gpu, modes=tuple(args.modes.split(",")) if args.modes else None,
                     shape_override=shape, async_overrides=tuple(args.async_override), rounds=args.rounds,
+                    overrides=tuple(args.override),
                     model=args.model)
     print(f"{'mode':<10}{'samples/s':>12}{'time to N (s)':>15}{'speed-up':>10}{'steady x':>10}{'resp len':>10}"
           f"{'stale drop':>11}{'partial':>9}{'lag/oldest':>11}  reward curve")

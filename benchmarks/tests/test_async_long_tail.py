@@ -166,3 +166,24 @@ def test_the_gpu_run_warms_up_a_synchronous_and_an_async_run_untimed(monkeypatch
     assert "weight_sync.method=inprocess" in warm_async and "async_training.resume_kv=keep" in warm_async
     assert "weight_sync.method=inprocess" not in calls[0][2]
     assert out["warmup_modes"] == "sync partial_keep" and out["partial/steady_speedup_vs_sync"] == 1.5
+
+
+def test_overrides_reach_every_mode_and_the_record(monkeypatch):
+    """``overrides`` (``--override``) go to every mode, sync included, ahead of the async modes' own; the record
+    names them. ``async_overrides`` stay off the synchronous run."""
+    from benchmarks.async_rl import long_tail
+
+    calls = []
+
+    def fake_run_mode(mode, *, out, extra, **shape):
+        calls.append((mode, extra))
+        return {**_run(100.0 if mode == "sync" else 150.0, 120.0 if mode == "sync" else 180.0), "step_s": 0.1}
+
+    monkeypatch.setattr(long_tail, "run_mode", fake_run_mode)
+    out = long_tail.bench(True, modes=("sync", "partial"), rounds=1, overrides=("policy.train.compile_layers=true",),
+                          async_overrides=("weight_sync.method=inprocess",))
+    assert [mode for mode, _ in calls] == ["sync", "partial"]
+    for mode, extra in calls:
+        assert "policy.train.compile_layers=true" in extra
+        assert ("weight_sync.method=inprocess" in extra) == (mode != "sync")
+    assert out["overrides"] == "policy.train.compile_layers=true"
