@@ -192,12 +192,13 @@ SPREAD_RUNS = 3  # RESULTS.md's spread column: the last this many records of an 
 
 
 def spread(history: list[dict[str, Any]], entry: str, metric: str, runs: int = SPREAD_RUNS,
-           hardware: str | None = None) -> str:
+           hardware: str | None = None, since: str = "") -> str:
     """``lo .. hi (n runs)`` of ``metric`` over the last ``runs`` records of ``entry`` (by date) that hold it,
-    counting only records on ``hardware`` where given (an H100 figure is no re-run of an H200 one)."""
+    counting only records on ``hardware`` where given (an H100 figure is no re-run of an H200 one) and dated
+    ``since`` or later."""
     values = [r["numbers"][metric] for r in sorted(history, key=lambda r: r["date"])
               if r["entry"] == entry and isinstance(r["numbers"].get(metric), (int, float))
-              and hardware in (None, r["hardware"])][-runs:]
+              and hardware in (None, r["hardware"]) and r["date"] >= since][-runs:]
     if not values:
         return ""
     if len(values) == 1:
@@ -225,9 +226,12 @@ def render_results(history: list[dict[str, Any]]) -> str:
     records of the entry."""
     latest: dict[str, dict[str, Any]] = {}
     by_hardware: dict[tuple[str, str], dict[str, Any]] = {}
+    since = {e.name: e.since for e in ENTRIES}
     for rec in history:
         if rec["date"] >= latest.get(rec["entry"], {}).get("date", ""):
             latest[rec["entry"]] = rec
+        if rec["date"] < since.get(rec["entry"], ""):  # what the entry measures changed since (Entry.since)
+            continue
         if rec["date"] >= by_hardware.get((rec["entry"], rec["hardware"]), {}).get("date", ""):
             by_hardware[(rec["entry"], rec["hardware"])] = rec
     lines = [
@@ -253,11 +257,16 @@ def render_results(history: list[dict[str, Any]]) -> str:
             for rec in records:
                 value = rec["numbers"].get(metric)
                 met = entry.met(value, bound)
-                runs = spread(history, entry.name, metric, hardware=rec["hardware"])
+                runs = spread(history, entry.name, metric, hardware=rec["hardware"], since=entry.since)
                 lines.append(_row(goal, f"`{entry.name}`", target, _fmt(value),
                                   "yes" if met else "no" if met is False else "?", runs, rec["date"][:10],
                                   rec["commit"], rec["hardware"] + _gpu_state(rec.get("telemetry")),
                                   f"`{rec['command']}`"))
+    changed = [e for e in ENTRIES if e.since and any(r["entry"] == e.name and r["date"] < e.since for r in history)]
+    if changed:
+        lines += ["", "Only records since what an entry measures last changed count above (older ones stay in the "
+                  "history): " + ", ".join(f"`{e.name}` since {e.since[:16].replace('T', ' ')} UTC" for e in changed)
+                  + "."]
     others = sorted({r["entry"] for r in history} - {e.name for e in ENTRIES if e.goal})
     if others:
         lines += ["", "Measurements without a goal (latest): " + ", ".join(

@@ -40,6 +40,9 @@ class Entry:
     bound: str = ""  # ">= X" or "<= X"
     device: str = "cuda"  # what a full run needs: "cuda" or "cpu"
     more_goals: tuple[tuple[str, str, str], ...] = ()  # further (goal, metric, bound) judged on the same run
+    # ISO date of the last change of what the entry measures (its model, its shape): RESULTS.md judges and spreads
+    # only records from then on (older ones stay in the history); "" = every record
+    since: str = ""
 
     def goals(self) -> list[tuple[str, str, str]]:
         """Every (goal, metric, bound) of this entry: the main one first."""
@@ -133,6 +136,7 @@ ENTRIES: tuple[Entry, ...] = (
                    "partial_thread/speedup_vs_sync", "partial_thread/step_update_actor_s",
                    "partial_keep/steady_speedup_vs_sync", "partial_keep/speedup_vs_sync",
                    "partial/rollouter_prefill_share", "partial_keep/rollouter_prefill_share"),
+          since="2026-12-07T10:00:00Z",  # a Qwen3-0.6B-shaped model from here on (the built-in tiny one before)
           goal="async + partial rollout >= 2.0x synchronous samples/s (one H200, long-tail lengths, steady state; "
                "median of 3 side-by-side pairs since 2026-12-06; a Qwen3-0.6B-shaped model since 2026-12-07)",
           metric="partial/steady_speedup_vs_sync", bound=">= 2.0",

@@ -77,6 +77,22 @@ def test_results_show_the_spread_of_the_last_three_runs():
     assert "| 2 .. 4 (3 runs) |" in rows[1] and "| H |" in rows[1]
 
 
+def test_results_count_only_records_since_the_entry_last_changed():
+    """An entry whose workload changed (``Entry.since``): its older records are neither a row's figure nor part of
+    its spread, and RESULTS.md says so; the history keeps them."""
+    changed = next(e for e in ENTRIES if e.since)
+    old = {"date": "2000-01-01T00:00:00Z", "commit": "old", "hardware": "OLDGPU", "command": "c", "entry": changed.name,
+           "numbers": {changed.metric: 1e9}}
+    new = [{"date": changed.since, "commit": f"n{i}", "hardware": "NEWGPU", "command": "c", "entry": changed.name,
+            "numbers": {changed.metric: 1.0 + i}} for i in range(2)]
+    text = render_results([old, *new])
+    rows = [line for line in text.splitlines() if line.startswith("| ") and f"`{changed.name}`" in line]
+    assert rows and all("OLDGPU" not in r and "| old |" not in r for r in rows)
+    assert "| 1 .. 2 (2 runs) |" in rows[0]  # the old record (1e9) is not in the spread either
+    assert f"`{changed.name}` since {changed.since[:10]}" in text
+    assert "Only records since" not in render_results(new)  # nothing older to leave out: no note
+
+
 def _fake_bench(smoke: bool) -> dict:
     return {"value": 1.0 if smoke else 2.0}
 
