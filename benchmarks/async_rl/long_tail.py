@@ -345,6 +345,9 @@ ROLLOUTER_WORK = ("rollouter_calls_per_step", "rollouter_interrupts_per_step", "
                   "rollouter_shared_prefill_frac", "rollouter_prefill_eager_share", "rollouter_capture_share",
                   "rollouter_prefill_eager_per_step", "rollouter_prefill_packed_per_step",
                   "rollouter_prefill_wait_share")  # run_metrics: the last round's
+# run_mode keys also reported round by round (``{mode}/rounds_{key}``)
+ROUND_DETAIL = ("trainer_wait_s_per_step", "rollouter_tokens_per_s", "rollouter_capture_share",
+                "rollouter_graph_captures", "dropped_stale")
 MEDIANS = {"samples_per_s": "samples_per_s", "steady_samples_per_s": "steady_samples_per_s",
            "samples_per_s_incl_build": "samples_per_s_incl_build", "first_step_s": "first_step_s",
            "time_to_n_steps_s": "wall_s", "build_s": "build_s"}
@@ -360,7 +363,9 @@ def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> 
     * ``dropped_stale``: the sum over the rounds (a drop in any round shows); ``staleness_max`` (the lag the
       bound applies to) and ``staleness_oldest_max`` (a trained sample's oldest token's): the highest of any round;
     * ``{mode}/rounds_steady_samples_per_s`` and ``{mode}/rounds_samples_per_s``: each round's rate in turn (a
-      text), so a record shows whether a mode's rate moved between rounds;
+      text), so a record shows whether a mode's rate moved between rounds; likewise each round's
+      :data:`ROUND_DETAIL` figures and update phase (``rounds_step_update_actor_s``), to tell what a slow round
+      did otherwise;
     * ``{mode}/step_{phase}_s``: the median over the rounds of the seconds per step (steps 2..N) of each phase
       (:func:`step_phases`); for a generating mode, ``{mode}/overlap_bound`` (:func:`overlap_bound`);
     * the rest (reward curve, lengths, the rollouter's start-up and wait figures): the last round's.
@@ -373,6 +378,11 @@ def combine_rounds(per_round: list[dict[str, dict]], modes: tuple[str, ...]) -> 
             out[f"{mode}/{name}"] = round(float(np.median([g[key] for g in runs])), 3)
         for name in ("steady_samples_per_s", "samples_per_s"):
             out[f"{mode}/rounds_{name}"] = " ".join(f"{g[name]:.1f}" for g in runs)
+        for name in ROUND_DETAIL:  # what a slow round did otherwise, where every round has it
+            if all(name in g for g in runs):
+                out[f"{mode}/rounds_{name}"] = " ".join(f"{g[name]:.4g}" for g in runs)
+        if all("update_actor" in g.get("phases", {}) for g in runs):
+            out[f"{mode}/rounds_step_update_actor_s"] = " ".join(f"{g['phases']['update_actor']:.4g}" for g in runs)
         for phase in sorted(set().union(*(g.get("phases", {}) for g in runs))):
             values = [g["phases"][phase] for g in runs if phase in g.get("phases", {})]
             out[f"{mode}/step_{phase}_s"] = round(float(np.median(values)), 4)

@@ -86,6 +86,10 @@ def test_rounds_show_each_rate_and_the_median_phase_times():
     assert out["sync/step_generate_s"] == pytest.approx(0.05)
     assert out["partial/step_wait_s"] == pytest.approx(0.01, abs=1e-4)
     assert "partial/step_generate_s" not in out  # an async trainer does not generate
+    # each round's update phase and the figures every round has, in round order
+    assert out["partial/rounds_step_update_actor_s"] == " ".join(f"{2 * u:.4g}" for u in updates)
+    assert out["partial/rounds_trainer_wait_s_per_step"] == "0.1 0.1 0.1"
+    assert "partial/rounds_rollouter_capture_share" not in out  # no round has it
 
 
 def test_step_phases_from_a_runs_metrics():
