@@ -316,3 +316,24 @@ def test_token_log_probs_and_entropy_match_float64_on_large_logits(temperature):
     assert (ent.double() - (-(ref.exp() * ref).sum(-1))).abs().max() < 1e-4
     with pytest.raises(ValueError, match="temperature=0"):
         token_log_probs(logits, tokens, 0, with_entropy=False)
+
+
+def test_set_training_switches_every_module_and_skips_a_model_already_there(monkeypatch):
+    """``set_training`` puts every module in the mode (dropout included) and does not walk the modules again when
+    the model is already in it."""
+    from torch import nn
+
+    from lumenrl_backends.training.modeling import set_training
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))).eval()
+    set_training(model, True)
+    assert all(m.training for m in model.modules())
+    walks = []
+    monkeypatch.setattr(nn.Module, "train", lambda self, mode=True: walks.append(mode) or self)
+    set_training(model, True)
+    assert walks == []  # already training: no walk
+    monkeypatch.undo()
+    set_training(model, False)
+    assert not any(m.training for m in model.modules())
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), model(x))  # eval: the dropouts are off

@@ -77,6 +77,7 @@ from lumenrl_backends.training.modeling import (
     compile_decoder_layers,
     enable_activation_checkpointing,
     response_logits,
+    set_training,
     token_log_probs,
 )
 from lumenrl_backends.training.nonfinite import NonFiniteGuard
@@ -394,7 +395,7 @@ class FSDP2Backend(SFTSteps, BackendWeights):
 
         A pre-sharded batch (controller dispatch) is this rank's part: computed, not gathered.
         """
-        self.model.eval()
+        set_training(self.model, False)
         presharded = self._presharded(batch)
         inputs, pad = pad_rows(self._inputs(batch), 1 if presharded else self.dp_size)
         total = inputs["input_ids"].shape[0]
@@ -467,7 +468,7 @@ class FSDP2Backend(SFTSteps, BackendWeights):
     ) -> dict[str, float]:
         """ppo_epochs x mini-batches optimizer steps; returns averaged metrics."""
         self._check_trainable()
-        self.model.train()
+        set_training(self.model, True)
         collected: dict[str, list[float]] = defaultdict(list)
         minis, mini_rows = self._mini_batches(batch)
         for _ in range(self.train_cfg.ppo_epochs):

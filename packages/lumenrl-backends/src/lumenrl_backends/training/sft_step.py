@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from lumenrl_backends.training import distributed as dist_utils
 from lumenrl_backends.training.batching import dp_slice_bounds, pad_rows, position_ids_from_mask
+from lumenrl_backends.training.modeling import set_training
 
 __all__ = ["SFTSteps"]
 
@@ -42,7 +43,7 @@ class SFTSteps:
         if lr is not None:
             for group in self._sft_optimizer.param_groups:
                 group["lr"] = lr
-        self.model.train()
+        set_training(self.model, True)
         tensors = {k: batch.batch[k] for k in ("input_ids", "attention_mask", "labels")}
         tensors, pad = pad_rows(tensors, self.dp_size)
         if pad:  # padded copies must not count
