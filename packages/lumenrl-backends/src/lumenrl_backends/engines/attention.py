@@ -63,7 +63,7 @@ ENGINE_ATTENTION = "lumenrl_engine"  # the attention implementation name of an e
 # restores the outer one's state.
 _FORWARDS = threading.RLock()
 _ACTIVE_CACHE: list = [None]  # the engine cache of the forward in progress (FP8 decode reads its scales)
-_OWNER: list = [None]  # the thread running that forward: another thread's attention (a trainer's) is not the engine's
+_OWNER: list = [None]  # the thread running that forward: a call of the routed model from another thread is not its
 
 
 def _original_sdpa():
@@ -99,7 +99,7 @@ def packed_decode_attention(
     programmatic dependent launch (:mod:`~lumenrl_backends.engines.triton_pdl`); ignored elsewhere."""
     fp8_out = kwargs.pop("lumenrl_fp8_out", None)
     pdl = kwargs.pop("lumenrl_pdl", False)
-    if _foreign_thread():  # another thread's forward while an engine's runs: transformers' own
+    if _foreign_thread():  # the routed model driven from another thread while an engine forward runs: transformers' own
         return _original_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     view = getattr(_ACTIVE_CACHE[0], "view", None)
     if view is not None and view.varlen:
