@@ -445,6 +445,33 @@ def test_cuda_triton_decode_attention_matches_reference():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
+def test_cuda_triton_attention_compiles_once_for_every_kv_len():
+    """At a batch whose splits are the whole length (64 rows x 8 KV heads >= 2 x SMs), each engine kv_len (a
+    multiple of 64 columns) used to be a constexpr chunk, so a kernel compiled per length; the chunk is a run-time
+    argument now: lengths after the first add no binary, and each output matches float64."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    from lumenrl_backends.engines import triton_attention
+
+    kernel = triton_attention._split_kernel
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton's JITFunction keeps no device_caches (the count this test reads)")
+    torch.manual_seed(7)
+    device = torch.cuda.current_device()
+    counts = []
+    for length in (128, 192, 320):
+        q, k, v, allowed = (t.cuda() for t in random_decode_inputs(batch=64, heads=32, kv_heads=8, dim=128,
+                                                                   length=length))
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        out = triton_attention.gqa_decode_attention(q.reshape(64, 8, 4, 128), k, v, allowed, 128**-0.5)
+        ref = reference_attention(q, k, v, allowed, 128**-0.5)
+        assert float((out.reshape(64, 1, 32, 128).double() - ref).norm() / ref.norm()) < 1e-2, length
+        counts.append(len(caches[device][0]))
+    assert counts[1] == counts[0] and counts[2] == counts[0], counts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and triton")
 @pytest.mark.parametrize("batch", [5, 64])
 def test_cuda_triton_attention_fp8_codes_match_the_bf16_output(batch):
     os.environ.pop("TRITON_INTERPRET", None)

@@ -195,7 +195,7 @@ if triton is not None:
         Q, K, V, M, PART, LSE, K_SCALE, V_SCALE, LAST, scale,
         s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_vd, s_mb,
         s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, s_last, s_vt,
-        kv_len, s_mq,
+        kv_len, s_mq, chunk,
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_SCALE: tl.constexpr, HAS_LAST: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr, DIRECT: tl.constexpr,
         K_TRANS: tl.constexpr, FP8_DOTS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -204,10 +204,14 @@ if triton is not None:
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b = b.to(tl.int64)  # row offsets: a long cache's b * s_kb passes 2**31 elements (int32 wrapped)
+        # compiled, the chunk is a run-time argument: one binary serves every kv_len (at batch >= 2 x SMs / H_kv a
+        # split is the whole length, so a constexpr chunk compiled a kernel per 64 columns); the interpreter's
+        # loop below needs it constant (CHUNK)
+        span = chunk if RUNTIME_BOUNDS else CHUNK
         if PDL:  # the first tile's K (and V rows) to L2 while the previous kernel finishes (triton_pdl)
-            _prefetch_first_tile(K, b, h, s * CHUNK, kv_len, s_kb, s_kh, s_kl, BLOCK_N, D, LINE)
+            _prefetch_first_tile(K, b, h, s * span, kv_len, s_kb, s_kh, s_kl, BLOCK_N, D, LINE)
             if V_ROWS:
-                _prefetch_first_tile(V, b, h, s * CHUNK, kv_len, s_vb, s_vh, s_vl, BLOCK_N, D, LINE)
+                _prefetch_first_tile(V, b, h, s * span, kv_len, s_vb, s_vh, s_vl, BLOCK_N, D, LINE)
         wait_then_release(PDL)  # the query, the new column and ``LAST`` come from earlier kernels
         offs_g, offs_d, offs_n = tl.arange(0, BLOCK_G), tl.arange(0, D), tl.arange(0, BLOCK_N)
         g_ok = offs_g < G
@@ -224,8 +228,8 @@ if triton is not None:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        start = s * CHUNK
-        end = tl.minimum(start + CHUNK, kv_len)
+        start = s * span
+        end = tl.minimum(start + span, kv_len)
         if HAS_LAST:  # columns after the row's last visible one are never read (the loop stops there)
             end = tl.minimum(end, tl.load(LAST + b * s_last).to(tl.int32) + 1)
         # compiled: the loop ends at ``end``; the interpreter (CPU tests) cannot take run-time bounds,
@@ -393,8 +397,8 @@ def _run(
         key.stride(0), key.stride(1), key.stride(2),
         *v_strides, mask.stride(0),
         *p_strides, *l_strides, 0 if last is None else last.stride(0), value.stride(2) if v_block else 0,
-        kv_len, mask.stride(1) if n_q > 1 else 0,
-        CHUNK=chunk, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
+        kv_len, mask.stride(1) if n_q > 1 else 0, chunk,
+        CHUNK=chunk if _INTERPRETED else 0, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
         HAS_SCALE=has_scale, HAS_LAST=last is not None, RUNTIME_BOUNDS=not _INTERPRETED, DIRECT=direct,
         K_TRANS=bool(cfg["k_trans"]), FP8_DOTS=cfg["fp8_dots"], OUT_FP8=out_fp8,
         FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0,

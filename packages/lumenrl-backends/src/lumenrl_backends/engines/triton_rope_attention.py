@@ -55,7 +55,7 @@ if triton is not None:
     def _rope_attention_kernel(
         QR, KR, VR, Q_W, K_W, COS, SIN, K_CACHE, V_CACHE, COLUMNS, M, PART, LSE, K_SCALE, V_SCALE, scale, eps,
         s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_cos, s_sin, s_col, s_kcb, s_kch, s_kcl, s_vcb, s_vch, s_vcl, s_mb,
-        s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, kv_len,
+        s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls, kv_len, chunk,
         CHUNK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_NORM: tl.constexpr, HAS_SCALE: tl.constexpr, CACHE_MAX: tl.constexpr, RUNTIME_BOUNDS: tl.constexpr,
         DIRECT: tl.constexpr, K_TRANS: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -63,9 +63,10 @@ if triton is not None:
     ):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b = b.to(tl.int64)
+        span = chunk if RUNTIME_BOUNDS else CHUNK  # compiled: one binary for every kv_len (triton_attention)
         if PDL:  # old columns do not depend on the previous kernel (the new one is written below)
-            _prefetch_first_tile(K_CACHE, b, h, s * CHUNK, kv_len, s_kcb, s_kch, s_kcl, BLOCK_N, D, LINE)
-            _prefetch_first_tile(V_CACHE, b, h, s * CHUNK, kv_len, s_vcb, s_vch, s_vcl, BLOCK_N, D, LINE)
+            _prefetch_first_tile(K_CACHE, b, h, s * span, kv_len, s_kcb, s_kch, s_kcl, BLOCK_N, D, LINE)
+            _prefetch_first_tile(V_CACHE, b, h, s * span, kv_len, s_vcb, s_vch, s_vcl, BLOCK_N, D, LINE)
         wait_then_release(PDL)  # raw q/k/v come from the q/k/v GEMM
         column = tl.load(COLUMNS + b * s_col)
         offs_h = tl.arange(0, D // 2)[None, :]
@@ -73,8 +74,8 @@ if triton is not None:
         cos2 = tl.load(COS + b * s_cos + D // 2 + offs_h).to(tl.float32)
         sin1 = tl.load(SIN + b * s_sin + offs_h).to(tl.float32)
         sin2 = tl.load(SIN + b * s_sin + D // 2 + offs_h).to(tl.float32)
-        start = s * CHUNK
-        if (column >= start) & (column < start + CHUNK):  # this split owns the new column: norm, rope, write
+        start = s * span
+        if (column >= start) & (column < start + span):  # this split owns the new column: norm, rope, write
             k_ptrs = KR + b * s_kb + h * s_kh + offs_h
             k1, k2 = _norm_rope(tl.load(k_ptrs), tl.load(k_ptrs + D // 2), K_W, offs_h, cos1, cos2, sin1, sin2, eps,
                                 HAS_NORM, D, EMULATED)
@@ -101,7 +102,7 @@ if triton is not None:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        end = tl.minimum(tl.minimum(start + CHUNK, kv_len), column.to(tl.int32) + 1)
+        end = tl.minimum(tl.minimum(start + span, kv_len), column.to(tl.int32) + 1)
         lo, hi = (start, end) if RUNTIME_BOUNDS else (0, CHUNK)
         allowed = _visible(M, b, s_mb, start, end, offs_n)
         for n0 in range(lo, hi, BLOCK_N):
@@ -160,8 +161,8 @@ def _op_impl(
         v_scale if fp8 else cos, float(scale), float(eps),
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos.stride(0), sin.stride(0), columns.stride(0), *key_cache.stride()[:3], *value_cache.stride()[:3],
-        allowed.stride(0), *p_strides, *l_strides, kv_len,
-        CHUNK=chunk, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
+        allowed.stride(0), *p_strides, *l_strides, kv_len, chunk,
+        CHUNK=chunk if _INTERPRETED else 0, G=groups, BLOCK_G=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_N=block_n,
         HAS_NORM=q_weight is not None, HAS_SCALE=fp8, CACHE_MAX=_fp8_max(key_cache.dtype) if fp8 else 0.0,
         RUNTIME_BOUNDS=not _INTERPRETED, DIRECT=direct, K_TRANS=bool(cfg["k_trans"]), OUT_FP8=out_fp8,
         FP8_MAX=torch.finfo(out_dtype).max if out_fp8 else 0.0, MASK_AHEAD=bool(cfg["mask_ahead"]), PDL=pdl,
