@@ -122,19 +122,19 @@ def engines_with_and_without(tmp: str, family: str, device: str = "cpu", compile
     batch = DataProto.from_dict(tensors={"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
     from lumenrl_backends.engines import triton_rope_attention as tra
 
-    outs, calls, folded, impl = [], [0], 0, tra._OP
+    outs, calls, folded, impl = [], [0], 0, tra._op_impl  # what an eager engine calls (not the registered op)
     for on in (False, True):
         def counted(*args, _on=on):  # noqa: ANN002, ANN202
             calls[0] += _on
             return impl(*args)
 
-        tra._OP = counted
+        tra._op_impl = counted
         try:
             engine = NativeEngine(model, tokenizer, device=device, max_batch_size=8, max_seq_len=40, compile=compile,
                                   kernels=KernelOptions(rope_in_attention=on))
             outs.append(engine.generate(batch, GREEDY).batch)
         finally:
-            tra._OP = impl
+            tra._op_impl = impl
         folded = len(engine.fusion_report.attention_rope_folded) if on else folded
     plain, fold = outs
     return {"same_tokens": bool(torch.equal(plain["responses"], fold["responses"])),

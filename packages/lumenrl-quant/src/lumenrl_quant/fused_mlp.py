@@ -148,7 +148,8 @@ def silu_mul_quantize(
     if backend == "auto":
         backend = "triton" if _silu_triton_ok(g2) else "torch"
     if backend == "triton":
-        codes, scales = _SILU_OP(g2, dtype)
+        op = _SILU_OP if torch.compiler.is_compiling() else _silu_mul_quantize_impl  # eager: no dispatch cost
+        codes, scales = op(g2, dtype)
     else:
         codes, scales = _silu_mul_quantize_torch(g2, dtype)
     return codes.reshape(*lead, inter), scales.reshape(*lead, 1)

@@ -292,8 +292,11 @@ def fp8_rowwise_gemm(
         raise ValueError(f"prefetch={prefetch!r}; allowed: an int >= 0 (bytes of each weight row)")
     if (pdl or cfg["tma"]) and cfg["split_k"] == 1 and _PDL_OP is not None:  # the launch options run in the op
         _launch_checks(a_q, b_q, cfg)
-        c = _PDL_OP(a_q.contiguous(), b_q.contiguous(), sa, sb, out_dtype, cfg["block_m"], cfg["block_n"],
-                    cfg["block_k"], cfg["num_warps"], cfg["num_stages"], prefetch, cfg["tma"], bool(pdl))
+        # eager and under CUDA graph capture, the implementation itself (torch.library's dispatch costs more host
+        # time than the launch); the registered op where torch.compile traces
+        op = _PDL_OP if torch.compiler.is_compiling() else _pdl_op_impl
+        c = op(a_q.contiguous(), b_q.contiguous(), sa, sb, out_dtype, cfg["block_m"], cfg["block_n"],
+               cfg["block_k"], cfg["num_warps"], cfg["num_stages"], prefetch, cfg["tma"], bool(pdl))
         return c if bias is None else c + bias.to(out_dtype)
     c = _launch(a_q, b_q, sa, sb, out_dtype, config)
     if c.dim() == 2:

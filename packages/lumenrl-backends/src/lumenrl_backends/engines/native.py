@@ -94,7 +94,13 @@ from lumenrl_backends.engines import triton_linear
 from lumenrl_backends.engines.attention import ENGINE_ATTENTION, engine_attention, use_engine_attention
 from lumenrl_backends.engines.fusion import fuse_projections as fuse_model_projections
 from lumenrl_backends.engines.fusion import rope_tables, unfuse_projections
-from lumenrl_backends.engines.graphs import DecodeGraphs, graph_blocker, kv_bytes_per_token, slots_for_budget
+from lumenrl_backends.engines.graphs import (
+    DecodeGraphs,
+    engine_ordinal,
+    graph_blocker,
+    kv_bytes_per_token,
+    slots_for_budget,
+)
 from lumenrl_backends.engines.kept_slots import KeptSlots
 from lumenrl_backends.engines.kv_cache import (
     V_TILE,
@@ -268,7 +274,9 @@ class NativeEngine:
             # mask building and state advance: a dozen tiny eager kernels (PDL chain breaks) become one kernel each
             self._masks, self._advance = (torch.compile(fn, options=options) for fn in (decode_masks, advance_slots))
             self._rope = rope_tables(self.model, self.fusion_report, options)  # once per step, not per layer
-        self.graphs = DecodeGraphs(self._decode_step, enabled=cuda_graphs and self.device.type == "cuda")
+        self.ordinal = engine_ordinal()  # 0: the process's first engine (its graphs skip a gc pass: graphs.py)
+        self.graphs = DecodeGraphs(self._decode_step, enabled=cuda_graphs and self.device.type == "cuda",
+                                   collect=self.ordinal > 0)
         blocker = graph_blocker(self.model) if self.graphs.enabled else None
         if blocker:
             self.graphs.enabled = False

@@ -56,7 +56,7 @@ class Prefill:
 
     def __init__(self, engine: Any, *, graphs: bool, pack: str = "off") -> None:
         self.engine = engine
-        self.graphs = DecodeGraphs(self._step, enabled=graphs)
+        self.graphs = DecodeGraphs(self._step, enabled=graphs, collect=getattr(engine, "ordinal", 1) > 0)
         self.buckets = graphs  # bucketed shapes (module doc)
         self._inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.eager = {"calls": 0, "seconds": 0.0}  # prefills at their own shape (host seconds: what they queue)

@@ -504,7 +504,10 @@ def gqa_decode_attention(
     key, value = _kernel_layout(key, value)
     if k_scale is not None:
         k_scale, v_scale = k_scale.reshape(1).float(), v_scale.reshape(1).float()
-    return _OP(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last, bool(pdl))
+    # eager and under CUDA graph capture, the implementation itself: torch.library's dispatch costs more host time
+    # than the launch (the engine's capture passes); the registered op where torch.compile traces
+    op = _OP if torch.compiler.is_compiling() else _op_impl
+    return op(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last, bool(pdl))
 
 
 def gqa_decode_attention_fp8(
@@ -521,7 +524,8 @@ def gqa_decode_attention_fp8(
     if key.dtype not in FP8_DTYPES:
         raise ValueError(f"gqa_decode_attention_fp8 needs an FP8 cache; got key dtype {key.dtype}")
     k_scale, v_scale = k_scale.reshape(1).float(), v_scale.reshape(1).float()
-    return _OP_FP8(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last, out_dtype, bool(pdl))
+    op = _OP_FP8 if torch.compiler.is_compiling() else _op_fp8_impl  # as gqa_decode_attention
+    return op(query.contiguous(), key, value, allowed, float(scale), k_scale, v_scale, last, out_dtype, bool(pdl))
 
 
 def kernel_agrees(device: torch.device, cache_dtype: torch.dtype, dtype: torch.dtype = torch.bfloat16,

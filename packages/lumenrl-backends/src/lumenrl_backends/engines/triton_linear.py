@@ -476,4 +476,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out_shape = (x.shape[0], weight.shape[0] // 2 if swiglu else weight.shape[0])
     if residual is not None and tuple(residual.shape) != out_shape:
         raise ValueError(f"residual shape {tuple(residual.shape)}; allowed: {out_shape}, the output's shape")
-    return _OP(x, weight, bias, swiglu, pdl, prefetch, min_m, max_m, norm_weight, float(eps), residual, bool(tma))
+    # eager and under CUDA graph capture, the implementation itself: torch.library's dispatch costs more host time
+    # than the launch (the engine's capture passes); the registered op where torch.compile traces
+    op = _OP if torch.compiler.is_compiling() else _op_impl
+    return op(x, weight, bias, swiglu, pdl, prefetch, min_m, max_m, norm_weight, float(eps), residual, bool(tma))

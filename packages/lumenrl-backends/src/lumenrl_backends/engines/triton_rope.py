@@ -403,5 +403,6 @@ def decode_qk_rope_kv_write(
         query, key, value, cos, sin, columns = _multi(query, key, value, cos, sin, columns)
     _checked(query, key, value, cos, sin, key_cache, value_cache, columns, q_weight, k_weight, k_scale, v_scale)
     query, key, value, cos, sin = (_rows(t) for t in (query, key, value, cos, sin))
-    return _OP(query, key, value, q_weight, k_weight, float(eps), cos, sin, key_cache, value_cache, columns,
-               k_scale, v_scale, bool(pdl))
+    op = _OP if torch.compiler.is_compiling() else _op_impl  # eager / captured: no dispatch (triton_linear)
+    return op(query, key, value, q_weight, k_weight, float(eps), cos, sin, key_cache, value_cache, columns,
+              k_scale, v_scale, bool(pdl))

@@ -214,8 +214,9 @@ def decode_rope_attention(
         k_scale, v_scale = k_scale.reshape(1).float(), v_scale.reshape(1).float()
     query, key, value, cos, sin = (_rows(t) for t in (query, key, value, cos, sin))
     allowed = allowed if allowed.stride(-1) == 1 else allowed.contiguous()
-    return _OP(query, key, value, q_weight, k_weight, float(eps), cos, sin, key_cache, value_cache, columns, k_scale,
-               v_scale, allowed, int(kv_len), float(scale), out_dtype, bool(pdl))
+    op = _OP if torch.compiler.is_compiling() else _op_impl  # eager / captured: no dispatch (triton_linear)
+    return op(query, key, value, q_weight, k_weight, float(eps), cos, sin, key_cache, value_cache, columns, k_scale,
+              v_scale, allowed, int(kv_len), float(scale), out_dtype, bool(pdl))
 
 
 def fold_for_engine(
