@@ -312,6 +312,36 @@ def test_compiled_layers_have_no_graph_breaks(packing, backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("packing", ["auto", "none"])
+def test_compiled_layers_follow_changing_lengths_without_a_graph_per_length(packing, backend):
+    """RL batches change length every step (responses end where they end). The layers compile static first and,
+    at the first new length, once more with the length symbolic (dynamo's automatic dynamic shapes): after the
+    second length (log-probs without grad, then an update), the next three lengths add no graph. Compiled static
+    per length they added graphs at every step and hit dynamo's recompile limit in a 20-step GPU run (2026-12-07),
+    which left the layers eager."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fast = backend("on", micro=4, compile_layers="eager", packing=packing)
+    graphs = []
+    for step, response in enumerate((3, 5, 6, 8, 11)):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, V, (4, P + response), generator=g)
+        mask = torch.ones(4, response)
+        mask[1, response // 2:] = 0
+        batch = DataProto.from_dict(tensors={
+            "input_ids": ids, "attention_mask": torch.cat([torch.ones(4, P, dtype=torch.long), mask.long()], 1),
+            "responses": ids[:, P:], "response_mask": mask, "advantages": torch.randn(4, response, generator=g)})
+        assert torch.isfinite(fast.compute_log_probs(batch)[0]).all()
+        assert torch.isfinite(torch.tensor(fast.train_step(batch, nll_loss)["actor/loss"]))
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs[0] >= 1 and graphs[1] == graphs[-1], graphs  # compiled graphs after each length
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 def test_one_rank_reduce_scatter_skips_the_gradient_copy_and_equals_torchs(bf16, monkeypatch, backend):
     """The root unit's one-rank reduce-scatter output is its input buffer (fsdp_one_rank.OneRankReduceScatter),

@@ -101,6 +101,10 @@ def compile_decoder_layers(model: nn.Module, backend: bool | str) -> None:
     Identical layers share one compiled graph; the recompile limit is raised so that per-layer
     guards never push a layer back to eager. FSDP2's hooks stay eager (dynamo skips them).
     Under Inductor (``True`` or ``"inductor"``) the layers compile with :func:`layer_inductor_options`.
+    Shapes: static at first, and at the first new length once more with the length symbolic (dynamo's automatic
+    dynamic shapes), so RL batches, whose lengths change every step, reuse that graph; compiled static per length
+    they recompiled at every step until the recompile limit left the layers eager. A run of one shape (the
+    ``train`` benchmark) compiles static only, as before.
     """
     import torch._dynamo
 
@@ -114,7 +118,7 @@ def compile_decoder_layers(model: nn.Module, backend: bool | str) -> None:
     if options:
         kwargs["options"] = options
     for layer in layers:
-        layer.compile(dynamic=False, **kwargs)
+        layer.compile(dynamic=None, **kwargs)  # automatic dynamic (docstring)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
