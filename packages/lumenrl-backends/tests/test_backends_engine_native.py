@@ -526,6 +526,34 @@ def test_from_config(qwen3_dir):
     assert engine.kernels.decode_linear == "off" and engine.kernels.pdl is False  # read, not ignored
 
 
+def test_kv_block_is_read_and_keys_the_decode_lengths(qwen3_dir):
+    """``policy.rollout.kv_block``: decode attends to a multiple of that many columns (one graph per length on
+    CUDA); more masked columns change neither the greedy tokens nor, beyond float32 summation, the log-probs. A bad
+    value is refused naming it."""
+    from lumenrl_core.config.schema import RunConfig
+
+    config = RunConfig()
+    config.policy.model_name = str(qwen3_dir)
+    config.policy.max_prompt_length, config.policy.rollout.max_new_tokens = 40, 8
+    config.policy.rollout.max_batch_size, config.cluster.device = 4, "cpu"
+    exact = NativeEngine.from_config(config)
+    assert exact.kv_block == 1  # CPU default: exact lengths
+    config.policy.rollout.kv_block = 16
+    blocked = NativeEngine.from_config(config)
+    assert blocked.kv_block == 16
+    keys = []
+    step = blocked._decode_step
+    blocked.graphs.step = lambda *key: keys.append(key) or step(*key)
+    params = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+    a, b = (engine.generate(prompt_batch(engine.tokenizer), params) for engine in (exact, blocked))
+    assert keys and all(kv_len % 16 == 0 for _, kv_len, _ in keys), keys  # (bucket, kv_len, mode); 48 columns
+    assert torch.equal(a.batch["responses"], b.batch["responses"])
+    assert torch.allclose(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], atol=1e-5)
+    for bad in (0, -64, 2.5):
+        with pytest.raises(ValueError, match=f"kv_block={bad!r}"):
+            NativeEngine(exact.model, exact.tokenizer, kv_block=bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_bf16_generation_matches_training_forward(qwen3_dir):

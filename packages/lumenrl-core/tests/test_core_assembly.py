@@ -24,7 +24,7 @@ from lumenrl_core.plugins import PluginLoadError, PluginRegistry, PluginSpec
 
 ALL_ENGINE_CAPS = {"fp8_weights", "mx_weights", "fp8_kv_cache", "route_recording", "interrupt_resume",
                    "hidden_state_capture", "logprobs", "router_probs", "cuda_graphs", "compile", "fuse_projections",
-                   "overlap_sync", "share_prefill", "pack_prefill", "gpu_memory_utilization"}
+                   "overlap_sync", "share_prefill", "pack_prefill", "kv_block", "gpu_memory_utilization"}
 
 
 # what a backend declares to read the policy.train keys, critic.enabled and the exact log-probs' trainer side
@@ -657,7 +657,7 @@ def test_choices_a_backend_honours_without_reading_them_are_not_refused(cfg, reg
 
 @pytest.mark.parametrize(("key", "value"), [
     ("cuda_graphs", False), ("compile", "full"), ("fuse_projections", False), ("overlap_sync", False),
-    ("share_prefill", False), ("pack_prefill", "off"), ("gpu_memory_utilization", 0.8),
+    ("share_prefill", False), ("pack_prefill", "off"), ("kv_block", 256), ("gpu_memory_utilization", 0.8),
 ])
 def test_engine_keys_need_an_engine_that_reads_them(cfg, reg, key, value):
     """Engine knobs away from their defaults: an engine that does not declare them (hf here) would ignore them."""

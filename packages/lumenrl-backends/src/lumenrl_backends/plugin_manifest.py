@@ -137,7 +137,7 @@ NATIVE = PluginSpec(f"{_ENGINES}.native:NativeEngine", {
     "router_probs",  # moe.r3.record_router_logits: the routers' probabilities recorded with the routes
     "kept_kv_across_updates",  # async_training.resume_kv=keep: engine.keep_kv_on_update (engines/native.py)
     # policy.rollout.* keys it reads (another engine refuses them away from their defaults)
-    "cuda_graphs", "compile", "fuse_projections", "overlap_sync", "share_prefill", "pack_prefill",
+    "cuda_graphs", "compile", "fuse_projections", "overlap_sync", "share_prefill", "pack_prefill", "kv_block",
     "gpu_memory_utilization",
 })
 HF = PluginSpec(f"{_ENGINES}.hf:HFEngine", {"logprobs", "interrupt_resume", "weight_update", "route_recording"})

@@ -194,6 +194,8 @@ class NativeEngine:
             raise ValueError(f"pack_prefill={pack_prefill!r}; allowed: auto (where the varlen kernel runs), on, off")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len={max_seq_len} must be >= 2 (one prompt token + one new token)")
+        if kv_block is not None and (type(kv_block) is not int or kv_block < 1):
+            raise ValueError(f"kv_block={kv_block!r}; allowed: None (64 on CUDA, exact lengths on the CPU) or an int >= 1")
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.exact, fuse_projections = exact_logprobs, k.fuse_projections and not exact_logprobs  # exact: HF modules
@@ -325,7 +327,7 @@ class NativeEngine:
                                   overlap_sync=rollout.overlap_sync, fuse_fp8_mlp=rollout_quant.fuse_mlp,
                                   decode_linear=rollout.decode_linear, pdl=rollout.pdl),
             exact_logprobs=rollout.exact_logprobs,
-            share_prefill=rollout.share_prefill, pack_prefill=rollout.pack_prefill,
+            share_prefill=rollout.share_prefill, pack_prefill=rollout.pack_prefill, kv_block=rollout.kv_block or None,
             **r3_engine_kwargs(run_config.moe.r3),
         )
         engine.kv_scale_recalibration = rollout_quant.kv_scale_recalibration

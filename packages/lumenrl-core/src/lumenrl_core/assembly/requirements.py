@@ -182,6 +182,7 @@ def required_capabilities(cfg: RunConfig) -> list[Need]:
     for capability, key in (("cuda_graphs", "cuda_graphs"), ("compile", "compile"),
                             ("fuse_projections", "fuse_projections"), ("overlap_sync", "overlap_sync"),
                             ("share_prefill", "share_prefill"), ("pack_prefill", "pack_prefill"),
+                            ("kv_block", "kv_block"),
                             ("gpu_memory_utilization", "gpu_memory_utilization")):
         if getattr(rollout, key) != getattr(defaults, key):
             needs.append(Need("rollout_engine", capability, f"policy.rollout.{key}", getattr(rollout, key)))

@@ -124,6 +124,10 @@ class SamplingConfig:
     # the rows a partial rollout continues after an update); auto = where torch's varlen flash attention runs (CUDA,
     # 16-bit); on = everywhere (a block-diagonal mask elsewhere); off = left-padded rows
     pack_prefill: str = field(default="auto", metadata=choices("auto", "on", "off"))
+    # native engine: decode attends to a multiple of this many cache columns, one CUDA graph per (batch bucket, that
+    # length); 0 = the engine's default (64 on CUDA; exact lengths on the CPU). Larger: fewer graphs to capture in a
+    # run, at no cost in the attention where a split spans the whole length (it stops at each row's own column)
+    kv_block: int = field(default=0, metadata={"ge": 0})
     # native engine, MoE experts on lumenrl-quant's fused Triton kernel (FP8 experts with the fp8_block scheme):
     # auto = on for bf16 experts on CUDA with Triton; on = every recognised experts module on any device
     # (CPU: torch emulation); off = transformers' experts implementation
