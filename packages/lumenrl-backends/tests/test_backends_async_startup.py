@@ -103,3 +103,41 @@ def test_a_rollouter_dying_during_start_up_is_reported_with_its_reason(tmp_path,
         trainer.fit()
     (child,) = spawned
     assert _gone(child)
+
+
+class _EndedRollouterProcess:
+    """A rollouter process that ended with groups it had sent still in its channel (the pump had not moved them)."""
+
+    def __init__(self, groups) -> None:
+        self.in_channel, self.settles = list(groups), 0
+
+    def alive(self) -> bool:
+        return False
+
+    def settle_crash(self, queue) -> None:  # receives what the channel holds, as ProcessRollouter.settle_crash
+        self.settles += 1
+        for group in self.in_channel:
+            queue.put(group)
+        self.in_channel = []
+
+    def exit_info(self) -> str:
+        return "exit 3"
+
+
+def test_groups_an_ended_rollouter_process_sent_are_trained_before_its_end_is_raised():
+    """The child sent three groups and exited before the trainer's pump moved them into the queue (a race a busy
+    machine makes likely): the trainer receives them, trains a step of two, and raises at the next step, whose
+    groups never come; the end is settled once."""
+    from lumenrl_async import SampleQueue
+    from lumenrl_async.queue import SampleGroup
+    from lumenrl_backends.trainers.async_rl import AsyncRLTrainer
+
+    trainer = object.__new__(AsyncRLTrainer)  # only what _take reads
+    trainer.queue, trainer.trainer_wait_s = SampleQueue(), 0.0
+    trainer.groups_per_step, trainer.published, trainer.max_lag, trainer.lag_from = 2, 0, 1, "start"
+    trainer._remote = remote = _EndedRollouterProcess(
+        SampleGroup(uid=f"g{i}", payload=b"", versions=(0, 0)) for i in range(3))
+    assert [g.uid for g in trainer._take()] == ["g0", "g1"] and remote.settles == 1
+    with pytest.raises(RuntimeError, match=r"rollouter stopped \(exit 3\)"):
+        trainer._take()
+    assert remote.settles == 1 and trainer.queue.consumed == 4

@@ -34,6 +34,7 @@ instead of a separate forward pass.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import time
@@ -272,17 +273,31 @@ class AsyncRLTrainer(RLTrainer):
 
     def _take(self) -> list[Any]:
         start = time.perf_counter()
-        groups = self.queue.get(self.groups_per_step, current_version=self.published, max_lag=self.max_lag,
-                                alive=self._alive, lag_from=self.lag_from)
+        take = functools.partial(self.queue.get, self.groups_per_step, current_version=self.published,
+                                 max_lag=self.max_lag, lag_from=self.lag_from)
+        groups = take(alive=self._alive)
+        if groups is None and self._remote is not None and not self._settled and not self._remote.alive():
+            # a rollouter process that ended: the groups it sent before it ended may still be in its channel (the
+            # pump had not moved them yet, likelier on a busy machine); receive them and train on a step's worth
+            # before raising (the next take raises)
+            self._settle_remote()
+            groups = take(alive=lambda: False)
         self.trainer_wait_s += time.perf_counter() - start
         if groups is None:
             self._rollouter_stopped()
         return groups
 
+    _settled = False  # a rollouter process's end was settled (its channel drained into the queue)
+
+    def _settle_remote(self) -> None:
+        if not self._settled:
+            self._remote.settle_crash(self.queue)
+            self._settled = True
+
     def _rollouter_stopped(self) -> None:
         """The rollouter ended on its own: settle the ledger (``rollouter_crash``) and raise."""
         if self._remote is not None:
-            self._remote.settle_crash(self.queue)
+            self._settle_remote()
             info = self._remote.exit_info()
         else:
             info = f"thread error {self._rollouter_error!r}"
