@@ -216,10 +216,12 @@ def test_cuda_graph_decode_equals_eager(qwen3_dir):
     batch = prompt_batch(tokenizer)
     outs = []
     for graphs in (True, False):
-        engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, cuda_graphs=graphs)
+        engine = NativeEngine(model, tokenizer, device="cuda", max_batch_size=8, max_seq_len=64, cuda_graphs=graphs,
+                              kv_block=8)  # several kv_len keys: the later ones recorded first, then replayed
         engine.prefill.buckets = True  # eager too: the graphed prefill's bucketed shapes (the same kernels)
         outs.append(engine.generate(batch, {"temperature": 1.0, "max_new_tokens": 16, "seed": 3}))
         assert not graphs or (engine.graphs.error is None and engine.graphs.graphs)
+        assert not graphs or (engine.graphs.record_error is None and engine.graphs.recorded >= 1), engine.graphs.record_error
         assert not graphs or (engine.prefill.graphs.error is None and engine.prefill.graphs.graphs)
     assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
     assert torch.equal(outs[0].batch["rollout_log_probs"], outs[1].batch["rollout_log_probs"])
@@ -388,6 +390,35 @@ def test_cuda_two_compiled_engines_in_one_process_both_capture(qwen3_dir):
         del engine, out
 
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_later_keys_are_recorded_then_replayed_and_advance_state_once():
+    """After the first key, a key's first call records the step and replays it: the state it advances moves exactly
+    once per call and each call's output is the float64 recurrence's. A key whose recording fails (a per-key lazy
+    host sync) falls back to the eager step and a plain capture; later keys then run eagerly first."""
+    x = torch.randn(64, 64, device="cuda", dtype=torch.float64) / 8
+    state = torch.zeros(64, device="cuda", dtype=torch.float64)
+    out = {k: torch.empty(64, device="cuda", dtype=torch.float64) for k in (1, 2, 3, 4)}
+    synced: set[int] = set()
+
+    def step(k):
+        if k == 3 and k not in synced:  # lazy per-key initialisation that syncs with the host: not recordable
+            float(x.sum())
+            synced.add(k)
+        state.add_(torch.tanh(x[k] * k))  # the state advance a graph must do once per call
+        out[k].copy_(state * k)
+        return (out[k],)
+
+    graphs, ref, xs = DecodeGraphs(step, enabled=True), torch.zeros(64, dtype=torch.float64), x.cpu()
+    for k in (1, 2, 2, 3, 4, 3, 4, 1):
+        got = graphs(k)[0].cpu()
+        ref += torch.tanh(xs[k] * k)
+        assert torch.allclose(got, ref * k, rtol=0, atol=1e-12), (k, (got - ref * k).abs().max())
+    assert graphs.error is None and graphs.captures == 4, graphs.error
+    assert graphs.recorded == 1  # key 2; key 3's recording failed, so 3 and 4 ran eagerly first
+    assert graphs.record_error is not None and set(graphs.graphs) == {(1,), (2,), (3,), (4,)}, graphs.record_error
 
 
 @contextlib.contextmanager

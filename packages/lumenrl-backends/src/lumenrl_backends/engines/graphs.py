@@ -9,6 +9,14 @@ on a side stream (the real step: its result is returned; lazy initialisation suc
 workspaces or ``torch.compile`` happens here, outside capture), then the step is *captured*
 (recorded, not executed), so state advances exactly once per call. Later calls replay.
 
+Once one key went that way (the lazy initialisation is done), a new key is *recorded first and then replayed*: the
+step's Python runs once (the capture pass) instead of twice (eager, then capture), and the replay is the call's real
+step. A recording that fails (an op that initialises lazily per shape with a host sync, say) costs nothing but its
+pass: the key falls back to the eager step and a plain capture, and later keys take that path too
+(:attr:`DecodeGraphs.record_error`). What a step creates lazily inside a recording is created from the graphs' pool
+and filled by the graph's replays, so a step must not create *state* (a buffer whose contents carry over between
+steps) on its first call for a key; state is allocated before the first decode (the engine's slots and KV cache).
+
 All graphs share one memory pool (graphs are replayed one at a time, and each step's outputs
 are copied to the host before the next replay). Weight updates copy into existing storage and
 FP8 KV scales are updated in place, so graphs stay valid across weight syncs. If capture fails
@@ -138,7 +146,9 @@ class DecodeGraphs:
         self._pool: Any = None
         self._stream: Any = None  # the captures' side stream (after the first: lean_capture)
         self.captures = 0  # graphs captured so far
-        self.capture_s = 0.0  # host seconds of their first calls (the eager step and the capture)
+        self.capture_s = 0.0  # host seconds of their first calls (the eager step and the capture, or record + replay)
+        self.recorded = 0  # of those, keys recorded first and replayed (module doc)
+        self.record_error: str | None = None  # why a key's recording failed; later keys run eagerly first
 
     def __call__(self, *key: Hashable) -> tuple[torch.Tensor, ...]:
         if not self.enabled or self.error is not None:
@@ -149,6 +159,13 @@ class DecodeGraphs:
             graph.replay()
             return outputs
         start = time.perf_counter()
+        if self.graphs and self.record_error is None:  # lazy initialisation done: record, then replay (module doc)
+            outputs = self._record(key)
+            if outputs is not None:
+                self.recorded += 1
+                self.captures += 1
+                self.capture_s += time.perf_counter() - start
+                return outputs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -158,6 +175,21 @@ class DecodeGraphs:
         self.captures += 1
         self.capture_s += time.perf_counter() - start
         return result
+
+    def _record(self, key: tuple[Hashable, ...]) -> tuple[torch.Tensor, ...] | None:
+        """Capture ``key``'s step without running it, then replay it once: its outputs; None if the capture failed
+        (nothing ran: the caller runs the step eagerly and captures it the plain way)."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with gc_paused(), lean_capture(graph, self._pool, self._stream):
+                outputs = self.step(*key)
+        except Exception as err:  # noqa: BLE001 - any failure: this key and later ones take the eager-first path
+            self.record_error = f"{type(err).__name__}: {err}{_where(err)}"
+            torch.cuda.synchronize()
+            return None
+        self.graphs[key] = (graph, outputs)
+        graph.replay()
+        return outputs
 
     def _capture(self, key: tuple[Hashable, ...]) -> None:
         if self._pool is None:
