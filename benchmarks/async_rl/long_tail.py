@@ -213,7 +213,7 @@ def step_phases(records: list[dict]) -> dict[str, float]:
 
 STARTUP = ("rollouter_ready_s", "startup_overlap_s", "rollouter_boot_s", "rollouter_first_group_s",
            "rollouter_spawn_lead_s", "rollouter_forked", "rollouter_attach_s", "rollouter_engine_s",
-           "rollouter_graph_captures", "rollouter_graph_capture_s")
+           "rollouter_graph_captures", "rollouter_graph_capture_s", "rollouter_graph_recorded")
 
 
 def run_metrics(records: list[dict]) -> dict[str, float]:

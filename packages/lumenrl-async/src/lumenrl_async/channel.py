@@ -29,7 +29,7 @@ from lumenrl_async.queue import SampleGroup, SampleQueue
 __all__ = ["ProcessChannel", "Outbox", "STAT_KEYS", "deliver", "encode"]
 
 STAT_KEYS = ("idle_s", "busy_s", "partial_rollouts", "interrupts", "refills", "budget_refunds", "samples", "tokens",
-             "round", "graph_captures", "graph_capture_s",  # these two: the producer engine's CUDA graphs (0 without)
+             "round", "graph_captures", "graph_capture_s", "graph_recorded",  # the producer engine's CUDA graphs
              "calls", "prefill_s",  # generate calls, and the engine's prefill seconds within them
              "kept_reclaimed", "kept_across_updates",  # interrupted rows continued in their kept slots (across updates)
              "prefill_rows", "shared_prefill_rows",  # rows admitted by their own prefill / by a copy of another's

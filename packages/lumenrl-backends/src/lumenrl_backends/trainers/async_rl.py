@@ -370,7 +370,7 @@ class AsyncRLTrainer(RLTrainer):
             "perf/rollout_tokens_per_s": stats.get("tokens", 0.0) / max(stats.get("busy_s", 0.0), 1e-9),
             "async/trainer_wait_s": self.trainer_wait_s,
         })
-        for key in ("graph_captures", "graph_capture_s",  # the rollouter engine's CUDA graphs (CUDA engines only)
+        for key in ("graph_captures", "graph_capture_s", "graph_recorded",  # the rollouter engine's CUDA graphs
                     "kept_reclaimed", "kept_across_updates",  # rows continued in their kept slots (native engine)
                     "prefill_rows", "shared_prefill_rows",  # rows admitted by a prefill / by a shared one's copy
                     "prefill_eager", "prefill_eager_s", "prefill_packed",  # prefills at their own shape (no graph)

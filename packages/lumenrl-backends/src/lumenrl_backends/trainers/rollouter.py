@@ -41,7 +41,8 @@ __all__ = ["Rollouter", "RolloutHooks", "as_continuation", "carry_token_columns"
 
 
 def engine_stats(engine: Any) -> dict[str, float]:
-    """The engine's CUDA graph captures so far (decode and prefill) and the host seconds they took, its prefills at
+    """The engine's CUDA graph captures so far (decode and prefill), the host seconds they took and how many of them
+    were recorded, then replayed (``graph_recorded``), its prefills at
     their own shape (``prefill_eager``, and their host seconds; ``prefill_packed`` of them packed), the host's wait for admitted rows' first tokens
     (``prefill_wait_s``), and the interrupted rows it continued
     in their kept slots (``kept_reclaimed``; ``kept_across_updates``: after a weight update, on the old weights'
@@ -52,7 +53,8 @@ def engine_stats(engine: Any) -> dict[str, float]:
     if graphs is not None and hasattr(graphs, "captures"):
         prefill = getattr(engine, "prefill", None)
         own = [graphs, *([prefill.graphs] if hasattr(prefill, "graphs") else [])]  # decode's, and the prefill's
-        out.update(graph_captures=float(sum(g.captures for g in own)), graph_capture_s=float(sum(g.capture_s for g in own)))
+        out.update(graph_captures=float(sum(g.captures for g in own)), graph_capture_s=float(sum(g.capture_s for g in own)),
+                   graph_recorded=float(sum(getattr(g, "recorded", 0) for g in own)))  # of the captures: record + replay
     eager = getattr(getattr(engine, "prefill", None), "eager", None)
     if isinstance(eager, dict):  # prefills at their own shape, not from a graph (engines/prefill.py)
         out.update(prefill_eager=float(eager["calls"]), prefill_eager_s=float(eager["seconds"]))
