@@ -221,7 +221,7 @@ def test_cuda_graph_decode_equals_eager(qwen3_dir):
         engine.prefill.buckets = True  # eager too: the graphed prefill's bucketed shapes (the same kernels)
         outs.append(engine.generate(batch, {"temperature": 1.0, "max_new_tokens": 16, "seed": 3}))
         assert not graphs or (engine.graphs.error is None and engine.graphs.graphs)
-        assert not graphs or (engine.graphs.record_error is None and engine.graphs.recorded >= 1), engine.graphs.record_error
+        assert not graphs or engine.graphs.recorded >= 1  # the later keys: recorded, then replayed
         assert not graphs or (engine.prefill.graphs.error is None and engine.prefill.graphs.graphs)
     assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
     assert torch.equal(outs[0].batch["rollout_log_probs"], outs[1].batch["rollout_log_probs"])
@@ -392,33 +392,51 @@ def test_cuda_two_compiled_engines_in_one_process_both_capture(qwen3_dir):
 
 
 
+_RECORDING = """
+import sys, torch
+from lumenrl_backends.engines.graphs import DecodeGraphs
+torch.manual_seed(0)
+x = torch.randn(64, 64, device="cuda", dtype=torch.float64) / 8
+state = torch.zeros(64, device="cuda", dtype=torch.float64)
+out = {k: torch.empty(64, device="cuda", dtype=torch.float64) for k in (1, 2, 3, 4)}
+synced, sync_key = set(), int(sys.argv[1])
+
+def step(k):
+    if k == sync_key and k not in synced:  # lazy per-key initialisation with a host sync: not recordable
+        float(x.sum())
+        synced.add(k)
+    state.add_(torch.tanh(x[k] * k))  # the state advance a graph must do once per call
+    out[k].copy_(state * k)
+    return (out[k],)
+
+graphs, ref, xs, worst = DecodeGraphs(step, enabled=True), torch.zeros(64, dtype=torch.float64), x.cpu(), 0.0
+for k in (1, 2, 2, 3, 4, 3, 4, 1):
+    got = graphs(k)[0].cpu()
+    ref += torch.tanh(xs[k] * k)
+    worst = max(worst, float((got - ref * k).abs().max()))
+print(worst, graphs.captures, graphs.recorded, graphs.error is not None, sorted(graphs.graphs))
+"""
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_later_keys_are_recorded_then_replayed_and_advance_state_once():
+@pytest.mark.parametrize("sync_key", [0, 3])
+def test_later_keys_are_recorded_then_replayed_and_advance_state_once(sync_key):
     """After the first key, a key's first call records the step and replays it: the state it advances moves exactly
     once per call and each call's output is the float64 recurrence's. A key whose recording fails (a per-key lazy
-    host sync) falls back to the eager step and a plain capture; later keys then run eagerly first."""
-    x = torch.randn(64, 64, device="cuda", dtype=torch.float64) / 8
-    state = torch.zeros(64, device="cuda", dtype=torch.float64)
-    out = {k: torch.empty(64, device="cuda", dtype=torch.float64) for k in (1, 2, 3, 4)}
-    synced: set[int] = set()
+    host sync) runs eagerly, and so does every call after it, with the same values. In a process of its own: a
+    failed capture leaves torch's allocator and CUDA generator in capture state (engines/graphs.py)."""
+    import subprocess
+    import sys
 
-    def step(k):
-        if k == 3 and k not in synced:  # lazy per-key initialisation that syncs with the host: not recordable
-            float(x.sum())
-            synced.add(k)
-        state.add_(torch.tanh(x[k] * k))  # the state advance a graph must do once per call
-        out[k].copy_(state * k)
-        return (out[k],)
-
-    graphs, ref, xs = DecodeGraphs(step, enabled=True), torch.zeros(64, dtype=torch.float64), x.cpu()
-    for k in (1, 2, 2, 3, 4, 3, 4, 1):
-        got = graphs(k)[0].cpu()
-        ref += torch.tanh(xs[k] * k)
-        assert torch.allclose(got, ref * k, rtol=0, atol=1e-12), (k, (got - ref * k).abs().max())
-    assert graphs.error is None and graphs.captures == 4, graphs.error
-    assert graphs.recorded == 1  # key 2; key 3's recording failed, so 3 and 4 ran eagerly first
-    assert graphs.record_error is not None and set(graphs.graphs) == {(1,), (2,), (3,), (4,)}, graphs.record_error
+    run = subprocess.run([sys.executable, "-c", _RECORDING, str(sync_key)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    worst, captures, recorded, failed, keys = run.stdout.strip().splitlines()[-1].split(" ", 4)
+    assert float(worst) <= 1e-12, worst
+    if sync_key == 0:  # every key captured: the first eager-first, the other three recorded
+        assert (int(captures), int(recorded), failed, keys) == (4, 3, "False", "[(1,), (2,), (3,), (4,)]")
+    else:  # key 3's recording failed: keys 1 and 2 were captured, everything after ran eagerly
+        assert (int(captures), int(recorded), failed, keys) == (2, 1, "True", "[(1,), (2,)]")
 
 
 @contextlib.contextmanager

@@ -11,9 +11,12 @@ workspaces or ``torch.compile`` happens here, outside capture), then the step is
 
 Once one key went that way (the lazy initialisation is done), a new key is *recorded first and then replayed*: the
 step's Python runs once (the capture pass) instead of twice (eager, then capture), and the replay is the call's real
-step. A recording that fails (an op that initialises lazily per shape with a host sync, say) costs nothing but its
-pass: the key falls back to the eager step and a plain capture, and later keys take that path too
-(:attr:`DecodeGraphs.record_error`). What a step creates lazily inside a recording is created from the graphs' pool
+step. A recording that fails (an op that initialises lazily per shape with a host sync, say) is a failed capture
+like any other: the step runs eagerly, now and from then on. No second capture is tried: in torch 2.11 a failed
+capture leaves the caching allocator routing the stream's allocations to the graphs' pool ("beginAllocateToPool:
+already recording") and the default CUDA generator registered to it ("Offset increment outside graph capture"),
+seen on an H100. On that card the engine's later keys recorded with no failure, Triton loads of new kernel variants
+included (:attr:`DecodeGraphs.recorded`). What a step creates lazily inside a recording is created from the graphs' pool
 and filled by the graph's replays, so a step must not create *state* (a buffer whose contents carry over between
 steps) on its first call for a key; state is allocated before the first decode (the engine's slots and KV cache).
 
@@ -148,7 +151,6 @@ class DecodeGraphs:
         self.captures = 0  # graphs captured so far
         self.capture_s = 0.0  # host seconds of their first calls (the eager step and the capture, or record + replay)
         self.recorded = 0  # of those, keys recorded first and replayed (module doc)
-        self.record_error: str | None = None  # why a key's recording failed; later keys run eagerly first
 
     def __call__(self, *key: Hashable) -> tuple[torch.Tensor, ...]:
         if not self.enabled or self.error is not None:
@@ -159,13 +161,14 @@ class DecodeGraphs:
             graph.replay()
             return outputs
         start = time.perf_counter()
-        if self.graphs and self.record_error is None:  # lazy initialisation done: record, then replay (module doc)
+        if self.graphs:  # lazy initialisation done: record, then replay (module doc)
             outputs = self._record(key)
-            if outputs is not None:
-                self.recorded += 1
-                self.captures += 1
-                self.capture_s += time.perf_counter() - start
-                return outputs
+            if outputs is None:  # the recording failed: eager from now on
+                return self.step(*key)
+            self.recorded += 1
+            self.captures += 1
+            self.capture_s += time.perf_counter() - start
+            return outputs
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -178,18 +181,22 @@ class DecodeGraphs:
 
     def _record(self, key: tuple[Hashable, ...]) -> tuple[torch.Tensor, ...] | None:
         """Capture ``key``'s step without running it, then replay it once: its outputs; None if the capture failed
-        (nothing ran: the caller runs the step eagerly and captures it the plain way)."""
+        (nothing ran; :attr:`error` is set, module doc)."""
         graph = torch.cuda.CUDAGraph()
         try:
             with gc_paused(), lean_capture(graph, self._pool, self._stream):
                 outputs = self.step(*key)
-        except Exception as err:  # noqa: BLE001 - any failure: this key and later ones take the eager-first path
-            self.record_error = f"{type(err).__name__}: {err}{_where(err)}"
-            torch.cuda.synchronize()
+        except Exception as err:  # noqa: BLE001 - any capture failure falls back to eager decode
+            self._failed(err)
             return None
         self.graphs[key] = (graph, outputs)
         graph.replay()
         return outputs
+
+    def _failed(self, err: Exception) -> None:
+        self.error = f"{type(err).__name__}: {err}{_where(err)}"
+        warnings.warn(f"native engine: CUDA graph capture failed ({self.error}); decoding eagerly", stacklevel=4)
+        torch.cuda.synchronize()
 
     def _capture(self, key: tuple[Hashable, ...]) -> None:
         if self._pool is None:
@@ -206,9 +213,7 @@ class DecodeGraphs:
             with gc_paused(collect=self._collect and not self.graphs), capture:
                 outputs = self.step(*key)
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to eager decode
-            self.error = f"{type(err).__name__}: {err}{_where(err)}"
-            warnings.warn(f"native engine: CUDA graph capture failed ({self.error}); decoding eagerly", stacklevel=3)
-            torch.cuda.synchronize()
+            self._failed(err)
             return
         self.graphs[key] = (graph, outputs)
 
