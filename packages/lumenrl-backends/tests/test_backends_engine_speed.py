@@ -143,6 +143,16 @@ def test_only_engines_after_the_first_collect_before_their_first_capture(loaded)
     assert graphs.engine_ordinal() == ordinal + 1
 
 
+def test_graphs_record_new_keys_unless_a_new_key_can_compile(loaded):
+    """Decode and prefill graphs record their later keys; the decode graphs of a ``compile="full"`` engine do not
+    (a new bucket recompiles the forward: never inside a capture); the speculative rounds' are in test_backends_sddd."""
+    model, tokenizer = loaded
+    plain = NativeEngine(model, tokenizer, device="cpu", max_batch_size=2, max_seq_len=32)
+    compiled = NativeEngine(model, tokenizer, device="cpu", max_batch_size=2, max_seq_len=32, compile="full")
+    assert plain.graphs.record and plain.prefill.graphs.record
+    assert not compiled.graphs.record and compiled.prefill.graphs.record
+
+
 def test_kv_budget_sizing():
     class Cfg:
         num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, hidden_size = 36, 32, 8, 128, 4096

@@ -18,7 +18,10 @@ already recording") and the default CUDA generator registered to it ("Offset inc
 seen on an H100. On that card the engine's later keys recorded with no failure, Triton loads of new kernel variants
 included (:attr:`DecodeGraphs.recorded`). What a step creates lazily inside a recording is created from the graphs' pool
 and filled by the graph's replays, so a step must not create *state* (a buffer whose contents carry over between
-steps) on its first call for a key; state is allocated before the first decode (the engine's slots and KV cache).
+steps) on its first call for a key; state is allocated before the first decode (the engine's slots and KV cache). Graphs whose
+step can compile on a new key (``torch.compile`` recompiling for a new shape) do not record (``record=False``: the
+engine's ``compile="full"`` decode graphs, the speculative rounds with their compiled draft): a compile inside a
+capture was never tried, and a failure there would leave the engine eager.
 
 All graphs share one memory pool (graphs are replayed one at a time, and each step's outputs
 are copied to the host before the next replay). Weight updates copy into existing storage and
@@ -138,10 +141,13 @@ def lean_capture(graph: Any, pool: Any, stream: Any) -> Iterator[None]:
 class DecodeGraphs:
     """Lazily captured CUDA graphs of ``step(*key)``; eager when disabled or after a failed capture."""
 
-    def __init__(self, step: Callable[..., tuple[torch.Tensor, ...]], *, enabled: bool, collect: bool = True) -> None:
+    def __init__(self, step: Callable[..., tuple[torch.Tensor, ...]], *, enabled: bool, collect: bool = True,
+                 record: bool = True) -> None:
         """``collect``: one full collection before the first capture (False: the process's first engine, module
-        doc; :func:`engine_ordinal`)."""
+        doc; :func:`engine_ordinal`). ``record``: a key after the first is recorded, then replayed (module doc); off
+        where a new key can compile (``torch.compile`` recompiling for a new shape: not inside a capture)."""
         self.step = step
+        self.record = record
         self._collect = collect
         self.enabled = enabled
         self.graphs: dict[Hashable, tuple[Any, tuple[torch.Tensor, ...]]] = {}
@@ -161,7 +167,7 @@ class DecodeGraphs:
             graph.replay()
             return outputs
         start = time.perf_counter()
-        if self.graphs:  # lazy initialisation done: record, then replay (module doc)
+        if self.graphs and self.record:  # lazy initialisation done: record, then replay (module doc)
             outputs = self._record(key)
             if outputs is None:  # the recording failed: eager from now on
                 return self.step(*key)
@@ -202,7 +208,7 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        first = self.captures == 0
+        first = not self.graphs  # (a failed capture leaves the graphs eager: no capture follows it)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         # every capture on the one side stream: the pool's blocks are reused by later captures of the same stream

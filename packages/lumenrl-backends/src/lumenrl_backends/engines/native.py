@@ -278,7 +278,7 @@ class NativeEngine:
             self._rope = rope_tables(self.model, self.fusion_report, options)  # once per step, not per layer
         self.ordinal = engine_ordinal()  # 0: the process's first engine (its graphs skip a gc pass: graphs.py)
         self.graphs = DecodeGraphs(self._decode_step, enabled=cuda_graphs and self.device.type == "cuda",
-                                   collect=self.ordinal > 0)
+                                   collect=self.ordinal > 0, record=self.compile_mode != "full")
         blocker = graph_blocker(self.model) if self.graphs.enabled else None
         if blocker:
             self.graphs.enabled = False

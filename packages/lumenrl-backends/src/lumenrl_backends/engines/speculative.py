@@ -206,7 +206,9 @@ class _Rounds:
             "positions": torch.zeros(rows, k + 1, **long),
             "valid": torch.zeros(rows, k + 1, dtype=torch.bool, device=device)}  # + "features" at the first chunk
         self.steps = torch.arange(k + 1, device=device)
-        self.graphs = DecodeGraphs(self._graph_step, enabled=engine.graphs.enabled and engine.graphs.error is None)
+        # no recording: a compiled draft (or verify forward) may compile again for a new key, not inside a capture
+        self.graphs = DecodeGraphs(self._graph_step, enabled=engine.graphs.enabled and engine.graphs.error is None,
+                                   record=False)
         pinned = device.type == "cuda"
         # two host buffers (run-ahead: round r + 1 is queued before round r is read), (rows, 2k + 3) each
         self._host = [torch.empty(rows * (2 * k + 3), dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
