@@ -23,13 +23,20 @@ _OWNED = "_LUMENRL_TEST_CACHE_OWNED"
 
 def _share_cores_among_workers() -> None:
     """pytest-xdist workers split the machine's cores: torch (and subprocesses) get cores // workers
-    threads each, not every core each (oversubscribed OpenMP threads spin against each other)."""
+    threads each, not every core each (oversubscribed OpenMP threads spin against each other), and so does
+    inductor's pool of compile processes (by default one per core in each worker: on a fresh machine, with no
+    compiled kernel cached, one worker's C++ compiles took the other's cores, and a 11 s fixture of
+    test_backends_sddd.py took 288 s of a loaded 2-core machine)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     threads = max(1, (os.cpu_count() or 1) // max(1, workers))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))  # read when inductor's config is imported
     torch = sys.modules.get("torch")  # imported already by a package's conftest.py
     if torch is not None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
 
 def pytest_configure(config: pytest.Config) -> None:
