@@ -11,6 +11,7 @@ Only the standard library and pytest here: every package's isolated env loads th
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -23,20 +24,13 @@ _OWNED = "_LUMENRL_TEST_CACHE_OWNED"
 
 def _share_cores_among_workers() -> None:
     """pytest-xdist workers split the machine's cores: torch (and subprocesses) get cores // workers
-    threads each, not every core each (oversubscribed OpenMP threads spin against each other), and so does
-    inductor's pool of compile processes (by default one per core in each worker: on a fresh machine, with no
-    compiled kernel cached, one worker's C++ compiles took the other's cores, and a 11 s fixture of
-    test_backends_sddd.py took 288 s of a loaded 2-core machine)."""
+    threads each, not every core each (oversubscribed OpenMP threads spin against each other)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     threads = max(1, (os.cpu_count() or 1) // max(1, workers))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))  # read when inductor's config is imported
     torch = sys.modules.get("torch")  # imported already by a package's conftest.py
     if torch is not None:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    config = sys.modules.get("torch._inductor.config")
-    if config is not None:
-        config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -58,7 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # Test files that each keep one worker busy for a minute or more on 2 cores, longest first. pytest-xdist's
 # ``--dist loadfile`` hands files out in collection order; these go first, so the run ends on short files
 # (longest-first scheduling) rather than one worker finishing a long file while the other idles.
-_LONG_FILES = (  # ranked by wall time alone (OMP_NUM_THREADS=1); test_backends_sddd.py: its setup runs far longer in the suite
+_LONG_FILES = (  # ranked by wall time alone (OMP_NUM_THREADS=1)
     "test_benchmarks_smoke.py", "test_backends_sddd.py", "test_backends_ray_trainer.py",
     "test_backends_fsdp2_mesh_dist.py", "test_integration_rl_ranks.py", "test_integration_rl_learning.py",
     "test_integration_async.py", "test_backends_engine_rope.py", "test_quant_triton_interpret.py",
@@ -70,6 +64,17 @@ _LONG_FILES = (  # ranked by wall time alone (OMP_NUM_THREADS=1); test_backends_
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(_LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: every other file keeps its order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection made (every test module and what it imports: torch, transformers, triton, ray, ...) moves to
+    the collector's permanent generation: a full collection then visits only what the tests make. Without it the
+    tests' own allocations (a training loop's autograd graphs) set off full collections over millions of imported
+    objects: test_backends_sddd.py's 8 s fixture took 58 s with the whole suite collected in one process, and
+    288 s and 520 s in two fresh runs on a loaded 2-core machine (2026-12-07). Garbage made by collection is
+    collected first."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
