@@ -70,9 +70,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """What collection made (every test module and what it imports: torch, transformers, triton, ray, ...) moves to
     the collector's permanent generation: a full collection then visits only what the tests make. Without it the
     tests' own allocations (a training loop's autograd graphs) set off full collections over millions of imported
-    objects: test_backends_sddd.py's 8 s fixture took 58 s with the whole suite collected in one process, and
-    288 s and 520 s in two fresh runs on a loaded 2-core machine (2026-12-07). Garbage made by collection is
-    collected first."""
+    objects: test_backends_sddd.py's fixture took 58 s instead of 8 s with the whole suite collected in one process
+    (2026-12-07; decision 0008). Garbage made by collection is collected first."""
     gc.collect()
     gc.freeze()
 
