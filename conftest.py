@@ -66,6 +66,35 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: every other file keeps its order
 
 
+def _pin_torch_threads() -> None:
+    """torch's intra-op threads back to this process's share (``OMP_NUM_THREADS``: a worker's share of the cores, or
+    the caller's value). A test module that calls ``torch.set_num_threads`` at import sets it for every test of the
+    worker, since each worker imports every module while collecting; a test that builds a trainer sets it
+    (``trainer.cpu_threads``) and leaves it. Two workers of two threads each on 2 cores spin in OpenMP barriers
+    against each other: the sddd fixture took 288-520 s instead of 8-26 s in loaded full runs (decision 0008)."""
+    torch, threads = sys.modules.get("torch"), os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+        torch.set_num_threads(int(threads))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture of the test is set up (module- and session-scoped ones included)."""
+    _pin_torch_threads()
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one intra-op thread for a test (``pytestmark = pytest.mark.usefixtures("one_thread")`` for a module):
+    small tensors on a shared CPU run faster than with a thread per core fighting for it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What collection made (every test module and what it imports: torch, transformers, triton, ray, ...) moves to
     the collector's permanent generation: a full collection then visits only what the tests make. Without it the
@@ -74,6 +103,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     (2026-12-07; decision 0008). Garbage made by collection is collected first."""
     gc.collect()
     gc.freeze()
+    _pin_torch_threads()  # what the test modules' imports set
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -15,7 +15,7 @@ from lumenrl_backends.trainers.rollouter import Rollouter, RolloutHooks
 from lumenrl_core.assembly.requirements import moe_layout_supported
 from lumenrl_core.data_proto import DataProto
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small tensors, a shared CPU
 PROMPTS = ["12+34=", "7*8=", "9-3=", "5+5=", "1*1=", "8+0="]
 N = 2
 

@@ -7,6 +7,7 @@ same workers in actors). Per-row seeds make a row sample the same tokens on any 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lumenrl_backends.controllers import LocalController
@@ -17,7 +18,7 @@ from lumenrl_backends.trainers.rollout import collect_rollouts, expand_groups, g
 from lumenrl_backends.workers.rollout import GroupRollout, RankShardedRollout, RolloutWorker
 from lumenrl_core.data_proto import DataProto
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small tensors, a shared CPU
 
 PROMPTS = ["12+34=", "7*8=", "(1+2)*3 =", "9", "abc def", "100-1=", "x", "5+5="]
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 6, "top_p": 1.0, "top_k": -1}

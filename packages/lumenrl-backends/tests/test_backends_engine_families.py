@@ -12,7 +12,7 @@ from lumenrl_backends.engines.hf import HFEngine
 from lumenrl_backends.models import FAMILIES, load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small tensors, a shared CPU
 
 PROMPTS = ["12+34=", "7*8=", "(1+2)*3 = what is it", "9"]
 NEW = 10

@@ -15,7 +15,7 @@ from lumenrl_backends.engines import KernelOptions, NativeEngine, fusion
 from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small tensors, a shared CPU
 
 PROMPTS = ["12+34=", "7*8=", "(1+2)*3 = what is it", "9", "abc", "x+y", "hello there", "42"]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}

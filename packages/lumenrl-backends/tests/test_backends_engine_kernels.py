@@ -15,7 +15,7 @@ import torch
 
 from lumenrl_backends.engines.attention import engine_attention, packed_decode_attention
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small tensors, a shared CPU
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -30,7 +30,7 @@ from lumenrl_backends.engines.speculative import target_forward
 from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_sddd.lossless import divergence_gaps
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small tensors, a shared CPU
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA_TRITON = HAS_TRITON and torch.cuda.is_available()

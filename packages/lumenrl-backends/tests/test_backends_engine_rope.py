@@ -26,7 +26,7 @@ from lumenrl_backends.engines.kv_cache import CacheView, SlotKVCache, value_rows
 from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small tensors, a shared CPU
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA_TRITON = HAS_TRITON and torch.cuda.is_available()

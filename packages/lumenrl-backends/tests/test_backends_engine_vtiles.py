@@ -13,7 +13,7 @@ from lumenrl_backends.engines.kv_cache import V_TILE, CacheView, SlotKVCache, va
 from lumenrl_backends.models import load_model_and_tokenizer
 from lumenrl_core.data_proto import DataProto
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small tensors, a shared CPU
 
 FP8 = torch.float8_e4m3fn
 PROMPTS = ["12+34=", "7*8=", "(1+2)*3 = what is it", "9", "abc"]

@@ -12,7 +12,6 @@ from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, RunConfig, TrainingQuantConfig
 from lumenrl_core.data_proto import DataProto
 
-torch.set_num_threads(2)
 CPU = torch.device("cpu")
 P, T, V = 5, 6, 96
 

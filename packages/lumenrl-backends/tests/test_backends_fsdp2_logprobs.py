@@ -8,8 +8,6 @@ import torch
 from lumenrl_backends.training import logprobs
 from lumenrl_backends.training.logprobs import fused_token_log_probs
 
-torch.set_num_threads(2)
-
 
 def reference(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
     z = logits.double() / temperature

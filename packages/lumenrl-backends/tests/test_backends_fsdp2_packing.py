@@ -12,7 +12,6 @@ from lumenrl_backends.training.packing import PackPlan, TrimPlan, first_fit_decr
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
 from lumenrl_core.data_proto import DataProto
 
-torch.set_num_threads(2)
 CPU = torch.device("cpu")
 P, T, V = 7, 9, 96
 

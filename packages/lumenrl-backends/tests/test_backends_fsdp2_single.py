@@ -18,7 +18,6 @@ from lumenrl_core.config.loader import ConfigError, load_config
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig, TrainingQuantConfig
 from lumenrl_core.data_proto import DataProto
 
-torch.set_num_threads(2)
 CPU = torch.device("cpu")
 P, T, V = 5, 6, 96
 

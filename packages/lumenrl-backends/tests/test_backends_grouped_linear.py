@@ -28,7 +28,6 @@ from lumenrl_backends.training.single_device import SingleDeviceWeights
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
 from lumenrl_core.data_proto import DataProto
 
-torch.set_num_threads(2)
 CPU = torch.device("cpu")
 
 

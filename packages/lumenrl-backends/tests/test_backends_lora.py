@@ -20,7 +20,6 @@ from lumenrl_backends.training.lora import AdapterFreeReference, apply_lora, mer
 from lumenrl_core.config.schema import LoraConfig, OptimConfig, PolicyTrainConfig  # noqa: E402
 from lumenrl_core.data_proto import DataProto  # noqa: E402
 
-torch.set_num_threads(2)
 CPU = torch.device("cpu")
 P, T, V = 5, 6, 96
 

@@ -21,7 +21,7 @@ from lumenrl_backends.models import (
     tiny_config,
 )
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small tensors, a shared CPU
 
 
 def test_char_tokenizer_round_trip_and_specials(tmp_path):

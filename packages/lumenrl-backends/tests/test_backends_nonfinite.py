@@ -19,7 +19,6 @@ from lumenrl_core.config import load_config
 from lumenrl_core.config.schema import OptimConfig, PolicyTrainConfig
 from lumenrl_core.data_proto import DataProto
 
-torch.set_num_threads(2)
 P, T, V = 4, 5, 64
 
 

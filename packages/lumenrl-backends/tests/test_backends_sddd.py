@@ -27,7 +27,7 @@ from lumenrl_sddd.eagle3 import Eagle3Draft
 from lumenrl_sddd.export import load_draft, save_draft
 from lumenrl_sddd.vocab import token_counts
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small tensors, a shared CPU
 K = 5
 
 

@@ -20,7 +20,7 @@ from lumenrl_core.config import config_from_dict
 from lumenrl_sddd import InProcessTransferEngine, MooncakeTransferEngine
 from lumenrl_sddd.export import load_draft
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small tensors, a shared CPU
 
 
 def _config(qwen3_dir, out, **sddd):

@@ -16,7 +16,6 @@ from lumenrl_backends.training.fsdp2 import FSDP2Backend
 from lumenrl_core.config.schema import PolicyTrainConfig
 from lumenrl_quant import QuantizedLinear
 
-torch.set_num_threads(2)
 TOKENIZER = SimpleNamespace(eos_token_id=0, pad_token_id=0)
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from lumenrl_quant.error import sqnr_db
 from lumenrl_quant.training import Fp8TrainingLinear, convert_to_fp8_training
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small GEMMs, a shared CPU
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small GEMMs, a shared CPU
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from lumenrl_quant.triton_training import (
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small GEMMs, a shared CPU
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small GEMMs, a shared CPU
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

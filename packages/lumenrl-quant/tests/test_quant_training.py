@@ -22,7 +22,7 @@ RECIPES = ["tensorwise", "rowwise", "blockwise"]
 FORMATS = ["e4m3", "hybrid"]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: small GEMMs, a shared CPU
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small GEMMs, a shared CPU
 
 
 def reference_and_fp8(recipe: str, fmt: str, seed: int, tokens=(3, 67), k=256, n=384):

@@ -18,7 +18,7 @@ from lumenrl_sddd.mori_engine import MoriTransferEngine
 from lumenrl_sddd.tcp_engine import TCPTransferEngine
 from lumenrl_sddd.vocab import draft_to_target, draft_vocab_maps
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the root conftest.py: small tensors, a shared CPU
 V, H = 40, 32
 
 
