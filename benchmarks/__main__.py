@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--smoke", action="store_true", help="tiny CPU shapes, seconds; not recorded")
     run.add_argument("--only", nargs="+", default=(), metavar="NAME", help="just these entries")
     run.add_argument("--no-record", action="store_true", help="do not append to the history")
+    run.add_argument("--budget-s", type=float, default=None, metavar="S",
+                     help="the seconds this call may take: an entry whose recorded time (median of its last 3 "
+                          "records) does not fit in what is left is skipped, not started and killed")
     sub.add_parser("list", help="list the entries, their suites and goals")
     sub.add_parser("results", help=f"rewrite {RESULTS.name} from {HISTORY.name}")
     mrg = sub.add_parser("merge", help=f"append another machine's history lines to {HISTORY.name}, rewrite {RESULTS.name}")
@@ -44,9 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         print(RESULTS)
         return 0
     smoke = args.smoke or args.suite == "smoke"
+    if args.budget_s is not None and args.budget_s <= 0:
+        ap.error(f"--budget-s {args.budget_s:g}: allowed > 0")
     command = "python -m benchmarks " + shlex.join(sys.argv[1:] if argv is None else argv)
     failed = run_entries(entries(args.suite, tuple(args.only)), smoke=smoke, command=command,
-                         record=not args.no_record)
+                         record=not args.no_record, budget_s=args.budget_s)
     if not smoke and not args.no_record:
         RESULTS.write_text(render_results(read_history()))
     return 1 if failed else 0

@@ -62,8 +62,35 @@ def check_numbers(entry: Entry, numbers: dict[str, Any]) -> list[str]:
     return problems
 
 
-def run_entries(chosen: list[Entry], *, smoke: bool, command: str, record: bool = True) -> int:
+def expected_seconds(entry: Entry, history: list[dict[str, Any]] | None = None) -> float | None:
+    """How long a full run of ``entry`` takes: the median ``seconds`` of its last 3 records on this kind of
+    hardware (a GPU's for a CUDA entry, a CPU's otherwise); None when it has none."""
+    on_gpu = entry.device == "cuda"
+    seconds = [r["seconds"] for r in (read_history() if history is None else history)
+               if r.get("entry") == entry.name and isinstance(r.get("seconds"), (int, float))
+               and (not str(r.get("hardware", "")).startswith("CPU")) == on_gpu][-3:]
+    return sorted(seconds)[len(seconds) // 2] if seconds else None
+
+
+def over_budget(entry: Entry, budget_s: float | None, elapsed_s: float,
+                history: list[dict[str, Any]] | None = None) -> str | None:
+    """Why ``entry`` should not start with ``elapsed_s`` of ``budget_s`` spent (its expected time does not fit
+    in what is left), or None. A machine lent for a fixed time kills an entry that overruns it, and an entry
+    killed midway records nothing: better skipped and said so. An entry with no record starts."""
+    if budget_s is None:
+        return None
+    expected = expected_seconds(entry, history)
+    left = budget_s - elapsed_s
+    if expected is not None and expected > left:
+        return f"skipped: takes about {expected:.0f} s, {max(left, 0):.0f} s of --budget-s {budget_s:g} left"
+    return None
+
+
+def run_entries(chosen: list[Entry], *, smoke: bool, command: str, record: bool = True,
+                budget_s: float | None = None) -> int:
     """Run each entry; print a table; append full runs to the history. Return the number that failed.
+    ``budget_s``: the seconds this call may take; a full run skips an entry that would not fit in what is left
+    (:func:`over_budget`).
 
     A full run runs each entry in a fresh interpreter (:func:`run_isolated`), so its figures do not depend on
     which entries ran before it in the same job: a previous entry's cached GPU memory, worker pools, threads
@@ -72,10 +99,14 @@ def run_entries(chosen: list[Entry], *, smoke: bool, command: str, record: bool 
     Smoke runs stay in this process (seconds each; the tests run them)."""
     import torch
 
-    rows, failed = [], 0
+    rows, failed, start = [], 0, time.perf_counter()
     for entry in chosen:
         if not smoke and entry.device == "cuda" and not torch.cuda.is_available():
             rows.append((entry.name, "skipped (needs CUDA)", ""))
+            continue
+        reason = None if smoke else over_budget(entry, budget_s, time.perf_counter() - start)
+        if reason:
+            rows.append((entry.name, reason, ""))
             continue
         t0 = time.perf_counter()
         telemetry: dict[str, float] = {}

@@ -15,8 +15,9 @@ command runs every entry that way (``benchmarks/tests/test_benchmarks_smoke.py``
   (``">= 1.5"`` or ``"<= 1e-3"``); ``benchmarks/RESULTS.md`` shows its latest figure.
 * ``suites``: the suite names it belongs to; every entry is in ``smoke`` implicitly.
 
-Run: ``python -m benchmarks run SUITE [--smoke] [--only NAME ...]`` (or ``lumenrl bench run SUITE``);
-full runs append to ``benchmarks/history.jsonl``; ``python -m benchmarks results`` rewrites RESULTS.md.
+Run: ``python -m benchmarks run SUITE [--smoke] [--only NAME ...] [--budget-s S]`` (or ``lumenrl bench run SUITE``);
+``--budget-s``: the seconds the call may take, an entry whose recorded time (median of its last 3 records) does not
+fit in what is left is skipped and said so; full runs append to ``benchmarks/history.jsonl``; ``python -m benchmarks results`` rewrites RESULTS.md.
 """
 
 from __future__ import annotations
