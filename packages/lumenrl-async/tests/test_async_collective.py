@@ -160,6 +160,29 @@ def test_a_failed_receiver_is_raised_not_ignored():
         reader.latest_version()
 
 
+def test_close_returns_after_the_readers_stopped_polling_the_writers_store():
+    """The store lives in the writer: a close that returned at once let the writer drop it before a slow reader's
+    next poll, which then failed (a network error, raised by its next ``latest_version()``). The reader here polls
+    every 0.5 s, so without the wait it would still be polling when ``close`` returns."""
+    writer = CollectiveWeightSync(device="cpu")
+    reader = CollectiveReader(writer.reader_handle(), poll_s=0.5).start()
+    writer.wait_for_readers()
+    writer.close()
+    assert reader.closed  # no waiting here: close waited for it
+    writer.store = None  # the store goes; the reader is not polling it any more
+    assert reader.latest_version() is None
+
+
+def test_close_waits_a_bounded_time_for_a_reader_that_never_stops():
+    """A reader that registered and then hung (no receive thread here): close gives up after ``wait_s``."""
+    writer = CollectiveWeightSync(device="cpu")
+    writer.reader_handle()
+    writer.store.set("reader/1", "1")
+    start = time.monotonic()
+    writer.close(wait_s=0.3)
+    assert 0.3 <= time.monotonic() - start < 30  # the upper bound only guards a hang
+
+
 def test_waiting_for_a_reader_that_died_fails_fast():
     """The first poll that finds the reader dead raises (no waiting out ``timeout_s``): counted in
     polls, not wall-clock seconds, so a loaded machine cannot fail it."""

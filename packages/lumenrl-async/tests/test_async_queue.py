@@ -110,6 +110,26 @@ def test_ledger_survives_a_restart_in_flight_samples_dropped_as_restart():
         fresh.get(1, current_version=0)
 
 
+def test_a_delivery_waiting_for_room_ends_when_its_pump_stops():
+    """The consumer stopped taking while the queue is full: the pump's delivery waited for room for ever, so
+    joining the pump hung (seen under load, where a producer can end with its groups still in the pipe). Now the
+    pump's stop event ends the wait and the group is dropped (``shutdown``); the ledger still balances."""
+    from lumenrl_async.channel import encode
+
+    q = SampleQueue(capacity=2)
+    assert q.put(_group("held", 0))  # full
+    stop = threading.Event()
+    worker = threading.Thread(target=deliver, args=(q, encode(_group("late", 0)), 4, bytes), kwargs={"stop": stop})
+    worker.start()
+    worker.join(0.3)
+    assert worker.is_alive()  # waiting for room, as it should while the pump runs
+    stop.set()
+    worker.join(30)  # the bound only guards a hang: the wait re-checks every 0.1 s
+    assert not worker.is_alive()
+    assert q.dropped["shutdown"] == 2 and q.queued == 2 and q.produced == 4
+    q.check()
+
+
 def _producer(channel: ProcessChannel, groups: int, crash_after: int, seed: int) -> None:
     rng = random.Random(seed)
     for i in range(groups):
@@ -143,8 +163,8 @@ def test_accounting_holds_under_random_delays_and_a_producer_crash(groups, crash
         time.sleep(rng.random() * 0.003)
     proc.join()
     done.set()
-    pump.join()
-    channel.drain(q, bytes)
+    pump.join()  # a pump waiting for room in a full queue stops too (its group: dropped, shutdown)
+    channel.drain(q, bytes, closing=True)  # as the trainer's stop: what is left in the pipe is never trained
     lost = channel.settle(q, "rollouter_crash")
     q.drop_queued("shutdown")
     q.check()

@@ -45,9 +45,11 @@ def encode(group: SampleGroup) -> tuple[Any, ...]:
 
 
 def deliver(sample_queue: SampleQueue, msg: tuple[Any, ...], produced: int, decode: Any, *,
-            closing: bool = False) -> None:
+            closing: bool = False, stop: threading.Event | None = None) -> None:
     """Consumer side: one received message into ``sample_queue``; ``produced`` is the producer's
-    count read after receiving it (so it includes it). ``closing``: received, never trained."""
+    count read after receiving it (so it includes it). ``closing``: received, never trained. While the queue is
+    full, waits for room until the queue closes or ``stop`` is set (the pump stopping: a consumer that no longer
+    takes would otherwise leave it waiting for ever); then the group is dropped (``shutdown``)."""
     kind, uid, versions, newest, meta, payload = msg
     sample_queue.note_produced(produced - sample_queue.produced)
     group = SampleGroup(uid=uid, payload=decode(payload), versions=tuple(versions), newest_version=newest, meta=meta)
@@ -55,7 +57,7 @@ def deliver(sample_queue: SampleQueue, msg: tuple[Any, ...], produced: int, deco
         sample_queue.drop(group.size, "shutdown", counted=True)
         return
     while not sample_queue.put(group, counted=True, timeout=0.1):
-        if sample_queue.closed:
+        if sample_queue.closed or (stop is not None and stop.is_set()):
             sample_queue.drop(group.size, "shutdown", counted=True)
             return
 
@@ -136,7 +138,8 @@ class ProcessChannel:
     def read_stats(self) -> dict[str, float]:
         return {key: float(self.stats[i]) for i, key in enumerate(STAT_KEYS)}
 
-    def _receive(self, sample_queue: SampleQueue, decode: Any, timeout: float, closing: bool = False) -> bool:
+    def _receive(self, sample_queue: SampleQueue, decode: Any, timeout: float, closing: bool = False,
+                 stop: threading.Event | None = None) -> bool:
         if self.eof:
             return False
         try:
@@ -146,7 +149,7 @@ class ProcessChannel:
         except (EOFError, OSError):  # the producer exited (a torn last message is discarded)
             self.eof = True
             return False
-        deliver(sample_queue, msg, int(self.produced.value), decode, closing=closing)  # read after receiving
+        deliver(sample_queue, msg, int(self.produced.value), decode, closing=closing, stop=stop)  # read after receiving
         return True
 
     def pump(self, sample_queue: SampleQueue, decode: Any, done: threading.Event) -> threading.Thread:
@@ -154,7 +157,7 @@ class ProcessChannel:
 
         def loop() -> None:
             while not done.is_set():
-                self._receive(sample_queue, decode, 0.02)
+                self._receive(sample_queue, decode, 0.02, stop=done)
                 taken, stale = sample_queue.ledger()
                 with self.consumer_ledger.get_lock():
                     self.consumer_ledger[0], self.consumer_ledger[1] = taken, stale

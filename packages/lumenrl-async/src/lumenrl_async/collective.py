@@ -22,7 +22,10 @@ without hitting the group's timeout. Then, all broadcasts rooted at member 0:
   uint8 tensor holding every tensor's raw bytes at a 16-byte aligned offset);
 * ``(COMMIT, version, tensors, 0)`` ends the version.
 
-:meth:`CollectiveWeightSync.close` announces ``close`` instead. Tensors are packed in publish
+:meth:`CollectiveWeightSync.close` announces ``close`` instead, then waits (at most ``close_wait_s``) until every
+reader's receive thread has ended (``done/<member>``, set on its way out), since the store lives in the writer:
+dropped before a reader's next poll, that poll fails with a network error (a C++ warning with its stack, and a
+reader that raises on its next ``latest_version()``; seen under load, where the polling thread runs late). Tensors are packed in publish
 order until the next one would pass ``bucket_bytes`` (``weight_sync.bucket_size_mb``); a tensor
 larger than that travels alone, so peak extra memory on either side is ``max(bucket, largest
 tensor)`` on the device. Bytes are copied, never converted: what a reader holds equals what the
@@ -44,6 +47,7 @@ A failure in the thread (the writer died mid-transfer, a timeout) is raised by t
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 import time
@@ -63,6 +67,7 @@ _ALIGN = 16
 _ANNOUNCE = "publish/{}"
 _READY = "reader/{}"
 _CLOSE = "close"
+_DONE = "done/{}"  # a reader's receive thread ended (set on its way out): the writer's store may go
 
 
 class WeightReceiveError(RuntimeError):
@@ -225,11 +230,17 @@ class CollectiveWeightSync:
     def latest_version(self) -> int | None:
         return self._version
 
-    def close(self, *, notify: bool = True) -> None:
-        """Tell the readers to stop (``notify``: only while they are alive) and drop the group."""
+    def close(self, *, notify: bool = True, wait_s: float = 10.0) -> None:
+        """Tell the readers to stop (``notify``: only while they are alive), wait until their receive threads
+        ended (at most ``wait_s``, ``timeout_s`` if smaller: the store they poll lives here; module doc) and drop
+        the group."""
         if self.store is not None and notify:
             self._publishes += 1
             self.store.set(_ANNOUNCE.format(self._publishes), _CLOSE)
+            keys = [_DONE.format(m) for m in range(1, self.readers + 1)]
+            deadline = time.monotonic() + min(wait_s, self.timeout_s)
+            while not self.store.check(keys) and time.monotonic() < deadline:
+                time.sleep(0.005)
         self.group, self._buffer = None, None
 
 
@@ -276,6 +287,8 @@ class CollectiveReader:
             self._error = exc
         finally:
             self._finished.set()
+            with contextlib.suppress(Exception):  # the writer's close waits for this (module doc); gone: nothing
+                store.set(_DONE.format(self.member), "1")
 
     def _loop(self, store: Any) -> None:
         h = self.handle

@@ -115,8 +115,10 @@ class RayRollouter:
         self._pump = threading.Thread(target=self._pump_loop, args=(sample_queue,), daemon=True, name="async-pump")
         self._pump.start()
 
-    def _poll(self, sample_queue: SampleQueue, *, closing: bool = False, wait_s: float = 0.05) -> bool:
-        """One poll into ``sample_queue``; False once the actor is gone or its rollout thread ended."""
+    def _poll(self, sample_queue: SampleQueue, *, closing: bool = False, wait_s: float = 0.05,
+              stop: threading.Event | None = None) -> bool:
+        """One poll into ``sample_queue``; False once the actor is gone or its rollout thread ended. ``stop``: the
+        pump's event, which ends a wait for room in a full queue (lumenrl_async.channel.deliver)."""
         from lumenrl_backends.controllers.ray import WorkerDiedError
 
         try:
@@ -126,12 +128,12 @@ class RayRollouter:
             return False
         self._produced, self._stats = int(reply["produced"]), reply["stats"]
         for msg in reply["messages"]:
-            deliver(sample_queue, msg, self._produced, DataProto.from_bytes, closing=closing)
+            deliver(sample_queue, msg, self._produced, DataProto.from_bytes, closing=closing, stop=stop)
         self._running, self._error = reply["running"], reply["error"]
         return bool(reply["messages"]) or self._running
 
     def _pump_loop(self, sample_queue: SampleQueue) -> None:
-        while not self._done.is_set() and self._poll(sample_queue):
+        while not self._done.is_set() and self._poll(sample_queue, stop=self._done):
             pass
 
     def _stop_pump(self) -> None:
