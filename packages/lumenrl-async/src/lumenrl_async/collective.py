@@ -22,11 +22,11 @@ without hitting the group's timeout. Then, all broadcasts rooted at member 0:
   uint8 tensor holding every tensor's raw bytes at a 16-byte aligned offset);
 * ``(COMMIT, version, tensors, 0)`` ends the version.
 
-:meth:`CollectiveWeightSync.close` announces ``close`` instead, then waits (at most ``close_wait_s``) until every
+:meth:`CollectiveWeightSync.close` announces ``close`` instead, then waits (at most its ``wait_s``) until every
 reader's receive thread has ended (``done/<member>``, set on its way out), since the store lives in the writer:
 dropped before a reader's next poll, that poll fails with a network error (a C++ warning with its stack, and a
-reader that raises on its next ``latest_version()``; seen under load, where the polling thread runs late). Tensors are packed in publish
-order until the next one would pass ``bucket_bytes`` (``weight_sync.bucket_size_mb``); a tensor
+reader that raises on its next ``latest_version()``; seen under load, where the polling thread runs late).
+Tensors are packed in publish order until the next one would pass ``bucket_bytes`` (``weight_sync.bucket_size_mb``); a tensor
 larger than that travels alone, so peak extra memory on either side is ``max(bucket, largest
 tensor)`` on the device. Bytes are copied, never converted: what a reader holds equals what the
 writer was given bit for bit, any dtype (the trainer casts to the engine dtype before it
